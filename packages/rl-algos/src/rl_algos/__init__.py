@@ -1,0 +1,79 @@
+"""rl_algos: advantage estimators and losses for RL post-training of language models.
+
+Pure functions over torch tensors; torch and the standard library are the only imports.
+Shapes follow one convention: `[batch, seq]` for per-token tensors (response tokens, with an
+`action_mask` that is 1 on tokens the policy chose) and `[batch]` for per-sequence ones.
+
+    from rl_algos import ADVANTAGE_ESTIMATORS, POLICY_LOSSES, aggregate_loss
+
+    advantages, returns = compute_advantages("grpo", rewards=r, group_ids=g, action_mask=m)
+    per_token, metrics = POLICY_LOSSES["ppo"](logprobs, old_logprobs, advantages, m)
+    loss = aggregate_loss(per_token, m, "token-mean", normalizer=global_token_count)
+"""
+
+from .__about__ import __version__
+from .aggregation import AGGREGATION_MODES, aggregate_loss, loss_normalizer
+from .corrections import CORRECTION_LEVELS, CORRECTION_METHODS, mismatch_metrics, rollout_correction
+from .estimators import ADVANTAGE_ESTIMATORS, compute_advantages
+from .group import CENTRES, GROUP_NORM_PRESETS, SCALES, group_normalize
+from .kl import KL_ESTIMATORS, AdaptiveKLController, FixedKLController, kl_penalty
+from .logprobs import entropy_from_logits, logprobs_from_logits
+from .masked import last_action_index, masked_mean, masked_mean_var, masked_sum, masked_whiten
+from .policy_losses import POLICY_LOSSES, value_loss
+from .preference import dpo_loss, kto_loss, reward_model_loss
+from .registry import Registry, UnknownNameError
+from .returns import compute_discounted_returns, compute_gae, discounted_reverse_cumsum
+from .rewards import (
+    clip_rewards,
+    dynamic_filter_mask,
+    overlong_penalty,
+    stop_properly_penalty,
+    token_level_rewards,
+)
+from .supervised import distillation_loss, prm_loss, sft_loss
+
+__all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "AGGREGATION_MODES",
+    "CENTRES",
+    "CORRECTION_LEVELS",
+    "CORRECTION_METHODS",
+    "GROUP_NORM_PRESETS",
+    "KL_ESTIMATORS",
+    "POLICY_LOSSES",
+    "SCALES",
+    "AdaptiveKLController",
+    "FixedKLController",
+    "Registry",
+    "UnknownNameError",
+    "__version__",
+    "aggregate_loss",
+    "clip_rewards",
+    "compute_advantages",
+    "compute_discounted_returns",
+    "compute_gae",
+    "discounted_reverse_cumsum",
+    "distillation_loss",
+    "dpo_loss",
+    "dynamic_filter_mask",
+    "entropy_from_logits",
+    "group_normalize",
+    "kl_penalty",
+    "kto_loss",
+    "last_action_index",
+    "logprobs_from_logits",
+    "loss_normalizer",
+    "masked_mean",
+    "masked_mean_var",
+    "masked_sum",
+    "masked_whiten",
+    "mismatch_metrics",
+    "overlong_penalty",
+    "prm_loss",
+    "reward_model_loss",
+    "rollout_correction",
+    "sft_loss",
+    "stop_properly_penalty",
+    "token_level_rewards",
+    "value_loss",
+]

@@ -1,0 +1,352 @@
+"""Advantage estimators, found by name in `ADVANTAGE_ESTIMATORS`.
+
+Every estimator returns `(advantages, returns)`, both `[batch, seq]` float32, zero where
+`action_mask` is 0. Each declares, as keyword arguments, only the inputs it needs, drawn from:
+
+  token_rewards     `[batch, seq]` per-token rewards (see `rl_algos.token_level_rewards`)
+  rewards           `[batch]` scalar outcome rewards
+  values            `[batch, seq]` critic values V(s_t)
+  action_mask       `[batch, seq]` 1 on tokens the policy chose
+  group_ids         `[batch]` integer prompt group of each sample
+  baseline_rewards  `[batch]` reward of a baseline response (ReMax: the greedy response)
+  all_reduce        in-place sum over data-parallel ranks, for global whitening
+
+`compute_advantages(name, **inputs)` passes each estimator the inputs it declares and checks
+the rest, so a loop can hand every estimator the same batch. Add your own with
+`ADVANTAGE_ESTIMATORS.register("name")`; its keyword arguments follow the same names.
+
+Outcome estimators broadcast one scalar advantage A_i over every action token of sample i:
+A[i, t] = A_i·m[i, t]; their returns equal their advantages (there is no critic to fit).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from ._checks import check_floating, check_ndim, check_positive, check_same_shape, check_shape, mask_as
+from .group import GROUP_NORM_PRESETS, GroupStats, group_normalize, group_stats
+from .masked import AllReduce, last_action_index, masked_whiten
+from .registry import Registry
+from .returns import compute_discounted_returns, compute_gae
+
+__all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "BATCH_FIELDS",
+    "compute_advantages",
+    "dr_grpo",
+    "gae",
+    "gpg",
+    "grpo",
+    "grpo_passk",
+    "opo",
+    "reinforce",
+    "reinforce_baseline",
+    "remax",
+    "rloo",
+]
+
+ADVANTAGE_ESTIMATORS = Registry("advantage estimator")
+
+BATCH_FIELDS = (
+    "token_rewards",
+    "rewards",
+    "values",
+    "action_mask",
+    "group_ids",
+    "baseline_rewards",
+    "all_reduce",
+)
+"""Inputs `compute_advantages` hands to an estimator only if the estimator declares them."""
+
+
+def compute_advantages(estimator: str, **inputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the estimator registered as `estimator` on a batch.
+
+    `inputs` may hold any of `BATCH_FIELDS` (an estimator receives those it declares; the others
+    are ignored, so one call site serves every estimator) and options (gamma, lam, epsilon, ...),
+    which must be accepted by the chosen estimator.
+
+    Returns:
+      (advantages, returns), both `[batch, seq]`.
+    """
+    fn = ADVANTAGE_ESTIMATORS[estimator]
+    params = inspect.signature(fn).parameters
+    accepts_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    call = {}
+    for key, value in inputs.items():
+        if key in params or accepts_any:
+            call[key] = value
+        elif key not in BATCH_FIELDS:
+            options = sorted(k for k in params if k not in BATCH_FIELDS)
+            raise TypeError(
+                f"advantage estimator {estimator!r} has no option {key!r}; its options are {options}"
+            )
+    missing = [
+        name
+        for name, p in params.items()
+        if p.default is inspect.Parameter.empty
+        and p.kind is p.KEYWORD_ONLY
+        and (name not in call or call[name] is None)
+    ]
+    if missing:
+        raise ValueError(f"advantage estimator {estimator!r} needs {missing}, which were not given")
+    return fn(**call)
+
+
+# ----------------------------------------------------------------------------- critic / returns
+
+
+@ADVANTAGE_ESTIMATORS.register("gae")
+def gae(
+    *,
+    token_rewards: torch.Tensor,
+    values: torch.Tensor,
+    action_mask: torch.Tensor,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO with a critic: generalised advantage estimation (Schulman et al., 2016).
+
+    δ_t = r_t + γ·V_{t+1} − V_t,  A_t = δ_t + γλ·A_{t+1},  returns = A + V,
+    where t + 1 is the next action token (environment tokens are skipped). OpenRLHF's defaults
+    are γ = λ = 1. Advantages are not whitened here; whiten with `masked_whiten` if wanted.
+    """
+    return compute_gae(token_rewards, values, action_mask, gamma=gamma, lam=lam)
+
+
+@ADVANTAGE_ESTIMATORS.register("reinforce")
+def reinforce(
+    *,
+    token_rewards: torch.Tensor,
+    action_mask: torch.Tensor,
+    gamma: float = 1.0,
+    whiten: bool = True,
+    unbiased: bool = False,
+    epsilon: float = 1e-8,
+    all_reduce: AllReduce | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++ (Hu et al., 2025): discounted return, then global whitening.
+
+    G_t = r_t + γ·G_{t+1} over action tokens;  A = (G − μ)·rsqrt(max(σ², ε)) with μ, σ² over
+    every action token of the batch (of every rank, with `all_reduce`). OpenRLHF uses the
+    population variance (`unbiased=False`); verl the unbiased one.
+
+    Returns (A, G).
+    """
+    returns = compute_discounted_returns(token_rewards, action_mask, gamma=gamma)
+    advantages = returns
+    if whiten:
+        advantages = masked_whiten(
+            returns.float(), action_mask, unbiased=unbiased, epsilon=epsilon, all_reduce=all_reduce
+        )
+    return advantages.float(), returns.float()
+
+
+@ADVANTAGE_ESTIMATORS.register("reinforce_baseline")
+def reinforce_baseline(
+    *,
+    token_rewards: torch.Tensor,
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    action_mask: torch.Tensor,
+    gamma: float = 1.0,
+    whiten: bool = True,
+    unbiased: bool = False,
+    epsilon: float = 1e-8,
+    all_reduce: AllReduce | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++-baseline: subtract the group mean reward, then REINFORCE++.
+
+    `token_rewards` must carry `rewards` on each sample's last action token (as built by
+    `token_level_rewards`); the group mean of `rewards` is subtracted there, which equals
+    centring r before building the token rewards. Then discounted returns and global whitening.
+    """
+    check_ndim("token_rewards", token_rewards, 2, "[batch, seq]")
+    check_shape("rewards", rewards, token_rewards.shape[:1], "[batch]")
+    baseline = group_stats(rewards, group_ids).mean
+    mask = mask_as("action_mask", action_mask, token_rewards, "token_rewards")
+    last = last_action_index(mask, "action_mask")
+    centred = token_rewards.float().clone()
+    rows = torch.arange(centred.shape[0], device=centred.device)
+    centred[rows, last] -= baseline.to(centred.dtype)
+    return reinforce(
+        token_rewards=centred,
+        action_mask=action_mask,
+        gamma=gamma,
+        whiten=whiten,
+        unbiased=unbiased,
+        epsilon=epsilon,
+        all_reduce=all_reduce,
+    )
+
+
+# ------------------------------------------------------------------------- group-relative (outcome)
+
+
+@ADVANTAGE_ESTIMATORS.register("grpo", aliases=("group_norm",))
+def grpo(
+    *,
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    action_mask: torch.Tensor,
+    preset: str | None = None,
+    centre: str = "group",
+    scale: str = "group_std",
+    unbiased: bool = True,
+    epsilon: float = 1e-6,
+    singleton: str = "zero",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GRPO (Shao et al., 2024): A_i = (r_i − mean_g)/(std_g + ε), broadcast over tokens.
+
+    `preset` ("verl", "trl", "openrlhf", "nemo_rl"; see `GROUP_NORM_PRESETS`) replaces the
+    knobs with that framework's convention; otherwise they go to `group_normalize`. Defaults are
+    verl's ε = 1e-6 and unbiased std, with a group of one giving 0.
+    """
+    if preset is not None:
+        if preset not in GROUP_NORM_PRESETS:
+            raise ValueError(f"preset must be one of {sorted(GROUP_NORM_PRESETS)}, got {preset!r}")
+        knobs = GROUP_NORM_PRESETS[preset]
+    else:
+        knobs = {
+            "centre": centre,
+            "scale": scale,
+            "unbiased": unbiased,
+            "epsilon": epsilon,
+            "singleton": singleton,
+        }
+    scalar = group_normalize(rewards, group_ids, **knobs)
+    return _broadcast(scalar, action_mask)
+
+
+@ADVANTAGE_ESTIMATORS.register("dr_grpo")
+def dr_grpo(
+    *, rewards: torch.Tensor, group_ids: torch.Tensor, action_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dr.GRPO (Liu et al., 2025): A_i = r_i − mean_g, no std division.
+
+    Pair it with the `seq-mean-token-sum-norm` aggregation (a constant divisor), as in the paper.
+    """
+    return _broadcast(group_normalize(rewards, group_ids, centre="group", scale="none"), action_mask)
+
+
+@ADVANTAGE_ESTIMATORS.register("rloo")
+def rloo(
+    *, rewards: torch.Tensor, group_ids: torch.Tensor, action_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RLOO (Ahmadian et al., 2024): A_i = r_i − mean_{j≠i} r_j = K/(K−1)·(r_i − mean_g)."""
+    return _broadcast(group_normalize(rewards, group_ids, centre="leave_one_out", scale="none"), action_mask)
+
+
+@ADVANTAGE_ESTIMATORS.register("opo")
+def opo(
+    *, rewards: torch.Tensor, group_ids: torch.Tensor, action_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """OPO (Hao et al., 2025): length-weighted baseline b_g = Σ_i L_i r_i / Σ_i L_i; A_i = r_i − b_g.
+
+    L_i is the number of action tokens of sample i. With r = [1, 0, 0.5, 0] and
+    L = [2, 4, 3, 1]: b = 0.35, A = [0.65, −0.35, 0.15, −0.35].
+    """
+    stats = group_stats(rewards, group_ids)
+    mask = _check_mask_rows(action_mask, rewards)
+    lengths = mask.sum(-1).to(torch.float64)
+    r = rewards.to(torch.float64)
+    weighted = torch.zeros(stats.num_groups, dtype=torch.float64, device=r.device)
+    weighted.index_add_(0, stats.inverse, lengths * r)
+    total = torch.zeros_like(weighted).index_add_(0, stats.inverse, lengths)
+    baseline = weighted / total.clamp(min=1)
+    return _broadcast((r - baseline[stats.inverse]).float(), action_mask)
+
+
+@ADVANTAGE_ESTIMATORS.register("gpg")
+def gpg(
+    *, rewards: torch.Tensor, group_ids: torch.Tensor, action_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPG (Chu et al., 2025): A_i = α·(r_i − mean_g), α = B / max(1, #{i : r_i ≠ 0}).
+
+    α rescales the batch so that samples with a zero reward do not dilute the gradient. Pair it
+    with the `reinforce` policy loss (no ratio), as in the paper.
+    """
+    centred = group_normalize(rewards, group_ids, centre="group", scale="none")
+    nonzero = torch.count_nonzero(rewards).clamp(min=1)
+    alpha = rewards.shape[0] / nonzero.to(centred.dtype)
+    return _broadcast(alpha * centred, action_mask)
+
+
+@ADVANTAGE_ESTIMATORS.register("remax")
+def remax(
+    *, rewards: torch.Tensor, baseline_rewards: torch.Tensor, action_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """ReMax (Li et al., 2024): A_i = r_i − r(greedy response to i's prompt).
+
+    `baseline_rewards[i]` is the reward of the greedy response to sample i's prompt.
+    """
+    _check_rewards_like("rewards", rewards)
+    _check_rewards_like("baseline_rewards", baseline_rewards)
+    check_same_shape("baseline_rewards", baseline_rewards, "rewards", rewards)
+    return _broadcast((rewards.double() - baseline_rewards.double()).float(), action_mask)
+
+
+@ADVANTAGE_ESTIMATORS.register("grpo_passk")
+def grpo_passk(
+    *,
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    action_mask: torch.Tensor,
+    normalize_by_std: bool = False,
+    epsilon: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GRPO for pass@k (Chen et al., 2025): only the best sample of a group is credited.
+
+    The best member (the first one on ties) gets r_max − r_second; every other member gets 0,
+    as does a group of one. With `normalize_by_std` the credit is divided by (std_g + ε).
+    """
+    check_positive("epsilon", epsilon)
+    stats = group_stats(rewards, group_ids)
+    r = rewards.to(torch.float64)
+    advantages = _best_minus_second(r, stats)
+    if normalize_by_std:
+        spread = stats.std(unbiased=True)
+        advantages = torch.where(spread > 0, advantages / (spread + epsilon), advantages)
+    return _broadcast(advantages.float(), action_mask)
+
+
+def _best_minus_second(r: torch.Tensor, stats: GroupStats) -> torch.Tensor:
+    inverse, groups = stats.inverse, stats.num_groups
+    best = torch.full((groups,), -torch.inf, dtype=r.dtype, device=r.device)
+    best = best.scatter_reduce(0, inverse, r, reduce="amax")
+    positions = torch.arange(r.shape[0], device=r.device)
+    is_max = r == best[inverse]
+    # The winner is the lowest index among the members that reach the group maximum.
+    sentinel = torch.full((groups,), r.shape[0], dtype=positions.dtype, device=r.device)
+    winner = sentinel.scatter_reduce(0, inverse, torch.where(is_max, positions, r.shape[0]), reduce="amin")
+    is_winner = positions == winner[inverse]
+    second = torch.full((groups,), -torch.inf, dtype=r.dtype, device=r.device)
+    second = second.scatter_reduce(0, inverse, torch.where(is_winner, -torch.inf, r), reduce="amax")
+    credit = best - second  # +inf for a group of one (no second)
+    return torch.where(is_winner & torch.isfinite(credit[inverse]), credit[inverse], torch.zeros_like(r))
+
+
+# ----------------------------------------------------------------------------------- helpers
+
+
+def _check_rewards_like(name: str, value: torch.Tensor) -> None:
+    check_ndim(name, value, 1, "[batch]")
+    check_floating(name, value)
+
+
+def _check_mask_rows(action_mask: torch.Tensor, rewards: torch.Tensor) -> torch.Tensor:
+    check_ndim("action_mask", action_mask, 2, "[batch, seq]")
+    if action_mask.shape[0] != rewards.shape[0]:
+        raise ValueError(
+            f"action_mask has {action_mask.shape[0]} rows (shape {tuple(action_mask.shape)}) but rewards "
+            f"has {rewards.shape[0]} (shape {tuple(rewards.shape)}); they must match"
+        )
+    return action_mask.to(torch.float32)
+
+
+def _broadcast(scalar: torch.Tensor, action_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    mask = _check_mask_rows(action_mask, scalar)
+    advantages = scalar.to(torch.float32)[:, None] * mask
+    return advantages, advantages.clone()

@@ -1,0 +1,49 @@
+"""The repository keeps its promises: CI runs the README's command, code is lint-clean, the
+layout is the design card's."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PACKAGES = {"rl-algos": "rl_algos", "rl-data": "rl_data", "rl-rollout": "rl_rollout",
+            "rl-learner": "rl_learner", "rl-launch": "rl_launch"}  # fmt: skip
+
+
+def readme_test_command() -> str:
+    text = (ROOT / "README.md").read_text()
+    match = re.search(r"<!-- test-command -->\s*```(?:bash|sh)?\n(.+?)\n```", text, re.S)
+    assert match, "README.md must hold the test command in a code block after <!-- test-command -->"
+    return match.group(1).strip()
+
+
+def test_ci_runs_exactly_the_readme_test_command():
+    ci_lines = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
+    assert readme_test_command() in ci_lines
+
+
+def test_top_level_layout_matches_the_design_card():
+    for name in ("packages", "tests", "pyproject.toml", "README.md"):
+        assert (ROOT / name).exists(), name
+    built = sorted(p.name for p in (ROOT / "packages").iterdir() if p.is_dir())
+    assert built, "at least one package"
+    assert set(built) <= set(PACKAGES), built
+    for distribution in built:
+        package = ROOT / "packages" / distribution
+        for required in ("pyproject.toml", "README.md", f"src/{PACKAGES[distribution]}/__init__.py"):
+            assert (package / required).is_file(), f"{distribution}: {required}"
+
+
+def test_ruff_lint_and_format_are_clean():
+    ruff = shutil.which("ruff") or str(pathlib.Path(sys.executable).parent / "ruff")
+    if not pathlib.Path(ruff).exists():
+        pytest.fail("ruff is part of the test environment (pyproject.toml, hatch-test) and must be installed")
+    for args in (["check", "."], ["format", "--check", "."]):
+        result = subprocess.run([ruff, *args], cwd=ROOT, capture_output=True, text=True)
+        assert result.returncode == 0, result.stdout + result.stderr
