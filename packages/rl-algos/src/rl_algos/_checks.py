@@ -14,6 +14,7 @@ from collections.abc import Collection
 import torch
 
 __all__ = [
+    "bool_mask",
     "check_choice",
     "check_finite",
     "check_floating",
@@ -127,3 +128,20 @@ def mask_as(name: str, mask: torch.Tensor, like: torch.Tensor, like_name: str) -
     if mask.is_complex():
         raise TypeError(f"{name} must be a bool, integer or float tensor of 0/1, got dtype {mask.dtype}")
     return mask.to(like.dtype)
+
+
+def bool_mask(name: str, mask: torch.Tensor, like: torch.Tensor, like_name: str) -> torch.Tensor:
+    """Check `mask` (bool, or integer/float holding only 0 and 1, shaped like `like`); return bool.
+
+    Costs one device sync for non-bool masks: a mask of 0.5s or 2s is a bug upstream that would
+    otherwise turn into silently wrong advantages.
+    """
+    check_same_shape(name, mask, like_name, like)
+    if mask.is_complex():
+        raise TypeError(f"{name} must be a bool, integer or float tensor of 0/1, got dtype {mask.dtype}")
+    if mask.dtype == torch.bool:
+        return mask
+    invalid = (mask != 0) & (mask != 1)
+    if bool(invalid.any()):
+        raise ValueError(f"{name} must hold only 0 and 1, got {mask[invalid][0].item()}")
+    return mask != 0

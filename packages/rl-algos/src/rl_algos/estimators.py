@@ -25,7 +25,15 @@ import inspect
 
 import torch
 
-from ._checks import check_floating, check_ndim, check_positive, check_same_shape, check_shape, mask_as
+from ._checks import (
+    check_floating,
+    check_ndim,
+    check_positive,
+    check_same_shape,
+    check_shape,
+    compute_dtype,
+    mask_as,
+)
 from .group import GROUP_NORM_PRESETS, GroupStats, group_normalize, group_stats
 from .masked import AllReduce, last_action_index, masked_whiten
 from .registry import Registry
@@ -113,7 +121,9 @@ def gae(
     where t + 1 is the next action token (environment tokens are skipped). OpenRLHF's defaults
     are γ = λ = 1. Advantages are not whitened here; whiten with `masked_whiten` if wanted.
     """
-    return compute_gae(token_rewards, values, action_mask, gamma=gamma, lam=lam)
+    advantages, returns = compute_gae(token_rewards, values, action_mask, gamma=gamma, lam=lam)
+    dtype = compute_dtype(token_rewards, values)
+    return advantages.to(dtype), returns.to(dtype)
 
 
 @ADVANTAGE_ESTIMATORS.register("reinforce")
