@@ -101,6 +101,16 @@ def test_masked_tokens_get_zero_gradient(mode):
     assert torch.all(grad[mask == 1] != 0)
 
 
+@pytest.mark.parametrize("mode", AGGREGATION_MODES)
+def test_non_finite_values_at_masked_positions_do_not_leak(mode):
+    per_token = torch.tensor([[1.0, float("inf")], [2.0, float("nan")]], requires_grad=True)
+    mask = torch.tensor([[1, 0], [1, 0]])
+    loss = aggregate_loss(per_token, mask, mode, horizon=2)
+    (grad,) = torch.autograd.grad(loss, per_token)
+    assert torch.isfinite(loss)
+    assert torch.all(grad[:, 1] == 0)
+
+
 def test_all_masked_batch_gives_zero_not_nan():
     for mode in AGGREGATION_MODES:
         assert aggregate_loss(torch.randn(2, 3), torch.zeros(2, 3), mode).item() == 0

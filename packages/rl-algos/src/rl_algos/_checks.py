@@ -23,6 +23,7 @@ __all__ = [
     "check_nonempty",
     "check_positive",
     "check_probability",
+    "check_rewards",
     "check_same_shape",
     "check_shape",
     "check_tensor",
@@ -145,3 +146,11 @@ def bool_mask(name: str, mask: torch.Tensor, like: torch.Tensor, like_name: str)
     if bool(invalid.any()):
         raise ValueError(f"{name} must hold only 0 and 1, got {mask[invalid][0].item()}")
     return mask != 0
+
+
+def check_rewards(name: str, value: torch.Tensor) -> None:
+    """A `[batch]` float tensor of scalar rewards, non-empty and finite (naming the bad index)."""
+    check_ndim(name, value, 1, "[batch]")
+    check_floating(name, value)
+    check_nonempty(name, value)
+    check_finite(name, value)

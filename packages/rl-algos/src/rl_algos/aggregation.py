@@ -73,7 +73,8 @@ def aggregate_loss(
     check_ndim("per_token_loss", per_token_loss, 2, "[batch, seq]")
     check_floating("per_token_loss", per_token_loss)
     mask = mask_as("action_mask", action_mask, per_token_loss, "per_token_loss").float()
-    loss = per_token_loss.float() * mask
+    # where, not a product: a padding position may hold inf or NaN, and inf·0 is NaN.
+    loss = torch.where(mask > 0, per_token_loss.float(), 0.0) * mask
     if normalizer is None:
         normalizer = loss_normalizer(mask, mode).clamp(min=1)
     elif not isinstance(normalizer, torch.Tensor):

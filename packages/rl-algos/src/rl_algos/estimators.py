@@ -146,12 +146,13 @@ def reinforce(
     Returns (A, G).
     """
     returns = compute_discounted_returns(token_rewards, action_mask, gamma=gamma)
+    returns = returns.to(compute_dtype(returns))
     advantages = returns
     if whiten:
         advantages = masked_whiten(
-            returns.float(), action_mask, unbiased=unbiased, epsilon=epsilon, all_reduce=all_reduce
+            returns, action_mask, unbiased=unbiased, epsilon=epsilon, all_reduce=all_reduce
         )
-    return advantages.float(), returns.float()
+    return advantages, returns
 
 
 @ADVANTAGE_ESTIMATORS.register("reinforce_baseline")

@@ -32,16 +32,7 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import (
-    check_choice,
-    check_finite,
-    check_floating,
-    check_integer,
-    check_ndim,
-    check_nonempty,
-    check_positive,
-    check_same_shape,
-)
+from ._checks import check_choice, check_integer, check_positive, check_rewards, check_same_shape
 
 __all__ = [
     "CENTRES",
@@ -174,7 +165,7 @@ def group_normalize(
     if group_ids is None:
         if grouped:
             raise ValueError(f"group_ids is required for centre={centre!r} and scale={scale!r}")
-        _check_rewards(rewards)
+        check_rewards("rewards", rewards)
     else:
         _check_rewards_and_groups(rewards, group_ids)
 
@@ -213,14 +204,7 @@ def group_normalize(
     return advantages.to(out_dtype)
 
 
-def _check_rewards(rewards: torch.Tensor) -> None:
-    check_ndim("rewards", rewards, 1, "[batch]")
-    check_floating("rewards", rewards)
-    check_nonempty("rewards", rewards)
-    check_finite("rewards", rewards)
-
-
 def _check_rewards_and_groups(rewards: torch.Tensor, group_ids: torch.Tensor) -> None:
-    _check_rewards(rewards)
+    check_rewards("rewards", rewards)
     check_integer("group_ids", group_ids)
     check_same_shape("group_ids", group_ids, "rewards", rewards)

@@ -14,12 +14,10 @@ from __future__ import annotations
 import torch
 
 from ._checks import (
-    check_finite,
-    check_floating,
     check_integer,
     check_ndim,
-    check_nonempty,
     check_positive,
+    check_rewards,
     check_same_shape,
     check_tensor,
 )
@@ -35,16 +33,9 @@ __all__ = [
 ]
 
 
-def _check_scalar_rewards(rewards: torch.Tensor, name: str = "rewards") -> None:
-    check_ndim(name, rewards, 1, "[batch]")
-    check_floating(name, rewards)
-    check_nonempty(name, rewards)
-    check_finite(name, rewards)
-
-
 def clip_rewards(rewards: torch.Tensor, low: float = -10.0, high: float = 10.0) -> torch.Tensor:
     """clamp(r, low, high) for `[batch]` rewards; `low` < `high`."""
-    _check_scalar_rewards(rewards)
+    check_rewards("rewards", rewards)
     if not low < high:
         raise ValueError(f"low must be < high, got low={low}, high={high}")
     return rewards.clamp(min=low, max=high)
@@ -72,7 +63,7 @@ def token_level_rewards(
     Returns:
       `[batch, seq]` float32 token rewards, zero off the action tokens.
     """
-    _check_scalar_rewards(rewards)
+    check_rewards("rewards", rewards)
     check_ndim("action_mask", action_mask, 2, "[batch, seq]")
     if action_mask.shape[0] != rewards.shape[0]:
         raise ValueError(
@@ -111,7 +102,7 @@ def overlong_penalty(
       rewards: `[batch]` float.
       response_lengths: `[batch]` integer response lengths in tokens.
     """
-    _check_scalar_rewards(rewards)
+    check_rewards("rewards", rewards)
     check_integer("response_lengths", response_lengths)
     check_same_shape("response_lengths", response_lengths, "rewards", rewards)
     if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
@@ -137,7 +128,7 @@ def stop_properly_penalty(rewards: torch.Tensor, truncated: torch.Tensor, coeffi
       truncated: `[batch]` bool, True where generation stopped at the length limit.
       coefficient: c ≤ 1.
     """
-    _check_scalar_rewards(rewards)
+    check_rewards("rewards", rewards)
     check_tensor("truncated", truncated)
     check_same_shape("truncated", truncated, "rewards", rewards)
     if truncated.dtype != torch.bool:
