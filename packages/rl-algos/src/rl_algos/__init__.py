@@ -17,7 +17,7 @@ from .corrections import CORRECTION_LEVELS, CORRECTION_METHODS, mismatch_metrics
 from .estimators import ADVANTAGE_ESTIMATORS, compute_advantages
 from .group import CENTRES, GROUP_NORM_PRESETS, SCALES, group_normalize
 from .kl import KL_ESTIMATORS, AdaptiveKLController, FixedKLController, kl_penalty
-from .logprobs import entropy_from_logits, logprobs_from_logits
+from .logprobs import default_chunk_size, entropy_from_logits, logprobs_from_logits
 from .masked import last_action_index, masked_mean, masked_mean_var, masked_sum, masked_whiten
 from .policy_losses import POLICY_LOSSES, value_loss
 from .preference import dpo_loss, kto_loss, reward_model_loss
@@ -52,6 +52,7 @@ __all__ = [
     "compute_advantages",
     "compute_discounted_returns",
     "compute_gae",
+    "default_chunk_size",
     "discounted_reverse_cumsum",
     "distillation_loss",
     "dpo_loss",
