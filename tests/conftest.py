@@ -1,9 +1,21 @@
-"""Session-wide test set-up: the `gpu` marker skips cleanly where CUDA is absent."""
+"""Session-wide test set-up.
+
+- The `gpu` marker skips cleanly where CUDA is absent.
+- Child processes (torch.multiprocessing spawn, gloo workers) start fresh interpreters that must
+  import the test module that defines their entry point; pytest's importlib mode does not put
+  the repository root on their path, so it goes into PYTHONPATH here.
+"""
 
 from __future__ import annotations
 
+import os
+import pathlib
+
 import pytest
 import torch
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
