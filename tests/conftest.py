@@ -3,18 +3,22 @@
 - The `gpu` marker skips cleanly where CUDA is absent.
 - Child processes (torch.multiprocessing spawn, gloo workers) start fresh interpreters that must
   import the test module that defines their entry point; pytest's importlib mode does not put
-  the repository root on their path, so it goes into PYTHONPATH here.
+  the repository root on their path. multiprocessing's spawn copies the parent's sys.path and
+  plain subprocesses read PYTHONPATH, so the root goes into both.
 """
 
 from __future__ import annotations
 
 import os
 import pathlib
+import sys
 
 import pytest
 import torch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.append(str(ROOT))
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
 
 
