@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGES = {"rl-algos": "rl_algos", "rl-data": "rl_data", "rl-rollout": "rl_rollout",
@@ -47,3 +48,11 @@ def test_ruff_lint_and_format_are_clean():
     for args in (["check", "."], ["format", "--check", "."]):
         result = subprocess.run([ruff, *args], cwd=ROOT, capture_output=True, text=True)
         assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_a_machine_without_cuda_runs_the_cpu_build_of_torch():
+    # The CUDA wheels are gigabytes of libraries a CPU-only machine cannot use; the environments
+    # pin torch and install it through pip so that the CPU build is chosen.
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present; the CUDA build is the right one here")
+    assert torch.version.cuda is None, f"CPU-only machine runs torch {torch.__version__} (CUDA build)"
