@@ -28,6 +28,7 @@ __all__ = [
     "check_shape",
     "check_tensor",
     "compute_dtype",
+    "first_flagged",
     "mask_as",
 ]
 
@@ -87,12 +88,18 @@ def check_finite(name: str, value: torch.Tensor) -> None:
     """Raise if `value` holds NaN or +-inf, naming the first offending index."""
     bad = ~torch.isfinite(value)
     if bool(bad.any()):
-        index = tuple(int(i) for i in bad.nonzero()[0].tolist())
-        where = index[0] if len(index) == 1 else index
+        index, where = first_flagged(bad)
         raise ValueError(
             f"{name} must be finite, got {value[index].item()} at index {where} "
             f"({int(bad.sum())} non-finite of {value.numel()})"
         )
+
+
+def first_flagged(flags: torch.Tensor) -> tuple[tuple[int, ...], int | tuple[int, ...]]:
+    """Index of the first True in `flags` (some entry must be True): the tuple to index with,
+    and the form to print (a plain int for 1-D tensors)."""
+    index = tuple(int(i) for i in flags.nonzero()[0].tolist())
+    return index, index[0] if len(index) == 1 else index
 
 
 def check_positive(name: str, value: float, *, allow_zero: bool = False) -> float:

@@ -42,7 +42,7 @@ from collections.abc import Iterator
 import torch
 from torch.autograd.function import once_differentiable
 
-from ._checks import check_floating, check_integer, check_positive
+from ._checks import check_floating, check_integer, check_positive, first_flagged
 
 __all__ = ["default_chunk_size", "entropy_from_logits", "logprobs_from_logits"]
 
@@ -113,8 +113,7 @@ def _check_labels(labels: torch.Tensor, logits: torch.Tensor, vocab: int) -> Non
     # otherwise be an opaque index error on CPU and a device-side assert on CUDA.
     bad = (labels < 0) | (labels >= vocab)
     if bool(bad.any()):
-        index = tuple(int(i) for i in bad.nonzero()[0].tolist())
-        where = index[0] if len(index) == 1 else index
+        index, where = first_flagged(bad)
         raise ValueError(
             f"labels must be token ids in [0, {vocab}) (vocab size = logits.shape[-1] = {vocab}), "
             f"got {int(labels[index])} at index {where} ({int(bad.sum())} out of range)"
