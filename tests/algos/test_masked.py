@@ -73,3 +73,8 @@ def test_whitening_with_all_reduce_over_two_gloo_ranks_equals_full_batch_whiteni
     torch.testing.assert_close(sharded, masked_whiten(values, mask))
     # and the shards alone would have given something else
     assert not torch.allclose(masked_whiten(values[:2], mask[:2]), sharded[:2])
+
+
+def test_masked_mean_ignores_non_finite_values_at_masked_positions():
+    values = torch.tensor([[1.0, float("inf")], [3.0, float("nan")]])
+    assert masked_mean(values, torch.tensor([[1, 0], [1, 0]])).item() == 2.0

@@ -24,6 +24,7 @@ __all__ = [
     "check_positive",
     "check_probability",
     "check_rewards",
+    "check_rows",
     "check_same_shape",
     "check_shape",
     "check_tensor",
@@ -161,3 +162,12 @@ def check_rewards(name: str, value: torch.Tensor) -> None:
     check_floating(name, value)
     check_nonempty(name, value)
     check_finite(name, value)
+
+
+def check_rows(name: str, value: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
+    """`value` and `ref` must have the same leading (batch) dimension."""
+    if value.shape[0] != ref.shape[0]:
+        raise ValueError(
+            f"{name} has {value.shape[0]} rows (shape {tuple(value.shape)}) but {ref_name} has "
+            f"{ref.shape[0]} (shape {tuple(ref.shape)}); they must match"
+        )

@@ -26,7 +26,7 @@ import torch
 
 from ._checks import check_choice, check_floating, check_ndim, check_positive, mask_as
 
-__all__ = ["AGGREGATION_MODES", "aggregate_loss", "loss_normalizer"]
+__all__ = ["AGGREGATION_MODES", "aggregate_loss", "loss_normalizer", "resolve_normalizer"]
 
 AGGREGATION_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
@@ -43,6 +43,27 @@ def loss_normalizer(action_mask: torch.Tensor, mode: str) -> torch.Tensor:
     if mode == "token-mean":
         return mask.sum()
     return (mask.sum(-1) > 0).to(torch.float32).sum()
+
+
+def resolve_normalizer(normalizer: float | torch.Tensor | None, local_count: torch.Tensor) -> torch.Tensor:
+    """The divisor N as a float32 0-d tensor on `local_count`'s device.
+
+    `normalizer` is the global count (a positive number or a one-element tensor), or None for
+    this call's own `local_count`.
+    """
+    if normalizer is None:
+        # clamp: an all-masked micro-batch contributes 0 rather than 0/0.
+        return local_count.clamp(min=1)
+    if isinstance(normalizer, torch.Tensor):
+        if normalizer.numel() != 1 or normalizer.is_complex() or normalizer.dtype == torch.bool:
+            raise ValueError(
+                "normalizer must be a positive number or a one-element real tensor, got a tensor of "
+                f"shape {tuple(normalizer.shape)} and dtype {normalizer.dtype}"
+            )
+        # Its value is not checked: that would synchronise with the device on every micro-batch.
+        return normalizer.detach().reshape(()).to(device=local_count.device, dtype=torch.float32)
+    check_positive("normalizer", normalizer)
+    return local_count.new_tensor(float(normalizer))
 
 
 def aggregate_loss(
@@ -75,10 +96,7 @@ def aggregate_loss(
     mask = mask_as("action_mask", action_mask, per_token_loss, "per_token_loss").float()
     # where, not a product: a padding position may hold inf or NaN, and inf·0 is NaN.
     loss = torch.where(mask > 0, per_token_loss.float(), 0.0) * mask
-    if normalizer is None:
-        normalizer = loss_normalizer(mask, mode).clamp(min=1)
-    elif not isinstance(normalizer, torch.Tensor):
-        check_positive("normalizer", normalizer)
+    divisor = resolve_normalizer(normalizer, loss_normalizer(mask, mode))
 
     if mode in ("token-mean", "seq-mean-token-sum"):
         total = loss.sum()
@@ -92,4 +110,4 @@ def aggregate_loss(
                 f"horizon must be a positive int (the constant length divisor T), got {horizon!r}"
             )
         total = loss.sum() / horizon
-    return total / normalizer
+    return total / divisor

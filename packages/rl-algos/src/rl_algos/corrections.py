@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from ._checks import check_choice, check_floating, check_ndim, check_positive, check_same_shape, mask_as
+from .masked import masked_mean
 
 __all__ = ["CORRECTION_LEVELS", "CORRECTION_METHODS", "mismatch_metrics", "rollout_correction"]
 
@@ -112,10 +113,10 @@ def rollout_correction(
     outside = (raw < low) | (raw > high)
     if method == "tis":
         weights = raw.clamp(low, high)
-        metrics["correction_clip_fraction"] = _fraction(outside, mask)
+        metrics["correction_clip_fraction"] = masked_mean(outside.float(), mask)
     elif method == "icepop":
         weights = torch.where(outside, torch.zeros_like(raw), raw)
-        metrics["correction_mask_fraction"] = _fraction(outside, mask)
+        metrics["correction_mask_fraction"] = masked_mean(outside.float(), mask)
     else:
         weights = torch.ones_like(raw)
 
@@ -129,7 +130,3 @@ def rollout_correction(
         dropped = (~keep.squeeze(-1)) & has_tokens
         metrics["sequence_mask_fraction"] = dropped.float().sum() / has_tokens.float().sum().clamp(min=1)
     return (weights * mask).detach(), metrics
-
-
-def _fraction(flags: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return (flags.float() * mask).sum() / mask.sum().clamp(min=1)

@@ -29,6 +29,7 @@ from ._checks import (
     check_floating,
     check_ndim,
     check_positive,
+    check_rows,
     check_same_shape,
     check_shape,
     compute_dtype,
@@ -349,11 +350,7 @@ def _check_rewards_like(name: str, value: torch.Tensor) -> None:
 
 def _check_mask_rows(action_mask: torch.Tensor, rewards: torch.Tensor) -> torch.Tensor:
     check_ndim("action_mask", action_mask, 2, "[batch, seq]")
-    if action_mask.shape[0] != rewards.shape[0]:
-        raise ValueError(
-            f"action_mask has {action_mask.shape[0]} rows (shape {tuple(action_mask.shape)}) but rewards "
-            f"has {rewards.shape[0]} (shape {tuple(rewards.shape)}); they must match"
-        )
+    check_rows("action_mask", action_mask, "rewards", rewards)
     return action_mask.to(torch.float32)
 
 

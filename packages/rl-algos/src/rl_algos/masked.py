@@ -36,9 +36,13 @@ def masked_sum(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None)
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """Σ values·mask / Σ mask over `dim`; 0 where the mask is all zero (never NaN)."""
+    """Σ values·mask / Σ mask over `dim`; 0 where the mask is all zero (never NaN).
+
+    Masked entries are selected away, not multiplied by 0, so an inf or NaN there is ignored.
+    """
     mask = mask_as("mask", mask, values, "values")
-    total = (values * mask).sum() if dim is None else (values * mask).sum(dim)
+    product = torch.where(mask > 0, values, 0) * mask
+    total = product.sum() if dim is None else product.sum(dim)
     count = mask.sum() if dim is None else mask.sum(dim)
     return total / count.clamp(min=1)
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from ._checks import check_floating, check_ndim, check_positive, check_same_shape, compute_dtype, mask_as
+from .masked import masked_mean
 from .registry import Registry
 
 __all__ = [
@@ -56,7 +57,7 @@ def _prepare(
 
 
 def _mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return ((values.detach() * mask).sum() / mask.sum().clamp(min=1)).detach().float()
+    return masked_mean(values.detach(), mask).float()
 
 
 def _check_epsilons(epsilon_low: float, epsilon_high: float | None) -> float:

@@ -33,7 +33,7 @@ from ._checks import (
     check_positive,
     check_same_shape,
 )
-from .masked import AllReduce
+from .masked import AllReduce, masked_mean
 
 __all__ = ["DPO_LOSS_TYPES", "dpo_loss", "kto_loss", "reward_model_loss"]
 
@@ -52,12 +52,6 @@ def _check_sequence_values(names_and_values: list[tuple[str, object]]) -> torch.
         check_floating(name, value)
         check_same_shape(name, value, first_name, first)
     return first
-
-
-def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    # 0 rather than NaN when the subset is empty, so that a metric averaged over logging steps
-    # is not poisoned by one batch without (say) any undesirable example; counts are logged too.
-    return torch.where(mask, values, 0.0).sum() / mask.sum().clamp(min=1)
 
 
 def dpo_loss(
@@ -244,8 +238,8 @@ def kto_loss(
         undesirable = ~desirable
         metrics = {
             "kl": kl,
-            "desirable_rewards": _masked_mean(rewards, desirable),
-            "undesirable_rewards": _masked_mean(rewards, undesirable),
+            "desirable_rewards": masked_mean(rewards, desirable),
+            "undesirable_rewards": masked_mean(rewards, undesirable),
             "num_desirable": desirable.sum().float(),
             "num_undesirable": undesirable.sum().float(),
         }

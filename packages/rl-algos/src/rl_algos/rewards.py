@@ -18,6 +18,7 @@ from ._checks import (
     check_ndim,
     check_positive,
     check_rewards,
+    check_rows,
     check_same_shape,
     check_tensor,
 )
@@ -65,10 +66,7 @@ def token_level_rewards(
     """
     check_rewards("rewards", rewards)
     check_ndim("action_mask", action_mask, 2, "[batch, seq]")
-    if action_mask.shape[0] != rewards.shape[0]:
-        raise ValueError(
-            f"action_mask has {action_mask.shape[0]} rows but rewards has {rewards.shape[0]}; they must match"
-        )
+    check_rows("action_mask", action_mask, "rewards", rewards)
     check_positive("kl_coef", kl_coef, allow_zero=True)
     mask = action_mask.to(torch.float32)
     scalar = rewards.float()

@@ -29,6 +29,7 @@ from ._checks import (
     check_same_shape,
     check_shape,
 )
+from .aggregation import resolve_normalizer
 
 __all__ = ["distillation_loss", "prm_loss", "sft_loss"]
 
@@ -45,23 +46,6 @@ def _check_mask(mask: torch.Tensor, like: torch.Tensor, like_name: str) -> torch
     if mask.is_complex():
         raise TypeError(f"loss_mask must be a bool, integer or float tensor of 0/1, got dtype {mask.dtype}")
     return mask.float()
-
-
-def _resolve_normalizer(normalizer: Normalizer, local_count: torch.Tensor) -> torch.Tensor:
-    """The divisor N as a float32 0-d tensor on `local_count`'s device."""
-    if normalizer is None:
-        # clamp: an all-masked micro-batch contributes 0 rather than 0/0.
-        return local_count.clamp(min=1)
-    if isinstance(normalizer, torch.Tensor):
-        if normalizer.numel() != 1 or normalizer.is_complex() or normalizer.dtype == torch.bool:
-            raise ValueError(
-                "normalizer must be a positive number or a one-element real tensor, got a tensor of "
-                f"shape {tuple(normalizer.shape)} and dtype {normalizer.dtype}"
-            )
-        # Its value is not checked: that would synchronise with the device on every micro-batch.
-        return normalizer.detach().reshape(()).to(device=local_count.device, dtype=torch.float32)
-    check_positive("normalizer", normalizer)
-    return local_count.new_tensor(float(normalizer))
 
 
 def sft_loss(
@@ -97,7 +81,7 @@ def sft_loss(
     nll = torch.where(mask > 0, -logprobs.float(), 0.0)
     total = (nll * mask).sum()
     count = mask.sum()
-    loss = total / _resolve_normalizer(normalizer, count)
+    loss = total / resolve_normalizer(normalizer, count)
     with torch.no_grad():
         metrics = {"nll": total.detach() / count.clamp(min=1), "num_tokens": count}
     return loss, metrics
@@ -231,7 +215,7 @@ def distillation_loss(
 
     count = mask.sum()
     hard_sum, soft_sum = sums[0], sums[1]
-    loss = ((1 - alpha) * hard_sum + alpha * soft_sum) / _resolve_normalizer(normalizer, count)
+    loss = ((1 - alpha) * hard_sum + alpha * soft_sum) / resolve_normalizer(normalizer, count)
     with torch.no_grad():
         local = count.clamp(min=1)
         metrics = {"ce": hard_sum.detach() / local, "distill": soft_sum.detach() / local, "num_tokens": count}
@@ -338,7 +322,7 @@ def prm_loss(
     # where rather than multiplication: non-placeholder rows may hold inf/NaN logits.
     token_losses = torch.where(at_placeholder, token_losses, 0.0)
     count = mask.sum()
-    loss = (token_losses * mask).sum() / _resolve_normalizer(normalizer, count)
+    loss = (token_losses * mask).sum() / resolve_normalizer(normalizer, count)
     with torch.no_grad():
         correct = (log_q.argmax(-1) == target_class).float() * mask
         metrics = {"accuracy": correct.sum() / count.clamp(min=1), "num_tokens": count}
