@@ -1,0 +1,308 @@
+"""The experience batch a learner consumes: S trajectories packed into one row of N tokens.
+
+`build_experience` concatenates prompt + response of every `Trajectory` into `input_ids` ([N],
+padding-free, see `rl_data.packing`), with `cu_seqlens` / `position_ids` for varlen attention
+and every per-token tensor aligned with `input_ids`. Per-sequence values ([S]) keep the order
+of the records. Slots such as `old_logprobs` and `advantages` are filled by the learners as
+the PPO step goes on (same [N] alignment).
+
+Log-prob convention. The value at token t is log π(input_ids[t] | the tokens before t in the
+same sequence). A causal model's logits at position t − 1 predict token t, so the log-probs
+computed from logits[:-1] of a sequence land at positions 1.., and position 0 of each sequence
+(a prompt token) never carries one. Response tokens are the only ones with non-zero values.
+
+`response_view` turns any [N] tensor into the right-padded `[S, R_max]` response layout that the
+`rl_algos` functions take (advantages, losses), and `from_response_view` puts `[S, R_max]`
+results back at their tokens; both are vectorised and let gradients through.
+
+`micro_batches` builds one `ExperienceBatch` per micro-batch of a `MicroBatchPlan` for one rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import msgspec
+import torch
+
+from .batching import MicroBatchPlan
+from .errors import DataError
+from .packing import (
+    cu_seqlens_from_lengths,
+    packed_to_padded,
+    padded_to_packed,
+    position_ids_from_cu_seqlens,
+)
+from .records import LOGPROB_DTYPE, TOKEN_DTYPE, Trajectory
+
+__all__ = ["ExperienceBatch", "build_experience", "micro_batches"]
+
+_TOKEN_SLOTS = ("old_logprobs", "ref_logprobs", "values", "advantages", "returns")
+
+
+class ExperienceBatch(msgspec.Struct, kw_only=True):
+    """S trajectories packed into one row of N tokens; per-token fields are [N], per-sequence [S].
+
+    Per token (aligned with `input_ids`):
+        input_ids:        [N] int64, prompt then response of every trajectory, concatenated.
+        position_ids:     [N] int64, restarting at 0 at every sequence.
+        action_mask:      [N] bool, True only on response tokens the policy chose (trajectory
+                          `action_mask` True); False on prompts and environment tokens.
+        rollout_logprobs: [N] float32 log-probs of the sampler at response tokens, 0 elsewhere;
+                          None when no record had them. Value at t: log π(input_ids[t] | tokens
+                          before t of the same sequence).
+    Per sequence:
+        cu_seqlens:       [S+1] int32 boundaries (flash-attention convention).
+        prompt_lengths, response_lengths: [S] int64.
+        rewards, scores:  [S] float32.
+        group_ids, policy_versions: [S] int64.
+        finish_reasons:   S strings ("stop", "length", "abort").
+        indices:          [S] int64, positions of the trajectories in the list they came from.
+    Filled later by learners ([N], same alignment and convention, None until then):
+        old_logprobs, ref_logprobs, values, advantages, returns.
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    cu_seqlens: torch.Tensor
+    prompt_lengths: torch.Tensor
+    response_lengths: torch.Tensor
+    action_mask: torch.Tensor
+    rollout_logprobs: torch.Tensor | None = None
+    rewards: torch.Tensor
+    scores: torch.Tensor
+    group_ids: torch.Tensor
+    policy_versions: torch.Tensor
+    finish_reasons: list[str]
+    indices: torch.Tensor
+    old_logprobs: torch.Tensor | None = None
+    ref_logprobs: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+    advantages: torch.Tensor | None = None
+    returns: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        # Shape checks only (no values read), so they cost nothing on a device.
+        owner = type(self).__name__
+        tokens, sequences = self.input_ids.shape[0], self.cu_seqlens.numel() - 1
+        if self.input_ids.dim() != 1 or self.cu_seqlens.dim() != 1 or sequences < 0:
+            raise ValueError(
+                f"{owner}: input_ids must be [N] and cu_seqlens [S+1], got shapes "
+                f"{tuple(self.input_ids.shape)} and {tuple(self.cu_seqlens.shape)}"
+            )
+        for field in ("position_ids", "action_mask", "rollout_logprobs", *_TOKEN_SLOTS):
+            value = getattr(self, field)
+            if value is not None and value.shape[:1] != (tokens,):
+                raise ValueError(
+                    f"{owner}.{field}: shape {tuple(value.shape)} is not aligned with N = {tokens}"
+                )
+        for field in (
+            "prompt_lengths",
+            "response_lengths",
+            "rewards",
+            "scores",
+            "group_ids",
+            "policy_versions",
+        ):
+            value = getattr(self, field)
+            if tuple(value.shape) != (sequences,):
+                raise ValueError(
+                    f"{owner}.{field}: shape {tuple(value.shape)}, expected [S] = ({sequences},)"
+                )
+        if tuple(self.indices.shape) != (sequences,) or len(self.finish_reasons) != sequences:
+            raise ValueError(
+                f"{owner}: indices and finish_reasons must have S = {sequences} entries, got "
+                f"{tuple(self.indices.shape)} and {len(self.finish_reasons)}"
+            )
+
+    @classmethod
+    def empty(cls, *, with_rollout_logprobs: bool = False) -> ExperienceBatch:
+        """A batch of zero sequences: what an empty micro-batch of a plan becomes (dummy step)."""
+        tokens = torch.zeros(0, dtype=TOKEN_DTYPE)
+        return cls(
+            input_ids=tokens,
+            position_ids=tokens.clone(),
+            cu_seqlens=torch.zeros(1, dtype=torch.int32),
+            prompt_lengths=tokens.clone(),
+            response_lengths=tokens.clone(),
+            action_mask=torch.zeros(0, dtype=torch.bool),
+            rollout_logprobs=torch.zeros(0, dtype=LOGPROB_DTYPE) if with_rollout_logprobs else None,
+            rewards=torch.zeros(0, dtype=torch.float32),
+            scores=torch.zeros(0, dtype=torch.float32),
+            group_ids=tokens.clone(),
+            policy_versions=tokens.clone(),
+            finish_reasons=[],
+            indices=tokens.clone(),
+        )
+
+    @property
+    def num_sequences(self) -> int:
+        """S."""
+        return self.cu_seqlens.numel() - 1
+
+    @property
+    def num_tokens(self) -> int:
+        """N, prompt and response tokens of all sequences."""
+        return self.input_ids.shape[0]
+
+    @property
+    def num_actions(self) -> int:
+        """Tokens the policy chose (Σ action_mask): the token count of token-level losses."""
+        return int(self.action_mask.sum())
+
+    def to(self, device: torch.device | str) -> ExperienceBatch:
+        """A copy with every tensor on `device`."""
+        changes = {
+            field: value.to(device)
+            for field in self.__struct_fields__
+            if isinstance(value := getattr(self, field), torch.Tensor)
+        }
+        return msgspec.structs.replace(self, **changes)
+
+    def response_positions(self) -> torch.Tensor:
+        """[Σ R] indices into [N] of every response token, sequence by sequence."""
+        starts = self.cu_seqlens[:-1].to(torch.int64) + self.prompt_lengths.to(self.cu_seqlens.device)
+        response_cu = cu_seqlens_from_lengths(self.response_lengths).to(torch.int64)
+        total = int(response_cu[-1])
+        offsets = torch.repeat_interleave(starts - response_cu[:-1], self.response_lengths, output_size=total)
+        return torch.arange(total, device=offsets.device) + offsets
+
+    def response_view(self, values: torch.Tensor, pad_value: float = 0) -> torch.Tensor:
+        """[N, ...] per-token values → [S, R_max, ...] response tokens only, right-padded with `pad_value`.
+
+        Row s holds the values at the response tokens of sequence s, in order: the `[batch, seq]`
+        layout of `rl_algos`. Gradients flow back to `values`.
+        """
+        self._check_token_aligned("values", values)
+        responses = values[self.response_positions()]
+        return packed_to_padded(
+            responses, cu_seqlens_from_lengths(self.response_lengths), pad_value=pad_value
+        )
+
+    def response_action_mask(self) -> torch.Tensor:
+        """[S, R_max] bool: `action_mask` in the `response_view` layout (False on padding)."""
+        return self.response_view(self.action_mask, pad_value=False)
+
+    def from_response_view(self, values: torch.Tensor) -> torch.Tensor:
+        """[S, R, ...] right-padded response values (R ≥ R_max) → [N, ...], 0 on prompt tokens.
+
+        The inverse of `response_view` (padding slots are dropped). Gradients flow back to `values`.
+        """
+        if not isinstance(values, torch.Tensor):
+            raise TypeError(f"values must be a torch.Tensor, got {type(values).__name__}")
+        if values.dim() < 2 or values.shape[0] != self.num_sequences:
+            raise ValueError(
+                f"values must have shape [S, R_max, ...] with S = {self.num_sequences}, got {tuple(values.shape)}"
+            )
+        responses = padded_to_packed(values, self.response_lengths.to(values.device))
+        positions = self.response_positions().to(values.device)
+        out = values.new_zeros((self.num_tokens, *values.shape[2:]))
+        return out.index_put((positions,), responses)
+
+    def _check_token_aligned(self, name: str, values: torch.Tensor) -> None:
+        if not isinstance(values, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(values).__name__}")
+        if values.dim() < 1 or values.shape[0] != self.num_tokens:
+            raise ValueError(
+                f"{name} must have shape [N, ...] with N = {self.num_tokens} tokens, got {tuple(values.shape)}"
+            )
+
+
+def build_experience(records: Sequence[Trajectory], indices: Sequence[int] | None = None) -> ExperienceBatch:
+    """Pack trajectories into an `ExperienceBatch` (prompt + response of each, in order).
+
+    Args:
+      records: S ≥ 1 trajectories. Either all of them carry `rollout_logprobs` or none does.
+      indices: [S] positions of `records` in the list they came from; default 0..S−1.
+
+    Raises:
+      DataError naming the record (row) for a record that is not a `Trajectory` or whose
+      `rollout_logprobs` presence differs from the first record's; ValueError for empty
+      `records` or `indices` of the wrong length.
+    """
+    if isinstance(records, Trajectory) or not isinstance(records, Sequence):
+        raise TypeError(f"records must be a sequence of Trajectory, got {type(records).__name__}")
+    if len(records) == 0:
+        raise ValueError("records is empty; at least one Trajectory is needed (use ExperienceBatch.empty())")
+    count = len(records)
+    if indices is None:
+        index_tensor = torch.arange(count, dtype=torch.int64)
+    else:
+        index_tensor = torch.as_tensor(list(indices), dtype=torch.int64)
+        if tuple(index_tensor.shape) != (count,):
+            raise ValueError(f"indices has {index_tensor.numel()} entries but records has {count}")
+    for row, record in enumerate(records):
+        if not isinstance(record, Trajectory):
+            raise DataError(f"expected a Trajectory, got {type(record).__name__}", source="records", row=row)
+    with_logprobs = records[0].rollout_logprobs is not None
+    for row, record in enumerate(records):
+        if (record.rollout_logprobs is not None) != with_logprobs:
+            raise DataError(
+                f"rollout_logprobs is {'missing' if with_logprobs else 'present'} but record 0 "
+                f"{'has' if with_logprobs else 'has none'}; either every record carries them or none does",
+                source="records",
+                row=row,
+                key="rollout_logprobs",
+            )
+
+    tokens, masks, logprobs = [], [], []
+    for record in records:
+        prompt_length = record.prompt_ids.numel()
+        tokens += [record.prompt_ids, record.response_ids]
+        masks += [torch.zeros(prompt_length, dtype=torch.bool), record.action_mask]
+        if with_logprobs:
+            logprobs += [torch.zeros(prompt_length, dtype=LOGPROB_DTYPE), record.rollout_logprobs]
+    prompt_lengths = torch.tensor([r.prompt_ids.numel() for r in records], dtype=torch.int64)
+    response_lengths = torch.tensor([r.response_ids.numel() for r in records], dtype=torch.int64)
+    cu_seqlens = cu_seqlens_from_lengths(prompt_lengths + response_lengths)
+    return ExperienceBatch(
+        input_ids=torch.cat(tokens).to(TOKEN_DTYPE),
+        position_ids=position_ids_from_cu_seqlens(cu_seqlens),
+        cu_seqlens=cu_seqlens,
+        prompt_lengths=prompt_lengths,
+        response_lengths=response_lengths,
+        action_mask=torch.cat(masks),
+        rollout_logprobs=torch.cat(logprobs) if with_logprobs else None,
+        rewards=torch.tensor([r.reward for r in records], dtype=torch.float32),
+        scores=torch.tensor([r.score for r in records], dtype=torch.float32),
+        group_ids=torch.tensor([r.group_id for r in records], dtype=torch.int64),
+        policy_versions=torch.tensor([r.policy_version for r in records], dtype=torch.int64),
+        finish_reasons=[str(r.finish_reason) for r in records],
+        indices=index_tensor,
+    )
+
+
+def micro_batches(records: Sequence[Trajectory], plan: MicroBatchPlan, rank: int) -> list[ExperienceBatch]:
+    """One `ExperienceBatch` per micro-batch of `rank` in `plan`, in the plan's order.
+
+    `plan` must have been made from `[record.num_tokens for record in records]`; each batch's
+    `indices` are the records' positions in `records`. An empty micro-batch (a rank with fewer
+    sequences than micro-steps) becomes `ExperienceBatch.empty()`, so every rank still gets
+    the same number of batches; it carries empty `rollout_logprobs` when the records have them.
+    """
+    if not isinstance(plan, MicroBatchPlan):
+        raise TypeError(f"plan must be a MicroBatchPlan, got {type(plan).__name__}")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < plan.num_ranks:
+        raise ValueError(f"rank must be an integer in [0, {plan.num_ranks}), got {rank!r}")
+    count = len(records)
+    batches = []
+    for step, batch in enumerate(plan.ranks[rank]):
+        bad = [i for i in batch if not 0 <= i < count]
+        if bad:
+            raise ValueError(
+                f"plan.ranks[{rank}][{step}] refers to record {bad[0]} but there are {count} records; "
+                "the plan was made for other records"
+            )
+        selected = [records[i] for i in batch]
+        tokens = sum(record.num_tokens for record in selected)
+        if tokens != plan.micro_batch_tokens[rank][step]:
+            raise ValueError(
+                f"plan.ranks[{rank}][{step}] has {plan.micro_batch_tokens[rank][step]} tokens in the plan but "
+                f"{tokens} in these records; the plan was made for other records"
+            )
+        if selected:
+            batches.append(build_experience(selected, batch))
+        else:
+            with_logprobs = count > 0 and records[0].rollout_logprobs is not None
+            batches.append(ExperienceBatch.empty(with_rollout_logprobs=with_logprobs))
+    return batches
