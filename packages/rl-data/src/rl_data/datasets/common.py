@@ -111,6 +111,8 @@ def load_dataset_source(
             raise DataError(
                 f"unsupported file extension {path.suffix!r}; supported: {sorted(FORMATS)}", source=source
             )
+        if path.stat().st_size == 0:
+            raise DataError("empty file; a dataset needs at least one row", source=source)
         if builder == "json":
             check_json_file(path)
         cache = None if cache_dir is None else str(cache_dir)
@@ -120,6 +122,10 @@ def load_dataset_source(
             if builder == "json":
                 diagnose_json_types(path)
             raise DataError(f"could not be read as {builder}: {error}", source=source) from error
+        # datasets >= 4 stores a key whose type changes between rows as a `Json` column instead of
+        # failing, and decodes strings such as "1" in it as numbers: refuse it, naming the row.
+        if builder == "json" and has_json_feature(dataset.features):
+            diagnose_json_types(path)
     if len(dataset) == 0:
         raise DataError("dataset has no rows", source=source)
     # A file written from one of our datasets carries old location columns: this file is the source now.
@@ -142,16 +148,20 @@ def check_json_file(path: Path) -> None:
             raise DataError(
                 f"malformed JSON: {error.msg} (column {error.colno})", source=source, line=error.lineno
             ) from None
+        if not isinstance(rows, list) or not rows:
+            raise DataError("the JSON array holds no rows", source=source)
         for index, row in enumerate(rows):
             if not isinstance(row, dict):
                 raise DataError(
                     f"expected a JSON object per row, got {type_name(row)}", source=source, row=index
                 )
         return
+    seen_row = False
     with path.open("rb") as handle:
         for number, line in enumerate(handle, start=1):
             if not line.strip():
                 continue
+            seen_row = True
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as error:
@@ -162,6 +172,20 @@ def check_json_file(path: Path) -> None:
                 raise DataError(
                     f"expected a JSON object per line, got {type_name(row)}", source=source, line=number
                 )
+    if not seen_row:
+        raise DataError("no rows: the file holds only blank lines", source=source)
+
+
+def has_json_feature(feature: Any) -> bool:
+    """Whether a `datasets` feature (or a dict / list of them) holds a mixed-type `Json` column."""
+    if type(feature).__name__ == "Json":
+        return True
+    if isinstance(feature, Mapping):
+        return any(has_json_feature(value) for value in feature.values())
+    if isinstance(feature, (list, tuple)):
+        return any(has_json_feature(value) for value in feature)
+    inner = getattr(feature, "feature", None)
+    return inner is not None and has_json_feature(inner)
 
 
 def diagnose_json_types(path: Path) -> None:
@@ -177,6 +201,11 @@ def diagnose_json_types(path: Path) -> None:
         if stripped.startswith("[")
         else [json.loads(line) for line in text.splitlines() if line.strip()]
     )
+    diagnose_row_types(rows, str(path))
+
+
+def diagnose_row_types(rows: Sequence[Mapping[str, Any]], source: str) -> None:
+    """DataError naming the first row and key whose value changes JSON type; returns if none does."""
     seen: dict[str, tuple[str, int]] = {}
     for index, row in enumerate(rows):
         for key, value in row.items():
@@ -191,7 +220,7 @@ def diagnose_json_types(path: Path) -> None:
             if first[0] != kind:
                 raise DataError(
                     f"value is {kind} here but {first[0]} in row {first[1]}; a key must keep one type",
-                    source=str(path),
+                    source=source,
                     row=index,
                     key=key,
                 )
@@ -223,7 +252,13 @@ def as_dataset(data: Any, *, cache_dir: str | os.PathLike[str] | None = None) ->
         parts = [load_dataset_source(item, cache_dir=cache_dir) for item in data]
         return concatenate_sources(parts)
     if isinstance(data, Sequence) and data and all(isinstance(item, Mapping) for item in data):
-        return with_location(datasets.Dataset.from_list([dict(item) for item in data]), IN_MEMORY)
+        rows = [dict(item) for item in data]
+        try:
+            dataset = datasets.Dataset.from_list(rows)
+        except (TypeError, ValueError) as error:  # pyarrow's ArrowInvalid / ArrowTypeError
+            diagnose_row_types(rows, IN_MEMORY)
+            raise DataError(f"rows could not be converted to a dataset: {error}", source=IN_MEMORY) from error
+        return with_location(dataset, IN_MEMORY)
     if isinstance(data, Sequence) and not data:
         raise DataError("data: empty; give a file, a list of files, a datasets.Dataset or a list of rows")
     raise TypeError(
