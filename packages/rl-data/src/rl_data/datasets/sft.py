@@ -1,0 +1,401 @@
+"""Supervised fine-tuning data: rows tokenized once, with a loss mask on exactly the trained tokens.
+
+`SFTDataset` reads local files (or rows in memory), checks every row, renders and tokenizes it
+at construction, so a bad row or an unusable template fails before training starts and never
+inside a collator. Each item is an `SFTSample`: token ids `[L]` and a boolean loss mask `[L]`
+that is True on the tokens the loss sees, plus the row's position and file for error reports.
+
+Row layouts:
+  - prompt / response: `input_key` holds a string (one user turn) or a list of messages, and
+    `output_key` the response string. The conversation is the prompt messages plus one assistant
+    turn; only that turn is trained (earlier assistant turns in a prompt are context).
+  - whole conversations: with `messages_key`, the row holds a list of messages and every
+    assistant turn is trained.
+  - plain text: with `apply_chat_template=False` or an `input_template`, the text is the
+    rendered prompt, then the response, then the EOS token; the mask covers response and EOS.
+
+Masks come from `rl_data.templates` (exact for templates that are not append-only). The
+`ResponseEncoder` here is shared with the preference datasets, so SFT, DPO and KTO see a row
+the same way.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import msgspec
+import torch
+
+from ..errors import DataError, type_name
+from ..records import TOKEN_DTYPE, as_1d_tensor
+from ..templates import (
+    ASSISTANT_ROLE,
+    ConversationTokens,
+    check_chat_template,
+    check_input_template,
+    render_prompt,
+    tokenize_conversation,
+    tokenize_prompt_completion,
+    with_system_prompt,
+)
+from .common import (
+    ROW_COLUMN,
+    ROW_POLICIES,
+    SOURCE_COLUMN,
+    DatasetStats,
+    as_dataset,
+    check_choice,
+    location,
+    read_messages,
+    read_text,
+    require_columns,
+)
+
+__all__ = ["OVERLONG_POLICIES", "ResponseEncoder", "SFTDataset", "SFTSample", "fit_length"]
+
+logger = logging.getLogger(__name__)
+
+OVERLONG_POLICIES: tuple[str, ...] = ("drop", "truncate", "error")
+
+# Reasons under which `DatasetStats.skipped` counts rows.
+BAD_ROW = "bad_row"
+TOO_LONG = "too_long"
+
+
+class SFTSample(msgspec.Struct, kw_only=True):
+    """One SFT sequence.
+
+    Fields (L = sequence length):
+        input_ids: [L] int64 token ids.
+        loss_mask: [L] bool, True on the tokens whose prediction is trained (assistant content
+                   and end-of-turn markers). Shift by one for next-token targets.
+        index:     the row's position in the data the dataset was built from.
+        source:    the file the row came from (`<in-memory>` for rows given as dicts).
+        row:       the row's 0-based position in that file.
+    """
+
+    input_ids: torch.Tensor
+    loss_mask: torch.Tensor
+    index: int = -1
+    source: str = ""
+    row: int = -1
+
+    def __post_init__(self) -> None:
+        self.input_ids = as_1d_tensor(self.input_ids, TOKEN_DTYPE, field="input_ids", owner="SFTSample")
+        self.loss_mask = as_1d_tensor(self.loss_mask, torch.bool, field="loss_mask", owner="SFTSample")
+        if self.loss_mask.numel() != self.input_ids.numel():
+            raise ValueError(
+                f"SFTSample.loss_mask: length {self.loss_mask.numel()} does not match "
+                f"input_ids length {self.input_ids.numel()}"
+            )
+
+
+def check_max_length(max_length: Any) -> int:
+    if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
+        raise ValueError(f"max_length: expected a positive int, got {max_length!r}")
+    return max_length
+
+
+class ResponseEncoder:
+    """Reads the prompt and response of a row and tokenizes them with the trained-token mask.
+
+    With the chat template (`apply_chat_template=True` and no `input_template`), a response is a
+    string (one assistant turn after the prompt messages) or a list of messages (appended to the
+    prompt; all its assistant turns are trained). Without a prompt key, the response must be a
+    whole conversation and only its last assistant turn is trained (OpenRLHF's preference
+    layout: everything before it is the shared prompt). In plain-text mode the prompt string goes
+    through `input_template` (or is taken as is), and the response string and EOS follow.
+
+    Every problem with a row's values raises DataError naming the file, row and key.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        *,
+        apply_chat_template: bool = True,
+        input_template: str | None = None,
+        system_prompt: str | None = None,
+    ) -> None:
+        if input_template is not None:
+            check_input_template(input_template)
+        self.use_chat_template = bool(apply_chat_template) and input_template is None
+        if self.use_chat_template:
+            check_chat_template(tokenizer)
+        else:
+            if system_prompt is not None:
+                raise ValueError(
+                    "system_prompt: needs the chat template (apply_chat_template=True and no input_template)"
+                )
+            if not tokenizer.eos_token:
+                raise ValueError("tokenizer has no eos_token; plain-text mode ends every response with it")
+        if system_prompt is not None and not isinstance(system_prompt, str):
+            raise TypeError(f"system_prompt: expected a string, got {type_name(system_prompt)}")
+        self.tokenizer = tokenizer
+        self.input_template = input_template
+        self.system_prompt = system_prompt
+
+    def encode(
+        self, row: Mapping[str, Any], *, prompt_key: str | None, response_key: str
+    ) -> ConversationTokens:
+        """Tokens and mask for `row[prompt_key]` followed by `row[response_key]`."""
+        if not self.use_chat_template:
+            if prompt_key is None:
+                raise ValueError("prompt_key: plain-text mode needs a prompt key")
+            prompt = render_prompt(
+                self.tokenizer,
+                read_text(row, prompt_key),
+                apply_chat_template=False,
+                input_template=self.input_template,
+            )
+            response = read_text(row, response_key)
+            return tokenize_prompt_completion(self.tokenizer, prompt, response)
+        if prompt_key is None:
+            if not isinstance(row.get(response_key), list):
+                raise DataError(
+                    f"without a prompt key the value must be a whole conversation (a list of messages), "
+                    f"got {type_name(row.get(response_key))}",
+                    key=response_key,
+                    **location(row),
+                )
+            messages = read_messages(row, response_key)
+            assistant = [i for i, message in enumerate(messages) if message["role"] == ASSISTANT_ROLE]
+            return self._tokenize(row, response_key, messages, trained=assistant[-1:])
+        prompt = read_messages(row, prompt_key)
+        if isinstance(row.get(response_key), list):
+            response = read_messages(row, response_key)
+        else:
+            response = [{"role": ASSISTANT_ROLE, "content": read_text(row, response_key)}]
+        trained = [len(prompt) + i for i, message in enumerate(response) if message["role"] == ASSISTANT_ROLE]
+        if not trained:
+            raise DataError(
+                f"the response messages have no {ASSISTANT_ROLE!r} turn", key=response_key, **location(row)
+            )
+        return self._tokenize(row, response_key, prompt + response, trained=trained)
+
+    def encode_conversation(self, row: Mapping[str, Any], messages_key: str) -> ConversationTokens:
+        """Tokens and mask for the conversation in `row[messages_key]`, every assistant turn trained."""
+        if not self.use_chat_template:
+            raise ValueError("messages_key: whole conversations need the chat template")
+        messages = read_messages(row, messages_key)
+        assistant = [i for i, message in enumerate(messages) if message["role"] == ASSISTANT_ROLE]
+        return self._tokenize(row, messages_key, messages, trained=assistant)
+
+    def _tokenize(
+        self, row: Mapping[str, Any], key: str, messages: list[dict[str, Any]], *, trained: Sequence[int]
+    ) -> ConversationTokens:
+        conversation = with_system_prompt(messages, self.system_prompt)
+        shift = len(conversation) - len(messages)
+        try:
+            tokens = tokenize_conversation(self.tokenizer, conversation)
+        except DataError as error:
+            raise DataError(error.reason, key=key, **location(row)) from error
+        assistant = [i for i, message in enumerate(conversation) if message["role"] == ASSISTANT_ROLE]
+        wanted = {index + shift for index in trained}
+        spans = [span for index, span in zip(assistant, tokens.assistant_spans) if index in wanted]
+        loss_mask = [False] * len(tokens.input_ids)
+        for first, last in spans:
+            loss_mask[first:last] = [True] * (last - first)
+        return msgspec.structs.replace(tokens, loss_mask=loss_mask, assistant_spans=spans)
+
+
+def fit_length(
+    tokens: ConversationTokens,
+    *,
+    max_length: int,
+    overlong: str,
+    row: Mapping[str, Any],
+    what: str = "sequence",
+) -> ConversationTokens | None:
+    """Apply the overlong policy: the tokens unchanged, truncated, None (drop), or DataError.
+
+    "truncate" keeps the first `max_length` tokens (`truncated` set) and drops the sequence
+    (None) when no trained token is left; "drop" returns None; "error" raises DataError naming
+    the file and the row.
+    """
+    length = len(tokens.input_ids)
+    if length <= max_length:
+        return tokens
+    if overlong == "error":
+        raise DataError(
+            f"{what} has {length} tokens, more than max_length {max_length} "
+            "(raise max_length, or pass overlong='drop' or 'truncate')",
+            **location(row),
+        )
+    if overlong == "drop":
+        return None
+    loss_mask = tokens.loss_mask[:max_length]
+    if not any(loss_mask):
+        return None
+    spans = [(min(first, max_length), min(last, max_length)) for first, last in tokens.assistant_spans]
+    return msgspec.structs.replace(
+        tokens,
+        input_ids=tokens.input_ids[:max_length],
+        loss_mask=loss_mask,
+        assistant_spans=spans,
+        truncated=True,
+    )
+
+
+def too_long_message(row: Mapping[str, Any], length: int, max_length: int) -> str:
+    """The example message kept in `DatasetStats` for a row dropped for its length."""
+    return f"{row[SOURCE_COLUMN]}, row {row[ROW_COLUMN]}: {length} tokens, more than max_length {max_length}"
+
+
+def iterate_rows(dataset: Any, columns: Sequence[str | None]) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(position, row) for every row, reading only the named columns and the location columns."""
+    names = [name for name in dict.fromkeys(columns) if name is not None]
+    view = dataset.select_columns([*names, SOURCE_COLUMN, ROW_COLUMN])
+    yield from enumerate(view)
+
+
+class TokenStore:
+    """Variable-length token sequences kept as flat tensors plus offsets (a few tensors, not one per row)."""
+
+    def __init__(self) -> None:
+        self._ids: list[int] = []
+        self._masks: list[bool] = []
+        self._offsets = [0]
+
+    def append(self, tokens: ConversationTokens) -> None:
+        self._ids.extend(tokens.input_ids)
+        self._masks.extend(tokens.loss_mask)
+        self._offsets.append(len(self._ids))
+
+    def freeze(self) -> None:
+        self.ids = torch.tensor(self._ids, dtype=TOKEN_DTYPE)
+        self.masks = torch.tensor(self._masks, dtype=torch.bool)
+        self.offsets = self._offsets
+        del self._ids, self._masks
+
+    def __len__(self) -> int:
+        return len(self._offsets) - 1
+
+    def get(self, position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # Clones: a view would keep (and, in DataLoader workers, share) the whole flat storage.
+        first, last = self.offsets[position], self.offsets[position + 1]
+        return self.ids[first:last].clone(), self.masks[first:last].clone()
+
+    def lengths(self) -> list[int]:
+        return [last - first for first, last in zip(self.offsets, self.offsets[1:])]
+
+
+def normalise_position(position: int, length: int, owner: str) -> int:
+    if isinstance(position, bool) or not isinstance(position, int):
+        raise TypeError(f"{owner} index: expected an int, got {type_name(position)}")
+    if not -length <= position < length:
+        raise IndexError(f"{owner} index {position} out of range for {length} samples")
+    return position % length
+
+
+class SFTDataset:
+    """Tokenized SFT rows with loss masks, built once at construction.
+
+    Args:
+        data: a file path, a list of paths, a `datasets.Dataset` or a list of dicts.
+        tokenizer: a fast `transformers` tokenizer (with a chat template unless plain text).
+        input_key: the prompt column (a string, or a list of messages).
+        output_key: the response column (a string).
+        messages_key: when set, the column with whole conversations (input/output keys unused).
+        apply_chat_template: render with the tokenizer's chat template; False for plain text.
+        input_template: plain-text prompt template with one "{}" (takes precedence over the
+            chat template).
+        system_prompt: system turn put first in every conversation that has none.
+        max_length: the most tokens a sample may have.
+        overlong: what to do with a longer row: "drop" (counted in `stats.skipped['too_long']`),
+            "truncate" (keep the first max_length tokens, counted in `stats.truncated`; dropped
+            if no trained token is left) or "error" (DataError naming the file and row).
+        on_bad_row: "error" raises DataError naming file, row and key for a bad value; "skip"
+            counts the row in `stats.skipped['bad_row']`.
+        cache_dir: where `datasets` may write its cache.
+    """
+
+    def __init__(
+        self,
+        data: Any,
+        tokenizer: Any,
+        *,
+        input_key: str = "prompt",
+        output_key: str = "response",
+        messages_key: str | None = None,
+        apply_chat_template: bool = True,
+        input_template: str | None = None,
+        system_prompt: str | None = None,
+        max_length: int = 2048,
+        overlong: str = "drop",
+        on_bad_row: str = "error",
+        cache_dir: Any = None,
+    ) -> None:
+        self.max_length = check_max_length(max_length)
+        check_choice("overlong", overlong, OVERLONG_POLICIES)
+        check_choice("on_bad_row", on_bad_row, ROW_POLICIES)
+        encoder = ResponseEncoder(
+            tokenizer,
+            apply_chat_template=apply_chat_template,
+            input_template=input_template,
+            system_prompt=system_prompt,
+        )
+        if messages_key is not None and not encoder.use_chat_template:
+            raise ValueError(
+                "messages_key: whole conversations need the chat template (apply_chat_template=True, no input_template)"
+            )
+        dataset = as_dataset(data, cache_dir=cache_dir)
+        columns = [messages_key] if messages_key is not None else [input_key, output_key]
+        require_columns(dataset, columns)
+
+        self.tokenizer = tokenizer
+        self.stats = DatasetStats()
+        self._store = TokenStore()
+        self._index: list[int] = []
+        self._source: list[str] = []
+        self._row: list[int] = []
+        for index, row in iterate_rows(dataset, columns):
+            try:
+                if messages_key is not None:
+                    tokens = encoder.encode_conversation(row, messages_key)
+                else:
+                    tokens = encoder.encode(row, prompt_key=input_key, response_key=output_key)
+                if not any(tokens.loss_mask):
+                    raise DataError("no token to train on (empty assistant turns)", **location(row))
+            except DataError as error:
+                if on_bad_row == "error":
+                    raise
+                self.stats.skip(BAD_ROW, error)
+                continue
+            fitted = fit_length(tokens, max_length=self.max_length, overlong=overlong, row=row)
+            if fitted is None:
+                self.stats.skip(TOO_LONG, too_long_message(row, len(tokens.input_ids), self.max_length))
+                continue
+            self.stats.truncated += fitted.truncated
+            self.stats.kept += 1
+            self._store.append(fitted)
+            self._index.append(index)
+            self._source.append(row[SOURCE_COLUMN])
+            self._row.append(row[ROW_COLUMN])
+        self._store.freeze()
+        logger.info("SFTDataset: %s", self.stats.summary())
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def __getitem__(self, position: int) -> SFTSample:
+        position = normalise_position(position, len(self), "SFTDataset")
+        input_ids, loss_mask = self._store.get(position)
+        return SFTSample(
+            input_ids=input_ids,
+            loss_mask=loss_mask,
+            index=self._index[position],
+            source=self._source[position],
+            row=self._row[position],
+        )
+
+    def __iter__(self) -> Iterator[SFTSample]:
+        for position in range(len(self)):
+            yield self[position]
+
+    @property
+    def lengths(self) -> list[int]:
+        """Token count of every sample, in order (for length-aware batching)."""
+        return self._store.lengths()
