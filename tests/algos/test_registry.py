@@ -6,6 +6,7 @@ import pytest
 
 from rl_algos import Registry, UnknownNameError
 
+
 def test_registry_register_as_decorator_and_call_with_aliases():
     registry = Registry("widget")
 
