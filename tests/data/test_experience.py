@@ -220,3 +220,46 @@ def test_to_moves_every_tensor_and_keeps_the_rest():
     assert moved.advantages.device.type == "meta"
     assert moved.finish_reasons == batch.finish_reasons
     assert batch.input_ids.device.type == "cpu"
+
+
+def assert_same_batch(left: ExperienceBatch, right: ExperienceBatch) -> None:
+    for field in left.__struct_fields__:
+        a, b = getattr(left, field), getattr(right, field)
+        if isinstance(a, torch.Tensor):
+            assert isinstance(b, torch.Tensor), field
+            assert a.dtype == b.dtype, field
+            assert torch.equal(a, b), field
+        else:
+            assert a == b, field
+
+
+def test_select_equals_building_from_the_chosen_records_and_carries_filled_slots():
+    records = [single_turn(), multi_turn(), single_turn(), multi_turn()]
+    full = build_experience(records)
+    full.advantages = torch.arange(full.num_tokens, dtype=torch.float32)
+    chosen = full.select([3, 0])
+    expected = build_experience([records[3], records[0]], indices=[3, 0])
+    expected.advantages = torch.cat([full.advantages[15:20], full.advantages[0:5]])
+    assert_same_batch(chosen, expected)
+
+
+def test_select_of_nothing_is_an_empty_batch_and_out_of_range_is_refused():
+    full = build_experience([single_turn(), multi_turn()])
+    full.values = torch.zeros(full.num_tokens)
+    empty = full.select([])
+    assert (empty.num_sequences, empty.num_tokens) == (0, 0)
+    assert empty.values.shape == (0,)
+    with pytest.raises(IndexError, match=r"\[0, 2\)"):
+        full.select([2])
+
+
+def test_micro_batches_from_a_packed_batch_match_those_from_records():
+    records = [single_turn() if i % 3 else multi_turn() for i in range(9)]
+    plan = plan_micro_batches([r.num_tokens for r in records], max_tokens=12, num_ranks=2)
+    full = build_experience(records)
+    for rank in range(2):
+        from_records = micro_batches(records, plan, rank)
+        from_batch = micro_batches(full, plan, rank)
+        assert len(from_records) == len(from_batch) == plan.num_micro_batches
+        for left, right in zip(from_records, from_batch):
+            assert_same_batch(left, right)

@@ -159,6 +159,62 @@ class ExperienceBatch(msgspec.Struct, kw_only=True):
         }
         return msgspec.structs.replace(self, **changes)
 
+    @property
+    def sequence_lengths(self) -> torch.Tensor:
+        """[S] int64 prompt + response length of every sequence."""
+        return self.prompt_lengths + self.response_lengths
+
+    def select(self, sequences: Sequence[int] | torch.Tensor) -> ExperienceBatch:
+        """The sequences at positions `sequences` of this batch, repacked, with every field.
+
+        Per-token fields (including filled slots such as `advantages`) move with their tokens and
+        per-sequence fields with their sequences; `indices` keep pointing at the original records.
+        This is how a batch whose advantages were computed over all groups is cut into the
+        micro-batches of a `MicroBatchPlan`. Order follows `sequences`; repeats are allowed.
+        """
+        chosen = torch.as_tensor(sequences, dtype=torch.int64).reshape(-1)
+        count = self.num_sequences
+        if chosen.numel() and (int(chosen.min()) < 0 or int(chosen.max()) >= count):
+            raise IndexError(f"sequences: positions must lie in [0, {count}), got {chosen.tolist()}")
+        if chosen.numel() == 0:
+            empty = ExperienceBatch.empty(with_rollout_logprobs=self.rollout_logprobs is not None)
+            return msgspec.structs.replace(
+                empty,
+                **{slot: getattr(self, slot)[:0] for slot in _TOKEN_SLOTS if getattr(self, slot) is not None},
+            )
+        device = self.cu_seqlens.device
+        chosen = chosen.to(device)
+        lengths = self.sequence_lengths.to(device)[chosen]
+        new_cu = cu_seqlens_from_lengths(lengths)
+        total = int(new_cu[-1])
+        starts = self.cu_seqlens[:-1].to(torch.int64)[chosen]
+        offsets = torch.repeat_interleave(starts - new_cu[:-1].to(torch.int64), lengths, output_size=total)
+        tokens = torch.arange(total, device=device) + offsets
+        per_token = {
+            field: value[tokens.to(value.device)]
+            for field in ("input_ids", "position_ids", "action_mask", "rollout_logprobs", *_TOKEN_SLOTS)
+            if (value := getattr(self, field)) is not None
+        }
+        per_sequence = {
+            field: getattr(self, field)[chosen.to(getattr(self, field).device)]
+            for field in (
+                "prompt_lengths",
+                "response_lengths",
+                "rewards",
+                "scores",
+                "group_ids",
+                "policy_versions",
+                "indices",
+            )
+        }
+        return msgspec.structs.replace(
+            self,
+            cu_seqlens=new_cu.to(self.cu_seqlens.device),
+            finish_reasons=[self.finish_reasons[i] for i in chosen.tolist()],
+            **per_token,
+            **per_sequence,
+        )
+
     def response_positions(self) -> torch.Tensor:
         """[Σ R] indices into [N] of every response token, sequence by sequence."""
         starts = self.cu_seqlens[:-1].to(torch.int64) + self.prompt_lengths.to(self.cu_seqlens.device)
@@ -272,19 +328,25 @@ def build_experience(records: Sequence[Trajectory], indices: Sequence[int] | Non
     )
 
 
-def micro_batches(records: Sequence[Trajectory], plan: MicroBatchPlan, rank: int) -> list[ExperienceBatch]:
+def micro_batches(
+    records: Sequence[Trajectory] | ExperienceBatch, plan: MicroBatchPlan, rank: int
+) -> list[ExperienceBatch]:
     """One `ExperienceBatch` per micro-batch of `rank` in `plan`, in the plan's order.
 
-    `plan` must have been made from `[record.num_tokens for record in records]`; each batch's
-    `indices` are the records' positions in `records`. An empty micro-batch (a rank with fewer
-    sequences than micro-steps) becomes `ExperienceBatch.empty()`, so every rank still gets
-    the same number of batches; it carries empty `rollout_logprobs` when the records have them.
+    `records` is either the list of trajectories the plan was made for (lengths
+    `record.num_tokens`) or an `ExperienceBatch` of them (lengths `sequence_lengths`; its filled
+    slots such as advantages travel along, through `ExperienceBatch.select`). Each batch's
+    `indices` are the records' positions in the original list. An empty micro-batch (a rank with
+    fewer sequences than micro-steps) becomes an empty batch, so every rank still gets the same
+    number of batches; it carries empty `rollout_logprobs` when the records have them.
     """
     if not isinstance(plan, MicroBatchPlan):
         raise TypeError(f"plan must be a MicroBatchPlan, got {type(plan).__name__}")
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < plan.num_ranks:
         raise ValueError(f"rank must be an integer in [0, {plan.num_ranks}), got {rank!r}")
-    count = len(records)
+    packed = isinstance(records, ExperienceBatch)
+    lengths = records.sequence_lengths.tolist() if packed else [record.num_tokens for record in records]
+    count = len(lengths)
     batches = []
     for step, batch in enumerate(plan.ranks[rank]):
         bad = [i for i in batch if not 0 <= i < count]
@@ -293,15 +355,16 @@ def micro_batches(records: Sequence[Trajectory], plan: MicroBatchPlan, rank: int
                 f"plan.ranks[{rank}][{step}] refers to record {bad[0]} but there are {count} records; "
                 "the plan was made for other records"
             )
-        selected = [records[i] for i in batch]
-        tokens = sum(record.num_tokens for record in selected)
+        tokens = sum(lengths[i] for i in batch)
         if tokens != plan.micro_batch_tokens[rank][step]:
             raise ValueError(
                 f"plan.ranks[{rank}][{step}] has {plan.micro_batch_tokens[rank][step]} tokens in the plan but "
                 f"{tokens} in these records; the plan was made for other records"
             )
-        if selected:
-            batches.append(build_experience(selected, batch))
+        if packed:
+            batches.append(records.select(batch))
+        elif batch:
+            batches.append(build_experience([records[i] for i in batch], batch))
         else:
             with_logprobs = count > 0 and records[0].rollout_logprobs is not None
             batches.append(ExperienceBatch.empty(with_rollout_logprobs=with_logprobs))
