@@ -41,3 +41,35 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+# Tiny models and tokenizers, built locally once per session (rl_data.tiny).
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    """A saved Qwen2-style tiny model and ChatML tokenizer (folder path)."""
+    from rl_data.tiny import build_tiny_checkpoint
+
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "qwen2-chatml")
+
+
+@pytest.fixture(scope="session")
+def make_tokenizer():
+    """`make_tokenizer(chat_template)`: a tiny tokenizer with that template, built once per name."""
+    from rl_data.tiny import build_tiny_tokenizer
+
+    cache: dict[str, object] = {}
+
+    def make(chat_template: str = "chatml"):
+        if chat_template not in cache:
+            cache[chat_template] = build_tiny_tokenizer(chat_template=chat_template)
+        return cache[chat_template]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tokenizer(make_tokenizer):
+    """The ChatML tiny tokenizer."""
+    return make_tokenizer("chatml")

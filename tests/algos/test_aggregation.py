@@ -137,3 +137,14 @@ def test_mask_shape_mismatch_names_both_arguments():
 def test_bad_horizon_is_rejected():
     with pytest.raises(ValueError, match="horizon must be a positive int"):
         aggregate_loss(LOSS, MASK, "seq-mean-token-sum-norm", horizon=0)
+
+
+@pytest.mark.parametrize("mode", AGGREGATION_MODES)
+def test_float64_losses_aggregate_in_float64_and_half_precision_in_float32(mode):
+    per_token = torch.tensor([[1.0, 2.0, 0.0], [1.0 / 3.0, 1.0, 1.0]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    exact = aggregate_loss(per_token, mask, mode, normalizer=3)
+    assert exact.dtype == torch.float64
+    assert aggregate_loss(per_token.float(), mask, mode).dtype == torch.float32
+    assert aggregate_loss(per_token.bfloat16(), mask, mode).dtype == torch.float32
+    torch.testing.assert_close(exact.float(), aggregate_loss(per_token.float(), mask, mode, normalizer=3))

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import check_choice, check_floating, check_ndim, check_positive, mask_as
+from ._checks import check_choice, check_floating, check_ndim, check_positive, compute_dtype, mask_as
 
 __all__ = ["AGGREGATION_MODES", "aggregate_loss", "loss_normalizer", "resolve_normalizer"]
 
@@ -88,15 +88,16 @@ def aggregate_loss(
         pass it explicitly when micro-batches are padded differently.
 
     Returns:
-      A 0-d float32 tensor.
+      A 0-d tensor: float32, or float64 when `per_token_loss` is float64.
     """
     check_choice("mode", mode, AGGREGATION_MODES)
     check_ndim("per_token_loss", per_token_loss, 2, "[batch, seq]")
     check_floating("per_token_loss", per_token_loss)
-    mask = mask_as("action_mask", action_mask, per_token_loss, "per_token_loss").float()
+    dtype = compute_dtype(per_token_loss)
+    mask = mask_as("action_mask", action_mask, per_token_loss, "per_token_loss").to(dtype)
     # where, not a product: a padding position may hold inf or NaN, and inf·0 is NaN.
-    loss = torch.where(mask > 0, per_token_loss.float(), 0.0) * mask
-    divisor = resolve_normalizer(normalizer, loss_normalizer(mask, mode))
+    loss = torch.where(mask > 0, per_token_loss.to(dtype), 0.0) * mask
+    divisor = resolve_normalizer(normalizer, loss_normalizer(mask, mode)).to(dtype)
 
     if mode in ("token-mean", "seq-mean-token-sum"):
         total = loss.sum()
