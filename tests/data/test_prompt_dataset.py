@@ -381,3 +381,11 @@ def test_a_missing_column_names_the_key_and_the_file(tmp_path, cache, tokenizer,
         match=rf"data\.jsonl, row 0, key '{key}': missing; the rows have the keys \['prompt', 'label'\]",
     ):
         PromptDataset(path, tokenizer, cache_dir=cache, **kwargs)
+
+
+def test_what_was_kept_truncated_and_skipped_is_reported_in_the_log(tokenizer, caplog):
+    rows = [{"prompt": "short"}, {"prompt": "a much longer prompt " * 20}, {"prompt": ""}]
+    with caplog.at_level("INFO", logger="rl_data.datasets.prompts"):
+        dataset = PromptDataset(rows, tokenizer, max_length=40, overlong="drop", on_bad_row="skip")
+    assert dataset.stats.kept == 1
+    assert "PromptDataset: kept 1, truncated 0, skipped 2 (bad_prompt 1, too_long 1)" in caplog.text

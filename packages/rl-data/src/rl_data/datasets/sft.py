@@ -22,7 +22,7 @@ the same way.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import msgspec
@@ -40,28 +40,12 @@ from ..templates import (
     tokenize_prompt_completion,
     with_system_prompt,
 )
-from .common import (
-    ROW_COLUMN,
-    ROW_POLICIES,
-    SOURCE_COLUMN,
-    DatasetStats,
-    as_dataset,
-    check_choice,
-    location,
-    read_messages,
-    read_text,
-    require_columns,
-)
+from .common import as_dataset, location, read_messages, read_text, require_columns
+from .tokenized import OVERLONG_POLICIES, TokenizedRows, TokenStore
 
-__all__ = ["OVERLONG_POLICIES", "ResponseEncoder", "SFTDataset", "SFTSample", "fit_length"]
+__all__ = ["OVERLONG_POLICIES", "ResponseEncoder", "SFTDataset", "SFTSample"]
 
 logger = logging.getLogger(__name__)
-
-OVERLONG_POLICIES: tuple[str, ...] = ("drop", "truncate", "error")
-
-# Reasons under which `DatasetStats.skipped` counts rows.
-BAD_ROW = "bad_row"
-TOO_LONG = "too_long"
 
 
 class SFTSample(msgspec.Struct, kw_only=True):
@@ -90,12 +74,6 @@ class SFTSample(msgspec.Struct, kw_only=True):
                 f"SFTSample.loss_mask: length {self.loss_mask.numel()} does not match "
                 f"input_ids length {self.input_ids.numel()}"
             )
-
-
-def check_max_length(max_length: Any) -> int:
-    if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
-        raise ValueError(f"max_length: expected a positive int, got {max_length!r}")
-    return max_length
 
 
 class ResponseEncoder:
@@ -201,96 +179,7 @@ class ResponseEncoder:
         return msgspec.structs.replace(tokens, loss_mask=loss_mask, assistant_spans=spans)
 
 
-def fit_length(
-    tokens: ConversationTokens,
-    *,
-    max_length: int,
-    overlong: str,
-    row: Mapping[str, Any],
-    what: str = "sequence",
-) -> ConversationTokens | None:
-    """Apply the overlong policy: the tokens unchanged, truncated, None (drop), or DataError.
-
-    "truncate" keeps the first `max_length` tokens (`truncated` set) and drops the sequence
-    (None) when no trained token is left; "drop" returns None; "error" raises DataError naming
-    the file and the row.
-    """
-    length = len(tokens.input_ids)
-    if length <= max_length:
-        return tokens
-    if overlong == "error":
-        raise DataError(
-            f"{what} has {length} tokens, more than max_length {max_length} "
-            "(raise max_length, or pass overlong='drop' or 'truncate')",
-            **location(row),
-        )
-    if overlong == "drop":
-        return None
-    loss_mask = tokens.loss_mask[:max_length]
-    if not any(loss_mask):
-        return None
-    spans = [(min(first, max_length), min(last, max_length)) for first, last in tokens.assistant_spans]
-    return msgspec.structs.replace(
-        tokens,
-        input_ids=tokens.input_ids[:max_length],
-        loss_mask=loss_mask,
-        assistant_spans=spans,
-        truncated=True,
-    )
-
-
-def too_long_message(row: Mapping[str, Any], length: int, max_length: int) -> str:
-    """The example message kept in `DatasetStats` for a row dropped for its length."""
-    return f"{row[SOURCE_COLUMN]}, row {row[ROW_COLUMN]}: {length} tokens, more than max_length {max_length}"
-
-
-def iterate_rows(dataset: Any, columns: Sequence[str | None]) -> Iterator[tuple[int, dict[str, Any]]]:
-    """(position, row) for every row, reading only the named columns and the location columns."""
-    names = [name for name in dict.fromkeys(columns) if name is not None]
-    view = dataset.select_columns([*names, SOURCE_COLUMN, ROW_COLUMN])
-    yield from enumerate(view)
-
-
-class TokenStore:
-    """Variable-length token sequences kept as flat tensors plus offsets (a few tensors, not one per row)."""
-
-    def __init__(self) -> None:
-        self._ids: list[int] = []
-        self._masks: list[bool] = []
-        self._offsets = [0]
-
-    def append(self, tokens: ConversationTokens) -> None:
-        self._ids.extend(tokens.input_ids)
-        self._masks.extend(tokens.loss_mask)
-        self._offsets.append(len(self._ids))
-
-    def freeze(self) -> None:
-        self.ids = torch.tensor(self._ids, dtype=TOKEN_DTYPE)
-        self.masks = torch.tensor(self._masks, dtype=torch.bool)
-        self.offsets = self._offsets
-        del self._ids, self._masks
-
-    def __len__(self) -> int:
-        return len(self._offsets) - 1
-
-    def get(self, position: int) -> tuple[torch.Tensor, torch.Tensor]:
-        # Clones: a view would keep (and, in DataLoader workers, share) the whole flat storage.
-        first, last = self.offsets[position], self.offsets[position + 1]
-        return self.ids[first:last].clone(), self.masks[first:last].clone()
-
-    def lengths(self) -> list[int]:
-        return [last - first for first, last in zip(self.offsets, self.offsets[1:])]
-
-
-def normalise_position(position: int, length: int, owner: str) -> int:
-    if isinstance(position, bool) or not isinstance(position, int):
-        raise TypeError(f"{owner} index: expected an int, got {type_name(position)}")
-    if not -length <= position < length:
-        raise IndexError(f"{owner} index {position} out of range for {length} samples")
-    return position % length
-
-
-class SFTDataset:
+class SFTDataset(TokenizedRows):
     """Tokenized SFT rows with loss masks, built once at construction.
 
     Args:
@@ -328,9 +217,7 @@ class SFTDataset:
         on_bad_row: str = "error",
         cache_dir: Any = None,
     ) -> None:
-        self.max_length = check_max_length(max_length)
-        check_choice("overlong", overlong, OVERLONG_POLICIES)
-        check_choice("on_bad_row", on_bad_row, ROW_POLICIES)
+        super().__init__(max_length=max_length, overlong=overlong, on_bad_row=on_bad_row)
         encoder = ResponseEncoder(
             tokenizer,
             apply_chat_template=apply_chat_template,
@@ -345,55 +232,29 @@ class SFTDataset:
         columns = [messages_key] if messages_key is not None else [input_key, output_key]
         require_columns(dataset, columns)
 
+        def read(row: dict[str, Any]) -> ConversationTokens:
+            if messages_key is not None:
+                tokens = encoder.encode_conversation(row, messages_key)
+            else:
+                tokens = encoder.encode(row, prompt_key=input_key, response_key=output_key)
+            if not any(tokens.loss_mask):
+                raise DataError("no token to train on (empty assistant turns)", **location(row))
+            return tokens
+
         self.tokenizer = tokenizer
-        self.stats = DatasetStats()
         self._store = TokenStore()
-        self._index: list[int] = []
-        self._source: list[str] = []
-        self._row: list[int] = []
-        for index, row in iterate_rows(dataset, columns):
-            try:
-                if messages_key is not None:
-                    tokens = encoder.encode_conversation(row, messages_key)
-                else:
-                    tokens = encoder.encode(row, prompt_key=input_key, response_key=output_key)
-                if not any(tokens.loss_mask):
-                    raise DataError("no token to train on (empty assistant turns)", **location(row))
-            except DataError as error:
-                if on_bad_row == "error":
-                    raise
-                self.stats.skip(BAD_ROW, error)
-                continue
-            fitted = fit_length(tokens, max_length=self.max_length, overlong=overlong, row=row)
-            if fitted is None:
-                self.stats.skip(TOO_LONG, too_long_message(row, len(tokens.input_ids), self.max_length))
-                continue
-            self.stats.truncated += fitted.truncated
-            self.stats.kept += 1
-            self._store.append(fitted)
-            self._index.append(index)
-            self._source.append(row[SOURCE_COLUMN])
-            self._row.append(row[ROW_COLUMN])
+        for index, row, tokens in self._read_rows(dataset, columns, read):
+            fitted = self._fit([tokens], row)
+            if fitted is not None:
+                self._store.append(fitted[0])
+                self._keep(index, row)
         self._store.freeze()
         logger.info("SFTDataset: %s", self.stats.summary())
 
-    def __len__(self) -> int:
-        return len(self._index)
-
     def __getitem__(self, position: int) -> SFTSample:
-        position = normalise_position(position, len(self), "SFTDataset")
+        position = self._position(position)
         input_ids, loss_mask = self._store.get(position)
-        return SFTSample(
-            input_ids=input_ids,
-            loss_mask=loss_mask,
-            index=self._index[position],
-            source=self._source[position],
-            row=self._row[position],
-        )
-
-    def __iter__(self) -> Iterator[SFTSample]:
-        for position in range(len(self)):
-            yield self[position]
+        return SFTSample(input_ids=input_ids, loss_mask=loss_mask, **self._where(position))
 
     @property
     def lengths(self) -> list[int]:

