@@ -38,6 +38,15 @@ from .records import LOGPROB_DTYPE, TOKEN_DTYPE, Trajectory
 __all__ = ["ExperienceBatch", "build_experience", "micro_batches"]
 
 _TOKEN_SLOTS = ("old_logprobs", "ref_logprobs", "values", "advantages", "returns")
+_TOKEN_FIELDS = ("input_ids", "position_ids", "action_mask", "rollout_logprobs", *_TOKEN_SLOTS)
+_SEQUENCE_TENSORS = (
+    "prompt_lengths",
+    "response_lengths",
+    "rewards",
+    "scores",
+    "group_ids",
+    "policy_versions",
+)
 
 
 class ExperienceBatch(msgspec.Struct, kw_only=True):
@@ -90,20 +99,13 @@ class ExperienceBatch(msgspec.Struct, kw_only=True):
                 f"{owner}: input_ids must be [N] and cu_seqlens [S+1], got shapes "
                 f"{tuple(self.input_ids.shape)} and {tuple(self.cu_seqlens.shape)}"
             )
-        for field in ("position_ids", "action_mask", "rollout_logprobs", *_TOKEN_SLOTS):
+        for field in _TOKEN_FIELDS:
             value = getattr(self, field)
             if value is not None and value.shape[:1] != (tokens,):
                 raise ValueError(
                     f"{owner}.{field}: shape {tuple(value.shape)} is not aligned with N = {tokens}"
                 )
-        for field in (
-            "prompt_lengths",
-            "response_lengths",
-            "rewards",
-            "scores",
-            "group_ids",
-            "policy_versions",
-        ):
+        for field in _SEQUENCE_TENSORS:
             value = getattr(self, field)
             if tuple(value.shape) != (sequences,):
                 raise ValueError(
@@ -192,20 +194,12 @@ class ExperienceBatch(msgspec.Struct, kw_only=True):
         tokens = torch.arange(total, device=device) + offsets
         per_token = {
             field: value[tokens.to(value.device)]
-            for field in ("input_ids", "position_ids", "action_mask", "rollout_logprobs", *_TOKEN_SLOTS)
+            for field in _TOKEN_FIELDS
             if (value := getattr(self, field)) is not None
         }
         per_sequence = {
             field: getattr(self, field)[chosen.to(getattr(self, field).device)]
-            for field in (
-                "prompt_lengths",
-                "response_lengths",
-                "rewards",
-                "scores",
-                "group_ids",
-                "policy_versions",
-                "indices",
-            )
+            for field in (*_SEQUENCE_TENSORS, "indices")
         }
         return msgspec.structs.replace(
             self,

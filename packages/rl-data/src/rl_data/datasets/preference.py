@@ -31,7 +31,6 @@ from ..errors import DataError, type_name
 from ..records import TOKEN_DTYPE, as_1d_tensor
 from ..templates import ConversationTokens
 from .common import as_dataset, location, require_columns
-from .sft import ResponseEncoder
 from .tokenized import TokenizedRows, TokenStore
 
 __all__ = ["PreferenceDataset", "PreferencePair", "UnpairedPreferenceDataset", "UnpairedSample"]
@@ -166,13 +165,16 @@ class PreferenceDataset(TokenizedRows):
         on_bad_row: str = "error",
         cache_dir: Any = None,
     ) -> None:
-        super().__init__(max_length=max_length, overlong=overlong, on_bad_row=on_bad_row)
-        encoder = ResponseEncoder(
+        super().__init__(
             tokenizer,
             apply_chat_template=apply_chat_template,
             input_template=input_template,
             system_prompt=system_prompt,
+            max_length=max_length,
+            overlong=overlong,
+            on_bad_row=on_bad_row,
         )
+        encoder = self.encoder
         if prompt_key is None and not encoder.use_chat_template:
             raise ValueError("prompt_key: plain-text mode (no chat template) needs a prompt key")
         dataset = as_dataset(data, cache_dir=cache_dir)
@@ -185,7 +187,6 @@ class PreferenceDataset(TokenizedRows):
             margin = read_margin(row, margin_key) if margin_key is not None else 0.0
             return chosen, rejected, margin
 
-        self.tokenizer = tokenizer
         self._chosen, self._rejected = TokenStore(), TokenStore()
         self._margin: list[float] = []
         for index, row, (chosen, rejected, margin) in self._read_rows(dataset, columns, read):
@@ -246,13 +247,16 @@ class UnpairedPreferenceDataset(TokenizedRows):
         on_bad_row: str = "error",
         cache_dir: Any = None,
     ) -> None:
-        super().__init__(max_length=max_length, overlong=overlong, on_bad_row=on_bad_row)
-        encoder = ResponseEncoder(
+        super().__init__(
             tokenizer,
             apply_chat_template=apply_chat_template,
             input_template=input_template,
             system_prompt=system_prompt,
+            max_length=max_length,
+            overlong=overlong,
+            on_bad_row=on_bad_row,
         )
+        encoder = self.encoder
         if prompt_key is None and not encoder.use_chat_template:
             raise ValueError("prompt_key: plain-text mode (no chat template) needs a prompt key")
         dataset = as_dataset(data, cache_dir=cache_dir)
@@ -263,7 +267,6 @@ class UnpairedPreferenceDataset(TokenizedRows):
             desirable = read_desirable(row, desirable_key)
             return encoder.encode(row, prompt_key=prompt_key, response_key=completion_key), desirable
 
-        self.tokenizer = tokenizer
         self._store = TokenStore()
         self._desirable: list[bool] = []
         for index, row, (tokens, desirable) in self._read_rows(dataset, columns, read):

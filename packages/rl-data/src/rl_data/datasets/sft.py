@@ -15,35 +15,25 @@ Row layouts:
     rendered prompt, then the response, then the EOS token; the mask covers response and EOS.
 
 Masks come from `rl_data.templates` (exact for templates that are not append-only). The
-`ResponseEncoder` here is shared with the preference datasets, so SFT, DPO and KTO see a row
-the same way.
+`rl_data.datasets.tokenized.ResponseEncoder` is shared with the preference datasets, so SFT,
+DPO and KTO see a row the same way.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
 from typing import Any
 
 import msgspec
 import torch
 
-from ..errors import DataError, type_name
+from ..errors import DataError
 from ..records import TOKEN_DTYPE, as_1d_tensor
-from ..templates import (
-    ASSISTANT_ROLE,
-    ConversationTokens,
-    check_chat_template,
-    check_input_template,
-    render_prompt,
-    tokenize_conversation,
-    tokenize_prompt_completion,
-    with_system_prompt,
-)
-from .common import as_dataset, location, read_messages, read_text, require_columns
+from ..templates import ConversationTokens
+from .common import as_dataset, location, require_columns
 from .tokenized import OVERLONG_POLICIES, TokenizedRows, TokenStore
 
-__all__ = ["OVERLONG_POLICIES", "ResponseEncoder", "SFTDataset", "SFTSample"]
+__all__ = ["OVERLONG_POLICIES", "SFTDataset", "SFTSample"]
 
 logger = logging.getLogger(__name__)
 
@@ -74,109 +64,6 @@ class SFTSample(msgspec.Struct, kw_only=True):
                 f"SFTSample.loss_mask: length {self.loss_mask.numel()} does not match "
                 f"input_ids length {self.input_ids.numel()}"
             )
-
-
-class ResponseEncoder:
-    """Reads the prompt and response of a row and tokenizes them with the trained-token mask.
-
-    With the chat template (`apply_chat_template=True` and no `input_template`), a response is a
-    string (one assistant turn after the prompt messages) or a list of messages (appended to the
-    prompt; all its assistant turns are trained). Without a prompt key, the response must be a
-    whole conversation and only its last assistant turn is trained (OpenRLHF's preference
-    layout: everything before it is the shared prompt). In plain-text mode the prompt string goes
-    through `input_template` (or is taken as is), and the response string and EOS follow.
-
-    Every problem with a row's values raises DataError naming the file, row and key.
-    """
-
-    def __init__(
-        self,
-        tokenizer: Any,
-        *,
-        apply_chat_template: bool = True,
-        input_template: str | None = None,
-        system_prompt: str | None = None,
-    ) -> None:
-        if input_template is not None:
-            check_input_template(input_template)
-        self.use_chat_template = bool(apply_chat_template) and input_template is None
-        if self.use_chat_template:
-            check_chat_template(tokenizer)
-        else:
-            if system_prompt is not None:
-                raise ValueError(
-                    "system_prompt: needs the chat template (apply_chat_template=True and no input_template)"
-                )
-            if not tokenizer.eos_token:
-                raise ValueError("tokenizer has no eos_token; plain-text mode ends every response with it")
-        if system_prompt is not None and not isinstance(system_prompt, str):
-            raise TypeError(f"system_prompt: expected a string, got {type_name(system_prompt)}")
-        self.tokenizer = tokenizer
-        self.input_template = input_template
-        self.system_prompt = system_prompt
-
-    def encode(
-        self, row: Mapping[str, Any], *, prompt_key: str | None, response_key: str
-    ) -> ConversationTokens:
-        """Tokens and mask for `row[prompt_key]` followed by `row[response_key]`."""
-        if not self.use_chat_template:
-            if prompt_key is None:
-                raise ValueError("prompt_key: plain-text mode needs a prompt key")
-            prompt = render_prompt(
-                self.tokenizer,
-                read_text(row, prompt_key),
-                apply_chat_template=False,
-                input_template=self.input_template,
-            )
-            response = read_text(row, response_key)
-            return tokenize_prompt_completion(self.tokenizer, prompt, response)
-        if prompt_key is None:
-            if not isinstance(row.get(response_key), list):
-                raise DataError(
-                    f"without a prompt key the value must be a whole conversation (a list of messages), "
-                    f"got {type_name(row.get(response_key))}",
-                    key=response_key,
-                    **location(row),
-                )
-            messages = read_messages(row, response_key)
-            assistant = [i for i, message in enumerate(messages) if message["role"] == ASSISTANT_ROLE]
-            return self._tokenize(row, response_key, messages, trained=assistant[-1:])
-        prompt = read_messages(row, prompt_key)
-        if isinstance(row.get(response_key), list):
-            response = read_messages(row, response_key)
-        else:
-            response = [{"role": ASSISTANT_ROLE, "content": read_text(row, response_key)}]
-        trained = [len(prompt) + i for i, message in enumerate(response) if message["role"] == ASSISTANT_ROLE]
-        if not trained:
-            raise DataError(
-                f"the response messages have no {ASSISTANT_ROLE!r} turn", key=response_key, **location(row)
-            )
-        return self._tokenize(row, response_key, prompt + response, trained=trained)
-
-    def encode_conversation(self, row: Mapping[str, Any], messages_key: str) -> ConversationTokens:
-        """Tokens and mask for the conversation in `row[messages_key]`, every assistant turn trained."""
-        if not self.use_chat_template:
-            raise ValueError("messages_key: whole conversations need the chat template")
-        messages = read_messages(row, messages_key)
-        assistant = [i for i, message in enumerate(messages) if message["role"] == ASSISTANT_ROLE]
-        return self._tokenize(row, messages_key, messages, trained=assistant)
-
-    def _tokenize(
-        self, row: Mapping[str, Any], key: str, messages: list[dict[str, Any]], *, trained: Sequence[int]
-    ) -> ConversationTokens:
-        conversation = with_system_prompt(messages, self.system_prompt)
-        shift = len(conversation) - len(messages)
-        try:
-            tokens = tokenize_conversation(self.tokenizer, conversation)
-        except DataError as error:
-            raise DataError(error.reason, key=key, **location(row)) from error
-        assistant = [i for i, message in enumerate(conversation) if message["role"] == ASSISTANT_ROLE]
-        wanted = {index + shift for index in trained}
-        spans = [span for index, span in zip(assistant, tokens.assistant_spans) if index in wanted]
-        loss_mask = [False] * len(tokens.input_ids)
-        for first, last in spans:
-            loss_mask[first:last] = [True] * (last - first)
-        return msgspec.structs.replace(tokens, loss_mask=loss_mask, assistant_spans=spans)
 
 
 class SFTDataset(TokenizedRows):
@@ -217,13 +104,16 @@ class SFTDataset(TokenizedRows):
         on_bad_row: str = "error",
         cache_dir: Any = None,
     ) -> None:
-        super().__init__(max_length=max_length, overlong=overlong, on_bad_row=on_bad_row)
-        encoder = ResponseEncoder(
+        super().__init__(
             tokenizer,
             apply_chat_template=apply_chat_template,
             input_template=input_template,
             system_prompt=system_prompt,
+            max_length=max_length,
+            overlong=overlong,
+            on_bad_row=on_bad_row,
         )
+        encoder = self.encoder
         if messages_key is not None and not encoder.use_chat_template:
             raise ValueError(
                 "messages_key: whole conversations need the chat template (apply_chat_template=True, no input_template)"
@@ -241,7 +131,6 @@ class SFTDataset(TokenizedRows):
                 raise DataError("no token to train on (empty assistant turns)", **location(row))
             return tokens
 
-        self.tokenizer = tokenizer
         self._store = TokenStore()
         for index, row, tokens in self._read_rows(dataset, columns, read):
             fitted = self._fit([tokens], row)

@@ -1,9 +1,12 @@
 """What the tokenized datasets (SFT, preference, unpaired) share.
 
-`TokenizedRows` does the bookkeeping: it reads rows (a bad row raises or is counted, by
-`on_bad_row`), applies the `overlong` policy (`fit_length`), counts what it keeps, truncates and
-skips, and remembers where each kept sample came from (position in the data, file, row) for the
-items it returns. `TokenStore` keeps variable-length token ids and loss masks as flat tensors.
+`ResponseEncoder` reads a row's prompt and response (or whole conversation) the same way for
+SFT, DPO and KTO, so the stages of one model see the same tokens, and tokenizes it with the
+trained-token mask. `TokenizedRows` does the bookkeeping: it reads rows (a bad row raises or is
+counted, by `on_bad_row`), applies the `overlong` policy (`fit_length`), counts what it keeps,
+truncates and skips, and remembers where each kept sample came from (position in the data,
+file, row) for the items it returns. `TokenStore` keeps variable-length token ids and loss masks
+as flat tensors.
 """
 
 from __future__ import annotations
@@ -16,8 +19,26 @@ import torch
 
 from ..errors import DataError, type_name
 from ..records import TOKEN_DTYPE
-from ..templates import ConversationTokens
-from .common import ROW_COLUMN, ROW_POLICIES, SOURCE_COLUMN, DatasetStats, check_choice, location
+from ..templates import (
+    ASSISTANT_ROLE,
+    ConversationTokens,
+    check_chat_template,
+    check_input_template,
+    render_prompt,
+    tokenize_conversation,
+    tokenize_prompt_completion,
+    with_system_prompt,
+)
+from .common import (
+    ROW_COLUMN,
+    ROW_POLICIES,
+    SOURCE_COLUMN,
+    DatasetStats,
+    check_choice,
+    location,
+    read_messages,
+    read_text,
+)
 
 OVERLONG_POLICIES: tuple[str, ...] = ("drop", "truncate", "error")
 
@@ -123,6 +144,109 @@ def normalise_position(position: int, length: int, owner: str) -> int:
     return position % length
 
 
+class ResponseEncoder:
+    """Reads the prompt and response of a row and tokenizes them with the trained-token mask.
+
+    With the chat template (`apply_chat_template=True` and no `input_template`), a response is a
+    string (one assistant turn after the prompt messages) or a list of messages (appended to the
+    prompt; all its assistant turns are trained). Without a prompt key, the response must be a
+    whole conversation and only its last assistant turn is trained (OpenRLHF's preference
+    layout: everything before it is the shared prompt). In plain-text mode the prompt string goes
+    through `input_template` (or is taken as is), and the response string and EOS follow.
+
+    Every problem with a row's values raises DataError naming the file, row and key.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        *,
+        apply_chat_template: bool = True,
+        input_template: str | None = None,
+        system_prompt: str | None = None,
+    ) -> None:
+        if input_template is not None:
+            check_input_template(input_template)
+        self.use_chat_template = bool(apply_chat_template) and input_template is None
+        if self.use_chat_template:
+            check_chat_template(tokenizer)
+        else:
+            if system_prompt is not None:
+                raise ValueError(
+                    "system_prompt: needs the chat template (apply_chat_template=True and no input_template)"
+                )
+            if not tokenizer.eos_token:
+                raise ValueError("tokenizer has no eos_token; plain-text mode ends every response with it")
+        if system_prompt is not None and not isinstance(system_prompt, str):
+            raise TypeError(f"system_prompt: expected a string, got {type_name(system_prompt)}")
+        self.tokenizer = tokenizer
+        self.input_template = input_template
+        self.system_prompt = system_prompt
+
+    def encode(
+        self, row: Mapping[str, Any], *, prompt_key: str | None, response_key: str
+    ) -> ConversationTokens:
+        """Tokens and mask for `row[prompt_key]` followed by `row[response_key]`."""
+        if not self.use_chat_template:
+            if prompt_key is None:
+                raise ValueError("prompt_key: plain-text mode needs a prompt key")
+            prompt = render_prompt(
+                self.tokenizer,
+                read_text(row, prompt_key),
+                apply_chat_template=False,
+                input_template=self.input_template,
+            )
+            response = read_text(row, response_key)
+            return tokenize_prompt_completion(self.tokenizer, prompt, response)
+        if prompt_key is None:
+            if not isinstance(row.get(response_key), list):
+                raise DataError(
+                    f"without a prompt key the value must be a whole conversation (a list of messages), "
+                    f"got {type_name(row.get(response_key))}",
+                    key=response_key,
+                    **location(row),
+                )
+            messages = read_messages(row, response_key)
+            assistant = [i for i, message in enumerate(messages) if message["role"] == ASSISTANT_ROLE]
+            return self._tokenize(row, response_key, messages, trained=assistant[-1:])
+        prompt = read_messages(row, prompt_key)
+        if isinstance(row.get(response_key), list):
+            response = read_messages(row, response_key)
+        else:
+            response = [{"role": ASSISTANT_ROLE, "content": read_text(row, response_key)}]
+        trained = [len(prompt) + i for i, message in enumerate(response) if message["role"] == ASSISTANT_ROLE]
+        if not trained:
+            raise DataError(
+                f"the response messages have no {ASSISTANT_ROLE!r} turn", key=response_key, **location(row)
+            )
+        return self._tokenize(row, response_key, prompt + response, trained=trained)
+
+    def encode_conversation(self, row: Mapping[str, Any], messages_key: str) -> ConversationTokens:
+        """Tokens and mask for the conversation in `row[messages_key]`, every assistant turn trained."""
+        if not self.use_chat_template:
+            raise ValueError("messages_key: whole conversations need the chat template")
+        messages = read_messages(row, messages_key)
+        assistant = [i for i, message in enumerate(messages) if message["role"] == ASSISTANT_ROLE]
+        return self._tokenize(row, messages_key, messages, trained=assistant)
+
+    def _tokenize(
+        self, row: Mapping[str, Any], key: str, messages: list[dict[str, Any]], *, trained: Sequence[int]
+    ) -> ConversationTokens:
+        conversation = with_system_prompt(messages, self.system_prompt)
+        shift = len(conversation) - len(messages)
+        try:
+            tokens = tokenize_conversation(self.tokenizer, conversation)
+        except DataError as error:
+            raise DataError(error.reason, key=key, **location(row)) from error
+        assistant = [i for i, message in enumerate(conversation) if message["role"] == ASSISTANT_ROLE]
+        wanted = {index + shift for index in trained}
+        spans = [span for index, span in zip(assistant, tokens.assistant_spans) if index in wanted]
+        loss_mask = [False] * len(tokens.input_ids)
+        for first, last in spans:
+            loss_mask[first:last] = [True] * (last - first)
+        return msgspec.structs.replace(tokens, loss_mask=loss_mask, assistant_spans=spans)
+
+
 class TokenizedRows:
     """Base of the datasets whose items are tokenized rows: counted skips, locations, indexing.
 
@@ -130,11 +254,28 @@ class TokenizedRows:
     sample with `_keep`, and build items in `__getitem__` from `_position(i)` and `_where(i)`.
     """
 
-    def __init__(self, *, max_length: Any, overlong: str, on_bad_row: str) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        *,
+        apply_chat_template: bool,
+        input_template: str | None,
+        system_prompt: str | None,
+        max_length: Any,
+        overlong: str,
+        on_bad_row: str,
+    ) -> None:
         self.max_length = check_max_length(max_length)
         check_choice("overlong", overlong, OVERLONG_POLICIES)
         check_choice("on_bad_row", on_bad_row, ROW_POLICIES)
         self.overlong, self.on_bad_row = overlong, on_bad_row
+        self.tokenizer = tokenizer
+        self.encoder = ResponseEncoder(
+            tokenizer,
+            apply_chat_template=apply_chat_template,
+            input_template=input_template,
+            system_prompt=system_prompt,
+        )
         self.stats = DatasetStats()
         self._index: list[int] = []
         self._source: list[str] = []
