@@ -155,7 +155,7 @@ def test_karmarkar_karp_balances_a_long_tail_well():
 
 
 def test_partition_argument_errors_name_the_argument():
-    with pytest.raises(ValueError, match="num_parts must be an integer >= 1, got 0"):
+    with pytest.raises(ValueError, match="num_parts: expected an integer >= 1, got 0"):
         karmarkar_karp([1, 2], 0)
     with pytest.raises(ValueError, match=r"weights must be finite and >= 0, got weights\[1\] = -3"):
         karmarkar_karp([1, -3], 2)
@@ -338,9 +338,9 @@ def test_plan_argument_errors_name_the_allowed_values():
         plan_micro_batches([1], max_tokens=4, on_too_long="drop")
     with pytest.raises(ValueError, match=r"partition must be one of \('karmarkar_karp', 'greedy'\)"):
         plan_micro_batches([1], max_tokens=4, partition="random")
-    with pytest.raises(ValueError, match="max_tokens must be an integer >= 1, got 0"):
+    with pytest.raises(ValueError, match="max_tokens: expected an integer >= 1, got 0"):
         plan_micro_batches([1], max_tokens=0)
-    with pytest.raises(ValueError, match="num_ranks must be an integer >= 1, got 0"):
+    with pytest.raises(ValueError, match="num_ranks: expected an integer >= 1, got 0"):
         plan_micro_batches([1], max_tokens=4, num_ranks=0)
     with pytest.raises(TypeError, match="lengths must hold integers, got dtype float64"):
         plan_micro_batches([1.5], max_tokens=4)
@@ -369,5 +369,5 @@ def test_fixed_size_batches_and_padded_fraction():
     # Real 13 tokens; padded 2·3 + 2·2 + 1·5 = 15.
     assert padded_fraction(lengths, batches) == pytest.approx(1 - 13 / 15)
     assert padded_fraction([], []) == 0.0
-    with pytest.raises(ValueError, match="batch_size must be an integer >= 1, got 0"):
+    with pytest.raises(ValueError, match="batch_size: expected an integer >= 1, got 0"):
         fixed_size_batches(lengths, 0)

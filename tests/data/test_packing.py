@@ -108,7 +108,7 @@ def test_pack_sequences_rejects_a_sequence_that_is_not_1d_and_names_it():
 def test_pack_sequences_rejects_mixed_dtypes_and_bad_multiple():
     with pytest.raises(ValueError, match=r"sequences\[1\] has dtype torch.float32"):
         pack_sequences([torch.tensor([1]), torch.tensor([1.0])])
-    with pytest.raises(ValueError, match="pad_to_multiple_of must be an integer >= 1, got 0"):
+    with pytest.raises(ValueError, match="pad_to_multiple_of: expected an integer >= 1, got 0"):
         pack_sequences([[1]], pad_to_multiple_of=0)
 
 

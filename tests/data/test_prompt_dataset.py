@@ -185,11 +185,11 @@ def test_indexing_allows_negative_indexes_and_refuses_others(tokenizer):
     dataset = PromptDataset(QUESTIONS, tokenizer)
     assert dataset[-1].prompt == dataset[2].prompt
     assert dataset[-3].index == 0
-    with pytest.raises(IndexError, match="index 3 is out of range for a PromptDataset of 3 prompts"):
+    with pytest.raises(IndexError, match="PromptDataset index 3 is out of range for 3 samples"):
         dataset[3]
-    with pytest.raises(IndexError, match="index -4 is out of range"):
+    with pytest.raises(IndexError, match="PromptDataset index -4 is out of range for 3 samples"):
         dataset[-4]
-    with pytest.raises(TypeError, match="index: expected an int, got str"):
+    with pytest.raises(TypeError, match="PromptDataset index: expected an int, got str"):
         dataset["0"]
 
 

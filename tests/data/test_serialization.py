@@ -353,7 +353,7 @@ def test_checksum_depends_only_on_the_bytes_not_on_layout_or_dtype() -> None:
 
 
 def test_checksum_rejects_a_bad_chunk_size() -> None:
-    with pytest.raises(ValueError, match="chunk_words must be a positive int, got 0"):
+    with pytest.raises(ValueError, match="chunk_words: expected an integer >= 1, got 0"):
         tensor_checksum(torch.zeros(3), chunk_words=0)
     with pytest.raises(TypeError, match=r"expected a torch\.Tensor, got list"):
         tensor_checksum([1, 2])  # type: ignore[arg-type]

@@ -254,7 +254,7 @@ def test_overlong_error_is_raised_even_when_bad_rows_are_skipped(tmp_path, token
     [
         ({"overlong": "cut"}, r"overlong: 'cut' is not one of \('drop', 'truncate', 'error'\)"),
         ({"on_bad_row": "ignore"}, r"on_bad_row: 'ignore' is not one of \('error', 'skip'\)"),
-        ({"max_length": 0}, "max_length: expected a positive int, got 0"),
+        ({"max_length": 0}, "max_length: expected an integer >= 1, got 0"),
         (
             {"messages_key": "messages", "apply_chat_template": False},
             "messages_key: whole conversations need",
@@ -278,7 +278,7 @@ def test_missing_column_is_reported_with_the_available_keys(tmp_path, tokenizer)
 def test_indexing_is_bounds_checked_and_returns_independent_tensors(tmp_path, tokenizer):
     dataset = SFTDataset(ROWS, tokenizer, cache_dir=tmp_path / "hf-cache")
     assert dataset[-1].index == 2
-    with pytest.raises(IndexError, match="index 3 out of range for 3 samples"):
+    with pytest.raises(IndexError, match="SFTDataset index 3 is out of range for 3 samples"):
         dataset[3]
     sample = dataset[0]
     before = sample.input_ids.clone()

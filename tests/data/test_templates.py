@@ -256,7 +256,7 @@ def test_malformed_conversations_raise_data_error_naming_the_message(tokenizer, 
 
 def test_bad_max_length_and_missing_chat_template_are_rejected(tokenizer):
     messages = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
-    with pytest.raises(ValueError, match="max_length: expected a positive int"):
+    with pytest.raises(ValueError, match="max_length: expected an integer >= 1 or None"):
         tokenize_conversation(tokenizer, messages, max_length=0)
     with pytest.raises(ValueError, match="has no chat template"):
         tokenize_conversation(with_template(tokenizer, None), messages)

@@ -41,6 +41,8 @@ from collections.abc import Callable, Sequence
 import msgspec
 import numpy as np
 
+from .errors import check_integer
+
 __all__ = [
     "ON_TOO_LONG",
     "PARTITION_METHODS",
@@ -60,12 +62,6 @@ _LINEAR_STEPS = 4
 
 
 # --------------------------------------------------------------------------- checks
-
-
-def _check_count(name: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return int(value)
 
 
 def _as_weights(name: str, values: Sequence[float], *, integer: bool) -> list:
@@ -248,7 +244,7 @@ def karmarkar_karp(weights: Sequence[float], num_parts: int, *, equal_size: bool
       k lists of item indices (each sorted), by decreasing total weight; every index in
       0..n−1 appears in exactly one of them.
     """
-    num_parts = _check_count("num_parts", num_parts, 1)
+    num_parts = check_integer("num_parts", num_parts, 1)
     values = _as_weights("weights", weights, integer=False)
     return _karmarkar_karp(values, num_parts, bool(equal_size))[0]
 
@@ -260,7 +256,7 @@ def greedy_partition(weights: Sequence[float], num_parts: int) -> list[list[int]
     the part with fewer items, then the lower part number (parts). Returns k sorted index
     lists, by decreasing total weight.
     """
-    num_parts = _check_count("num_parts", num_parts, 1)
+    num_parts = check_integer("num_parts", num_parts, 1)
     values = _as_weights("weights", weights, integer=False)
     return _greedy(values, num_parts)[0]
 
@@ -528,9 +524,9 @@ def plan_micro_batches(
       A `MicroBatchPlan`; every index 0..n−1 appears exactly once in `plan.ranks` or in
       `plan.skipped`. Deterministic for given arguments.
     """
-    max_tokens = _check_count("max_tokens", max_tokens, 1)
-    num_ranks = _check_count("num_ranks", num_ranks, 1)
-    min_micro_batches = _check_count("min_micro_batches", min_micro_batches, 1)
+    max_tokens = check_integer("max_tokens", max_tokens, 1)
+    num_ranks = check_integer("num_ranks", num_ranks, 1)
+    min_micro_batches = check_integer("min_micro_batches", min_micro_batches, 1)
     if on_too_long not in ON_TOO_LONG:
         raise ValueError(f"on_too_long must be one of {ON_TOO_LONG}, got {on_too_long!r}")
     if partition not in PARTITION_METHODS:
@@ -571,7 +567,7 @@ def plan_micro_batches(
 
 def fixed_size_batches(lengths: Sequence[int], batch_size: int) -> list[list[int]]:
     """The naive baseline: consecutive chunks of `batch_size` sequences (the last may be shorter)."""
-    batch_size = _check_count("batch_size", batch_size, 1)
+    batch_size = check_integer("batch_size", batch_size, 1)
     count = len(lengths)
     return [list(range(start, min(start + batch_size, count))) for start in range(0, count, batch_size)]
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 
 class DataError(ValueError):
     """Invalid input data. `source`, `row`, `line` and `key` locate the problem when known."""
@@ -43,6 +45,19 @@ def _rebuild(
     message: str, source: str | None, row: int | None, line: int | None, key: str | None
 ) -> DataError:
     return DataError(message, source=source, row=row, line=line, key=key)
+
+
+def check_integer(name: str, value: Any, minimum: int, *, allow_none: bool = False) -> Any:
+    """`value` as an int ≥ `minimum` (None passes when `allow_none`); ValueError naming `name` otherwise.
+
+    bool is refused (True is not a count) and numpy integers are accepted.
+    """
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        expected = f"an integer >= {minimum}" + (" or None" if allow_none else "")
+        raise ValueError(f"{name}: expected {expected}, got {value!r}")
+    return int(value)
 
 
 def type_name(value: Any) -> str:

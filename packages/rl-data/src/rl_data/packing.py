@@ -27,6 +27,8 @@ from collections.abc import Sequence
 import msgspec
 import torch
 
+from .errors import check_integer
+
 __all__ = [
     "PADDING_SIDES",
     "PackedSequences",
@@ -243,12 +245,7 @@ def pack_sequences(
         )
     if len(sequences) == 0:
         raise ValueError("sequences is empty; at least one sequence is needed")
-    if (
-        isinstance(pad_to_multiple_of, bool)
-        or not isinstance(pad_to_multiple_of, int)
-        or pad_to_multiple_of < 1
-    ):
-        raise ValueError(f"pad_to_multiple_of must be an integer >= 1, got {pad_to_multiple_of!r}")
+    check_integer("pad_to_multiple_of", pad_to_multiple_of, 1)
     tensors = [_as_sequence_tensor(sequence, index) for index, sequence in enumerate(sequences)]
     reference = next((t for t in tensors if t.numel()), tensors[0])
     for index, tensor in enumerate(tensors):

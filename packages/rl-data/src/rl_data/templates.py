@@ -34,7 +34,7 @@ from typing import Any
 
 import msgspec
 
-from .errors import DataError, type_name
+from .errors import DataError, check_integer, type_name
 
 __all__ = [
     "ConversationTokens",
@@ -255,10 +255,7 @@ def tokenize_conversation(
     Cost: about 5 renderings per assistant turn plus one tokenization, so O(turns × length)
     characters of templating; 1 ms for a 600-token single-turn conversation on one CPU core.
     """
-    if max_length is not None and (
-        isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1
-    ):
-        raise ValueError(f"max_length: expected a positive int or None, got {max_length!r}")
+    check_integer("max_length", max_length, 1, allow_none=True)
     messages = check_messages(messages, require_assistant=True)
     check_chat_template(tokenizer)
     text = render(tokenizer, messages, add_generation_prompt=False)
@@ -329,10 +326,7 @@ def tokenize_prompt_completion(
     Returns:
         `ConversationTokens` with one span (the completion); `text` is prompt + completion + eos.
     """
-    if max_length is not None and (
-        isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1
-    ):
-        raise ValueError(f"max_length: expected a positive int or None, got {max_length!r}")
+    check_integer("max_length", max_length, 1, allow_none=True)
     for name, value in (("prompt_text", prompt_text), ("completion", completion)):
         if not isinstance(value, str):
             raise TypeError(f"{name}: expected a string, got {type_name(value)}")

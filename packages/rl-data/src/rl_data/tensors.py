@@ -31,6 +31,8 @@ import sys
 import msgspec
 import torch
 
+from .errors import check_integer
+
 __all__ = [
     "DEFAULT_CHECKSUM_CHUNK_WORDS",
     "DTYPE_CODES",
@@ -252,8 +254,7 @@ def tensor_checksum(tensor: torch.Tensor, *, chunk_words: int = DEFAULT_CHECKSUM
     """
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"tensor_checksum: expected a torch.Tensor, got {type(tensor).__name__}")
-    if isinstance(chunk_words, bool) or not isinstance(chunk_words, int) or chunk_words <= 0:
-        raise ValueError(f"tensor_checksum: chunk_words must be a positive int, got {chunk_words!r}")
+    check_integer("tensor_checksum: chunk_words", chunk_words, 1)
     raw = _raw_bytes(tensor)
     length = raw.numel()
     device = raw.device

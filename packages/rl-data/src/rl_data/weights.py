@@ -34,6 +34,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import msgspec
 import torch
 
+from .errors import check_integer
 from .tensors import dtype_from_name, dtype_name, supported_dtype_names, tensor_checksum
 
 __all__ = [
@@ -282,8 +283,7 @@ def plan_buckets(
       ValueError naming the parameter for a duplicate name, an unknown dtype or a bad shape,
       and naming the argument for a bad `bucket_bytes` or `alignment`.
     """
-    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
-        raise ValueError(f"plan_buckets: bucket_bytes must be a positive int, got {bucket_bytes!r}")
+    check_integer("plan_buckets: bucket_bytes", bucket_bytes, 1)
     if (
         isinstance(alignment, bool)
         or not isinstance(alignment, int)

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import numpy as np
 
 from ..errors import DataError, type_name
 
@@ -279,6 +280,15 @@ def concatenate_sources(parts: Sequence[Any]) -> Any:
                 source=part[0][SOURCE_COLUMN],
             )
     return datasets.concatenate_datasets([part.select_columns(first.column_names) for part in parts])
+
+
+def check_index(position: Any, length: int, owner: str) -> int:
+    """`position` as an index in [0, length): negatives count from the end; others raise, naming `owner`."""
+    if isinstance(position, bool) or not isinstance(position, (int, np.integer)):
+        raise TypeError(f"{owner} index: expected an int, got {type_name(position)}")
+    if not -length <= position < length:
+        raise IndexError(f"{owner} index {position} is out of range for {length} samples")
+    return int(position) % length
 
 
 def location(row: Mapping[str, Any]) -> dict[str, Any]:

@@ -21,7 +21,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from ..errors import DataError, type_name
+from ..errors import DataError, check_integer, type_name
 from .common import IN_MEMORY, SOURCE_COLUMN, as_dataset, check_choice, concatenate_sources
 
 __all__ = ["STOPPING_STRATEGIES", "mix_datasets", "parse_list", "parse_probabilities"]
@@ -107,10 +107,7 @@ def mix_datasets(
     import datasets
 
     check_choice("stopping_strategy", stopping_strategy, STOPPING_STRATEGIES)
-    if max_samples is not None and (
-        isinstance(max_samples, bool) or not isinstance(max_samples, int) or max_samples < 1
-    ):
-        raise ValueError(f"max_samples: expected an integer >= 1 or None, got {max_samples!r}")
+    check_integer("max_samples", max_samples, 1, allow_none=True)
     items = [sources] if isinstance(sources, datasets.Dataset) else parse_list(sources)
     if not items:
         raise ValueError("sources: empty; give at least one path or dataset")

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import DataError, type_name
+from ..errors import DataError, check_integer, type_name
 from ..records import PromptSample
 from ..templates import check_chat_template, check_input_template, render_prompt
 from .common import (
@@ -35,6 +35,7 @@ from .common import (
     DatasetStats,
     as_dataset,
     check_choice,
+    check_index,
     read_messages,
     read_text,
     require_columns,
@@ -108,10 +109,7 @@ class PromptDataset:
                 raise ValueError(f"{name}: expected a non-empty column name, got {key!r}")
         if input_key is None:
             raise ValueError("input_key: expected a non-empty column name, got None")
-        if max_length is not None and (
-            isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1
-        ):
-            raise ValueError(f"max_length: expected an integer >= 1 or None, got {max_length!r}")
+        check_integer("max_length", max_length, 1, allow_none=True)
         if input_template is not None:
             check_input_template(input_template)
         uses_chat_template = apply_chat_template and input_template is None
@@ -271,12 +269,7 @@ class PromptDataset:
 
     def __getitem__(self, index: int) -> PromptSample:
         """The `index`-th prompt (negative indexes count from the end)."""
-        if isinstance(index, bool) or not isinstance(index, (int, np.integer)):
-            raise TypeError(f"index: expected an int, got {type_name(index)}")
-        size = len(self.prompts)
-        position = int(index) + size if index < 0 else int(index)
-        if not 0 <= position < size:
-            raise IndexError(f"index {index} is out of range for a PromptDataset of {size} prompts")
+        position = check_index(index, len(self.prompts), "PromptDataset")
         start, end = int(self._offsets[position]), int(self._offsets[position + 1])
         original_length = self._truncated.get(position)
         extra: dict[str, Any] = {}

@@ -28,7 +28,7 @@ import msgspec
 import numpy as np
 import torch
 
-from ..errors import DataError, type_name
+from ..errors import DataError, check_integer, type_name
 from ..records import PromptSample
 
 __all__ = ["PromptLoader", "ResumableSampler", "SamplerState", "epoch_seed"]
@@ -63,12 +63,6 @@ def epoch_seed(seed: int, epoch: int) -> int:
     """The torch seed of epoch `epoch`: the first 63 bits of `SeedSequence([seed, epoch])`."""
     state = np.random.SeedSequence([seed, epoch]).generate_state(1, dtype=np.uint64)[0]
     return int(state) >> 1
-
-
-def check_integer(name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise ValueError(f"{name}: expected an integer >= {minimum}, got {value!r}")
-    return int(value)
 
 
 class ResumableSampler:

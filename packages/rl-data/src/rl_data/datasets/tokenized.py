@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 import msgspec
 import torch
 
-from ..errors import DataError, type_name
+from ..errors import DataError, check_integer, type_name
 from ..records import TOKEN_DTYPE
 from ..templates import (
     ASSISTANT_ROLE,
@@ -35,6 +35,7 @@ from .common import (
     SOURCE_COLUMN,
     DatasetStats,
     check_choice,
+    check_index,
     location,
     read_messages,
     read_text,
@@ -47,12 +48,6 @@ BAD_ROW = "bad_row"
 TOO_LONG = "too_long"
 
 Value = TypeVar("Value")
-
-
-def check_max_length(max_length: Any) -> int:
-    if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
-        raise ValueError(f"max_length: expected a positive int, got {max_length!r}")
-    return max_length
 
 
 def fit_length(
@@ -134,14 +129,6 @@ class TokenStore:
 
     def lengths(self) -> list[int]:
         return [last - first for first, last in zip(self.offsets, self.offsets[1:])]
-
-
-def normalise_position(position: int, length: int, owner: str) -> int:
-    if isinstance(position, bool) or not isinstance(position, int):
-        raise TypeError(f"{owner} index: expected an int, got {type_name(position)}")
-    if not -length <= position < length:
-        raise IndexError(f"{owner} index {position} out of range for {length} samples")
-    return position % length
 
 
 class ResponseEncoder:
@@ -265,7 +252,7 @@ class TokenizedRows:
         overlong: str,
         on_bad_row: str,
     ) -> None:
-        self.max_length = check_max_length(max_length)
+        self.max_length = check_integer("max_length", max_length, 1)
         check_choice("overlong", overlong, OVERLONG_POLICIES)
         check_choice("on_bad_row", on_bad_row, ROW_POLICIES)
         self.overlong, self.on_bad_row = overlong, on_bad_row
@@ -320,7 +307,7 @@ class TokenizedRows:
         self._row.append(row[ROW_COLUMN])
 
     def _position(self, position: int) -> int:
-        return normalise_position(position, len(self), type(self).__name__)
+        return check_index(position, len(self), type(self).__name__)
 
     def _where(self, position: int) -> dict[str, Any]:
         """The `index`, `source` and `row` fields of the item at `position`."""
