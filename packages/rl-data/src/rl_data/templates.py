@@ -75,6 +75,28 @@ class ConversationTokens(msgspec.Struct, frozen=True, kw_only=True):
         """Number of tokens the loss sees."""
         return sum(self.loss_mask)
 
+    def truncate(self, max_length: int | None) -> ConversationTokens:
+        """The first `max_length` tokens (spans clipped, `truncated` set); self when they all fit."""
+        if max_length is None or len(self.input_ids) <= max_length:
+            return self
+        return msgspec.structs.replace(
+            self,
+            input_ids=self.input_ids[:max_length],
+            loss_mask=self.loss_mask[:max_length],
+            assistant_spans=[
+                (min(first, max_length), min(last, max_length)) for first, last in self.assistant_spans
+            ],
+            truncated=True,
+        )
+
+
+def mask_from_spans(length: int, spans: Sequence[tuple[int, int]]) -> list[bool]:
+    """A loss mask of `length` that is True exactly inside the half-open token `spans`."""
+    mask = [False] * length
+    for first, last in spans:
+        mask[first:last] = [True] * (last - first)
+    return mask
+
 
 def check_input_template(input_template: str) -> None:
     """An input template holds "{}" exactly once (where the prompt goes); ValueError otherwise."""
@@ -295,17 +317,12 @@ def tokenize_conversation(
 
     input_ids, offsets = _encode_with_offsets(tokenizer, text)
     token_spans = _char_spans_to_token_spans(offsets, char_spans)
-    loss_mask = [False] * len(input_ids)
-    for first, last in token_spans:
-        loss_mask[first:last] = [True] * (last - first)
-    truncated = max_length is not None and len(input_ids) > max_length
-    if truncated:
-        assert max_length is not None
-        input_ids, loss_mask = input_ids[:max_length], loss_mask[:max_length]
-        token_spans = [(min(first, max_length), min(last, max_length)) for first, last in token_spans]
     return ConversationTokens(
-        input_ids=input_ids, loss_mask=loss_mask, assistant_spans=token_spans, text=text, truncated=truncated
-    )
+        input_ids=input_ids,
+        loss_mask=mask_from_spans(len(input_ids), token_spans),
+        assistant_spans=token_spans,
+        text=text,
+    ).truncate(max_length)
 
 
 def tokenize_prompt_completion(
@@ -342,19 +359,12 @@ def tokenize_prompt_completion(
     completion_ids = list(tokenizer(completion, add_special_tokens=False, verbose=False)["input_ids"])
     input_ids = prompt_ids + completion_ids
     loss_mask = [False] * len(prompt_ids) + [True] * len(completion_ids)
-    spans = [(len(prompt_ids), len(input_ids))]
-    truncated = max_length is not None and len(input_ids) > max_length
-    if truncated:
-        assert max_length is not None
-        input_ids, loss_mask = input_ids[:max_length], loss_mask[:max_length]
-        spans = [(min(first, max_length), min(last, max_length)) for first, last in spans]
     return ConversationTokens(
         input_ids=input_ids,
         loss_mask=loss_mask,
-        assistant_spans=spans,
+        assistant_spans=[(len(prompt_ids), len(input_ids))],
         text=prompt_text + completion,
-        truncated=truncated,
-    )
+    ).truncate(max_length)
 
 
 def assistant_token_texts(tokenizer: Any, tokens: ConversationTokens) -> list[str]:

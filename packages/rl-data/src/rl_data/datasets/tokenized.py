@@ -24,6 +24,7 @@ from ..templates import (
     ConversationTokens,
     check_chat_template,
     check_input_template,
+    mask_from_spans,
     render_prompt,
     tokenize_conversation,
     tokenize_prompt_completion,
@@ -75,17 +76,8 @@ def fit_length(
         )
     if overlong == "drop":
         return None
-    loss_mask = tokens.loss_mask[:max_length]
-    if not any(loss_mask):
-        return None
-    spans = [(min(first, max_length), min(last, max_length)) for first, last in tokens.assistant_spans]
-    return msgspec.structs.replace(
-        tokens,
-        input_ids=tokens.input_ids[:max_length],
-        loss_mask=loss_mask,
-        assistant_spans=spans,
-        truncated=True,
-    )
+    truncated = tokens.truncate(max_length)
+    return truncated if any(truncated.loss_mask) else None
 
 
 def too_long_message(row: Mapping[str, Any], length: int, max_length: int) -> str:
@@ -228,9 +220,7 @@ class ResponseEncoder:
         assistant = [i for i, message in enumerate(conversation) if message["role"] == ASSISTANT_ROLE]
         wanted = {index + shift for index in trained}
         spans = [span for index, span in zip(assistant, tokens.assistant_spans) if index in wanted]
-        loss_mask = [False] * len(tokens.input_ids)
-        for first, last in spans:
-            loss_mask[first:last] = [True] * (last - first)
+        loss_mask = mask_from_spans(len(tokens.input_ids), spans)
         return msgspec.structs.replace(tokens, loss_mask=loss_mask, assistant_spans=spans)
 
 
