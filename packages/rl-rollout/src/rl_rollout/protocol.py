@@ -1,0 +1,224 @@
+"""The engine protocol: token ids in, token ids, log-probs and a finish reason out.
+
+Every engine (vLLM in-process, HF transformers, an OpenAI-compatible HTTP server) implements
+`Engine` and passes the same contract tests. Executors and the launcher only ever talk to this
+interface, so an engine can be swapped by configuration.
+
+    engine.generate([[1, 2, 3], [4, 5]], SamplingParams(n=4, max_new_tokens=64))
+    # -> [[Generation, Generation, Generation, Generation], [4 more]]   [prompt][sample]
+
+Text never enters a trajectory: prompts are token ids, responses are the sampled token ids, and
+`logprobs[t]` is the engine's log-probability of `token_ids[t]` under softmax(z / T), the
+temperature-scaled distribution (T = 1 when greedy) before top-k / top-p truncation: exactly
+what the learner recomputes with `rl_algos.logprobs_from_logits(logits, labels, temperature=T)`.
+(vLLM reports top-k / top-p renormalised values when those are set; RL runs usually leave them
+off.)
+
+Weight sync, receiving side: `init_weight_sync(spec, rank)` joins the transport that
+`rl_data.transport.WeightSyncSpec` describes (a process group, a folder, CUDA IPC);
+`receive_weights(...)` applies one sync and returns a `WeightSyncReport` whose checksums the
+sender compares. The engine then reports the new `policy_version`.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import math
+from collections.abc import Sequence
+
+import msgspec
+
+from rl_data import FINISH_REASONS, WeightSyncReport
+from rl_data.transport import IpcPayload, WeightSyncSpec
+
+__all__ = [
+    "FEATURES",
+    "Engine",
+    "EngineError",
+    "Generation",
+    "SamplingParams",
+    "check_prompts",
+]
+
+FEATURES = ("weight_sync", "sleep", "prefix_cache", "async")
+
+
+class EngineError(RuntimeError):
+    """An engine cannot serve a request: bad prompt, unsupported feature, server failure."""
+
+
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
+    """How to sample; the same fields mean the same thing for every engine.
+
+    temperature: 0 means greedy. top_p: nucleus mass in (0, 1]. top_k: 0 means off.
+    max_new_tokens: response length cap (finish reason "length" when hit). min_new_tokens:
+    EOS and stop tokens are suppressed before this many tokens. stop_token_ids: extra token ids
+    that end a response (the tokenizer's EOS always does unless `ignore_eos`); the stop token is
+    part of the response. stop: strings that end a response, matched on the decoded text; the
+    response is cut after the tokens that complete the match (engines that cannot do that keep
+    whole tokens). n: samples per prompt. seed: per-request seed (None: engine's generator).
+    logprobs: return the sampled tokens' log-probs.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 1024
+    min_new_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    n: int = 1
+    seed: int | None = None
+    logprobs: bool = True
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        def fail(field: str, value: object, allowed: str) -> None:
+            raise ValueError(f"SamplingParams.{field}: {value!r} is not allowed; expected {allowed}")
+
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            fail("temperature", self.temperature, "a finite number >= 0 (0 = greedy)")
+        if not 0 < self.top_p <= 1:
+            fail("top_p", self.top_p, "a number in (0, 1]")
+        for field in ("top_k", "min_new_tokens"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                fail(field, value, "an integer >= 0")
+        for field in ("max_new_tokens", "n"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                fail(field, value, "an integer >= 1")
+        if self.min_new_tokens > self.max_new_tokens:
+            fail("min_new_tokens", self.min_new_tokens, f"at most max_new_tokens ({self.max_new_tokens})")
+        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            fail("stop_token_ids", self.stop_token_ids, "non-negative token ids")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            fail("stop", self.stop, "non-empty strings")
+
+    @property
+    def greedy(self) -> bool:
+        """True when temperature is 0."""
+        return self.temperature == 0
+
+
+class Generation(msgspec.Struct, kw_only=True):
+    """One sampled response: token ids, their log-probs, why it ended, which weights made it.
+
+    finish_reason is one of rl_data.FINISH_REASONS: "stop" (EOS, a stop token or a stop
+    string), "length" (max_new_tokens or the context length reached) or "abort".
+    """
+
+    token_ids: list[int]
+    logprobs: list[float] | None
+    finish_reason: str
+    policy_version: int = 0
+
+    def __post_init__(self) -> None:
+        if self.finish_reason not in FINISH_REASONS:
+            raise ValueError(
+                f"Generation.finish_reason: {self.finish_reason!r} is not one of {FINISH_REASONS}"
+            )
+        if self.logprobs is not None and len(self.logprobs) != len(self.token_ids):
+            raise ValueError(f"Generation: {len(self.logprobs)} log-probs for {len(self.token_ids)} tokens")
+
+
+def check_prompts(
+    prompts: Sequence[Sequence[int]], params: SamplingParams, max_model_len: int, engine: str
+) -> list[list[int]]:
+    """The prompts as lists of ints, after checking each one; raises EngineError naming the prompt.
+
+    A prompt must be non-empty, hold non-negative integer token ids, and leave room for at least
+    one new token: len(prompt) < max_model_len.
+    """
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+        raise EngineError(
+            f"{engine}.generate: prompts must be a sequence of token-id lists, got {type(prompts).__name__}"
+        )
+    checked = []
+    for index, prompt in enumerate(prompts):
+        if isinstance(prompt, (str, bytes)):
+            raise EngineError(f"{engine}.generate: prompt {index} is text; engines take token ids")
+        ids = [int(token) for token in prompt]
+        if not ids:
+            raise EngineError(f"{engine}.generate: prompt {index} is empty")
+        if min(ids) < 0:
+            raise EngineError(f"{engine}.generate: prompt {index} holds a negative token id {min(ids)}")
+        if len(ids) >= max_model_len:
+            raise EngineError(
+                f"{engine}.generate: prompt {index} has {len(ids)} tokens; the engine's context is "
+                f"{max_model_len} tokens, which leaves no room for a response"
+            )
+        checked.append(ids)
+    return checked
+
+
+class Engine(abc.ABC):
+    """A generation engine behind the token-in/token-out protocol.
+
+    Subclasses implement `generate` and `max_model_len`, and override the optional features they
+    have (`supports(feature)` says which, from FEATURES); the defaults raise EngineError naming
+    the engine and the feature.
+    """
+
+    name = "Engine"
+    policy_version: int = 0
+
+    @property
+    @abc.abstractmethod
+    def max_model_len(self) -> int:
+        """Context length: prompt plus response tokens."""
+
+    @abc.abstractmethod
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Generation]]:
+        """`params.n` responses for each prompt: result[i][j] is sample j of prompts[i].
+
+        A response is cut so that prompt + response fits in `max_model_len` (finish reason
+        "length"). Raises EngineError naming the prompt for an empty or over-long prompt.
+        """
+
+    async def agenerate(self, prompt: Sequence[int], params: SamplingParams) -> list[Generation]:
+        """The `params.n` responses to one prompt, for many concurrent callers (multi-turn agents).
+
+        The default runs `generate` in a worker thread; engines with their own scheduler
+        (vLLM's async engine, an HTTP server) override it so concurrent requests batch together.
+        """
+        return (await asyncio.to_thread(self.generate, [prompt], params))[0]
+
+    def supports(self, feature: str) -> bool:
+        """Whether this engine has `feature` (one of FEATURES)."""
+        if feature not in FEATURES:
+            raise ValueError(f"{self.name}.supports: unknown feature {feature!r}; expected one of {FEATURES}")
+        return False
+
+    def _unsupported(self, feature: str) -> EngineError:
+        return EngineError(f"{self.name} does not support {feature}")
+
+    def init_weight_sync(self, spec: WeightSyncSpec, rank: int) -> None:
+        """Join the weight-sync transport of `spec` as receiver `rank` (1 + offset among receivers)."""
+        raise self._unsupported("weight_sync")
+
+    def receive_weights(self, version: int, payload: IpcPayload | None = None) -> WeightSyncReport:
+        """Receive and apply one sync (`payload` for CUDA IPC); sets policy_version = `version`."""
+        raise self._unsupported("weight_sync")
+
+    def sleep(self, level: int = 1) -> None:
+        """Free accelerator memory between rollouts (level 1: keep weights on CPU; 2: drop them)."""
+        raise self._unsupported("sleep")
+
+    def wake_up(self) -> None:
+        """Undo `sleep`."""
+        raise self._unsupported("sleep")
+
+    def reset_prefix_cache(self) -> None:
+        """Forget cached prefixes (needed after a weight update)."""
+        raise self._unsupported("prefix_cache")
+
+    def close(self) -> None:  # noqa: B027 - engines without resources have nothing to release
+        """Release the engine's resources."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
