@@ -104,11 +104,14 @@ MASK64 = (1 << 64) - 1
 def reference_checksum(data: bytes) -> int:
     """The checksum of rl_data.tensors.tensor_checksum, in Python integers, read from its docstring."""
     length = len(data)
-    padded = data + b"\x00" * (-length % 4)
-    words = struct.unpack(f"<{len(padded) // 4}I", padded)
+    padded = data + b"\x00" * (-length % 8)
+    words = struct.unpack(f"<{len(padded) // 8}Q", padded)
     s1 = sum(words) & MASK64
     s2 = sum((i + 1) * w for i, w in enumerate(words)) & MASK64
-    value = (s2 + (s1 << 32) + 0x9E3779B97F4A7C15 * length) & MASK64
+    return mix64((mix64((s1 + 0x9E3779B97F4A7C15 * length) & MASK64) + s2) & MASK64)
+
+
+def mix64(value: int) -> int:
     value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
     value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & MASK64
     return value ^ (value >> 31)
@@ -285,12 +288,12 @@ def test_decode_tensor_rejects_a_shape_whose_size_overflows() -> None:
 
 
 @settings(max_examples=60, deadline=None)
-@given(data=st.binary(max_size=67), chunk_words=st.integers(1, 5))
-def test_checksum_matches_the_python_reference_on_random_bytes(data: bytes, chunk_words: int) -> None:
+@given(data=st.binary(max_size=67), row_words=st.integers(1, 5))
+def test_checksum_matches_the_python_reference_on_random_bytes(data: bytes, row_words: int) -> None:
     tensor = torch.tensor(list(data), dtype=torch.uint8)
     expected = reference_checksum(data)
     assert tensor_checksum(tensor) == expected
-    assert tensor_checksum(tensor, chunk_words=chunk_words) == expected
+    assert tensor_checksum(tensor, row_words=row_words) == expected
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.int64, torch.bool, torch.float16])
@@ -301,20 +304,21 @@ def test_checksum_of_typed_tensors_matches_the_reference_on_their_bytes(
     tensor = random_tensor(dtype, (numel,), seed=numel)
     expected = reference_checksum(raw_bytes(tensor))
     assert tensor_checksum(tensor) == expected
-    assert tensor_checksum(tensor, chunk_words=2) == expected
+    assert tensor_checksum(tensor, row_words=2) == expected
     assert 0 <= expected < 2**64
 
 
 def test_checksum_wraps_modulo_2_pow_64_like_the_reference() -> None:
-    # 160k random words: Σ (i + 1)·w_i is about 2^64, so int64 sums wrap several times.
-    tensor = random_tensor(torch.uint8, (4 * 160_000 + 3,), seed=5)
+    # 20k random 64-bit words (plus a tail): both sums wrap modulo 2^64 many times.
+    tensor = random_tensor(torch.uint8, (8 * 20_000 + 3,), seed=5)
     data = raw_bytes(tensor)
-    words = struct.unpack(f"<{len(data) // 4}I", data[: len(data) // 4 * 4])
-    assert sum((i + 1) * w for i, w in enumerate(words)) > 2**63
+    words = struct.unpack(f"<{len(data) // 8}Q", data[: len(data) // 8 * 8])
+    assert sum(words) > 2**70
     expected = reference_checksum(data)
     assert tensor_checksum(tensor) == expected
-    assert tensor_checksum(tensor, chunk_words=1 << 12) == expected
-    assert tensor_checksum(tensor, chunk_words=1000) == expected
+    assert tensor_checksum(tensor, row_words=1 << 12) == expected
+    assert tensor_checksum(tensor, row_words=1000) == expected
+    assert tensor_checksum(tensor, row_words=7) == expected
 
 
 def test_checksum_detects_every_single_bit_flip() -> None:
@@ -347,14 +351,14 @@ def test_checksum_depends_only_on_the_bytes_not_on_layout_or_dtype() -> None:
         == tensor_checksum(base.view(torch.uint8))
         == tensor_checksum(base.view(torch.int16))
     )
-    # A view that starts at an odd byte offset of its storage (not 4-byte aligned).
+    # A view that starts at an odd byte offset of its storage (not 8-byte aligned).
     buffer = torch.randint(0, 256, (40,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
-    assert tensor_checksum(buffer[1:30], chunk_words=2) == reference_checksum(raw_bytes(buffer[1:30]))
+    assert tensor_checksum(buffer[1:30], row_words=2) == reference_checksum(raw_bytes(buffer[1:30]))
 
 
-def test_checksum_rejects_a_bad_chunk_size() -> None:
-    with pytest.raises(ValueError, match="chunk_words: expected an integer >= 1, got 0"):
-        tensor_checksum(torch.zeros(3), chunk_words=0)
+def test_checksum_rejects_a_bad_row_width() -> None:
+    with pytest.raises(ValueError, match="row_words: expected an integer >= 1, got 0"):
+        tensor_checksum(torch.zeros(3), row_words=0)
     with pytest.raises(TypeError, match=r"expected a torch\.Tensor, got list"):
         tensor_checksum([1, 2])  # type: ignore[arg-type]
 
