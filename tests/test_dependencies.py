@@ -31,7 +31,17 @@ ALLOWED: dict[str, tuple[set[str], set[str]]] = {
         {"torch", "msgspec", "rl-data", "rl-algos", "transformers", "vllm"},
     ),
     "rl_learner": (
-        {"torch", "msgspec", "numpy", "rl_data", "rl_algos", "deepspeed", "transformers", "peft", "safetensors"},
+        {
+            "torch",
+            "msgspec",
+            "numpy",
+            "rl_data",
+            "rl_algos",
+            "deepspeed",
+            "transformers",
+            "peft",
+            "safetensors",
+        },
         {"torch", "rl-data", "rl-algos", "deepspeed", "transformers", "peft"},
     ),
 }
@@ -42,7 +52,12 @@ LIGHT_IMPORT: dict[str, set[str]] = {
     "rl_rollout": {"msgspec", "numpy", "rl_data", "rl_algos"},
     "rl_learner": {"msgspec", "numpy", "rl_data", "rl_algos"},
 }
-DISTRIBUTIONS = {"rl_algos": "rl-algos", "rl_data": "rl-data", "rl_rollout": "rl-rollout", "rl_learner": "rl-learner"}
+DISTRIBUTIONS = {
+    "rl_algos": "rl-algos",
+    "rl_data": "rl-data",
+    "rl_rollout": "rl-rollout",
+    "rl_learner": "rl-learner",
+}
 BUILT = [name for name, dist in DISTRIBUTIONS.items() if (ROOT / "packages" / dist).is_dir()]
 
 

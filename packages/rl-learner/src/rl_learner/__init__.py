@@ -1,5 +1,67 @@
-"""rl_learner: DeepSpeed learners, weight sync (sender side) and checkpoints."""
+"""rl_learner: DeepSpeed learners for RL post-training, the sending side of weight sync, checkpoints.
+
+- Models from HF checkpoints: policy and reference (`load_causal_lm`), critic and reward model
+  (`load_value_model`: a causal-LM backbone with a scalar `score` head that also loads as
+  `AutoModelForSequenceClassification`); LoRA through peft (`apply_lora`).
+- `PolicyLearner` / `ValueLearner`: forward passes over packed `rl_data.ExperienceBatch`
+  micro-batches (log-probs, entropy, values, scores) and train steps that use `rl_algos` only.
+  Every loss is normalised by the global count of the whole optimizer step (all micro-batches,
+  all ranks), so the update does not depend on how the batch is split. Non-finite values never
+  reach the weights.
+- Weight sync, sender side (`rl_learner.sync`): bucketed broadcast, CUDA IPC or files, through
+  `rl_data.transport`; ZeRO-3 gathered per bucket, LoRA merged on the fly, cast to the engine's dtype.
+- Checkpoints (`rl_learner.checkpoint`): atomic, rotated, verified on resume; HF export.
+
+`import rl_learner` stays light: DeepSpeed, transformers and peft load where they are used.
+"""
 
 from .__about__ import __version__
+from .checkpoint import (
+    CheckpointError,
+    TrainingState,
+    export_hf,
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    save_checkpoint,
+)
+from .config import DeepSpeedConfig, OptimizerConfig, build_optimizer, build_scheduler, deepspeed_config
+from .learner import Learner, NonFiniteError, PolicyLearner, PolicyLossConfig, ValueLearner, ValueLossConfig
+from .lora import LoraOptions, apply_lora
+from .models import load_causal_lm, load_value_model, packed_logprobs, packed_scores, packed_values
+from .sync import BroadcastSender, FileSender, IpcSender, WeightSender, make_sender, sync_layout
 
-__all__ = ["__version__"]
+__all__ = [
+    "BroadcastSender",
+    "CheckpointError",
+    "DeepSpeedConfig",
+    "FileSender",
+    "IpcSender",
+    "Learner",
+    "LoraOptions",
+    "NonFiniteError",
+    "OptimizerConfig",
+    "PolicyLearner",
+    "PolicyLossConfig",
+    "TrainingState",
+    "ValueLearner",
+    "ValueLossConfig",
+    "WeightSender",
+    "__version__",
+    "apply_lora",
+    "build_optimizer",
+    "build_scheduler",
+    "deepspeed_config",
+    "export_hf",
+    "latest_checkpoint",
+    "list_checkpoints",
+    "load_causal_lm",
+    "load_checkpoint",
+    "load_value_model",
+    "make_sender",
+    "packed_logprobs",
+    "packed_scores",
+    "packed_values",
+    "save_checkpoint",
+    "sync_layout",
+]

@@ -1,5 +1,67 @@
-"""rl_rollout: token-in/token-out engines, executors, rewards and the receiving side of weight sync."""
+"""rl_rollout: generation for RL post-training, token ids in and token ids out.
+
+- One engine protocol (`Engine`, `SamplingParams`, `Generation`): vLLM in-process
+  (`rl_rollout.engines.VLLMEngine`), HF transformers (`HFEngine`) and an OpenAI-compatible
+  server (`HTTPEngine`) all pass the same contract tests. Engines receive weights from a
+  learner through `rl_data.transport` (`WeightReceiver`), never by importing `rl_learner`.
+- Executors turn `rl_data.PromptSample`s into scored `rl_data.Trajectory` records: single-turn
+  (n samples per prompt) and multi-turn agents (environment tokens carry action mask 0; OpenRLHF
+  agent files work unchanged).
+- Rewards: OpenRLHF `reward_func` files, rule rewards for verifiable tasks, a remote reward client.
+- DAPO dynamic filtering that never drops accepted groups, overlong and stop-properly shaping.
+
+    from rl_rollout import SamplingParams, SingleTurnExecutor, NumericAnswerReward
+    from rl_rollout.engines import VLLMEngine
+
+    engine = VLLMEngine("path/to/model")
+    records = SingleTurnExecutor(engine, NumericAnswerReward(), tokenizer, SamplingParams(n=8)).run(prompts)
+"""
 
 from .__about__ import __version__
+from .executors import EpisodeError, MultiTurnExecutor, SingleTurnExecutor, load_agent_class
+from .filtering import DynamicSampler, FilterResult, dynamic_sample, filter_groups, shape_rewards
+from .protocol import Engine, EngineError, Generation, SamplingParams
+from .remote import RemoteRewardClient, RemoteRewardError
+from .rewards import (
+    BatchedReward,
+    ExactMatchReward,
+    FormatReward,
+    NumericAnswerReward,
+    PerSampleReward,
+    RewardError,
+    RewardFunction,
+    RewardOutput,
+    WeightedSumReward,
+    load_reward_function,
+)
+from .weights import WeightReceiver
 
-__all__ = ["__version__"]
+__all__ = [
+    "BatchedReward",
+    "DynamicSampler",
+    "Engine",
+    "EngineError",
+    "EpisodeError",
+    "ExactMatchReward",
+    "FilterResult",
+    "FormatReward",
+    "Generation",
+    "MultiTurnExecutor",
+    "NumericAnswerReward",
+    "PerSampleReward",
+    "RemoteRewardClient",
+    "RemoteRewardError",
+    "RewardError",
+    "RewardFunction",
+    "RewardOutput",
+    "SamplingParams",
+    "SingleTurnExecutor",
+    "WeightReceiver",
+    "WeightedSumReward",
+    "__version__",
+    "dynamic_sample",
+    "filter_groups",
+    "load_agent_class",
+    "load_reward_function",
+    "shape_rewards",
+]

@@ -1,0 +1,974 @@
+"""Checkpoints of RL training: DeepSpeed engines plus training state, written atomically; HF export.
+
+A checkpoint holds everything a run needs to continue as if it had never stopped: every
+DeepSpeed engine's model, optimizer and LR-scheduler state (`engine.save_checkpoint`), the
+training position (`TrainingState`: step, consumed samples, policy version, the data loader's
+state) and each rank's RNG states (Python `random`, NumPy's global generator, torch CPU and
+CUDA). On CPU in fp32, a run resumed from a checkpoint reproduces the losses and weights of an
+uninterrupted run bit for bit.
+
+Layout of a checkpoint root:
+
+    root/
+      latest                        the tag of the last complete checkpoint (one line)
+      step_00000004/                a complete checkpoint; its folder name is its tag
+        manifest.json               written last: every other file with its size and SHA-256
+        training_state.json         TrainingState (msgspec JSON)
+        rng/rank_00000.json         RNG states of rank 0 (one file per rank)
+        policy/...                  engines["policy"].save_checkpoint(folder, tag="policy")
+        critic/...
+      .tmp-step_00000006/           a save in progress, or one that crashed: never loaded
+
+Saving (every rank calls `save_checkpoint`): all ranks write into `.tmp-<tag>`; after a
+barrier each rank hashes a share of the files (file i goes to rank i mod world_size) and
+fsyncs them; rank 0 merges the shares into `manifest.json`, fsyncs, renames the folder to
+`<tag>` with `os.replace` (atomic on POSIX), replaces the `latest` pointer atomically, and
+deletes the oldest complete checkpoints beyond `keep_last` plus the leftovers of crashed saves.
+A crash at any point leaves the previous complete checkpoint and `latest` intact. All ranks
+must see the same folder (a shared file system on several nodes).
+
+Loading (`load_checkpoint`) checks the manifest before it touches any engine: a missing
+manifest (a partial checkpoint), a missing file, a size or a checksum that differs all raise
+`CheckpointError`, naming the folder, the file and the previous complete checkpoint to fall
+back to. Checksums are split over the ranks like on saving, and the first failure reaches
+every rank, so that all of them raise together instead of hanging in a collective.
+
+World size on resume: DeepSpeed cannot re-partition ZeRO optimizer states (stages 1-3) for a
+different data-parallel size, so such a resume raises `CheckpointError` before any engine is
+touched (convert the checkpoint with DeepSpeed's `ds_to_universal` and load it with a
+universal-checkpoint config, or restart from `export_hf` weights with a fresh optimizer).
+Stage-0 engines keep the full optimizer state on rank 0 and load at any world size; RNG
+states are then restored only for ranks that existed when saving (the random streams of a
+differently sharded run differ anyway).
+
+DeepSpeed writes its files with `torch.save`, and `engine.load_checkpoint` reads them with
+`torch.load(weights_only=False)`: load only checkpoints you wrote (the manifest checksums
+detect corruption, not forgery). Everything this module writes itself is JSON.
+
+`export_hf` writes a folder that `AutoModelForCausalLM` / `AutoModelForSequenceClassification`
+load (safetensors, config, generation config, tokenizer), from a plain model, a DeepSpeed engine
+in any ZeRO stage (ZeRO-3 parameters are gathered, rank 0 writes) or a peft LoRA model (the
+merged weights are computed on copies; the live adapters are left untouched).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import random
+import re
+import shutil
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+import torch
+
+__all__ = [
+    "CHECKPOINT_FORMAT",
+    "CheckpointError",
+    "CheckpointInfo",
+    "Manifest",
+    "ManifestFile",
+    "TrainingState",
+    "checkpoint_tag",
+    "export_hf",
+    "latest_checkpoint",
+    "list_checkpoints",
+    "load_checkpoint",
+    "save_checkpoint",
+    "verify_checkpoint",
+]
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINT_FORMAT = 1
+MANIFEST_NAME = "manifest.json"
+STATE_NAME = "training_state.json"
+LATEST_NAME = "latest"
+RNG_FOLDER = "rng"
+TMP_PREFIX = ".tmp-"
+# Folders of earlier saves on their way out (rotation, a tag saved twice); always safe to delete.
+TRASH_PREFIX = ".trash-"
+_PARTS_FOLDER = ".manifest-parts"
+_TAG_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+_RESERVED_TAGS = frozenset({LATEST_NAME, RNG_FOLDER, MANIFEST_NAME, STATE_NAME})
+_HASH_CHUNK = 1 << 22
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be loaded (partial, corrupt, incompatible) or a failed save.
+
+    The message names the folder, the file and what is wrong, and, where one exists, the previous
+    complete checkpoint (`previous`, a tag for `load_checkpoint(root, engines, tag=...)`).
+    """
+
+    def __init__(self, message: str, *, folder: Path | None = None, previous: str | None = None) -> None:
+        self.folder, self.previous = folder, previous
+        super().__init__(message)
+
+
+class TrainingState(msgspec.Struct, kw_only=True):
+    """Where training stands, saved next to the engines' state.
+
+    Fields:
+        step:             optimizer steps (or training iterations) done, >= 0.
+        consumed_samples: prompts (or samples) consumed so far, >= 0.
+        policy_version:   version of the weights the rollout engines hold, >= 0.
+        data_state:       the data loader's position, JSON-able, e.g.
+                          `msgspec.to_builtins(PromptLoader.state_dict())`; a msgspec Struct
+                          is converted on save. Loads back as plain dicts and lists.
+        extra:            anything else JSON-able (KL controller's beta, best reward...).
+    """
+
+    step: int
+    consumed_samples: int = 0
+    policy_version: int = 0
+    data_state: dict[str, Any] = msgspec.field(default_factory=dict)
+    extra: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+class ManifestFile(msgspec.Struct, frozen=True):
+    """One file of a checkpoint: path relative to the checkpoint folder, bytes, SHA-256 (hex)."""
+
+    path: str
+    size: int
+    sha256: str
+
+
+class EngineInfo(msgspec.Struct, frozen=True):
+    """How one engine was sharded when saved."""
+
+    zero_stage: int
+    dp_world_size: int
+
+
+class Manifest(msgspec.Struct, kw_only=True):
+    """The table of contents of a complete checkpoint; written last, so its presence means complete.
+
+    `sequence` counts saves into the root (1, 2, ...): rotation keeps the highest ones, so a
+    run that went back to an older step and saved again keeps its newest saves.
+    """
+
+    format: int
+    tag: str
+    step: int
+    sequence: int
+    saved_at: float
+    world_size: int
+    engines: dict[str, EngineInfo]
+    files: list[ManifestFile]
+
+
+class CheckpointInfo(msgspec.Struct, frozen=True):
+    """A complete checkpoint found in a root (see `list_checkpoints`)."""
+
+    tag: str
+    path: str
+    step: int
+    sequence: int
+    saved_at: float
+
+
+class _NumpyRng(msgspec.Struct):
+    kind: str
+    keys: list[int]
+    position: int
+    has_gauss: int
+    cached_gaussian: float
+
+
+class _RngState(msgspec.Struct, kw_only=True):
+    python_version: int
+    python_state: list[int]
+    python_gauss: float | None
+    numpy: _NumpyRng
+    torch_cpu: bytes
+    cuda: list[bytes] = msgspec.field(default_factory=list)
+
+
+# ----------------------------------------------------------------------------------------------
+# Ranks
+
+
+def _distributed() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def _rank() -> int:
+    return torch.distributed.get_rank() if _distributed() else 0
+
+
+def _world_size() -> int:
+    return torch.distributed.get_world_size() if _distributed() else 1
+
+
+def _barrier() -> None:
+    if _distributed():
+        torch.distributed.barrier()
+
+
+def _any_rank_failed(failed: bool) -> bool:
+    """True on every rank when `failed` is True on at least one (a collective: call on all ranks)."""
+    if not _distributed():
+        return failed
+    flag = torch.tensor([1 if failed else 0], dtype=torch.int64)
+    if torch.distributed.get_backend() == "nccl":
+        flag = flag.cuda()
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+    return bool(flag.item())
+
+
+def _min_over_ranks(value: int) -> int:
+    if not _distributed():
+        return value
+    tensor = torch.tensor([value], dtype=torch.int64)
+    if torch.distributed.get_backend() == "nccl":
+        tensor = tensor.cuda()
+    torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MIN)
+    return int(tensor.item())
+
+
+# ----------------------------------------------------------------------------------------------
+# Files
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(_HASH_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _fsync_file(path: Path) -> None:
+    # fsync through a read-only descriptor flushes the file's dirty pages too (Linux, macOS).
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    with contextlib.suppress(OSError):  # some file systems (and Windows) refuse directory fsync
+        _fsync_file(path)
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    """Write `data` to `path` via a temporary sibling, fsync, rename."""
+    temporary = path.with_name(f"{TMP_PREFIX}{path.name}.{os.getpid()}")
+    with open(temporary, "wb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(temporary, path)
+    _fsync_dir(path.parent)
+
+
+def _relative_files(folder: Path) -> list[str]:
+    """Every regular file under `folder`, as sorted POSIX paths relative to it."""
+    files = []
+    for directory, _, names in os.walk(folder):
+        for name in names:
+            files.append((Path(directory) / name).relative_to(folder).as_posix())
+    return sorted(files)
+
+
+def _remove_tree(path: Path) -> None:
+    """Delete a folder: first renamed aside (so a crash never leaves a half-deleted checkpoint)."""
+    if not path.exists():
+        return
+    if not path.name.startswith((TMP_PREFIX, TRASH_PREFIX)):
+        aside = path.with_name(f"{TRASH_PREFIX}{path.name}.{os.getpid()}")
+        os.replace(path, aside)
+        path = aside
+    shutil.rmtree(path, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# Tags, listing, resolving
+
+
+def checkpoint_tag(step_or_tag: int | str) -> str:
+    """The folder name of a checkpoint: `step_00000042` for step 42, or a given tag checked as is.
+
+    Tags are `[A-Za-z0-9][A-Za-z0-9._-]*` (no leading dot: those names are reserved for the
+    folders of saves in progress) and not one of the file names a checkpoint uses.
+    """
+    if isinstance(step_or_tag, bool):
+        raise TypeError(f"step_or_tag: expected an int step or a str tag, got {step_or_tag!r}")
+    if isinstance(step_or_tag, (int, np.integer)):
+        if step_or_tag < 0:
+            raise ValueError(f"step_or_tag: step must be >= 0, got {step_or_tag}")
+        return f"step_{int(step_or_tag):08d}"
+    if not isinstance(step_or_tag, str):
+        raise TypeError(f"step_or_tag: expected an int step or a str tag, got {type(step_or_tag).__name__}")
+    if not _TAG_PATTERN.fullmatch(step_or_tag) or step_or_tag in _RESERVED_TAGS:
+        raise ValueError(
+            f"step_or_tag: {step_or_tag!r} is not a valid tag; use letters, digits, '.', '_', '-', "
+            f"starting with a letter or digit, and none of {sorted(_RESERVED_TAGS)}"
+        )
+    return step_or_tag
+
+
+def _read_manifest(folder: Path) -> Manifest:
+    """The manifest of `folder`; CheckpointError if absent (partial checkpoint) or unreadable."""
+    path = folder / MANIFEST_NAME
+    if not path.is_file():
+        raise CheckpointError(
+            f"checkpoint {folder} is partial: {MANIFEST_NAME} is missing (a save that did not finish, "
+            "or a damaged folder)",
+            folder=folder,
+        )
+    try:
+        manifest = msgspec.json.decode(path.read_bytes(), type=Manifest)
+    except (msgspec.DecodeError, msgspec.ValidationError) as error:
+        raise CheckpointError(
+            f"checkpoint {folder}: {MANIFEST_NAME} is unreadable: {error}", folder=folder
+        ) from None
+    if manifest.format != CHECKPOINT_FORMAT:
+        raise CheckpointError(
+            f"checkpoint {folder}: {MANIFEST_NAME} has format {manifest.format}, this version reads "
+            f"format {CHECKPOINT_FORMAT}",
+            folder=folder,
+        )
+    return manifest
+
+
+def list_checkpoints(root: str | os.PathLike[str]) -> list[CheckpointInfo]:
+    """The complete checkpoints (readable manifest) in `root`, oldest save first.
+
+    Folders of saves in progress or crashed (`.tmp-*`) and folders without a manifest are left
+    out. Sizes and checksums are not checked here (`verify_checkpoint` does).
+    """
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for folder in root.iterdir():
+        if folder.name.startswith(".") or not folder.is_dir():
+            continue
+        try:
+            manifest = _read_manifest(folder)
+        except CheckpointError:
+            continue
+        found.append(
+            CheckpointInfo(
+                tag=folder.name,
+                path=str(folder),
+                step=manifest.step,
+                sequence=manifest.sequence,
+                saved_at=manifest.saved_at,
+            )
+        )
+    return sorted(found, key=lambda info: (info.sequence, info.step, info.tag))
+
+
+def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
+    """The checkpoint that `root/latest` names, or else the newest complete one; None if none.
+
+    The folder the pointer names is returned even if it was damaged since (loading it then
+    raises a `CheckpointError` that names the previous complete checkpoint).
+    """
+    root = Path(root)
+    pointer = root / LATEST_NAME
+    if pointer.is_file():
+        tag = pointer.read_text().strip()
+        if _TAG_PATTERN.fullmatch(tag):
+            return root / tag
+    complete = list_checkpoints(root)
+    return Path(complete[-1].path) if complete else None
+
+
+def _previous_complete(root: Path, failed: Path) -> str | None:
+    """The newest other checkpoint in `root` whose files are all present with the right sizes."""
+    for info in reversed(list_checkpoints(root)):
+        if Path(info.path).resolve() == failed.resolve():
+            continue
+        try:
+            _check_files(Path(info.path), _read_manifest(Path(info.path)), checksums=False)
+        except CheckpointError:
+            continue
+        return info.tag
+    return None
+
+
+def _resolve(path: Path, tag: str | None) -> tuple[Path, Path]:
+    """(root, checkpoint folder) for `load_checkpoint(path, tag=tag)`."""
+    if tag is not None:
+        return path, path / checkpoint_tag(tag)
+    is_checkpoint_folder = any((path / name).exists() for name in (MANIFEST_NAME, STATE_NAME, RNG_FOLDER))
+    if is_checkpoint_folder or path.name.startswith(TMP_PREFIX):
+        return path.parent, path
+    folder = latest_checkpoint(path)
+    if folder is None:
+        partial = (
+            sorted(p.name for p in path.iterdir() if p.name.startswith(TMP_PREFIX)) if path.is_dir() else []
+        )
+        hint = f" (only unfinished saves: {partial})" if partial else ""
+        raise CheckpointError(f"no complete checkpoint in {path}{hint}", folder=path)
+    return path, folder
+
+
+# ----------------------------------------------------------------------------------------------
+# Verification
+
+
+def _check_files(folder: Path, manifest: Manifest, *, checksums: bool) -> None:
+    """Presence and sizes of every file (all ranks); checksums of this rank's share if asked."""
+    for entry in manifest.files:
+        path = folder / entry.path
+        if not path.is_file():
+            raise CheckpointError(f"checkpoint {folder}: file {entry.path} is missing", folder=folder)
+        size = path.stat().st_size
+        if size != entry.size:
+            raise CheckpointError(
+                f"checkpoint {folder}: file {entry.path} has {size} bytes, the manifest says {entry.size} "
+                "(truncated or overwritten)",
+                folder=folder,
+            )
+    if not checksums:
+        return
+    rank, world = _rank(), _world_size()
+    first_bad = len(manifest.files)
+    for index, entry in enumerate(manifest.files):
+        if index % world == rank and _sha256(folder / entry.path) != entry.sha256:
+            first_bad = index
+            break
+    first_bad = _min_over_ranks(first_bad)
+    if first_bad < len(manifest.files):
+        entry = manifest.files[first_bad]
+        raise CheckpointError(
+            f"checkpoint {folder}: file {entry.path} is corrupt: its SHA-256 differs from the manifest's "
+            f"{entry.sha256[:16]}…",
+            folder=folder,
+        )
+
+
+def verify_checkpoint(path: str | os.PathLike[str], *, checksums: bool = True) -> Manifest:
+    """Check a checkpoint folder against its manifest; return the manifest.
+
+    Collective when torch.distributed is initialised (the checksums are split over the ranks):
+    call it on every rank.
+
+    Raises:
+        CheckpointError: the manifest is missing or unreadable, a file is missing, has another
+            size, or (with `checksums`) another SHA-256; the message names the folder and file.
+    """
+    folder = Path(path)
+    manifest = _read_manifest(folder)
+    _check_files(folder, manifest, checksums=checksums)
+    return manifest
+
+
+# ----------------------------------------------------------------------------------------------
+# RNG states
+
+
+def _capture_rng() -> _RngState:
+    version, state, gauss = random.getstate()
+    kind, keys, position, has_gauss, cached = np.random.get_state(legacy=True)  # noqa: NPY002 (the global stream is what is saved)
+    cuda = []
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        cuda = [bytes(s.numpy().tobytes()) for s in torch.cuda.get_rng_state_all()]
+    return _RngState(
+        python_version=version,
+        python_state=list(state),
+        python_gauss=gauss,
+        numpy=_NumpyRng(
+            kind=kind,
+            keys=[int(k) for k in keys],
+            position=int(position),
+            has_gauss=int(has_gauss),
+            cached_gaussian=float(cached),
+        ),
+        torch_cpu=bytes(torch.get_rng_state().numpy().tobytes()),
+        cuda=cuda,
+    )
+
+
+def _restore_rng(state: _RngState) -> None:
+    random.setstate((state.python_version, tuple(state.python_state), state.python_gauss))
+    saved = state.numpy
+    np.random.set_state(  # noqa: NPY002 (the global stream is what is saved)
+        (
+            saved.kind,
+            np.asarray(saved.keys, dtype=np.uint32),
+            saved.position,
+            saved.has_gauss,
+            saved.cached_gaussian,
+        )
+    )
+    torch.set_rng_state(torch.frombuffer(bytearray(state.torch_cpu), dtype=torch.uint8))
+    if state.cuda and torch.cuda.is_available():
+        for device, raw in enumerate(state.cuda[: torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(torch.frombuffer(bytearray(raw), dtype=torch.uint8), device)
+
+
+def _rng_file(rank: int) -> str:
+    return f"{RNG_FOLDER}/rank_{rank:05d}.json"
+
+
+# ----------------------------------------------------------------------------------------------
+# Save
+
+
+def _check_engines(engines: Any) -> dict[str, Any]:
+    if not isinstance(engines, Mapping) or not engines:
+        raise TypeError(
+            f"engines: expected a non-empty mapping of name -> DeepSpeedEngine, got {type(engines).__name__}"
+        )
+    for name, engine in engines.items():
+        if not isinstance(name, str) or not _TAG_PATTERN.fullmatch(name) or name in _RESERVED_TAGS:
+            raise ValueError(
+                f"engines: name {name!r} is not usable as a folder name; use letters, digits, '.', '_', '-' "
+                f"and none of {sorted(_RESERVED_TAGS)}"
+            )
+        for method in ("save_checkpoint", "load_checkpoint", "zero_optimization_stage"):
+            if not callable(getattr(engine, method, None)):
+                raise TypeError(f"engines[{name!r}]: expected a DeepSpeedEngine, got {type(engine).__name__}")
+        checkpoint_engine = getattr(engine, "checkpoint_engine", None)
+        if checkpoint_engine is not None and checkpoint_engine.is_decoupled():
+            raise ValueError(
+                f"engines[{name!r}]: uses a decoupled (asynchronous) DeepSpeed checkpoint engine, whose files "
+                "are not complete when save_checkpoint returns; use the default checkpoint engine"
+            )
+    return dict(engines)
+
+
+def _dp_world_size(engine: Any) -> int:
+    return int(getattr(engine, "dp_world_size", None) or _world_size())
+
+
+def save_checkpoint(
+    root: str | os.PathLike[str],
+    step_or_tag: int | str,
+    engines: Mapping[str, Any],
+    state: TrainingState,
+    *,
+    keep_last: int | None = None,
+    save_rng: bool = True,
+) -> Path:
+    """Save every engine and the training state as one checkpoint `root/<tag>`, atomically.
+
+    Call on every rank (DeepSpeed's save is collective). See the module docstring for the
+    protocol; the checkpoint appears under its final name only once complete, and `root/latest`
+    then names it. An existing checkpoint with the same tag is replaced.
+
+    Args:
+        root: folder of the run's checkpoints (created if needed; shared by all ranks).
+        step_or_tag: an int step (tag `step_%08d`) or a tag (see `checkpoint_tag`).
+        engines: name -> `deepspeed.DeepSpeedEngine`, e.g. {"policy": ..., "critic": ...};
+            engine `name` is saved in the sub-folder `name/`.
+        state: the `TrainingState`; its `data_state` and `extra` must be JSON-able.
+        keep_last: keep this many newest complete checkpoints (>= 1) and delete older ones;
+            None keeps all. The checkpoint just written is never deleted.
+        save_rng: save this rank's RNG states (restored by `load_checkpoint`).
+
+    Returns:
+        The checkpoint folder `root/<tag>`.
+    """
+    tag = checkpoint_tag(step_or_tag)
+    engines = _check_engines(engines)
+    if not isinstance(state, TrainingState):
+        raise TypeError(f"state: expected a TrainingState, got {type(state).__name__}")
+    for field in ("step", "consumed_samples", "policy_version"):
+        value = getattr(state, field)
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+            raise ValueError(f"state.{field}: expected an integer >= 0, got {value!r}")
+    if keep_last is not None and (
+        isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1
+    ):
+        raise ValueError(f"keep_last: expected an integer >= 1 or None, got {keep_last!r}")
+    try:
+        state_bytes = msgspec.json.encode(msgspec.to_builtins(state))
+    except (TypeError, msgspec.EncodeError) as error:
+        raise ValueError(f"state: data_state or extra is not JSON-able: {error}") from None
+
+    root = Path(root)
+    rank, world = _rank(), _world_size()
+    temporary = root / f"{TMP_PREFIX}{tag}"
+    final = root / tag
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        if temporary.exists():  # a crashed save of the same tag
+            shutil.rmtree(temporary)
+        (temporary / RNG_FOLDER).mkdir(parents=True)
+        (temporary / _PARTS_FOLDER).mkdir()
+    _barrier()
+
+    for name, engine in engines.items():
+        engine.save_checkpoint(str(temporary), tag=name, client_state={}, save_latest=False)
+    if save_rng:
+        _write_atomic(temporary / _rng_file(rank), msgspec.json.encode(_capture_rng()))
+    if rank == 0:
+        _write_atomic(temporary / STATE_NAME, state_bytes)
+    _barrier()
+
+    # Each rank hashes and fsyncs its share of the files.
+    files = [f for f in _relative_files(temporary) if not f.startswith(_PARTS_FOLDER + "/")]
+    share = []
+    for index, relative in enumerate(files):
+        if index % world == rank:
+            path = temporary / relative
+            _fsync_file(path)
+            share.append(ManifestFile(path=relative, size=path.stat().st_size, sha256=_sha256(path)))
+    _write_atomic(temporary / _PARTS_FOLDER / f"rank_{rank:05d}.json", msgspec.json.encode(share))
+    _barrier()
+
+    if rank == 0:
+        entries: list[ManifestFile] = []
+        for part in range(world):
+            entries += msgspec.json.decode(
+                (temporary / _PARTS_FOLDER / f"rank_{part:05d}.json").read_bytes(), type=list[ManifestFile]
+            )
+        shutil.rmtree(temporary / _PARTS_FOLDER)
+        listed = {entry.path for entry in entries}
+        if listed != set(files):
+            raise CheckpointError(
+                f"checkpoint {temporary}: the ranks saw different files ({sorted(listed ^ set(files))[:5]}); "
+                "is the root on a file system that every rank shares?",
+                folder=temporary,
+            )
+        previous = list_checkpoints(root)
+        manifest = Manifest(
+            format=CHECKPOINT_FORMAT,
+            tag=tag,
+            step=int(state.step),
+            sequence=max((info.sequence for info in previous), default=0) + 1,
+            saved_at=time.time(),
+            world_size=world,
+            engines={
+                name: EngineInfo(
+                    zero_stage=int(engine.zero_optimization_stage()), dp_world_size=_dp_world_size(engine)
+                )
+                for name, engine in engines.items()
+            },
+            files=sorted(entries, key=lambda entry: entry.path),
+        )
+        _write_atomic(temporary / MANIFEST_NAME, msgspec.json.format(msgspec.json.encode(manifest)))
+        for directory, _, _ in os.walk(temporary):
+            _fsync_dir(Path(directory))
+        if final.exists():
+            _remove_tree(final)
+        os.replace(temporary, final)
+        _fsync_dir(root)
+        _write_atomic(root / LATEST_NAME, f"{tag}\n".encode())
+        _rotate(root, keep=final, keep_last=keep_last)
+    _barrier()
+    return final
+
+
+def _rotate(root: Path, *, keep: Path, keep_last: int | None) -> None:
+    """Delete complete checkpoints beyond the newest `keep_last` (never `keep`) and dead folders."""
+    for folder in root.iterdir():
+        if folder.is_dir() and folder.name.startswith((TMP_PREFIX, TRASH_PREFIX)):
+            shutil.rmtree(folder, ignore_errors=True)
+    if keep_last is None:
+        return
+    complete = list_checkpoints(root)
+    for info in complete[: max(0, len(complete) - keep_last)]:
+        if Path(info.path).resolve() != keep.resolve():
+            _remove_tree(Path(info.path))
+
+
+# ----------------------------------------------------------------------------------------------
+# Load
+
+
+def load_checkpoint(
+    path: str | os.PathLike[str],
+    engines: Mapping[str, Any],
+    *,
+    tag: str | int | None = None,
+    load_optimizer_states: bool = True,
+    restore_rng: bool = True,
+    verify: bool = True,
+) -> TrainingState:
+    """Restore engines (model, optimizer, LR scheduler) and RNG states; return the training state.
+
+    Call on every rank. `path` is a root (the checkpoint named by `root/latest`, or with `tag`
+    that one) or a checkpoint folder itself. Everything is checked before any engine is touched:
+    the manifest (a missing one means the save never finished), each file's presence and size,
+    and with `verify` each file's SHA-256; the engine names and ZeRO stages; the world size (see
+    the module docstring). Folders of unfinished saves (`.tmp-*`) are never picked.
+
+    Args:
+        path: checkpoint root or folder.
+        engines: name -> DeepSpeedEngine; the names must be those saved.
+        tag: load this checkpoint of the root instead of the latest (int step or tag).
+        load_optimizer_states: also restore optimizer and LR-scheduler states (False: weights only,
+            e.g. to start a new phase from trained weights).
+        restore_rng: restore this rank's Python, NumPy, torch (and CUDA) RNG states.
+        verify: check SHA-256 checksums (reads every byte once; sizes are always checked).
+
+    Raises:
+        CheckpointError: naming the folder, the file and the problem, and the previous complete
+            checkpoint usable with `tag=` where there is one.
+    """
+    engines = _check_engines(engines)
+    root, folder = _resolve(Path(path), None if tag is None else str(checkpoint_tag(tag)))
+    try:
+        if not folder.is_dir():
+            raise CheckpointError(f"checkpoint {folder} does not exist", folder=folder)
+        if folder.name.startswith(TMP_PREFIX):
+            raise CheckpointError(f"checkpoint {folder} is an unfinished save ({TMP_PREFIX}*)", folder=folder)
+        manifest = verify_checkpoint(folder, checksums=verify)
+        _check_compatible(folder, manifest, engines)
+        state = msgspec.json.decode((folder / STATE_NAME).read_bytes(), type=TrainingState)
+    except CheckpointError as error:
+        previous = _previous_complete(root, folder) if root.is_dir() else None
+        hint = (
+            f"; the previous complete checkpoint is {previous!r}: load it with tag={previous!r}"
+            if previous
+            else "; no other complete checkpoint was found"
+        )
+        raise CheckpointError(str(error) + hint, folder=folder, previous=previous) from None
+    except (msgspec.DecodeError, msgspec.ValidationError) as error:
+        raise CheckpointError(
+            f"checkpoint {folder}: {STATE_NAME} is unreadable: {error}", folder=folder
+        ) from None
+
+    for name, engine in engines.items():
+        try:
+            loaded, _ = engine.load_checkpoint(
+                str(folder),
+                tag=name,
+                load_optimizer_states=load_optimizer_states,
+                load_lr_scheduler_states=load_optimizer_states,
+                load_module_only=not load_optimizer_states,
+            )
+        except Exception as error:
+            raise CheckpointError(
+                f"checkpoint {folder}: DeepSpeed failed to load engine {name!r} ({type(error).__name__}: {error}); "
+                "the engines may be partly loaded, rebuild them before trying another checkpoint",
+                folder=folder,
+            ) from error
+        if loaded is None:
+            raise CheckpointError(
+                f"checkpoint {folder}: DeepSpeed found no checkpoint for engine {name!r} in {folder / name}",
+                folder=folder,
+            )
+
+    rng_path = folder / _rng_file(_rank())
+    if restore_rng and rng_path.is_file():
+        _restore_rng(msgspec.json.decode(rng_path.read_bytes(), type=_RngState))
+    elif restore_rng and manifest.world_size == _world_size():
+        logger.warning(
+            "checkpoint %s holds no RNG state for rank %d; RNG states not restored", folder, _rank()
+        )
+    return state
+
+
+def _check_compatible(folder: Path, manifest: Manifest, engines: Mapping[str, Any]) -> None:
+    if set(engines) != set(manifest.engines):
+        raise CheckpointError(
+            f"checkpoint {folder}: holds engines {sorted(manifest.engines)}, but engines {sorted(engines)} "
+            "were given; pass the same names as when saving",
+            folder=folder,
+        )
+    world = _world_size()
+    for name, engine in engines.items():
+        saved = manifest.engines[name]
+        stage = int(engine.zero_optimization_stage())
+        if stage != saved.zero_stage:
+            raise CheckpointError(
+                f"checkpoint {folder}: engine {name!r} was saved with ZeRO stage {saved.zero_stage} and now "
+                f"runs stage {stage}; DeepSpeed cannot convert optimizer states between stages",
+                folder=folder,
+            )
+        if stage > 0 and _dp_world_size(engine) != saved.dp_world_size:
+            raise CheckpointError(
+                f"checkpoint {folder}: engine {name!r} was saved by {saved.dp_world_size} data-parallel ranks "
+                f"and now runs on {_dp_world_size(engine)} (world size {world}); DeepSpeed cannot re-partition "
+                f"ZeRO stage {stage} optimizer states. Resume with {saved.dp_world_size} ranks, or convert with "
+                "DeepSpeed's ds_to_universal and load with a universal-checkpoint config",
+                folder=folder,
+            )
+
+
+# ----------------------------------------------------------------------------------------------
+# Hugging Face export
+
+
+def _is_zero3_parameter(parameter: torch.Tensor) -> bool:
+    return hasattr(parameter, "ds_id")
+
+
+@contextlib.contextmanager
+def _gathered(parameters: list[torch.nn.Parameter]) -> Iterator[None]:
+    partitioned = [p for p in parameters if _is_zero3_parameter(p)]
+    if not partitioned:
+        yield
+        return
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(partitioned, modifier_rank=None):
+        yield
+
+
+def _peft_classes() -> tuple[tuple[type, ...], tuple[type, ...]]:
+    try:
+        from peft.tuners.lora import LoraLayer
+        from peft.utils import ModulesToSaveWrapper
+    except ImportError:
+        return (), ()
+    return (LoraLayer,), (ModulesToSaveWrapper,)
+
+
+def _full_state_dict(model: torch.nn.Module, *, keep: bool) -> dict[str, torch.Tensor]:
+    """The model's persistent state with full (ZeRO-3-gathered) tensors and LoRA merged, on CPU.
+
+    Collective under ZeRO-3: every rank walks the modules; only where `keep` are copies made.
+    Names are the plain model's (peft's `base_layer` and adapter weights folded away); tied
+    parameters map to one tensor.
+    """
+    lora_types, wrapper_types = _peft_classes()
+    output: dict[str, torch.Tensor] = {}
+    copies: dict[int, torch.Tensor] = {}
+
+    def copy(tensor: torch.Tensor) -> torch.Tensor:
+        if id(tensor) not in copies:
+            copies[id(tensor)] = tensor.detach().to("cpu", copy=True)
+        return copies[id(tensor)]
+
+    def direct_state(module: torch.nn.Module, prefix: str) -> None:
+        parameters = [(n, p) for n, p in module.named_parameters(recurse=False) if p is not None]
+        with _gathered([p for _, p in parameters]):
+            if keep:
+                for name, parameter in parameters:
+                    output[prefix + name] = copy(parameter)
+        if keep:
+            skipped = getattr(module, "_non_persistent_buffers_set", set())
+            for name, buffer in module.named_buffers(recurse=False):
+                if buffer is not None and name not in skipped:
+                    output[prefix + name] = copy(buffer)
+
+    def merged_lora(layer: Any, prefix: str) -> None:
+        base = layer.get_base_layer()
+        adapters = [] if layer.disable_adapters else list(layer.active_adapters)
+        adapters = [a for a in adapters if a in layer.lora_A or a in getattr(layer, "lora_embedding_A", {})]
+        adapters = [a for a in adapters if a not in layer.merged_adapters]
+        for adapter in adapters:
+            if adapter in getattr(layer, "lora_variant", {}):
+                raise ValueError(
+                    f"export_hf: {prefix.rstrip('.')} uses a LoRA variant (e.g. DoRA) for adapter {adapter!r}; "
+                    "only plain LoRA is merged here: merge_and_unload() a copy of the model and export that"
+                )
+        with _gathered(list(layer.parameters())):
+            if not keep:
+                return
+            weight = base.weight.detach().to("cpu", copy=True)
+            bias = getattr(base, "bias", None)
+            bias = None if bias is None else bias.detach().to("cpu", copy=True)
+            with torch.no_grad():
+                for adapter in adapters:
+                    weight += layer.get_delta_weight(adapter).detach().to("cpu", weight.dtype)
+                    if getattr(layer, "lora_bias", {}).get(adapter):
+                        lora_bias = layer.lora_B[adapter].bias.detach().to("cpu") * layer.scaling[adapter]
+                        bias = bias + lora_bias.to(bias.dtype)
+            output[prefix + "weight"] = weight
+            if bias is not None:
+                output[prefix + "bias"] = bias
+            for name, parameter in base.named_parameters(recurse=False):
+                if name not in ("weight", "bias"):
+                    output[prefix + name] = copy(parameter)
+            skipped = getattr(base, "_non_persistent_buffers_set", set())
+            for name, buffer in base.named_buffers(recurse=False):
+                if buffer is not None and name not in skipped:
+                    output[prefix + name] = copy(buffer)
+
+    def visit(module: torch.nn.Module, prefix: str) -> None:
+        if lora_types and isinstance(module, lora_types) and hasattr(module, "get_delta_weight"):
+            merged_lora(module, prefix)
+            return
+        if wrapper_types and isinstance(module, wrapper_types):
+            active = [] if module.disable_adapters else list(module.active_adapters)
+            active = [a for a in active if a in module.modules_to_save]
+            visit(module.modules_to_save[active[0]] if active else module.original_module, prefix)
+            return
+        direct_state(module, prefix)
+        for name, child in module.named_children():
+            visit(child, f"{prefix}{name}.")
+
+    visit(model, "")
+    return output
+
+
+def export_hf(
+    model: Any,
+    path: str | os.PathLike[str],
+    *,
+    tokenizer: Any = None,
+    max_shard_size: int | str = "5GB",
+) -> Path:
+    """Write a Hugging Face folder (safetensors, config, tokenizer) of a model, atomically.
+
+    `model` is a `transformers` model, a peft `PeftModel` around one (LoRA merged into the
+    weights: the folder loads with plain `AutoModelFor...` classes; the live adapters and base
+    weights are not modified), or a DeepSpeed engine wrapping either, in any ZeRO stage (ZeRO-3
+    parameters are gathered one module at a time; rank 0 holds the full state on CPU and
+    writes). Call on every rank when distributed. The folder is built in a temporary sibling
+    and renamed into place; an existing folder at `path` is replaced.
+
+    Args:
+        model: transformers PreTrainedModel, PeftModel, or DeepSpeedEngine of one.
+        path: the output folder.
+        tokenizer: saved into the folder too when given (anything with `save_pretrained`).
+        max_shard_size: passed to `save_pretrained`.
+
+    Returns:
+        `path`.
+    """
+    module = getattr(model, "module", model) if hasattr(model, "zero_optimization_stage") else model
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(
+            f"model: expected a torch module, PeftModel or DeepSpeedEngine, got {type(model).__name__}"
+        )
+    base = (
+        module.get_base_model()
+        if hasattr(module, "peft_config") and hasattr(module, "get_base_model")
+        else module
+    )
+    if not callable(getattr(base, "save_pretrained", None)) or not hasattr(base, "config"):
+        raise TypeError(
+            f"model: {type(base).__name__} has no save_pretrained/config; export_hf writes transformers models"
+        )
+    if tokenizer is not None and not callable(getattr(tokenizer, "save_pretrained", None)):
+        raise TypeError(
+            f"tokenizer: expected a tokenizer with save_pretrained, got {type(tokenizer).__name__}"
+        )
+    path = Path(path)
+    rank = _rank()
+    failed: BaseException | None = None
+    try:
+        state = _full_state_dict(base, keep=rank == 0)
+        if rank == 0:
+            temporary = path.with_name(f"{TMP_PREFIX}{path.name}")
+            if temporary.exists():
+                shutil.rmtree(temporary)
+            temporary.mkdir(parents=True)
+            base.save_pretrained(temporary, state_dict=state, max_shard_size=max_shard_size)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(temporary)
+            for name in os.listdir(temporary):
+                if (temporary / name).is_file():
+                    _fsync_file(temporary / name)
+            _fsync_dir(temporary)
+            if path.exists():
+                _remove_tree(path)
+            os.replace(temporary, path)
+            _fsync_dir(path.parent)
+    except BaseException as error:
+        failed = error
+    if _any_rank_failed(failed is not None):
+        if failed is not None:
+            raise failed
+        raise CheckpointError(f"export_hf to {path} failed on another rank", folder=path)
+    return path

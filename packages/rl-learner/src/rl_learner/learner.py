@@ -1,0 +1,680 @@
+"""DeepSpeed learners: policy (actor), reference, critic and reward models.
+
+A `Learner` wraps one transformers model in a DeepSpeed engine. `PolicyLearner` computes
+log-probs (old or reference, no grad) and trains with an `rl_algos` policy loss;
+`ValueLearner` computes values and reward scores and trains with the clipped value loss. A
+reference model is `PolicyLearner(model, deepspeed=..., optimizer=None)`; a reward model is
+`ValueLearner(model, deepspeed=..., optimizer=None)`.
+
+One optimizer step (`train_step`) runs over this rank's micro-batches, each an
+`rl_data.ExperienceBatch`. The loss is normalised by the global count of the whole step:
+
+    n_global = Σ_ranks Σ_micro-batches loss_normalizer(mask_j, mode)        (one all-reduce)
+    L_j      = aggregate_loss(l_j, mask_j, mode, normalizer=n_global)      (per micro-batch)
+    backward(world_size · L_j)                                             (DeepSpeed averages
+                                                                            gradients over ranks)
+
+so the gradient is that of the full-batch loss Σ_j L_j whatever the split into micro-batches
+and ranks. DeepSpeed is configured with gradient_accumulation_steps = 1 and the learner marks
+the accumulation boundary itself (`engine.set_gradient_accumulation_boundary`), calling
+`engine.backward(..., scale_wrt_gas=False)`: nothing divides by the number of micro-batches.
+Every rank must pass the same number of micro-batches (ZeRO's collectives run in lockstep; the
+`rl_data.plan_micro_batches` plan guarantees it); an empty micro-batch runs a one-token dummy
+forward/backward whose loss is exactly 0.
+
+Non-finite values. Before any forward the inputs (advantages, old/reference/rollout log-probs,
+values, returns) are checked; each loss is checked after its forward; the gradient norm is
+checked before the update. All ranks agree through an all-reduce. With `on_non_finite="skip"`
+the step changes nothing (weights, optimizer state and LR schedule) and reports `skipped = 1`;
+with "raise" a `NonFiniteError` names the micro-batch, the rank and the quantity. A non-finite
+gradient norm found after the backward is handled by DeepSpeed's overflow path (ZeRO ≥ 1,
+bf16, fp16: the update is dropped, the scheduler not stepped) or, for ZeRO-0 fp32, by the
+learner before calling the optimizer.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import msgspec
+import torch
+import torch.distributed as dist
+
+from rl_algos import (
+    AGGREGATION_MODES,
+    CORRECTION_LEVELS,
+    KL_ESTIMATORS,
+    POLICY_LOSSES,
+    aggregate_loss,
+    kl_penalty,
+    loss_normalizer,
+    rollout_correction,
+    value_loss,
+)
+from rl_data import ExperienceBatch
+
+from .config import DeepSpeedConfig, OptimizerConfig, build_optimizer, build_scheduler, deepspeed_config
+from .models import packed_logprobs, packed_model_inputs, packed_scores, packed_values, unwrap_model
+
+__all__ = [
+    "CORRECTIONS",
+    "ON_NON_FINITE",
+    "Learner",
+    "NonFiniteError",
+    "PolicyLearner",
+    "PolicyLossConfig",
+    "ValueLearner",
+    "ValueLossConfig",
+]
+
+ON_NON_FINITE: tuple[str, ...] = ("skip", "raise")
+CORRECTIONS: tuple[str, ...] = ("none", "tis", "icepop", "seq-mask")
+
+
+class NonFiniteError(FloatingPointError):
+    """A non-finite loss, input or gradient norm in a train step (`on_non_finite="raise"`)."""
+
+
+def _choice(owner: str, field: str, value: Any, allowed: Sequence[Any]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{owner}.{field}: {value!r} is not one of {', '.join(map(repr, allowed))}")
+
+
+def _non_negative(owner: str, field: str, value: float) -> None:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value < 0
+    ):
+        raise ValueError(f"{owner}.{field}: {value!r} is not a finite number >= 0")
+
+
+class PolicyLossConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """What `PolicyLearner.train_step` minimises."""
+
+    name: str = "ppo"
+    """Policy loss, a name in `rl_algos.POLICY_LOSSES` (ppo, gspo, gmpo, cispo, sapo, reinforce, ...)."""
+    options: dict[str, Any] = msgspec.field(default_factory=dict)
+    """Keyword options of that loss, e.g. {"epsilon_low": 0.2, "epsilon_high": 0.28, "dual_clip": 3.0}."""
+    aggregation: str = "token-mean"
+    """Loss aggregation, one of `rl_algos.AGGREGATION_MODES`; normalised by the global count of the step."""
+    horizon: int | None = None
+    """T of "seq-mean-token-sum-norm" (Dr.GRPO), e.g. max_new_tokens; required for that mode."""
+    kl_coef: float = 0.0
+    """β of the KL(π‖π_ref) term added to the loss (GRPO style); 0 turns it off (needs ref_logprobs)."""
+    kl_estimator: str = "k3"
+    """KL estimator of that term: a name in `rl_algos.KL_ESTIMATORS`, optionally with "+" (k2 gradient)."""
+    entropy_coef: float = 0.0
+    """Coefficient of the entropy bonus (loss −= coef·entropy); 0 turns it off."""
+    correction: str = "none"
+    """Rollout/learner mismatch correction: "none", "tis", "icepop" or "seq-mask" (needs rollout_logprobs)."""
+    correction_level: str = "token"
+    """"token" or "sequence" importance weights for tis/icepop."""
+    correction_bounds: tuple[float, float] = (0.5, 5.0)
+    """(low, high) weight range of tis/icepop, or the geometric-mean ratio range of seq-mask."""
+    temperature: float = 1.0
+    """Sampling temperature: log-probs are computed from logits / temperature, as the sampler did."""
+
+    def __post_init__(self) -> None:
+        owner = type(self).__name__
+        if self.name not in POLICY_LOSSES:
+            raise ValueError(f"{owner}.name: {self.name!r} is not one of {', '.join(sorted(POLICY_LOSSES))}")
+        _choice(owner, "aggregation", self.aggregation, AGGREGATION_MODES)
+        if self.aggregation == "seq-mean-token-sum-norm" and self.horizon is None:
+            raise ValueError(f"{owner}.horizon: None; seq-mean-token-sum-norm needs the constant length T")
+        if self.horizon is not None and (not isinstance(self.horizon, int) or self.horizon < 1):
+            raise ValueError(f"{owner}.horizon: {self.horizon!r} is not an integer >= 1")
+        _non_negative(owner, "kl_coef", self.kl_coef)
+        base = self.kl_estimator.removesuffix("+")
+        if base not in KL_ESTIMATORS:
+            raise ValueError(
+                f"{owner}.kl_estimator: {self.kl_estimator!r} is not one of {sorted(KL_ESTIMATORS)}"
+            )
+        if not isinstance(self.entropy_coef, (int, float)) or not math.isfinite(self.entropy_coef):
+            raise ValueError(f"{owner}.entropy_coef: {self.entropy_coef!r} is not a finite number")
+        _choice(owner, "correction", self.correction, CORRECTIONS)
+        _choice(owner, "correction_level", self.correction_level, CORRECTION_LEVELS)
+        low, high = self.correction_bounds
+        if not 0 < low < high:
+            raise ValueError(
+                f"{owner}.correction_bounds: {self.correction_bounds!r} must satisfy 0 < low < high"
+            )
+        if not isinstance(self.temperature, (int, float)) or not self.temperature > 0:
+            raise ValueError(f"{owner}.temperature: {self.temperature!r} is not a number > 0")
+
+
+class ValueLossConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """What `ValueLearner.train_step` minimises: 0.5·max((V − R)², (clip(V, V_old ± ε) − R)²)."""
+
+    clip_range: float | None = 0.5
+    """ε of the value clip around the old values; None for the unclipped loss."""
+    aggregation: str = "token-mean"
+    """Loss aggregation, one of `rl_algos.AGGREGATION_MODES`, normalised by the global count."""
+    horizon: int | None = None
+    """T of "seq-mean-token-sum-norm"."""
+
+    def __post_init__(self) -> None:
+        owner = type(self).__name__
+        if self.clip_range is not None and not (
+            isinstance(self.clip_range, (int, float)) and self.clip_range > 0
+        ):
+            raise ValueError(f"{owner}.clip_range: {self.clip_range!r} is not a number > 0 or None")
+        _choice(owner, "aggregation", self.aggregation, AGGREGATION_MODES)
+        if self.aggregation == "seq-mean-token-sum-norm" and self.horizon is None:
+            raise ValueError(f"{owner}.horizon: None; seq-mean-token-sum-norm needs the constant length T")
+
+
+# --------------------------------------------------------------------------- process group
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _ensure_distributed() -> None:
+    """Initialise torch.distributed through DeepSpeed when the caller has not (gloo on CPU, nccl on CUDA)."""
+    import deepspeed
+
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ:  # a single process started without a launcher
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
+
+
+# --------------------------------------------------------------------------- base
+
+
+class Learner:
+    """One model in a DeepSpeed engine, trained (with `optimizer`) or inference only (`optimizer=None`).
+
+    Args:
+      model: a transformers model (see `rl_learner.models`), possibly with LoRA adapters.
+      deepspeed: ZeRO stage, dtype, offload options.
+      optimizer: AdamW and schedule options; None builds an inference-only engine (ZeRO-3 stays
+        sharded, other stages run as plain data parallel).
+      total_steps: optimizer steps of the run, for the LR schedule.
+      on_non_finite: "skip" or "raise" (module docstring).
+
+    Attributes: `engine` (DeepSpeed engine), `module` (the transformers model), `rank`,
+    `world_size`, `device`, `deepspeed_config` (the dict DeepSpeed got), `step` (updates applied),
+    `lr` (of the next update).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        deepspeed: DeepSpeedConfig,
+        optimizer: OptimizerConfig | None = None,
+        total_steps: int = 1,
+        on_non_finite: str = "skip",
+    ) -> None:
+        import deepspeed as deepspeed_lib
+
+        if not isinstance(deepspeed, DeepSpeedConfig):
+            raise TypeError(f"deepspeed must be a DeepSpeedConfig, got {type(deepspeed).__name__}")
+        if optimizer is not None and not isinstance(optimizer, OptimizerConfig):
+            raise TypeError(f"optimizer must be an OptimizerConfig or None, got {type(optimizer).__name__}")
+        _choice(type(self).__name__, "on_non_finite", on_non_finite, ON_NON_FINITE)
+        if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 1:
+            raise ValueError(f"total_steps: {total_steps!r} is not an integer >= 1")
+        _ensure_distributed()
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        self.device = torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
+        self.ds = deepspeed
+        self.optim = optimizer
+        self.on_non_finite = on_non_finite
+        self.total_steps = total_steps
+        self.deepspeed_config = deepspeed_config(
+            deepspeed, optimizer, world_size=self.world_size, train=optimizer is not None
+        )
+        if optimizer is None:
+            model.requires_grad_(False)
+            engine, *_ = deepspeed_lib.initialize(model=model, config=self.deepspeed_config)
+            engine.eval()
+        else:
+            trainable = [p for p in model.parameters() if p.requires_grad]
+            if not trainable:
+                raise ValueError("model has no trainable parameters (requires_grad is False everywhere)")
+            client = build_optimizer(trainable, optimizer, deepspeed, device=self.device)
+            scheduler = build_scheduler(client, optimizer, total_steps)
+            engine, *_ = deepspeed_lib.initialize(
+                model=model, optimizer=client, lr_scheduler=scheduler, config=self.deepspeed_config
+            )
+        self.engine = engine
+
+    @property
+    def module(self) -> torch.nn.Module:
+        """The transformers model inside the engine."""
+        return unwrap_model(self.engine)
+
+    @property
+    def step(self) -> int:
+        """Optimizer updates applied so far (the LR scheduler's count, restored with a DeepSpeed checkpoint)."""
+        scheduler = getattr(self.engine, "lr_scheduler", None)
+        return int(scheduler.last_epoch) if scheduler is not None else 0
+
+    @property
+    def trainable(self) -> bool:
+        return self.optim is not None
+
+    @property
+    def lr(self) -> float:
+        """Learning rate of the next update."""
+        return float(self.engine.optimizer.param_groups[0]["lr"]) if self.trainable else 0.0
+
+    # ----------------------------------------------------------------- helpers
+
+    def _batches(self, micro_batches: Sequence[ExperienceBatch]) -> list[ExperienceBatch]:
+        if isinstance(micro_batches, ExperienceBatch) or not isinstance(micro_batches, Sequence):
+            raise TypeError(
+                f"micro_batches must be a sequence of ExperienceBatch, got {type(micro_batches).__name__}"
+            )
+        for index, batch in enumerate(micro_batches):
+            if not isinstance(batch, ExperienceBatch):
+                raise TypeError(f"micro_batches[{index}] is a {type(batch).__name__}, not an ExperienceBatch")
+        return [batch.to(self.device) for batch in micro_batches]
+
+    @torch.no_grad()
+    def _inference(
+        self, micro_batches: Sequence[ExperienceBatch], run: Callable[[ExperienceBatch], Any]
+    ) -> list:
+        was_training = self.engine.training
+        self.engine.eval()
+        try:
+            return [run(batch) for batch in self._batches(micro_batches)]
+        finally:
+            self.engine.train(was_training)
+
+    def _agree(self, values: torch.Tensor, op: Any = None) -> torch.Tensor:
+        values = values.to(self.device)
+        if self.world_size > 1:
+            dist.all_reduce(values, op=op or dist.ReduceOp.SUM)
+        return values
+
+    def _problems(self, local: tuple[int, str] | None, names: Sequence[str]) -> list[tuple[int, int, str]]:
+        """All ranks' first non-finite finding: [(rank, micro-batch, quantity)], the same on every rank."""
+        flags = torch.zeros(self.world_size, 2, dtype=torch.float64)
+        if local is not None:
+            flags[self.rank] = torch.tensor([names.index(local[1]) + 1, local[0]], dtype=torch.float64)
+        flags = self._agree(flags).cpu()
+        return [
+            (rank, int(flags[rank, 1]), names[int(flags[rank, 0]) - 1])
+            for rank in range(self.world_size)
+            if flags[rank, 0] > 0
+        ]
+
+    def _grad_norm_zero0(self) -> float:
+        """Global gradient 2-norm of a ZeRO-0 fp32 engine (gradients are all-reduced: same on all ranks)."""
+        grads = [p.grad.detach().float() for p in self.module.parameters() if p.grad is not None]
+        if not grads:
+            return 0.0
+        return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
+
+    def _uses_basic_optimizer(self) -> bool:
+        """ZeRO-0 in fp32: DeepSpeed steps the client optimizer without any overflow check."""
+        return self.ds.zero_stage == 0 and self.ds.dtype == "fp32"
+
+    def _train_step(
+        self,
+        micro_batches: Sequence[ExperienceBatch],
+        *,
+        mode: str,
+        inputs: Sequence[str],
+        forward_loss: Callable[[ExperienceBatch, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]],
+        dummy_loss: Callable[[], tuple[torch.Tensor, dict[str, torch.Tensor]]],
+    ) -> dict[str, float]:
+        """The shared optimizer step (module docstring).
+
+        `forward_loss(batch, normalizer)` returns (loss, metrics) for a non-empty micro-batch:
+        the metrics are either token means ("name"), maxima ("name" ending in "_max") or sums
+        ("name" starting with "loss" — already globally normalised). `dummy_loss()` runs the
+        one-token forward of an empty micro-batch and returns (0-valued loss, zero metrics with
+        the same names).
+        """
+        if not self.trainable:
+            raise RuntimeError(
+                f"{type(self).__name__} was built with optimizer=None (inference only); cannot train"
+            )
+        batches = self._batches(micro_batches)
+        if not batches:
+            raise ValueError(
+                "micro_batches is empty; every rank needs at least one (possibly empty) micro-batch"
+            )
+        missing = [f"missing {name}" for name in inputs]
+        names = [*inputs, "loss", "gradient norm", *missing]
+
+        # Inputs and the global normaliser, before any forward. A usage error is shared through
+        # the same all-reduce, so that every rank raises instead of one waiting for the others.
+        # normaliser, action tokens, sequences, micro-batches M, M²
+        local_count = torch.tensor([0.0, 0.0, 0.0, len(batches), len(batches) ** 2], dtype=torch.float64)
+        problem: tuple[int, str] | None = None
+        for index, batch in enumerate(batches):
+            if batch.num_sequences == 0:
+                continue
+            for name in inputs:
+                value = getattr(batch, name)
+                if value is None:
+                    problem = (index, f"missing {name}")
+                    break
+                if problem is None and not bool(torch.isfinite(value).all()):
+                    problem = (index, name)
+            if problem is not None and problem[1] in missing:
+                break
+            mask = batch.response_action_mask()
+            local_count[0] += float(loss_normalizer(mask, mode))
+            local_count[1] += batch.num_actions
+            local_count[2] += batch.num_sequences
+        flags = torch.zeros(self.world_size, 2, dtype=torch.float64)
+        if problem is not None:
+            flags[self.rank] = torch.tensor([names.index(problem[1]) + 1, problem[0]], dtype=torch.float64)
+        totals = self._agree(torch.cat([local_count, flags.flatten()])).cpu()
+        normalizer = max(float(totals[0]), 1.0)
+        # Σ M² · R = (Σ M)² only if every rank has the same M (else ZeRO's collectives would hang).
+        if float(totals[4]) * self.world_size != float(totals[3]) ** 2:
+            raise ValueError(
+                f"micro_batches: rank {self.rank} has {len(batches)} micro-batches but the ranks do not all "
+                f"have the same number ({int(totals[3])} in all over {self.world_size} ranks); every rank must "
+                "run the same number of micro-batches (rl_data.plan_micro_batches gives each rank the same count)"
+            )
+        flags = totals[5:].reshape(self.world_size, 2)
+        problems = [
+            (r, int(flags[r, 1]), names[int(flags[r, 0]) - 1])
+            for r in range(self.world_size)
+            if flags[r, 0] > 0
+        ]
+        for rank, micro, quantity in problems:
+            if quantity in missing:
+                slot = quantity.removeprefix("missing ")
+                raise ValueError(
+                    f"micro_batches[{micro}].{slot} is None on rank {rank} (this is rank {self.rank}); "
+                    "fill it before train_step"
+                )
+        lr = self.lr
+        base = {"tokens": float(totals[1]), "sequences": float(totals[2]), "lr": lr}
+        if problems:
+            return self._non_finite(problems, base)
+
+        self.engine.train()
+        last = len(batches) - 1
+        sums: dict[str, float] = {}
+        maxima: dict[str, float] = {}
+        problem = None
+        for index, batch in enumerate(batches):
+            self.engine.set_gradient_accumulation_boundary(index == last)
+            if batch.num_sequences == 0:
+                loss, metrics = dummy_loss()
+                weight = 0.0
+            else:
+                loss, metrics = forward_loss(batch, torch.tensor(normalizer, device=self.device))
+                weight = float(batch.num_actions)
+            if problem is None and not bool(torch.isfinite(loss.detach())):
+                problem = (index, "loss")
+            for key, value in metrics.items():
+                value = float(value)
+                if key.endswith("_max"):
+                    maxima[key] = max(maxima.get(key, -math.inf), value if weight else -math.inf)
+                elif key.startswith("loss"):
+                    sums[key] = sums.get(key, 0.0) + value
+                else:
+                    sums[key] = sums.get(key, 0.0) + value * weight
+            if index == last:
+                problems = self._problems(problem, names)
+                if problems and not self._uses_basic_optimizer():
+                    # Make every gradient NaN so that DeepSpeed's overflow path drops the update
+                    # and clears its gradient buffers on every rank.
+                    loss = loss * float("nan")
+            self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
+
+        if problems:
+            if self._uses_basic_optimizer():
+                self.engine.zero_grad()
+            else:
+                self.engine.step()
+            return self._non_finite(problems, base)
+        if self._uses_basic_optimizer():
+            grad_norm = self._grad_norm_zero0()
+            if not math.isfinite(grad_norm):
+                self.engine.zero_grad()
+                return self._non_finite([(self.rank, last, "gradient norm")], base)
+            self.engine.step()
+        else:
+            self.engine.step()
+            if not self.engine.was_step_applied():
+                return self._non_finite([(self.rank, last, "gradient norm")], base)
+            norm = self.engine.get_global_grad_norm()
+            grad_norm = float(norm) if norm is not None else float("nan")
+
+        keys = sorted(sums)
+        reduced = self._agree(torch.tensor([sums[k] for k in keys], dtype=torch.float64)).cpu().tolist()
+        max_keys = sorted(maxima)
+        reduced_max = (
+            self._agree(torch.tensor([maxima[k] for k in max_keys], dtype=torch.float64), dist.ReduceOp.MAX)
+            .cpu()
+            .tolist()
+        )
+        tokens = max(float(totals[1]), 1.0)
+        out = dict(base)
+        for key, value in zip(keys, reduced, strict=True):
+            out[key] = value if key.startswith("loss") else value / tokens
+        for key, value in zip(max_keys, reduced_max, strict=True):
+            out[key] = value if math.isfinite(value) else 0.0
+        out.update(grad_norm=grad_norm, skipped=0.0)
+        return out
+
+    def _non_finite(self, problems: list[tuple[int, int, str]], base: dict[str, float]) -> dict[str, float]:
+        rank, micro, quantity = problems[0]
+        if self.on_non_finite == "raise":
+            raise NonFiniteError(
+                f"non-finite {quantity} in micro-batch {micro} on rank {rank} (this is rank {self.rank}); "
+                f"the update was not applied"
+            )
+        return {**base, "skipped": 1.0, "grad_norm": float("nan")}
+
+
+# --------------------------------------------------------------------------- policy
+
+
+class PolicyLearner(Learner):
+    """Actor (with an optimizer) or reference model (`optimizer=None`): log-probs and policy updates."""
+
+    def logprobs(
+        self,
+        micro_batches: Sequence[ExperienceBatch],
+        *,
+        temperature: float = 1.0,
+        with_entropy: bool = False,
+    ) -> list[torch.Tensor] | list[tuple[torch.Tensor, torch.Tensor]]:
+        """Log-probs [N_i] (float32, on `self.device`, no grad) of every micro-batch, in the
+        `ExperienceBatch` convention; with `with_entropy`, (logprobs, entropy) pairs. Every rank
+        must call this with the same number of micro-batches when ZeRO-3 shards the weights."""
+
+        def run(batch: ExperienceBatch) -> Any:
+            out = packed_logprobs(self.engine, batch, temperature=temperature, with_entropy=with_entropy)
+            return tuple(t.float() for t in out) if with_entropy else out.float()
+
+        return self._inference(micro_batches, run)
+
+    def train_step(
+        self, micro_batches: Sequence[ExperienceBatch], loss: PolicyLossConfig
+    ) -> dict[str, float]:
+        """One optimizer step over this rank's micro-batches (module docstring).
+
+        Each micro-batch needs `advantages` and `old_logprobs`; `ref_logprobs` when
+        `loss.kl_coef > 0`; `rollout_logprobs` when `loss.correction != "none"`.
+
+        Returns metrics, equal on every rank: loss (the full-batch loss), loss_policy, loss_kl,
+        loss_entropy, the policy loss's own metrics (ppo_kl, clip_fraction, ...) as token-weighted
+        means, entropy (mean over action tokens), kl (mean k-estimate, when kl_coef > 0),
+        mismatch metrics (with a correction), grad_norm, lr (of this update), tokens, sequences,
+        skipped (0 or 1).
+        """
+        if not isinstance(loss, PolicyLossConfig):
+            raise TypeError(f"loss must be a PolicyLossConfig, got {type(loss).__name__}")
+        inputs = ["advantages", "old_logprobs"]
+        if loss.kl_coef > 0:
+            inputs.append("ref_logprobs")
+        if loss.correction != "none":
+            inputs.append("rollout_logprobs")
+        loss_fn = POLICY_LOSSES[loss.name]
+
+        def terms(logprobs, entropy, old, advantages, mask, ref, rollout, normalizer):
+            per_token, metrics = loss_fn(logprobs, old, advantages, mask, **loss.options)
+            metrics = dict(metrics)
+            if loss.correction != "none":
+                low, high = loss.correction_bounds
+                if loss.correction == "seq-mask":
+                    options = {"method": "none", "sequence_mask_range": (low, high)}
+                else:
+                    options = {
+                        "method": loss.correction,
+                        "level": loss.correction_level,
+                        "low": low,
+                        "high": high,
+                    }
+                weights, correction_metrics = rollout_correction(old, rollout, mask, **options)
+                per_token = per_token * weights.to(per_token.dtype)
+                metrics.update(correction_metrics)
+            policy = aggregate_loss(
+                per_token, mask, loss.aggregation, normalizer=normalizer, horizon=loss.horizon
+            )
+            total = policy
+            metrics["loss_policy"] = policy.detach()
+            metrics["entropy"] = _token_mean(entropy.detach(), mask)
+            if loss.kl_coef > 0:
+                kl = kl_penalty(logprobs, ref, loss.kl_estimator)
+                kl_term = aggregate_loss(
+                    kl, mask, loss.aggregation, normalizer=normalizer, horizon=loss.horizon
+                )
+                total = total + loss.kl_coef * kl_term
+                metrics["loss_kl"] = kl_term.detach()
+                metrics["kl"] = _token_mean(kl.detach(), mask)
+            if loss.entropy_coef != 0:
+                entropy_term = aggregate_loss(
+                    entropy, mask, loss.aggregation, normalizer=normalizer, horizon=loss.horizon
+                )
+                total = total - loss.entropy_coef * entropy_term
+                metrics["loss_entropy"] = entropy_term.detach()
+            metrics["loss"] = total.detach()
+            return total, metrics
+
+        def forward_loss(batch: ExperienceBatch, normalizer: torch.Tensor):
+            logprobs, entropy = packed_logprobs(
+                self.engine, batch, temperature=loss.temperature, with_entropy=True
+            )
+            view = batch.response_view
+            ref = view(batch.ref_logprobs) if loss.kl_coef > 0 else None
+            rollout = view(batch.rollout_logprobs) if loss.correction != "none" else None
+            return terms(
+                view(logprobs),
+                view(entropy),
+                view(batch.old_logprobs),
+                view(batch.advantages),
+                batch.response_action_mask(),
+                ref,
+                rollout,
+                normalizer,
+            )
+
+        def dummy_loss():
+            inputs_ = packed_model_inputs(self.engine, ExperienceBatch.empty())
+            logits = self.engine(**inputs_).logits
+            zero = torch.zeros(1, 1, device=self.device)
+            with torch.no_grad():
+                _, metrics = terms(
+                    zero,
+                    zero,
+                    zero,
+                    zero,
+                    torch.zeros(1, 1, dtype=torch.bool, device=self.device),
+                    zero,
+                    zero,
+                    torch.tensor(1.0, device=self.device),
+                )
+            return logits.float().sum() * 0.0, {k: torch.zeros(()) for k in metrics}
+
+        return self._train_step(
+            micro_batches,
+            mode=loss.aggregation,
+            inputs=inputs,
+            forward_loss=forward_loss,
+            dummy_loss=dummy_loss,
+        )
+
+
+def _token_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    mask = mask.to(values.dtype)
+    return (torch.where(mask > 0, values, 0.0) * mask).sum() / mask.sum().clamp(min=1)
+
+
+# --------------------------------------------------------------------------- value
+
+
+class ValueLearner(Learner):
+    """Critic (with an optimizer) or reward model (`optimizer=None`): values, scores and value updates."""
+
+    def values(self, micro_batches: Sequence[ExperienceBatch]) -> list[torch.Tensor]:
+        """Values [N_i] (float32, no grad): values[t] = V(tokens before t), 0 at sequence starts."""
+        return self._inference(micro_batches, lambda batch: packed_values(self.engine, batch).float())
+
+    def scores(self, micro_batches: Sequence[ExperienceBatch]) -> list[torch.Tensor]:
+        """Reward-model scores [S_i] (float32, no grad): the score head at each sequence's last token."""
+        return self._inference(micro_batches, lambda batch: packed_scores(self.engine, batch).float())
+
+    def train_step(self, micro_batches: Sequence[ExperienceBatch], loss: ValueLossConfig) -> dict[str, float]:
+        """One critic update with the clipped value loss; micro-batches need `values` (the old
+        values) and `returns`. Metrics: loss, value_mean, value_clip_fraction, grad_norm, lr,
+        tokens, sequences, skipped."""
+        if not isinstance(loss, ValueLossConfig):
+            raise TypeError(f"loss must be a ValueLossConfig, got {type(loss).__name__}")
+
+        def terms(values, old, returns, mask, normalizer):
+            per_token, metrics = value_loss(values, old, returns, mask, clip_range=loss.clip_range)
+            total = aggregate_loss(
+                per_token, mask, loss.aggregation, normalizer=normalizer, horizon=loss.horizon
+            )
+            return total, {**metrics, "loss": total.detach()}
+
+        def forward_loss(batch: ExperienceBatch, normalizer: torch.Tensor):
+            view = batch.response_view
+            values = packed_values(self.engine, batch)
+            return terms(
+                view(values),
+                view(batch.values),
+                view(batch.returns),
+                batch.response_action_mask(),
+                normalizer,
+            )
+
+        def dummy_loss():
+            values = packed_values(self.engine, ExperienceBatch.empty())
+            zero = torch.zeros(1, 1, device=self.device)
+            with torch.no_grad():
+                _, metrics = terms(
+                    zero,
+                    zero,
+                    zero,
+                    torch.zeros(1, 1, dtype=torch.bool, device=self.device),
+                    torch.tensor(1.0, device=self.device),
+                )
+            return values.sum() * 0.0, {k: torch.zeros(()) for k in metrics}
+
+        return self._train_step(
+            micro_batches,
+            mode=loss.aggregation,
+            inputs=["values", "returns"],
+            forward_loss=forward_loss,
+            dummy_loss=dummy_loss,
+        )

