@@ -299,14 +299,18 @@ def _check_header(header: list[int], meta: WeightSyncMeta, where: str) -> int:
     return version
 
 
+def _mismatch(bucket: BucketMeta, got: int, expected: int, where: str) -> WeightSyncError:
+    names = ", ".join(bucket.names()[:4]) + (", ..." if len(bucket.params) > 4 else "")
+    return WeightSyncError(
+        f"{where}: bucket {bucket.index} ({names}) arrived with checksum {got:#018x}, "
+        f"the sender's is {expected:#018x}; it was not applied"
+    )
+
+
 def _verify(bucket: BucketMeta, buffer: torch.Tensor, expected: int, where: str) -> int:
     got = bucket_checksum(buffer)
     if got != expected:
-        names = ", ".join(bucket.names()[:4]) + (", ..." if len(bucket.params) > 4 else "")
-        raise WeightSyncError(
-            f"{where}: bucket {bucket.index} ({names}) arrived with checksum {got:#018x}, "
-            f"the sender's is {expected:#018x}; it was not applied"
-        )
+        raise _mismatch(bucket, got, expected, where)
     return got
 
 
@@ -344,16 +348,12 @@ def receive_buckets(group: SyncGroup, meta: WeightSyncMeta, consume: Consume) ->
         for work in works:
             work.wait()
         pending = post(meta.buckets[index + 1]) if index + 1 < len(meta.buckets) else None
-        expected = _unsigned(int(word.item()))
-        checksums.append(bucket_checksum(buffer))
-        if failure is not None:
-            continue  # keep receiving so the sender is not left waiting, apply nothing more
-        try:
-            _verify(bucket, buffer, expected, where)
-        except WeightSyncError as error:
-            failure = error
-            continue
-        consume(bucket, unpack_bucket(bucket, buffer))
+        expected, got = _unsigned(int(word.item())), bucket_checksum(buffer)
+        checksums.append(got)
+        if failure is None and got != expected:
+            failure = _mismatch(bucket, got, expected, where)
+        if failure is None:  # from the first corrupt bucket on, keep receiving but apply nothing
+            consume(bucket, unpack_bucket(bucket, buffer))
     if failure is not None:
         raise failure
     return WeightSyncReport(
