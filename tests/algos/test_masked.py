@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from rl_algos import masked_mean, masked_mean_var, masked_whiten
+from rl_data.transport import free_port
 
 VALUES = torch.tensor([[1.0, 2.0, 100.0], [3.0, 4.0, -50.0]])
 MASK = torch.tensor([[1, 1, 0], [1, 1, 0]])
@@ -45,12 +44,6 @@ def test_masked_mean_of_empty_mask_is_zero():
     assert masked_mean(VALUES, torch.zeros(2, 3)).item() == 0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _whiten_shard(rank: int, world: int, port: int, values, mask, results) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
@@ -68,7 +61,7 @@ def test_whitening_with_all_reduce_over_two_gloo_ranks_equals_full_batch_whiteni
     mask[:, 0] = 1
     manager = mp.Manager()
     results = manager.dict()
-    mp.spawn(_whiten_shard, args=(2, _free_port(), values, mask, results), nprocs=2, join=True)
+    mp.spawn(_whiten_shard, args=(2, free_port(), values, mask, results), nprocs=2, join=True)
     sharded = torch.cat([results[0], results[1]])
     torch.testing.assert_close(sharded, masked_whiten(values, mask))
     # and the shards alone would have given something else

@@ -19,16 +19,10 @@ import torch
 
 from rl_data import PromptSample, encode, render_prompt
 from rl_data.transport import WeightSyncSpec, free_port
+from tests.rollout.engine_contract import reference_logprobs
 
 WORKER = os.path.join(os.path.dirname(__file__), "_worker_policy_sync.py")
 PROMPTS = ["Add 2 and 3.", "What is 7 times 6?", "Count to four.", "Name a colour."]
-
-
-def teacher_forced_logprobs(model, prompt: list[int], response: list[int]) -> torch.Tensor:
-    ids = torch.tensor([prompt + response])
-    with torch.no_grad():
-        logits = model(ids).logits[0, len(prompt) - 1 : -1].double()
-    return torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(response)[:, None])[:, 0]
 
 
 @pytest.mark.slow
@@ -98,8 +92,8 @@ def test_vllm_rollout_trains_a_zero3_learner_whose_weights_come_back_to_the_engi
             torch.tensor([prompt]), max_new_tokens=16, do_sample=False, eos_token_id=tokenizer.eos_token_id
         )[0, len(prompt) :].tolist()
         assert generation.token_ids == expected[: len(generation.token_ids)]
-        reference = teacher_forced_logprobs(trained, prompt, generation.token_ids)
+        reference, _ = reference_logprobs(trained, prompt, generation.token_ids)
         assert torch.allclose(torch.tensor(generation.logprobs, dtype=torch.float64), reference, atol=1e-5)
-        before = teacher_forced_logprobs(initial, prompt, generation.token_ids)
+        before, _ = reference_logprobs(initial, prompt, generation.token_ids)
         changed = max(changed, float((reference - before).abs().max()))
     assert changed > 1e-3  # the step moved the weights, and the engine serves the moved ones

@@ -12,7 +12,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +23,7 @@ import numpy as np
 import pytest
 import torch
 
+from rl_data.transport import free_port
 from rl_learner.checkpoint import (
     CheckpointError,
     TrainingState,
@@ -38,12 +38,6 @@ from rl_learner.checkpoint import (
 
 WORKER = Path(__file__).with_name("_worker_checkpoint.py")
 WORKER_TIMEOUT_S = 600
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 # ----------------------------------------------------------------------------------------------

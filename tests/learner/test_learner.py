@@ -14,7 +14,6 @@ import itertools
 import json
 import os
 import pathlib
-import socket
 import subprocess
 import sys
 
@@ -39,6 +38,8 @@ from _helpers_core import (
 )
 from _worker_learner import POLICY_LOSS
 
+from rl_data.transport import free_port
+
 WORKER = pathlib.Path(__file__).resolve().parent / "_worker_learner.py"
 # (stage, world size, model dtype, extra checks). DeepSpeed's ZeRO-0 all-reduce refuses float64
 # gradients, so ZeRO-0 runs in float32.
@@ -58,12 +59,6 @@ RUNS = [
 WEIGHTS = {"rtol": 1e-5, "atol": 2e-5}
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[int, int], pathlib.Path]:
     """Start every configuration's ranks at once; wait; return their output folders."""
@@ -72,7 +67,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[int, int], path
     for stage, world, dtype, checks in RUNS:
         folder = tmp_path_factory.mktemp(f"zero{stage}_world{world}")
         folders[stage, world] = folder
-        port = _free_port()
+        port = free_port()
         for rank in range(world):
             env = {
                 **os.environ,

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import http.server
 import json
-import socket
 import threading
 import time
 
 import pytest
 
+from rl_data.transport import free_port
 from rl_rollout.remote import RemoteRewardClient, RemoteRewardError
 from rl_rollout.rewards import RewardFunction
 
@@ -91,10 +91,7 @@ def url(server, path):
 @pytest.fixture
 def dead_url():
     """A URL on a port nothing listens on (bound, then closed)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    return f"http://127.0.0.1:{port}/reward"
+    return f"http://127.0.0.1:{free_port()}/reward"
 
 
 def test_correct_server_answers_in_sample_order_across_batches(server):

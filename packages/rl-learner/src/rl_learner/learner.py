@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -56,6 +55,7 @@ from rl_algos import (
     value_loss,
 )
 from rl_data import ExperienceBatch
+from rl_data.transport import free_port
 
 from .config import DeepSpeedConfig, OptimizerConfig, build_optimizer, build_scheduler, deepspeed_config
 from .models import packed_logprobs, packed_model_inputs, packed_scores, packed_values, unwrap_model
@@ -172,12 +172,6 @@ class ValueLossConfig(msgspec.Struct, frozen=True, kw_only=True):
 # --------------------------------------------------------------------------- process group
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _ensure_distributed() -> None:
     """Initialise torch.distributed through DeepSpeed when the caller has not (gloo on CPU, nccl on CUDA)."""
     import deepspeed
@@ -186,7 +180,7 @@ def _ensure_distributed() -> None:
         return
     if "RANK" not in os.environ:  # a single process started without a launcher
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
 

@@ -51,6 +51,7 @@ import msgspec
 import torch
 
 from rl_data import PromptSample, Trajectory
+from rl_data.errors import check_integer
 
 from .protocol import Engine, Generation, SamplingParams
 from .rewards import ON_ERROR, RewardFunction, load_python_file
@@ -108,9 +109,7 @@ class _GroupCounter:
     """Hands out group ids: one per prompt, increasing across calls, never reused."""
 
     def __init__(self, first: int) -> None:
-        if isinstance(first, bool) or not isinstance(first, int) or first < 0:
-            raise ValueError(f"first_group_id: {first!r} is not allowed; expected an integer >= 0")
-        self.next = first
+        self.next = check_integer("first_group_id", first, 0)
 
     def take(self, count: int, group_ids: Sequence[int] | None, owner: str) -> list[int]:
         if group_ids is not None:
@@ -413,12 +412,9 @@ class MultiTurnExecutor:
             raise TypeError(f"engine: expected an rl_rollout Engine, got {type(engine).__name__}")
         if not isinstance(sampling, SamplingParams):
             raise TypeError(f"sampling: expected SamplingParams, got {type(sampling).__name__}")
-        for argument, value in (("max_turns", max_turns), ("max_concurrency", max_concurrency)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{argument}: {value!r} is not allowed; expected an integer >= 1")
-        limit = engine.max_model_len if max_length is None else max_length
-        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 2:
-            raise ValueError(f"max_length: {max_length!r} is not allowed; expected an integer >= 2")
+        check_integer("max_turns", max_turns, 1)
+        check_integer("max_concurrency", max_concurrency, 1)
+        limit = check_integer("max_length", engine.max_model_len if max_length is None else max_length, 2)
         if feedback not in FEEDBACK_MODES:
             raise ValueError(f"feedback: {feedback!r} is not allowed; expected one of {FEEDBACK_MODES}")
         if not (isinstance(episode_timeout_s, (int, float)) and 0 < episode_timeout_s < math.inf):

@@ -46,6 +46,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from rl_data import WeightSyncReport
+from rl_data.errors import check_integer
 from rl_data.transport import IpcPayload, WeightSyncSpec
 
 from ..protocol import Engine, EngineError, Generation, SamplingParams, check_prompts
@@ -153,8 +154,7 @@ class HFEngine(Engine):
         seed: int | None = None,
         batch_wait_s: float = 0.005,
     ) -> None:
-        if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
-            raise ValueError(f"HFEngine: max_batch_size must be an integer >= 1, got {max_batch_size!r}")
+        check_integer("HFEngine: max_batch_size", max_batch_size, 1)
         if not batch_wait_s >= 0:
             raise ValueError(f"HFEngine: batch_wait_s must be >= 0 seconds, got {batch_wait_s!r}")
         torch_dtype = _resolve_dtype(dtype)
@@ -184,8 +184,7 @@ class HFEngine(Engine):
                 raise ValueError(
                     "HFEngine: the model config has no max_position_embeddings; pass max_model_len"
                 )
-        if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or max_model_len < 2:
-            raise ValueError(f"HFEngine: max_model_len must be an integer >= 2, got {max_model_len!r}")
+        check_integer("HFEngine: max_model_len", max_model_len, 2)
         self._max_model_len = max_model_len
         self.max_batch_size = max_batch_size
         generation_config = getattr(self.model, "generation_config", None)

@@ -40,6 +40,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
 
+from rl_data.errors import check_integer
+
 from ..protocol import Engine, EngineError, Generation, SamplingParams, check_prompts
 
 __all__ = ["HTTPEngine", "wait_for_server"]
@@ -120,9 +122,8 @@ class HTTPEngine(Engine):
         _check_number(where, "connect_timeout_s", connect_timeout_s, 1e-3)
         _check_number(where, "read_timeout_s", read_timeout_s, 1e-3)
         _check_number(where, "backoff_s", backoff_s, 0)
-        for name, value, low in (("max_retries", max_retries, 0), ("max_concurrency", max_concurrency, 1)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{where}: {name} must be an integer >= {low}, got {value!r}")
+        check_integer(f"{where}: max_retries", max_retries, 0)
+        check_integer(f"{where}: max_concurrency", max_concurrency, 1)
         self.base_url = base_url
         self._scheme, self._host = parsed.scheme, parsed.hostname
         self._port = parsed.port or (443 if parsed.scheme == "https" else 80)
@@ -145,8 +146,7 @@ class HTTPEngine(Engine):
                         "pass max_model_len"
                     )
                 max_model_len = card.max_model_len
-        if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or max_model_len < 2:
-            raise ValueError(f"{where}: max_model_len must be an integer >= 2, got {max_model_len!r}")
+        check_integer(f"{where}: max_model_len", max_model_len, 2)
         self.model = model
         self._max_model_len = max_model_len
 
