@@ -102,8 +102,8 @@ class DataConfig(_Section):
     """Training prompts: a .jsonl/.json/.parquet/.csv file or a `datasets.save_to_disk` folder. None: the preset's."""
     input_key: str = "prompt"
     """Column holding the prompt (text, or a list of chat messages)."""
-    label_key: str = "label"
-    """Column holding the label given to the reward function (None if absent)."""
+    label_key: str | None = "label"
+    """Column holding the label given to the reward function; None: no labels."""
     apply_chat_template: bool = True
     """Render prompts with the tokenizer's chat template."""
     prompt_max_len: int = 1024
@@ -257,8 +257,11 @@ class PolicyConfig(_Section):
 
 class AlgoConfig(_Section):
     advantage: AdvantageConfig = msgspec.field(default_factory=AdvantageConfig)
+    """How advantages and returns are estimated."""
     kl: KLConfig = msgspec.field(default_factory=KLConfig)
+    """The KL penalty against the reference model."""
     policy: PolicyConfig = msgspec.field(default_factory=PolicyConfig)
+    """The policy loss."""
     value_clip: float = 0.5
     """Critic value clip range."""
 
@@ -334,9 +337,13 @@ class RayConfig(_Section):
     colocate: Literal["none", "all", "policy_ref", "critic_reward", "policy_ref+critic_reward"] = "none"
     """Roles sharing the same GPUs (colocate_all_models, colocate_actor_ref, colocate_critic_reward)."""
     policy: ResourceConfig = msgspec.field(default_factory=ResourceConfig)
+    """Policy learner actors."""
     critic: ResourceConfig = msgspec.field(default_factory=ResourceConfig)
+    """Critic learner actors (estimators that need values)."""
     ref: ResourceConfig = msgspec.field(default_factory=ResourceConfig)
+    """Reference model actors (init_kl_coef > 0)."""
     reward_model: ResourceConfig = msgspec.field(default_factory=ResourceConfig)
+    """Reward model actors (model.reward_pretrain)."""
     engine_num_cpus: float = 1.0
     """CPUs per rollout engine actor (Ray's logical CPUs)."""
     startup_timeout_s: float = 600.0
@@ -404,15 +411,25 @@ class PPOConfig(_Section):
     preset_root: str | None = None
     """Cache folder of preset builds (None: ~/.cache/rl-launch/presets)."""
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
+    """Models: policy, critic, reward model; precision, LoRA."""
     data: DataConfig = msgspec.field(default_factory=DataConfig)
+    """Prompt datasets."""
     rollout: RolloutConfig = msgspec.field(default_factory=RolloutConfig)
+    """Generation: engines, sampling, async mode, dynamic filtering."""
     reward: RewardConfig = msgspec.field(default_factory=RewardConfig)
+    """Rule rewards and reward servers."""
     algo: AlgoConfig = msgspec.field(default_factory=AlgoConfig)
+    """The RL algorithm: advantage estimator, KL, policy loss."""
     train: TrainConfig = msgspec.field(default_factory=TrainConfig)
+    """Optimisation: steps, batch sizes, learning rates, DeepSpeed."""
     ray: RayConfig = msgspec.field(default_factory=RayConfig)
+    """The Ray cluster and where each role runs."""
     ckpt: CheckpointConfig = msgspec.field(default_factory=CheckpointConfig)
+    """Checkpoints and resume."""
     eval: EvalConfig = msgspec.field(default_factory=EvalConfig)
+    """Evaluation during training."""
     log: LogConfig = msgspec.field(default_factory=LogConfig)
+    """Outputs: metrics, progress bar, TensorBoard, wandb."""
 
     def __post_init__(self) -> None:
         if self.preset == "none":

@@ -413,27 +413,29 @@ class PPOTrainer:
         return [record for payload in ray.get(futures) for record in decode(payload, list[Trajectory])]
 
     def generate(self, step: int) -> tuple[list[Trajectory], dict[str, float]]:
-        """The records of one step: `rollout_batch_size` prompts x n samples (DAPO-filtered if asked)."""
+        """The records of one step: `rollout_batch_size` prompts x n samples (DAPO-filtered if asked).
+
+        In async mode the first batch of this step was submitted during the previous step, and
+        the next step's is submitted here, before training, on the weights the engines hold now.
+        """
         r = self.config.rollout
-        if r.async_train:
-            futures = self.pending or self.submit_generation(next(self.batches), self.sampling(step))
-            records = self.collect(futures)
-            if step < self.config.train.max_steps:  # the next step's batch starts now, on the current weights
-                self.pending = self.submit_generation(next(self.batches), self.sampling(step + 1))
-            return records, {}
+        futures = self.pending or self.submit_generation(next(self.batches), self.sampling(step))
+        self.pending = None
+        records = self.collect(futures)
+        if r.async_train and step < self.config.train.max_steps:
+            self.pending = self.submit_generation(next(self.batches), self.sampling(step + 1))
         if not r.dynamic_filtering:
-            return self.collect(self.submit_generation(next(self.batches), self.sampling(step))), {}
+            return records, {}
         low, high = r.dynamic_filtering_reward_range
-        kept: list[list[Trajectory]] = []
-        seen = 0
-        for attempt in range(r.max_sampling_rounds):
-            sampling = msgspec.structs.replace(self.sampling(step), seed=r.seed + step + 7919 * attempt)
-            records = self.collect(self.submit_generation(next(self.batches), sampling))
-            accepted, _ = filter_groups(records, low=low, high=high)
-            seen += len(records) // r.n_samples_per_prompt
-            kept += accepted
+        kept, _ = filter_groups(records, low=low, high=high)
+        seen = len(records) // r.n_samples_per_prompt
+        for attempt in range(1, r.max_sampling_rounds):
             if len(kept) >= r.rollout_batch_size:
                 break
+            sampling = msgspec.structs.replace(self.sampling(step), seed=r.seed + step + 7919 * attempt)
+            more = self.collect(self.submit_generation(next(self.batches), sampling))
+            kept += filter_groups(more, low=low, high=high)[0]
+            seen += len(more) // r.n_samples_per_prompt
         if not kept:
             raise RuntimeError(
                 f"dynamic filtering kept no group in {r.max_sampling_rounds} rounds (every group's mean reward "

@@ -1,0 +1,20 @@
+"""Shared set-up of the launcher tests: a short Ray temp folder per run, checked for leftovers."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+
+import pytest
+
+from tests.launch.launching import launcher_env, ray_processes
+
+
+@pytest.fixture
+def ray_temp():
+    """(temp folder, env) for one run's local Ray; fails if a Ray process of it outlives the test."""
+    temp_dir = tempfile.mkdtemp(prefix="rlt-", dir="/tmp")  # unix socket paths must stay short
+    yield temp_dir, launcher_env()
+    leftovers = ray_processes(temp_dir)
+    shutil.rmtree(temp_dir, ignore_errors=True)
+    assert not leftovers, f"Ray processes outlived the run: {leftovers}"

