@@ -131,3 +131,57 @@ def test_a_run_killed_after_a_checkpoint_resumes_with_the_same_metrics(
     assert [line["step"] for line in metrics] == [1, 2, 3, 4, 5]  # lines after the checkpoint replaced
     for line in metrics[saved:]:
         assert _comparable(line) == pytest.approx(reference[line["step"]], rel=1e-5, abs=1e-7)
+
+
+REWARD_FILE = """
+def reward_func(queries, prompts, labels):
+    # 1 when the response has a length divisible by 3: groups mix 0s and 1s, some are all 0 or all 1
+    return [float((len(query) - len(prompt)) % 3 == 0) for query, prompt in zip(queries, prompts)]
+"""
+
+
+def test_grpo_async_with_dynamic_filtering_and_evaluation_completes(
+    tiny_checkpoint, prompts, ray_temp, tmp_path
+):
+    ray_dir, env = ray_temp
+    reward_file = tmp_path / "reward.py"
+    reward_file.write_text(REWARD_FILE)
+    run_dir = tmp_path / "run"
+    args = [
+        "--preset", "none",
+        "--model.pretrain", str(tiny_checkpoint),
+        "--data.prompt_data", str(prompts),
+        "--data.eval_dataset", str(prompts),
+        "--data.eval_max_samples", "8",
+        "--eval.eval_steps", "2",
+        "--reward.function", str(reward_file),
+        "--rollout.n_samples_per_prompt", "4",
+        "--rollout.rollout_batch_size", "4",
+        "--rollout.generate_max_len", "12",
+        "--rollout.async_train", "true",
+        "--rollout.dynamic_filtering", "true",
+        "--algo.advantage.estimator", "grpo",
+        "--train.max_steps", "3",
+        "--train.actor_learning_rate", "1e-4",
+        "--ckpt.save_hf_model", "false",
+        "--log.output_dir", str(run_dir),
+        "--log.progress_bar", "false",
+        "--ray.temp_dir", ray_dir,
+    ]  # fmt: skip
+    result = launch(args, env)
+    assert result.returncode == 0, result.stderr[-4000:]
+    metrics = read_metrics(run_dir)
+    assert [line["step"] for line in metrics] == [1, 2, 3]
+    # one step ahead: step 1's batch came from version 0 with version 0 training it; every later
+    # first batch was generated while the previous step trained, so it lags by one version (refills
+    # of dynamic filtering come after that step's sync and lag less)
+    lags = [line["health/policy_lag"] for line in metrics]
+    assert lags[0] == 0.0
+    assert all(0.0 < lag <= 1.0 for lag in lags[1:])
+    for line in metrics:
+        assert line["filter/groups_kept"] == 4  # the batch is filled with groups of mixed rewards
+        assert 0.0 < line["reward/mean"] < 1.0
+        assert line["health/sync_checksum_match"] == 1.0
+    assert "eval/reward/mean" in metrics[1]
+    assert "eval/reward/mean" in metrics[2]
+    assert "eval/reward/mean" not in metrics[0]
