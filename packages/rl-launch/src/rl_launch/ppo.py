@@ -469,14 +469,15 @@ class PPOTrainer:
             batch.ref_logprobs = _assemble(batch, *self.forward("ref", "logprobs", batch, temperature))
         if "critic" in self.groups:
             batch.values = _assemble(batch, *self.forward("critic", "values", batch))
-        rewards = batch.rewards.clone()
+        rewards = batch.rewards.clone()  # the rule / remote reward of each record
+        metrics: dict[str, float] = {}
         if "reward_model" in self.groups:
             scores = _assemble_scores(batch, *self.forward("reward_model", "scores", batch))
+            metrics["reward/model_mean"] = float(scores.mean())
             rewards = rewards + scores
 
         mask = batch.response_action_mask()
         old = batch.response_view(batch.old_logprobs)
-        metrics: dict[str, float] = {}
         kl = None
         if batch.ref_logprobs is not None:
             kl = kl_penalty(
@@ -512,9 +513,9 @@ class PPOTrainer:
         lengths = batch.response_lengths.float()
         metrics.update(
             {
-                "reward/mean": float(batch.rewards.mean()),
-                "reward/std": float(batch.rewards.std()) if len(records) > 1 else 0.0,
-                "reward/max": float(batch.rewards.max()),
+                "reward/mean": float(rewards.mean()),
+                "reward/std": float(rewards.std()) if len(records) > 1 else 0.0,
+                "reward/max": float(rewards.max()),
                 "response_length/mean": float(lengths.mean()),
                 "response_length/max": float(lengths.max()),
                 "response/truncated": sum(r == "length" for r in batch.finish_reasons) / len(records),
