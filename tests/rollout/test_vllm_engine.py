@@ -271,3 +271,15 @@ def test_init_weight_sync_checks_its_arguments(vllm_engine, tiny_checkpoint):
         vllm_engine.init_weight_sync(spec, 0)
     with pytest.raises(ValueError, match="do not fit in the group's world_size 2"):
         vllm_engine.init_weight_sync(spec, 2)
+
+
+def test_seeded_requests_beyond_one_scheduler_step_of_prompt_tokens_all_complete(vllm_engine):
+    # vLLM's default token budget per scheduler step is 2048; seeded prefills split across steps
+    # used to kill the CPU engine ("CPU Generator does not use offset"). 160 x 20 = 3200 tokens.
+    prompts = [[5 + (i * 7 + j) % 300 for j in range(20)] for i in range(160)]
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=3, seed=11)
+    first = vllm_engine.generate(prompts, params)
+    assert [len(samples) for samples in first] == [2] * len(prompts)
+    assert (
+        vllm_engine.generate(prompts[:3], params) == first[:3]
+    )  # seeded: a prompt's samples do not depend on the batch

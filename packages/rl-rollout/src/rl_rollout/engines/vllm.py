@@ -147,6 +147,11 @@ class VLLMEngine(Engine):
         from vllm.platforms import current_platform
 
         on_cpu = current_platform.is_cpu()
+        if on_cpu:
+            # vLLM's CPU generators have no offset: a seeded request whose prefill is split into
+            # chunks (more prompt tokens in flight than max_num_batched_tokens) kills the engine
+            # ("CPU Generator does not use offset"). Whole prefills avoid that.
+            engine_kwargs.setdefault("enable_chunked_prefill", False)
         if enable_sleep_mode is None:
             enable_sleep_mode = not on_cpu
         self._sleep_enabled = bool(enable_sleep_mode) and not on_cpu
