@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from rl_launch.presets.arithmetic import (
     MARKER,
     arithmetic_reward,
@@ -182,8 +183,9 @@ def test_build_is_deterministic_for_a_seed(built, tmp_path):
 
 
 def test_built_model_loads_and_tokenizer_round_trips_the_prompt(built):
-    from rl_data import render_prompt
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rl_data import render_prompt
 
     _, artifacts = built
     tokenizer = AutoTokenizer.from_pretrained(artifacts.model_path)
@@ -193,7 +195,10 @@ def test_built_model_loads_and_tokenizer_round_trips_the_prompt(built):
     assert text == f"<|im_start|>user\n{row['prompt']}<|im_end|>\n<|im_start|>assistant\n"
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     assert tokenizer.decode(ids) == text
-    digits = [tokenizer.decode([i]) for i in tokenizer(row["label"].lstrip("-"), add_special_tokens=False)["input_ids"]]
+    digits = [
+        tokenizer.decode([i])
+        for i in tokenizer(row["label"].lstrip("-"), add_special_tokens=False)["input_ids"]
+    ]
     assert digits == list(row["label"].lstrip("-"))
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([ids])).logits
@@ -211,31 +216,38 @@ def test_build_rejects_bad_arguments(tmp_path):
 # ----------------------------------------------------------------------------------------- SFT
 
 
-def _tiny_model_and_tokenizer():
-    from rl_data.tiny import build_tiny_model, build_tiny_tokenizer
+@pytest.fixture(scope="module")
+def sft_tokenizer():
+    from rl_data.tiny import build_tiny_tokenizer
 
-    tokenizer = build_tiny_tokenizer()
-    return build_tiny_model(tokenizer, hidden_size=64, num_layers=1, intermediate_size=128, seed=0), tokenizer
+    return build_tiny_tokenizer()
 
 
-def test_sft_warm_start_lowers_the_loss_on_its_data():
-    model, tokenizer = _tiny_model_and_tokenizer()
+def _tiny_model(tokenizer):
+    from rl_data.tiny import build_tiny_model
+
+    return build_tiny_model(tokenizer, hidden_size=64, num_layers=1, intermediate_size=128, seed=0)
+
+
+def test_sft_warm_start_lowers_the_loss_on_its_data(sft_tokenizer):
+    tokenizer = sft_tokenizer
+    model = _tiny_model(tokenizer)
     examples = [(f"Q{i}: ", f"{i % 3}{tokenizer.eos_token}") for i in range(8)]
-    metrics = sft_warm_start(model, tokenizer, examples, steps=30, batch_size=8, lr=1e-2, seed=0)
-    assert metrics["steps"] == 30
+    metrics = sft_warm_start(model, tokenizer, examples, steps=20, batch_size=8, lr=1e-2, seed=0)
+    assert metrics["steps"] == 20
     assert metrics["final_loss"] < 0.5 * metrics["first_loss"]
     assert not model.training
 
 
-def test_sft_warm_start_is_deterministic_and_leaves_global_rng_alone():
+def test_sft_warm_start_is_deterministic_and_leaves_global_rng_alone(sft_tokenizer):
     examples = [("What is 1 + 1? ", "2<|im_end|>"), ("What is 2 + 2? ", "4<|im_end|>")]
     torch.manual_seed(123)
     expected_draw = torch.rand(())
     weights = []
     for _ in range(2):
-        model, tokenizer = _tiny_model_and_tokenizer()
+        model = _tiny_model(sft_tokenizer)
         torch.manual_seed(123)
-        sft_warm_start(model, tokenizer, examples, steps=3, batch_size=1, lr=1e-3, seed=5)
+        sft_warm_start(model, sft_tokenizer, examples, steps=3, batch_size=1, lr=1e-3, seed=5)
         assert torch.rand(()) == expected_draw
         weights.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
     assert torch.equal(weights[0], weights[1])
@@ -249,14 +261,14 @@ def test_sft_warm_start_is_deterministic_and_leaves_global_rng_alone():
         ({"lr": -1.0}, "lr: -1.0"),
     ],
 )
-def test_sft_warm_start_rejects_bad_arguments(kwargs, match):
-    model, tokenizer = _tiny_model_and_tokenizer()
+def test_sft_warm_start_rejects_bad_arguments(sft_tokenizer, kwargs, match):
     options = {"steps": 1, "batch_size": 1, "lr": 1e-3, **kwargs}
     with pytest.raises(ValueError, match=match):
-        sft_warm_start(model, tokenizer, [("a", "b")], **options)
+        sft_warm_start(_tiny_model(sft_tokenizer), sft_tokenizer, [("a", "b")], **options)
 
 
-def test_sft_warm_start_rejects_empty_response():
-    model, tokenizer = _tiny_model_and_tokenizer()
+def test_sft_warm_start_rejects_empty_response(sft_tokenizer):
     with pytest.raises(ValueError, match=r"examples\[1\]: the response '' has no tokens"):
-        sft_warm_start(model, tokenizer, [("a", "b"), ("c", "")], steps=1, batch_size=1, lr=1e-3)
+        sft_warm_start(
+            _tiny_model(sft_tokenizer), sft_tokenizer, [("a", "b"), ("c", "")], steps=1, batch_size=1, lr=1e-3
+        )

@@ -1,6 +1,6 @@
 """`rl-launch ppo`: the PPO family (PPO, REINFORCE++, GRPO, Dr.GRPO, RLOO, ...) on Ray.
 
-One step, top to bottom (`PPOTrainer.step`):
+One step, top to bottom (`PPOTrainer.fit`):
 
     generate   the engines sample n responses per prompt; the reward function scores them
     experience the learners compute old log-probs, reference log-probs, values (and reward-model
@@ -298,6 +298,8 @@ class PPOTrainer:
             placement_group=self.placement[engine_layout.group],
             num_gpus=engine_layout.num_gpus,
             num_cpus=engine_layout.num_cpus,
+            # vLLM logs every weight reload at INFO and WARNING; that would bury the progress bar
+            env={"VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "ERROR")},
         )
         engine_ready = self.engines.submit("ready")
         done, waiting = ray.wait(
@@ -715,12 +717,12 @@ def _policy_loss(name: str) -> Any:
 
 
 def _prepare_preset(config: PPOConfig) -> Any | None:
+    """The preset's inputs (built once, then cached), or None without a preset."""
     if config.preset == "none":
         return None
-    from .presets import build_preset
+    from .presets import prepare_preset
 
-    root = config.preset_root or os.path.join(os.path.expanduser("~"), ".cache", "rl-launch", "presets")
-    return build_preset(config.preset, root, seed=config.train.seed)
+    return prepare_preset(config.preset, config.preset_root, seed=0)
 
 
 def run(config: PPOConfig) -> int:

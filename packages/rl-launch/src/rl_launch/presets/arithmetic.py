@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+
 from rl_rollout.rewards import response_text
 
 __all__ = [
@@ -65,7 +66,7 @@ DEFAULT_RL_SETTINGS: dict[str, Any] = {
     "advantage_estimator": "grpo",
     "policy_loss": "ppo",
     "clip_epsilon": 0.2,
-    "n_samples_per_prompt": 16,
+    "n_samples_per_prompt": 8,
     "prompts_per_step": 32,
     "max_new_tokens": 6,
     "temperature": 1.0,
@@ -77,9 +78,14 @@ DEFAULT_RL_SETTINGS: dict[str, Any] = {
     "max_grad_norm": 1.0,
     "kl_coef": 0.0,
     "optimizer_steps_per_rollout": 1,
-    "num_steps": 30,
+    "num_steps": 60,
 }
-"""RL settings that raised the reward clearly in the in-process GRPO check (see the report)."""
+"""RL settings that raised the reward in an in-process GRPO check (HF sampling at temperature 1,
+GRPO advantages, PPO-clip loss, one AdamW step per rollout batch; seeds 0, 1, 2): the mean
+rollout reward of the last 5 of 60 steps was 0.474, 0.463, 0.480 against 0.391, 0.366, 0.401
+for the first 5 (about +0.08 to +0.10), and the sampled accuracy on train prompts went from
+0.39, 0.41, 0.43 to 0.51, 0.46, 0.52. The first one or two steps often dip (Adam's first,
+sign-like steps on a noisy policy gradient); larger learning rates (1e-3 and above) collapse."""
 
 _FIRST_INTEGER = re.compile(r"-?\d+")
 
@@ -91,7 +97,9 @@ _FIRST_INTEGER = re.compile(r"-?\d+")
 def _check_operations(operations: Sequence[str]) -> tuple[str, ...]:
     ops = tuple(operations)
     if not ops or any(op not in OPERATIONS for op in ops) or len(set(ops)) != len(ops):
-        raise ValueError(f"operations: {operations!r} is not allowed; expected distinct items of {OPERATIONS}")
+        raise ValueError(
+            f"operations: {operations!r} is not allowed; expected distinct items of {OPERATIONS}"
+        )
     return ops
 
 
@@ -108,7 +116,7 @@ def _check_fraction(eval_fraction: float) -> float:
 
 
 def problem_split(a: int, op: str, b: int, eval_fraction: float = 0.1) -> str:
-    """"eval" or "train" for the problem `a op b`, from a stable hash (independent of any seed)."""
+    """ "eval" or "train" for the problem `a op b`, from a stable hash (independent of any seed)."""
     digest = hashlib.blake2b(f"{a} {op} {b}".encode(), digest_size=8).digest()
     return "eval" if int.from_bytes(digest, "big") % 10_000 < eval_fraction * 10_000 else "train"
 
@@ -249,9 +257,10 @@ def _artifacts(folder: Path, marker: dict[str, Any]) -> PresetArtifacts:
         eval_path=str(folder / "eval.jsonl"),
         reward=f"{__name__}:arithmetic_reward",
         apply_chat_template=True,
-        max_new_tokens=int(marker["rl_settings"]["max_new_tokens"]),
+        max_new_tokens=int(DEFAULT_RL_SETTINGS["max_new_tokens"]),
         sft_metrics=dict(marker["sft_metrics"]),
-        rl_settings=dict(marker["rl_settings"]),
+        # From the code, not the marker: the RL settings do not change what is built.
+        rl_settings=dict(DEFAULT_RL_SETTINGS),
     )
 
 
@@ -276,7 +285,7 @@ def build_preset(
     `build_tiny_model` (Qwen2, `hidden_size`, `num_layers`, seeded); `num_train` train problems
     and every eval problem (`make_problems`); `sft_warm_start` on every distinct train problem
     (prompt rendered with the chat template, response "<label><|im_end|>") for `sft_steps`
-    steps (None: the tuned default, 150); then `save_pretrained` of model and tokenizer into
+    steps (None: the tuned default, 200); then `save_pretrained` of model and tokenizer into
     `model/` (safetensors), loadable by transformers and vLLM.
 
     Cached by a hash of all arguments and `RECIPE_VERSION`: the build goes to
@@ -318,6 +327,7 @@ def build_preset(
         shutil.rmtree(folder)
 
     import torch
+
     from rl_data import render_prompt
     from rl_data.tiny import build_tiny_model, build_tiny_tokenizer
 
@@ -367,4 +377,4 @@ def build_preset(
     return _artifacts(folder, json.loads(marker_path.read_text()))
 
 
-DEFAULT_SFT_STEPS = 150
+DEFAULT_SFT_STEPS = 200
