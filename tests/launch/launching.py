@@ -8,7 +8,6 @@ import os
 import pathlib
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 
@@ -20,12 +19,6 @@ def launcher_env(**extra: str) -> dict[str, str]:
     env["RAY_USAGE_STATS_ENABLED"] = "0"
     env.update(extra)
     return env
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def ray_processes(temp_dir: str) -> dict[int, str]:

@@ -12,7 +12,8 @@ import os
 
 import pytest
 
-from tests.launch.launching import free_port, launch
+from rl_data.transport import free_port
+from tests.launch.launching import launch
 
 
 @pytest.fixture(scope="module")

@@ -13,14 +13,14 @@ group and calls a method on every rank at once.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
 
 from rl_learner import DeepSpeedConfig, LoraOptions, OptimizerConfig
 
-__all__ = ["ActorGroup", "EngineSpec", "LearnerSpec", "LearnerWorker", "RolloutWorker"]
+__all__ = ["BUILTIN_REWARDS", "ActorGroup", "EngineSpec", "LearnerSpec", "LearnerWorker", "RolloutWorker"]
 
 LEARNER_ROLES = ("policy", "ref", "critic", "reward_model")
 
@@ -118,10 +118,8 @@ class LearnerWorker:
     def scores(self, parts: list) -> list:
         return self.learner.scores(parts)
 
-    def train_policy(self, parts: list, loss: Any) -> dict[str, float]:
-        return self.learner.train_step(parts, loss)
-
-    def train_critic(self, parts: list, loss: Any) -> dict[str, float]:
+    def train_step(self, parts: list, loss: Any) -> dict[str, float]:
+        """One optimizer step (policy or critic: `loss` is a PolicyLossConfig or ValueLossConfig)."""
         return self.learner.train_step(parts, loss)
 
     def sync_layout(self, dtype: str) -> Any:
@@ -167,29 +165,33 @@ class LearnerWorker:
             self.sender = None
 
 
+BUILTIN_REWARDS: tuple[str, ...] = ("arithmetic", "numeric", "exact_match")
+"""Reward names `reward.function` may give instead of a `reward_func` file."""
+
+
 def build_reward(spec: EngineSpec) -> Any:
     """The reward function of a rollout worker: a built-in name, an OpenRLHF file, or a server."""
-    from rl_rollout import ExactMatchReward, NumericAnswerReward, RemoteRewardClient, load_reward_function
+    from rl_rollout import (
+        BatchedReward,
+        ExactMatchReward,
+        NumericAnswerReward,
+        RemoteRewardClient,
+        load_reward_function,
+    )
 
+    name = spec.reward_function
     if spec.reward_url is not None:
         return RemoteRewardClient(spec.reward_url, timeout_s=spec.reward_timeout_s)
-    name = spec.reward_function
-    builtins: dict[str, Callable[[], Any]] = {
-        "numeric": NumericAnswerReward,
-        "exact_match": ExactMatchReward,
-    }
+    if name is None:
+        return BatchedReward(lambda queries, prompts, labels: [0.0] * len(queries), name="zero")
     if name == "arithmetic":
-        from rl_rollout import BatchedReward
-
         from .presets.arithmetic import arithmetic_reward
 
         return BatchedReward(arithmetic_reward, name="arithmetic")
-    if name in builtins:
-        return builtins[name]()
-    if name is None:
-        from rl_rollout import BatchedReward
-
-        return BatchedReward(lambda queries, prompts, labels: [0.0] * len(queries), name="zero")
+    if name == "numeric":
+        return NumericAnswerReward()
+    if name == "exact_match":
+        return ExactMatchReward()
     return load_reward_function(name)
 
 
@@ -203,11 +205,13 @@ class RolloutWorker:
         self.tokenizer = AutoTokenizer.from_pretrained(spec.model_path)
         self.reward_fn = build_reward(spec)
         if spec.kind == "vllm":
+            from rl_data import dtype_name
+            from rl_learner.config import torch_dtype
             from rl_rollout.engines import VLLMEngine
 
             self.engine = VLLMEngine(
                 spec.model_path,
-                dtype={"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[spec.dtype],
+                dtype=dtype_name(torch_dtype(spec.dtype)),
                 max_model_len=spec.max_model_len,
                 seed=spec.seed,
                 tensor_parallel_size=spec.tensor_parallel_size,

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import logging
 import math
 import os
 import sys
@@ -33,6 +32,7 @@ import torch
 
 from rl_algos import (
     ADVANTAGE_ESTIMATORS,
+    POLICY_LOSSES,
     AdaptiveKLController,
     FixedKLController,
     compute_advantages,
@@ -67,8 +67,6 @@ from .tracking import PhaseTimer, Tracker
 
 __all__ = ["PPOTrainer", "run"]
 
-logger = logging.getLogger(__name__)
-
 TRAINED_ROLES = ("policy", "critic")
 
 
@@ -89,8 +87,6 @@ def check_combination(config: PPOConfig) -> None:
             f"{config.algo.advantage.estimator!r} uses outcome rewards only and would ignore it; set "
             "algo.kl.use_kl_loss true (GRPO style) or pick gae / reinforce / reinforce_baseline"
         )
-    if config.rollout.dynamic_filtering and config.algo.advantage.estimator in ("gae",):
-        logger.info("dynamic filtering with gae: groups are still formed by prompt")
 
 
 def _estimator_options(estimator: str, **options: Any) -> dict[str, Any]:
@@ -452,14 +448,8 @@ class PPOTrainer:
 
     def forward(self, role: str, method: str, batch: ExperienceBatch, *args: Any) -> tuple[list, list]:
         """Every rank of `role` runs `method` on its share of `batch`; (parts per rank, results per rank)."""
-        group = self.groups[role]
-        plan = plan_micro_batches(
-            batch.sequence_lengths.tolist(),
-            max_tokens=self.config.train.micro_batch_tokens,
-            num_ranks=len(group),
-        )
-        parts = [micro_batches(batch, plan, rank) for rank in range(len(group))]
-        results = group.call(method, per_rank=[(rank_parts, *args) for rank_parts in parts])
+        parts = self._split(batch, role)
+        results = self.groups[role].call(method, per_rank=[(rank_parts, *args) for rank_parts in parts])
         return parts, results
 
     def make_experience(self, records: list[Trajectory]) -> tuple[ExperienceBatch, dict[str, float]]:
@@ -486,21 +476,22 @@ class PPOTrainer:
                 old, batch.response_view(batch.ref_logprobs), cfg.algo.kl.kl_estimator.removesuffix("+")
             )
             kl = kl * mask
-            metrics["kl/mean"] = float(kl.sum(-1).mean())
+            metrics["kl/mean"] = float(kl.sum(-1).mean())  # per-sequence KL, averaged
         beta = float(self.kl_controller.value)
         in_reward = kl is not None and not cfg.algo.kl.use_kl_loss
+        outcome = rewards.clamp(-cfg.reward.clip, cfg.reward.clip) if cfg.reward.clip else rewards
         token_rewards = token_level_rewards(
-            rewards,
+            outcome,
             mask,
             kl=kl if in_reward else None,
             kl_coef=beta if in_reward else 0.0,
-            reward_clip=cfg.reward.clip,
+            reward_clip=None,  # clipped above, for the outcome-reward estimators too
         )
         estimator = cfg.algo.advantage.estimator
         values = batch.response_view(batch.values) if batch.values is not None else None
         advantages, returns = compute_advantages(
             estimator,
-            rewards=rewards.clamp(-cfg.reward.clip, cfg.reward.clip) if cfg.reward.clip else rewards,
+            rewards=outcome,
             token_rewards=token_rewards,
             values=values,
             action_mask=mask,
@@ -510,7 +501,7 @@ class PPOTrainer:
         batch.advantages = batch.from_response_view(advantages.float())
         batch.returns = batch.from_response_view(returns.float())
         if kl is not None:
-            self.kl_controller.update(float(kl.sum(-1).mean()), len(records))
+            self.kl_controller.update(metrics["kl/mean"], len(records))
 
         lengths = batch.response_lengths.float()
         metrics.update(
@@ -544,7 +535,7 @@ class PPOTrainer:
             "epsilon_high": policy.eps_clip_high,
             "dual_clip": policy.dual_clip,
         }
-        accepted = inspect.signature(_policy_loss(policy.loss)).parameters
+        accepted = inspect.signature(POLICY_LOSSES[policy.loss]).parameters
         options = {k: v for k, v in options.items() if k in accepted and v is not None}
         correction = policy.is_correction
         if correction == "auto":
@@ -580,19 +571,18 @@ class PPOTrainer:
                 if "critic" in self.groups:
                     parts = self._split(mini, "critic")
                     critic = self.groups["critic"].call(
-                        "train_critic", per_rank=[(p, value_loss) for p in parts]
+                        "train_step", per_rank=[(p, value_loss) for p in parts]
                     )
                     for key, value in critic[0].items():
                         history.setdefault(f"critic/{key}", []).append(value)
                 parts = self._split(mini, "policy")
-                policy = self.groups["policy"].call(
-                    "train_policy", per_rank=[(p, policy_loss) for p in parts]
-                )
+                policy = self.groups["policy"].call("train_step", per_rank=[(p, policy_loss) for p in parts])
                 for key, value in policy[0].items():
                     history.setdefault(f"policy/{key}", []).append(value)
         return {key: sum(values) / len(values) for key, values in history.items()}
 
     def _split(self, batch: ExperienceBatch, role: str) -> list[list[ExperienceBatch]]:
+        """`batch` planned over the ranks of `role`: each rank's micro-batches (dynamic batching)."""
         ranks = len(self.groups[role])
         plan = plan_micro_batches(
             batch.sequence_lengths.tolist(), max_tokens=self.config.train.micro_batch_tokens, num_ranks=ranks
@@ -708,12 +698,6 @@ class _Subset:
         if not 0 <= index < self.limit:
             raise IndexError(index)
         return self.data[index]
-
-
-def _policy_loss(name: str) -> Any:
-    from rl_algos import POLICY_LOSSES
-
-    return POLICY_LOSSES[name]
 
 
 def _prepare_preset(config: PPOConfig) -> Any | None:
