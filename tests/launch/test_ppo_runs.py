@@ -71,7 +71,13 @@ def _comparable(line: dict) -> dict:
 def ppo_run(tiny_checkpoint, prompts, tmp_path_factory):
     ray_dir = tempfile.mkdtemp(prefix="rlt-", dir="/tmp")
     run_dir = tmp_path_factory.mktemp("ppo") / "run"
-    result = launch(_ppo_args(tiny_checkpoint, prompts, run_dir, ray_dir), launcher_env())
+    # No Ray token from the test and a home folder of its own, so that a token file Ray writes
+    # shows; the caches (DeepSpeed's built ops, vLLM's) stay where they are.
+    home = run_dir.parent / "home"
+    home.mkdir()
+    env = launcher_env(HOME=str(home), XDG_CACHE_HOME=os.path.expanduser("~/.cache"))
+    env.pop("RAY_AUTH_TOKEN")
+    result = launch(_ppo_args(tiny_checkpoint, prompts, run_dir, ray_dir), env)
     assert not ray_processes(ray_dir)  # the run's local Ray went down with it
     assert result.returncode == 0, result.stderr[-4000:]
     return run_dir, result
@@ -98,6 +104,20 @@ def test_ppo_with_critic_reference_and_zero3_completes_its_steps(ppo_run):
     assert "reward/mean" in (run_dir / "summary.txt").read_text()
     assert (run_dir / "final" / "config.json").is_file()
     assert str(run_dir.resolve()) in result.stdout  # it says where its outputs are
+    assert "old log-probs from a separate forward" in result.stdout  # two mini-batches per step
+    # the console holds the run's own lines; the actors' output (vLLM, DeepSpeed) is in files
+    assert "actors ready: policy x1, ref x1, critic x1, reward_model x1, vllm engine x1" in result.stdout
+    assert "(RolloutWorker" not in result.stderr
+    assert "(LearnerWorker" not in result.stderr
+    for name in ("policy-0", "ref-0", "critic-0", "reward_model-0", "engine-0"):
+        assert (run_dir / "logs" / f"{name}.log").is_file(), name
+
+
+def test_a_local_run_writes_no_ray_token_into_the_home_folder(ppo_run):
+    run_dir, _ = ppo_run
+    home = run_dir.parent / "home"
+    assert home.is_dir()
+    assert not (home / ".ray").exists()
 
 
 def test_a_run_killed_after_a_checkpoint_resumes_with_the_same_metrics(
@@ -188,3 +208,9 @@ def test_grpo_async_with_dynamic_filtering_and_evaluation_completes(
     assert "eval/reward/mean" in metrics[1]
     assert "eval/reward/mean" in metrics[2]
     assert "eval/reward/mean" not in metrics[0]
+    # one optimizer step per batch: no separate old-log-prob forward, the learner checks the
+    # engine's log-probs from its training forward instead (lagged by one version in async mode)
+    assert "old log-probs from the training forward" in result.stdout
+    assert all(
+        line["health/logprob_mismatch_max"] >= line["health/logprob_mismatch_mean"] >= 0 for line in metrics
+    )

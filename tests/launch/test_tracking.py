@@ -171,15 +171,20 @@ def test_summary_table_golden_values(tmp_path):
     assert summary.metrics_path == str(tmp_path / "metrics.jsonl")
 
 
-def test_close_is_idempotent_and_prints_the_table_on_stdout(tmp_path, capsys):
+def test_close_is_idempotent_and_prints_the_headline_rows_on_stdout(tmp_path, capsys):
     with Tracker(tmp_path, total_steps=1, progress_bar=False) as tracker:
-        tracker.log(1, {"reward/mean": 0.5})
+        tracker.log(1, {"reward/mean": 0.5, "time/training": 2.0, "policy/grad_norm": 1.5})
     summary = tracker.close()
     assert tracker.close() is summary
     assert isinstance(summary, Summary)
     out = capsys.readouterr().out
     assert out.count("summary of 1 steps") == 1
-    assert summary.table in out
+    assert str(tmp_path / "summary.txt") in out
+    assert "reward/mean" in out
+    assert "time/training" in out
+    assert "policy/grad_norm" not in out  # only in summary.txt
+    assert "policy/grad_norm" in summary.table
+    assert summary.table in (tmp_path / "summary.txt").read_text()
 
 
 def test_curves_png_is_a_valid_image(tmp_path):

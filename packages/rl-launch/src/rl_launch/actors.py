@@ -13,7 +13,9 @@ group and calls a method on every rank at once.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -37,6 +39,8 @@ class LearnerSpec(msgspec.Struct, frozen=True, kw_only=True):
     lora: LoraOptions | None = None
     seed: int = 42
     on_non_finite: str = "skip"
+    log_dir: str | None = None
+    """Folder of the actor's output file (`<role>-<rank>.log`); None: Ray's own handling."""
 
 
 class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -49,16 +53,38 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
     seed: int
     tensor_parallel_size: int = 1
     gpu_memory_utilization: float = 0.6
+    max_num_seqs: int | None = None
     enforce_eager: bool = False
     reward_function: str | None = None
     reward_url: str | None = None
     reward_timeout_s: float = 60.0
+    log_dir: str | None = None
+    """Folder of the actor's output file (`engine-<index>.log`); None: Ray's own handling."""
+
+
+def send_output_to(log_dir: str | None, name: str) -> None:
+    """Point this process's stdout and stderr at `log_dir/name.log` (appending).
+
+    The file descriptors themselves are replaced, so C++ and child-process output (vLLM's engine
+    core, DeepSpeed's op builds, NCCL) land there too. Nothing changes when `log_dir` is None.
+    """
+    if log_dir is None:
+        return
+    path = Path(log_dir) / f"{name}.log"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(descriptor, 1)
+    os.dup2(descriptor, 2)
+    os.close(descriptor)
 
 
 class LearnerWorker:
     """One data-parallel rank of one role (Ray actor class; see `ActorGroup`)."""
 
     def __init__(self, spec: LearnerSpec, rank: int, world_size: int, master_port: int) -> None:
+        send_output_to(spec.log_dir, f"{spec.role}-{rank}")
         os.environ.update(
             RANK=str(rank),
             LOCAL_RANK="0",
@@ -198,7 +224,8 @@ def build_reward(spec: EngineSpec) -> Any:
 class RolloutWorker:
     """One rollout engine with its tokenizer and reward function (Ray actor class)."""
 
-    def __init__(self, spec: EngineSpec) -> None:
+    def __init__(self, spec: EngineSpec, index: int = 0) -> None:
+        send_output_to(spec.log_dir, f"engine-{index}")
         from transformers import AutoTokenizer
 
         self.spec = spec
@@ -217,6 +244,7 @@ class RolloutWorker:
                 tensor_parallel_size=spec.tensor_parallel_size,
                 enforce_eager=spec.enforce_eager,
                 gpu_memory_utilization=spec.gpu_memory_utilization,
+                **({"max_num_seqs": spec.max_num_seqs} if spec.max_num_seqs else {}),
             )
         else:
             import torch
@@ -233,8 +261,9 @@ class RolloutWorker:
                 seed=spec.seed,
             )
 
-    def ready(self) -> int:
-        return self.engine.sync_world_size
+    def ready(self) -> tuple[int, int | None]:
+        """(weight-sync ranks this engine takes, its KV-cache bytes or None where vLLM sizes it)."""
+        return self.engine.sync_world_size, getattr(self.engine, "kv_cache_bytes", None)
 
     def generate(self, samples: bytes, sampling: Any, first_group_id: int) -> bytes:
         """Run the single-turn executor on encoded `PromptSample`s; encoded `Trajectory`s back."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 from collections.abc import Sequence
 from typing import Any
 
@@ -136,6 +137,7 @@ def start_ray(config: PPOConfig, *, temp_dir: str | None = None) -> bool:
     if config.ray.address is not None:
         ray.init(address=config.ray.address, runtime_env=runtime_env, log_to_driver=True)
         return True
+    _keep_auth_token_in_memory()
     num_cpus = config.ray.num_cpus
     if num_cpus is None:
         num_cpus = max(
@@ -149,8 +151,24 @@ def start_ray(config: PPOConfig, *, temp_dir: str | None = None) -> bool:
         _temp_dir=temp_dir,
         runtime_env=runtime_env,
         log_to_driver=True,
+        logging_level=logging.WARNING,  # no INFO lines about the local instance on the console
     )
     return True
+
+
+def _keep_auth_token_in_memory() -> None:
+    """Token authentication for the local cluster without a token file in the home folder.
+
+    Ray 2.60 turns token authentication on for a local cluster and, finding no token, writes a
+    new one to ~/.ray/auth_token. Unless the user configured authentication (RAY_AUTH_MODE,
+    RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH), the run hands Ray a fresh random token through the
+    environment instead (Ray's processes inherit it), so nothing is written outside the run.
+    """
+    if any(name in os.environ for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")):
+        return
+    os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
+    # Ray then says at WARNING that it turned token authentication on, which it does by default
+    logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
 
 
 # Settings the actors must see as the driver does (Ray workers do not inherit every variable).

@@ -141,7 +141,10 @@ class RolloutConfig(_Section):
     tensor_parallel_size: int = 1
     """GPUs per engine (vllm_tensor_parallel_size)."""
     gpu_memory_utilization: float = 0.6
-    """Fraction of a GPU's memory vLLM may take."""
+    """Fraction of a GPU's memory vLLM may take (on GPUs; on CPU the KV cache follows max_num_seqs)."""
+    max_num_seqs: int | None = None
+    """Sequences one engine runs at once (vLLM's max_num_seqs); None: one step's share, prompts per
+    engine x n_samples_per_prompt. On CPU the engine sizes its KV cache for that many sequences."""
     enforce_eager: bool = False
     """Disable CUDA graphs / torch.compile in vLLM (faster start, slower decoding)."""
     async_train: bool = False
@@ -160,6 +163,7 @@ class RolloutConfig(_Section):
         for name in ("n_samples_per_prompt", "rollout_batch_size", "generate_max_len", "num_engines"):
             _positive(f"rollout.{name}", getattr(self, name))
         _positive("rollout.tensor_parallel_size", self.tensor_parallel_size)
+        _positive("rollout.max_num_seqs", self.max_num_seqs, allow_none=True)
         _positive("rollout.max_sampling_rounds", self.max_sampling_rounds)
         _positive("rollout.temperature", self.temperature)
         if not 0.0 < self.top_p <= 1.0:
@@ -393,6 +397,10 @@ class LogConfig(_Section):
     """Run folder: metrics.jsonl, summary, plot, checkpoints, final model."""
     progress_bar: bool = True
     """Show a progress bar with the live reward and step time."""
+    actor_output: Literal["file", "console"] = "file"
+    """Where the output of the Ray actors (vLLM, DeepSpeed, transformers) goes: `file` writes it to
+    `<output_dir>/logs/<role>-<rank>.log` and keeps the console to start-up lines, the progress
+    bar and the summary; `console` forwards it to the console, as Ray does."""
     use_tensorboard: bool = False
     """Write TensorBoard events to `<output_dir>/tensorboard` (needs rl-launch[tensorboard])."""
     use_wandb: bool = False

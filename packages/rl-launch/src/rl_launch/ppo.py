@@ -63,7 +63,7 @@ from .actors import ActorGroup, EngineSpec, LearnerSpec, LearnerWorker, RolloutW
 from .cluster import ClusterError, cluster_has_gpus, place_roles, plan_roles, start_ray
 from .config import ConfigError, PPOConfig
 from .preflight import PreflightError, Resolved, resolve_inputs
-from .tracking import PhaseTimer, Tracker
+from .tracking import PhaseTimer, StartupLines, Tracker, quiet_third_party_output
 
 __all__ = ["PPOTrainer", "run"]
 
@@ -120,6 +120,14 @@ def _assemble_scores(
     return scores
 
 
+def _get_all(futures: dict[str, list]) -> dict[str, list]:
+    """Wait once for every future of several calls: name -> [result per rank]."""
+    import ray
+
+    done = iter(ray.get([future for per_rank in futures.values() for future in per_rank]))
+    return {name: [next(done) for _ in per_rank] for name, per_rank in futures.items()}
+
+
 def _mean(values: torch.Tensor, mask: torch.Tensor) -> float:
     count = mask.sum()
     return float((values * mask).sum() / count) if count > 0 else 0.0
@@ -133,6 +141,7 @@ class PPOTrainer:
         self.inputs = inputs
         self.output_dir = Path(config.log.output_dir)
         self.ckpt_root = Path(config.ckpt.path or self.output_dir / "checkpoints")
+        self.actor_log_dir = self.output_dir / "logs"
         self.groups: dict[str, ActorGroup] = {}
         self.placement: dict[str, Any] = {}
         self.next_group_id = 0
@@ -185,6 +194,35 @@ class PPOTrainer:
             self.train_data, batch_size=cfg.rollout.rollout_batch_size, seed=cfg.train.seed, shuffle=True
         )
         self.batches = iter(self.loader)
+
+    def describe_data(self) -> str:
+        """One start-up line: prompts kept for training and eval, and what the filters dropped."""
+        line = f"data: {len(self.train_data)} training prompts ({_data_stats(self.train_data)})"
+        if self.eval_data is not None:
+            line += f", {len(self.eval_data)} eval prompts ({_data_stats(self.eval_data)})"
+        return line
+
+    def describe_algorithm(self) -> str:
+        """One start-up line: estimator, loss, where the KL goes and where old log-probs come from."""
+        algo = self.config.algo
+        kl = "no KL"
+        if self.config.needs_reference:
+            kl = f"KL {algo.kl.kl_estimator} in the {'loss' if algo.kl.use_kl_loss else 'reward'}"
+        old = (
+            "from the training forward (one optimizer step per batch)"
+            if self.old_logprobs_from_training()
+            else "from a separate forward"
+        )
+        return f"algorithm: {algo.advantage.estimator} advantages, {algo.policy.loss} loss, {kl}, old log-probs {old}"
+
+    def describe_actors(self) -> str:
+        """One start-up line: the actors of every role and the engines' KV cache."""
+        roles = ", ".join(f"{role} x{len(group)}" for role, group in self.groups.items())
+        line = f"actors ready: {roles}, {self.config.rollout.engine} engine x{len(self.engines)}"
+        sizes = {size for size in self.kv_cache_bytes if size is not None}
+        if sizes:
+            line += f" (KV cache {max(sizes) / 2**20:.0f} MiB each)"
+        return line
 
     def start_actors(self) -> None:
         import ray
@@ -257,12 +295,14 @@ class PPOTrainer:
         }
         from rl_data.transport import free_port
 
+        log_dir = str(self.actor_log_dir) if cfg.log.actor_output == "file" else None
         futures = []
         for role, spec in specs.items():
             if role not in layouts:
                 continue
             layout = layouts[role]
             port = free_port()
+            spec = msgspec.structs.replace(spec, log_dir=log_dir)
             group = ActorGroup(
                 role,
                 LearnerWorker,
@@ -282,15 +322,19 @@ class PPOTrainer:
             seed=cfg.rollout.seed,
             tensor_parallel_size=cfg.rollout.tensor_parallel_size,
             gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
+            max_num_seqs=cfg.rollout.max_num_seqs
+            or math.ceil(cfg.rollout.rollout_batch_size / cfg.rollout.num_engines)
+            * cfg.rollout.n_samples_per_prompt,
             enforce_eager=cfg.rollout.enforce_eager or not use_gpus,
             reward_function=self.inputs.reward_function,
             reward_url=self.inputs.reward_url,
             reward_timeout_s=cfg.reward.timeout_s,
+            log_dir=log_dir,
         )
         self.engines = ActorGroup(
             "engine",
             RolloutWorker,
-            [(engine_spec,)] * engine_layout.num_actors,
+            [(engine_spec, index) for index in range(engine_layout.num_actors)],
             placement_group=self.placement[engine_layout.group],
             num_gpus=engine_layout.num_gpus,
             num_cpus=engine_layout.num_cpus,
@@ -308,7 +352,9 @@ class PPOTrainer:
             raise ClusterError(
                 f"{len(waiting)} actors did not start within ray.startup_timeout_s = {cfg.ray.startup_timeout_s:g} s"
             )
-        self.engine_sync_sizes = ray.get(engine_ready)
+        engines = ray.get(engine_ready)
+        self.engine_sync_sizes = [size for size, _ in engines]
+        self.kv_cache_bytes = [kv for _, kv in engines]
 
     def init_weight_sync(self) -> None:
         """One sync group: policy DP rank 0 sends, every engine worker receives."""
@@ -446,34 +492,63 @@ class PPOTrainer:
     # ------------------------------------------------------------------------------------------
     # Experience
 
-    def forward(self, role: str, method: str, batch: ExperienceBatch, *args: Any) -> tuple[list, list]:
-        """Every rank of `role` runs `method` on its share of `batch`; (parts per rank, results per rank)."""
+    def submit_forward(self, role: str, method: str, batch: ExperienceBatch, *args: Any) -> tuple[list, list]:
+        """Every rank of `role` starts `method` on its share of `batch`; (parts per rank, futures)."""
         parts = self._split(batch, role)
-        results = self.groups[role].call(method, per_rank=[(rank_parts, *args) for rank_parts in parts])
-        return parts, results
+        futures = self.groups[role].submit(method, per_rank=[(rank_parts, *args) for rank_parts in parts])
+        return parts, futures
+
+    def old_logprobs_from_training(self) -> bool:
+        """True when the old log-probs equal the training forward's own log-probs, detached.
+
+        That holds when each batch gets exactly one optimizer step (one epoch, one mini-batch):
+        the weights that would score the batch are the weights that train on it. The separate
+        forward is then skipped (TRL does the same) and the learner uses its own detached
+        log-probs, so the ratio is exactly 1. It also needs a run without a reference model
+        (β = 0): the KL and its controller are computed from the old log-probs before training.
+        In async mode the rollout weights lag, but the old log-probs are still those of the
+        current weights, so the rule is the same; the rollout correction compares them with the
+        sampler's log-probs inside the learner.
+        """
+        cfg = self.config
+        samples = cfg.rollout.rollout_batch_size * cfg.rollout.n_samples_per_prompt
+        one_step = cfg.train.max_epochs == 1 and (cfg.train.train_batch_size or samples) >= samples
+        return one_step and not cfg.needs_reference
 
     def make_experience(self, records: list[Trajectory]) -> tuple[ExperienceBatch, dict[str, float]]:
+        """Old / reference log-probs, values and reward-model scores (the roles run at the same
+        time, one `ray.get`), then KL, token rewards, advantages and returns."""
         cfg = self.config
         batch = build_experience(records)
         temperature = cfg.rollout.temperature
-        batch.old_logprobs = _assemble(batch, *self.forward("policy", "logprobs", batch, temperature))
+        calls = {}
+        if not self.old_logprobs_from_training():
+            calls["old_logprobs"] = self.submit_forward("policy", "logprobs", batch, temperature)
         if "ref" in self.groups:
-            batch.ref_logprobs = _assemble(batch, *self.forward("ref", "logprobs", batch, temperature))
+            calls["ref_logprobs"] = self.submit_forward("ref", "logprobs", batch, temperature)
         if "critic" in self.groups:
-            batch.values = _assemble(batch, *self.forward("critic", "values", batch))
+            calls["values"] = self.submit_forward("critic", "values", batch)
+        if "reward_model" in self.groups:
+            calls["scores"] = self.submit_forward("reward_model", "scores", batch)
+        # one wait for all roles: the ranks of different roles run their forwards at the same time
+        results = _get_all({name: futures for name, (_, futures) in calls.items()})
+        for name, (parts, _) in calls.items():
+            if name != "scores":
+                setattr(batch, name, _assemble(batch, parts, results[name]))
         rewards = batch.rewards.clone()  # the rule / remote reward of each record
         metrics: dict[str, float] = {}
-        if "reward_model" in self.groups:
-            scores = _assemble_scores(batch, *self.forward("reward_model", "scores", batch))
+        if "scores" in calls:
+            scores = _assemble_scores(batch, calls["scores"][0], results["scores"])
             metrics["reward/model_mean"] = float(scores.mean())
             rewards = rewards + scores
 
         mask = batch.response_action_mask()
-        old = batch.response_view(batch.old_logprobs)
         kl = None
-        if batch.ref_logprobs is not None:
+        if batch.ref_logprobs is not None:  # never without old log-probs (old_logprobs_from_training)
             kl = kl_penalty(
-                old, batch.response_view(batch.ref_logprobs), cfg.algo.kl.kl_estimator.removesuffix("+")
+                batch.response_view(batch.old_logprobs),
+                batch.response_view(batch.ref_logprobs),
+                cfg.algo.kl.kl_estimator.removesuffix("+"),
             )
             kl = kl * mask
             metrics["kl/mean"] = float(kl.sum(-1).mean())  # per-sequence KL, averaged
@@ -517,8 +592,11 @@ class PPOTrainer:
                 "kl/coef": beta,
             }
         )
-        if batch.rollout_logprobs is not None:
-            gap = (old - batch.response_view(batch.rollout_logprobs)).abs()
+        if batch.rollout_logprobs is not None and batch.old_logprobs is not None:
+            # without the old-log-prob forward the learner reports these from its training forward
+            gap = (
+                batch.response_view(batch.old_logprobs) - batch.response_view(batch.rollout_logprobs)
+            ).abs()
             metrics["health/logprob_mismatch_mean"] = _mean(gap, mask)
             metrics["health/logprob_mismatch_max"] = float((gap * mask).max())
         metrics["health/policy_lag"] = float(self.version - batch.policy_versions.float().mean())
@@ -552,6 +630,7 @@ class PPOTrainer:
             correction=correction,
             correction_bounds=policy.is_correction_bounds,
             temperature=cfg.rollout.temperature,
+            old_logprobs_from_forward=self.old_logprobs_from_training(),
         )
 
     def train(self, batch: ExperienceBatch, step: int) -> dict[str, float]:
@@ -563,22 +642,24 @@ class PPOTrainer:
         value_loss = ValueLossConfig(
             clip_range=cfg.algo.value_clip, aggregation=policy_loss.aggregation, horizon=policy_loss.horizon
         )
+        losses = {"critic": value_loss, "policy": policy_loss}
+        roles = [role for role in losses if role in self.groups]
         history: dict[str, list[float]] = {}
         for _ in range(cfg.train.max_epochs):
             order = torch.randperm(count, generator=generator) if size < count else torch.arange(count)
             for start in range(0, count, size):
                 mini = batch.select(order[start : start + size].tolist())
-                if "critic" in self.groups:
-                    parts = self._split(mini, "critic")
-                    critic = self.groups["critic"].call(
-                        "train_step", per_rank=[(p, value_loss) for p in parts]
+                # critic and policy train on the same mini-batch independently: both at once
+                futures = {
+                    role: self.groups[role].submit(
+                        "train_step", per_rank=[(p, losses[role]) for p in self._split(mini, role)]
                     )
-                    for key, value in critic[0].items():
-                        history.setdefault(f"critic/{key}", []).append(value)
-                parts = self._split(mini, "policy")
-                policy = self.groups["policy"].call("train_step", per_rank=[(p, policy_loss) for p in parts])
-                for key, value in policy[0].items():
-                    history.setdefault(f"policy/{key}", []).append(value)
+                    for role in roles
+                }
+                for role, per_rank in _get_all(futures).items():
+                    for key, value in per_rank[0].items():  # the metrics are equal on every rank
+                        name = f"health/{key}" if key.startswith("logprob_mismatch") else f"{role}/{key}"
+                        history.setdefault(name, []).append(value)
         return {key: sum(values) / len(values) for key, values in history.items()}
 
     def _split(self, batch: ExperienceBatch, role: str) -> list[list[ExperienceBatch]]:
@@ -685,6 +766,11 @@ class PPOTrainer:
                 remove_placement_group(placement)
 
 
+def _data_stats(data: Any) -> str:
+    stats = getattr(getattr(data, "data", data), "stats", None)  # through _Subset
+    return stats.summary() if stats is not None else "no statistics"
+
+
 class _Subset:
     """The first `limit` items of a dataset (data.max_samples)."""
 
@@ -717,15 +803,22 @@ def run(config: PPOConfig) -> int:
 
     started_ray = False
     trainer = None
+    console = StartupLines("rl-launch ppo")
     try:
         check_combination(config)
+        if config.log.actor_output == "file":
+            quiet_third_party_output()
         preset = _prepare_preset(config)
+        if preset is not None:
+            console.say(f"preset {config.preset}: model and prompts in {Path(preset.model_path).parent}")
         inputs = resolve_inputs(config, preset)
         output_dir = Path(config.log.output_dir)
         output_dir.mkdir(parents=True, exist_ok=True)
         (output_dir / "config.yaml").write_text(dump_config(config))
         trainer = PPOTrainer(config, inputs)
         trainer.load_data()
+        console.say(trainer.describe_data())
+        console.say(trainer.describe_algorithm())
         tracker_options = {
             "progress_bar": config.log.progress_bar,
             "tensorboard": config.log.use_tensorboard,
@@ -735,8 +828,13 @@ def run(config: PPOConfig) -> int:
             "config": msgspec.to_builtins(config),
         }
         started_ray = start_ray(config, temp_dir=config.ray.temp_dir)
+        console.say(
+            f"ray: {'local cluster on 127.0.0.1' if started_ray else 'joined ' + str(config.ray.address)}"
+        )
         trainer.start_actors()
+        console.say(trainer.describe_actors())
         trainer.init_weight_sync()
+        console.say(f"weight sync: bucketed broadcast ({'nccl' if trainer.device == 'cuda' else 'gloo'})")
         state = trainer.resume()
         with Tracker(
             output_dir, total_steps=config.train.max_steps, start_step=state.step, **tracker_options
@@ -753,6 +851,8 @@ def run(config: PPOConfig) -> int:
         print(f"  checkpoints {trainer.ckpt_root.resolve()}")
         if final is not None:
             print(f"  model     {final.resolve()}")
+        if config.log.actor_output == "file":
+            print(f"  actor logs {trainer.actor_log_dir.resolve()}")
         return 0
     except (ConfigError, PreflightError, ClusterError) as error:
         print(f"rl-launch ppo: error: {error}", file=sys.stderr)

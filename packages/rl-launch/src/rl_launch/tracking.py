@@ -30,7 +30,8 @@ middle of a write). The file is rewritten atomically (temporary file, then `os.r
 
 Summary. `Tracker.close` reads the whole metrics file back, so a resumed run is summarised over
 all its steps, and writes `summary.txt` (per metric: first, last, min, max and mean of the finite
-values) and `curves.png` (reward and KL against step).
+values) and `curves.png` (reward and KL against step). The console gets the headline rows of
+that table: rewards, KL, response length and where the step time went.
 
 Importing this module imports neither torch, matplotlib, tensorboard nor wandb: each is imported
 by the function that needs it.
@@ -53,7 +54,7 @@ from typing import Any
 import msgspec
 from tqdm import tqdm
 
-__all__ = ["PhaseTimer", "Summary", "Tracker", "TrackingError"]
+__all__ = ["PhaseTimer", "StartupLines", "Summary", "Tracker", "TrackingError", "quiet_third_party_output"]
 
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.txt"
@@ -63,6 +64,8 @@ TENSORBOARD_DIR = "tensorboard"
 _RESERVED_KEYS = ("step", "time")
 # Shown first in the summary table, in this order; the other keys follow sorted.
 _LEADING_KEYS = ("reward/mean", "kl/mean", "time/step")
+# The rows of the summary printed on the console (with every time/* row); summary.txt has them all.
+_HEADLINE_KEYS = ("reward/mean", "eval/reward/mean", "kl/mean", "response_length/mean")
 _TABLE_COLUMNS = ("metric", "first", "last", "min", "max", "mean")
 # Progress-bar postfix, in this order: (metric key, label, format spec, unit).
 _POSTFIX = (
@@ -74,6 +77,37 @@ _POSTFIX = (
 
 class TrackingError(RuntimeError):
     """A tracking backend was asked for but is not installed, or a tracking call got a bad argument."""
+
+
+class StartupLines:
+    """One console line per start-up phase, with the seconds it took: `prefix: text (1.2 s)`."""
+
+    def __init__(self, prefix: str, stream: Any = None) -> None:
+        self.prefix = prefix
+        self.stream = stream
+        self._since = time.perf_counter()
+
+    def say(self, text: str) -> None:
+        now = time.perf_counter()
+        print(
+            f"{self.prefix}: {text} ({now - self._since:.1f} s)", file=self.stream or sys.stdout, flush=True
+        )
+        self._since = now
+
+
+def quiet_third_party_output() -> None:
+    """Turn off the progress bars and INFO chatter of transformers and datasets in this process
+    (saving shards, generating splits), so the console keeps the run's own lines."""
+    with contextlib.suppress(ImportError):
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.set_verbosity_error()
+        transformers_logging.disable_progress_bar()
+    with contextlib.suppress(ImportError):
+        import datasets
+
+        datasets.disable_progress_bars()
+        datasets.logging.set_verbosity_error()
 
 
 class PhaseTimer:
@@ -450,7 +484,11 @@ class Tracker:
         if records:
             plot_path = self.output_dir / PLOT_FILE
             _plot_curves(plot_path, records)
-        self.message(f"summary of {len(records)} steps ({self.metrics_path}):\n{table}")
+        headline = [key for key in keys if key in _HEADLINE_KEYS or key.startswith("time/")]
+        self.message(
+            f"summary of {len(records)} steps (every metric: {self.output_dir / SUMMARY_FILE}):\n"
+            + _summary_table(headline, records, nonfinite)
+        )
         self._summary = Summary(
             steps=len(records),
             table=table,

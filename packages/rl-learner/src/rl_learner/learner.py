@@ -119,6 +119,12 @@ class PolicyLossConfig(msgspec.Struct, frozen=True, kw_only=True):
     """(low, high) weight range of tis/icepop, or the geometric-mean ratio range of seq-mask."""
     temperature: float = 1.0
     """Sampling temperature: log-probs are computed from logits / temperature, as the sampler did."""
+    old_logprobs_from_forward: bool = False
+    """Use the training forward's own log-probs, detached, as the old log-probs (ratio ≡ 1), so the
+    batch needs no `old_logprobs`. Exact when this is the batch's only optimizer step: the weights
+    that would have scored it are the ones training on it. Refused for a model with dropout
+    (its training forward differs from an inference one). Needs `rollout_logprobs`: the step
+    reports logprob_mismatch_mean / _max (|old − rollout|), the check a separate forward gave."""
 
     def __post_init__(self) -> None:
         owner = type(self).__name__
@@ -506,8 +512,9 @@ class PolicyLearner(Learner):
     ) -> dict[str, float]:
         """One optimizer step over this rank's micro-batches (module docstring).
 
-        Each micro-batch needs `advantages` and `old_logprobs`; `ref_logprobs` when
-        `loss.kl_coef > 0`; `rollout_logprobs` when `loss.correction != "none"`.
+        Each micro-batch needs `advantages` and `old_logprobs` (`rollout_logprobs` instead with
+        `loss.old_logprobs_from_forward`); `ref_logprobs` when `loss.kl_coef > 0`;
+        `rollout_logprobs` when `loss.correction != "none"`.
 
         Returns metrics, equal on every rank: loss (the full-batch loss), loss_policy, loss_kl,
         loss_entropy, the policy loss's own metrics (ppo_kl, clip_fraction, ...) as token-weighted
@@ -518,9 +525,12 @@ class PolicyLearner(Learner):
         if not isinstance(loss, PolicyLossConfig):
             raise TypeError(f"loss must be a PolicyLossConfig, got {type(loss).__name__}")
         inputs = ["advantages", "old_logprobs"]
+        if loss.old_logprobs_from_forward:
+            _check_no_dropout(self.engine)
+            inputs = ["advantages", "rollout_logprobs"]
         if loss.kl_coef > 0:
             inputs.append("ref_logprobs")
-        if loss.correction != "none":
+        if loss.correction != "none" and "rollout_logprobs" not in inputs:
             inputs.append("rollout_logprobs")
         loss_fn = POLICY_LOSSES[loss.name]
 
@@ -571,16 +581,23 @@ class PolicyLearner(Learner):
             view = batch.response_view
             ref = view(batch.ref_logprobs) if loss.kl_coef > 0 else None
             rollout = view(batch.rollout_logprobs) if loss.correction != "none" else None
-            return terms(
+            old = view(logprobs).detach() if loss.old_logprobs_from_forward else view(batch.old_logprobs)
+            total, metrics = terms(
                 view(logprobs),
                 view(entropy),
-                view(batch.old_logprobs),
+                old,
                 view(batch.advantages),
                 batch.response_action_mask(),
                 ref,
                 rollout,
                 normalizer,
             )
+            if loss.old_logprobs_from_forward:
+                mask = batch.response_action_mask()
+                gap = (old - view(batch.rollout_logprobs)).abs()
+                metrics["logprob_mismatch_mean"] = _token_mean(gap, mask)
+                metrics["logprob_mismatch_max"] = torch.where(mask, gap, 0.0).max()
+            return total, metrics
 
         def dummy_loss():
             inputs_ = packed_model_inputs(self.engine, ExperienceBatch.empty())
@@ -597,6 +614,8 @@ class PolicyLearner(Learner):
                     zero,
                     torch.tensor(1.0, device=self.device),
                 )
+            if loss.old_logprobs_from_forward:  # the same metric keys on every rank
+                metrics |= dict.fromkeys(("logprob_mismatch_mean", "logprob_mismatch_max"), 0.0)
             return logits.float().sum() * 0.0, {k: torch.zeros(()) for k in metrics}
 
         return self._train_step(
@@ -605,6 +624,28 @@ class PolicyLearner(Learner):
             inputs=inputs,
             forward_loss=forward_loss,
             dummy_loss=dummy_loss,
+        )
+
+
+def _check_no_dropout(model: torch.nn.Module) -> None:
+    """ValueError when `model` drops activations in training mode (dropout modules or config rates)."""
+    module = unwrap_model(model)
+    rates = {
+        name: module.p for name, module in module.named_modules() if isinstance(module, torch.nn.Dropout)
+    }
+    config = getattr(module, "config", None)
+    if config is not None:
+        rates |= {
+            f"config.{key}": value
+            for key, value in config.to_dict().items()
+            if (key.endswith("dropout") or key.endswith("pdrop")) and isinstance(value, float)
+        }
+    active = {name: rate for name, rate in rates.items() if rate > 0}
+    if active:
+        raise ValueError(
+            "PolicyLossConfig.old_logprobs_from_forward: the model has dropout "
+            f"({', '.join(f'{k}={v:g}' for k, v in sorted(active.items())[:3])}), so its training forward "
+            "is not the forward that would score the batch; compute old_logprobs separately"
         )
 
 

@@ -48,7 +48,7 @@ from rl_data.transport import IpcPayload, WeightSyncSpec
 from ..protocol import Engine, EngineError, Generation, SamplingParams, check_prompts
 from .vllm_extension import decode_reports
 
-__all__ = ["EXTENSION", "VLLMEngine", "prompt_seed", "to_vllm_sampling_params"]
+__all__ = ["EXTENSION", "VLLMEngine", "cpu_kv_cache_bytes", "prompt_seed", "to_vllm_sampling_params"]
 
 EXTENSION = "rl_rollout.engines.vllm_extension.WeightSyncExtension"
 
@@ -70,6 +70,36 @@ def prompt_seed(seed: int | None, prompt: Sequence[int]) -> int | None:
         str(int(seed)).encode() + b":" + array.array("q", prompt).tobytes(), digest_size=8
     )
     return int.from_bytes(digest.digest(), "little") >> 2
+
+
+CPU_KV_CACHE_FLOOR = 64 * 2**20
+"""Smallest KV cache `cpu_kv_cache_bytes` asks for (64 MiB): room for vLLM's warm-up batch."""
+_BYTES_PER_ELEMENT = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def cpu_kv_cache_bytes(
+    model: str | os.PathLike[str], *, max_num_seqs: int, max_model_len: int | None, dtype: str = "auto"
+) -> int:
+    """KV-cache bytes that hold `max_num_seqs` sequences of `max_model_len` tokens at once.
+
+        bytes = max(floor, 2 · layers · kv_heads · head_dim · element bytes · S · ⌈L / 256⌉·256)
+
+    (K and V for every layer; L rounded up to whole cache blocks of the largest block size vLLM's
+    CPU backends use). On CPU, vLLM otherwise reserves `gpu_memory_utilization` of the machine's
+    RAM (60 % here: 14 GiB of 24 for a model of a few MB), which a second run cannot get.
+    `dtype` "auto" counts 4 bytes per element (the largest, never too small).
+    """
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model)
+    config = getattr(config, "text_config", None) or config
+    length = max_model_len or int(config.max_position_embeddings)
+    heads = int(config.num_attention_heads)
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+    per_token = 2 * int(config.num_hidden_layers) * kv_heads * head_dim * _BYTES_PER_ELEMENT.get(dtype, 4)
+    blocks = -(-length // 256) * 256
+    return max(CPU_KV_CACHE_FLOOR, per_token * max_num_seqs * blocks)
 
 
 def to_vllm_sampling_params(params: SamplingParams, prompt: Sequence[int], max_model_len: int):
@@ -115,7 +145,12 @@ class VLLMEngine(Engine):
       enable_prefix_caching: reuse the KV cache of shared prompt prefixes.
       enable_sleep_mode: allow `sleep` / `wake_up`; None: on where vLLM supports it (GPUs).
       enforce_eager: no CUDA graphs / torch.compile (faster start-up).
-      engine_kwargs: any other `vllm.AsyncEngineArgs` field (gpu_memory_utilization, ...).
+      engine_kwargs: any other `vllm.AsyncEngineArgs` field (gpu_memory_utilization, max_num_seqs,
+        kv_cache_memory_bytes, ...). On CPU, without `kv_cache_memory_bytes` (or vLLM's
+        VLLM_CPU_KVCACHE_SPACE), the KV cache is sized for `max_num_seqs` (default 256)
+        sequences of `max_model_len` tokens by `cpu_kv_cache_bytes`, not from
+        `gpu_memory_utilization` (which on CPU means a fraction of the machine's RAM);
+        `kv_cache_bytes` tells the figure (None where vLLM sizes it).
 
     Raises EngineError if vLLM cannot start; the cause is chained.
     """
@@ -152,6 +187,16 @@ class VLLMEngine(Engine):
             # chunks (more prompt tokens in flight than max_num_batched_tokens) kills the engine
             # ("CPU Generator does not use offset"). Whole prefills avoid that.
             engine_kwargs.setdefault("enable_chunked_prefill", False)
+            if "kv_cache_memory_bytes" not in engine_kwargs and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+                engine_kwargs["kv_cache_memory_bytes"] = cpu_kv_cache_bytes(
+                    model,
+                    max_num_seqs=engine_kwargs.get("max_num_seqs") or 256,
+                    max_model_len=max_model_len,
+                    dtype=dtype,
+                )
+        self.kv_cache_bytes: int | None = engine_kwargs.get("kv_cache_memory_bytes")
+        if on_cpu and os.environ.get("VLLM_CPU_KVCACHE_SPACE"):  # vLLM's own setting wins (GiB)
+            self.kv_cache_bytes = int(os.environ["VLLM_CPU_KVCACHE_SPACE"]) * 2**30
         if enable_sleep_mode is None:
             enable_sleep_mode = not on_cpu
         self._sleep_enabled = bool(enable_sleep_mode) and not on_cpu
