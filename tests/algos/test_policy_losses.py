@@ -11,7 +11,21 @@ from hypothesis import strategies as st
 
 from rl_algos import POLICY_LOSSES, aggregate_loss, value_loss
 
-ALL_LOSSES = ["ppo", "gspo", "gmpo", "cispo", "sapo", "reinforce"]
+ALL_LOSSES = [
+    "ppo",
+    "vanilla",
+    "gspo",
+    "gspo_sequence",
+    "gmpo",
+    "cispo",
+    "sapo",
+    "reinforce",
+    "kl_cov",
+    "clip_cov",
+]
+# Clip-Cov cuts the gradient of a few high-covariance tokens, so it is not the plain policy
+# gradient on-policy; every other loss is.
+ON_POLICY_PG_LOSSES = [name for name in ALL_LOSSES if name != "clip_cov"]
 
 
 def ppo_worked_inputs():
@@ -105,7 +119,95 @@ def test_reinforce_loss_is_minus_advantage_times_logprob():
     torch.testing.assert_close(loss, torch.tensor([[1.0, -2.0]]))
 
 
-@pytest.mark.parametrize("name", ALL_LOSSES)
+# Covariance inputs: A = [2, 1, 0, −3] (mean 0), log π = [−1, −2, −3, −4] (mean −2.5), so the
+# centred covariance (A − Ā)·(log π − mean) = [3, 0.5, 0, 4.5].
+COV_LOGPROBS = torch.tensor([[-1.0, -2.0, -3.0, -4.0]])
+COV_ADVANTAGES = torch.tensor([[2.0, 1.0, 0.0, -3.0]])
+
+
+def test_kl_cov_penalises_the_tokens_of_largest_covariance():
+    old = COV_LOGPROBS - 0.1  # ρ = e^0.1 = 1.105171, |log π − log π_old| = 0.1
+    rho = math.exp(0.1)
+    base = [-2.0 * rho, -1.0 * rho, 0.0, 3.0 * rho]
+    # r = 0.25 of 4 tokens → 1 token: the covariance 4.5 one (index 3)
+    loss, metrics = POLICY_LOSSES["kl_cov"](
+        COV_LOGPROBS, old, COV_ADVANTAGES, torch.ones(1, 4), kl_cov_ratio=0.25
+    )
+    torch.testing.assert_close(loss, torch.tensor([[base[0], base[1], 0.0, base[3] + 0.1]]))
+    assert metrics["kl_cov_fraction"].item() == pytest.approx(0.25)
+    # r = 0.5 → 2 tokens: indices 3 and 0; coefficient 2
+    loss, _ = POLICY_LOSSES["kl_cov"](
+        COV_LOGPROBS, old, COV_ADVANTAGES, torch.ones(1, 4), kl_cov_ratio=0.5, ppo_kl_coef=2.0
+    )
+    torch.testing.assert_close(loss, torch.tensor([[base[0] + 0.2, base[1], 0.0, base[3] + 0.2]]))
+
+
+def test_kl_cov_default_ratio_penalises_at_least_one_token():
+    _, metrics = POLICY_LOSSES["kl_cov"](COV_LOGPROBS, COV_LOGPROBS - 0.1, COV_ADVANTAGES, torch.ones(1, 4))
+    assert metrics["kl_cov_fraction"].item() == pytest.approx(0.25)  # max(1, ⌊2e-4·4⌋) = 1
+
+
+def test_clip_cov_cuts_the_gradient_of_tokens_in_the_covariance_window():
+    logprobs = COV_LOGPROBS.clone().requires_grad_()
+    # π = π_old: l = −A = [−2, −1, 0, 3]; eligible (1 < c < 5): tokens 0 and 3; r = 0.5 → budget 2
+    loss, metrics = POLICY_LOSSES["clip_cov"](
+        logprobs, COV_LOGPROBS, COV_ADVANTAGES, torch.ones(1, 4), clip_cov_ratio=0.5
+    )
+    torch.testing.assert_close(loss, torch.tensor([[0.0, -1.0, 0.0, 0.0]]))
+    (grad,) = torch.autograd.grad(loss.sum(), logprobs)
+    torch.testing.assert_close(grad, torch.tensor([[0.0, -1.0, 0.0, 0.0]]))
+    assert metrics["cov_clip_fraction"].item() == pytest.approx(0.5)
+    # a window (1, 4) leaves only token 0 (c = 3)
+    loss, _ = POLICY_LOSSES["clip_cov"](
+        COV_LOGPROBS, COV_LOGPROBS, COV_ADVANTAGES, torch.ones(1, 4), clip_cov_ratio=0.5, clip_cov_ub=4.0
+    )
+    torch.testing.assert_close(loss, torch.tensor([[0.0, -1.0, 0.0, 3.0]]))
+
+
+def test_clip_cov_picks_a_random_subset_when_more_tokens_qualify_than_the_budget():
+    def cut(seed):
+        loss, _ = POLICY_LOSSES["clip_cov"](
+            COV_LOGPROBS,
+            COV_LOGPROBS,
+            COV_ADVANTAGES,
+            torch.ones(1, 4),
+            clip_cov_ratio=0.25,
+            generator=torch.Generator().manual_seed(seed),
+        )
+        return tuple(((loss == 0) & (COV_ADVANTAGES != 0)).flatten().tolist())
+
+    assert {cut(seed) for seed in range(20)} == {(True, False, False, False), (False, False, False, True)}
+    assert cut(3) == cut(3)
+
+
+def test_clip_cov_skips_tokens_already_clipped_by_ppo():
+    # token 0 has ρ = 1.5 > 1.2 with A > 0: PPO already clips it, so Clip-Cov may not pick it
+    old = COV_LOGPROBS.clone()
+    old[0, 0] -= math.log(1.5)
+    loss, metrics = POLICY_LOSSES["clip_cov"](
+        COV_LOGPROBS, old, COV_ADVANTAGES, torch.ones(1, 4), clip_cov_ratio=0.5
+    )
+    torch.testing.assert_close(loss, torch.tensor([[-2.4, -1.0, 0.0, 0.0]]))
+    assert metrics["clip_fraction"].item() == pytest.approx(0.25)
+
+
+@pytest.mark.parametrize(
+    ("name", "kwargs", "match"),
+    [
+        ("clip_cov", {"clip_cov_ratio": 0.0}, "clip_cov_ratio must be > 0"),
+        ("clip_cov", {"clip_cov_ratio": 2.0}, r"clip_cov_ratio must be a fraction"),
+        ("clip_cov", {"clip_cov_lb": 5.0, "clip_cov_ub": 1.0}, "clip_cov_lb must be < clip_cov_ub"),
+        ("kl_cov", {"kl_cov_ratio": 1.5}, r"kl_cov_ratio must be a fraction"),
+        ("kl_cov", {"ppo_kl_coef": -1.0}, "ppo_kl_coef must be >= 0"),
+        ("gspo_sequence", {"dual_clip": 0.5}, "dual_clip must be > 1"),
+    ],
+)
+def test_new_loss_options_are_checked_by_name(name, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        POLICY_LOSSES[name](COV_LOGPROBS, COV_LOGPROBS, COV_ADVANTAGES, torch.ones(1, 4), **kwargs)
+
+
+@pytest.mark.parametrize("name", ON_POLICY_PG_LOSSES)
 @settings(max_examples=15, deadline=None)
 @given(seed=st.integers(0, 2**16), batch=st.integers(1, 5), seq=st.integers(1, 9))
 def test_on_policy_gradient_equals_vanilla_policy_gradient(name, seed, batch, seq):
@@ -184,7 +286,8 @@ def test_unclipped_value_loss_is_half_squared_error():
 
 def test_unknown_policy_loss_lists_known_names():
     with pytest.raises(
-        KeyError, match=r"unknown policy loss 'ppo2'; known names: cispo, gmpo, gpg, gspo, ppo"
+        KeyError,
+        match=r"unknown policy loss 'ppo2'; known names: cispo, clip_cov, gmpo, gpg, gspo, gspo_sequence, kl_cov, ppo",
     ):
         POLICY_LOSSES["ppo2"]
 

@@ -17,6 +17,11 @@ the rest, so a loop can hand every estimator the same batch. Add your own with
 
 Outcome estimators broadcast one scalar advantage A_i over every action token of sample i:
 A[i, t] = A_i·m[i, t]; their returns equal their advantages (there is no critic to fit).
+
+Groups of one. Every estimator with a group baseline (grpo, dr_grpo, rloo, opo, gpg,
+reinforce_baseline, grpo_passk) takes `singleton`, with one meaning everywhere: "zero" (the
+default: the lone sample is its own baseline, A = 0), "raw" (the baseline is 0, so the
+sample keeps its reward: verl's rule) or "error" (raise, naming the group).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import inspect
 import torch
 
 from ._checks import (
+    check_choice,
     check_floating,
     check_ndim,
     check_positive,
@@ -35,7 +41,14 @@ from ._checks import (
     compute_dtype,
     mask_as,
 )
-from .group import GROUP_NORM_PRESETS, GroupStats, group_normalize, group_stats
+from .group import (
+    GROUP_NORM_PRESETS,
+    SINGLETON_POLICIES,
+    GroupStats,
+    fill_singletons,
+    group_normalize,
+    group_stats,
+)
 from .masked import AllReduce, last_action_index, masked_whiten
 from .registry import Registry
 from .returns import compute_discounted_returns, compute_gae
@@ -163,28 +176,47 @@ def reinforce_baseline(
     rewards: torch.Tensor,
     group_ids: torch.Tensor,
     action_mask: torch.Tensor,
+    reward_clip: float | None = 10.0,
     gamma: float = 1.0,
     whiten: bool = True,
     unbiased: bool = False,
     epsilon: float = 1e-8,
+    singleton: str = "zero",
     all_reduce: AllReduce | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """REINFORCE++-baseline: subtract the group mean reward, then REINFORCE++.
+    """REINFORCE++-baseline (OpenRLHF): centre r by its group mean, clip, then REINFORCE++.
 
-    `token_rewards` must carry `rewards` on each sample's last action token (as built by
-    `token_level_rewards`); the group mean of `rewards` is subtracted there, which equals
-    centring r before building the token rewards. Then discounted returns and global whitening.
+        r̃_i = clip(r_i − mean_g(r), −c, c)       (OpenRLHF: centre first, then clip)
+
+    `token_rewards` must be `token_level_rewards(rewards, action_mask, kl=..., reward_clip=c)`
+    with the same `rewards` and the same c as `reward_clip` here (both default to 10): the
+    outcome that function placed on the last action token, clip(r_i), is replaced by r̃_i; the
+    KL part stays. Then discounted returns and global whitening (`reinforce`).
+
+    Worked values, one group r = [30, 0, 0, 12], one token each, no KL, c = 10: r̃ =
+    [10, −10, −10, 1.5] (the returns) and A = [1.438, −0.934, −0.934, 0.430].
+
+    Args:
+      reward_clip: c > 0, or None when neither side clips.
+      singleton: see the module docstring ("raw" keeps r for a group of one: verl).
     """
     check_ndim("token_rewards", token_rewards, 2, "[batch, seq]")
     check_shape("rewards", rewards, token_rewards.shape[:1], "[batch]")
-    baseline = group_stats(rewards, group_ids).mean
+    centred = group_normalize(rewards, group_ids, centre="group", scale="none", singleton=singleton)
+    r = rewards.to(torch.float64)
+    centred = centred.to(torch.float64)
+    before, after = r, centred
+    if reward_clip is not None:
+        check_positive("reward_clip", reward_clip)
+        before = r.clamp(-reward_clip, reward_clip)
+        after = centred.clamp(-reward_clip, reward_clip)
     mask = mask_as("action_mask", action_mask, token_rewards, "token_rewards")
     last = last_action_index(mask, "action_mask")
-    centred = token_rewards.float().clone()
-    rows = torch.arange(centred.shape[0], device=centred.device)
-    centred[rows, last] -= baseline.to(centred.dtype)
+    shaped = token_rewards.float().clone()
+    rows = torch.arange(shaped.shape[0], device=shaped.device)
+    shaped[rows, last] += (after - before).to(shaped.dtype)
     return reinforce(
-        token_rewards=centred,
+        token_rewards=shaped,
         action_mask=action_mask,
         gamma=gamma,
         whiten=whiten,
@@ -214,7 +246,8 @@ def grpo(
 
     `preset` ("verl", "trl", "openrlhf", "nemo_rl"; see `GROUP_NORM_PRESETS`) replaces the
     knobs with that framework's convention; otherwise they go to `group_normalize`. Defaults are
-    verl's ε = 1e-6 and unbiased std, with a group of one giving 0.
+    verl's ε = 1e-6 and unbiased std, with a group of one giving 0 (`singleton="zero"`; verl's
+    own rule is "raw", which its preset sets).
     """
     if preset is not None:
         if preset not in GROUP_NORM_PRESETS:
@@ -234,32 +267,53 @@ def grpo(
 
 @ADVANTAGE_ESTIMATORS.register("dr_grpo")
 def dr_grpo(
-    *, rewards: torch.Tensor, group_ids: torch.Tensor, action_mask: torch.Tensor
+    *,
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    action_mask: torch.Tensor,
+    singleton: str = "zero",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dr.GRPO (Liu et al., 2025): A_i = r_i − mean_g, no std division.
 
     Pair it with the `seq-mean-token-sum-norm` aggregation (a constant divisor), as in the paper.
+    `singleton`: a group of one gets 0 ("zero"), r ("raw": verl) or an error.
     """
-    return _broadcast(group_normalize(rewards, group_ids, centre="group", scale="none"), action_mask)
+    centred = group_normalize(rewards, group_ids, centre="group", scale="none", singleton=singleton)
+    return _broadcast(centred, action_mask)
 
 
 @ADVANTAGE_ESTIMATORS.register("rloo")
 def rloo(
-    *, rewards: torch.Tensor, group_ids: torch.Tensor, action_mask: torch.Tensor
+    *,
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    action_mask: torch.Tensor,
+    singleton: str = "zero",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """RLOO (Ahmadian et al., 2024): A_i = r_i − mean_{j≠i} r_j = K/(K−1)·(r_i − mean_g)."""
-    return _broadcast(group_normalize(rewards, group_ids, centre="leave_one_out", scale="none"), action_mask)
+    """RLOO (Ahmadian et al., 2024): A_i = r_i − mean_{j≠i} r_j = K/(K−1)·(r_i − mean_g).
+
+    `singleton`: a group of one (no other member) gets 0 ("zero"), r ("raw": verl's loop form)
+    or an error.
+    """
+    centred = group_normalize(rewards, group_ids, centre="leave_one_out", scale="none", singleton=singleton)
+    return _broadcast(centred, action_mask)
 
 
 @ADVANTAGE_ESTIMATORS.register("opo")
 def opo(
-    *, rewards: torch.Tensor, group_ids: torch.Tensor, action_mask: torch.Tensor
+    *,
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    action_mask: torch.Tensor,
+    singleton: str = "zero",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """OPO (Hao et al., 2025): length-weighted baseline b_g = Σ_i L_i r_i / Σ_i L_i; A_i = r_i − b_g.
 
     L_i is the number of action tokens of sample i. With r = [1, 0, 0.5, 0] and
-    L = [2, 4, 3, 1]: b = 0.35, A = [0.65, −0.35, 0.15, −0.35].
+    L = [2, 4, 3, 1]: b = 0.35, A = [0.65, −0.35, 0.15, −0.35]. `singleton`: a group of one gets
+    0 ("zero"), r ("raw": verl) or an error.
     """
+    check_choice("singleton", singleton, SINGLETON_POLICIES)
     stats = group_stats(rewards, group_ids)
     mask = _check_mask_rows(action_mask, rewards)
     lengths = mask.sum(-1).to(torch.float64)
@@ -268,19 +322,25 @@ def opo(
     weighted.index_add_(0, stats.inverse, lengths * r)
     total = torch.zeros_like(weighted).index_add_(0, stats.inverse, lengths)
     baseline = weighted / total.clamp(min=1)
-    return _broadcast((r - baseline[stats.inverse]).float(), action_mask)
+    advantages = fill_singletons(r - baseline[stats.inverse], r, stats, group_ids, singleton)
+    return _broadcast(advantages.to(_out_dtype(rewards)), action_mask)
 
 
 @ADVANTAGE_ESTIMATORS.register("gpg")
 def gpg(
-    *, rewards: torch.Tensor, group_ids: torch.Tensor, action_mask: torch.Tensor
+    *,
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    action_mask: torch.Tensor,
+    singleton: str = "zero",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GPG (Chu et al., 2025): A_i = α·(r_i − mean_g), α = B / max(1, #{i : r_i ≠ 0}).
 
     α rescales the batch so that samples with a zero reward do not dilute the gradient. Pair it
-    with the `reinforce` policy loss (no ratio), as in the paper.
+    with the `reinforce` policy loss (no ratio), as in the paper. `singleton`: a group of one
+    gets 0 ("zero"), α·r ("raw": verl, baseline 0) or an error.
     """
-    centred = group_normalize(rewards, group_ids, centre="group", scale="none")
+    centred = group_normalize(rewards, group_ids, centre="group", scale="none", singleton=singleton)
     nonzero = torch.count_nonzero(rewards).clamp(min=1)
     alpha = rewards.shape[0] / nonzero.to(centred.dtype)
     return _broadcast(alpha * centred, action_mask)
@@ -308,11 +368,13 @@ def grpo_passk(
     action_mask: torch.Tensor,
     normalize_by_std: bool = False,
     epsilon: float = 1e-6,
+    singleton: str = "zero",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GRPO for pass@k (Chen et al., 2025): only the best sample of a group is credited.
 
-    The best member (the first one on ties) gets r_max − r_second; every other member gets 0,
-    as does a group of one. With `normalize_by_std` the credit is divided by (std_g + ε).
+    The best member (the first one on ties) gets r_max − r_second; every other member gets 0.
+    With `normalize_by_std` the credit is divided by (std_g + ε). `singleton`: a group of one
+    gets 0 ("zero"), r ("raw", no second-best to subtract) or an error.
     """
     check_positive("epsilon", epsilon)
     stats = group_stats(rewards, group_ids)
@@ -321,7 +383,8 @@ def grpo_passk(
     if normalize_by_std:
         spread = stats.std(unbiased=True)
         advantages = torch.where(spread > 0, advantages / (spread + epsilon), advantages)
-    return _broadcast(advantages.float(), action_mask)
+    advantages = fill_singletons(advantages, r, stats, group_ids, singleton)
+    return _broadcast(advantages.to(_out_dtype(rewards)), action_mask)
 
 
 def _best_minus_second(r: torch.Tensor, stats: GroupStats) -> torch.Tensor:
@@ -341,6 +404,10 @@ def _best_minus_second(r: torch.Tensor, stats: GroupStats) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------- helpers
+
+
+def _out_dtype(rewards: torch.Tensor) -> torch.dtype:
+    return torch.float64 if rewards.dtype == torch.float64 else torch.float32
 
 
 def _check_rewards_like(name: str, value: torch.Tensor) -> None:

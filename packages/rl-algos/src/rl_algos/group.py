@@ -21,8 +21,10 @@ value stays finite (NeMo-RL's rule). The result is never NaN.
 Group membership is explicit: `group_ids[i]` is any integer naming i's prompt group (verl keys
 by uid; TRL assumes contiguous blocks; NeMo-RL compares prompt ids). Row order never matters.
 
-A group of one has no group baseline. `singleton` says what to do: "zero" (TRL, NeMo-RL),
-"raw" (pass r_i through: verl, which uses mean 0 and std 1 there) or "error".
+A group of one has no group baseline. `singleton` says what to do, with one meaning across
+every group estimator of `rl_algos.estimators`: "zero" (the baseline is r_i itself, A_i = 0: TRL,
+NeMo-RL; the default), "raw" (the baseline is 0, A_i = r_i: verl, which uses mean 0 and std 1
+there) or "error".
 
 Statistics are computed in float64 (they are over `[batch]` vectors, so this is cheap) and the
 result is returned in float32 (float64 if the rewards are float64).
@@ -40,6 +42,7 @@ __all__ = [
     "SCALES",
     "SINGLETON_POLICIES",
     "GroupStats",
+    "fill_singletons",
     "group_normalize",
     "group_stats",
 ]
@@ -192,16 +195,32 @@ def group_normalize(
     advantages = centred if spread is None else torch.where(spread > 0, centred / (spread + epsilon), centred)
 
     if stats is not None:
-        alone = stats.size == 1
-        if singleton == "error" and bool(alone.any()):
-            lonely = group_ids[alone][:5].tolist()
-            raise ValueError(
-                f"group_ids has {int(alone.sum())} group(s) of one sample (e.g. {lonely}); a group "
-                "baseline needs at least 2 samples per group (or pass singleton='zero' or 'raw')"
-            )
-        fill = r if singleton == "raw" else torch.zeros_like(r)
-        advantages = torch.where(alone, fill, advantages)
+        advantages = fill_singletons(advantages, r, stats, group_ids, singleton)
     return advantages.to(out_dtype)
+
+
+def fill_singletons(
+    advantages: torch.Tensor,
+    rewards: torch.Tensor,
+    stats: GroupStats,
+    group_ids: torch.Tensor,
+    singleton: str,
+) -> torch.Tensor:
+    """Apply the `singleton` policy to the members of groups of one (`[batch]` tensors).
+
+    "zero": A = 0 (the baseline is r itself); "raw": A = r (the baseline is 0, verl);
+    "error": raise, naming some of the lonely group ids.
+    """
+    check_choice("singleton", singleton, SINGLETON_POLICIES)
+    alone = stats.size == 1
+    if singleton == "error" and bool(alone.any()):
+        lonely = group_ids[alone][:5].tolist()
+        raise ValueError(
+            f"group_ids has {int(alone.sum())} group(s) of one sample (e.g. {lonely}); a group "
+            "baseline needs at least 2 samples per group (or pass singleton='zero' or 'raw')"
+        )
+    fill = rewards.to(advantages.dtype) if singleton == "raw" else torch.zeros_like(advantages)
+    return torch.where(alone, fill, advantages)
 
 
 def _check_rewards_and_groups(rewards: torch.Tensor, group_ids: torch.Tensor) -> None:

@@ -8,7 +8,16 @@ With d = logπ(a|s) − logπ_ref(a|s) for the sampled token (samples drawn from
   abs = |d|
 
 A "+" suffix (`k1+`, `k3+`, `abs+`, ...) gives the named estimator's value with k2's
-gradient (straight-through), as in verl: value = sg(k) + k2 − sg(k2).
+gradient (straight-through), as in verl: value = sg(k) + k2 − sg(k2), where the k2 surrogate is
+built from the UNCLAMPED d (verl does the same), so the gradient is d even where the value is
+clamped. Worked values: logπ = −30, logπ_ref = −1, `k3+` with verl's clamps → value 10.0,
+gradient −29.
+
+OpenRLHF's `unbiased_gradient` (`kl_penalty(..., unbiased_gradient=True, old_logprobs=...)`)
+also keeps the named estimator's value, with the gradient of sg(w)·d²/2, w = π/π_old =
+exp(logπ − logπ_old) (capped at `importance_weight_cap`): the reverse-KL gradient when the
+samples came from π_old, not π. Without `old_logprobs`, w = 1 (the "+" variant).
+
 Worked values at logπ = −1.0, logπ_ref = −1.5: k1 0.5, k2 0.125, k3 0.106531.
 
 Clamps: OpenRLHF clamps the estimate to [−10, 10] (`value_clamp=10`); verl clamps d to ±20
@@ -60,6 +69,9 @@ def kl_penalty(
     *,
     log_ratio_clamp: float | None = None,
     value_clamp: float | None = 10.0,
+    unbiased_gradient: bool = False,
+    old_logprobs: torch.Tensor | None = None,
+    importance_weight_cap: float | None = None,
 ) -> torch.Tensor:
     """Per-token KL estimate between the policy and the reference.
 
@@ -69,6 +81,11 @@ def kl_penalty(
       estimator: a name in `KL_ESTIMATORS`, optionally with a "+" suffix (k2 gradient).
       log_ratio_clamp: clamp d to [−c, c] before the estimator (verl: 20), or None.
       value_clamp: clamp the estimate to [−c, c] (OpenRLHF: 10), or None.
+      unbiased_gradient: OpenRLHF's option: the value of `estimator`, the gradient of
+        sg(w)·d²/2 with d unclamped and w = exp(logπ − logπ_old) (1 without `old_logprobs`).
+      old_logprobs: `[batch, seq]` log π_old of the sampled tokens, for w (only with
+        `unbiased_gradient`).
+      importance_weight_cap: cap w at this value (> 0), or None for no cap.
 
     Returns:
       `[batch, seq]` float32 (float64 for float64 inputs) estimate (not masked: multiply by the action mask or aggregate).
@@ -81,7 +98,14 @@ def kl_penalty(
         known = sorted(KL_ESTIMATORS) + [f"{name}+" for name in sorted(KL_ESTIMATORS)]
         raise ValueError(f"unknown KL estimator {estimator!r}; known names: {', '.join(known)}")
     dtype = compute_dtype(logprobs, ref_logprobs)
-    log_ratio = logprobs.to(dtype) - ref_logprobs.to(dtype)
+    if old_logprobs is not None and not unbiased_gradient:
+        raise ValueError("old_logprobs is used only with unbiased_gradient=True; pass both or neither")
+    if importance_weight_cap is not None:
+        if old_logprobs is None:
+            raise ValueError("importance_weight_cap needs old_logprobs (the weight is π/π_old)")
+        check_positive("importance_weight_cap", importance_weight_cap)
+    raw_log_ratio = logprobs.to(dtype) - ref_logprobs.to(dtype)
+    log_ratio = raw_log_ratio
     if log_ratio_clamp is not None:
         check_positive("log_ratio_clamp", log_ratio_clamp)
         log_ratio = log_ratio.clamp(-log_ratio_clamp, log_ratio_clamp)
@@ -89,8 +113,16 @@ def kl_penalty(
     if value_clamp is not None:
         check_positive("value_clamp", value_clamp)
         kl = kl.clamp(-value_clamp, value_clamp)
-    if straight_through:
-        surrogate = _k2(log_ratio)
+    if straight_through or unbiased_gradient:
+        # The surrogate uses the unclamped d: its gradient must not vanish where the value is clamped.
+        surrogate = _k2(raw_log_ratio)
+        if old_logprobs is not None:
+            check_same_shape("old_logprobs", old_logprobs, "logprobs", logprobs)
+            log_weight = logprobs.detach().to(dtype) - old_logprobs.detach().to(dtype)
+            weight = log_weight.clamp(-20.0, 20.0).exp()
+            if importance_weight_cap is not None:
+                weight = weight.clamp(max=importance_weight_cap)
+            surrogate = weight * surrogate
         kl = kl.detach() + surrogate - surrogate.detach()
     return kl
 

@@ -30,12 +30,16 @@ __all__ = [
     "LOG_RATIO_CLAMP",
     "POLICY_LOSSES",
     "cispo",
+    "clip_cov",
     "gmpo",
     "gspo",
+    "gspo_sequence",
+    "kl_cov",
     "ppo",
     "reinforce",
     "sapo",
     "value_loss",
+    "vanilla",
 ]
 
 POLICY_LOSSES = Registry("policy loss")
@@ -122,10 +126,7 @@ def ppo(
     """
     logp, old, adv, mask = _prepare(logprobs, old_logprobs, advantages, action_mask)
     epsilon_high = _check_epsilons(epsilon_low, epsilon_high)
-    if dual_clip is not None and not dual_clip > 1:
-        raise ValueError(
-            f"dual_clip must be > 1 (it caps the loss of negative advantages at c·|A|), got {dual_clip}"
-        )
+    _check_dual_clip(dual_clip)
     log_ratio = (logp - old).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     loss, metrics = _ppo_clip(log_ratio.exp(), adv, mask, epsilon_low, epsilon_high, dual_clip)
     metrics["ppo_kl"] = _mean(-log_ratio, mask)
@@ -142,14 +143,16 @@ def gspo(
     epsilon_low: float = 3e-4,
     epsilon_high: float | None = 4e-4,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """GSPO (Zheng et al., 2025): PPO clipping on the sequence-level ratio.
+    """GSPO (Zheng et al., 2025), GSPO-token form (verl): PPO clipping on the sequence ratio.
 
         log s_i = Σ_t m·(log π − log π_old) / L_i
         ρ_{i,t} = exp(log π_t − sg(log π_t) + sg(log s_i))   (value s_i, gradient of log π_t)
         l_{i,t} = max(−ρ_{i,t}·A_{i,t}, −clip(ρ_{i,t}, 1 − ε_low, 1 + ε_high)·A_{i,t})
 
     Aggregate with `seq-mean-token-mean` for the paper's sequence-level objective. The paper's
-    clip range is tiny (3e-4, 4e-4) because it applies to a length-normalised ratio.
+    clip range is tiny (3e-4, 4e-4) because it applies to a length-normalised ratio. Token t's
+    gradient is −A_{i,t}·s_i/L_i (unclipped); OpenRLHF differentiates s_i itself instead, which
+    is `gspo_sequence` (equal for advantages constant over a sequence).
     """
     logp, old, adv, mask = _prepare(logprobs, old_logprobs, advantages, action_mask)
     epsilon_high = _check_epsilons(epsilon_low, epsilon_high)
@@ -259,19 +262,213 @@ def sapo(
     return loss * mask, metrics
 
 
-@POLICY_LOSSES.register("reinforce", aliases=("gpg", "vanilla"))
+@POLICY_LOSSES.register("reinforce", aliases=("gpg",))
 def reinforce(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     action_mask: torch.Tensor,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """REINFORCE / GPG: no ratio and no clip, l_t = −A_t·log π_t.
+    """REINFORCE / GPG: no ratio and no clip, l_t = −A_t·log π_t (verl's `gpg`).
 
-    `old_logprobs` is used only for the `ppo_kl` metric.
+    `old_logprobs` is used only for the `ppo_kl` metric. Not verl's `vanilla`, which is the
+    clipped PPO loss (see `vanilla`).
     """
     logp, old, adv, mask = _prepare(logprobs, old_logprobs, advantages, action_mask)
     return -adv * logp * mask, {"ppo_kl": _mean(old - logp, mask)}
+
+
+@POLICY_LOSSES.register("vanilla")
+def vanilla(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    action_mask: torch.Tensor,
+    *,
+    epsilon_low: float = 0.2,
+    epsilon_high: float | None = None,
+    dual_clip: float | None = 3.0,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """verl's `vanilla` policy loss: clipped PPO with the dual clip on (c = 3) by default.
+
+    The same per-token loss as `ppo` (see there); only the `dual_clip` default differs, so a
+    verl config that names `vanilla` gets verl's algorithm. REINFORCE (−A·log π, no ratio) is
+    `reinforce` / `gpg`. Worked value: log π = log π_old = −1, A = 1 → l = −1.
+    """
+    return ppo(
+        logprobs,
+        old_logprobs,
+        advantages,
+        action_mask,
+        epsilon_low=epsilon_low,
+        epsilon_high=epsilon_high,
+        dual_clip=dual_clip,
+    )
+
+
+@POLICY_LOSSES.register("gspo_sequence")
+def gspo_sequence(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    action_mask: torch.Tensor,
+    *,
+    epsilon_low: float = 3e-4,
+    epsilon_high: float | None = 4e-4,
+    dual_clip: float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GSPO as OpenRLHF computes it: the clipped loss of the sequence ratio itself.
+
+        s_i = exp(clamp(Σ_t m·(log π − log π_old) / L_i, ±20))      (carries the gradient)
+        l_{i,t} = max(−s_i·A_{i,t}, −clip(s_i, 1 − ε_low, 1 + ε_high)·A_{i,t})   (+ dual clip)
+
+    Every token's loss depends on every log π of its sequence: ∂l_{i,t}/∂log π_{i,k} =
+    −A_{i,t}·s_i/L_i (unclipped). `gspo` (verl, the paper's GSPO-token) gives token t only its
+    own −A_{i,t}·s_i/L_i·[t = k]. The two are equal when A is constant over each sequence (the
+    outcome estimators) and differ otherwise. Worked gradients, one sequence of two tokens,
+    π = π_old, A = [1, 3], `seq-mean-token-mean`: `gspo` [−0.5, −1.5]; `gspo_sequence`
+    [−1.0, −1.0]. OpenRLHF aggregates GSPO per sequence (`seq-mean-token-mean`).
+    """
+    logp, old, adv, mask = _prepare(logprobs, old_logprobs, advantages, action_mask)
+    epsilon_high = _check_epsilons(epsilon_low, epsilon_high)
+    _check_dual_clip(dual_clip)
+    lengths = mask.sum(-1, keepdim=True).clamp(min=1)
+    seq_log_ratio = (((logp - old) * mask).sum(-1, keepdim=True) / lengths).clamp(
+        -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP
+    )
+    ratio = seq_log_ratio.exp().expand_as(logp)
+    loss, metrics = _ppo_clip(ratio, adv, mask, epsilon_low, epsilon_high, dual_clip)
+    metrics["ppo_kl"] = _mean(old - logp, mask)
+    metrics["sequence_ratio_mean"] = _mean(ratio, mask)
+    return loss, metrics
+
+
+def _centred_covariance(
+    logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(A − mean A)·(log π − mean log π) per token, means over this call's action tokens; and
+    the number of action tokens."""
+    keep = mask > 0
+    count = keep.sum()
+    adv_mean = masked_mean(adv, mask)
+    logp_mean = masked_mean(logp.detach(), mask)
+    return (adv - adv_mean) * (logp.detach() - logp_mean), count
+
+
+@POLICY_LOSSES.register("clip_cov")
+def clip_cov(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    action_mask: torch.Tensor,
+    *,
+    epsilon_low: float = 0.2,
+    epsilon_high: float | None = None,
+    clip_cov_ratio: float = 2e-4,
+    clip_cov_lb: float = 1.0,
+    clip_cov_ub: float = 5.0,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clip-Cov (Cui et al., 2025, "The Entropy Mechanism of RL for Reasoning LMs"; verl).
+
+    PPO's clipped loss, with the gradient cut off on a few tokens whose centred covariance
+    between advantage and log-probability is large (they drive entropy collapse):
+
+        c_t = (A_t − mean A)·(log π_t − mean log π)     (means over this call's action tokens)
+        candidates: action tokens not already clipped by PPO with lb < c_t < ub
+        n = max(1, ⌊r·N⌋) of them (N action tokens; a random subset if there are more)
+        l_t = 0 on those n tokens, the PPO loss max(−ρA, −clip(ρ)·A) elsewhere
+
+    Args:
+      clip_cov_ratio: r, the fraction of action tokens to cut (verl: 2e-4).
+      clip_cov_lb, clip_cov_ub: the covariance window (verl: 1, 5).
+      generator: for the random choice when more than n tokens qualify (None: torch's global RNG).
+
+    The covariance is over the tokens of this call (verl: the micro-batch), not the whole step.
+    """
+    logp, old, adv, mask = _prepare(logprobs, old_logprobs, advantages, action_mask)
+    epsilon_high = _check_epsilons(epsilon_low, epsilon_high)
+    _check_fraction("clip_cov_ratio", clip_cov_ratio)
+    if not clip_cov_lb < clip_cov_ub:
+        raise ValueError(f"clip_cov_lb must be < clip_cov_ub, got {clip_cov_lb} and {clip_cov_ub}")
+    log_ratio = (logp - old).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    ratio = log_ratio.exp()
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1.0 - epsilon_low, 1.0 + epsilon_high)
+    clipped_by_ppo = clipped > unclipped
+    covariance, count = _centred_covariance(logp, adv, mask)
+    eligible = (mask > 0) & ~clipped_by_ppo & (covariance > clip_cov_lb) & (covariance < clip_cov_ub)
+    candidates = eligible.flatten().nonzero().flatten()
+    budget = max(int(clip_cov_ratio * int(count)), 1)
+    if candidates.numel() > budget:
+        order = torch.randperm(candidates.numel(), generator=generator).to(candidates.device)
+        candidates = candidates[order[:budget]]
+    keep = torch.ones(mask.numel(), dtype=mask.dtype, device=mask.device)
+    keep[candidates] = 0.0
+    keep = keep.view_as(mask)
+    loss = torch.maximum(unclipped, clipped) * keep * mask
+    metrics = {
+        "clip_fraction": _mean(clipped_by_ppo.float(), mask),
+        "cov_clip_fraction": _mean((keep == 0).float(), mask),
+        "ppo_kl": _mean(-log_ratio, mask),
+    }
+    return loss, metrics
+
+
+@POLICY_LOSSES.register("kl_cov")
+def kl_cov(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    action_mask: torch.Tensor,
+    *,
+    kl_cov_ratio: float = 2e-4,
+    ppo_kl_coef: float = 1.0,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """KL-Cov (Cui et al., 2025; verl): a KL penalty on the tokens of largest covariance.
+
+        c_t = (A_t − mean A)·(log π_t − mean log π)     (means over this call's action tokens)
+        K = the n = max(1, ⌊r·N⌋) action tokens of largest c_t
+        l_t = −ρ_t·A_t + k·|log π_t − log π_old,t|·[t ∈ K]
+
+    No ratio clipping anywhere (ρ's log is clamped to ±20 only against overflow).
+
+    Args:
+      kl_cov_ratio: r, the fraction of action tokens to penalise (verl: 2e-4).
+      ppo_kl_coef: k ≥ 0 (verl: 1).
+    """
+    logp, old, adv, mask = _prepare(logprobs, old_logprobs, advantages, action_mask)
+    _check_fraction("kl_cov_ratio", kl_cov_ratio)
+    check_positive("ppo_kl_coef", ppo_kl_coef, allow_zero=True)
+    log_ratio = (logp - old).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    loss = -adv * log_ratio.exp()
+    covariance, count = _centred_covariance(logp, adv, mask)
+    penalised = torch.zeros(mask.numel(), dtype=torch.bool, device=mask.device)
+    if int(count) > 0:
+        chosen = max(1, int(int(count) * kl_cov_ratio))
+        scores = torch.where(mask > 0, covariance, -torch.inf).flatten()
+        penalised[scores.topk(chosen).indices] = True
+    penalised = penalised.view_as(mask)
+    loss = torch.where(penalised, loss + ppo_kl_coef * (logp - old).abs(), loss)
+    metrics = {
+        "kl_cov_fraction": _mean(penalised.float(), mask),
+        "ppo_kl": _mean(-log_ratio, mask),
+        "ppo_kl_abs": _mean(log_ratio.abs(), mask),
+    }
+    return loss * mask, metrics
+
+
+def _check_fraction(name: str, value: float) -> None:
+    check_positive(name, value)
+    if value > 1:
+        raise ValueError(f"{name} must be a fraction of the action tokens in (0, 1], got {value}")
+
+
+def _check_dual_clip(dual_clip: float | None) -> None:
+    if dual_clip is not None and not dual_clip > 1:
+        raise ValueError(
+            f"dual_clip must be > 1 (it caps the loss of negative advantages at c·|A|), got {dual_clip}"
+        )
 
 
 def value_loss(
