@@ -71,7 +71,7 @@ def test_weights_carry_no_gradient():
     ("kwargs", "match"),
     [
         ({"method": "is"}, r"method must be one of \['icepop', 'none', 'tis'\]"),
-        ({"level": "batch"}, r"level must be one of \['sequence', 'token'\]"),
+        ({"level": "batch"}, r"level must be one of \['geometric', 'sequence', 'token'\]"),
         ({"low": 2.0, "high": 1.0}, r"must satisfy 0 < low < high"),
         ({"low": 0.0}, r"low\) must be > 0"),
         ({"sequence_mask_range": (1.5, 1.2)}, r"sequence_mask_range must satisfy 0 < low < high"),
@@ -87,3 +87,95 @@ def test_rollout_shape_mismatch_names_both_arguments():
         ValueError, match=r"rollout_logprobs has shape \(2, 2\) but old_logprobs has shape \(2, 3\)"
     ):
         rollout_correction(OLD, ROLLOUT[:, :2], MASK)
+
+
+# ------------------------------------------------- OpenRLHF 0.11.2: level × mode × gating
+
+WORKED_OLD = torch.tensor([[math.log(2.0), math.log(8.0), math.log(0.25)]])
+WORKED_ROLLOUT = torch.zeros(1, 3)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "expected"),
+    [
+        ({"mode": "truncate"}, [2.0, 5.0, 0.5]),
+        ({"mode": "mask"}, [2.0, 0.0, 0.0]),
+        # geometric mean (2·8·0.25)^(1/3) = 1.587 is inside: survivors keep w_t (OpenRLHF) ...
+        ({"mode": "mask", "level": "geometric"}, [2.0, 8.0, 0.25]),
+        # ... the geometric mean itself (verl) ... or 1 (Geo-Mask, a pure filter)
+        ({"mode": "mask", "level": "geometric", "mask_weight": "level"}, [1.587401] * 3),
+        ({"mode": "mask", "level": "geometric", "mask_weight": "one"}, [1.0, 1.0, 1.0]),
+        # the product 4 is inside [0.5, 5]
+        ({"mode": "truncate", "level": "sequence"}, [4.0, 4.0, 4.0]),
+        ({"mode": "truncate", "level": "geometric"}, [1.587401] * 3),
+        ({"mode": "mask", "level": "sequence", "high": 3.0}, [0.0, 0.0, 0.0]),
+        ({"mode": "none"}, [1.0, 1.0, 1.0]),
+    ],
+)
+def test_level_mode_and_mask_weight_worked_values(kwargs, expected):
+    options = {"low": 0.5, "high": 5.0, **kwargs}
+    weights, _ = rollout_correction(WORKED_OLD, WORKED_ROLLOUT, torch.ones(1, 3), **options)
+    torch.testing.assert_close(weights, torch.tensor([expected]))
+
+
+def test_sequence_mask_keeping_unit_weight_or_token_weight():
+    # row 0 geometric mean 0.794 is inside (0.5, 2), row 1 (2.83) is not
+    options = {"mode": "mask", "level": "geometric", "low": 0.5, "high": 2.0}
+    ones, metrics = rollout_correction(OLD, ROLLOUT, MASK, mask_weight="one", **options)
+    torch.testing.assert_close(ones, torch.tensor([[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]]))
+    assert metrics["correction_mask_fraction"].item() == pytest.approx(2 / 5)
+    token, _ = rollout_correction(OLD, ROLLOUT, MASK, mask_weight="token", **options)
+    torch.testing.assert_close(token, torch.tensor([[2.0, 0.25, 1.0], [0.0, 0.0, 0.0]]))
+    # the legacy spelling of the pure filter gives the same weights
+    legacy, _ = rollout_correction(OLD, ROLLOUT, MASK, method="none", sequence_mask_range=(0.5, 2.0))
+    torch.testing.assert_close(legacy, ones)
+
+
+# p = π_rollout, q = π_old: token 0 p = 0.2, q = 0.3; token 1 p = 0.2, q = 0.5
+GATE_ROLLOUT = torch.tensor([[math.log(0.2), math.log(0.2)]])
+GATE_OLD = torch.tensor([[math.log(0.3), math.log(0.5)]])
+
+
+def test_binary_kl_gating_masks_tokens_beyond_the_divergence_bound():
+    # binary KL: 0.2·ln(2/3) + 0.8·ln(8/7) = 0.025732;  0.2·ln(0.4) + 0.8·ln(1.6) = 0.192745
+    weights, metrics = rollout_correction(
+        GATE_OLD, GATE_ROLLOUT, torch.ones(1, 2), mode="mask", gating="binary_kl", low=0.0, high=0.05
+    )
+    torch.testing.assert_close(weights, torch.tensor([[1.5, 0.0]]))  # survivors keep w = q/p
+    assert metrics["mismatch_binary_kl"].item() == pytest.approx((0.025732 + 0.192745) / 2, abs=1e-6)
+    assert metrics["correction_mask_fraction"].item() == pytest.approx(0.5)
+
+
+def test_tv_gating_per_token_and_per_sequence_mean():
+    # |p − q| = [0.1, 0.3]; sequence mean 0.2
+    options = {"mode": "mask", "gating": "tv", "low": 0.0}
+    token, _ = rollout_correction(GATE_OLD, GATE_ROLLOUT, torch.ones(1, 2), high=0.2, **options)
+    torch.testing.assert_close(token, torch.tensor([[1.5, 0.0]]))
+    kept, _ = rollout_correction(
+        GATE_OLD, GATE_ROLLOUT, torch.ones(1, 2), level="sequence", high=0.25, **options
+    )
+    torch.testing.assert_close(kept, torch.tensor([[1.5, 2.5]]))
+    dropped, _ = rollout_correction(
+        GATE_OLD, GATE_ROLLOUT, torch.ones(1, 2), level="sequence", high=0.15, **options
+    )
+    torch.testing.assert_close(dropped, torch.zeros(1, 2))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"method": "tis", "mode": "mask"}, "give method .legacy. or mode, not both"),
+        ({"mode": "clip"}, r"mode must be one of \['mask', 'none', 'truncate'\]"),
+        ({"gating": "kl"}, r"gating must be one of \['binary_kl', 'ratio', 'tv'\]"),
+        ({"mode": "mask", "mask_weight": "w"}, r"mask_weight must be one of \['level', 'one', 'token'\]"),
+        ({"mode": "truncate", "gating": "tv", "low": 0.0, "high": 0.1}, "needs mode='mask'"),
+        ({"mode": "mask", "gating": "tv", "low": 0.5, "high": 1.0}, "upper bound only: pass low=0"),
+        (
+            {"mode": "mask", "gating": "binary_kl", "level": "geometric", "low": 0.0, "high": 0.1},
+            "ratio level",
+        ),
+    ],
+)
+def test_bad_level_mode_gating_combinations_are_named(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        rollout_correction(OLD, ROLLOUT, MASK, **kwargs)

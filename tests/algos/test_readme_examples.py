@@ -16,6 +16,11 @@ def python_blocks() -> list[str]:
     return re.findall(r"```python\n(.+?)```", README.read_text(), re.S)
 
 
+def block_with(text: str) -> str:
+    (block,) = [block for block in python_blocks() if text in block]
+    return block
+
+
 def tiny_batch() -> dict[str, object]:
     gen = torch.Generator().manual_seed(0)
     mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]])
@@ -47,7 +52,7 @@ def test_readme_training_step_example_runs_and_gives_a_gradient():
 def test_readme_registration_example_registers_working_entries():
     namespace = tiny_batch()
     try:
-        exec(python_blocks()[1], namespace)
+        exec(block_with(".register("), namespace)
         advantages, _ = ADVANTAGE_ESTIMATORS["batch_mean_baseline"](
             rewards=namespace["rewards"], action_mask=namespace["mask"]
         )
@@ -59,3 +64,17 @@ def test_readme_registration_example_registers_working_entries():
     finally:
         ADVANTAGE_ESTIMATORS.pop("batch_mean_baseline", None)
         POLICY_LOSSES.pop("capped_pg", None)
+
+
+def test_readme_objective_example_runs_and_gives_a_gradient():
+    namespace = tiny_batch()
+    logits, labels = namespace["logits"], namespace["labels"]
+    namespace["logprobs"] = torch.log_softmax(logits, -1).gather(-1, labels[..., None]).squeeze(-1)
+    namespace["rollout_logprobs"] = namespace["old_logprobs"] - 0.05
+    namespace["advantages"] = torch.randn(4, 5) * namespace["mask"]
+    namespace["entropy"] = torch.rand(4, 5)
+    exec(block_with("policy_objective("), namespace)
+    loss = namespace["loss"]
+    assert loss.dim() == 0
+    loss.backward()
+    assert logits.grad.abs().sum() > 0

@@ -9,16 +9,29 @@ Shapes follow one convention: `[batch, seq]` for per-token tensors (response tok
     advantages, returns = compute_advantages("grpo", rewards=r, group_ids=g, action_mask=m)
     per_token, metrics = POLICY_LOSSES["ppo"](logprobs, old_logprobs, advantages, m)
     loss = aggregate_loss(per_token, m, "token-mean", normalizer=global_token_count)
+
+    # or the whole objective (policy term × IS weights + β·KL − c·entropy) in one call:
+    loss, metrics = policy_objective(logprobs, old_logprobs, advantages, m, loss="ppo",
+                                     normalizer=global_token_count, ref_logprobs=ref, kl_coef=0.01)
 """
 
 from .__about__ import __version__
 from .aggregation import AGGREGATION_MODES, aggregate_loss, loss_normalizer
-from .corrections import CORRECTION_LEVELS, CORRECTION_METHODS, mismatch_metrics, rollout_correction
+from .corrections import (
+    CORRECTION_GATINGS,
+    CORRECTION_LEVELS,
+    CORRECTION_METHODS,
+    CORRECTION_MODES,
+    MASK_WEIGHTS,
+    mismatch_metrics,
+    rollout_correction,
+)
 from .estimators import ADVANTAGE_ESTIMATORS, compute_advantages
-from .group import CENTRES, GROUP_NORM_PRESETS, SCALES, group_normalize
+from .group import CENTRES, GROUP_NORM_PRESETS, SCALES, SINGLETON_POLICIES, group_normalize
 from .kl import KL_ESTIMATORS, AdaptiveKLController, FixedKLController, kl_penalty
 from .logprobs import default_chunk_size, entropy_from_logits, logprobs_from_logits
 from .masked import last_action_index, masked_mean, masked_mean_var, masked_sum, masked_whiten
+from .objective import policy_objective
 from .policy_losses import POLICY_LOSSES, value_loss
 from .preference import dpo_loss, kto_loss, reward_model_loss
 from .registry import Registry, UnknownNameError
@@ -36,12 +49,16 @@ __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "AGGREGATION_MODES",
     "CENTRES",
+    "CORRECTION_GATINGS",
     "CORRECTION_LEVELS",
     "CORRECTION_METHODS",
+    "CORRECTION_MODES",
     "GROUP_NORM_PRESETS",
     "KL_ESTIMATORS",
+    "MASK_WEIGHTS",
     "POLICY_LOSSES",
     "SCALES",
+    "SINGLETON_POLICIES",
     "AdaptiveKLController",
     "FixedKLController",
     "Registry",
@@ -70,6 +87,7 @@ __all__ = [
     "masked_whiten",
     "mismatch_metrics",
     "overlong_penalty",
+    "policy_objective",
     "prm_loss",
     "reward_model_loss",
     "rollout_correction",

@@ -2,19 +2,36 @@
 
 vLLM and the training framework compute log π_old differently (kernels, precision, batch
 shapes), so the samples are slightly off-policy even for the "same" weights. With
-Δ_t = log π_old − log π_rollout and the importance weight w_t = exp(Δ_t) (detached):
+Δ_t = log π_old − log π_rollout, the token importance weight w_t = exp(Δ_t) (detached), and
+p_t = π_rollout(a_t), q_t = π_old(a_t) (clamped to [1e-6, 1 − 1e-6]), `rollout_correction`
+returns per-token weights to multiply the policy loss by before aggregating. Three knobs:
 
-  "tis"     truncated importance sampling: w ← clip(w, low, high)      (Yao et al., 2025)
-  "icepop"  keep w where low ≤ w ≤ high, set it to 0 elsewhere         (Ling team, 2025)
-  "none"    w ← 1 (use only the sequence mask below, or the metrics)
+  level   which unit is gated, and its ratio u:
+            "token"      u_t = w_t
+            "sequence"   u_i = exp(Σ_t m·Δ_t), the product of the sequence's token weights
+            "geometric"  u_i = exp(Σ_t m·Δ_t / L_i), their geometric mean (length-invariant)
+  gating  the statistic compared with the bounds:
+            "ratio"      u itself, kept if low ≤ u ≤ high
+            "binary_kl"  p·log(p/q) + (1 − p)·log((1 − p)/(1 − q)) per token (mean over the
+                         sequence at level "sequence"), kept if ≤ high (low must be 0)
+            "tv"         |p − q| per token (mean at level "sequence"), kept if ≤ high (low 0)
+  mode    what happens:
+            "truncate"   weight = clip(u, low, high)  (TIS; ratio gating only)
+            "mask"       weight = 0 on units outside the bounds; survivors keep `mask_weight`:
+                         "token" (w_t: OpenRLHF), "level" (u: verl, ICEPOP) or "one" (a pure
+                         filter: Geo-Mask)
+            "none"       weight = 1 (then only `sequence_mask_range` applies, or the metrics)
 
-`level="token"` uses the per-token weights; `level="sequence"` uses the product of a
-sequence's token weights, exp(Σ_t m·Δ_t), on all its tokens. Independently,
-`sequence_mask_range=(lo, hi)` drops (weight 0) sequences whose geometric-mean ratio
-exp(Σ_t m·Δ_t / L_i) is outside [lo, hi]. Multiply the policy loss by the weights before
-aggregating.
+The legacy `method` names map onto these: "tis" = truncate; "icepop" = mask with the level's
+own weight; "none" = none. Independently, `sequence_mask_range=(lo, hi)` multiplies the weights
+by [lo ≤ exp(Σ_t m·Δ_t / L_i) ≤ hi] (drop whole sequences by their geometric-mean ratio).
 
-OpenRLHF's TIS default range is [0.5, 5.0].
+Recipes (weights in words):
+  TIS (OpenRLHF default [0.5, 5.0])   method="tis"                         clip(w_t)
+  ICEPOP                              method="icepop"                      w_t or 0
+  seq-mask (Geo-Mask)                 mode="mask", level="geometric", mask_weight="one"    1 or 0
+  seq-mask-tis (OpenRLHF)             mode="mask", level="geometric", mask_weight="token"  w_t or 0
+  trust region on the rollout         mode="mask", gating="binary_kl", low=0, high=δ        w_t or 0
 """
 
 from __future__ import annotations
@@ -24,12 +41,24 @@ import torch
 from ._checks import check_choice, check_floating, check_ndim, check_positive, check_same_shape, mask_as
 from .masked import masked_mean
 
-__all__ = ["CORRECTION_LEVELS", "CORRECTION_METHODS", "mismatch_metrics", "rollout_correction"]
+__all__ = [
+    "CORRECTION_GATINGS",
+    "CORRECTION_LEVELS",
+    "CORRECTION_METHODS",
+    "CORRECTION_MODES",
+    "MASK_WEIGHTS",
+    "mismatch_metrics",
+    "rollout_correction",
+]
 
 CORRECTION_METHODS = ("tis", "icepop", "none")
-CORRECTION_LEVELS = ("token", "sequence")
+CORRECTION_MODES = ("truncate", "mask", "none")
+CORRECTION_LEVELS = ("token", "sequence", "geometric")
+CORRECTION_GATINGS = ("ratio", "binary_kl", "tv")
+MASK_WEIGHTS = ("token", "level", "one")
 
 _LOG_CLAMP = 20.0
+_PROB_CLAMP = 1e-6
 
 
 def _prepare(
@@ -81,48 +110,110 @@ def rollout_correction(
     rollout_logprobs: torch.Tensor,
     action_mask: torch.Tensor,
     *,
-    method: str = "tis",
+    method: str | None = None,
+    mode: str | None = None,
     level: str = "token",
+    gating: str = "ratio",
     low: float = 0.5,
     high: float = 5.0,
+    mask_weight: str | None = None,
     sequence_mask_range: tuple[float, float] | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Importance weights that correct for the rollout/learner mismatch (module docstring).
+
+    Worked values, one sequence, Δ = [log 2, log 8, log 0.25], bounds (0.5, 5):
+      truncate, token             [2, 5, 0.5]
+      mask, token                 [2, 0, 0]
+      mask, geometric ("token")   u = exp(mean Δ) = 4^{1/3} = 1.587, kept → [2, 8, 0.25]
+      mask, geometric ("one")     [1, 1, 1]
+      truncate, sequence          u = 4 → [4, 4, 4]
 
     Args:
       old_logprobs: `[batch, seq]` learner log-probs of the sampled tokens before the update.
       rollout_logprobs: `[batch, seq]` log-probs the rollout engine reported for them.
       action_mask: `[batch, seq]`.
-      method: one of `CORRECTION_METHODS`.
+      method: legacy name, one of `CORRECTION_METHODS` ("tis" = mode "truncate", "icepop" =
+        mode "mask" with mask_weight "level"); give `method` or `mode`, not both.
+      mode: one of `CORRECTION_MODES`; None with no `method` means "truncate".
       level: one of `CORRECTION_LEVELS`.
-      low, high: the weight range, 0 < low < high.
+      gating: one of `CORRECTION_GATINGS` (divergences: mode "mask", level token or sequence).
+      low, high: the bounds; 0 < low < high for ratio gating, low = 0 < high for divergences.
+      mask_weight: what mode "mask" keeps, one of `MASK_WEIGHTS`; None means "token" (for
+        method "icepop": "level").
       sequence_mask_range: optional (lo, hi) range for the geometric-mean sequence mask.
 
     Returns:
       (weights `[batch, seq]` float32, detached, 0 off the action tokens and on dropped tokens,
-       metrics: `mismatch_metrics` plus the fraction of tokens clipped or masked).
+       metrics: `mismatch_metrics` plus the fraction of action tokens clipped or masked).
     """
-    check_choice("method", method, CORRECTION_METHODS)
+    if method is not None and mode is not None:
+        raise ValueError(f"give method (legacy) or mode, not both; got method={method!r}, mode={mode!r}")
+    if method is not None:
+        check_choice("method", method, CORRECTION_METHODS)
+        mode = {"tis": "truncate", "icepop": "mask", "none": "none"}[method]
+        if mask_weight is None and method == "icepop":
+            mask_weight = "level"
+    mode = "truncate" if mode is None else mode
+    check_choice("mode", mode, CORRECTION_MODES)
     check_choice("level", level, CORRECTION_LEVELS)
-    low, high = _check_range("(low, high)", (low, high))
+    check_choice("gating", gating, CORRECTION_GATINGS)
+    mask_weight = "token" if mask_weight is None else mask_weight
+    check_choice("mask_weight", mask_weight, MASK_WEIGHTS)
+    divergence = gating != "ratio"
+    if divergence:
+        if mode != "mask":
+            raise ValueError(f"gating={gating!r} is a filter: it needs mode='mask', got mode={mode!r}")
+        if level == "geometric":
+            raise ValueError(
+                f"level='geometric' is a ratio level; with gating={gating!r} use level='token' or "
+                "'sequence' (the per-sequence mean divergence)"
+            )
+        if low != 0 or not high > 0:
+            raise ValueError(
+                f"gating={gating!r} takes an upper bound only: pass low=0 and high=δ > 0, got ({low}, {high})"
+            )
+    else:
+        low, high = _check_range("(low, high)", (low, high))
     delta, mask = _prepare(old_logprobs, rollout_logprobs, action_mask)
     metrics = mismatch_metrics(old_logprobs, rollout_logprobs, action_mask)
+    lengths = mask.sum(-1, keepdim=True).clamp(min=1)
 
-    log_weight = delta if level == "token" else delta.sum(-1, keepdim=True).expand_as(delta)
-    raw = log_weight.clamp(-_LOG_CLAMP, _LOG_CLAMP).exp()
-    outside = (raw < low) | (raw > high)
-    if method == "tis":
-        weights = raw.clamp(low, high)
+    token_weight = delta.clamp(-_LOG_CLAMP, _LOG_CLAMP).exp()
+    if level == "token":
+        log_unit = delta
+    elif level == "sequence":
+        log_unit = delta.sum(-1, keepdim=True).expand_as(delta)
+    else:
+        log_unit = (delta.sum(-1, keepdim=True) / lengths).expand_as(delta)
+    unit_weight = log_unit.clamp(-_LOG_CLAMP, _LOG_CLAMP).exp()
+
+    if divergence:
+        p = rollout_logprobs.detach().float().exp().clamp(_PROB_CLAMP, 1 - _PROB_CLAMP)
+        q = old_logprobs.detach().float().exp().clamp(_PROB_CLAMP, 1 - _PROB_CLAMP)
+        if gating == "binary_kl":
+            statistic = p * (p / q).log() + (1 - p) * ((1 - p) / (1 - q)).log()
+        else:
+            statistic = (p - q).abs()
+        statistic = statistic * mask
+        if level == "sequence":
+            statistic = (statistic.sum(-1, keepdim=True) / lengths).expand_as(delta)
+        outside = statistic > high
+        metrics[f"mismatch_{gating}"] = masked_mean(statistic, mask)
+    else:
+        outside = (unit_weight < low) | (unit_weight > high)
+
+    if mode == "truncate":
+        weights = unit_weight.clamp(low, high)
         metrics["correction_clip_fraction"] = masked_mean(outside.float(), mask)
-    elif method == "icepop":
-        weights = torch.where(outside, torch.zeros_like(raw), raw)
+    elif mode == "mask":
+        kept = {"token": token_weight, "level": unit_weight, "one": torch.ones_like(unit_weight)}[mask_weight]
+        weights = torch.where(outside, torch.zeros_like(kept), kept)
         metrics["correction_mask_fraction"] = masked_mean(outside.float(), mask)
     else:
-        weights = torch.ones_like(raw)
+        weights = torch.ones_like(unit_weight)
 
     if sequence_mask_range is not None:
         lo, hi = _check_range("sequence_mask_range", sequence_mask_range)
-        lengths = mask.sum(-1, keepdim=True).clamp(min=1)
         geometric = (delta.sum(-1, keepdim=True) / lengths).exp()
         keep = (geometric >= lo) & (geometric <= hi)
         weights = weights * keep
