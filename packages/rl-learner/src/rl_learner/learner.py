@@ -45,12 +45,14 @@ import torch.distributed as dist
 
 from rl_algos import (
     AGGREGATION_MODES,
+    CORRECTION_GATINGS,
     CORRECTION_LEVELS,
     KL_ESTIMATORS,
     POLICY_LOSSES,
     aggregate_loss,
     kl_penalty,
     loss_normalizer,
+    policy_objective,
     rollout_correction,
     value_loss,
 )
@@ -72,7 +74,21 @@ __all__ = [
 ]
 
 ON_NON_FINITE: tuple[str, ...] = ("skip", "raise")
-CORRECTIONS: tuple[str, ...] = ("none", "tis", "icepop", "seq-mask")
+CORRECTIONS: tuple[str, ...] = ("none", "tis", "icepop", "seq-mask", "seq-mask-tis", "truncate", "mask")
+"""Rollout/learner mismatch corrections `PolicyLossConfig.correction` accepts, in two vocabularies.
+
+OpenRLHF's older names (`--vllm_is_correction_type`) and ours:
+  "tis"           truncate the importance weight into the bounds, at `correction_level`
+  "icepop"        zero the weight of units outside the bounds, survivors keep the level's weight
+  "seq-mask"      drop sequences whose geometric-mean ratio is outside the bounds; kept
+                  sequences have weight 1 (a pure filter: Geo-Mask)
+  "seq-mask-tis"  the same filter, but kept sequences keep each token's weight exp(Δ_t)
+                  (OpenRLHF's sequence mask)
+OpenRLHF 0.11.2's modes, with `correction_level` (token / sequence / geometric) and
+`correction_gating` (ratio / binary_kl / tv):
+  "truncate"      clip the level's ratio into the bounds (ratio gating only)
+  "mask"          zero units outside the bounds; survivors keep each token's weight exp(Δ_t)
+"""
 
 
 class NonFiniteError(FloatingPointError):
@@ -112,11 +128,21 @@ class PolicyLossConfig(msgspec.Struct, frozen=True, kw_only=True):
     entropy_coef: float = 0.0
     """Coefficient of the entropy bonus (loss −= coef·entropy); 0 turns it off."""
     correction: str = "none"
-    """Rollout/learner mismatch correction: "none", "tis", "icepop" or "seq-mask" (needs rollout_logprobs)."""
+    """Rollout/learner mismatch correction, one of `CORRECTIONS` (needs rollout_logprobs): "none",
+    "tis", "icepop", "seq-mask" (kept sequences at weight 1), "seq-mask-tis" (kept sequences keep
+    token weights, OpenRLHF), or OpenRLHF 0.11.2's modes "truncate" and "mask"."""
     correction_level: str = "token"
-    """"token" or "sequence" importance weights for tis/icepop."""
+    """"token", "sequence" (product of the token ratios) or "geometric" (their geometric mean), for
+    tis / icepop / truncate / mask; seq-mask and seq-mask-tis are geometric by definition."""
+    correction_gating: str = "ratio"
+    """What icepop / mask compare with the bounds: "ratio", or the sampled-token divergence between
+    the rollout and learner policies, "binary_kl" or "tv" (then correction_bounds = (0, δ))."""
     correction_bounds: tuple[float, float] = (0.5, 5.0)
-    """(low, high) weight range of tis/icepop, or the geometric-mean ratio range of seq-mask."""
+    """(low, high) range of the gated statistic: the importance ratio (0 < low < high), or
+    (0, δ) for a divergence gating."""
+    kl_options: dict[str, Any] = msgspec.field(default_factory=dict)
+    """Keyword options of `rl_algos.kl_penalty` for the KL term, e.g. {"log_ratio_clamp": 20,
+    "value_clamp": 10} (verl) or {"unbiased_gradient": True} (OpenRLHF; uses the old log-probs)."""
     temperature: float = 1.0
     """Sampling temperature: log-probs are computed from logits / temperature, as the sampler did."""
     old_logprobs_from_forward: bool = False
@@ -145,13 +171,68 @@ class PolicyLossConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"{owner}.entropy_coef: {self.entropy_coef!r} is not a finite number")
         _choice(owner, "correction", self.correction, CORRECTIONS)
         _choice(owner, "correction_level", self.correction_level, CORRECTION_LEVELS)
+        _choice(owner, "correction_gating", self.correction_gating, CORRECTION_GATINGS)
         low, high = self.correction_bounds
-        if not 0 < low < high:
+        if not 0 <= low < high:
             raise ValueError(
-                f"{owner}.correction_bounds: {self.correction_bounds!r} must satisfy 0 < low < high"
+                f"{owner}.correction_bounds: {self.correction_bounds!r} must satisfy 0 <= low < high"
             )
+        if self.correction in ("seq-mask", "seq-mask-tis") and self.correction_gating != "ratio":
+            raise ValueError(
+                f"{owner}.correction_gating: {self.correction_gating!r} does not apply to "
+                f"correction={self.correction!r} (a geometric-mean ratio filter); use correction='mask' "
+                "with correction_level='sequence' to drop sequences by their mean divergence"
+            )
+        if self.correction != "none":
+            # rl_algos checks the combination (e.g. a divergence gating needs a mask and low = 0).
+            one = torch.zeros(1, 1)
+            try:
+                rollout_correction(one, one, torch.ones(1, 1), **self.correction_options())
+            except ValueError as error:
+                raise ValueError(
+                    f"{owner}: correction={self.correction!r}, correction_level={self.correction_level!r}, "
+                    f"correction_gating={self.correction_gating!r}, correction_bounds="
+                    f"{self.correction_bounds!r}: {error}"
+                ) from None
+        if self.kl_options:
+            one = torch.zeros(1, 1)
+            extra = {"old_logprobs": one} if self.kl_options.get("unbiased_gradient") else {}
+            try:
+                kl_penalty(one, one, self.kl_estimator, **self.kl_options, **extra)
+            except (TypeError, ValueError) as error:
+                raise ValueError(f"{owner}.kl_options: {self.kl_options!r}: {error}") from None
         if not isinstance(self.temperature, (int, float)) or not self.temperature > 0:
             raise ValueError(f"{owner}.temperature: {self.temperature!r} is not a number > 0")
+
+    def correction_options(self) -> dict[str, Any]:
+        """The `rl_algos.rollout_correction` keyword arguments of `correction` (not for "none")."""
+        low, high = self.correction_bounds
+        bounds = {"low": low, "high": high}
+        if self.correction == "seq-mask":
+            return {"mode": "none", "sequence_mask_range": (low, high)}
+        if self.correction == "seq-mask-tis":
+            return {"mode": "mask", "level": "geometric", "mask_weight": "token", **bounds}
+        if self.correction in ("tis", "truncate"):
+            return {
+                "mode": "truncate",
+                "level": self.correction_level,
+                "gating": self.correction_gating,
+                **bounds,
+            }
+        if self.correction == "icepop":
+            return {
+                "method": "icepop",
+                "level": self.correction_level,
+                "gating": self.correction_gating,
+                **bounds,
+            }
+        return {
+            "mode": "mask",
+            "level": self.correction_level,
+            "gating": self.correction_gating,
+            "mask_weight": "token",
+            **bounds,
+        }
 
 
 class ValueLossConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -510,7 +591,8 @@ class PolicyLearner(Learner):
     def train_step(
         self, micro_batches: Sequence[ExperienceBatch], loss: PolicyLossConfig
     ) -> dict[str, float]:
-        """One optimizer step over this rank's micro-batches (module docstring).
+        """One optimizer step over this rank's micro-batches (module docstring), minimising
+        `rl_algos.policy_objective` with `loss`'s settings and the correction's weights.
 
         Each micro-batch needs `advantages` and `old_logprobs` (`rollout_logprobs` instead with
         `loss.old_logprobs_from_forward`); `ref_logprobs` when `loss.kl_coef > 0`;
@@ -532,47 +614,30 @@ class PolicyLearner(Learner):
             inputs.append("ref_logprobs")
         if loss.correction != "none" and "rollout_logprobs" not in inputs:
             inputs.append("rollout_logprobs")
-        loss_fn = POLICY_LOSSES[loss.name]
 
         def terms(logprobs, entropy, old, advantages, mask, ref, rollout, normalizer):
-            per_token, metrics = loss_fn(logprobs, old, advantages, mask, **loss.options)
-            metrics = dict(metrics)
+            weights, metrics = None, {}
             if loss.correction != "none":
-                low, high = loss.correction_bounds
-                if loss.correction == "seq-mask":
-                    options = {"method": "none", "sequence_mask_range": (low, high)}
-                else:
-                    options = {
-                        "method": loss.correction,
-                        "level": loss.correction_level,
-                        "low": low,
-                        "high": high,
-                    }
-                weights, correction_metrics = rollout_correction(old, rollout, mask, **options)
-                per_token = per_token * weights.to(per_token.dtype)
-                metrics.update(correction_metrics)
-            policy = aggregate_loss(
-                per_token, mask, loss.aggregation, normalizer=normalizer, horizon=loss.horizon
+                weights, metrics = rollout_correction(old, rollout, mask, **loss.correction_options())
+            total, objective_metrics = policy_objective(
+                logprobs,
+                old,
+                advantages,
+                mask,
+                loss=loss.name,
+                loss_options=loss.options,
+                aggregation=loss.aggregation,
+                normalizer=normalizer,
+                horizon=loss.horizon,
+                importance_weights=weights,
+                ref_logprobs=ref,
+                kl_coef=loss.kl_coef,
+                kl_estimator=loss.kl_estimator,
+                kl_options=loss.kl_options,
+                entropy=entropy,
+                entropy_coef=loss.entropy_coef,
             )
-            total = policy
-            metrics["loss_policy"] = policy.detach()
-            metrics["entropy"] = _token_mean(entropy.detach(), mask)
-            if loss.kl_coef > 0:
-                kl = kl_penalty(logprobs, ref, loss.kl_estimator)
-                kl_term = aggregate_loss(
-                    kl, mask, loss.aggregation, normalizer=normalizer, horizon=loss.horizon
-                )
-                total = total + loss.kl_coef * kl_term
-                metrics["loss_kl"] = kl_term.detach()
-                metrics["kl"] = _token_mean(kl.detach(), mask)
-            if loss.entropy_coef != 0:
-                entropy_term = aggregate_loss(
-                    entropy, mask, loss.aggregation, normalizer=normalizer, horizon=loss.horizon
-                )
-                total = total - loss.entropy_coef * entropy_term
-                metrics["loss_entropy"] = entropy_term.detach()
-            metrics["loss"] = total.detach()
-            return total, metrics
+            return total, {**objective_metrics, **metrics}
 
         def forward_loss(batch: ExperienceBatch, normalizer: torch.Tensor):
             logprobs, entropy = packed_logprobs(
