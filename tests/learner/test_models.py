@@ -68,15 +68,17 @@ def test_packed_logprobs_and_entropy_equal_per_sequence_forwards(tokenizer, batc
 def test_packed_inputs_follow_the_attention_implementation(tokenizer, batch):
     model = _model(tokenizer, "qwen2", "sdpa")
     inputs = packed_model_inputs(model, batch)
-    assert inputs["attention_mask"].dtype == torch.bool
-    assert inputs["attention_mask"].shape == (1, 1, batch.num_tokens, batch.num_tokens)
+    assert model.config._attn_implementation == "rl_packed_sdpa"
+    assert inputs["attention_mask"].shape == (1, 1, 0, 0)  # a placeholder: no N×N mask
+    assert inputs["packed_length_buckets"].num_tokens == batch.num_tokens
     model.config._attn_implementation = "eager"
-    mask = packed_model_inputs(model, batch)["attention_mask"]
-    assert mask.dtype == torch.float64
-    assert set(mask.unique().tolist()) == {0.0, torch.finfo(torch.float64).min}
+    inputs = packed_model_inputs(model, batch)
+    assert model.config._attn_implementation == "rl_packed_eager"
+    assert inputs["attention_mask"].shape == (1, 1, 0, 0)
     model.config._attn_implementation = "flash_attention_2"
     inputs = packed_model_inputs(model, batch)
     assert "attention_mask" not in inputs
+    assert "packed_length_buckets" not in inputs
     assert torch.equal(inputs["position_ids"][0], batch.position_ids)
 
 

@@ -7,9 +7,9 @@ A packed row concatenates S sequences into N tokens. Its boundaries are given by
 
 `position_ids` ([N], int64) restart at 0 at every sequence start, so rotary embeddings see each
 sequence as if it were alone; `segment_ids` ([N]) give each token's sequence index. Attention
-must not cross a boundary: flash-attention's varlen kernels take `cu_seqlens` directly, and
+must not cross a boundary: flash-attention's varlen kernels take `cu_seqlens` directly;
 `packed_attention_mask` builds the equivalent block-diagonal (causal) mask for plain
-`scaled_dot_product_attention`.
+`scaled_dot_product_attention`, at O(N²) cost (a reference for tests, not for training).
 
 `packed_to_padded` and `padded_to_packed` convert between the packed layout `[N, ...]` and the
 padded `[S, L, ...]` layout the `rl_algos` functions take. They are pure index arithmetic with
@@ -187,8 +187,11 @@ def packed_attention_mask(cu_seqlens: torch.Tensor | Sequence[int], *, causal: b
 
     True means "attend", the convention of `torch.nn.functional.scaled_dot_product_attention`,
     so attention over a packed row with this mask equals attention run on every sequence
-    alone. It costs N² memory: meant for tests, tiny models and CPU runs; flash-attention's
-    varlen kernels take `cu_seqlens` instead. A zero-length sequence contributes no rows.
+    alone. It is O(N²): N² bytes here (256 MiB at N = 16,384, 4× that as a float mask), and
+    attention under it does N² work instead of ΣLᵢ², and rules out flash kernels. Meant for
+    tests and benchmarks only: the packed forwards of `rl_learner.models` run attention in length
+    buckets or flash-attention's varlen kernels, which take `cu_seqlens` instead. A zero-length
+    sequence contributes no rows.
     """
     segments = segment_ids(cu_seqlens)
     mask = segments[:, None] == segments[None, :]

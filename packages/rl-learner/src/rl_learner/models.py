@@ -5,15 +5,28 @@ Policy and reference models are `AutoModelForCausalLM`. Critics and reward model
 linear `score` head, so a model we save loads back with plain transformers and HF's own
 forward gives the same score as `packed_scores`.
 
-Packed forward. An `rl_data.ExperienceBatch` holds S sequences in one row of N tokens. The
-model sees `input_ids[None]` with `position_ids[None]` (restarting at each sequence) and
+Packed forward. An `rl_data.ExperienceBatch` holds S sequences of lengths L₁..L_S in one row
+of N = ΣLᵢ tokens. The model sees `input_ids[None]` and `position_ids[None]` [1, N] (restarting
+at each sequence), so embeddings, norms and MLPs run on the N real tokens with no padding. Only
+attention must not cross a boundary, and it costs ΣLᵢ² (never N²) on every backend:
 
-    sdpa:               a [1, 1, N, N] bool block-diagonal causal mask (True = attend);
-    eager:              the same mask as an additive float mask (0 or the dtype's minimum);
-    flash_attention_2:  no mask; the kernels find the boundaries from position_ids.
+    flash_attention_2:  no mask; transformers finds the boundaries from position_ids and calls
+                        the varlen kernels.
+    sdpa, eager:        the model is switched once to "rl_packed_sdpa" / "rl_packed_eager"
+                        (`packed_attention_forward`): each layer gathers q, k, v of the packed row
+                        into length buckets, right-padded [B_k, H, L_k, D] batches of sequences of
+                        similar length, runs the stock sdpa (is_causal, no mask) or eager kernel
+                        (a [1, 1, L_k, L_k] causal mask) on each, and gathers the real positions
+                        back into packed order. Cost Σ_k B_k·L_k² ≤ (1 + max_waste)·max L·ΣLᵢ,
+                        plus four gathers of N·H·D per layer. Without the packing keyword the
+                        two implementations are exactly sdpa and eager, so the switched model
+                        still runs padded batches and generate as before.
+    flex_attention:     no mask; transformers builds a block-sparse document mask from
+                        position_ids (CUDA only for training: torch has no flex backward on CPU).
 
 so every token attends only to the earlier tokens of its own sequence, exactly as in a
-per-sequence forward.
+per-sequence forward. No N×N mask is built (`rl_data.packed_attention_mask` is O(N²) and only
+for tests and the benchmark).
 
 Alignment (the `rl_data` convention). The value at token t belongs to the state before t:
 
@@ -31,21 +44,27 @@ wrapping one: calling through the engine is what lets ZeRO run its hooks.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from rl_algos import entropy_from_logits, logprobs_from_logits
-from rl_data import ExperienceBatch, packed_attention_mask
+from rl_data import ExperienceBatch
 
 from .config import ATTN_IMPLEMENTATIONS
 
 __all__ = [
+    "PACKED_ATTENTION_MAX_WASTE",
+    "LengthBuckets",
+    "length_buckets",
     "load_causal_lm",
     "load_value_model",
+    "packed_attention_forward",
     "packed_logprobs",
     "packed_model_inputs",
     "packed_scores",
@@ -248,35 +267,265 @@ def _finish(model: Any, gradient_checkpointing: bool) -> None:
         model.config.use_cache = False
 
 
+# --------------------------------------------------------------------------- packed attention
+
+PACKED_ATTENTION_MAX_WASTE = 0.1
+"""Default bound on padded slots per real token in a length bucket (see `length_buckets`)."""
+
+# The stock implementation each packed one runs per bucket, and the names models are switched to.
+_PACKED_IMPLEMENTATIONS: dict[str, str] = {"sdpa": "rl_packed_sdpa", "eager": "rl_packed_eager"}
+_BASE_IMPLEMENTATIONS: dict[str, str] = {packed: base for base, packed in _PACKED_IMPLEMENTATIONS.items()}
+# Implementations that find sequence boundaries from position_ids on their own.
+_POSITION_ID_IMPLEMENTATIONS: tuple[str, ...] = ("flash_attention_2", "flash_attention_3", "flex_attention")
+
+
+class LengthBuckets:
+    """Where the tokens of a packed row go in the length-bucketed batches that attention runs on.
+
+    Attributes:
+      gathers: one [B_k, L_k] int64 tensor per bucket: slot (b, j) holds packed token
+        `start_b + min(j, L_b − 1)` of the bucket's b-th sequence (start_b, L_b its start and
+        length; L_k the bucket's longest). Slots past a sequence's end repeat its last token; they
+        lie after every real query of their row, so causal attention never reads them, and their
+        outputs are dropped.
+      order: [N] int64: for packed token t, its slot in the concatenation of every bucket's
+        flattened [B_k·L_k] slots, so `torch.cat(outputs)[order]` is back in packed order.
+      num_tokens: N.
+    """
+
+    def __init__(self, gathers: tuple[torch.Tensor, ...], order: torch.Tensor, num_tokens: int) -> None:
+        self.gathers = gathers
+        self.order = order
+        self.num_tokens = num_tokens
+
+    def to(self, device: torch.device | str) -> LengthBuckets:
+        return LengthBuckets(
+            tuple(g.to(device) for g in self.gathers), self.order.to(device), self.num_tokens
+        )
+
+    def __repr__(self) -> str:
+        shapes = ", ".join(f"{tuple(g.shape)}" for g in self.gathers)
+        return f"LengthBuckets(num_tokens={self.num_tokens}, buckets=[{shapes}])"
+
+
+def length_buckets(
+    cu_seqlens: torch.Tensor, *, max_waste: float = PACKED_ATTENTION_MAX_WASTE
+) -> LengthBuckets:
+    """Group the sequences of a packed row into right-padded batches of similar length.
+
+    Sequences are sorted by length, longest first, and taken greedily: a bucket whose longest
+    sequence has length L_k takes the next sequence while B_k·L_k ≤ (1 + max_waste)·(its real
+    tokens), so its padded slots number at most `max_waste` × its real tokens (a single sequence
+    always fits). With max_waste = 0 every bucket holds sequences of one length; a large value gives
+    one padded batch. Zero-length sequences are skipped.
+
+    Args:
+      cu_seqlens: [S+1] int boundaries of the packed row (`rl_data` convention); read on the host.
+      max_waste: padded slots per real token allowed in a bucket, ≥ 0.
+
+    Returns:
+      `LengthBuckets` on `cu_seqlens`' device. Cost O(S log S + N), one host read of cu_seqlens.
+    """
+    if not (isinstance(max_waste, (int, float)) and max_waste >= 0):
+        raise ValueError(f"max_waste: {max_waste!r} is not allowed; expected a number >= 0")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
+        raise ValueError(
+            f"cu_seqlens must be 1-D with at least one entry, got shape {tuple(cu_seqlens.shape)}"
+        )
+    bounds = cu_seqlens.tolist()
+    lengths = [end - start for start, end in itertools.pairwise(bounds)]
+    if any(length < 0 for length in lengths):
+        raise ValueError(f"cu_seqlens must be non-decreasing, got {bounds}")
+    by_length = sorted((i for i, length in enumerate(lengths) if length > 0), key=lambda i: -lengths[i])
+    groups: list[list[int]] = []
+    tokens = 0
+    for index in by_length:
+        if groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= (1 + max_waste) * (
+            tokens + lengths[index]
+        ):
+            groups[-1].append(index)
+            tokens += lengths[index]
+        else:
+            groups.append([index])
+            tokens = lengths[index]
+    num_tokens = bounds[-1] - bounds[0]
+    order = torch.empty(num_tokens, dtype=torch.int64)
+    gathers = []
+    offset = 0
+    for group in groups:
+        width = lengths[group[0]]
+        starts = torch.tensor([bounds[i] for i in group], dtype=torch.int64)[:, None]
+        ends = torch.tensor([bounds[i + 1] for i in group], dtype=torch.int64)[:, None]
+        slots = starts + torch.arange(width, dtype=torch.int64)
+        real = slots < ends
+        gathers.append(torch.minimum(slots, ends - 1))
+        flat = torch.arange(offset, offset + slots.numel(), dtype=torch.int64).reshape(slots.shape)
+        order[slots[real] - bounds[0]] = flat[real]
+        offset += slots.numel()
+    device = cu_seqlens.device
+    return LengthBuckets(tuple(g.to(device) for g in gathers), order.to(device), num_tokens)
+
+
+def _bucket_mask(
+    width: int, sliding_window: int | None, base: str, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor | None:
+    """The mask one bucket's kernel needs: None for sdpa's is_causal, else [1, 1, L, L] (bool or additive)."""
+    windowed = sliding_window is not None and width > sliding_window
+    if base == "sdpa" and not windowed:
+        return None
+    query = torch.arange(width, device=device)[:, None]
+    key = torch.arange(width, device=device)[None, :]
+    allowed = key <= query
+    if windowed:
+        allowed &= key > query - sliding_window  # transformers' sliding-window convention
+    if base == "sdpa":
+        return allowed[None, None]
+    return torch.zeros((1, 1, width, width), dtype=dtype, device=device).masked_fill_(
+        ~allowed, torch.finfo(dtype).min
+    )
+
+
+def _eager_kernel(module: torch.nn.Module) -> Any:
+    """The `eager_attention_forward` of the module's own modeling file (some models soft-cap, add sinks)."""
+    kernel = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    if kernel is None:
+        from transformers.models.llama.modeling_llama import eager_attention_forward as kernel
+    return kernel
+
+
+def packed_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    *,
+    base: str,
+    packed_length_buckets: LengthBuckets | None = None,
+    sliding_window: int | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Attention over a packed row in length buckets; registered as "rl_packed_sdpa" / "rl_packed_eager".
+
+    Args:
+      query: [1, H, N, D]; key, value: [1, H_kv, N, D] (rotary embeddings already applied with the
+        per-sequence position ids).
+      attention_mask: ignored in packed mode (the packed forward passes an empty placeholder so
+        transformers builds no mask).
+      base: "sdpa" or "eager", the stock kernel run on each bucket.
+      packed_length_buckets: from `length_buckets(cu_seqlens)`. When None this is exactly the
+        stock `base` implementation, with the given mask.
+      sliding_window, kwargs: as the stock kernels take them (scaling, dropout, soft-capping...).
+
+    Returns:
+      ([1, N, H, D] attention output in packed order, None): attention weights are not kept.
+      Cost Σ_k B_k·H·L_k²·D.
+    """
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    kernel = ALL_ATTENTION_FUNCTIONS["sdpa"] if base == "sdpa" else _eager_kernel(module)
+    buckets = packed_length_buckets
+    if buckets is None:
+        return kernel(module, query, key, value, attention_mask, sliding_window=sliding_window, **kwargs)
+    if query.shape[0] != 1 or query.shape[2] != buckets.num_tokens:
+        raise ValueError(
+            f"packed attention expects one packed row of {buckets.num_tokens} tokens, got query of shape "
+            f"{tuple(query.shape)} ([batch, heads, tokens, head_dim])"
+        )
+    if not getattr(module, "is_causal", True):
+        raise ValueError(f"packed attention is causal; {type(module).__name__} is not (is_causal=False)")
+    kwargs.pop("is_causal", None)
+    kwargs.pop("output_attentions", None)
+    # [1, H, N, D] → [N, H, D], so one index picks whole tokens: [B_k, L_k, H, D] → [B_k, H, L_k, D].
+    query, key, value = (tensor[0].transpose(0, 1) for tensor in (query, key, value))
+    outputs = []
+    for gather in buckets.gathers:
+        mask = _bucket_mask(gather.shape[1], sliding_window, base, query.dtype, query.device)
+        output, _ = kernel(
+            module,
+            query[gather].transpose(1, 2),
+            key[gather].transpose(1, 2),
+            value[gather].transpose(1, 2),
+            mask,
+            sliding_window=sliding_window,
+            **kwargs,
+        )
+        outputs.append(output.reshape(-1, *output.shape[2:]))  # [B_k·L_k, H, D]
+    return torch.cat(outputs)[buckets.order][None], None
+
+
+_registered = False
+
+
+def _register_packed_attention() -> None:
+    """Register "rl_packed_sdpa" / "rl_packed_eager" with transformers (once per process)."""
+    global _registered
+    if _registered:
+        return
+    import functools
+
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    for base, packed in _PACKED_IMPLEMENTATIONS.items():
+        AttentionInterface.register(packed, functools.partial(packed_attention_forward, base=base))
+        # Outside packed mode the mask is built exactly as for the stock implementation.
+        AttentionMaskInterface.register(packed, ALL_MASK_ATTENTION_FUNCTIONS[base])
+    _registered = True
+
+
+def _packed_implementation(module: torch.nn.Module) -> str:
+    """The model's attention implementation, switching sdpa/eager to their packed versions in place."""
+    config = module.config
+    implementation = getattr(config, "_attn_implementation", None) or "sdpa"
+    if implementation in _PACKED_IMPLEMENTATIONS:
+        _register_packed_attention()
+        implementation = _PACKED_IMPLEMENTATIONS[implementation]
+        # Permanent, not undone after the forward: gradient checkpointing re-runs the layers in
+        # the backward pass and reads the implementation again then.
+        config._attn_implementation = implementation
+    elif implementation in _BASE_IMPLEMENTATIONS:
+        _register_packed_attention()  # already switched by an earlier packed forward
+    elif not implementation.startswith(_POSITION_ID_IMPLEMENTATIONS):
+        raise ValueError(
+            f"{type(module).__name__}: attention implementation {implementation!r} has no packed forward; "
+            f"use one of sdpa, eager, {', '.join(_POSITION_ID_IMPLEMENTATIONS)}"
+        )
+    return implementation
+
+
 # --------------------------------------------------------------------------- packed forward
 
 
-def packed_model_inputs(model: Any, batch: ExperienceBatch) -> dict[str, torch.Tensor]:
-    """Keyword arguments of a packed forward: input_ids, position_ids [1, N] and the mask.
+def packed_model_inputs(model: Any, batch: ExperienceBatch) -> dict[str, Any]:
+    """Keyword arguments of a packed forward: input_ids, position_ids [1, N], and for sdpa/eager the buckets.
 
-    The attention mask follows `model.config._attn_implementation` (module docstring). An
-    empty batch (S = 0) becomes one dummy token, so every rank still runs a forward (ZeRO's
-    collectives); its outputs must be multiplied by 0 by the caller.
+    flash / flex attention get only position_ids (module docstring). sdpa and eager models are
+    switched to their packed versions and get `packed_length_buckets` (`length_buckets` of the
+    batch) and an empty [1, 1, 0, 0] placeholder `attention_mask`, which transformers passes
+    through untouched instead of building a mask. An empty batch (S = 0) becomes one dummy
+    token, so every rank still runs a forward (ZeRO's collectives); its outputs must be
+    multiplied by 0 by the caller.
     """
     module = unwrap_model(model)
-    implementation = getattr(module.config, "_attn_implementation", "sdpa") or "sdpa"
+    implementation = _packed_implementation(module)
     device = next(module.parameters()).device
     if batch.num_tokens == 0:
         input_ids = torch.zeros(1, dtype=torch.int64, device=device)
         position_ids = torch.zeros(1, dtype=torch.int64, device=device)
-        cu_seqlens = torch.tensor([0, 1], dtype=torch.int32, device=device)
+        cu_seqlens = torch.tensor([0, 1], dtype=torch.int32)
     else:
         input_ids = batch.input_ids.to(device)
         position_ids = batch.position_ids.to(device)
-        cu_seqlens = batch.cu_seqlens.to(device)
-    inputs = {"input_ids": input_ids[None], "position_ids": position_ids[None], "use_cache": False}
-    if implementation.startswith("flash_attention"):
-        return inputs
-    mask = packed_attention_mask(cu_seqlens)[None, None]
-    if implementation != "sdpa":
-        dtype = module.dtype if module.dtype.is_floating_point else torch.float32
-        mask = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill_(~mask, torch.finfo(dtype).min)
-    inputs["attention_mask"] = mask
+        cu_seqlens = batch.cu_seqlens.cpu()
+    inputs: dict[str, Any] = {
+        "input_ids": input_ids[None],
+        "position_ids": position_ids[None],
+        "use_cache": False,
+    }
+    if implementation in _BASE_IMPLEMENTATIONS:
+        inputs["attention_mask"] = torch.zeros((1, 1, 0, 0), dtype=torch.bool, device=device)
+        inputs["packed_length_buckets"] = length_buckets(cu_seqlens).to(device)
     return inputs
 
 
