@@ -230,7 +230,8 @@ class KLConfig(_Section):
 
 class PolicyConfig(_Section):
     loss: str = "ppo"
-    """Policy loss by name (rl_algos registry): ppo, gspo, gmpo, cispo, sapo, reinforce, gpg, vanilla."""
+    """Policy loss by name (rl_algos registry): ppo, vanilla (verl's PPO with dual clip), gspo,
+    gspo_sequence, gmpo, cispo, sapo, clip_cov, kl_cov, reinforce, gpg."""
     eps_clip: float = 0.2
     """PPO clip range (low side, and high side unless eps_clip_high is set)."""
     eps_clip_high: float | None = None
@@ -241,10 +242,20 @@ class PolicyConfig(_Section):
     """Loss aggregation: token-mean, seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm."""
     entropy_coef: float = 0.0
     """Entropy bonus coefficient (entropy_loss_coef)."""
-    is_correction: Literal["auto", "none", "tis", "icepop", "seq-mask"] = "auto"
-    """Rollout/learner mismatch correction (enable_vllm_is_correction); auto = tis when async, else none."""
+    is_correction: Literal[
+        "auto", "none", "tis", "icepop", "seq-mask", "seq-mask-tis", "truncate", "mask"
+    ] = "auto"
+    """Rollout/learner mismatch correction (enable_vllm_is_correction); auto = tis when async, else
+    none. tis / icepop / seq-mask name the older OpenRLHF modes, truncate / mask OpenRLHF 0.11's;
+    seq-mask keeps surviving sequences at weight 1, seq-mask-tis keeps their token weights."""
+    is_correction_level: Literal["token", "sequence", "geometric"] = "token"
+    """Level of the importance weights of tis / icepop / truncate / mask: per token, per sequence
+    (product of the token ratios) or the geometric mean over the sequence."""
+    is_correction_gating: Literal["ratio", "binary_kl", "tv"] = "ratio"
+    """What icepop / mask compare with the bounds: the ratio, or a divergence between rollout and
+    learner policy on the sampled token (binary_kl, tv; then the bounds are (0, delta))."""
     is_correction_bounds: tuple[float, float] = (0.5, 5.0)
-    """Importance-weight bounds of the correction."""
+    """Bounds of the correction: importance-weight range, or (0, delta) with a divergence gating."""
 
     def __post_init__(self) -> None:
         _one_of("algo.policy.loss", self.loss, POLICY_LOSSES)

@@ -87,6 +87,62 @@ def check_combination(config: PPOConfig) -> None:
             f"{config.algo.advantage.estimator!r} uses outcome rewards only and would ignore it; set "
             "algo.kl.use_kl_loss true (GRPO style) or pick gae / reinforce / reinforce_baseline"
         )
+    try:
+        policy_loss_config(config, kl_coef=kl.init_kl_coef)
+    except ValueError as error:  # e.g. a correction mode with a gating it cannot use
+        raise ConfigError(f"algo.policy: {error}") from None
+
+
+def old_logprobs_from_training(config: PPOConfig) -> bool:
+    """True when the old log-probs equal the training forward's own log-probs, detached.
+
+    That holds when each batch gets exactly one optimizer step (one epoch, one mini-batch):
+    the weights that would score the batch are the weights that train on it. The separate
+    forward is then skipped (TRL does the same) and the learner uses its own detached
+    log-probs, so the ratio is exactly 1. It also needs a run without a reference model
+    (β = 0): the KL and its controller are computed from the old log-probs before training.
+    In async mode the rollout weights lag, but the old log-probs are still those of the
+    current weights, so the rule is the same; the rollout correction compares them with the
+    sampler's log-probs inside the learner.
+    """
+    cfg = config
+    samples = cfg.rollout.rollout_batch_size * cfg.rollout.n_samples_per_prompt
+    one_step = cfg.train.max_epochs == 1 and (cfg.train.train_batch_size or samples) >= samples
+    return one_step and not cfg.needs_reference
+
+
+def policy_loss_config(config: PPOConfig, *, kl_coef: float) -> PolicyLossConfig:
+    """The learner's objective from `algo.policy` and `algo.kl` (β = `kl_coef` when the KL is in the loss).
+
+    Raises ValueError naming the `PolicyLossConfig` field for a combination it refuses.
+    """
+    policy = config.algo.policy
+    options = {
+        "epsilon_low": policy.eps_clip,
+        "epsilon_high": policy.eps_clip_high,
+        "dual_clip": policy.dual_clip,
+    }
+    accepted = inspect.signature(POLICY_LOSSES[policy.loss]).parameters
+    options = {k: v for k, v in options.items() if k in accepted and v is not None}
+    correction = policy.is_correction
+    if correction == "auto":
+        correction = "tis" if config.rollout.async_train else "none"
+    kl = config.algo.kl
+    return PolicyLossConfig(
+        name=policy.loss,
+        options=options,
+        aggregation=policy.aggregation,
+        horizon=config.rollout.generate_max_len if policy.aggregation == "seq-mean-token-sum-norm" else None,
+        kl_coef=kl_coef if kl.use_kl_loss else 0.0,
+        kl_estimator=kl.kl_estimator,
+        entropy_coef=policy.entropy_coef,
+        correction=correction,
+        correction_level=policy.is_correction_level,
+        correction_gating=policy.is_correction_gating,
+        correction_bounds=policy.is_correction_bounds,
+        temperature=config.rollout.temperature,
+        old_logprobs_from_forward=old_logprobs_from_training(config),
+    )
 
 
 def _estimator_options(estimator: str, **options: Any) -> dict[str, Any]:
@@ -210,7 +266,7 @@ class PPOTrainer:
             kl = f"KL {algo.kl.kl_estimator} in the {'loss' if algo.kl.use_kl_loss else 'reward'}"
         old = (
             "from the training forward (one optimizer step per batch)"
-            if self.old_logprobs_from_training()
+            if old_logprobs_from_training(self.config)
             else "from a separate forward"
         )
         return f"algorithm: {algo.advantage.estimator} advantages, {algo.policy.loss} loss, {kl}, old log-probs {old}"
@@ -498,23 +554,6 @@ class PPOTrainer:
         futures = self.groups[role].submit(method, per_rank=[(rank_parts, *args) for rank_parts in parts])
         return parts, futures
 
-    def old_logprobs_from_training(self) -> bool:
-        """True when the old log-probs equal the training forward's own log-probs, detached.
-
-        That holds when each batch gets exactly one optimizer step (one epoch, one mini-batch):
-        the weights that would score the batch are the weights that train on it. The separate
-        forward is then skipped (TRL does the same) and the learner uses its own detached
-        log-probs, so the ratio is exactly 1. It also needs a run without a reference model
-        (β = 0): the KL and its controller are computed from the old log-probs before training.
-        In async mode the rollout weights lag, but the old log-probs are still those of the
-        current weights, so the rule is the same; the rollout correction compares them with the
-        sampler's log-probs inside the learner.
-        """
-        cfg = self.config
-        samples = cfg.rollout.rollout_batch_size * cfg.rollout.n_samples_per_prompt
-        one_step = cfg.train.max_epochs == 1 and (cfg.train.train_batch_size or samples) >= samples
-        return one_step and not cfg.needs_reference
-
     def make_experience(self, records: list[Trajectory]) -> tuple[ExperienceBatch, dict[str, float]]:
         """Old / reference log-probs, values and reward-model scores (the roles run at the same
         time, one `ray.get`), then KL, token rewards, advantages and returns."""
@@ -522,7 +561,7 @@ class PPOTrainer:
         batch = build_experience(records)
         temperature = cfg.rollout.temperature
         calls = {}
-        if not self.old_logprobs_from_training():
+        if not old_logprobs_from_training(self.config):
             calls["old_logprobs"] = self.submit_forward("policy", "logprobs", batch, temperature)
         if "ref" in self.groups:
             calls["ref_logprobs"] = self.submit_forward("ref", "logprobs", batch, temperature)
@@ -554,24 +593,26 @@ class PPOTrainer:
             metrics["kl/mean"] = float(kl.sum(-1).mean())  # per-sequence KL, averaged
         beta = float(self.kl_controller.value)
         in_reward = kl is not None and not cfg.algo.kl.use_kl_loss
-        outcome = rewards.clamp(-cfg.reward.clip, cfg.reward.clip) if cfg.reward.clip else rewards
+        clip = cfg.reward.clip
+        outcome = rewards.clamp(-clip, clip) if clip else rewards
         token_rewards = token_level_rewards(
-            outcome,
-            mask,
-            kl=kl if in_reward else None,
-            kl_coef=beta if in_reward else 0.0,
-            reward_clip=None,  # clipped above, for the outcome-reward estimators too
+            rewards, mask, kl=kl if in_reward else None, kl_coef=beta if in_reward else 0.0, reward_clip=clip
         )
         estimator = cfg.algo.advantage.estimator
+        # An estimator that clips itself (reinforce_baseline: OpenRLHF centres by the group mean,
+        # then clips) gets the raw rewards and the clip; the others get the clipped rewards.
+        clips_itself = "reward_clip" in inspect.signature(ADVANTAGE_ESTIMATORS[estimator]).parameters
         values = batch.response_view(batch.values) if batch.values is not None else None
         advantages, returns = compute_advantages(
             estimator,
-            rewards=outcome,
+            rewards=rewards if clips_itself else outcome,
             token_rewards=token_rewards,
             values=values,
             action_mask=mask,
             group_ids=batch.group_ids,
-            **_estimator_options(estimator, gamma=cfg.algo.advantage.gamma, lam=cfg.algo.advantage.lambd),
+            **_estimator_options(
+                estimator, gamma=cfg.algo.advantage.gamma, lam=cfg.algo.advantage.lambd, reward_clip=clip
+            ),
         )
         batch.advantages = batch.from_response_view(advantages.float())
         batch.returns = batch.from_response_view(returns.float())
@@ -606,32 +647,7 @@ class PPOTrainer:
     # Training
 
     def policy_loss(self) -> PolicyLossConfig:
-        cfg = self.config
-        policy = cfg.algo.policy
-        options = {
-            "epsilon_low": policy.eps_clip,
-            "epsilon_high": policy.eps_clip_high,
-            "dual_clip": policy.dual_clip,
-        }
-        accepted = inspect.signature(POLICY_LOSSES[policy.loss]).parameters
-        options = {k: v for k, v in options.items() if k in accepted and v is not None}
-        correction = policy.is_correction
-        if correction == "auto":
-            correction = "tis" if cfg.rollout.async_train else "none"
-        kl = cfg.algo.kl
-        return PolicyLossConfig(
-            name=policy.loss,
-            options=options,
-            aggregation=policy.aggregation,
-            horizon=cfg.rollout.generate_max_len if policy.aggregation == "seq-mean-token-sum-norm" else None,
-            kl_coef=float(self.kl_controller.value) if kl.use_kl_loss else 0.0,
-            kl_estimator=kl.kl_estimator,
-            entropy_coef=policy.entropy_coef,
-            correction=correction,
-            correction_bounds=policy.is_correction_bounds,
-            temperature=cfg.rollout.temperature,
-            old_logprobs_from_forward=self.old_logprobs_from_training(),
-        )
+        return policy_loss_config(self.config, kl_coef=float(self.kl_controller.value))
 
     def train(self, batch: ExperienceBatch, step: int) -> dict[str, float]:
         cfg = self.config
