@@ -1,4 +1,4 @@
-"""The arithmetic preset: task splits, reward golden values, cached build, SFT warm start."""
+"""The arithmetic preset: task splits, demonstrations, reward golden values, settings, cached build, SFT."""
 
 from __future__ import annotations
 
@@ -9,10 +9,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from rl_launch.config import PPOConfig
+from rl_launch.options import load_config
+from rl_launch.presets import preset_settings
 from rl_launch.presets.arithmetic import (
     MARKER,
+    SETTINGS,
     arithmetic_reward,
     build_preset,
+    demonstrations,
     make_problems,
     problem_split,
     score_response,
@@ -22,9 +27,10 @@ from rl_launch.sft import sft_warm_start
 FAST_SFT_STEPS = 4
 
 
-def _solve(prompt: str) -> int:
-    _, _, a, op, b = prompt.rstrip("?").split(" ")
-    return int(a) + int(b) if op == "+" else int(a) - int(b)
+def _number(prompt: str) -> int:
+    _, _, number, plus, one = prompt.rstrip("?").split(" ")
+    assert (plus, one) == ("+", "1"), prompt
+    return int(number)
 
 
 # ---------------------------------------------------------------------------------------- task
@@ -36,20 +42,20 @@ def test_train_and_eval_problems_are_disjoint_and_labels_correct():
     train_prompts = {row["prompt"] for row in train}
     eval_prompts = {row["prompt"] for row in evaluation}
     assert train_prompts.isdisjoint(eval_prompts)
-    # Every problem of the range is in exactly one split; 10 x 10 operand pairs, 2 operations.
-    assert len(train_prompts) + len(eval_prompts) == 200
+    # Every number 0..999 is in exactly one split; about a tenth of them are eval problems.
+    assert len(train_prompts) + len(eval_prompts) == 1000
     assert len(train) == len(train_prompts)
-    assert 0 < len(eval_prompts) < 60
+    assert 60 < len(eval_prompts) < 160
     for row in train + evaluation:
         assert set(row) == {"prompt", "label"}
-        assert row["label"] == str(_solve(row["prompt"]))
+        assert row["label"] == str(_number(row["prompt"]) + 1)
 
 
 def test_split_does_not_depend_on_seed():
     assert {r["prompt"] for r in make_problems(None, 0, split="eval")} == {
         r["prompt"] for r in make_problems(None, 7, split="eval")
     }
-    assert problem_split(3, "+", 4) == problem_split(3, "+", 4)
+    assert problem_split(345) == problem_split(345)
 
 
 def test_make_problems_is_deterministic_for_a_seed_and_varies_with_it():
@@ -65,12 +71,12 @@ def test_make_problems_repeats_only_after_a_full_pass():
 
 
 def test_make_problems_golden_labels():
-    rows = make_problems(None, 0, split="train", max_operand=1, operations=["-"], eval_fraction=0.01)
+    rows = make_problems(None, 0, split="train", max_number=3, eval_fraction=0.0001)
     assert sorted((r["prompt"], r["label"]) for r in rows) == [
-        ("What is 0 - 0?", "0"),
-        ("What is 0 - 1?", "-1"),
-        ("What is 1 - 0?", "1"),
-        ("What is 1 - 1?", "0"),
+        ("What is 0 + 1?", "1"),
+        ("What is 1 + 1?", "2"),
+        ("What is 2 + 1?", "3"),
+        ("What is 3 + 1?", "4"),
     ]
 
 
@@ -78,14 +84,55 @@ def test_make_problems_golden_labels():
     ("kwargs", "match"),
     [
         ({"split": "test"}, "split: 'test'"),
-        ({"operations": ["*"]}, "operations"),
-        ({"max_operand": 0}, "max_operand: 0"),
+        ({"max_number": 0}, "max_number: 0"),
         ({"eval_fraction": 1.5}, "eval_fraction: 1.5"),
+        ({"count": -1}, "count: -1"),
     ],
 )
 def test_make_problems_rejects_bad_arguments(kwargs, match):
+    options = {"count": 10, **kwargs}
+    count = options.pop("count")
     with pytest.raises(ValueError, match=match):
-        make_problems(10, 0, **kwargs)
+        make_problems(count, 0, **options)
+
+
+def test_demonstrations_give_the_right_answer_once_and_the_lazy_one_twice():
+    problems = [{"prompt": "What is 41 + 1?", "label": "42"}, {"prompt": "What is 9 + 1?", "label": "10"}]
+    assert demonstrations(problems) == [
+        ("What is 41 + 1?", "42"),
+        ("What is 41 + 1?", "41"),
+        ("What is 41 + 1?", "41"),
+        ("What is 9 + 1?", "10"),
+        ("What is 9 + 1?", "9"),
+        ("What is 9 + 1?", "9"),
+    ]
+    assert demonstrations(problems, lazy_answers=0) == [("What is 41 + 1?", "42"), ("What is 9 + 1?", "10")]
+
+
+def test_demonstrations_reject_bad_arguments():
+    with pytest.raises(ValueError, match="lazy_answers: -1"):
+        demonstrations([], lazy_answers=-1)
+    with pytest.raises(ValueError, match=r"problems\[0\]: label 'x' is not an integer"):
+        demonstrations([{"prompt": "What is x + 1?", "label": "x"}])
+
+
+# ------------------------------------------------------------------------------------ settings
+
+
+def test_preset_settings_are_the_module_settings_and_a_valid_config():
+    settings = preset_settings("arithmetic")
+    assert settings == SETTINGS
+    settings["train"]["max_steps"] = 1  # a copy: changing it leaves the preset alone
+    assert SETTINGS["train"]["max_steps"] != 1
+    config = load_config(PPOConfig, overrides={}, base=preset_settings("arithmetic"))
+    assert config.algo.advantage.estimator == "grpo"
+    assert config.train.max_steps == SETTINGS["train"]["max_steps"] <= 25
+    assert config.eval.eval_steps >= 1  # the demo shows its held-out accuracy during the run
+
+
+def test_preset_settings_reject_an_unknown_preset():
+    with pytest.raises(ValueError, match="preset: 'nope' is not one of arithmetic, none"):
+        preset_settings("nope")
 
 
 # -------------------------------------------------------------------------------------- reward
@@ -141,14 +188,15 @@ def test_build_writes_datasets_and_marker(built):
     assert marker["recipe"]["sft_steps"] == FAST_SFT_STEPS
     assert artifacts.sft_metrics["steps"] == FAST_SFT_STEPS
     assert artifacts.apply_chat_template is True
-    assert artifacts.rl_settings["advantage_estimator"] == "grpo"
+    # Three demonstrations (one right, two lazy) per distinct train problem.
+    assert artifacts.sft_metrics["examples"] == 3 * len(make_problems(None, 0, split="train"))
     for path, split in ((artifacts.train_path, "train"), (artifacts.eval_path, "eval")):
         rows = [json.loads(line) for line in Path(path).read_text().splitlines()]
-        assert rows
+        assert len(rows) == len(make_problems(None, 0, split=split))
         for row in rows:
-            assert row["label"] == str(_solve(row["prompt"]))
-            _, _, a, op, b = row["prompt"].rstrip("?").split(" ")
-            assert problem_split(int(a), op, int(b)) == split
+            number = _number(row["prompt"])
+            assert row["label"] == str(number + 1)
+            assert problem_split(number) == split
 
 
 def test_build_is_cached_and_a_changed_argument_rebuilds(built):
@@ -195,11 +243,8 @@ def test_built_model_loads_and_tokenizer_round_trips_the_prompt(built):
     assert text == f"<|im_start|>user\n{row['prompt']}<|im_end|>\n<|im_start|>assistant\n"
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     assert tokenizer.decode(ids) == text
-    digits = [
-        tokenizer.decode([i])
-        for i in tokenizer(row["label"].lstrip("-"), add_special_tokens=False)["input_ids"]
-    ]
-    assert digits == list(row["label"].lstrip("-"))
+    digits = [tokenizer.decode([i]) for i in tokenizer(row["label"], add_special_tokens=False)["input_ids"]]
+    assert digits == list(row["label"])
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([ids])).logits
     assert logits.shape == (1, len(ids), len(tokenizer))
@@ -210,6 +255,8 @@ def test_build_rejects_bad_arguments(tmp_path):
         build_preset(tmp_path, sft_steps=0)
     with pytest.raises(ValueError, match="seed: -1"):
         build_preset(tmp_path, seed=-1)
+    with pytest.raises(ValueError, match="lazy_answers: -1"):
+        build_preset(tmp_path, lazy_answers=-1)
     assert not os.listdir(tmp_path)
 
 

@@ -13,7 +13,8 @@ from typing import Any
 
 import msgspec
 
-from .arithmetic import DEFAULT_RL_SETTINGS, PresetArtifacts, arithmetic_reward, build_preset, make_problems
+from . import arithmetic
+from .arithmetic import PresetArtifacts, arithmetic_reward, build_preset, make_problems
 
 __all__ = [
     "PRESETS",
@@ -45,34 +46,12 @@ def _check(name: str) -> None:
 
 
 def preset_settings(name: str) -> dict[str, Any]:
-    """The nested configuration of preset `name` (sections as in `rl_launch.config.PPOConfig`)."""
+    """The nested configuration of preset `name` (sections as in `rl_launch.config.PPOConfig`).
+
+    A copy of the preset module's `SETTINGS`, the one place its run settings are written.
+    """
     _check(name)
-    rl = DEFAULT_RL_SETTINGS
-    return {
-        "algo": {
-            "advantage": {"estimator": rl["advantage_estimator"]},
-            "policy": {"loss": rl["policy_loss"], "eps_clip": float(rl["clip_epsilon"])},
-            "kl": {"init_kl_coef": float(rl["kl_coef"])},
-        },
-        "rollout": {
-            "n_samples_per_prompt": int(rl["n_samples_per_prompt"]),
-            "rollout_batch_size": int(rl["prompts_per_step"]),
-            "generate_max_len": int(rl["max_new_tokens"]),
-            "temperature": float(rl["temperature"]),
-            "top_p": float(rl["top_p"]),
-        },
-        "train": {
-            "max_steps": int(rl["num_steps"]),
-            "actor_learning_rate": float(rl["actor_learning_rate"]),
-            "adam_betas": [float(beta) for beta in rl["adam_betas"]],
-            "lr_warmup_ratio": float(rl["lr_warmup_ratio"]),
-            "max_norm": float(rl["max_grad_norm"]),
-        },
-        "data": {"prompt_max_len": 64},
-        "eval": {"eval_steps": 10},
-        "ckpt": {"save_steps": 10},
-        "log": {"output_dir": "runs/ppo-arithmetic"},
-    }
+    return arithmetic.settings()
 
 
 def prepare_preset(name: str, root: str | os.PathLike[str] | None = None, *, seed: int = 0) -> PresetInputs:

@@ -1,20 +1,35 @@
-"""The built-in CPU preset: small-number arithmetic with a verifiable reward.
+"""The built-in CPU preset: add one to a number, learned by GRPO from a lazy teacher.
 
-`rl-launch ppo` without arguments runs this preset: a small Qwen2 model, built locally with
-`rl_data.tiny` (no hub access), warm-started by a short supervised run so that it answers in
-the right format, then trained with GRPO on a rule reward. Everything here is sized so that the
-whole run fits in a few minutes on 2 CPU cores and the reward rises clearly.
+`rl-launch ppo` without arguments runs this preset: a small Qwen2 model built locally with
+`rl_data.tiny` (no hub access), warm-started by a short supervised run on a lazy teacher's
+answers, then trained with GRPO on a rule reward. It is sized so that a new user sees the model
+learn within a couple of minutes on 2 CPU cores: greedy accuracy on held-out problems goes from
+about 0 to above 0.9 in some ten GRPO steps.
 
-The task. Prompts are "What is a + b?" or "What is a - b?" with 0 ≤ a, b ≤ `max_operand`; the
-label is the integer result as a string ("-3", "17"). The answer the model is taught is the bare
-number followed by the end-of-turn token, so responses are 2-4 tokens long (digits tokenise one
-per token). A problem belongs to the eval split when a stable hash of "a op b" falls in the
-`eval_fraction` bucket, so train and eval never share a problem, whatever the seed.
+The task. Prompts are "What is n + 1?" with 0 ≤ n ≤ `max_number` (999); the label is n + 1 as a
+string. The answer is the bare number followed by the end-of-turn token (digits tokenise one per
+token, so 2-5 tokens). A problem belongs to the eval split when a stable hash of n falls in the
+`eval_fraction` bucket, so train and eval never share a problem, whatever the seed. The rule
+(copy the digits, increment the last one, carry a 9) is one that a 2-layer transformer learns
+from the train numbers and applies to numbers it never saw: on this task the eval accuracy
+follows the train accuracy, so the eval curve measures learning, not memorisation.
+
+The warm start, and why a lazy teacher. The demonstrations give each train problem three
+times: once with the right answer (n + 1) and `lazy_answers` = 2 times with n, as a teacher who
+usually forgets to add would. The model learns both behaviours: sampled at temperature 1 it
+answers n + 1 about a third of the time (pass@8 ≈ 0.9 on eval problems) but its greedy answer is
+n (greedy eval accuracy ≈ 0.02). GRPO's reward (1 for the right number) then has a consistent
+direction on every prompt, "add rather than copy", and greedy eval accuracy climbs to ≈ 0.95.
+This is RL choosing, by reward, among behaviours the model already has; it does not teach the
+model a skill that no demonstration showed. A plain warm start does not make a good demo: in the
+in-process tuning check (GRPO on the warm-started model with HF sampling, 32 prompts x 8, PPO
+loss with one AdamW step per batch) an under-trained SFT on right answers only left the answer
+among the samples but GRPO barely moved it in 20 steps (+0.03 to +0.1 on a + b tasks) or
+collapsed it (sparse rewards, lr 1e-3); the previous single-digit a ± b task memorised its 183
+train problems and its eval reward did not move. See `SETTINGS` for the measured curves.
 
 The reward (`arithmetic_reward`, OpenRLHF signature): 1.0 when the first integer in the
-response (the query with the prompt removed) equals the label, else 0.0. There is no format
-credit: after the warm start nearly every response is already a bare number, so a format term
-would only add a constant and dilute the signal.
+response (the query with the prompt removed) equals the label, else 0.0.
 
 The prompt is rendered with the tokenizer's ChatML template (`apply_chat_template=True`):
 `rl_data.render_prompt(tokenizer, prompt)` gives the text the model was warm-started on.
@@ -27,6 +42,7 @@ arguments only reads it. A folder without a marker (an interrupted build) is reb
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -42,72 +58,79 @@ import msgspec
 from rl_rollout.rewards import response_text
 
 __all__ = [
-    "DEFAULT_RL_SETTINGS",
-    "OPERATIONS",
     "RECIPE_NAME",
     "RECIPE_VERSION",
+    "SETTINGS",
     "PresetArtifacts",
     "arithmetic_reward",
     "build_preset",
+    "demonstrations",
     "make_problems",
     "problem_split",
     "score_response",
+    "settings",
 ]
 
 RECIPE_NAME = "arithmetic"
-RECIPE_VERSION = 1
+RECIPE_VERSION = 2
 """Bump when the build changes in a way the arguments do not capture (task text, SFT loop)."""
 
-OPERATIONS: tuple[str, ...] = ("+", "-")
 SPLITS: tuple[str, ...] = ("train", "eval")
 MARKER = "preset_build.json"
+DEFAULT_SFT_STEPS = 400
 
-DEFAULT_RL_SETTINGS: dict[str, Any] = {
-    "advantage_estimator": "grpo",
-    "policy_loss": "ppo",
-    "clip_epsilon": 0.2,
-    "n_samples_per_prompt": 8,
-    "prompts_per_step": 64,
-    "max_new_tokens": 6,
-    "temperature": 1.0,
-    "top_p": 1.0,
-    "actor_learning_rate": 5e-4,
-    "adam_betas": (0.9, 0.95),
-    "lr_schedule": "cosine",
-    "lr_warmup_ratio": 0.03,
-    "max_grad_norm": 1.0,
-    "kl_coef": 0.0,
-    "optimizer_steps_per_rollout": 1,
-    "num_steps": 40,  # 60 steps of 512 samples took ~8 min in CI on 2 shared cores; 40 keep the run under 10
+SETTINGS: dict[str, Any] = {
+    "algo": {
+        "advantage": {"estimator": "grpo"},
+        "policy": {"loss": "ppo", "eps_clip": 0.2},
+        "kl": {"init_kl_coef": 0.0},
+    },
+    "rollout": {
+        "n_samples_per_prompt": 8,
+        "rollout_batch_size": 32,
+        "generate_max_len": 6,
+        "temperature": 1.0,
+        "top_p": 1.0,
+    },
+    "train": {
+        "max_steps": 16,
+        "actor_learning_rate": 5e-4,
+        "adam_betas": [0.9, 0.95],
+        "lr_warmup_ratio": 0.1,
+        "max_norm": 1.0,
+    },
+    "data": {"prompt_max_len": 64},
+    "eval": {"eval_steps": 1},
+    "ckpt": {"save_steps": -1},
+    "log": {"output_dir": "runs/ppo-arithmetic"},
 }
-"""RL settings that raised the reward in an in-process GRPO check (HF sampling at temperature 1,
-GRPO advantages, PPO-clip loss, one AdamW step per rollout batch, cosine schedule, 3% warm-up).
-With these (64 prompts x 8 samples, lr 5e-4) the mean rollout reward of the last 5 of 60
-steps was 0.520 / 0.506 against 0.375 / 0.341 for the first 5 (seeds 0 / 1: +0.15, +0.17).
-Half the samples (32 prompts, lr 3e-4) gave +0.08 to +0.10 over seeds 0, 1, 2. The first
-steps often dip (Adam's first, sign-like steps on a noisy policy gradient); learning rates of
-1e-3 and above collapse the reward."""
+"""The preset's run settings, sections as in `rl_launch.config.PPOConfig` (the one source: the
+CLI layers them under the user's file and flags).
+
+Chosen by an in-process check (HF sampling at temperature 1, GRPO advantages, PPO-clip loss with
+one AdamW step per rollout batch, token-mean, this schedule: 10% warm-up, cosine to 0.1 x lr)
+on the model that `build_preset()` makes. Greedy accuracy on the 127 held-out problems, GRPO
+seeds 0-4, at steps 0 / 2 / 4 / 6 / 8 / 20: 0.02 / 0.27-0.43 / 0.62-0.77 / 0.81-0.94 /
+0.91-0.94 / 0.94-0.97. The climb is over by step ~10, so 16 steps show it with a plateau; every
+step is evaluated (127 greedy answers of at most 6 tokens cost little) so the curve starts at
+the first step. Learning rates of 1e-3 and above were unstable in the earlier checks."""
 
 _FIRST_INTEGER = re.compile(r"-?\d+")
+
+
+def settings() -> dict[str, Any]:
+    """A deep copy of `SETTINGS` (callers may change it)."""
+    return copy.deepcopy(SETTINGS)
 
 
 # ----------------------------------------------------------------------------------------------
 # Task
 
 
-def _check_operations(operations: Sequence[str]) -> tuple[str, ...]:
-    ops = tuple(operations)
-    if not ops or any(op not in OPERATIONS for op in ops) or len(set(ops)) != len(ops):
-        raise ValueError(
-            f"operations: {operations!r} is not allowed; expected distinct items of {OPERATIONS}"
-        )
-    return ops
-
-
-def _check_operand(max_operand: int) -> int:
-    if not (isinstance(max_operand, int) and not isinstance(max_operand, bool) and 1 <= max_operand <= 999):
-        raise ValueError(f"max_operand: {max_operand!r} is not allowed; expected an integer in [1, 999]")
-    return max_operand
+def _check_max_number(max_number: int) -> int:
+    if not (isinstance(max_number, int) and not isinstance(max_number, bool) and 1 <= max_number <= 99_999):
+        raise ValueError(f"max_number: {max_number!r} is not allowed; expected an integer in [1, 99999]")
+    return max_number
 
 
 def _check_fraction(eval_fraction: float) -> float:
@@ -116,25 +139,14 @@ def _check_fraction(eval_fraction: float) -> float:
     return float(eval_fraction)
 
 
-def problem_split(a: int, op: str, b: int, eval_fraction: float = 0.1) -> str:
-    """ "eval" or "train" for the problem `a op b`, from a stable hash (independent of any seed)."""
-    digest = hashlib.blake2b(f"{a} {op} {b}".encode(), digest_size=8).digest()
+def problem_split(number: int, eval_fraction: float = 0.1) -> str:
+    """ "eval" or "train" for the problem "number + 1", from a stable hash (independent of any seed)."""
+    digest = hashlib.blake2b(f"{number} + 1".encode(), digest_size=8).digest()
     return "eval" if int.from_bytes(digest, "big") % 10_000 < eval_fraction * 10_000 else "train"
 
 
-def _pool(split: str, max_operand: int, operations: tuple[str, ...], eval_fraction: float) -> list[tuple]:
-    return [
-        (a, op, b)
-        for a in range(max_operand + 1)
-        for b in range(max_operand + 1)
-        for op in operations
-        if problem_split(a, op, b, eval_fraction) == split
-    ]
-
-
-def _problem(a: int, op: str, b: int) -> dict[str, str]:
-    result = a + b if op == "+" else a - b
-    return {"prompt": f"What is {a} {op} {b}?", "label": str(result)}
+def _problem(number: int) -> dict[str, str]:
+    return {"prompt": f"What is {number} + 1?", "label": str(number + 1)}
 
 
 def make_problems(
@@ -142,15 +154,15 @@ def make_problems(
     seed: int = 0,
     *,
     split: str = "train",
-    max_operand: int = 9,
-    operations: Sequence[str] = OPERATIONS,
+    max_number: int = 999,
     eval_fraction: float = 0.1,
 ) -> list[dict[str, str]]:
-    """`count` problems `{"prompt": "What is a op b?", "label": "<integer>"}` of one split.
+    """`count` problems `{"prompt": "What is n + 1?", "label": "<n + 1>"}` of one split.
 
-    The split's distinct problems are shuffled with `random.Random(seed)`; when `count` exceeds
-    their number, further shuffled passes follow (every problem appears once per pass), so a
-    problem repeats only after all others have appeared. `count=None` gives each problem once.
+    The split's distinct problems (0 ≤ n ≤ `max_number`) are shuffled with `random.Random(seed)`;
+    when `count` exceeds their number, further shuffled passes follow (every problem appears once
+    per pass), so a problem repeats only after all others have appeared. `count=None` gives each
+    problem once.
 
     Raises:
         ValueError: a bad argument (named), or a split that holds no problem.
@@ -159,20 +171,42 @@ def make_problems(
         raise ValueError(f"split: {split!r} is not allowed; expected one of {SPLITS}")
     if count is not None and not (isinstance(count, int) and count >= 0):
         raise ValueError(f"count: {count!r} is not allowed; expected an integer >= 0 or None")
-    ops = _check_operations(operations)
-    pool = _pool(split, _check_operand(max_operand), ops, _check_fraction(eval_fraction))
+    fraction = _check_fraction(eval_fraction)
+    pool = [n for n in range(_check_max_number(max_number) + 1) if problem_split(n, fraction) == split]
     if not pool:
         raise ValueError(
-            f"split {split!r} holds no problem for max_operand={max_operand}, eval_fraction={eval_fraction}"
+            f"split {split!r} holds no problem for max_number={max_number}, eval_fraction={eval_fraction}"
         )
     rng = random.Random(seed)
     target = len(pool) if count is None else count
-    chosen: list[tuple] = []
+    chosen: list[int] = []
     while len(chosen) < target:
         order = list(pool)
         rng.shuffle(order)
         chosen.extend(order[: target - len(chosen)])
-    return [_problem(*item) for item in chosen]
+    return [_problem(n) for n in chosen]
+
+
+def demonstrations(problems: Sequence[dict[str, str]], lazy_answers: int = 2) -> list[tuple[str, str]]:
+    """The lazy teacher's (question, answer) pairs: each problem once right, `lazy_answers` times n.
+
+    For "What is 41 + 1?" with `lazy_answers=2`: ("What is 41 + 1?", "42"), then twice
+    ("What is 41 + 1?", "41"). Questions are the raw prompts (render them before training).
+
+    Raises:
+        ValueError: `lazy_answers` < 0, or a label that is not an integer (names the index).
+    """
+    if not (isinstance(lazy_answers, int) and lazy_answers >= 0):
+        raise ValueError(f"lazy_answers: {lazy_answers!r} is not allowed; expected an integer >= 0")
+    pairs = []
+    for index, row in enumerate(problems):
+        try:
+            number = int(row["label"]) - 1
+        except ValueError as error:
+            raise ValueError(f"problems[{index}]: label {row['label']!r} is not an integer") from error
+        pairs.append((row["prompt"], row["label"]))
+        pairs.extend((row["prompt"], str(number)) for _ in range(lazy_answers))
+    return pairs
 
 
 # ----------------------------------------------------------------------------------------------
@@ -224,7 +258,7 @@ class PresetArtifacts(msgspec.Struct, frozen=True, kw_only=True):
 
     `train_path` / `eval_path` are JSONL files with keys "prompt" and "label". `reward` names
     the reward function as "module:function". `apply_chat_template`: render prompts with
-    `rl_data.render_prompt(tokenizer, prompt)` (True here). `rl_settings`: the tuned RL knobs.
+    `rl_data.render_prompt(tokenizer, prompt)` (True here). The run settings are `SETTINGS`.
     """
 
     recipe: str
@@ -235,9 +269,7 @@ class PresetArtifacts(msgspec.Struct, frozen=True, kw_only=True):
     eval_path: str
     reward: str
     apply_chat_template: bool
-    max_new_tokens: int
     sft_metrics: dict[str, float]
-    rl_settings: dict[str, Any]
 
 
 def _recipe_hash(recipe: dict[str, Any]) -> str:
@@ -258,10 +290,7 @@ def _artifacts(folder: Path, marker: dict[str, Any]) -> PresetArtifacts:
         eval_path=str(folder / "eval.jsonl"),
         reward=f"{__name__}:arithmetic_reward",
         apply_chat_template=True,
-        max_new_tokens=int(DEFAULT_RL_SETTINGS["max_new_tokens"]),
         sft_metrics=dict(marker["sft_metrics"]),
-        # From the code, not the marker: the RL settings do not change what is built.
-        rl_settings=dict(DEFAULT_RL_SETTINGS),
     )
 
 
@@ -272,10 +301,9 @@ def build_preset(
     sft_steps: int | None = None,
     sft_batch_size: int = 32,
     sft_lr: float = 3e-3,
-    max_operand: int = 9,
-    operations: Sequence[str] = OPERATIONS,
+    max_number: int = 999,
     eval_fraction: float = 0.1,
-    num_train: int = 2048,
+    lazy_answers: int = 2,
     hidden_size: int = 128,
     num_layers: int = 2,
     vocab_size: int = 1024,
@@ -283,11 +311,12 @@ def build_preset(
     """Build (or reuse) the preset under `root`: tokenizer, warm-started model, train/eval JSONL.
 
     Steps: `rl_data.tiny.build_tiny_tokenizer` (ChatML template, digits one per token) and
-    `build_tiny_model` (Qwen2, `hidden_size`, `num_layers`, seeded); `num_train` train problems
-    and every eval problem (`make_problems`); `sft_warm_start` on every distinct train problem
-    (prompt rendered with the chat template, response "<label><|im_end|>") for `sft_steps`
-    steps (None: the tuned default, 200); then `save_pretrained` of model and tokenizer into
-    `model/` (safetensors), loadable by transformers and vLLM.
+    `build_tiny_model` (Qwen2, `hidden_size`, `num_layers`, seeded); every train problem and
+    every eval problem, each once, shuffled (`make_problems`); `sft_warm_start` on the lazy
+    teacher's `demonstrations` of the train problems (prompt rendered with the chat template,
+    response "<answer><|im_end|>") for `sft_steps` steps (None: the tuned default, 400: about
+    15-20 s on one CPU core); then `save_pretrained` of model and tokenizer into `model/`
+    (safetensors), loadable by transformers and vLLM.
 
     Cached by a hash of all arguments and `RECIPE_VERSION`: the build goes to
     `root/arithmetic-<hash>/`; a finished folder (with its marker) is returned as is.
@@ -298,10 +327,9 @@ def build_preset(
     steps = DEFAULT_SFT_STEPS if sft_steps is None else sft_steps
     if not (isinstance(steps, int) and steps >= 1):
         raise ValueError(f"sft_steps: {sft_steps!r} is not allowed; expected an integer >= 1 or None")
-    if not (isinstance(num_train, int) and num_train >= 1):
-        raise ValueError(f"num_train: {num_train!r} is not allowed; expected an integer >= 1")
-    ops = _check_operations(operations)
-    _check_operand(max_operand)
+    if not (isinstance(lazy_answers, int) and lazy_answers >= 0):
+        raise ValueError(f"lazy_answers: {lazy_answers!r} is not allowed; expected an integer >= 0")
+    _check_max_number(max_number)
     _check_fraction(eval_fraction)
     recipe = {
         "recipe": RECIPE_NAME,
@@ -310,10 +338,9 @@ def build_preset(
         "sft_steps": steps,
         "sft_batch_size": sft_batch_size,
         "sft_lr": sft_lr,
-        "max_operand": max_operand,
-        "operations": list(ops),
+        "max_number": max_number,
         "eval_fraction": eval_fraction,
-        "num_train": num_train,
+        "lazy_answers": lazy_answers,
         "hidden_size": hidden_size,
         "num_layers": num_layers,
         "vocab_size": vocab_size,
@@ -351,24 +378,20 @@ def build_preset(
             seed=seed,
             dtype=torch.float32,
         )
-        common = dict(max_operand=max_operand, operations=ops, eval_fraction=eval_fraction)
-        _write_jsonl(staging / "train.jsonl", make_problems(num_train, seed, split="train", **common))
+        common = dict(max_number=max_number, eval_fraction=eval_fraction)
+        train = make_problems(None, seed, split="train", **common)
+        _write_jsonl(staging / "train.jsonl", train)
         _write_jsonl(staging / "eval.jsonl", make_problems(None, seed, split="eval", **common))
-        distinct = make_problems(None, seed, split="train", **common)
         examples = [
-            (render_prompt(tokenizer, row["prompt"]), row["label"] + tokenizer.eos_token) for row in distinct
+            (render_prompt(tokenizer, prompt), answer + tokenizer.eos_token)
+            for prompt, answer in demonstrations(train, lazy_answers)
         ]
         metrics = sft_warm_start(
             model, tokenizer, examples, steps=steps, batch_size=sft_batch_size, lr=sft_lr, seed=seed
         )
         model.save_pretrained(staging / "model")
         tokenizer.save_pretrained(staging / "model")
-        marker = {
-            "recipe_hash": digest,
-            "recipe": recipe,
-            "sft_metrics": metrics,
-            "rl_settings": DEFAULT_RL_SETTINGS,
-        }
+        marker = {"recipe_hash": digest, "recipe": recipe, "sft_metrics": metrics}
         staging.rename(folder)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -376,6 +399,3 @@ def build_preset(
     # The marker goes last: a folder without it is an interrupted build.
     marker_path.write_text(json.dumps(marker, indent=2, sort_keys=True))
     return _artifacts(folder, json.loads(marker_path.read_text()))
-
-
-DEFAULT_SFT_STEPS = 200
