@@ -319,3 +319,36 @@ def test_short_sequences_match_per_sequence_forwards(tokenizer):
         torch.testing.assert_close(
             packed_logprobs(model, batch), _per_sequence_logprobs(model, batch), rtol=0, atol=ATOL
         )
+
+
+# ---------------------------------------------------------------------------------- only_actions
+
+
+@pytest.mark.parametrize("with_entropy", [False, True])
+def test_only_actions_gives_the_same_values_and_gradients_at_action_tokens(with_entropy):
+    from _helpers_core import experience
+
+    from rl_data.tiny import build_tiny_model, build_tiny_tokenizer
+    from rl_learner.models import packed_logprobs
+
+    tokenizer = build_tiny_tokenizer()
+    batch = experience(12, seed=3)  # some responses hold an environment token (action mask 0)
+    results = {}
+    for only in (False, True):
+        model = build_tiny_model(tokenizer, seed=0)
+        out = packed_logprobs(model, batch, with_entropy=with_entropy, only_actions=only)
+        logprobs, entropy = out if with_entropy else (out, None)
+        on = batch.action_mask
+        loss = logprobs[on].sum() + (entropy[on].sum() if with_entropy else 0.0)
+        loss.backward()
+        grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+        results[only] = (logprobs.detach(), None if entropy is None else entropy.detach(), grads)
+    full, only = results[False], results[True]
+    on = batch.action_mask
+    assert not on.all()
+    torch.testing.assert_close(only[0][on], full[0][on], rtol=0, atol=1e-6)
+    assert torch.count_nonzero(only[0][~on]) == 0
+    if with_entropy:
+        torch.testing.assert_close(only[1][on], full[1][on], rtol=0, atol=1e-6)
+        assert torch.count_nonzero(only[1][~on]) == 0
+    torch.testing.assert_close(only[2], full[2], rtol=1e-5, atol=1e-6)

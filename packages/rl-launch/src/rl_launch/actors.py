@@ -136,7 +136,8 @@ class LearnerWorker:
         return True
 
     def logprobs(self, parts: list, temperature: float) -> list:
-        return self.learner.logprobs(parts, temperature=temperature)
+        """Log-probs at the action tokens (0 elsewhere): the loop reads nothing else."""
+        return self.learner.logprobs(parts, temperature=temperature, only_actions=True)
 
     def values(self, parts: list) -> list:
         return self.learner.values(parts)

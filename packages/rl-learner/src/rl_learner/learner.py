@@ -577,13 +577,21 @@ class PolicyLearner(Learner):
         *,
         temperature: float = 1.0,
         with_entropy: bool = False,
+        only_actions: bool = False,
     ) -> list[torch.Tensor] | list[tuple[torch.Tensor, torch.Tensor]]:
         """Log-probs [N_i] (float32, on `self.device`, no grad) of every micro-batch, in the
-        `ExperienceBatch` convention; with `with_entropy`, (logprobs, entropy) pairs. Every rank
-        must call this with the same number of micro-batches when ZeRO-3 shards the weights."""
+        `ExperienceBatch` convention; with `with_entropy`, (logprobs, entropy) pairs; with
+        `only_actions`, computed at action tokens only and 0 elsewhere (`packed_logprobs`). Every
+        rank must call this with the same number of micro-batches when ZeRO-3 shards the weights."""
 
         def run(batch: ExperienceBatch) -> Any:
-            out = packed_logprobs(self.engine, batch, temperature=temperature, with_entropy=with_entropy)
+            out = packed_logprobs(
+                self.engine,
+                batch,
+                temperature=temperature,
+                with_entropy=with_entropy,
+                only_actions=only_actions,
+            )
             return tuple(t.float() for t in out) if with_entropy else out.float()
 
         return self._inference(micro_batches, run)
@@ -640,8 +648,9 @@ class PolicyLearner(Learner):
             return total, {**objective_metrics, **metrics}
 
         def forward_loss(batch: ExperienceBatch, normalizer: torch.Tensor):
+            # the objective reads action tokens only: no LM head / log-softmax at the others
             logprobs, entropy = packed_logprobs(
-                self.engine, batch, temperature=loss.temperature, with_entropy=True
+                self.engine, batch, temperature=loss.temperature, with_entropy=True, only_actions=True
             )
             view = batch.response_view
             ref = view(batch.ref_logprobs) if loss.kl_coef > 0 else None
