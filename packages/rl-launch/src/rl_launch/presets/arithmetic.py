@@ -115,7 +115,8 @@ one AdamW step per rollout batch, token-mean, this schedule: 10% warm-up, cosine
 on a model built by this recipe (the same arguments; only the order of the SFT examples
 differed, so not bit-identical weights). Greedy accuracy on the 127 held-out problems, GRPO
 seeds 0-4, at steps 0 / 2 / 4 / 6 / 8 / 20: 0.02 / 0.27-0.43 / 0.62-0.77 / 0.81-0.94 /
-0.91-0.94 / 0.94-0.97. Through the full stack (`rl-launch ppo`, 6 seed pairs, 2 CPU cores):
+0.91-0.94 / 0.94-0.97; a model built with another seed (1), GRPO seeds 0-1: 0.00 at step 0,
+0.98 at step 16. Through the full stack (`rl-launch ppo`, 6 seed pairs, 2 CPU cores):
 0.02-0.11 after step 1, 0.84-0.91 at step 5, 0.92-0.93 at step 16; about 45 s a run with the
 preset built. The climb is over by step ~10, so 16 steps show it with a plateau; every
 step is evaluated (127 greedy answers of at most 6 tokens cost little) so the curve starts at
