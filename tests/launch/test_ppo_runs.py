@@ -193,7 +193,9 @@ def test_grpo_async_with_dynamic_filtering_and_evaluation_completes(
     ]  # fmt: skip
     result = launch(args, env)
     assert result.returncode == 0, result.stderr[-4000:]
-    metrics = read_metrics(run_dir)
+    initial, *metrics = read_metrics(run_dir)
+    assert set(initial) == {"step", "time", "eval/reward/mean", "eval/response_length/mean"}
+    assert initial["step"] == 0  # evaluated before any update
     assert [line["step"] for line in metrics] == [1, 2, 3]
     # one step ahead: step 1's batch came from version 0 with version 0 training it; every later
     # first batch was generated while the previous step trained, so it lags by one version (refills

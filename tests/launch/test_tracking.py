@@ -102,6 +102,21 @@ def test_non_increasing_step_is_rejected_naming_both_steps(tmp_path):
     assert tracker.close().steps == 1
 
 
+def test_a_fresh_run_may_log_step_zero_first_and_only_first(tmp_path):
+    with Tracker(tmp_path, total_steps=3, progress_bar=False) as tracker:
+        tracker.log(0, {"eval/reward/mean": 0.1})  # before any update
+        with pytest.raises(TrackingError, match=r"step 0 must be greater than the last logged step 0"):
+            tracker.log(0, {"eval/reward/mean": 0.1})
+        tracker.log(1, {"reward/mean": 0.5, "eval/reward/mean": 0.4})
+    summary = tracker.close()
+    assert summary.steps == 1  # training steps; step 0 is what came before
+    assert summary.first["eval/reward/mean"] == 0.1
+    resumed = Tracker(tmp_path, total_steps=3, start_step=1, progress_bar=False)
+    with pytest.raises(TrackingError, match=r"step 0 must be greater than the start step 1"):
+        resumed.log(0, {"a": 1.0})
+    resumed.close()
+
+
 @pytest.mark.parametrize(
     ("value", "type_name"), [("0.5", "str"), (None, "NoneType"), (True, "bool"), ([1.0], "list")]
 )

@@ -390,7 +390,8 @@ class CheckpointConfig(_Section):
 
 class EvalConfig(_Section):
     eval_steps: int = -1
-    """Evaluate every this many steps (and before the first and after the last); -1: never."""
+    """Evaluate every this many steps, before the first (logged as step 0 in a fresh run) and after
+    the last; -1: never."""
     n_samples_per_prompt: int = 1
     """Responses per evaluation prompt."""
     temperature: float = 0.0

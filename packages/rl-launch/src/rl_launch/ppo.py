@@ -735,6 +735,8 @@ class PPOTrainer:
             with timer.phase("sync"):
                 self.version -= 1  # sync_weights counts up: the engines get the restored weights as `version`
                 self.sync_weights()
+        elif self.eval_data is not None:
+            tracker.log(0, self.evaluate())  # step 0: the starting policy, before any update
         for step in range(start.step + 1, cfg.train.max_steps + 1):
             timer.reset()
             began = time.perf_counter()

@@ -30,7 +30,7 @@ middle of a write). The file is rewritten atomically (temporary file, then `os.r
 
 Summary. `Tracker.close` reads the whole metrics file back, so a resumed run is summarised over
 all its steps, and writes `summary.txt` (per metric: first, last, min, max and mean of the finite
-values) and `curves.png` (reward and KL against step). The console gets the headline rows of
+values) and `curves.png` (reward and KL against step; the policy's entropy where no KL is logged). The console gets the headline rows of
 that table: rewards, KL, response length and where the step time went.
 
 Importing this module imports neither torch, matplotlib, tensorboard nor wandb: each is imported
@@ -265,10 +265,14 @@ def _plot_curves(path: pathlib.Path, records: list[dict[str, Any]]) -> None:
 
     figure = Figure(figsize=(8, 6), dpi=100, layout="constrained")
     FigureCanvasAgg(figure)
-    reward_axes, kl_axes = figure.subplots(2, 1, sharex=True)
+    reward_axes, lower_axes = figure.subplots(2, 1, sharex=True)
+    # A run without a KL (no reference model) shows the policy's entropy below instead
+    has_kl = any("kl/mean" in record for record in records)
+    has_entropy = any("policy/entropy" in record for record in records)
+    lower = ("KL", "kl/mean") if has_kl or not has_entropy else ("policy entropy", "policy/entropy")
     panels = (
         (reward_axes, "reward", "reward/mean", "eval/reward/mean"),
-        (kl_axes, "KL", "kl/mean", None),
+        (lower_axes, *lower, None),
     )
     for axes, title, key, points_key in panels:
         axes.set_title(title)
@@ -411,12 +415,18 @@ class Tracker:
         return clean
 
     def log(self, step: int, metrics: Mapping[str, float | int]) -> None:
-        """Write one step's metrics to the file (flushed), the bar and the backends."""
+        """Write one step's metrics to the file (flushed), the bar and the backends.
+
+        Steps must increase; a fresh run may log step 0 first (what it measured before training).
+        """
         if self._summary is not None:
             raise TrackingError(f"log: step {step}: the tracker is closed")
         step = _check_int("log: step", step, 0)
         previous = self.last_step if self.last_step is not None else self.start_step
-        if step <= previous:
+        before_training = (
+            step == self.start_step == 0 and self.last_step is None
+        )  # e.g. an eval before any update
+        if step <= previous and not before_training:
             what = "last logged step" if self.last_step is not None else "start step"
             raise TrackingError(f"log: step {step} must be greater than the {what} {previous}")
         clean = self._clean_metrics(step, metrics)
@@ -486,11 +496,11 @@ class Tracker:
             _plot_curves(plot_path, records)
         headline = [key for key in keys if key in _HEADLINE_KEYS or key.startswith("time/")]
         self.message(
-            f"summary of {len(records)} steps (every metric: {self.output_dir / SUMMARY_FILE}):\n"
+            f"summary of {sum(record['step'] > 0 for record in records)} steps (every metric: {self.output_dir / SUMMARY_FILE}):\n"
             + _summary_table(headline, records, nonfinite)
         )
         self._summary = Summary(
-            steps=len(records),
+            steps=sum(record["step"] > 0 for record in records),  # step 0: measured before training
             table=table,
             plot_path=None if plot_path is None else str(plot_path),
             metrics_path=str(self.metrics_path),
