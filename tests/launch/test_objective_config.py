@@ -48,3 +48,30 @@ def test_old_logprobs_come_from_the_training_forward_only_with_one_step_per_batc
     kl = {"algo__kl__init_kl_coef": "0.01", "algo__kl__use_kl_loss": "true"}
     assert not old_logprobs_from_training(config(**kl))  # the KL needs them before training
     assert policy_loss_config(config(), kl_coef=0.0).old_logprobs_from_forward
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            {"algo__kl__init_kl_coef": "0.01", "algo__kl__use_kl_loss": "true"},  # kl_estimator k1
+            r"algo\.kl\.kl_estimator: 'k1' as a loss term .* use 'k3' or 'low_var_kl'",
+        ),
+        ({"algo__kl__kl_target": "0.1"}, r"algo\.kl\.kl_target: 0\.1 needs algo\.kl\.init_kl_coef > 0"),
+        ({"algo__advantage__estimator": "remax"}, r"'remax' needs the reward of a greedy response"),
+        ({"algo__policy__eps_clip": "1.0"}, r"algo\.policy\.eps_clip: 1\.0 must be < 1"),
+        (
+            {"algo__policy__is_correction": "tis", "algo__policy__is_correction_bounds": "[0.0, 5.0]"},
+            "correction",
+        ),
+    ],
+)
+def test_combinations_that_would_fail_after_start_up_fail_before_it(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        check_combination(config(**overrides))
+
+
+def test_k3_in_the_loss_is_accepted():
+    check_combination(
+        config(algo__kl__init_kl_coef="0.01", algo__kl__use_kl_loss="true", algo__kl__kl_estimator="k3")
+    )

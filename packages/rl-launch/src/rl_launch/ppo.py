@@ -87,6 +87,27 @@ def check_combination(config: PPOConfig) -> None:
             f"{config.algo.advantage.estimator!r} uses outcome rewards only and would ignore it; set "
             "algo.kl.use_kl_loss true (GRPO style) or pick gae / reinforce / reinforce_baseline"
         )
+    if kl.init_kl_coef > 0 and kl.use_kl_loss and kl.kl_estimator == "k1":
+        # E[∇ k1] = E[∇ log π] = 0 under π's own samples: as a loss, k1 pulls nowhere on average
+        raise ConfigError(
+            "algo.kl.kl_estimator: 'k1' as a loss term (algo.kl.use_kl_loss true) has zero expected "
+            "gradient; use 'k3' or 'low_var_kl' (GRPO), 'k2', or a '+' variant such as 'k3+'"
+        )
+    if kl.kl_target is not None and kl.init_kl_coef == 0:
+        raise ConfigError(
+            f"algo.kl.kl_target: {kl.kl_target} needs algo.kl.init_kl_coef > 0: the adaptive "
+            "controller scales β, and β = 0 stays 0 (and starts no reference model)"
+        )
+    if config.algo.advantage.estimator == "remax":
+        raise ConfigError(
+            "algo.advantage.estimator: 'remax' needs the reward of a greedy response per prompt as its "
+            "baseline, which rl-launch does not generate yet; use grpo, rloo or reinforce_baseline"
+        )
+    if config.algo.policy.eps_clip >= 1:
+        raise ConfigError(
+            f"algo.policy.eps_clip: {config.algo.policy.eps_clip} must be < 1 (the ratio's lower bound "
+            "1 - eps_clip must stay positive)"
+        )
     try:
         policy_loss_config(config, kl_coef=kl.init_kl_coef)
     except ValueError as error:  # e.g. a correction mode with a gating it cannot use
