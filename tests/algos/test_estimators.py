@@ -156,6 +156,26 @@ def test_gae_estimator_returns_advantages_plus_values():
     torch.testing.assert_close(returns, torch.tensor([[1.0, 1.0]]))
 
 
+def test_gae_whitened_advantages_keep_the_unwhitened_returns():
+    # A = [0.8, 0.5] (above) and 0.3 on a second row, one environment token masked out:
+    # μ = 1.6/3, population σ² = (0.0711 + 0.0011 + 0.0544)/3 → (A − μ)/σ
+    token_rewards = torch.tensor([[0.0, 1.0], [0.3, 5.0]])
+    values = torch.tensor([[0.2, 0.5], [0.0, 0.0]])
+    mask = torch.tensor([[True, True], [True, False]])
+    plain, plain_returns = compute_advantages(
+        "gae", token_rewards=token_rewards, values=values, action_mask=mask
+    )
+    whitened, returns = compute_advantages(
+        "gae", token_rewards=token_rewards, values=values, action_mask=mask, whiten=True
+    )
+    torch.testing.assert_close(returns, plain_returns)
+    on = plain[mask].double()
+    expected = (on - on.mean()) / on.var(unbiased=False).sqrt()
+    torch.testing.assert_close(whitened[mask].double(), expected, rtol=1e-6, atol=1e-6)
+    assert whitened[1, 1] == 0
+    assert abs(float(whitened[mask].mean())) < 1e-6
+
+
 # ---------------------------------------------------------------------------------- properties
 
 

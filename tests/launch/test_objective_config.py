@@ -75,3 +75,11 @@ def test_k3_in_the_loss_is_accepted():
     check_combination(
         config(algo__kl__init_kl_coef="0.01", algo__kl__use_kl_loss="true", algo__kl__kl_estimator="k3")
     )
+
+
+def test_whitening_is_refused_for_an_estimator_without_it():
+    with pytest.raises(
+        ConfigError, match=r"algo\.advantage\.whiten: True is not an option of estimator 'grpo'"
+    ):
+        check_combination(config(algo__advantage__whiten="true"))
+    check_combination(config(algo__advantage__estimator="reinforce", algo__advantage__whiten="false"))

@@ -128,14 +128,21 @@ def gae(
     action_mask: torch.Tensor,
     gamma: float = 1.0,
     lam: float = 1.0,
+    whiten: bool = False,
+    all_reduce: AllReduce | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """PPO with a critic: generalised advantage estimation (Schulman et al., 2016).
 
     δ_t = r_t + γ·V_{t+1} − V_t,  A_t = δ_t + γλ·A_{t+1},  returns = A + V,
     where t + 1 is the next action token (environment tokens are skipped). OpenRLHF's defaults
-    are γ = λ = 1. Advantages are not whitened here; whiten with `masked_whiten` if wanted.
+    are γ = λ = 1. With `whiten`, the advantages (not the returns, which were computed before)
+    are whitened over the action tokens of the batch, `masked_whiten`'s OpenRLHF convention
+    (population variance, ε = 1e-8; `all_reduce` makes it global over data-parallel ranks), as
+    OpenRLHF does for GAE.
     """
     advantages, returns = compute_gae(token_rewards, values, action_mask, gamma=gamma, lam=lam)
+    if whiten:
+        advantages = masked_whiten(advantages, action_mask, all_reduce=all_reduce)
     dtype = compute_dtype(token_rewards, values)
     return advantages.to(dtype), returns.to(dtype)
 

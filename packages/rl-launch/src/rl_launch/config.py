@@ -200,6 +200,10 @@ class AdvantageConfig(_Section):
     """Discount factor."""
     lambd: float = 0.95
     """GAE lambda."""
+    whiten: bool | None = None
+    """Whiten the advantages over the batch's action tokens. None: as OpenRLHF, on for the estimators
+    that take it (gae, reinforce, reinforce_baseline); true / false is passed to the estimator, and
+    refused for an estimator without the option (the group ones normalise within each group)."""
 
     def __post_init__(self) -> None:
         _one_of("algo.advantage.estimator", self.estimator, ADVANTAGE_ESTIMATORS)

@@ -98,7 +98,14 @@ def check_combination(config: PPOConfig) -> None:
             f"algo.kl.kl_target: {kl.kl_target} needs algo.kl.init_kl_coef > 0: the adaptive "
             "controller scales β, and β = 0 stays 0 (and starts no reference model)"
         )
-    if config.algo.advantage.estimator == "remax":
+    estimator = config.algo.advantage.estimator
+    whiten = config.algo.advantage.whiten
+    if whiten is not None and "whiten" not in inspect.signature(ADVANTAGE_ESTIMATORS[estimator]).parameters:
+        raise ConfigError(
+            f"algo.advantage.whiten: {whiten} is not an option of estimator {estimator!r} (gae, reinforce and "
+            "reinforce_baseline take it; group estimators normalise within each group); leave it unset"
+        )
+    if estimator == "remax":
         raise ConfigError(
             "algo.advantage.estimator: 'remax' needs the reward of a greedy response per prompt as its "
             "baseline, which rl-launch does not generate yet; use grpo, rloo or reinforce_baseline"
@@ -632,7 +639,11 @@ class PPOTrainer:
             action_mask=mask,
             group_ids=batch.group_ids,
             **_estimator_options(
-                estimator, gamma=cfg.algo.advantage.gamma, lam=cfg.algo.advantage.lambd, reward_clip=clip
+                estimator,
+                gamma=cfg.algo.advantage.gamma,
+                lam=cfg.algo.advantage.lambd,
+                reward_clip=clip,
+                whiten=True if cfg.algo.advantage.whiten is None else cfg.algo.advantage.whiten,
             ),
         )
         batch.advantages = batch.from_response_view(advantages.float())
