@@ -58,7 +58,10 @@ def test_old_logprobs_come_from_the_training_forward_only_with_one_step_per_batc
             r"algo\.kl\.kl_estimator: 'k1' as a loss term .* use 'k3' or 'low_var_kl'",
         ),
         ({"algo__kl__kl_target": "0.1"}, r"algo\.kl\.kl_target: 0\.1 needs algo\.kl\.init_kl_coef > 0"),
-        ({"algo__advantage__estimator": "remax"}, r"'remax' needs the reward of a greedy response"),
+        (
+            {"algo__advantage__estimator": "remax", "model__reward_pretrain": "/models/rm"},
+            r"'remax' takes the rule / remote reward of a greedy answer as its baseline",
+        ),
         ({"algo__policy__eps_clip": "1.0"}, r"algo\.policy\.eps_clip: 1\.0 must be < 1"),
         (
             {"algo__policy__is_correction": "tis", "algo__policy__is_correction_bounds": "[0.0, 5.0]"},

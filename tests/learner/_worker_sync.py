@@ -157,6 +157,10 @@ def learner(rank: int, world: int, master_port: int, spec_path: str, out_dir: st
     }
     (out / f"learner-{rank}.json").write_text(json.dumps(info))
     sender.close()
+    # Leave DeepSpeed's world before exiting: left to interpreter shutdown, a gloo thread of the
+    # rank whose peer failed mid-sync was once destroyed while joinable (SIGABRT, exit code -6).
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 
 
 def main() -> None:

@@ -266,16 +266,33 @@ class RolloutWorker:
         """(weight-sync ranks this engine takes, its KV-cache bytes or None where vLLM sizes it)."""
         return self.engine.sync_world_size, getattr(self.engine, "kv_cache_bytes", None)
 
-    def generate(self, samples: bytes, sampling: Any, first_group_id: int) -> bytes:
-        """Run the single-turn executor on encoded `PromptSample`s; encoded `Trajectory`s back."""
+    def generate(
+        self, samples: bytes, sampling: Any, first_group_id: int, greedy_baseline: bool = False
+    ) -> bytes:
+        """Run the single-turn executor on encoded `PromptSample`s; encoded `Trajectory`s back.
+
+        With `greedy_baseline` (ReMax) each prompt is also answered greedily, and every sampled
+        record of that prompt carries the greedy answer's reward as `extra["baseline_reward"]`.
+        """
+        import msgspec
+
         from rl_data import PromptSample, Trajectory, decode, encode
         from rl_rollout import SingleTurnExecutor
 
         prompts = decode(samples, list[PromptSample])
-        executor = SingleTurnExecutor(
-            self.engine, self.reward_fn, self.tokenizer, sampling, first_group_id=first_group_id
-        )
-        records: list[Trajectory] = executor.run(prompts)
+
+        def run(params: Any) -> list[Trajectory]:
+            executor = SingleTurnExecutor(
+                self.engine, self.reward_fn, self.tokenizer, params, first_group_id=first_group_id
+            )
+            return executor.run(prompts)
+
+        records = run(sampling)
+        if greedy_baseline:
+            greedy = run(msgspec.structs.replace(sampling, n=1, temperature=0.0))
+            baseline = {record.group_id: record.reward for record in greedy}
+            for record in records:
+                record.extra["baseline_reward"] = baseline[record.group_id]
         return encode(records)
 
     def init_sync(self, spec: Any, rank: int) -> None:

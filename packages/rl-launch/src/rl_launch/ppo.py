@@ -105,10 +105,11 @@ def check_combination(config: PPOConfig) -> None:
             f"algo.advantage.whiten: {whiten} is not an option of estimator {estimator!r} (gae, reinforce and "
             "reinforce_baseline take it; group estimators normalise within each group); leave it unset"
         )
-    if estimator == "remax":
+    if estimator == "remax" and config.model.reward_pretrain is not None:
         raise ConfigError(
-            "algo.advantage.estimator: 'remax' needs the reward of a greedy response per prompt as its "
-            "baseline, which rl-launch does not generate yet; use grpo, rloo or reinforce_baseline"
+            "algo.advantage.estimator: 'remax' takes the rule / remote reward of a greedy answer as its "
+            "baseline; with model.reward_pretrain the sampled rewards include the reward model's score "
+            "and the baseline would not: use grpo, rloo or reinforce_baseline with a reward model"
         )
     if config.algo.policy.eps_clip >= 1:
         raise ConfigError(
@@ -237,6 +238,9 @@ class PPOTrainer:
             else FixedKLController(kl.init_kl_coef)
         )
         self.pending = None  # async mode: the next step's generation, already under way
+        # ReMax: the reward of a greedy answer to each prompt is the baseline of its samples
+        estimator = ADVANTAGE_ESTIMATORS[config.algo.advantage.estimator]
+        self.greedy_baseline = "baseline_rewards" in inspect.signature(estimator).parameters
 
     # ------------------------------------------------------------------------------------------
     # Set-up
@@ -521,8 +525,11 @@ class PPOTrainer:
             seed=r.seed + step,
         )
 
-    def submit_generation(self, prompts: list[PromptSample], sampling: SamplingParams) -> list:
-        """Split the prompts over the engines; futures of encoded records."""
+    def submit_generation(
+        self, prompts: list[PromptSample], sampling: SamplingParams, *, for_training: bool = True
+    ) -> list:
+        """Split the prompts over the engines; futures of encoded records (with the greedy
+        baseline's reward in each record when the estimator needs one and they are for training)."""
         count = len(self.engines)
         size = math.ceil(len(prompts) / count)
         futures = []
@@ -530,7 +537,9 @@ class PPOTrainer:
             chunk = prompts[index * size : (index + 1) * size]
             if chunk:
                 futures.append(
-                    self.engines.actors[index].generate.remote(encode(chunk), sampling, self.next_group_id)
+                    self.engines.actors[index].generate.remote(
+                        encode(chunk), sampling, self.next_group_id, self.greedy_baseline and for_training
+                    )
                 )
                 self.next_group_id += len(chunk)
         return futures
@@ -631,8 +640,14 @@ class PPOTrainer:
         # then clips) gets the raw rewards and the clip; the others get the clipped rewards.
         clips_itself = "reward_clip" in inspect.signature(ADVANTAGE_ESTIMATORS[estimator]).parameters
         values = batch.response_view(batch.values) if batch.values is not None else None
+        baseline = None
+        if self.greedy_baseline:  # built like the rewards: the rule reward, clipped
+            baseline = torch.tensor([record.extra["baseline_reward"] for record in records])
+            baseline = baseline.clamp(-clip, clip) if clip and not clips_itself else baseline
+            metrics["reward/greedy_baseline_mean"] = float(baseline.mean())
         advantages, returns = compute_advantages(
             estimator,
+            baseline_rewards=baseline,
             rewards=rewards if clips_itself else outcome,
             token_rewards=token_rewards,
             values=values,
@@ -749,7 +764,7 @@ class PPOTrainer:
             seed=cfg.rollout.seed,
         )
         group_id = self.next_group_id
-        records = self.collect(self.submit_generation(samples, sampling))
+        records = self.collect(self.submit_generation(samples, sampling, for_training=False))
         self.next_group_id = group_id  # evaluation does not consume group ids of the training stream
         rewards = torch.tensor([r.reward for r in records])
         lengths = torch.tensor([float(r.response_ids.numel()) for r in records])
