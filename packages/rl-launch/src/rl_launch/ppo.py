@@ -910,9 +910,9 @@ def run(config: PPOConfig) -> int:
             final = trainer.export() if config.ckpt.save_hf_model else None
             summary = tracker.close()
         print(f"outputs in {output_dir.resolve()}:")
-        print(f"  metrics   {summary.metrics_path}")
+        print(f"  metrics   {Path(summary.metrics_path).resolve()}")
         if summary.plot_path:
-            print(f"  plot      {summary.plot_path}")
+            print(f"  plot      {Path(summary.plot_path).resolve()}")
         print(f"  checkpoints {trainer.ckpt_root.resolve()}")
         if final is not None:
             print(f"  model     {final.resolve()}")
