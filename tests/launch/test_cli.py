@@ -165,7 +165,7 @@ def test_the_files_preset_is_used_and_the_flag_overrides_it(capsys, tmp_path):
         ),
         (
             ["--algo.advantage.estimatr", "grpo"],
-            "algo.advantage.estimatr: unknown option; allowed: estimator, gamma, lambd (did you mean estimator?)",
+            "algo.advantage.estimatr: unknown option; allowed: estimator, gamma, lambd, whiten (did you mean estimator?)",
         ),
         (
             ["--algo.advantge.estimator", "grpo"],
