@@ -70,8 +70,9 @@ __all__ = ["PPOTrainer", "run"]
 TRAINED_ROLES = ("policy", "critic")
 
 
-def _uses_token_rewards(estimator: str) -> bool:
-    return "token_rewards" in inspect.signature(ADVANTAGE_ESTIMATORS[estimator]).parameters
+def _estimator_takes(estimator: str, name: str) -> bool:
+    """Whether the advantage estimator registered as `estimator` has an argument `name`."""
+    return name in inspect.signature(ADVANTAGE_ESTIMATORS[estimator]).parameters
 
 
 def check_combination(config: PPOConfig) -> None:
@@ -80,7 +81,7 @@ def check_combination(config: PPOConfig) -> None:
     if (
         kl.init_kl_coef > 0
         and not kl.use_kl_loss
-        and not _uses_token_rewards(config.algo.advantage.estimator)
+        and not _estimator_takes(config.algo.advantage.estimator, "token_rewards")
     ):
         raise ConfigError(
             f"algo.kl.init_kl_coef: {kl.init_kl_coef} puts the KL into the reward, but estimator "
@@ -100,7 +101,7 @@ def check_combination(config: PPOConfig) -> None:
         )
     estimator = config.algo.advantage.estimator
     whiten = config.algo.advantage.whiten
-    if whiten is not None and "whiten" not in inspect.signature(ADVANTAGE_ESTIMATORS[estimator]).parameters:
+    if whiten is not None and not _estimator_takes(estimator, "whiten"):
         raise ConfigError(
             f"algo.advantage.whiten: {whiten} is not an option of estimator {estimator!r} (gae, reinforce and "
             "reinforce_baseline take it; group estimators normalise within each group); leave it unset"
@@ -134,10 +135,9 @@ def old_logprobs_from_training(config: PPOConfig) -> bool:
     current weights, so the rule is the same; the rollout correction compares them with the
     sampler's log-probs inside the learner.
     """
-    cfg = config
-    samples = cfg.rollout.rollout_batch_size * cfg.rollout.n_samples_per_prompt
-    one_step = cfg.train.max_epochs == 1 and (cfg.train.train_batch_size or samples) >= samples
-    return one_step and not cfg.needs_reference
+    samples = config.rollout.rollout_batch_size * config.rollout.n_samples_per_prompt
+    one_step = config.train.max_epochs == 1 and (config.train.train_batch_size or samples) >= samples
+    return one_step and not config.needs_reference
 
 
 def policy_loss_config(config: PPOConfig, *, kl_coef: float) -> PolicyLossConfig:
@@ -175,8 +175,7 @@ def policy_loss_config(config: PPOConfig, *, kl_coef: float) -> PolicyLossConfig
 
 
 def _estimator_options(estimator: str, **options: Any) -> dict[str, Any]:
-    accepted = inspect.signature(ADVANTAGE_ESTIMATORS[estimator]).parameters
-    return {name: value for name, value in options.items() if name in accepted}
+    return {name: value for name, value in options.items() if _estimator_takes(estimator, name)}
 
 
 def _assemble(
@@ -239,8 +238,7 @@ class PPOTrainer:
         )
         self.pending = None  # async mode: the next step's generation, already under way
         # ReMax: the reward of a greedy answer to each prompt is the baseline of its samples
-        estimator = ADVANTAGE_ESTIMATORS[config.algo.advantage.estimator]
-        self.greedy_baseline = "baseline_rewards" in inspect.signature(estimator).parameters
+        self.greedy_baseline = _estimator_takes(config.algo.advantage.estimator, "baseline_rewards")
 
     # ------------------------------------------------------------------------------------------
     # Set-up
@@ -638,7 +636,7 @@ class PPOTrainer:
         estimator = cfg.algo.advantage.estimator
         # An estimator that clips itself (reinforce_baseline: OpenRLHF centres by the group mean,
         # then clips) gets the raw rewards and the clip; the others get the clipped rewards.
-        clips_itself = "reward_clip" in inspect.signature(ADVANTAGE_ESTIMATORS[estimator]).parameters
+        clips_itself = _estimator_takes(estimator, "reward_clip")
         values = batch.response_view(batch.values) if batch.values is not None else None
         baseline = None
         if self.greedy_baseline:  # built like the rewards: the rule reward, clipped

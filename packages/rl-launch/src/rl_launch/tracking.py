@@ -494,13 +494,14 @@ class Tracker:
         if records:
             plot_path = self.output_dir / PLOT_FILE
             _plot_curves(plot_path, records)
+        steps = sum(record["step"] > 0 for record in records)  # step 0: measured before training
         headline = [key for key in keys if key in _HEADLINE_KEYS or key.startswith("time/")]
         self.message(
-            f"summary of {sum(record['step'] > 0 for record in records)} steps (every metric: {self.output_dir / SUMMARY_FILE}):\n"
+            f"summary of {steps} steps (every metric: {self.output_dir / SUMMARY_FILE}):\n"
             + _summary_table(headline, records, nonfinite)
         )
         self._summary = Summary(
-            steps=sum(record["step"] > 0 for record in records),  # step 0: measured before training
+            steps=steps,
             table=table,
             plot_path=None if plot_path is None else str(plot_path),
             metrics_path=str(self.metrics_path),
