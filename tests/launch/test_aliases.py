@@ -1,0 +1,430 @@
+"""OpenRLHF 0.11's dotted flags as aliases of `rl-launch ppo` options (rl_launch.aliases); no Ray."""
+
+from __future__ import annotations
+
+import re
+import typing
+
+import msgspec
+import pytest
+import yaml
+
+from rl_launch.aliases import ALIASES, UNSUPPORTED, expand_aliases
+from rl_launch.config import PPOConfig
+from rl_launch.options import iter_options
+
+
+def _fields(cls: type) -> dict[str, msgspec.structs.FieldInfo]:
+    return {field.name: field for field in msgspec.structs.fields(cls)}
+
+
+def _has_final_config() -> bool:
+    """True once the config has the shape the aliases target (dict options of loss and estimator)."""
+    algo = _fields(PPOConfig)["algo"].type
+    return "options" in _fields(_fields(algo)["policy"].type)
+
+
+needs_final_config = pytest.mark.skipif(
+    not _has_final_config(), reason="algo.policy.options is not yet a field of the config"
+)
+
+
+# ------------------------------------------------------------------------------ each alias kind
+
+
+def test_plain_rename_keeps_the_value_and_says_so():
+    argv, notes = expand_aliases(["--algo.kl.init_coef", "1e-3", "--rollout.batch_size", "16"])
+    assert argv == ["--algo.kl.init_kl_coef", "1e-3", "--rollout.rollout_batch_size", "16"]
+    assert notes == [
+        "--algo.kl.init_coef 1e-3 → --algo.kl.init_kl_coef 1e-3",
+        "--rollout.batch_size 16 → --rollout.rollout_batch_size 16",
+    ]
+
+
+def test_equals_form_is_renamed_like_the_spaced_form():
+    argv, notes = expand_aliases(["--actor.adam.lr=5e-7", "--ckpt.max_num=2"])
+    assert argv == ["--train.actor_learning_rate", "5e-7", "--ckpt.max_ckpt_num", "2"]
+    assert notes == [
+        "--actor.adam.lr=5e-7 → --train.actor_learning_rate 5e-7",
+        "--ckpt.max_num=2 → --ckpt.max_ckpt_num 2",
+    ]
+
+
+def test_bare_store_true_flags_become_explicit_true():
+    argv, _ = expand_aliases(["--algo.kl.use_loss", "--ckpt.load_enable", "--vllm.enforce_eager"])
+    assert argv == [
+        "--algo.kl.use_kl_loss",
+        "true",
+        "--ckpt.load_checkpoint",
+        "true",
+        "--rollout.enforce_eager",
+        "true",
+    ]
+
+
+def test_a_store_true_flag_with_a_value_is_refused():
+    with pytest.raises(ValueError, match=r"--algo\.kl\.use_loss .*takes no value"):
+        expand_aliases(["--algo.kl.use_loss=true"])
+
+
+def test_two_value_flag_goes_to_two_options():
+    argv, notes = expand_aliases(["--actor.eps_clip_low_high", "0.2", "0.28", "--train.max_steps", "5"])
+    assert argv == [
+        "--algo.policy.options.epsilon_low",
+        "0.2",
+        "--algo.policy.options.epsilon_high",
+        "0.28",
+        "--train.max_steps",
+        "5",
+    ]
+    assert notes == [
+        "--actor.eps_clip_low_high 0.2 0.28 → "
+        "--algo.policy.options.epsilon_low 0.2 --algo.policy.options.epsilon_high 0.28"
+    ]
+
+
+def test_two_value_flag_into_a_tuple_option_is_joined_by_a_comma():
+    argv, _ = expand_aliases(["--algo.advantage.is_correction_threshold", "0.5", "5.0"])
+    assert argv == ["--algo.policy.is_correction_bounds", "0.5,5.0"]
+    argv, _ = expand_aliases(["--algo.dynamic_filtering_range", "0", "1"])
+    assert argv == ["--rollout.dynamic_filtering_reward_range", "0,1"]
+
+
+def test_a_multi_value_flag_missing_a_value_is_refused():
+    with pytest.raises(ValueError, match=r"--actor\.eps_clip_low_high .*expects 2 values"):
+        expand_aliases(["--actor.eps_clip_low_high", "0.2", "--algo.kl.use_loss"])
+    with pytest.raises(ValueError, match=r"--algo\.kl\.init_coef .*expects 1 value"):
+        expand_aliases(["--algo.kl.init_coef"])
+
+
+def test_variable_length_flag_takes_values_up_to_the_next_option():
+    argv, _ = expand_aliases(["--ds.lora.target_modules", "q_proj", "v_proj", "--ds.lora.rank", "8"])
+    assert argv == ["--model.target_modules", "q_proj,v_proj", "--model.lora_rank", "8"]
+
+
+def test_one_alias_to_two_targets_kl_estimator_sets_both_sides():
+    argv, notes = expand_aliases(["--algo.kl.estimator", "k3"])
+    assert argv == ["--algo.kl.reward_estimator", "k3", "--algo.kl.loss_estimator", "k3"]
+    assert notes == ["--algo.kl.estimator k3 → --algo.kl.reward_estimator k3 --algo.kl.loss_estimator k3"]
+
+
+def test_eps_clip_sets_both_epsilons_unless_eps_clip_low_high_is_given():
+    argv, _ = expand_aliases(["--actor.eps_clip", "0.1"])
+    assert argv == ["--algo.policy.options.epsilon_low", "0.1", "--algo.policy.options.epsilon_high", "0.1"]
+    # OpenRLHF takes eps_clip_low_high over eps_clip whatever their order.
+    argv, notes = expand_aliases(["--actor.eps_clip_low_high", "0.2", "0.28", "--actor.eps_clip", "0.1"])
+    assert argv == ["--algo.policy.options.epsilon_low", "0.2", "--algo.policy.options.epsilon_high", "0.28"]
+    assert notes[1].startswith("--actor.eps_clip 0.1 → dropped: ")
+
+
+def test_policy_loss_type_gspo_is_openrlhfs_sequence_ratio_form():
+    assert expand_aliases(["--actor.policy_loss_type", "gspo"])[0] == ["--algo.policy.loss", "gspo_sequence"]
+    assert expand_aliases(["--actor.policy_loss_type", "ppo"])[0] == ["--algo.policy.loss", "ppo"]
+    with pytest.raises(ValueError, match="OpenRLHF's choices are ppo, gspo"):
+        expand_aliases(["--actor.policy_loss_type", "cispo"])
+
+
+def test_negative_values_are_attached_so_argparse_reads_them_as_values():
+    argv, notes = expand_aliases(["--eval.steps", "-1"])
+    assert argv == ["--eval.eval_steps=-1"]
+    assert notes == ["--eval.steps -1 → --eval.eval_steps=-1"]
+
+
+def test_reward_clip_range_must_be_symmetric():
+    assert expand_aliases(["--reward.clip_range", "-10", "10"])[0] == ["--reward.clip", "10"]
+    with pytest.raises(ValueError, match=r"--reward\.clip_range .*\[-c, c\]"):
+        expand_aliases(["--reward.clip_range", "0", "1"])
+
+
+def test_colocation_flags_combine_into_one_option_written_once():
+    argv, notes = expand_aliases(
+        ["--train.colocate_actor_ref", "--x.y", "1", "--train.colocate_critic_reward"]
+    )
+    assert argv == ["--ray.colocate", "policy_ref+critic_reward", "--x.y", "1"]
+    assert notes == [
+        "--train.colocate_actor_ref → --ray.colocate policy_ref+critic_reward",
+        "--train.colocate_critic_reward → (with --ray.colocate policy_ref+critic_reward above)",
+    ]
+    argv, _ = expand_aliases(["--train.colocate_actor_ref", "--train.colocate_all"])
+    assert argv == ["--ray.colocate", "all"]
+
+
+def test_nodes_times_gpus_per_node_is_the_number_of_actors():
+    argv, _ = expand_aliases(
+        [
+            *("--actor.num_nodes", "2", "--actor.num_gpus_per_node", "4"),
+            *("--reward.num_gpus_per_node", "1", "--reward.num_nodes", "1"),
+        ]
+    )
+    assert argv == ["--ray.policy.num_actors", "8", "--ray.reward_model.num_actors", "1"]
+    with pytest.raises(ValueError, match=r"give --ref\.num_nodes and --ref\.num_gpus_per_node together"):
+        expand_aliases(["--ref.num_gpus_per_node", "8"])
+
+
+def test_is_correction_switch_and_type_become_one_mode():
+    argv, _ = expand_aliases(["--algo.advantage.is_correction_enable"])
+    assert argv == ["--algo.policy.is_correction", "tis"]  # OpenRLHF's type when only the switch is given
+    argv, notes = expand_aliases(
+        ["--algo.advantage.is_correction_enable", "--algo.advantage.is_correction_type", "icepop"]
+    )
+    assert argv == ["--algo.policy.is_correction", "icepop"]
+    assert len(notes) == 2
+    with pytest.raises(ValueError, match=r"turns nothing on without --algo\.advantage\.is_correction_enable"):
+        expand_aliases(["--algo.advantage.is_correction_type", "icepop"])
+
+
+def test_gamma_and_lambd_follow_the_estimator_openrlhf_would_run():
+    argv, _ = expand_aliases(["--algo.advantage.gamma", "0.99", "--algo.advantage.lambd", "0.95"])
+    assert argv == ["--algo.advantage.options.gamma", "0.99", "--algo.advantage.options.lam", "0.95"]
+    # OpenRLHF runs group_norm with gamma 1.0 and uses lambd for gae alone: both are dropped, said so.
+    argv, notes = expand_aliases(
+        [
+            "--algo.advantage.estimator",
+            "group_norm",
+            "--algo.advantage.gamma",
+            "1.0",
+            "--algo.advantage.lambd",
+            "1",
+        ]
+    )
+    assert argv == ["--algo.advantage.estimator", "group_norm"]
+    assert notes[0].startswith("--algo.advantage.gamma 1.0 → dropped: OpenRLHF ignores it for group_norm")
+    assert notes[1].startswith("--algo.advantage.lambd 1 → dropped:")
+    argv, _ = expand_aliases(["--algo.advantage.estimator=reinforce", "--algo.advantage.gamma", "0.9"])
+    assert argv == ["--algo.advantage.estimator=reinforce", "--algo.advantage.options.gamma", "0.9"]
+
+
+def test_flags_meaning_what_rl_launch_always_does_are_dropped_and_others_refused():
+    argv, notes = expand_aliases(
+        ["--ds.packing_samples", "--actor.optim", "adam", "--train.async_queue_size", "1"]
+    )
+    assert argv == []
+    assert [note.partition(" → ")[2].partition(":")[0] for note in notes] == ["dropped"] * 3
+    with pytest.raises(ValueError, match=r"--actor\.optim .*AdamW"):
+        expand_aliases(["--actor.optim", "muon"])
+    with pytest.raises(ValueError, match=r"--train\.async_queue_size .*always uses 1"):
+        expand_aliases(["--train.async_queue_size", "4"])
+
+
+def test_actor_and_critic_settings_held_once_here_must_agree():
+    argv, notes = expand_aliases(["--actor.max_norm", "0.5", "--critic.max_norm", "0.5"])
+    assert argv == ["--train.max_norm", "0.5"]
+    assert notes[1] == "--critic.max_norm 0.5 → (with --train.max_norm 0.5 above)"
+    with pytest.raises(ValueError, match=r"differ; rl-launch has one --train\.max_norm"):
+        expand_aliases(["--actor.max_norm", "0.5", "--critic.max_norm", "1.0"])
+
+
+def test_remote_url_to_a_python_file_is_a_reward_function_and_a_url_stays():
+    argv, notes = expand_aliases(["--reward.remote_url", "/openrlhf/examples/python/reward_func.py"])
+    assert argv == ["--reward.function", "/openrlhf/examples/python/reward_func.py"]
+    assert len(notes) == 1
+    argv, notes = expand_aliases(["--reward.remote_url", "http://localhost:5000/get_reward"])
+    assert argv == ["--reward.remote_url", "http://localhost:5000/get_reward"]
+    assert notes == []
+
+
+def test_wandb_key_true_turns_wandb_on_and_a_key_is_refused_without_echoing_it():
+    assert expand_aliases(["--logger.wandb.key", "True"])[0] == ["--log.use_wandb", "true"]
+    with pytest.raises(ValueError, match="wandb login") as error:
+        expand_aliases(["--logger.wandb.key", "secret-api-key-123"])
+    assert "secret-api-key-123" not in str(error.value)
+
+
+# ------------------------------------------------------------------------ refused and untouched
+
+
+def test_unsupported_flag_names_the_flag_and_the_reason():
+    with pytest.raises(
+        ValueError, match=r"^--actor\.aux_loss_coef \(OpenRLHF\) is not supported by rl-launch: "
+    ):
+        expand_aliases(["--actor.aux_loss_coef", "0.001"])
+    with pytest.raises(ValueError, match=r"--vllm\.sync_backend .*bucketed broadcast"):
+        expand_aliases(["--vllm.sync_backend=nccl"])
+
+
+def test_every_unsupported_flag_of_a_command_line_is_reported_at_once():
+    with pytest.raises(ValueError, match=r"^OpenRLHF flags rl-launch cannot take:") as error:
+        expand_aliases(["--ckpt.output_dir", "out", "--algo.kl.use_loss", "--train.micro_batch_size", "4"])
+    message = str(error.value)
+    assert "--ckpt.output_dir" in message
+    assert "--train.micro_batch_size" in message
+    assert "--algo.kl.use_loss" not in message
+
+
+def test_own_names_and_other_arguments_pass_through_untouched():
+    argv = [
+        "ppo",
+        "--config",
+        "run.yaml",
+        "--algo.advantage.estimator",
+        "grpo",
+        "--algo.policy.options.epsilon_high=0.28",
+        "--rollout.n_samples_per_prompt",
+        "8",
+        "--data.apply_chat_template",
+        "--print-config",
+        "--unknown.option",
+        "x",
+    ]
+    assert expand_aliases(argv) == (argv, [])
+
+
+def test_arguments_after_a_double_dash_are_left_alone():
+    assert expand_aliases(["--", "--algo.kl.use_loss"]) == (["--", "--algo.kl.use_loss"], [])
+
+
+def test_every_flag_is_listed_once():
+    flags = [alias.flag for alias in ALIASES]
+    assert len(flags) == len(set(flags))
+    assert not set(flags) & set(UNSUPPORTED)
+
+
+# ---------------------------------------------------------------- a realistic OpenRLHF 0.11 script
+
+# The arguments of an OpenRLHF 0.11 REINFORCE++-baseline / DAPO-style example script
+# (examples/scripts), less the flags rl-launch refuses, plus the realistic values of a small run.
+OPENRLHF_REINFORCE_BASELINE = [
+    *("--ref.num_nodes", "1", "--ref.num_gpus_per_node", "2"),
+    *("--actor.num_nodes", "1", "--actor.num_gpus_per_node", "2"),
+    *("--vllm.num_engines", "2", "--vllm.tensor_parallel_size", "1", "--vllm.gpu_memory_utilization", "0.6"),
+    "--train.colocate_all",
+    "--vllm.enforce_eager",
+    *("--algo.kl.init_coef", "1e-4", "--algo.kl.use_loss", "--algo.kl.estimator", "k2"),
+    *("--algo.advantage.estimator", "reinforce_baseline", "--algo.advantage.gamma", "1.0"),
+    *("--actor.eps_clip_low_high", "0.2", "0.28"),
+    *("--algo.dynamic_filtering_enable", "--algo.dynamic_filtering_range", "0", "1"),
+    *("--actor.model_name_or_path", "Qwen/Qwen2.5-0.5B-Instruct"),
+    *("--reward.remote_url", "/openrlhf/examples/python/reward_func.py"),
+    *(
+        "--ckpt.path",
+        "/tmp/ckpt/qwen",
+        "--ckpt.save_steps",
+        "20",
+        "--ckpt.max_num",
+        "2",
+        "--ckpt.load_enable",
+    ),
+    *("--train.batch_size", "128", "--rollout.batch_size", "16", "--rollout.n_samples_per_prompt", "8"),
+    *("--train.max_epochs", "1", "--data.max_samples", "20000", "--rollout.max_new_tokens", "1024"),
+    *("--ds.zero_stage", "3", "--ds.param_dtype", "bf16", "--actor.adam.lr", "5e-7"),
+    *("--data.prompt_dataset", "/data/prompts.jsonl", "--data.input_key", "context_messages"),
+    "--data.apply_chat_template",
+    "--actor.gradient_checkpointing_enable",
+    "--ds.packing_samples",
+    *("--train.dynamic_batch_enable", "--train.max_tokens_per_gpu", "16384"),
+    *("--reward.clip_range", "-10", "10"),
+    *("--algo.advantage.is_correction_enable", "--algo.advantage.is_correction_type", "icepop"),
+    *("--algo.advantage.is_correction_threshold", "0.5", "5.0"),
+    *("--logger.wandb.project", "reinforce-baseline", "--logger.wandb.run_name", "qwen-0.5b"),
+]
+
+
+def test_openrlhf_example_expands_to_rl_launch_names():
+    argv, notes = expand_aliases(OPENRLHF_REINFORCE_BASELINE)
+    text = " ".join(argv)
+    for expected in (
+        "--ray.ref.num_actors 2",
+        "--ray.policy.num_actors 2",
+        "--rollout.num_engines 2",
+        "--ray.colocate all",
+        "--algo.kl.init_kl_coef 1e-4 --algo.kl.use_kl_loss true",
+        "--algo.kl.reward_estimator k2 --algo.kl.loss_estimator k2",
+        "--algo.advantage.estimator reinforce_baseline",
+        "--algo.policy.options.epsilon_low 0.2 --algo.policy.options.epsilon_high 0.28",
+        "--rollout.dynamic_filtering true --rollout.dynamic_filtering_reward_range 0,1",
+        "--model.pretrain Qwen/Qwen2.5-0.5B-Instruct",
+        "--reward.function /openrlhf/examples/python/reward_func.py",
+        "--ckpt.path /tmp/ckpt/qwen --ckpt.save_steps 20 --ckpt.max_ckpt_num 2 --ckpt.load_checkpoint true",
+        "--train.train_batch_size 128 --rollout.rollout_batch_size 16 --rollout.n_samples_per_prompt 8",
+        "--rollout.generate_max_len 1024",
+        "--train.zero_stage 3 --model.dtype bf16 --train.actor_learning_rate 5e-7",
+        "--data.prompt_data /data/prompts.jsonl --data.input_key context_messages --data.apply_chat_template",
+        "--model.gradient_checkpointing true",
+        "--train.micro_batch_tokens 16384",
+        "--reward.clip 10",
+        "--algo.policy.is_correction icepop",
+        "--algo.policy.is_correction_bounds 0.5,5.0",
+        "--log.wandb_project reinforce-baseline --log.run_name qwen-0.5b",
+    ):
+        assert expected in text
+    # No OpenRLHF-only name is left, and each rewritten flag has its note.
+    openrlhf_only = {f"--{alias.flag}" for alias in ALIASES} - {"--reward.remote_url"}
+    assert not [token for token in argv if token.partition("=")[0] in openrlhf_only]
+    assert "--algo.advantage.gamma" not in text  # OpenRLHF runs reinforce_baseline with gamma 1.0
+    rewritten = openrlhf_only | {"--reward.remote_url"}  # its value here is a .py file
+    assert len(notes) == len([token for token in OPENRLHF_REINFORCE_BASELINE if token in rewritten])
+
+
+# ------------------------------------------------------------ against the real configuration
+
+
+def _dict_option(option_type: typing.Any) -> bool:
+    return option_type is dict or typing.get_origin(option_type) is dict
+
+
+@needs_final_config
+def test_every_alias_target_is_an_option_of_the_config():
+    leaves = {option.name: option.type for option in iter_options(PPOConfig) if not option.is_section}
+    missing = []
+    for alias in ALIASES:
+        for target in alias.targets:
+            parent = target.rpartition(".")[0]
+            if target not in leaves and not (parent in leaves and _dict_option(leaves[parent])):
+                missing.append(f"--{alias.flag} -> {target}")
+    assert not missing
+
+
+@needs_final_config
+def test_no_openrlhf_flag_shadows_an_option_of_the_config():
+    names = {option.name for option in iter_options(PPOConfig)}
+    # reward.remote_url is the one shared name: only a .py value (OpenRLHF's local function) changes.
+    assert set(_alias.flag for _alias in ALIASES) & names == {"reward.remote_url"}
+    assert not set(UNSUPPORTED) & names
+
+
+@needs_final_config
+def test_expanded_openrlhf_example_parses_with_the_real_parser(capsys):
+    from rl_launch.cli import main
+
+    argv, _ = expand_aliases(OPENRLHF_REINFORCE_BASELINE)
+    assert main(["ppo", *argv, "--preset", "none", "--print-config"]) == 0
+    config = yaml.safe_load(capsys.readouterr().out)
+    algo = config["algo"]
+    assert algo["advantage"]["estimator"] == "reinforce_baseline"
+    assert algo["advantage"]["options"] == {}  # gamma 1.0 was dropped, as OpenRLHF ignores it here
+    assert algo["policy"]["options"] == {"epsilon_low": 0.2, "epsilon_high": 0.28}
+    assert algo["policy"]["is_correction"] == "icepop"
+    assert algo["kl"]["use_kl_loss"] is True
+    assert (algo["kl"]["reward_estimator"], algo["kl"]["loss_estimator"]) == ("k2", "k2")
+    assert algo["kl"]["init_kl_coef"] == pytest.approx(1e-4)
+    assert config["ray"]["policy"]["num_actors"] == 2
+    assert config["ray"]["colocate"] == "all"
+    assert config["reward"]["function"] == "/openrlhf/examples/python/reward_func.py"
+    assert config["reward"]["remote_url"] is None
+    assert config["ckpt"]["load_checkpoint"] is True
+    assert config["rollout"]["dynamic_filtering_reward_range"] == [0.0, 1.0]
+    assert config["train"]["micro_batch_tokens"] == 16384
+
+
+@needs_final_config
+def test_options_named_in_the_refusals_and_the_same_name_flags_exist():
+    leaves = {option.name: option.type for option in iter_options(PPOConfig) if not option.is_section}
+    named = {word for reason in UNSUPPORTED.values() for word in re.findall(r"--([\w.]+)", reason)}
+    named -= {alias.flag for alias in ALIASES}  # a reason may point at an accepted OpenRLHF flag
+    unknown = [
+        name for name in named if name not in leaves and not _dict_option(leaves.get(name.rpartition(".")[0]))
+    ]
+    assert not unknown
+    same_names = {
+        *("algo.advantage.estimator", "rollout.n_samples_per_prompt", "rollout.temperature", "rollout.top_p"),
+        *("train.max_epochs", "train.seed", "data.input_key", "data.label_key", "data.apply_chat_template"),
+        *(
+            "data.max_samples",
+            "eval.temperature",
+            "eval.n_samples_per_prompt",
+            "ckpt.path",
+            "ckpt.save_steps",
+        ),
+        "reward.remote_url",
+    }
+    assert same_names <= set(leaves)
