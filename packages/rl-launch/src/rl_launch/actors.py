@@ -22,6 +22,8 @@ import msgspec
 
 from rl_learner import DeepSpeedConfig, LoraOptions, OptimizerConfig
 
+from .plugins import PluginRef, import_plugins
+
 __all__ = ["BUILTIN_REWARDS", "ActorGroup", "EngineSpec", "LearnerSpec", "LearnerWorker", "RolloutWorker"]
 
 LEARNER_ROLES = ("policy", "ref", "critic", "reward_model")
@@ -41,6 +43,8 @@ class LearnerSpec(msgspec.Struct, frozen=True, kw_only=True):
     on_non_finite: str = "skip"
     log_dir: str | None = None
     """Folder of the actor's output file (`<role>-<rank>.log`); None: Ray's own handling."""
+    plugins: tuple[PluginRef, ...] = ()
+    """User modules (`--plugin`) imported before anything else, so their registered losses resolve here."""
 
 
 class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -60,6 +64,8 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
     reward_timeout_s: float = 60.0
     log_dir: str | None = None
     """Folder of the actor's output file (`engine-<index>.log`); None: Ray's own handling."""
+    plugins: tuple[PluginRef, ...] = ()
+    """User modules (`--plugin`) imported before anything else, so their registrations exist here."""
 
 
 def send_output_to(log_dir: str | None, name: str) -> None:
@@ -85,6 +91,8 @@ class LearnerWorker:
 
     def __init__(self, spec: LearnerSpec, rank: int, world_size: int, master_port: int) -> None:
         send_output_to(spec.log_dir, f"{spec.role}-{rank}")
+        # First: a PolicyLossConfig checks its loss name against POLICY_LOSSES as it arrives here.
+        import_plugins(spec.plugins)
         os.environ.update(
             RANK=str(rank),
             LOCAL_RANK="0",
@@ -227,6 +235,7 @@ class RolloutWorker:
 
     def __init__(self, spec: EngineSpec, index: int = 0) -> None:
         send_output_to(spec.log_dir, f"engine-{index}")
+        import_plugins(spec.plugins)
         from transformers import AutoTokenizer
 
         self.spec = spec
