@@ -520,7 +520,7 @@ def main() -> None:
             "betas": list(config.train.adam_betas),
             "weight_decay": config.train.weight_decay,
             "max_norm": config.train.max_norm,
-            "eps_clip": config.algo.policy.eps_clip,
+            "eps_clip": config.algo.policy.options.get("epsilon_low", 0.2),  # ppo's own default
             "seed": args.seed,
             "output_dir": os.path.join(scratch, "trl"),
         }

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import types
 
+import msgspec
 import pytest
 import yaml
 
@@ -26,7 +27,7 @@ def expected_default(value) -> str:
     if isinstance(value, bool):
         return str(value).lower()
     if isinstance(value, (tuple, list)):
-        return ",".join(map(str, value))
+        return ",".join(map(str, value)) if value else "[]"
     return str(value)
 
 
@@ -150,7 +151,10 @@ def test_the_files_preset_is_used_and_the_flag_overrides_it(capsys, tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("preset: none\n")
     assert main(["ppo", "--config", str(path), "--print-config"]) == 2
-    assert "model.pretrain: None is required when preset is none" in capsys.readouterr().err
+    assert (
+        "model.pretrain: None is required without a preset (or pass --preset arithmetic)"
+        in capsys.readouterr().err
+    )
     path.write_text("preset: arithmetic\nmodel:\n  pretrain: m\ndata:\n  prompt_data: d\n")
     assert main(["ppo", "--config", str(path), "--preset", "none", "--print-config"]) == 0
     assert yaml.safe_load(capsys.readouterr().out)["preset"] == "none"
@@ -165,7 +169,7 @@ def test_the_files_preset_is_used_and_the_flag_overrides_it(capsys, tmp_path):
         ),
         (
             ["--algo.advantage.estimatr", "grpo"],
-            "algo.advantage.estimatr: unknown option; allowed: estimator, gamma, lambd, whiten (did you mean estimator?)",
+            "algo.advantage.estimatr: unknown option; allowed: estimator, options (did you mean estimator?)",
         ),
         (
             ["--algo.advantge.estimator", "grpo"],
@@ -186,7 +190,7 @@ def test_the_files_preset_is_used_and_the_flag_overrides_it(capsys, tmp_path):
             ],
             "train.train_batch_size: 3 must divide rollout.rollout_batch_size x rollout.n_samples_per_prompt = 8",
         ),
-        (["--preset", "cooking"], "preset: 'cooking' is not one of arithmetic, none"),
+        (["--preset", "cooking"], "preset: 'cooking' is not one of auto, arithmetic, none"),
         (["--algo", "x"], "algo: is a section, not an option"),
     ],
 )
@@ -202,7 +206,7 @@ def test_preset_none_without_a_model_is_rejected(capsys):
     assert main(["ppo", "--preset", "none", "--data.prompt_data", "d.jsonl"]) == 2
     assert (
         capsys.readouterr().err
-        == "rl-launch ppo: error: model.pretrain: None is required when preset is none\n"
+        == "rl-launch ppo: error: model.pretrain: None is required without a preset (or pass --preset arithmetic)\n"
     )
 
 
@@ -287,6 +291,37 @@ def test_default_preset_settings_sit_under_the_command_line(capsys):
 
     assert main(["ppo", "--print-config", "--train.max_steps", "11"]) == 0
     printed = capsys.readouterr().out
-    expected = load_config(PPOConfig, overrides={"train.max_steps": "11"}, base=preset_settings("arithmetic"))
+    expected = load_config(
+        PPOConfig,
+        overrides={"train.max_steps": "11", "preset": "arithmetic"},
+        base=preset_settings("arithmetic"),
+    )
     assert printed == dump_config(expected)
     assert yaml.safe_load(printed)["preset"] == "arithmetic"
+
+
+def test_a_run_that_names_its_own_model_or_data_gets_nothing_from_the_preset(capsys, tmp_path):
+    defaults = msgspec.convert(
+        {"preset": "none", "model": {"pretrain": "m"}, "data": {"prompt_data": "d"}}, PPOConfig
+    )
+    for own in (["--model.pretrain", "m", "--data.prompt_data", "d"],):
+        assert main(["ppo", *own, "--print-config"]) == 0
+        printed = yaml.safe_load(capsys.readouterr().out)
+        assert printed["preset"] == "none"
+        assert printed == json.loads(
+            msgspec.json.encode(defaults)
+        )  # lr, lengths, steps, reward: all the defaults
+    path = tmp_path / "run.yaml"
+    path.write_text("data: {prompt_data: d}\n")  # named in the file: the same
+    assert main(["ppo", "--config", str(path), "--model.pretrain", "m", "--print-config"]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["preset"] == "none"
+    assert main(["ppo", "--data.prompt_data", "d"]) == 2  # no preset to borrow a model from
+    assert "model.pretrain: None is required without a preset" in capsys.readouterr().err
+    # asking for the preset explicitly still layers it under one's own model
+    assert main(["ppo", "--preset", "arithmetic", "--model.pretrain", "m", "--print-config"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["train"]["max_steps"] == 16
+    assert printed["model"]["pretrain"] == "m"
+    # no arguments at all: the demo
+    assert main(["ppo", "--print-config"]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["preset"] == "arithmetic"

@@ -3,8 +3,10 @@
 - PPO with a critic (GAE), a reference model (KL in the reward), a reward model next to the rule
   reward and ZeRO-3 completes its steps,
   with learner log-probs equal to the engine's and every weight sync verified by checksums.
-- The same run killed with SIGKILL after a checkpoint resumes and logs the same metrics as the
-  uninterrupted run for every step after the checkpoint (CPU, fixed seeds).
+- The same run killed with SIGKILL after a checkpoint resumes (`--ckpt.load_checkpoint true`) and
+  logs the same metrics as the uninterrupted run for every step after the checkpoint (CPU, fixed
+  seeds); started again without the flag, with a changed algorithm setting, or from another
+  folder pointing at its checkpoints, it refuses before Ray starts.
 - GRPO in async mode (generation one step ahead) with DAPO dynamic filtering and evaluation.
 """
 
@@ -147,9 +149,34 @@ def test_a_run_killed_after_a_checkpoint_resumes_with_the_same_metrics(
     saved = int(latest.read_text().strip().removeprefix("step_"))
     assert saved < 5
 
-    resumed = launch(args, env)
+    # Each of these stops before Ray starts: a fresh run never overwrites the folder, a resume
+    # keeps the algorithm, and a run loads only checkpoints it wrote.
+    again = launch(args, env)
+    assert again.returncode == 2, again.stderr[-2000:]
+    assert "already holds a run" in again.stderr
+    assert "--ckpt.load_checkpoint true" in again.stderr
+    changed = launch([*args, "--ckpt.load_checkpoint", "true", "--train.actor_learning_rate", "2e-4"], env)
+    assert changed.returncode == 2, changed.stderr[-2000:]
+    assert "train.actor_learning_rate: 0.0001 -> 0.0002" in changed.stderr
+    foreign = launch(
+        [
+            *args,
+            "--ckpt.load_checkpoint",
+            "true",
+            "--log.output_dir",
+            str(tmp_path / "other"),
+            "--ckpt.path",
+            str(run_dir / "checkpoints"),
+        ],
+        env,
+    )
+    assert foreign.returncode == 2, foreign.stderr[-2000:]
+    assert str(run_dir / "checkpoints") in foreign.stderr
+    assert not (tmp_path / "other" / "metrics.jsonl").exists()
+
+    resumed = launch([*args, "--ckpt.load_checkpoint", "true"], env)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
-    assert f"resumed from step {saved}" in resumed.stdout + resumed.stderr
+    assert f"from step {saved}: {run_dir / 'checkpoints'}" in resumed.stdout + resumed.stderr
     metrics = read_metrics(run_dir)
     assert [line["step"] for line in metrics] == [1, 2, 3, 4, 5]  # lines after the checkpoint replaced
     for line in metrics[saved:]:

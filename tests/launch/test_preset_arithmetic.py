@@ -124,7 +124,7 @@ def test_preset_settings_are_the_module_settings_and_a_valid_config():
     assert settings == SETTINGS
     settings["train"]["max_steps"] = 1  # a copy: changing it leaves the preset alone
     assert SETTINGS["train"]["max_steps"] != 1
-    config = load_config(PPOConfig, overrides={}, base=preset_settings("arithmetic"))
+    config = load_config(PPOConfig, overrides={"preset": "arithmetic"}, base=preset_settings("arithmetic"))
     assert config.algo.advantage.estimator == "grpo"
     assert config.train.max_steps == SETTINGS["train"]["max_steps"] <= 25
     assert config.eval.eval_steps >= 1  # the demo shows its held-out accuracy during the run

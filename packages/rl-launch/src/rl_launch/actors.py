@@ -24,7 +24,7 @@ from rl_learner import DeepSpeedConfig, LoraOptions, OptimizerConfig
 
 from .plugins import PluginRef, import_plugins
 
-__all__ = ["BUILTIN_REWARDS", "ActorGroup", "EngineSpec", "LearnerSpec", "LearnerWorker", "RolloutWorker"]
+__all__ = ["ActorGroup", "EngineSpec", "LearnerSpec", "LearnerWorker", "RolloutWorker"]
 
 LEARNER_ROLES = ("policy", "ref", "critic", "reward_model")
 
@@ -51,6 +51,9 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
     """What one rollout worker builds: the engine, the tokenizer and the reward function."""
 
     kind: str
+    """The engine's name in `rl_launch.components.ENGINES` (rollout.engine)."""
+    options: dict[str, Any] = msgspec.field(default_factory=dict)
+    """Keyword options of that engine, verbatim (rollout.engine_options)."""
     model_path: str
     dtype: str
     max_model_len: int
@@ -200,33 +203,20 @@ class LearnerWorker:
             self.sender = None
 
 
-BUILTIN_REWARDS: tuple[str, ...] = ("arithmetic", "numeric", "exact_match")
-"""Reward names `reward.function` may give instead of a `reward_func` file."""
-
-
 def build_reward(spec: EngineSpec) -> Any:
-    """The reward function of a rollout worker: a built-in name, an OpenRLHF file, or a server."""
-    from rl_rollout import (
-        BatchedReward,
-        ExactMatchReward,
-        NumericAnswerReward,
-        RemoteRewardClient,
-        load_reward_function,
-    )
+    """The reward function of a rollout worker: a reward server, a registered reward
+    (`rl_launch.components.REWARDS`) or an OpenRLHF `reward_func` file."""
+    from rl_rollout import BatchedReward, RemoteRewardClient, load_reward_function
+
+    from .components import REWARDS
 
     name = spec.reward_function
     if spec.reward_url is not None:
         return RemoteRewardClient(spec.reward_url, timeout_s=spec.reward_timeout_s)
     if name is None:
         return BatchedReward(lambda queries, prompts, labels: [0.0] * len(queries), name="zero")
-    if name == "arithmetic":
-        from .presets.arithmetic import arithmetic_reward
-
-        return BatchedReward(arithmetic_reward, name="arithmetic")
-    if name == "numeric":
-        return NumericAnswerReward()
-    if name == "exact_match":
-        return ExactMatchReward()
+    if name in REWARDS:
+        return REWARDS[name]()
     return load_reward_function(name)
 
 
@@ -241,35 +231,9 @@ class RolloutWorker:
         self.spec = spec
         self.tokenizer = AutoTokenizer.from_pretrained(spec.model_path)
         self.reward_fn = build_reward(spec)
-        if spec.kind == "vllm":
-            from rl_data import dtype_name
-            from rl_learner.config import torch_dtype
-            from rl_rollout.engines import VLLMEngine
+        from .components import ENGINES
 
-            self.engine = VLLMEngine(
-                spec.model_path,
-                dtype=dtype_name(torch_dtype(spec.dtype)),
-                max_model_len=spec.max_model_len,
-                seed=spec.seed,
-                tensor_parallel_size=spec.tensor_parallel_size,
-                enforce_eager=spec.enforce_eager,
-                gpu_memory_utilization=spec.gpu_memory_utilization,
-                **({"max_num_seqs": spec.max_num_seqs} if spec.max_num_seqs else {}),
-            )
-        else:
-            import torch
-
-            from rl_learner.config import torch_dtype
-            from rl_rollout.engines import HFEngine
-
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-            self.engine = HFEngine(
-                spec.model_path,
-                device=device,
-                dtype=torch_dtype(spec.dtype),
-                max_model_len=spec.max_model_len,
-                seed=spec.seed,
-            )
+        self.engine = ENGINES[spec.kind](spec, **spec.options)
 
     def ready(self) -> tuple[int, int | None]:
         """(weight-sync ranks this engine takes, its KV-cache bytes or None where vLLM sizes it)."""

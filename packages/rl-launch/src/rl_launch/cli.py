@@ -7,7 +7,9 @@ and exit code 2, before Ray, vLLM, DeepSpeed or transformers are imported. The r
 
 Configuration layers of `ppo`, in increasing priority: the defaults of `PPOConfig`, the chosen
 preset's settings (`rl_launch.presets.preset_settings`; the preset is `--preset`, else the file's
-`preset`, else the default), the `--config` file, the dotted command-line options.
+`preset`, else auto: arithmetic only when the run names neither a model nor prompt data), the
+`--config` file, the dotted command-line options. `rl-launch components` lists what the
+component options (`algo.advantage.options`, `algo.policy.options`, ...) can hold.
 
 Exit codes: the run's own code; 0 after `--help` or `--print-config`; 2 for a bad command line
 or configuration (and no subcommand); 130 when interrupted (Ctrl-C).
@@ -32,6 +34,7 @@ from .options import (
     overrides_from_namespace,
     parse_value,
     read_config_file,
+    split_mapping_entries,
 )
 
 __all__ = ["build_main_parser", "main", "resolve_ppo_config"]
@@ -58,37 +61,94 @@ def build_main_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Arg
         allow_abbrev=False,
     )
     build_parser(PPOConfig, ppo)
-    return parser, {"ppo": ppo}
+    ppo.add_argument(
+        "--plugin",
+        action="append",
+        metavar="MODULE",
+        help="A module or .py file registering components, imported in the driver and every actor "
+        "(repeatable; added to `plugins`).",
+    )
+    components = commands.add_parser(
+        "components",
+        help="List the components `ppo` can use by name (estimators, losses, KL estimators, engines, "
+        "rewards) with their options and defaults.",
+        formatter_class=HelpFormatter,
+    )
+    components.add_argument(
+        "--plugin", action="append", metavar="MODULE", help="Import this plugin first (repeatable)."
+    )
+    return parser, {"ppo": ppo, "components": components}
 
 
-def resolve_ppo_config(path: str | None, overrides: Mapping[str, str]) -> PPOConfig:
+def _given(path: str | None, overrides: Mapping[str, Any], dotted: str) -> Any:
+    """The value of `dotted` from the command line, else from the file, else None (no defaults)."""
+    if dotted in overrides:
+        return overrides[dotted]
+    data: Any = read_config_file(path) if path is not None else {}
+    for key in dotted.split("."):
+        if not isinstance(data, Mapping) or key not in data:
+            return None
+        data = data[key]
+    return data
+
+
+def resolve_ppo_config(path: str | None, overrides: Mapping[str, Any]) -> PPOConfig:
     """The `PPOConfig` of a command line: preset settings < file < dotted overrides.
 
-    The preset is chosen first (the `preset` override, else the file's, else the default), so
-    that its settings can sit under the file. Preset "none" contributes nothing.
+    The preset is chosen first (the `preset` override, else the file's, else auto), so that its
+    settings can sit under the file. auto is arithmetic when neither `model.pretrain` nor
+    `data.prompt_data` is given, else none; "none" contributes nothing. The plugins are imported
+    before the config is checked, so the names they register are known.
 
     Raises:
-        ConfigError: a missing or invalid file, an unknown preset, or any invalid option.
+        ConfigError: a missing or invalid file, an unknown preset, a plugin that does not import,
+            or any invalid option.
     """
+    from .plugins import import_plugins, resolve_plugins
+
+    plugins = _given(path, overrides, "plugins")
+    if plugins:
+        try:
+            import_plugins(
+                resolve_plugins(
+                    parse_value(plugins, list[str], name="plugins") if isinstance(plugins, str) else plugins
+                )
+            )
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
     preset_field = next(field for field in msgspec.structs.fields(PPOConfig) if field.name == "preset")
-    if "preset" in overrides:
-        preset = parse_value(overrides["preset"], preset_field.type, name="preset")
-    else:
-        from_file = read_config_file(path).get("preset") if path is not None else None
-        preset = preset_field.default if from_file is None else from_file
-        preset = parse_value(str(preset), preset_field.type, name="preset")
+    preset = _given(path, overrides, "preset")
+    preset = parse_value(str(preset) if preset is not None else "auto", preset_field.type, name="preset")
+    if preset == "auto":
+        own = any(_given(path, overrides, key) is not None for key in ("model.pretrain", "data.prompt_data"))
+        preset = "none" if own else "arithmetic"
     settings: dict[str, Any] = {}
     if preset != "none":
         from .presets import preset_settings
 
         settings = preset_settings(preset)
-    return load_config(PPOConfig, path, overrides, base=settings)
+    return load_config(PPOConfig, path, {**overrides, "preset": preset}, base=settings)
+
+
+def _ppo_overrides(args: argparse.Namespace, extras: list[str]) -> dict[str, Any]:
+    """Dotted options, entries of dict options (`--algo.policy.options.x 1`) and `--plugin`s."""
+    entries, rest = split_mapping_entries(PPOConfig, extras)
+    check_unknown_args(PPOConfig, rest)
+    overrides: dict[str, Any] = {**overrides_from_namespace(PPOConfig, args), **entries}
+    if args.plugin:
+        listed = (
+            parse_value(overrides["plugins"], list[str], name="plugins") if "plugins" in overrides else []
+        )
+        overrides["plugins"] = [*listed, *args.plugin]
+    return overrides
 
 
 def _run_ppo(parser: argparse.ArgumentParser, args: argparse.Namespace, extras: list[str]) -> int:
+    from .components import check_components
+
     try:
-        check_unknown_args(PPOConfig, extras)
-        config = resolve_ppo_config(args.config, overrides_from_namespace(PPOConfig, args))
+        config = resolve_ppo_config(args.config, _ppo_overrides(args, extras))
+        check_components(config)
     except (ConfigError, FileNotFoundError) as error:
         print(f"{parser.prog}: error: {error}", file=sys.stderr)
         return 2
@@ -101,18 +161,47 @@ def _run_ppo(parser: argparse.ArgumentParser, args: argparse.Namespace, extras: 
     return 0 if code is None else int(code)
 
 
+def _list_components(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """Print every registered component and its options with their defaults."""
+    from .components import list_components
+    from .plugins import import_plugins, resolve_plugins
+
+    try:
+        import_plugins(resolve_plugins(args.plugin or []))
+    except ValueError as error:
+        print(f"{parser.prog}: error: {error}", file=sys.stderr)
+        return 2
+    sys.stdout.write(list_components())
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `rl-launch` console script; returns the exit code.
 
     `--help` exits through argparse (SystemExit 0), as do argparse's own usage errors (2).
     """
     parser, commands = build_main_parser()
-    args, extras = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["ppo"]:
+        from .aliases import expand_aliases
+
+        try:
+            argv, notes = expand_aliases(argv)
+        except ValueError as error:
+            print(f"{PROG} ppo: error: {error}", file=sys.stderr)
+            return 2
+        for note in notes:  # stderr: --print-config's YAML on stdout stays clean
+            print(f"{PROG} ppo: OpenRLHF flag {note}", file=sys.stderr)
+    args, extras = parser.parse_known_args(argv)
     if args.command is None:
         if extras:
             parser.error(f"unrecognized arguments: {' '.join(extras)}")
         parser.print_help(sys.stderr)
         return 2
+    if args.command == "components":
+        if extras:
+            commands["components"].error(f"unrecognized arguments: {' '.join(extras)}")
+        return _list_components(commands["components"], args)
     try:
         return _run_ppo(commands[args.command], args, extras)
     except KeyboardInterrupt:

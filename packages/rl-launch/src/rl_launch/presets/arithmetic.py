@@ -85,7 +85,7 @@ DEFAULT_SFT_STEPS = 400
 SETTINGS: dict[str, Any] = {
     "algo": {
         "advantage": {"estimator": "grpo"},
-        "policy": {"loss": "ppo", "eps_clip": 0.2},
+        "policy": {"loss": "ppo"},
         "kl": {"init_kl_coef": 0.0},
     },
     "rollout": {

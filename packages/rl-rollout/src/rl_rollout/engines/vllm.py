@@ -230,6 +230,19 @@ class VLLMEngine(Engine):
         self._sync_world_size = config.tensor_parallel_size * config.pipeline_parallel_size
 
     @staticmethod
+    def option_names() -> frozenset[str]:
+        """The keyword options the constructor takes: its own and vLLM's engine arguments (passed
+        through `**engine_kwargs`), less the two the engine sets itself. Imports vLLM."""
+        import dataclasses
+        import inspect
+
+        from vllm.engine.arg_utils import AsyncEngineArgs
+
+        own = set(inspect.signature(VLLMEngine).parameters) - {"model", "engine_kwargs"}
+        vllm_args = {field.name for field in dataclasses.fields(AsyncEngineArgs)}
+        return frozenset(own | vllm_args) - {"logprobs_mode", "worker_extension_cls", "model"}
+
+    @staticmethod
     async def _start(args):
         from vllm.v1.engine.async_llm import AsyncLLM
 

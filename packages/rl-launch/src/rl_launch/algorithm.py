@@ -1,0 +1,142 @@
+"""The algorithm of a step, as pure functions of the config: advantages in the driver, the loss
+the learners minimise. No Ray here; `rl_launch.ppo` calls these between the actor calls.
+
+    rewards ──► KL in the reward (algo.kl.reward_estimator) ──► token rewards ──► estimator
+    (rule / remote + reward model)                                         (algo.advantage.*)
+                                                                                  │
+    PolicyLossConfig (algo.policy.*, the KL in the loss: algo.kl.loss_*) ◄── advantages, returns
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from rl_algos import compute_advantages, kl_penalty, token_level_rewards
+from rl_data import ExperienceBatch
+from rl_learner import PolicyLossConfig, ValueLossConfig
+
+from .components import estimator_options, estimator_takes
+from .config import PPOConfig
+
+__all__ = [
+    "old_logprobs_from_training",
+    "policy_loss_config",
+    "score_batch",
+    "value_loss_config",
+]
+
+
+def old_logprobs_from_training(config: PPOConfig) -> bool:
+    """True when the old log-probs equal the training forward's own log-probs, detached.
+
+    That holds when each batch gets exactly one optimizer step (one epoch, one mini-batch): the
+    weights that would score the batch are the weights that train on it. The separate forward is
+    then skipped (TRL does the same) and the learner uses its own detached log-probs, so the
+    ratio is exactly 1. It also needs a run without a reference model (β = 0): the KL and its
+    controller are computed from the old log-probs before training. In async mode the rollout
+    weights lag, but the old log-probs are still those of the current weights, so the rule is the
+    same; the rollout correction compares them with the sampler's log-probs inside the learner.
+    """
+    samples = config.rollout.rollout_batch_size * config.rollout.n_samples_per_prompt
+    one_step = config.train.max_epochs == 1 and (config.train.train_batch_size or samples) >= samples
+    return one_step and not config.needs_reference
+
+
+def policy_loss_config(config: PPOConfig, *, kl_coef: float) -> PolicyLossConfig:
+    """The learner's objective: `algo.policy` (the loss and its options, verbatim) and the KL in
+    the loss (`algo.kl.loss_*`, β = `kl_coef`) when `algo.kl.use_kl_loss`.
+
+    Raises ValueError naming the `PolicyLossConfig` field for a combination it refuses.
+    """
+    policy, kl = config.algo.policy, config.algo.kl
+    correction = policy.is_correction
+    if correction == "auto":
+        correction = "tis" if config.rollout.async_train else "none"
+    return PolicyLossConfig(
+        name=policy.loss,
+        options=dict(policy.options),
+        aggregation=policy.aggregation,
+        horizon=config.rollout.generate_max_len if policy.aggregation == "seq-mean-token-sum-norm" else None,
+        kl_coef=kl_coef if kl.use_kl_loss else 0.0,
+        kl_estimator=kl.loss_estimator,
+        kl_options=dict(kl.loss_options),
+        entropy_coef=policy.entropy_coef,
+        correction=correction,
+        correction_level=policy.is_correction_level,
+        correction_gating=policy.is_correction_gating,
+        correction_bounds=policy.is_correction_bounds,
+        temperature=config.rollout.temperature,
+        old_logprobs_from_forward=old_logprobs_from_training(config),
+    )
+
+
+def value_loss_config(config: PPOConfig, policy: PolicyLossConfig) -> ValueLossConfig:
+    """The critic's clipped value loss, aggregated like the policy loss."""
+    return ValueLossConfig(
+        clip_range=config.algo.value_clip, aggregation=policy.aggregation, horizon=policy.horizon
+    )
+
+
+def score_batch(
+    config: PPOConfig,
+    batch: ExperienceBatch,
+    rewards: torch.Tensor,
+    *,
+    kl_coef: float,
+    baseline_rewards: torch.Tensor | None = None,
+) -> dict[str, float]:
+    """Fill `batch.advantages` and `batch.returns` from the outcome `rewards` `[B]`; metrics back.
+
+    With a reference model, the per-token KL `algo.kl.reward_estimator`(old ‖ ref) is measured
+    (`kl/mean`, the per-sequence sum averaged) and, unless the KL goes into the loss, subtracted
+    from the token rewards with β = `kl_coef`. `reward.clip` clips the outcome rewards; an
+    estimator that declares `reward_clip` (reinforce_baseline: OpenRLHF centres, then clips)
+    gets the raw rewards and the clip instead. `baseline_rewards` `[B]` (ReMax's greedy
+    answers) are clipped like the rewards.
+    """
+    kl_config = config.algo.kl
+    mask = batch.response_action_mask()
+    metrics: dict[str, float] = {}
+    kl = None
+    if batch.ref_logprobs is not None:  # never without old log-probs (old_logprobs_from_training)
+        kl = kl_penalty(
+            batch.response_view(batch.old_logprobs),
+            batch.response_view(batch.ref_logprobs),
+            kl_config.reward_estimator,
+            **kl_config.reward_options,
+        )
+        kl = kl * mask
+        metrics["kl/mean"] = float(kl.sum(-1).mean())
+    in_reward = kl is not None and not kl_config.use_kl_loss
+    clip = config.reward.clip
+    token_rewards = token_level_rewards(
+        rewards, mask, kl=kl if in_reward else None, kl_coef=kl_coef if in_reward else 0.0, reward_clip=clip
+    )
+    estimator = config.algo.advantage.estimator
+    clips_itself = estimator_takes(estimator, "reward_clip")
+    inputs: dict[str, Any] = {
+        "rewards": rewards if clips_itself or not clip else rewards.clamp(-clip, clip),
+        "token_rewards": token_rewards,
+        "values": batch.response_view(batch.values) if batch.values is not None else None,
+        "action_mask": mask,
+        "group_ids": batch.group_ids,
+    }
+    if clips_itself:
+        inputs["reward_clip"] = clip
+    if baseline_rewards is not None:
+        baseline = baseline_rewards if clips_itself or not clip else baseline_rewards.clamp(-clip, clip)
+        inputs["baseline_rewards"] = baseline
+        metrics["reward/greedy_baseline_mean"] = float(baseline.mean())
+    advantages, returns = compute_advantages(estimator, **inputs, **estimator_options(config))
+    batch.advantages = batch.from_response_view(advantages.float())
+    batch.returns = batch.from_response_view(returns.float())
+    metrics["advantages/mean"] = _masked_mean(advantages, mask)
+    metrics["advantages/abs_mean"] = _masked_mean(advantages.abs(), mask)
+    return metrics
+
+
+def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> float:
+    count = mask.sum()
+    return float((values * mask).sum() / count) if count > 0 else 0.0

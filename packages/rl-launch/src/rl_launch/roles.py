@@ -1,0 +1,339 @@
+"""The actors of a run and every call the step loop makes on them.
+
+`Roles.start(config, inputs)` places the roles (`rl_launch.cluster`), builds each learner's
+and engine's spec from the config and waits until every actor is up. Its methods are the
+loop's vocabulary: `forwards` (old / reference log-probs, values, reward-model scores, all roles
+at once), `train` (critic and policy on the same mini-batch, at once), `sync_weights`, `save`,
+`load`, `export`. A batch is split over the ranks of a role by token budget
+(`rl_data.plan_micro_batches`), and the per-rank results are put back in batch order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import torch
+
+from rl_data import ExperienceBatch, compare_checksums, micro_batches, plan_micro_batches
+from rl_learner import DeepSpeedConfig, LoraOptions, OptimizerConfig
+
+from .actors import ActorGroup, EngineSpec, LearnerSpec, LearnerWorker, RolloutWorker
+from .cluster import ClusterError, cluster_has_gpus, place_roles, plan_roles
+from .config import PPOConfig
+
+__all__ = ["TRAINED_ROLES", "Roles"]
+
+TRAINED_ROLES = ("policy", "critic")
+
+
+def _get_all(futures: dict[str, list]) -> dict[str, list]:
+    """Wait once for every future of several calls: name -> [result per rank]."""
+    import ray
+
+    done = iter(ray.get([future for per_rank in futures.values() for future in per_rank]))
+    return {name: [next(done) for _ in per_rank] for name, per_rank in futures.items()}
+
+
+def _assemble(
+    batch: ExperienceBatch, parts: Sequence[Sequence[ExperienceBatch]], results: Sequence[Sequence]
+) -> torch.Tensor:
+    """Per-token results of every rank's micro-batches → one [N] tensor aligned with `batch`."""
+    full = torch.zeros(batch.response_action_mask().shape, dtype=torch.float32)
+    for rank_parts, rank_results in zip(parts, results, strict=True):
+        for part, values in zip(rank_parts, rank_results, strict=True):
+            if part.indices.numel():
+                view = part.response_view(values.float().cpu())
+                full[part.indices, : view.shape[1]] = view
+    return batch.from_response_view(full)
+
+
+def _assemble_scores(
+    batch: ExperienceBatch, parts: Sequence[Sequence[ExperienceBatch]], results: Sequence[Sequence]
+) -> torch.Tensor:
+    scores = torch.zeros(batch.rewards.shape, dtype=torch.float32)
+    for rank_parts, rank_results in zip(parts, results, strict=True):
+        for part, values in zip(rank_parts, rank_results, strict=True):
+            if part.indices.numel():
+                scores[part.indices] = values.float().cpu()
+    return scores
+
+
+class Roles:
+    """The learner groups (`groups[role]`) and the rollout engines of one run."""
+
+    def __init__(self, config: PPOConfig, *, plugins: tuple = ()) -> None:
+        self.config = config
+        self.plugins = plugins
+        self.groups: dict[str, ActorGroup] = {}
+        self.engines: ActorGroup | None = None
+        self.placement: dict[str, Any] = {}
+        self.kv_cache_bytes: list[int | None] = []
+
+    # ------------------------------------------------------------------------------------------
+    # Start-up
+
+    def start(self, inputs: Any, *, log_dir: str | None, total_steps: int) -> None:
+        """Place every role, start its actors and wait (at most `ray.startup_timeout_s`)."""
+        import ray
+
+        cfg = self.config
+        use_gpus = cfg.ray.device == "cuda" or (cfg.ray.device == "auto" and cluster_has_gpus())
+        self.device = "cuda" if use_gpus else "cpu"
+        self.dtype = cfg.model.dtype if cfg.model.dtype != "auto" else ("bf16" if use_gpus else "fp32")
+        layouts = {layout.role: layout for layout in plan_roles(cfg, use_gpus=use_gpus)}
+        self.placement = place_roles(list(layouts.values()), timeout_s=cfg.ray.startup_timeout_s)
+        from rl_data.transport import free_port
+
+        futures = []
+        for role, spec in self._learner_specs(inputs, total_steps).items():
+            if role not in layouts:
+                continue
+            layout = layouts[role]
+            port = free_port()
+            spec = msgspec.structs.replace(spec, log_dir=log_dir, plugins=self.plugins)
+            self.groups[role] = ActorGroup(
+                role,
+                LearnerWorker,
+                [(spec, rank, layout.num_actors, port) for rank in range(layout.num_actors)],
+                placement_group=self.placement[layout.group],
+                num_gpus=layout.num_gpus,
+                num_cpus=layout.num_cpus,
+            )
+            futures += self.groups[role].submit("ready")
+        engine = layouts["engine"]
+        self.engines = ActorGroup(
+            "engine",
+            RolloutWorker,
+            [(self._engine_spec(inputs, use_gpus, log_dir), index) for index in range(engine.num_actors)],
+            placement_group=self.placement[engine.group],
+            num_gpus=engine.num_gpus,
+            num_cpus=engine.num_cpus,
+            # vLLM logs every weight reload at INFO and WARNING; that would bury the progress bar
+            env={"VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "ERROR")},
+        )
+        engine_ready = self.engines.submit("ready")
+        done, waiting = ray.wait(
+            futures + engine_ready,
+            num_returns=len(futures) + len(engine_ready),
+            timeout=cfg.ray.startup_timeout_s,
+        )
+        ray.get(done)  # re-raises the first start-up error (model loading, engine start)
+        if waiting:
+            raise ClusterError(
+                f"{len(waiting)} actors did not start within ray.startup_timeout_s = {cfg.ray.startup_timeout_s:g} s"
+            )
+        engines = ray.get(engine_ready)
+        self.engine_sync_sizes = [size for size, _ in engines]
+        self.kv_cache_bytes = [kv for _, kv in engines]
+
+    def _learner_specs(self, inputs: Any, total_steps: int) -> dict[str, LearnerSpec]:
+        cfg, dtype = self.config, self.dtype
+        ds = DeepSpeedConfig(
+            zero_stage=cfg.train.zero_stage,
+            dtype=dtype,
+            offload_optimizer=cfg.train.adam_offload,
+            gradient_checkpointing=cfg.model.gradient_checkpointing,
+            attn_implementation=cfg.model.attn_implementation,
+            micro_batch_tokens=cfg.train.micro_batch_tokens,
+        )
+        inference = msgspec.structs.replace(ds, offload_optimizer=False)
+
+        def optimizer(lr: float) -> OptimizerConfig:
+            t = cfg.train
+            return OptimizerConfig(
+                lr=lr,
+                betas=t.adam_betas,
+                weight_decay=t.weight_decay,
+                warmup_ratio=t.lr_warmup_ratio,
+                min_lr_ratio=t.min_lr_ratio,
+                grad_clip=t.max_norm,
+            )
+
+        lora = None
+        if cfg.model.lora_rank > 0:
+            targets = cfg.model.target_modules
+            lora = LoraOptions(
+                rank=cfg.model.lora_rank,
+                alpha=float(cfg.model.lora_alpha),
+                target_modules="all-linear" if targets == ["all-linear"] else list(targets),
+            )
+        common = {"dtype": dtype, "seed": cfg.train.seed}
+        return {
+            "policy": LearnerSpec(
+                role="policy",
+                model_path=inputs.model_path,
+                deepspeed=ds,
+                lora=lora,
+                optimizer=optimizer(cfg.train.actor_learning_rate),
+                total_steps=total_steps,
+                **common,
+            ),
+            "ref": LearnerSpec(role="ref", model_path=inputs.model_path, deepspeed=inference, **common),
+            "critic": LearnerSpec(
+                role="critic",
+                model_path=inputs.critic_path,
+                deepspeed=ds,
+                optimizer=optimizer(cfg.train.critic_learning_rate),
+                total_steps=total_steps,
+                **common,
+            ),
+            "reward_model": LearnerSpec(
+                role="reward_model", model_path=inputs.reward_model_path or "", deepspeed=inference, **common
+            ),
+        }
+
+    def _engine_spec(self, inputs: Any, use_gpus: bool, log_dir: str | None) -> EngineSpec:
+        cfg = self.config
+        r = cfg.rollout
+        return EngineSpec(
+            kind=r.engine,
+            options=dict(r.engine_options),
+            model_path=inputs.model_path,
+            dtype=self.dtype,
+            max_model_len=cfg.data.prompt_max_len + r.generate_max_len,
+            seed=r.seed,
+            tensor_parallel_size=r.tensor_parallel_size,
+            gpu_memory_utilization=r.gpu_memory_utilization,
+            max_num_seqs=r.max_num_seqs
+            or math.ceil(r.rollout_batch_size / r.num_engines) * r.n_samples_per_prompt,
+            enforce_eager=r.enforce_eager or not use_gpus,
+            reward_function=inputs.reward_function,
+            reward_url=inputs.reward_url,
+            reward_timeout_s=cfg.reward.timeout_s,
+            log_dir=log_dir,
+            plugins=self.plugins,
+        )
+
+    def init_weight_sync(self) -> str:
+        """One sync group: policy DP rank 0 sends, every engine worker receives; its description."""
+        import ray
+
+        from rl_data.transport import WeightSyncSpec, free_port
+
+        layout = self.groups["policy"].call("sync_layout", self.dtype)[0]
+        backend = "nccl" if self.device == "cuda" else "gloo"
+        spec = WeightSyncSpec(
+            transport="broadcast",
+            layout=layout,
+            port=free_port(),
+            world_size=1 + sum(self.engine_sync_sizes),
+            backend=backend,
+            timeout_s=self.config.ray.startup_timeout_s,
+        )
+        offsets = [1 + sum(self.engine_sync_sizes[:i]) for i in range(len(self.engine_sync_sizes))]
+        futures = self.groups["policy"].submit("init_sync", spec)
+        futures += self.engines.submit("init_sync", per_rank=[(spec, offset) for offset in offsets])
+        ray.get(futures)
+        return f"bucketed broadcast ({backend})"
+
+    # ------------------------------------------------------------------------------------------
+    # The step's calls
+
+    def split(self, batch: ExperienceBatch, role: str) -> list[list[ExperienceBatch]]:
+        """`batch` planned over the ranks of `role`: each rank's micro-batches (dynamic batching)."""
+        ranks = len(self.groups[role])
+        plan = plan_micro_batches(
+            batch.sequence_lengths.tolist(), max_tokens=self.config.train.micro_batch_tokens, num_ranks=ranks
+        )
+        return [micro_batches(batch, plan, rank) for rank in range(ranks)]
+
+    def forwards(
+        self, batch: ExperienceBatch, *, old_logprobs: bool, temperature: float
+    ) -> torch.Tensor | None:
+        """Fill the batch's old / reference log-probs and values; the reward-model scores [B] or None.
+
+        Every role that has something to compute starts at once, and one wait collects them all.
+        """
+        calls = {}
+        if old_logprobs:
+            calls["old_logprobs"] = ("policy", "logprobs", (temperature,))
+        if "ref" in self.groups:
+            calls["ref_logprobs"] = ("ref", "logprobs", (temperature,))
+        if "critic" in self.groups:
+            calls["values"] = ("critic", "values", ())
+        if "reward_model" in self.groups:
+            calls["scores"] = ("reward_model", "scores", ())
+        parts = {name: self.split(batch, role) for name, (role, _, _) in calls.items()}
+        futures = {
+            name: self.groups[role].submit(method, per_rank=[(p, *args) for p in parts[name]])
+            for name, (role, method, args) in calls.items()
+        }
+        results = _get_all(futures)
+        for name in calls:
+            if name != "scores":
+                setattr(batch, name, _assemble(batch, parts[name], results[name]))
+        return _assemble_scores(batch, parts["scores"], results["scores"]) if "scores" in calls else None
+
+    def train(self, mini: ExperienceBatch, losses: dict[str, Any]) -> dict[str, dict[str, float]]:
+        """One optimizer step of each trained role on `mini` (at once); role -> its metrics."""
+        roles = [role for role in losses if role in self.groups]
+        futures = {
+            role: self.groups[role].submit(
+                "train_step", per_rank=[(p, losses[role]) for p in self.split(mini, role)]
+            )
+            for role in roles
+        }
+        return {role: per_rank[0] for role, per_rank in _get_all(futures).items()}  # equal on every rank
+
+    def sync_weights(self, version: int) -> dict[str, float]:
+        """Send the policy's weights to every engine as `version`; time, size and checksum match."""
+        import ray
+
+        sent = self.groups["policy"].submit("sync", version)
+        received = self.engines.submit("receive", version)
+        report = ray.get(sent)[0]
+        mismatched = sum(len(compare_checksums(report, other)) for other in ray.get(received))
+        return {
+            "sync/seconds": float(report.seconds),
+            "sync/gigabytes": report.num_bytes / 1e9,
+            "health/sync_checksum_match": float(mismatched == 0),
+        }
+
+    # ------------------------------------------------------------------------------------------
+    # Checkpoints, export, shutdown
+
+    def trained(self) -> list[str]:
+        return [role for role in TRAINED_ROLES if role in self.groups]
+
+    def save(self, root: str, step: int, state: Any) -> None:
+        for role in self.trained():
+            self.groups[role].call(
+                "save", os.path.join(root, role), step, state, self.config.ckpt.max_ckpt_num
+            )
+
+    def load(self, checkpoints: dict[str, Any]) -> Any:
+        """Load `checkpoints[role]` (a checkpoint folder) into every trained role; the policy's
+        TrainingState. The folders were chosen by `rl_launch.runs` (written by this run)."""
+        states = {
+            role: self.groups[role].call("load", str(Path(folder).parent), Path(folder).name)[0]
+            for role, folder in checkpoints.items()
+        }
+        return states["policy"]
+
+    def export(self, path: str, tokenizer_path: str) -> None:
+        self.groups["policy"].call("export", path, tokenizer_path)
+
+    def describe(self) -> str:
+        """One start-up line: the actors of every role and the engines' KV cache."""
+        roles = ", ".join(f"{role} x{len(group)}" for role, group in self.groups.items())
+        line = f"actors ready: {roles}, {self.config.rollout.engine} engine x{len(self.engines)}"
+        sizes = {size for size in self.kv_cache_bytes if size is not None}
+        if sizes:
+            line += f" (KV cache {max(sizes) / 2**20:.0f} MiB each)"
+        return line
+
+    def shutdown(self) -> None:
+        from ray.util.placement_group import remove_placement_group
+
+        for group in [*self.groups.values(), *([self.engines] if self.engines is not None else [])]:
+            with contextlib.suppress(Exception):  # an actor that already died
+                group.kill()
+        for placement in self.placement.values():
+            with contextlib.suppress(Exception):
+                remove_placement_group(placement)

@@ -1,0 +1,290 @@
+"""Components of `rl-launch ppo` (no Ray): each found by name, each given its own config section
+verbatim, an option it does not take refused with the dotted name, bad combinations refused
+before anything starts, and the objective the learners get."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import yaml
+
+from rl_algos import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
+from rl_data import ExperienceBatch, Trajectory, build_experience
+from rl_launch.algorithm import old_logprobs_from_training, policy_loss_config, score_batch
+from rl_launch.cli import main, resolve_ppo_config
+from rl_launch.components import ENGINES, REWARDS, check_components, describe_components, list_components
+from rl_launch.config import ConfigError
+
+BASE = {
+    "model.pretrain": "/models/never-loaded",
+    "data.prompt_data": "/data/never-read.jsonl",
+    "algo.advantage.estimator": "grpo",
+    "rollout.rollout_batch_size": "8",
+    "rollout.n_samples_per_prompt": "4",
+}
+
+
+def config(**overrides: str):
+    cfg = resolve_ppo_config(None, {**BASE, **{key.replace("__", "."): v for key, v in overrides.items()}})
+    check_components(cfg)
+    return cfg
+
+
+def refused(pattern: str, **overrides: str) -> None:
+    with pytest.raises(ConfigError, match=pattern):
+        config(**overrides)
+
+
+# ---------------------------------------------------------------------------- options verbatim
+
+
+@pytest.mark.parametrize(
+    ("loss", "options"),
+    [
+        ("ppo", {"epsilon_low": 0.1, "epsilon_high": 0.28, "dual_clip": 3.0}),
+        ("gspo", {"epsilon_high": 5e-4}),
+        ("sapo", {"tau_positive": 0.5, "tau_negative": 2.0}),
+        ("clip_cov", {"clip_cov_ratio": 0.01}),
+        ("kl_cov", {"kl_cov_ratio": 0.01, "ppo_kl_coef": 2.0}),
+    ],
+)
+def test_the_loss_section_reaches_the_learner_verbatim(loss, options):
+    overrides = {f"algo__policy__options__{key}": str(value) for key, value in options.items()}
+    cfg = config(algo__policy__loss=loss, **overrides)
+    learner = policy_loss_config(cfg, kl_coef=0.0)
+    assert (learner.name, learner.options) == (loss, options)
+
+
+@pytest.mark.parametrize("loss", ["gspo", "gmpo", "cispo", "sapo", "reinforce"])
+def test_a_loss_without_options_runs_with_its_own_defaults(loss):
+    # Nothing of another component (PPO's 0.2) is passed: GSPO keeps 3e-4 / 4e-4, GMPO 0.4, ...
+    assert policy_loss_config(config(algo__policy__loss=loss), kl_coef=0.0).options == {}
+    assert "loss sapo(tau_positive=1.0, tau_negative=1.05)," in describe_components(
+        config(algo__policy__loss="sapo")
+    )
+
+
+def test_the_start_up_line_shows_each_component_with_the_options_it_runs_with():
+    line = describe_components(config(algo__policy__loss="gspo", algo__policy__options__epsilon_high="5e-4"))
+    assert "loss gspo(epsilon_low=0.0003, epsilon_high=0.0005)" in line
+    line = describe_components(config(algo__advantage__estimator="gae"))
+    assert "advantages gae(gamma=1.0, lam=1.0, whiten=True)" in line
+
+
+@pytest.mark.parametrize(
+    ("overrides", "pattern"),
+    [
+        (
+            {"algo__policy__loss": "gspo", "algo__policy__options__dual_clip": "3"},
+            r"^algo\.policy\.options\.dual_clip: not an option of policy loss 'gspo'; it takes epsilon_high, epsilon_low$",
+        ),
+        (
+            {"algo__policy__options__eps_clip": "0.2"},
+            r"^algo\.policy\.options\.eps_clip: not an option of policy loss 'ppo'; it takes dual_clip, epsilon_high, epsilon_low$",
+        ),
+        (
+            {"algo__advantage__options__gamma": "0.9"},
+            r"^algo\.advantage\.options\.gamma: not an option of advantage estimator 'grpo'; it takes centre, "
+            r"epsilon, preset, scale, singleton, unbiased$",
+        ),
+        (
+            {"algo__advantage__estimator": "rloo", "algo__advantage__options__whiten": "true"},
+            r"^algo\.advantage\.options\.whiten: not an option of advantage estimator 'rloo'; it takes singleton$",
+        ),
+        (
+            {"algo__kl__loss_options__clamp": "3"},
+            r"^algo\.kl\.loss_options\.clamp: not an option of KL penalty 'kl_penalty'; it takes importance_weight_cap, "
+            r"log_ratio_clamp, unbiased_gradient, value_clamp \(did you mean value_clamp\?\)$",
+        ),
+        (
+            {"algo__kl__reward_options__unbiased_gradient": "true"},
+            r"^algo\.kl\.reward_options\.unbiased_gradient: not an option of KL penalty",
+        ),
+        (
+            {"rollout__engine": "hf", "rollout__engine_options__max_batch": "8"},
+            r"^rollout\.engine_options\.max_batch: not an option of rollout engine 'hf'; it takes .*max_batch_size",
+        ),
+    ],
+)
+def test_an_option_the_component_does_not_take_is_refused_naming_it(overrides, pattern):
+    refused(pattern, **overrides)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "pattern"),
+    [
+        (
+            {"algo__policy__options__epsilon_low": "1.0"},
+            r"^algo\.policy\.options: policy loss 'ppo' refused.*epsilon_low must be in \(0, 1\)",
+        ),
+        ({"algo__policy__options__dual_clip": "0.5"}, r"^algo\.policy\.options: .*dual_clip must be > 1"),
+        (
+            {"algo__advantage__options__singleton": "maybe"},
+            r"^algo\.advantage\.options: advantage estimator 'grpo' refused",
+        ),
+        (
+            {"algo__advantage__estimator": "gae", "algo__advantage__options__lam": "2"},
+            r"^algo\.advantage\.options: .*lam",
+        ),
+        (
+            {"algo__kl__loss_options__value_clamp": "-1"},
+            r"^algo\.kl\.loss_options: KL estimator 'k3' refused",
+        ),
+    ],
+)
+def test_a_bad_option_value_fails_in_the_dry_run_with_the_section_name(overrides, pattern):
+    refused(pattern, **overrides)
+
+
+# ---------------------------------------------------------------------------- combinations
+
+
+@pytest.mark.parametrize(
+    ("overrides", "pattern"),
+    [
+        (
+            {
+                "algo__kl__init_kl_coef": "0.01",
+                "algo__kl__use_kl_loss": "true",
+                "algo__kl__loss_estimator": "k1",
+            },
+            r"^algo\.kl\.loss_estimator: 'k1' as a loss term has zero expected gradient; use 'k3' or 'low_var_kl'",
+        ),
+        (
+            {"algo__kl__kl_target": "0.1"},
+            r"^algo\.kl\.kl_target: 0\.1 needs algo\.kl\.init_kl_coef > 0",
+        ),
+        (
+            {"algo__kl__init_kl_coef": "0.01"},
+            r"^algo\.kl\.init_kl_coef: 0\.01 puts the KL into the reward, but estimator 'grpo'",
+        ),
+        (
+            {"algo__advantage__estimator": "remax", "model__reward_pretrain": "/rm"},
+            r"^algo\.advantage\.estimator: 'remax' takes the rule / remote reward of a greedy answer",
+        ),
+        (
+            {"algo__policy__is_correction": "truncate", "algo__policy__is_correction_gating": "binary_kl"},
+            r"^algo\.policy: .*correction",
+        ),
+        ({"rollout__engine": "sglang"}, r"^rollout\.engine: 'sglang' is not one of hf, vllm"),
+        ({"reward__function": "made_up"}, r"^reward\.function: 'made_up' is neither a registered reward"),
+    ],
+)
+def test_combinations_that_cannot_work_fail_before_anything_starts(overrides, pattern):
+    refused(pattern, **overrides)
+
+
+def test_k1_in_the_reward_and_k3_in_the_loss_are_the_defaults_and_each_side_is_its_own():
+    cfg = config(algo__kl__init_kl_coef="0.01", algo__kl__use_kl_loss="true")
+    assert policy_loss_config(cfg, kl_coef=0.01).kl_estimator == "k3"
+    cfg = config(
+        algo__kl__init_kl_coef="0.01",
+        algo__kl__use_kl_loss="true",
+        algo__kl__loss_estimator="k3+",
+        algo__kl__loss_options__unbiased_gradient="true",
+    )
+    learner = policy_loss_config(cfg, kl_coef=0.01)
+    assert (learner.kl_estimator, learner.kl_options, learner.kl_coef) == (
+        "k3+",
+        {"unbiased_gradient": True},
+        0.01,
+    )
+    assert config(algo__kl__reward_estimator="k2").algo.kl.reward_estimator == "k2"
+
+
+def test_the_whole_check_is_fast():
+    cfg = config()
+    began = time.perf_counter()
+    for _ in range(20):
+        check_components(cfg)
+    assert time.perf_counter() - began < 20  # a sanity bound: twenty passes, not a benchmark
+
+
+def test_the_cli_refuses_a_bad_component_option_with_exit_code_2(capsys):
+    args = ["ppo", *[f"--{k}={v}" for k, v in BASE.items()], "--algo.policy.options.epsilon", "0.2"]
+    assert main(args) == 2
+    assert "algo.policy.options.epsilon: not an option of policy loss 'ppo'" in capsys.readouterr().err
+
+
+def test_the_cli_takes_dict_entries_in_both_spellings(capsys):
+    args = [
+        "ppo",
+        *[f"--{k}={v}" for k, v in BASE.items()],
+        "--print-config",
+        "--algo.policy.options.epsilon_high",
+        "0.28",
+        "--algo.policy.options.dual_clip=3",
+    ]
+    assert main(args) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["algo"]["policy"]["options"] == {"epsilon_high": 0.28, "dual_clip": 3}
+
+
+# ---------------------------------------------------------------------------- the advantages
+
+
+def _records(rewards, groups):
+    return [
+        Trajectory(
+            prompt_ids=torch.tensor([1, 2]),
+            response_ids=torch.tensor([3, 4, 5]),
+            reward=float(r),
+            group_id=g,
+            rollout_logprobs=torch.full((3,), -1.0),
+        )
+        for r, g in zip(rewards, groups, strict=True)
+    ]
+
+
+def test_score_batch_passes_the_estimator_its_options_verbatim():
+    batch = build_experience(_records([1.0, 0.0, 1.0, 1.0], [0, 0, 1, 1]))
+    cfg = config(algo__advantage__options__scale="none")  # grpo without the std division
+    score_batch(cfg, batch, batch.rewards.clone(), kl_coef=0.0)
+    first = batch.response_view(batch.advantages)[:, 0]
+    assert first.tolist() == pytest.approx([0.5, -0.5, 0.0, 0.0])
+
+
+def test_gae_whitens_its_advantages_by_default_and_not_when_told():
+    records = _records([1.0, 0.0, 1.0, 0.5], [0, 1, 2, 3])
+    for whiten, expect_unit in (("true", True), ("false", False)):
+        batch: ExperienceBatch = build_experience(records)
+        batch.values = batch.from_response_view(torch.zeros(4, 3))
+        cfg = config(algo__advantage__estimator="gae", algo__advantage__options__whiten=whiten)
+        score_batch(cfg, batch, batch.rewards.clone(), kl_coef=0.0)
+        adv = batch.response_view(batch.advantages)
+        assert (abs(float(adv.std(unbiased=False)) - 1.0) < 1e-3) is expect_unit
+
+
+def test_old_logprobs_come_from_the_training_forward_only_with_one_update_per_batch():
+    assert old_logprobs_from_training(config())
+    assert not old_logprobs_from_training(config(train__train_batch_size="16"))  # 2 mini-batches
+    assert not old_logprobs_from_training(config(train__max_epochs="2"))
+    kl = {"algo__kl__init_kl_coef": "0.01", "algo__kl__use_kl_loss": "true"}
+    assert not old_logprobs_from_training(config(**kl))  # the KL needs them before training
+    assert policy_loss_config(config(), kl_coef=0.0).old_logprobs_from_forward
+
+
+# ---------------------------------------------------------------------------- the registries
+
+
+def test_rl_launch_components_lists_every_registered_name_with_its_options(capsys):
+    assert main(["components"]) == 0
+    out = capsys.readouterr().out
+    for name in [*ADVANTAGE_ESTIMATORS, *POLICY_LOSSES, *ENGINES, *REWARDS]:
+        assert name in out
+    assert "gspo(epsilon_low=0.0003, epsilon_high=0.0004)" in out
+    assert list_components() == out
+
+
+def test_a_vllm_engine_option_is_checked_against_vllms_own_engine_arguments():
+    cfg = config(
+        rollout__engine_options__enable_prefix_caching="false",
+        rollout__engine_options__max_num_batched_tokens="512",
+    )
+    assert cfg.rollout.engine_options == {"enable_prefix_caching": False, "max_num_batched_tokens": 512}
+    refused(
+        r"^rollout\.engine_options\.enable_prefix_cachin: not an option of rollout engine 'vllm'",
+        rollout__engine_options__enable_prefix_cachin="false",
+    )
