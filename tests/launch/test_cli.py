@@ -74,7 +74,7 @@ def test_ppo_help_as_a_module_subprocess():
     entries = help_entries(result.stdout)
     assert entries["algo.advantage.estimator"].endswith("(default: gae)")
     assert (
-        entries["ray.policy.num_actors"] == "INT Ray actors (data-parallel ranks) of this role. (default: 1)"
+        entries["ray.policy.num_actors"] == "INT Ray actors (data-parallel ranks) of this role. [>= 1] (default: 1)"
     )
     assert "ray.policy:" in result.stdout
 
@@ -177,7 +177,7 @@ def test_the_files_preset_is_used_and_the_flag_overrides_it(capsys, tmp_path):
         ),
         (["--train.max_norm", "abc"], "train.max_norm: expected float, got 'abc'"),
         (["--ray.device", "gpu"], "ray.device: 'gpu' is not one of auto, cpu, cuda"),
-        (["--ray.critic.num_actors", "0"], "ray.critic.num_actors: 0 must be > 0"),
+        (["--ray.critic.num_actors", "0"], "ray.critic.num_actors: 0 must be >= 1"),
         (["--train.zero_stage", "4"], "train.zero_stage: '4' is not one of 0, 1, 2, 3"),
         (
             [

@@ -16,9 +16,10 @@ anything slow (Ray, engines, models) starts.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
+from msgspec import Meta
 
 from rl_algos import ADVANTAGE_ESTIMATORS, AGGREGATION_MODES, KL_ESTIMATORS, POLICY_LOSSES
 
@@ -49,20 +50,21 @@ class ConfigError(ValueError):
     """A configuration value is wrong; the message names the dotted field and what is allowed."""
 
 
+# Ranges are msgspec constraints, checked while the config is decoded; a value outside fails as
+# `train.max_steps: expected int >= 1 (value: 0)`. `__post_init__` keeps the checks that span
+# several fields or need a registry.
+PositiveInt = Annotated[int, Meta(ge=1)]
+NonNegativeInt = Annotated[int, Meta(ge=0)]
+Positive = Annotated[float, Meta(gt=0)]
+NonNegative = Annotated[float, Meta(ge=0)]
+Fraction = Annotated[float, Meta(gt=0, le=1)]
+"""In (0, 1]."""
+UnitInterval = Annotated[float, Meta(ge=0, le=1)]
+"""In [0, 1]."""
+
+
 def _fail(field: str, value: Any, expected: str) -> None:
     raise ConfigError(f"{field}: {value!r} {expected}")
-
-
-def _positive(field: str, value: float | int | None, *, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if value is None or value <= 0:
-        _fail(field, value, "must be > 0")
-
-
-def _non_negative(field: str, value: float | int) -> None:
-    if value < 0:
-        _fail(field, value, "must be >= 0")
 
 
 def _one_of(field: str, value: Any, allowed: Any) -> None:
@@ -87,16 +89,12 @@ class ModelConfig(_Section):
     """Attention kernel of the learners."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass (less memory, ~30% more compute)."""
-    lora_rank: int = 0
+    lora_rank: NonNegativeInt = 0
     """LoRA rank of the policy; 0 trains all weights."""
-    lora_alpha: int = 16
+    lora_alpha: PositiveInt = 16
     """LoRA alpha (scale alpha / rank)."""
     target_modules: list[str] = msgspec.field(default_factory=lambda: ["all-linear"])
     """Modules LoRA adapts (peft names), or "all-linear"."""
-
-    def __post_init__(self) -> None:
-        _non_negative("model.lora_rank", self.lora_rank)
-        _positive("model.lora_alpha", self.lora_alpha)
 
 
 class DataConfig(_Section):
@@ -108,31 +106,26 @@ class DataConfig(_Section):
     """Column holding the label given to the reward function; None: no labels."""
     apply_chat_template: bool = True
     """Render prompts with the tokenizer's chat template."""
-    prompt_max_len: int = 1024
+    prompt_max_len: PositiveInt = 1024
     """Longest prompt in tokens; longer prompts are dropped with a warning count."""
-    max_samples: int | None = None
+    max_samples: PositiveInt | None = None
     """Use at most this many training prompts."""
     eval_dataset: str | None = None
     """Evaluation prompts (same format); None: no evaluation unless the preset has some."""
-    eval_max_samples: int | None = 256
+    eval_max_samples: PositiveInt | None = 256
     """Use at most this many evaluation prompts."""
-
-    def __post_init__(self) -> None:
-        _positive("data.prompt_max_len", self.prompt_max_len)
-        _positive("data.max_samples", self.max_samples, allow_none=True)
-        _positive("data.eval_max_samples", self.eval_max_samples, allow_none=True)
 
 
 class RolloutConfig(_Section):
-    n_samples_per_prompt: int = 8
+    n_samples_per_prompt: PositiveInt = 8
     """Responses sampled per prompt (the group size of GRPO/RLOO)."""
-    rollout_batch_size: int = 32
+    rollout_batch_size: PositiveInt = 32
     """Prompts per training step."""
-    generate_max_len: int = 1024
+    generate_max_len: PositiveInt = 1024
     """Most new tokens per response."""
-    temperature: float = 1.0
+    temperature: Positive = 1.0
     """Sampling temperature (the learners compute log-probs at the same temperature)."""
-    top_p: float = 1.0
+    top_p: Fraction = 1.0
     """Nucleus sampling threshold."""
     top_k: int = -1
     """Top-k sampling; -1 turns it off."""
@@ -142,13 +135,13 @@ class RolloutConfig(_Section):
     engine_options: dict[str, Any] = msgspec.field(default_factory=dict)
     """Keyword options of that engine's constructor, passed verbatim and added to the ones the run
     sets itself (e.g. `--rollout.engine_options.enable_prefix_caching true` for vllm)."""
-    num_engines: int = 1
+    num_engines: PositiveInt = 1
     """Rollout engines (vllm_num_engines); prompts are split across them."""
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: PositiveInt = 1
     """GPUs per engine (vllm_tensor_parallel_size)."""
-    gpu_memory_utilization: float = 0.6
+    gpu_memory_utilization: Fraction = 0.6
     """Fraction of a GPU's memory vLLM may take (on GPUs; on CPU the KV cache follows max_num_seqs)."""
-    max_num_seqs: int | None = None
+    max_num_seqs: PositiveInt | None = None
     """Sequences one engine runs at once (vLLM's max_num_seqs); None: one step's share, prompts per
     engine x n_samples_per_prompt. On CPU the engine sizes its KV cache for that many sequences."""
     enforce_eager: bool = False
@@ -160,24 +153,14 @@ class RolloutConfig(_Section):
     """DAPO dynamic sampling: drop groups whose mean reward is outside the range and sample more prompts."""
     dynamic_filtering_reward_range: tuple[float, float] = (0.0, 1.0)
     """(low, high): groups with low < mean reward < high are kept."""
-    max_sampling_rounds: int = 4
+    max_sampling_rounds: PositiveInt = 4
     """Rounds of sampling one step may take to fill its batch under dynamic filtering."""
     seed: int = 1234
     """Base seed of the sampler; each step and prompt derive their own from it."""
 
     def __post_init__(self) -> None:
-        for name in ("n_samples_per_prompt", "rollout_batch_size", "generate_max_len", "num_engines"):
-            _positive(f"rollout.{name}", getattr(self, name))
-        _positive("rollout.tensor_parallel_size", self.tensor_parallel_size)
-        _positive("rollout.max_num_seqs", self.max_num_seqs, allow_none=True)
-        _positive("rollout.max_sampling_rounds", self.max_sampling_rounds)
-        _positive("rollout.temperature", self.temperature)
-        if not 0.0 < self.top_p <= 1.0:
-            _fail("rollout.top_p", self.top_p, "must be in (0, 1]")
         if self.top_k == 0 or self.top_k < -1:
             _fail("rollout.top_k", self.top_k, "must be -1 (off) or >= 1")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            _fail("rollout.gpu_memory_utilization", self.gpu_memory_utilization, "must be in (0, 1]")
         low, high = self.dynamic_filtering_reward_range
         if not low < high:
             _fail("rollout.dynamic_filtering_reward_range", (low, high), "must have low < high")
@@ -189,14 +172,10 @@ class RewardConfig(_Section):
     defining `reward_func(queries, prompts, labels)`. None: the preset's, or none."""
     remote_url: str | None = None
     """URL of a reward server (remote_rm_url), POSTed {queries, prompts, labels}."""
-    timeout_s: float = 60.0
+    timeout_s: Positive = 60.0
     """Seconds a remote reward call may take before it fails."""
-    clip: float | None = 10.0
+    clip: Positive | None = 10.0
     """Clip outcome rewards to [-clip, clip] before advantages; None: no clipping."""
-
-    def __post_init__(self) -> None:
-        _positive("reward.timeout_s", self.timeout_s)
-        _positive("reward.clip", self.clip, allow_none=True)
 
 
 class AdvantageConfig(_Section):
@@ -214,7 +193,7 @@ class AdvantageConfig(_Section):
 
 
 class KLConfig(_Section):
-    init_kl_coef: float = 0.0
+    init_kl_coef: NonNegative = 0.0
     """KL coefficient beta; 0 skips the reference model entirely."""
     use_kl_loss: bool = False
     """Put the KL in the policy loss (GRPO style, `loss_estimator`) instead of in the reward (PPO
@@ -229,17 +208,14 @@ class KLConfig(_Section):
     loss_options: dict[str, Any] = msgspec.field(default_factory=dict)
     """Keyword options of `rl_algos.kl_penalty` for the loss KL, verbatim (log_ratio_clamp,
     value_clamp, unbiased_gradient, importance_weight_cap)."""
-    kl_target: float | None = None
+    kl_target: Positive | None = None
     """Target KL of the adaptive controller; None keeps beta fixed."""
-    kl_horizon: int = 10000
+    kl_horizon: PositiveInt = 10000
     """Horizon (samples) of the adaptive controller."""
 
     def __post_init__(self) -> None:
-        _non_negative("algo.kl.init_kl_coef", self.init_kl_coef)
         _one_of("algo.kl.reward_estimator", self.reward_estimator, KL_ESTIMATORS)
         _one_of("algo.kl.loss_estimator", self.loss_estimator.removesuffix("+"), KL_ESTIMATORS)
-        _positive("algo.kl.kl_target", self.kl_target, allow_none=True)
-        _positive("algo.kl.kl_horizon", self.kl_horizon)
 
 
 class PolicyConfig(_Section):
@@ -253,7 +229,7 @@ class PolicyConfig(_Section):
     3e-4 / 4e-4 are GSPO's); one the loss does not take is an error."""
     aggregation: str = "token-mean"
     """Loss aggregation: token-mean, seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm."""
-    entropy_coef: float = 0.0
+    entropy_coef: NonNegative = 0.0
     """Entropy bonus coefficient (entropy_loss_coef)."""
     is_correction: Literal[
         "auto", "none", "tis", "icepop", "seq-mask", "seq-mask-tis", "truncate", "mask"
@@ -273,7 +249,6 @@ class PolicyConfig(_Section):
     def __post_init__(self) -> None:
         _one_of("algo.policy.loss", self.loss, POLICY_LOSSES)
         _one_of("algo.policy.aggregation", self.aggregation, AGGREGATION_MODES)
-        _non_negative("algo.policy.entropy_coef", self.entropy_coef)
         low, high = self.is_correction_bounds
         if not 0.0 <= low < high:
             _fail("algo.policy.is_correction_bounds", (low, high), "must have 0 <= low < high")
@@ -286,35 +261,32 @@ class AlgoConfig(_Section):
     """The KL penalty against the reference model."""
     policy: PolicyConfig = msgspec.field(default_factory=PolicyConfig)
     """The policy loss."""
-    value_clip: float = 0.5
+    value_clip: Positive = 0.5
     """Critic value clip range."""
-
-    def __post_init__(self) -> None:
-        _positive("algo.value_clip", self.value_clip)
 
 
 class TrainConfig(_Section):
-    max_steps: int = 100
+    max_steps: PositiveInt = 100
     """Training steps (one rollout batch each); the prompt data is cycled through as needed."""
-    max_epochs: int = 1
+    max_epochs: PositiveInt = 1
     """PPO epochs over each rollout batch."""
-    train_batch_size: int | None = None
+    train_batch_size: PositiveInt | None = None
     """Samples per optimizer step; None: the whole rollout batch (one optimizer step per epoch)."""
-    micro_batch_tokens: int = 16384
+    micro_batch_tokens: PositiveInt = 16384
     """Token budget of one packed micro-batch on one rank (dynamic batching)."""
-    actor_learning_rate: float = 1e-6
+    actor_learning_rate: Positive = 1e-6
     """Policy learning rate."""
-    critic_learning_rate: float = 9e-6
+    critic_learning_rate: Positive = 9e-6
     """Critic learning rate."""
-    lr_warmup_ratio: float = 0.03
+    lr_warmup_ratio: Annotated[float, Meta(ge=0, lt=1)] = 0.03
     """Fraction of the optimizer steps spent warming the learning rate up."""
-    min_lr_ratio: float = 0.1
+    min_lr_ratio: UnitInterval = 0.1
     """Cosine schedule floor, as a fraction of the peak learning rate."""
     adam_betas: tuple[float, float] = (0.9, 0.95)
     """AdamW betas."""
-    weight_decay: float = 0.0
+    weight_decay: NonNegative = 0.0
     """AdamW weight decay."""
-    max_norm: float = 1.0
+    max_norm: Positive = 1.0
     """Gradient clipping norm."""
     zero_stage: Literal[0, 1, 2, 3] = 2
     """DeepSpeed ZeRO stage of the policy and critic."""
@@ -323,30 +295,14 @@ class TrainConfig(_Section):
     seed: int = 42
     """Seed of data order and model initialisation."""
 
-    def __post_init__(self) -> None:
-        for name in ("max_steps", "max_epochs", "micro_batch_tokens", "actor_learning_rate", "max_norm"):
-            _positive(f"train.{name}", getattr(self, name))
-        _positive("train.critic_learning_rate", self.critic_learning_rate)
-        _positive("train.train_batch_size", self.train_batch_size, allow_none=True)
-        if not 0.0 <= self.lr_warmup_ratio < 1.0:
-            _fail("train.lr_warmup_ratio", self.lr_warmup_ratio, "must be in [0, 1)")
-        if not 0.0 <= self.min_lr_ratio <= 1.0:
-            _fail("train.min_lr_ratio", self.min_lr_ratio, "must be in [0, 1]")
-        _non_negative("train.weight_decay", self.weight_decay)
-
 
 class ResourceConfig(_Section):
-    num_actors: int = 1
+    num_actors: PositiveInt = 1
     """Ray actors (data-parallel ranks) of this role."""
-    num_gpus_per_actor: float = 1.0
+    num_gpus_per_actor: NonNegative = 1.0
     """GPUs per actor on a GPU cluster (ignored in CPU mode)."""
-    num_cpus_per_actor: float = 1.0
+    num_cpus_per_actor: NonNegative = 1.0
     """CPUs per actor (Ray's logical CPUs)."""
-
-    def __post_init__(self) -> None:
-        _positive("num_actors", self.num_actors)
-        _non_negative("num_gpus_per_actor", self.num_gpus_per_actor)
-        _non_negative("num_cpus_per_actor", self.num_cpus_per_actor)
 
 
 class RayConfig(_Section):
@@ -354,7 +310,7 @@ class RayConfig(_Section):
     """Ray cluster to join ("auto" or host:port); None starts a local Ray bound to 127.0.0.1."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """auto = cuda when the cluster has GPUs, else cpu."""
-    num_cpus: int | None = None
+    num_cpus: PositiveInt | None = None
     """Logical CPUs of a local Ray (None: enough for every actor)."""
     temp_dir: str | None = None
     """Session folder of a local Ray (None: `<log.output_dir>/ray`)."""
@@ -368,15 +324,10 @@ class RayConfig(_Section):
     """Reference model actors (init_kl_coef > 0)."""
     reward_model: ResourceConfig = msgspec.field(default_factory=ResourceConfig)
     """Reward model actors (model.reward_pretrain)."""
-    engine_num_cpus: float = 1.0
+    engine_num_cpus: NonNegative = 1.0
     """CPUs per rollout engine actor (Ray's logical CPUs)."""
-    startup_timeout_s: float = 600.0
+    startup_timeout_s: Positive = 600.0
     """Seconds actors may take to start (model loading, engine start-up) before the run fails."""
-
-    def __post_init__(self) -> None:
-        _non_negative("ray.engine_num_cpus", self.engine_num_cpus)
-        _positive("ray.startup_timeout_s", self.startup_timeout_s)
-        _positive("ray.num_cpus", self.num_cpus, allow_none=True)
 
 
 class CheckpointConfig(_Section):
@@ -384,7 +335,7 @@ class CheckpointConfig(_Section):
     """Checkpoint folder (ckpt_path); None: `<log.output_dir>/checkpoints`."""
     save_steps: int = -1
     """Save every this many steps; -1: only at the end."""
-    max_ckpt_num: int = 3
+    max_ckpt_num: PositiveInt = 3
     """Keep the newest this many checkpoints."""
     load_checkpoint: bool = False
     """Continue the run in `log.output_dir` from its newest checkpoint (OpenRLHF's load_enable). The
@@ -396,23 +347,20 @@ class CheckpointConfig(_Section):
     def __post_init__(self) -> None:
         if self.save_steps == 0 or self.save_steps < -1:
             _fail("ckpt.save_steps", self.save_steps, "must be -1 (at the end only) or >= 1")
-        _positive("ckpt.max_ckpt_num", self.max_ckpt_num)
 
 
 class EvalConfig(_Section):
     eval_steps: int = -1
     """Evaluate every this many steps, before the first (logged as step 0 in a fresh run) and after
     the last; -1: never."""
-    n_samples_per_prompt: int = 1
+    n_samples_per_prompt: PositiveInt = 1
     """Responses per evaluation prompt."""
-    temperature: float = 0.0
+    temperature: NonNegative = 0.0
     """Evaluation sampling temperature; 0 is greedy."""
 
     def __post_init__(self) -> None:
         if self.eval_steps == 0 or self.eval_steps < -1:
             _fail("eval.eval_steps", self.eval_steps, "must be -1 (never) or >= 1")
-        _positive("eval.n_samples_per_prompt", self.n_samples_per_prompt)
-        _non_negative("eval.temperature", self.temperature)
 
 
 class LogConfig(_Section):

@@ -116,11 +116,36 @@ def _is_struct_type(type_: Any) -> bool:
     return isinstance(type_, type) and issubclass(type_, msgspec.Struct)
 
 
+def _unannotated(type_: Any) -> Any:
+    """`X` for `Annotated[X, msgspec.Meta(...)]` (a range checked by msgspec); other types unchanged."""
+    while typing.get_origin(type_) is typing.Annotated:
+        type_ = typing.get_args(type_)[0]
+    return type_
+
+
+def _bounds(type_: Any) -> str:
+    """The range of an `Annotated[X, Meta(ge=..., ...)]` type (or of its `| None` arm) as text: `>= 1`."""
+    for arm in (
+        typing.get_args(type_) if typing.get_origin(type_) in (typing.Union, types.UnionType) else (type_,)
+    ):
+        if typing.get_origin(arm) is typing.Annotated:
+            words = []
+            for meta in typing.get_args(arm)[1:]:
+                for name, symbol in (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<=")):
+                    value = getattr(meta, name, None)
+                    if value is not None:
+                        words.append(f"{symbol} {value:g}")
+            return ", ".join(words)
+    return ""
+
+
 def _strip_none(type_: Any) -> tuple[Any, bool]:
-    """(the type without None, whether None was allowed) for `X | None`; other types unchanged."""
+    """(the type without None and without its `Annotated` range, whether None was allowed) for
+    `X | None`; other types unchanged."""
+    type_ = _unannotated(type_)
     origin = typing.get_origin(type_)
     if origin in (typing.Union, types.UnionType):
-        arms = [arm for arm in typing.get_args(type_) if arm is not type(None)]
+        arms = [_unannotated(arm) for arm in typing.get_args(type_) if arm is not type(None)]
         if len(arms) < len(typing.get_args(type_)):
             return (arms[0] if len(arms) == 1 else functools.reduce(operator.or_, arms)), True
     return type_, False
@@ -323,6 +348,9 @@ def _format_default(value: Any) -> str:
 
 def _help_text(option: Option) -> str:
     parts = [" ".join(option.doc.split())] if option.doc else []
+    bounds = _bounds(option.type)
+    if bounds:
+        parts.append(f"[{bounds}]")
     parts.append("(required)" if option.required else f"(default: {_format_default(option.default)})")
     # argparse %-formats help strings.
     return " ".join(parts).replace("%", "%%")
@@ -680,6 +708,9 @@ def _translate(cls: type, error: msgspec.ValidationError, data: Mapping[str, Any
         if expected.group("got"):
             got = _TYPE_WORDS.get(expected.group("got"), expected.group("got"))
             return ConfigError(f"{where}: {text}, got {got} {value!r}")
+        bound = re.fullmatch(r"\s*(?P<op>[<>]=?)\s*(?P<limit>\S+)", expected.group("rest"))
+        if bound:  # a msgspec.Meta range: `train.max_steps: 0 must be >= 1`
+            return ConfigError(f"{where}: {value!r} must be {bound.group('op')} {bound.group('limit')}")
         return ConfigError(f"{where}: {text.replace('`', '')} (value: {value!r})")
     return ConfigError(f"{where}: {message}")
 
