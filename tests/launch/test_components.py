@@ -288,3 +288,39 @@ def test_a_vllm_engine_option_is_checked_against_vllms_own_engine_arguments():
         r"^rollout\.engine_options\.enable_prefix_cachin: not an option of rollout engine 'vllm'",
         rollout__engine_options__enable_prefix_cachin="false",
     )
+
+
+def test_the_engine_section_reaches_the_engine_verbatim(tiny_checkpoint):
+    from rl_launch.actors import EngineSpec
+
+    spec = EngineSpec(
+        kind="hf",
+        options={"max_batch_size": 3},
+        model_path=str(tiny_checkpoint),
+        dtype="fp32",
+        max_model_len=64,
+        seed=0,
+    )
+    engine = ENGINES[spec.kind](spec, **spec.options)
+    try:
+        assert engine.max_batch_size == 3
+        assert engine.max_model_len == 64
+    finally:
+        getattr(engine, "close", lambda: None)()
+
+
+@pytest.mark.parametrize(
+    ("name", "response", "label", "expected"),
+    [
+        ("arithmetic", " 5 apples", "5", 1.0),
+        ("numeric", " so it is 5", "5", 1.0),
+        ("exact_match", "5", "5", 1.0),
+        ("arithmetic", " 6", "5", 0.0),
+        ("numeric", " 4", "5", 0.0),
+        ("exact_match", "6", "5", 0.0),
+    ],
+)
+def test_every_registered_reward_builds_in_the_actor_and_scores(name, response, label, expected):
+    reward = REWARDS[name]()
+    prompt = "What is 4 + 1?"
+    assert reward([prompt + response], [prompt], [label]).rewards == [expected]
