@@ -30,6 +30,7 @@ __all__ = [
     "ConfigError",
     "DataConfig",
     "EvalConfig",
+    "HealthConfig",
     "KLConfig",
     "LogConfig",
     "ModelConfig",
@@ -363,6 +364,18 @@ class EvalConfig(_Section):
             _fail("eval.eval_steps", self.eval_steps, "must be -1 (never) or >= 1")
 
 
+class HealthConfig(_Section):
+    max_skipped_steps: PositiveInt | None = 3
+    """Stop the run (exit code 1, with a diagnosis) after this many consecutive steps in which every
+    policy update was skipped as non-finite (policy/skipped = 1); None: never stop for it."""
+    logprob_mismatch_warn: Positive | None = 0.1
+    """Warn on the console when the engines' and the learner's log-probs of the sampled tokens differ
+    by more than this on average (health/logprob_mismatch_mean, nats per token); None: no warning."""
+    logprob_mismatch_stop: Positive | None = None
+    """Stop the run when that mismatch exceeds this (a broken weight sync, a dtype or kernel
+    mismatch); None: never stop for it."""
+
+
 class LogConfig(_Section):
     output_dir: str = "runs/ppo"
     """Run folder: metrics.jsonl, summary, plot, checkpoints, final model."""
@@ -415,6 +428,8 @@ class PPOConfig(_Section):
     """Evaluation during training."""
     log: LogConfig = msgspec.field(default_factory=LogConfig)
     """Outputs: metrics, progress bar, TensorBoard, wandb."""
+    health: HealthConfig = msgspec.field(default_factory=HealthConfig)
+    """When an unhealthy run warns or stops."""
 
     def __post_init__(self) -> None:
         if self.preset != "arithmetic":

@@ -28,6 +28,7 @@ from rl_learner import TrainingState
 from .algorithm import old_logprobs_from_training, policy_loss_config, score_batch, value_loss_config
 from .components import check_components, describe_components
 from .config import ConfigError, PPOConfig
+from .health import HealthError, HealthMonitor
 from .roles import Roles
 from .rollouts import Rollouts
 from .tracking import PhaseTimer, StartupLines, Tracker, quiet_third_party_output
@@ -55,6 +56,7 @@ class PPOTrainer:
             else FixedKLController(kl.init_kl_coef)
         )
         self.version = 0
+        self.health = HealthMonitor(config)
 
     def make_experience(self, records: list[Trajectory]) -> tuple[ExperienceBatch, dict[str, float]]:
         """The learners' forwards (all roles at once), then the advantages of the chosen estimator."""
@@ -182,6 +184,8 @@ class PPOTrainer:
                 "policy_version": float(self.version),
             }
             tracker.log(step, metrics)
+            for warning in self.health.check(step, metrics):  # raises HealthError to stop the run
+                tracker.message(warning)
 
 
 def run(config: PPOConfig) -> int:
@@ -281,6 +285,9 @@ def run(config: PPOConfig) -> int:
     except (ConfigError, PreflightError, ClusterError, RunFolderError) as error:
         print(f"rl-launch ppo: error: {error}", file=sys.stderr)
         return 2 if isinstance(error, (ConfigError, RunFolderError)) else 1
+    except HealthError as error:
+        print(f"rl-launch ppo: stopped: {error}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
     except ray.exceptions.RayError as error:

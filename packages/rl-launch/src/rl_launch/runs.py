@@ -139,6 +139,8 @@ RESUMABLE_KEYS: tuple[str, ...] = (
     "eval",
     # log.*: outputs only; the run folder itself may move (log.output_dir).
     "log",
+    # health.*: when the run warns or stops; nothing it trains on.
+    "health",
 )
 
 

@@ -1,0 +1,92 @@
+"""Health that acts: a run whose updates are all skipped stops with a diagnosis; a log-prob drift
+between engines and learner warns, and stops past its bound."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rl_launch.cli import resolve_ppo_config
+from rl_launch.health import HealthError, HealthMonitor
+from tests.launch.launching import launch, read_metrics
+
+BASE = {"model.pretrain": "m", "data.prompt_data": "d"}
+
+
+def monitor(**health: str) -> HealthMonitor:
+    return HealthMonitor(resolve_ppo_config(None, {**BASE, **{f"health.{k}": v for k, v in health.items()}}))
+
+
+def test_consecutive_skipped_steps_stop_the_run_with_a_diagnosis():
+    health = monitor(max_skipped_steps="2")
+    assert health.check(1, {"policy/skipped": 1.0}) == []
+    assert health.check(2, {"policy/skipped": 0.5}) == []  # one of two updates went through: progress
+    assert health.check(3, {"policy/skipped": 1.0}) == []
+    with pytest.raises(
+        HealthError, match=r"every policy update of steps 3-4 was skipped.*train\.actor_learning_rate"
+    ):
+        health.check(4, {"policy/skipped": 1.0, "policy/grad_norm": float("nan"), "reward/mean": 0.5})
+
+
+def test_skipped_steps_never_stop_a_run_that_turned_it_off():
+    health = monitor(max_skipped_steps="none")
+    for step in range(1, 20):
+        assert health.check(step, {"policy/skipped": 1.0}) == []
+
+
+def test_a_logprob_drift_warns_once_per_ten_steps_and_stops_past_its_bound():
+    health = monitor(logprob_mismatch_warn="0.1", logprob_mismatch_stop="1.0")
+    assert health.check(1, {"health/logprob_mismatch_mean": 0.01}) == []
+    (warning,) = health.check(2, {"health/logprob_mismatch_mean": 0.3})
+    assert "step 2" in warning
+    assert "0.3 nats per token" in warning
+    assert health.check(3, {"health/logprob_mismatch_mean": 0.3}) == []  # not again right away
+    assert len(health.check(12, {"health/logprob_mismatch_mean": 0.3})) == 1
+    with pytest.raises(HealthError, match=r"step 13: .* differ by 2 nats per token"):
+        health.check(13, {"health/logprob_mismatch_mean": 2.0})
+
+
+NAN_LOSS = """
+import torch
+
+from rl_algos import POLICY_LOSSES
+
+
+@POLICY_LOSSES.register("nan_loss")
+def nan_loss(logprobs, old_logprobs, advantages, action_mask):
+    loss = logprobs * float("nan")
+    return loss * action_mask, {}
+"""
+
+
+@pytest.mark.slow
+def test_a_run_whose_updates_are_all_non_finite_stops_after_the_bound(tiny_checkpoint, ray_temp, tmp_path):
+    ray_dir, env = ray_temp
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(
+        "".join(json.dumps({"prompt": f"What is {i} + 1?", "label": str(i + 1)}) + "\n" for i in range(8))
+    )
+    plugin = tmp_path / "nan_loss.py"
+    plugin.write_text(NAN_LOSS)
+    run_dir = tmp_path / "run"
+    args = [
+        "--model.pretrain", str(tiny_checkpoint),
+        "--data.prompt_data", str(prompts),
+        "--reward.function", "numeric",
+        "--plugin", str(plugin),
+        "--algo.advantage.estimator", "grpo",
+        "--algo.policy.loss", "nan_loss",
+        "--rollout.n_samples_per_prompt", "2",
+        "--rollout.rollout_batch_size", "4",
+        "--rollout.generate_max_len", "4",
+        "--train.max_steps", "6",
+        "--health.max_skipped_steps", "2",
+        "--log.output_dir", str(run_dir),
+        "--log.progress_bar", "false",
+        "--ray.temp_dir", ray_dir,
+    ]  # fmt: skip
+    result = launch(args, env)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "rl-launch ppo: stopped: every policy update of steps 1-2 was skipped" in result.stderr
+    assert [line["step"] for line in read_metrics(run_dir)] == [1, 2]  # the steps it ran are logged
