@@ -10,6 +10,8 @@
   reach the weights.
 - Weight sync, sender side (`rl_learner.sync`): bucketed broadcast, CUDA IPC or files, through
   `rl_data.transport`; ZeRO-3 gathered per bucket, LoRA merged on the fly, cast to the engine's dtype.
+- Supervised learners (`rl_learner.supervised`): `SFTLearner`, `RewardModelLearner` and
+  `DPOLearner` (sigmoid DPO, cDPO, IPO) on `pack_sequences` / `pack_pairs` micro-batches.
 - Checkpoints (`rl_learner.checkpoint`): atomic, rotated, verified on resume; HF export.
 
 `import rl_learner` stays light: DeepSpeed, transformers and peft load where they are used.
@@ -29,11 +31,23 @@ from .config import DeepSpeedConfig, OptimizerConfig, build_optimizer, build_sch
 from .learner import Learner, NonFiniteError, PolicyLearner, PolicyLossConfig, ValueLearner, ValueLossConfig
 from .lora import LoraOptions, apply_lora
 from .models import load_causal_lm, load_value_model, packed_logprobs, packed_scores, packed_values
+from .supervised import (
+    DPOLearner,
+    DPOLossConfig,
+    RewardModelLearner,
+    SFTLearner,
+    group_by_tokens,
+    pack_pairs,
+    pack_sequences,
+    sequence_logprobs,
+)
 from .sync import BroadcastSender, FileSender, IpcSender, WeightSender, make_sender, sync_layout
 
 __all__ = [
     "BroadcastSender",
     "CheckpointError",
+    "DPOLearner",
+    "DPOLossConfig",
     "DeepSpeedConfig",
     "FileSender",
     "IpcSender",
@@ -43,6 +57,8 @@ __all__ = [
     "OptimizerConfig",
     "PolicyLearner",
     "PolicyLossConfig",
+    "RewardModelLearner",
+    "SFTLearner",
     "TrainingState",
     "ValueLearner",
     "ValueLossConfig",
@@ -53,15 +69,19 @@ __all__ = [
     "build_scheduler",
     "deepspeed_config",
     "export_hf",
+    "group_by_tokens",
     "latest_checkpoint",
     "list_checkpoints",
     "load_causal_lm",
     "load_checkpoint",
     "load_value_model",
     "make_sender",
+    "pack_pairs",
+    "pack_sequences",
     "packed_logprobs",
     "packed_scores",
     "packed_values",
     "save_checkpoint",
+    "sequence_logprobs",
     "sync_layout",
 ]

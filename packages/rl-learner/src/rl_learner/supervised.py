@@ -1,0 +1,367 @@
+"""Supervised learners: fine-tuning on demonstrations (SFT), reward models and DPO.
+
+These reuse `Learner`'s optimizer step (`Learner._train_step`: DeepSpeed engine, micro-batches
+with gradient accumulation, one global normaliser per step, non-finite checks) with the
+supervised losses of `rl_algos`. A micro-batch is an `rl_data.ExperienceBatch`, built here from
+dataset items:
+
+- `pack_sequences`: SFT samples (token ids and a loss mask per sequence). The loss mask becomes
+  the `action_mask`; the tokens before its first True are the "prompt".
+- `pack_pairs`: preference pairs, the P chosen sequences first, then the P rejected ones in the
+  same order (sequence i and i + P are one pair). Each pair's margin rides in `rewards[i]`.
+
+The losses and their normalisers (n counted over every micro-batch of the step on every rank):
+
+    SFT  L = −Σ_t m_t·log π(y_t | y_<t) / n_tokens                         (rl_algos.sft_loss)
+    RM   L = Σ_pairs −log σ(r_w − r_l − margin) / n_pairs            (rl_algos.reward_model_loss)
+    DPO  L = Σ_pairs ℓ(z) / n_pairs,  z = (log π_w − log π_l) − (log π_ref,w − log π_ref,l)
+         ℓ: sigmoid (DPO), sigmoid with label smoothing (cDPO) or IPO  (rl_algos.dpo_loss)
+
+where log π_w is the summed log-probability of the chosen response tokens. n_pairs is half the
+step's sequence count (`loss_normalizer` in a sequence mode), exact because `pack_pairs` keeps
+both sides of a pair in one micro-batch and each side has at least one response token.
+
+Pair metrics (accuracy, margins) are means over the step's pairs: each micro-batch adds its
+sums, reduced over ranks once after the update, then divided by the global pair count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+import torch
+
+from rl_algos import aggregate_loss, dpo_loss, reward_model_loss, sft_loss
+from rl_algos.preference import DPO_LOSS_TYPES
+from rl_data import ExperienceBatch
+from rl_data.packing import cu_seqlens_from_lengths, position_ids_from_cu_seqlens
+
+from .learner import PolicyLearner, ValueLearner
+from .models import packed_logprobs, packed_model_inputs, packed_scores
+
+__all__ = [
+    "SFT_AGGREGATIONS",
+    "DPOLearner",
+    "DPOLossConfig",
+    "RewardModelLearner",
+    "SFTLearner",
+    "group_by_tokens",
+    "pack_pairs",
+    "pack_sequences",
+    "sequence_logprobs",
+]
+
+SFT_AGGREGATIONS: tuple[str, ...] = ("token-mean", "seq-mean-token-mean")
+"""How `SFTLearner.sft_step` averages the NLL: over all response tokens of the step (OpenRLHF's
+SFT) or per sequence first (short answers weigh as much as long ones)."""
+
+_PAIR_SEQUENCE_MODE = "seq-mean-token-mean"  # loss_normalizer counts sequences in this mode
+
+
+def _as_ids(value: Any, name: str) -> torch.Tensor:
+    tensor = torch.as_tensor(value)
+    if tensor.dim() != 1:
+        raise ValueError(f"{name}: expected a 1-d sequence, got shape {tuple(tensor.shape)}")
+    return tensor
+
+
+def pack_sequences(
+    sequences: Sequence[tuple[Any, Any]], *, margins: Sequence[float] | None = None
+) -> ExperienceBatch:
+    """S sequences, each (input_ids [L], loss_mask [L]), packed into one `ExperienceBatch`.
+
+    `loss_mask[t]` True means token t is a target (its log-prob log π(x_t | x_<t) counts), the
+    `rl_data` SFT/preference convention. The first token never has a log-prob, so it is never a
+    target. `margins` ([S] floats) go to `rewards`; zeros without.
+
+    Raises:
+        ValueError: a sequence with mismatched lengths or without any target token after the
+            first (names its index).
+    """
+    if not sequences:
+        return ExperienceBatch.empty()
+    ids_list, masks, prompt_lengths = [], [], []
+    for index, (ids, mask) in enumerate(sequences):
+        ids = _as_ids(ids, f"sequences[{index}].input_ids").to(torch.int64)
+        mask = _as_ids(mask, f"sequences[{index}].loss_mask").to(torch.bool).clone()
+        if mask.numel() != ids.numel():
+            raise ValueError(
+                f"sequences[{index}]: loss_mask has {mask.numel()} entries, input_ids {ids.numel()}"
+            )
+        mask[:1] = False
+        targets = torch.nonzero(mask, as_tuple=True)[0]
+        if targets.numel() == 0:
+            raise ValueError(f"sequences[{index}]: no target token after the first (loss_mask is empty)")
+        ids_list.append(ids)
+        masks.append(mask)
+        prompt_lengths.append(int(targets[0]))
+    lengths = torch.tensor([ids.numel() for ids in ids_list], dtype=torch.int64)
+    cu_seqlens = cu_seqlens_from_lengths(lengths)
+    count = len(ids_list)
+    prompt = torch.tensor(prompt_lengths, dtype=torch.int64)
+    rewards = torch.zeros(count) if margins is None else torch.as_tensor(margins, dtype=torch.float32)
+    if rewards.shape != (count,):
+        raise ValueError(f"margins: expected {count} values, got shape {tuple(rewards.shape)}")
+    return ExperienceBatch(
+        input_ids=torch.cat(ids_list),
+        position_ids=position_ids_from_cu_seqlens(cu_seqlens),
+        cu_seqlens=cu_seqlens,
+        prompt_lengths=prompt,
+        response_lengths=lengths - prompt,
+        action_mask=torch.cat(masks),
+        rewards=rewards,
+        scores=torch.zeros(count),
+        group_ids=torch.arange(count, dtype=torch.int64),
+        policy_versions=torch.zeros(count, dtype=torch.int64),
+        finish_reasons=["stop"] * count,
+        indices=torch.arange(count, dtype=torch.int64),
+    )
+
+
+def pack_pairs(pairs: Sequence[Any]) -> ExperienceBatch:
+    """P preference pairs (`rl_data.datasets.PreferencePair`) as 2P sequences: chosen 0..P−1,
+    rejected P..2P−1; `rewards[i]` holds pair i's margin (0 for the rejected rows)."""
+    chosen = [(pair.chosen_ids, pair.chosen_mask) for pair in pairs]
+    rejected = [(pair.rejected_ids, pair.rejected_mask) for pair in pairs]
+    margins = [float(pair.margin) for pair in pairs] + [0.0] * len(pairs)
+    return pack_sequences(chosen + rejected, margins=margins)
+
+
+def group_by_tokens(lengths: Sequence[int], budget: int) -> list[list[int]]:
+    """Consecutive positions grouped so that each group's Σ lengths ≤ `budget` (an item longer
+    than the budget forms a group of its own). Order is kept: [[0, 1], [2], [3, 4, 5]]."""
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+        raise ValueError(f"budget: {budget!r} is not an integer >= 1")
+    groups: list[list[int]] = []
+    used = 0
+    for index, length in enumerate(lengths):
+        if groups and used + length <= budget:
+            groups[-1].append(index)
+            used += length
+        else:
+            groups.append([index])
+            used = length
+    return groups
+
+
+def sequence_logprobs(batch: ExperienceBatch, logprobs: torch.Tensor) -> torch.Tensor:
+    """[S] Σ over each sequence's target tokens of the token log-probs [N] (gradients flow)."""
+    view = batch.response_view(logprobs)
+    return torch.where(batch.response_action_mask(), view, 0.0).sum(-1)
+
+
+def _pair_count(batch: ExperienceBatch) -> int:
+    if batch.num_sequences % 2:
+        raise ValueError(
+            f"a pair micro-batch needs an even number of sequences (chosen then rejected), got "
+            f"{batch.num_sequences}; build it with pack_pairs"
+        )
+    return batch.num_sequences // 2
+
+
+class _PairMetrics:
+    """Per-pair metric sums of this rank's micro-batches, reduced over ranks after the step."""
+
+    def __init__(self, keys: Sequence[str]) -> None:
+        self.keys = tuple(keys)
+        self.sums = dict.fromkeys(self.keys, 0.0)
+        self.pairs = 0.0
+
+    def add(self, means: dict[str, torch.Tensor], pairs: int) -> None:
+        for key in self.keys:
+            self.sums[key] += float(means[key]) * pairs
+        self.pairs += pairs
+
+    def reduce(self, learner: Any, out: dict[str, float]) -> dict[str, float]:
+        values = torch.tensor([self.pairs, *(self.sums[k] for k in self.keys)], dtype=torch.float64)
+        total = learner._agree(values).cpu().tolist()
+        out = dict(out)
+        out["pairs"] = total[0]
+        for key, value in zip(self.keys, total[1:], strict=True):
+            out[key] = value / total[0] if total[0] > 0 else float("nan")
+        return out
+
+
+# --------------------------------------------------------------------------- SFT
+
+
+class SFTLearner(PolicyLearner):
+    """A causal LM trained on demonstrations (micro-batches from `pack_sequences`)."""
+
+    def sft_step(
+        self, micro_batches: Sequence[ExperienceBatch], *, aggregation: str = "token-mean"
+    ) -> dict[str, float]:
+        """One optimizer step minimising the NLL of the target tokens (module docstring).
+
+        Returns metrics, equal on every rank: loss (the full-batch loss), nll (token-mean NLL of
+        the step, whatever the aggregation), grad_norm, lr, tokens (target tokens), sequences,
+        skipped.
+        """
+        if aggregation not in SFT_AGGREGATIONS:
+            raise ValueError(f"aggregation: {aggregation!r} is not one of {', '.join(SFT_AGGREGATIONS)}")
+
+        def forward_loss(batch: ExperienceBatch, normalizer: torch.Tensor):
+            logprobs = packed_logprobs(self.engine, batch, only_actions=True)
+            view, mask = batch.response_view(logprobs), batch.response_action_mask()
+            if aggregation == "token-mean":
+                total, metrics = sft_loss(view, mask, normalizer=normalizer)
+                nll = metrics["nll"]
+            else:
+                total = aggregate_loss(-view, mask, aggregation, normalizer=normalizer)
+                nll = -torch.where(mask, view, 0.0).sum().detach() / mask.sum().clamp(min=1)
+            return total, {"loss": total.detach(), "nll": nll}
+
+        def dummy_loss():
+            logits = self.engine(**packed_model_inputs(self.engine, ExperienceBatch.empty())).logits
+            return logits.float().sum() * 0.0, {"loss": torch.zeros(()), "nll": torch.zeros(())}
+
+        return self._train_step(
+            micro_batches, mode=aggregation, inputs=[], forward_loss=forward_loss, dummy_loss=dummy_loss
+        )
+
+
+# --------------------------------------------------------------------------- DPO
+
+
+class DPOLossConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """What `DPOLearner.dpo_step` minimises (`rl_algos.dpo_loss`)."""
+
+    beta: float = 0.1
+    """β > 0: implicit reward scale, the strength of the pull towards the reference."""
+    label_smoothing: float = 0.0
+    """ε in [0, 0.5): cDPO's assumed label-flip probability; 0 is plain DPO (sigmoid only)."""
+    loss_type: str = "sigmoid"
+    """"sigmoid" (DPO, cDPO with label_smoothing > 0) or "ipo"."""
+
+    def __post_init__(self) -> None:
+        owner = type(self).__name__
+        if self.loss_type not in DPO_LOSS_TYPES:
+            raise ValueError(
+                f"{owner}.loss_type: {self.loss_type!r} is not one of {', '.join(DPO_LOSS_TYPES)}"
+            )
+        zero = torch.zeros(1)
+        try:
+            dpo_loss(
+                zero,
+                zero,
+                zero,
+                zero,
+                beta=self.beta,
+                label_smoothing=self.label_smoothing,
+                loss_type=self.loss_type,
+            )
+        except (TypeError, ValueError) as error:
+            raise ValueError(
+                f"{owner}: beta={self.beta!r}, label_smoothing={self.label_smoothing!r}, "
+                f"loss_type={self.loss_type!r}: {error}"
+            ) from None
+
+
+_DPO_METRICS = (
+    "chosen_rewards",
+    "rejected_rewards",
+    "reward_margin",
+    "reward_accuracy",
+    "chosen_logps",
+    "rejected_logps",
+)
+
+
+class DPOLearner(PolicyLearner):
+    """The policy of DPO / cDPO / IPO; its frozen reference is a `PolicyLearner(optimizer=None)`."""
+
+    def dpo_step(self, micro_batches: Sequence[ExperienceBatch], loss: DPOLossConfig) -> dict[str, float]:
+        """One optimizer step of the DPO loss over pair micro-batches (`pack_pairs`).
+
+        Each micro-batch needs `ref_logprobs`: the reference's token log-probs
+        (`reference.logprobs(micro_batches, only_actions=True)`).
+
+        Returns metrics, equal on every rank: loss; per-pair means chosen_rewards and
+        rejected_rewards (β·log π/π_ref of each side), reward_margin, reward_accuracy (chosen
+        reward strictly larger), chosen_logps / rejected_logps (summed policy log-probs); pairs,
+        grad_norm, lr, tokens, sequences, skipped.
+        """
+        if not isinstance(loss, DPOLossConfig):
+            raise TypeError(f"loss must be a DPOLossConfig, got {type(loss).__name__}")
+        pair_metrics = _PairMetrics(_DPO_METRICS)
+
+        def forward_loss(batch: ExperienceBatch, normalizer: torch.Tensor):
+            pairs = _pair_count(batch)
+            logprobs = packed_logprobs(self.engine, batch, only_actions=True)
+            policy = sequence_logprobs(batch, logprobs)
+            reference = sequence_logprobs(batch, batch.ref_logprobs.to(policy.dtype))
+            losses, metrics = dpo_loss(
+                policy[:pairs],
+                policy[pairs:],
+                reference[:pairs],
+                reference[pairs:],
+                beta=loss.beta,
+                label_smoothing=loss.label_smoothing,
+                loss_type=loss.loss_type,
+            )
+            total = losses.sum() / (normalizer / 2)
+            with torch.no_grad():
+                metrics["chosen_logps"] = policy[:pairs].float().mean()
+                metrics["rejected_logps"] = policy[pairs:].float().mean()
+            pair_metrics.add(metrics, pairs)
+            return total, {"loss": total.detach()}
+
+        def dummy_loss():
+            logits = self.engine(**packed_model_inputs(self.engine, ExperienceBatch.empty())).logits
+            return logits.float().sum() * 0.0, {"loss": torch.zeros(())}
+
+        out = self._train_step(
+            micro_batches,
+            mode=_PAIR_SEQUENCE_MODE,
+            inputs=["ref_logprobs"],
+            forward_loss=forward_loss,
+            dummy_loss=dummy_loss,
+        )
+        return pair_metrics.reduce(self, out)
+
+
+# --------------------------------------------------------------------------- reward model
+
+
+_RM_METRICS = ("accuracy", "chosen_reward", "rejected_reward", "reward_margin")
+
+
+class RewardModelLearner(ValueLearner):
+    """A reward model (`load_value_model`: causal-LM backbone + scalar `score` head) trained on pairs."""
+
+    def reward_step(
+        self, micro_batches: Sequence[ExperienceBatch], *, use_margin: bool = False
+    ) -> dict[str, float]:
+        """One optimizer step of the Bradley–Terry loss over pair micro-batches (`pack_pairs`);
+        the score of a sequence is the head at its last token (`packed_scores`). With
+        `use_margin`, each pair's margin (`rewards[i]`) is subtracted inside the sigmoid.
+
+        Returns metrics, equal on every rank: loss; per-pair means accuracy (r_w > r_l),
+        chosen_reward, rejected_reward, reward_margin (r_w − r_l); pairs, grad_norm, lr, tokens,
+        sequences, skipped.
+        """
+        pair_metrics = _PairMetrics(_RM_METRICS)
+
+        def forward_loss(batch: ExperienceBatch, normalizer: torch.Tensor):
+            pairs = _pair_count(batch)
+            scores = packed_scores(self.engine, batch)
+            margin = batch.rewards[:pairs].to(scores.device) if use_margin else None
+            losses, metrics = reward_model_loss(scores[:pairs], scores[pairs:], margin=margin)
+            total = losses.sum() / (normalizer / 2)
+            pair_metrics.add(metrics, pairs)
+            return total, {"loss": total.detach()}
+
+        def dummy_loss():
+            scores = packed_scores(self.engine, ExperienceBatch.empty())
+            return scores.sum() * 0.0, {"loss": torch.zeros(())}
+
+        out = self._train_step(
+            micro_batches,
+            mode=_PAIR_SEQUENCE_MODE,
+            inputs=[],
+            forward_loss=forward_loss,
+            dummy_loss=dummy_loss,
+        )
+        return pair_metrics.reduce(self, out)
