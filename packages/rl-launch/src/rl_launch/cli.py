@@ -77,7 +77,25 @@ def build_main_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Arg
     components.add_argument(
         "--plugin", action="append", metavar="MODULE", help="Import this plugin first (repeatable)."
     )
-    return parser, {"ppo": ppo, "components": components}
+    from .trainers import COMMANDS
+
+    parsers = {"ppo": ppo, "components": components}
+    for name, help_text in (
+        ("sft", "Supervised fine-tuning on prompt / response rows (token-mean NLL of the responses)."),
+        ("rm", "Train a reward model on chosen / rejected pairs (Bradley-Terry)."),
+        ("dpo", "Train a policy on chosen / rejected pairs with DPO, cDPO or IPO."),
+    ):
+        parsers[name] = commands.add_parser(
+            name,
+            help=help_text,
+            description=f"{help_text} Settings come from, in increasing priority: the defaults "
+            "below, the preset's settings, the --config file and the dotted options. Runs in this "
+            "process (DeepSpeed, world size 1).",
+            formatter_class=HelpFormatter,
+            allow_abbrev=False,
+        )
+        build_parser(COMMANDS[name], parsers[name])
+    return parser, parsers
 
 
 def _given(path: str | None, overrides: Mapping[str, Any], dotted: str) -> Any:
@@ -202,6 +220,24 @@ def main(argv: list[str] | None = None) -> int:
         if extras:
             commands["components"].error(f"unrecognized arguments: {' '.join(extras)}")
         return _list_components(commands["components"], args)
+    if args.command in ("sft", "rm", "dpo"):
+        from .trainers import COMMANDS, resolve_config, run
+
+        command, cls = args.command, COMMANDS[args.command]
+        try:
+            check_unknown_args(cls, extras)
+            config = resolve_config(command, args.config, overrides_from_namespace(cls, args))
+        except (ConfigError, FileNotFoundError) as error:
+            print(f"{commands[command].prog}: error: {error}", file=sys.stderr)
+            return 2
+        if args.print_config:
+            sys.stdout.write(dump_config(config))
+            return 0
+        try:
+            return run(command, config)
+        except KeyboardInterrupt:
+            print(f"{commands[command].prog}: interrupted", file=sys.stderr)
+            return 130
     try:
         return _run_ppo(commands[args.command], args, extras)
     except KeyboardInterrupt:

@@ -48,7 +48,7 @@ import pathlib
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import msgspec
@@ -223,9 +223,9 @@ def _format_number(value: float) -> str:
     return f"{value:.4g}"
 
 
-def _table_keys(records: list[dict[str, Any]]) -> list[str]:
+def _table_keys(records: list[dict[str, Any]], leading_keys: Sequence[str] = _LEADING_KEYS) -> list[str]:
     keys = {key for record in records for key in record if key not in _RESERVED_KEYS}
-    leading = [key for key in _LEADING_KEYS if key in keys]
+    leading = [key for key in leading_keys if key in keys]
     return leading + sorted(keys - set(leading))
 
 
@@ -254,7 +254,9 @@ def _summary_table(keys: list[str], records: list[dict[str, Any]], nonfinite: di
     return "\n".join(lines)
 
 
-def _plot_curves(path: pathlib.Path, records: list[dict[str, Any]]) -> None:
+def _plot_curves(
+    path: pathlib.Path, records: list[dict[str, Any]], headline: Sequence[str] | None = None
+) -> None:
     # Figure + FigureCanvasAgg draws without pyplot, so the process-wide backend stays untouched.
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -274,6 +276,9 @@ def _plot_curves(path: pathlib.Path, records: list[dict[str, Any]]) -> None:
         (reward_axes, "reward", "reward/mean", "eval/reward/mean"),
         (lower_axes, *lower, None),
     )
+    if headline:  # another loop's own metrics: its first two headline keys
+        keys = [*headline[:2], *headline[:1]][:2]
+        panels = ((reward_axes, keys[0], keys[0], None), (lower_axes, keys[1], keys[1], None))
     for axes, title, key, points_key in panels:
         axes.set_title(title)
         axes.set_xlabel("step")
@@ -299,7 +304,9 @@ class Tracker:
     Arguments: `output_dir` (created), `total_steps` and `start_step` (the bar's total and
     starting point; `start_step > 0` resumes, see the module docstring), `progress_bar`,
     `tensorboard` / `wandb` (backends, each needs its `rl-launch[...]` extra), `wandb_project`
-    (default "rl-launch"), `run_name` and `config` (passed to `wandb.init`).
+    (default "rl-launch"), `run_name` and `config` (passed to `wandb.init`), and `headline`: the
+    metric keys of a loop other than ppo's (e.g. ("sft/loss",)); they then lead the summary, make
+    its console rows, the progress-bar postfix (with time/step) and the panels of curves.png.
     Use as a context manager or call `close()` (idempotent) at the end.
     """
 
@@ -315,6 +322,7 @@ class Tracker:
         wandb_project: str | None = None,
         run_name: str | None = None,
         config: Mapping[str, Any] | None = None,
+        headline: Sequence[str] | None = None,
     ) -> None:
         total_steps = _check_int("Tracker: total_steps", total_steps, 0)
         start_step = _check_int("Tracker: start_step", start_step, 0)
@@ -356,7 +364,14 @@ class Tracker:
             dynamic_ncols=True,
         )
         self._bar_position = start_step
-        self._postfix = {key: "" for key, _, _, _ in _POSTFIX}  # fixes the order of the postfix
+        self.headline = tuple(headline) if headline else None
+        self._postfix_spec = _POSTFIX
+        if self.headline:
+            self._postfix_spec = (
+                *((key, key.rsplit("/", 1)[-1], ".4g", "") for key in self.headline),
+                ("time/step", "step", ".1f", "s"),
+            )
+        self._postfix = {key: "" for key, _, _, _ in self._postfix_spec}  # fixes the order of the postfix
         try:
             if summary_writer_class is not None:
                 self._tensorboard = summary_writer_class(str(self.output_dir / TENSORBOARD_DIR))
@@ -435,7 +450,7 @@ class Tracker:
         self.last_step = step
 
         # The postfix keeps the last value seen of each key, so a step without one does not blank it.
-        for key, label, spec, unit in _POSTFIX:
+        for key, label, spec, unit in self._postfix_spec:
             if clean.get(key) is not None:
                 self._postfix[key] = f"{label}={clean[key]:{spec}}{unit}"
         postfix = " ".join(text for text in self._postfix.values() if text)
@@ -474,7 +489,7 @@ class Tracker:
             return self._summary
         self._close_backends(exit_code)
         records = _read_records(self.metrics_path)
-        keys = _table_keys(records)
+        keys = _table_keys(records, (*self.headline, "time/step") if self.headline else _LEADING_KEYS)
         first: dict[str, float] = {}
         last: dict[str, float] = {}
         nonfinite: dict[str, int] = {}
@@ -493,9 +508,11 @@ class Tracker:
         plot_path = None
         if records:
             plot_path = self.output_dir / PLOT_FILE
-            _plot_curves(plot_path, records)
+            _plot_curves(plot_path, records, self.headline)
         steps = sum(record["step"] > 0 for record in records)  # step 0: measured before training
-        headline = [key for key in keys if key in _HEADLINE_KEYS or key.startswith("time/")]
+        headline = [
+            key for key in keys if key in (self.headline or _HEADLINE_KEYS) or key.startswith("time/")
+        ]
         self.message(
             f"summary of {steps} steps (every metric: {self.output_dir / SUMMARY_FILE}):\n"
             + _summary_table(headline, records, nonfinite)

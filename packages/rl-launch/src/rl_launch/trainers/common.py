@@ -1,0 +1,34 @@
+"""Pieces the three supervised commands share: reading rows and building a learner."""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["build_learner", "read_rows"]
+
+
+def read_rows(data: Any, path: str) -> Any:
+    """The rows of `data.dataset` (a file or a save_to_disk folder), the first `data.max_samples`."""
+    from rl_data.datasets import as_dataset
+
+    rows = as_dataset(path)
+    if data.max_samples is not None and data.max_samples < len(rows):
+        rows = rows.select(range(data.max_samples))
+    return rows
+
+
+def build_learner(learner_class: type, config: Any, model_path: str, total_steps: int, *, value: bool) -> Any:
+    """A trained learner of `model_path`: causal LM, or (`value`) a reward model with a score head."""
+    from rl_learner import load_causal_lm, load_value_model
+
+    from .loop import deepspeed_options, model_options, optimizer_options
+
+    deepspeed = deepspeed_options(config)
+    options = model_options(config, deepspeed)
+    if value:
+        model = load_value_model(model_path, head_seed=config.train.seed, **options)
+    else:
+        model = load_causal_lm(model_path, **options)
+    return learner_class(
+        model, deepspeed=deepspeed, optimizer=optimizer_options(config), total_steps=total_steps
+    )

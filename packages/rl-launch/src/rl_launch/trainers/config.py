@@ -1,0 +1,215 @@
+"""The typed configurations of `rl-launch sft`, `rl-launch rm` and `rl-launch dpo`.
+
+Each command has its own root struct (`SFTConfig`, `RMConfig`, `DPOConfig`) built from the same
+sections as `PPOConfig` where they mean the same thing (`model`, `train`, `ckpt`, `log`; `train`
+and `log` only change defaults) plus its own `data` and `loss` sections. They load through the
+same `rl_launch.options` machinery: dotted flags, `--config FILE`, `--print-config`, and a
+preset under the file and the flags.
+
+These trainers run in the driver process (torch.distributed world size 1, DeepSpeed on that one
+rank), so there is no `ray` section; options of the shared sections that they cannot honour
+(a critic, a separate reward model, LoRA, PPO epochs) are refused with the reason.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import Meta
+
+from ..config import (
+    CheckpointConfig,
+    LogConfig,
+    ModelConfig,
+    Positive,
+    PositiveInt,
+    TrainConfig,
+    _fail,
+    _Section,
+)
+
+__all__ = [
+    "COMMANDS",
+    "DPOConfig",
+    "DPOLossSection",
+    "PairDataConfig",
+    "RMConfig",
+    "RMDataConfig",
+    "RMLossSection",
+    "SFTConfig",
+    "SFTDataConfig",
+    "SFTLossSection",
+    "SupervisedTrainConfig",
+]
+
+
+class SupervisedTrainConfig(TrainConfig):
+    max_steps: PositiveInt = 100
+    """Optimizer steps; the data is read in shuffled passes (a new order each pass) as needed."""
+    train_batch_size: PositiveInt = 32
+    """Samples (sft) or pairs (rm, dpo) per optimizer step."""
+    micro_batch_tokens: PositiveInt = 16384
+    """Token budget of one packed micro-batch (both sides of a pair stay in one micro-batch);
+    gradients accumulate over the micro-batches of a step."""
+    actor_learning_rate: Positive = 5e-6
+    """Peak learning rate of the trained model."""
+
+
+class SFTLogConfig(LogConfig):
+    output_dir: str = "runs/sft"
+    """Run folder: metrics.jsonl, summary, plot, checkpoints, final model."""
+
+
+class RMLogConfig(LogConfig):
+    output_dir: str = "runs/rm"
+    """Run folder: metrics.jsonl, summary, plot, checkpoints, final model."""
+
+
+class DPOLogConfig(LogConfig):
+    output_dir: str = "runs/dpo"
+    """Run folder: metrics.jsonl, summary, plot, checkpoints, final model."""
+
+
+class SFTDataConfig(_Section):
+    dataset: str | None = None
+    """Training rows: a .jsonl/.json/.parquet/.csv file or a `datasets.save_to_disk` folder. None: the preset's."""
+    input_key: str = "prompt"
+    """Column holding the prompt (text, or a list of chat messages)."""
+    output_key: str = "response"
+    """Column holding the response (text); only its tokens (and the end-of-turn marker) are trained."""
+    apply_chat_template: bool = True
+    """Render prompt and response with the tokenizer's chat template; false: plain text + EOS."""
+    max_len: PositiveInt = 2048
+    """Longest sample in tokens; longer rows are dropped (counted in the start-up line)."""
+    max_samples: PositiveInt | None = None
+    """Use at most this many rows (the first ones)."""
+
+
+class PairDataConfig(_Section):
+    dataset: str | None = None
+    """Preference rows: a .jsonl/.json/.parquet/.csv file or a `datasets.save_to_disk` folder. None: the preset's."""
+    prompt_key: str | None = "prompt"
+    """Column holding the prompt; None when chosen / rejected hold whole conversations."""
+    chosen_key: str = "chosen"
+    """Column holding the preferred response (text or messages)."""
+    rejected_key: str = "rejected"
+    """Column holding the other response."""
+    apply_chat_template: bool = True
+    """Render with the tokenizer's chat template; false: plain text + EOS."""
+    max_len: PositiveInt = 2048
+    """Longest side of a pair in tokens; longer pairs are dropped."""
+    max_samples: PositiveInt | None = None
+    """Use at most this many pairs (the first rows)."""
+
+
+class RMDataConfig(PairDataConfig):
+    margin_key: str | None = None
+    """Column with a number per pair (how much better chosen is), used by `loss.use_margin`."""
+
+
+class SFTLossSection(_Section):
+    aggregation: Literal["token-mean", "seq-mean-token-mean"] = "token-mean"
+    """token-mean: NLL averaged over every response token of the step (OpenRLHF's SFT);
+    seq-mean-token-mean: averaged per sequence first."""
+
+
+class RMLossSection(_Section):
+    use_margin: bool = False
+    """Bradley-Terry with a margin: −log σ(r_w − r_l − m), m from `data.margin_key` (Llama 2)."""
+
+
+class DPOLossSection(_Section):
+    loss_type: Literal["sigmoid", "ipo"] = "sigmoid"
+    """sigmoid: DPO (cDPO with label_smoothing > 0); ipo: IPO's squared loss towards 1/(2·beta)."""
+    beta: Positive = 0.1
+    """beta, the implicit reward scale (strength of the pull towards the reference model)."""
+    label_smoothing: Annotated[float, Meta(ge=0, lt=0.5)] = 0.0
+    """cDPO: assumed probability that a preference label is flipped; 0 is plain DPO (sigmoid only)."""
+
+    def __post_init__(self) -> None:
+        if self.loss_type == "ipo" and self.label_smoothing > 0:
+            _fail("loss.label_smoothing", self.label_smoothing, "must be 0 with loss.loss_type ipo")
+
+
+_DEFAULT_TRAIN = SupervisedTrainConfig()
+
+
+class _SupervisedRoot(_Section):
+    preset: Literal["auto", "arithmetic", "none"] = "auto"
+    """Built-in demo whose model, data and settings sit under yours: arithmetic ("What is n + 1?"
+    on a tiny model built locally), or none. auto: arithmetic when neither model.pretrain nor
+    data.dataset is given, else none."""
+    preset_root: str | None = None
+    """Cache folder of preset builds (None: ~/.cache/rl-launch/presets)."""
+    model: ModelConfig = msgspec.field(default_factory=ModelConfig)
+    """The model to train (model.pretrain) and its precision; a dpo reference is a frozen copy."""
+    train: SupervisedTrainConfig = msgspec.field(default_factory=SupervisedTrainConfig)
+    """Optimisation: steps, batch size, learning rate, DeepSpeed."""
+    ckpt: CheckpointConfig = msgspec.field(default_factory=CheckpointConfig)
+    """Checkpoints, resume (--ckpt.load_checkpoint true) and the HF export to <log.output_dir>/final."""
+
+    def _check_common(self, command: str) -> None:
+        if self.preset != "arithmetic":
+            if self.model.pretrain is None:
+                _fail("model.pretrain", None, "is required without a preset (or pass --preset arithmetic)")
+            if self.data.dataset is None:  # type: ignore[attr-defined]
+                _fail("data.dataset", None, "is required without a preset (or pass --preset arithmetic)")
+        for field in ("critic_pretrain", "reward_pretrain"):
+            if getattr(self.model, field) is not None:
+                _fail(f"model.{field}", getattr(self.model, field), f"does not apply to rl-launch {command}")
+        if self.model.lora_rank:
+            _fail(
+                "model.lora_rank", self.model.lora_rank, f"must be 0: rl-launch {command} trains all weights"
+            )
+        for field in ("max_epochs", "critic_learning_rate"):
+            if getattr(self.train, field) != getattr(_DEFAULT_TRAIN, field):
+                _fail(f"train.{field}", getattr(self.train, field), f"does not apply to rl-launch {command}")
+
+
+class SFTConfig(_SupervisedRoot):
+    """Everything `rl-launch sft` needs; sections are dotted on the command line."""
+
+    data: SFTDataConfig = msgspec.field(default_factory=SFTDataConfig)
+    """Demonstrations: prompt / response rows."""
+    loss: SFTLossSection = msgspec.field(default_factory=SFTLossSection)
+    """The NLL of the response tokens."""
+    log: SFTLogConfig = msgspec.field(default_factory=SFTLogConfig)
+    """Outputs: metrics, progress bar, TensorBoard, wandb."""
+
+    def __post_init__(self) -> None:
+        self._check_common("sft")
+
+
+class RMConfig(_SupervisedRoot):
+    """Everything `rl-launch rm` needs; sections are dotted on the command line."""
+
+    data: RMDataConfig = msgspec.field(default_factory=RMDataConfig)
+    """Preference pairs: prompt, chosen and rejected responses."""
+    loss: RMLossSection = msgspec.field(default_factory=RMLossSection)
+    """The Bradley-Terry loss on the scores of chosen and rejected."""
+    log: RMLogConfig = msgspec.field(default_factory=RMLogConfig)
+    """Outputs: metrics, progress bar, TensorBoard, wandb."""
+
+    def __post_init__(self) -> None:
+        self._check_common("rm")
+        if self.loss.use_margin and self.data.margin_key is None:
+            _fail("loss.use_margin", True, "needs data.margin_key (the column holding each pair's margin)")
+
+
+class DPOConfig(_SupervisedRoot):
+    """Everything `rl-launch dpo` needs; sections are dotted on the command line."""
+
+    data: PairDataConfig = msgspec.field(default_factory=PairDataConfig)
+    """Preference pairs: prompt, chosen and rejected responses."""
+    loss: DPOLossSection = msgspec.field(default_factory=DPOLossSection)
+    """DPO / cDPO / IPO against a frozen copy of the starting model."""
+    log: DPOLogConfig = msgspec.field(default_factory=DPOLogConfig)
+    """Outputs: metrics, progress bar, TensorBoard, wandb."""
+
+    def __post_init__(self) -> None:
+        self._check_common("dpo")
+
+
+COMMANDS: dict[str, type] = {"sft": SFTConfig, "rm": RMConfig, "dpo": DPOConfig}
+"""Command name -> its root config struct."""

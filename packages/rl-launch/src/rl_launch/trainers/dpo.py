@@ -1,0 +1,83 @@
+"""`rl-launch dpo`: DPO, cDPO or IPO on preference pairs (`rl_learner.DPOLearner`).
+
+The reference is a frozen copy of `model.pretrain` (an inference-only DeepSpeed engine); its
+log-probs of the step's pairs are computed before the policy's update. Logged: dpo/loss,
+dpo/reward_margin (mean β·z), dpo/reward_accuracy, dpo/chosen_rewards, dpo/rejected_rewards,
+dpo/chosen_logps, dpo/rejected_logps, all on the step's batch before its update.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .common import build_learner, read_rows
+from .config import DPOConfig
+from .loop import Task, deepspeed_options, model_options, run_task
+
+__all__ = ["SETTINGS", "TASK", "run"]
+
+SETTINGS: dict[str, Any] = {
+    "loss": {"beta": 0.1},
+    "train": {
+        "max_steps": 30,
+        "train_batch_size": 16,
+        "actor_learning_rate": 1e-3,
+        "lr_warmup_ratio": 0.0,
+        "zero_stage": 0,
+    },
+    "log": {"output_dir": "runs/dpo-arithmetic"},
+}
+"""The arithmetic preset's settings (under the user's file and flags)."""
+
+
+def _load(config: DPOConfig, tokenizer: Any, path: str) -> Any:
+    from rl_data.datasets import PreferenceDataset
+
+    data = config.data
+    return PreferenceDataset(
+        read_rows(data, path),
+        tokenizer,
+        prompt_key=data.prompt_key,
+        chosen_key=data.chosen_key,
+        rejected_key=data.rejected_key,
+        apply_chat_template=data.apply_chat_template,
+        max_length=data.max_len,
+    )
+
+
+def _build(config: DPOConfig, model_path: str, total_steps: int):
+    import msgspec
+
+    from rl_learner import DPOLearner, DPOLossConfig, PolicyLearner, load_causal_lm, pack_pairs
+
+    learner = build_learner(DPOLearner, config, model_path, total_steps, value=False)
+    deepspeed = msgspec.structs.replace(deepspeed_options(config), offload_optimizer=False)
+    reference = PolicyLearner(
+        load_causal_lm(model_path, **model_options(config, deepspeed)), deepspeed=deepspeed
+    )
+    loss = DPOLossConfig(
+        beta=config.loss.beta, label_smoothing=config.loss.label_smoothing, loss_type=config.loss.loss_type
+    )
+
+    def step(micro: list[list[Any]]) -> dict[str, float]:
+        batches = [pack_pairs(part) for part in micro]
+        for batch, values in zip(batches, reference.logprobs(batches, only_actions=True), strict=True):
+            batch.ref_logprobs = values
+        return learner.dpo_step(batches, loss)
+
+    return learner, step
+
+
+TASK = Task(
+    command="dpo",
+    role="policy",
+    headline=("dpo/reward_margin", "dpo/reward_accuracy"),
+    preset_data="pairs",
+    load=_load,
+    lengths=lambda pair: int(pair.chosen_ids.numel() + pair.rejected_ids.numel()),
+    build=_build,
+)
+
+
+def run(config: DPOConfig) -> int:
+    return run_task(TASK, config)

@@ -1,0 +1,247 @@
+"""The step loop shared by `rl-launch sft`, `rm` and `dpo`, in the driver process.
+
+    set up    preset (opt-in), run folder (`runs.prepare_run_folder`), tokenizer, dataset,
+              learner(s) in one DeepSpeed process (torch.distributed world size 1)
+    resume    the run's own checkpoint, when `--ckpt.load_checkpoint true` finds one
+    loop      batch of step s -> micro-batches by token budget -> one optimizer step -> log
+    finish    checkpoint, HF export to <log.output_dir>/final, summary and curves
+
+Batches. Step s (1-based) takes the items at global positions (s − 1)·B ... s·B − 1 of an endless
+stream made of passes over the data, pass k in the order `randperm(count)` seeded by
+(train.seed, k). The order depends only on the step, so a resumed run continues exactly where
+the checkpoint's step left off without saving a sampler state.
+
+A command (sft.py, rm.py, dpo.py) gives a `Task`: how to read its dataset, build its learners,
+and run one step on a list of dataset items.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from ..config import ConfigError
+from ..tracking import PhaseTimer, StartupLines, Tracker, quiet_third_party_output
+
+__all__ = ["Task", "batch_positions", "run_task"]
+
+
+@dataclass(frozen=True)
+class Task:
+    """What one command adds to the loop.
+
+    command: "sft", "rm" or "dpo"; role: the checkpointed engine's name ("policy", "reward_model").
+    headline: metric keys shown in the progress bar, the console summary and curves.png.
+    preset_data: key of `demo.build_demo`'s paths the preset's data comes from ("sft", "pairs").
+    load: (config, tokenizer, data path) -> dataset with `len` and item access.
+    lengths: dataset item -> its token count (for micro-batching).
+    build: (config, model path, total steps) -> (trained learner, step function); the step
+        function takes the step's items (grouped into micro-batches) and returns metrics.
+    """
+
+    command: str
+    role: str
+    headline: tuple[str, ...]
+    preset_data: str
+    load: Callable[[Any, Any, str], Any]
+    lengths: Callable[[Any], int]
+    build: Callable[[Any, str, int], tuple[Any, Callable[[list[list[Any]]], dict[str, float]]]]
+
+
+def batch_positions(step: int, batch_size: int, count: int, seed: int) -> list[int]:
+    """Dataset positions of step `step` (1-based): passes over the data, each in its own seeded order."""
+    import torch
+
+    if count < 1:
+        raise ValueError("the dataset is empty")
+    positions, orders = [], {}
+    for index in range((step - 1) * batch_size, step * batch_size):
+        epoch = index // count
+        if epoch not in orders:
+            generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+            orders[epoch] = torch.randperm(count, generator=generator).tolist()
+        positions.append(orders[epoch][index % count])
+    return positions
+
+
+def resolve_dtype(config: Any) -> str:
+    import torch
+
+    dtype = config.model.dtype
+    if dtype == "auto":
+        return "bf16" if torch.cuda.is_available() else "fp32"
+    return dtype
+
+
+def deepspeed_options(config: Any) -> Any:
+    from rl_learner import DeepSpeedConfig
+
+    return DeepSpeedConfig(
+        zero_stage=config.train.zero_stage,
+        dtype=resolve_dtype(config),
+        offload_optimizer=config.train.adam_offload,
+        gradient_checkpointing=config.model.gradient_checkpointing,
+        attn_implementation=config.model.attn_implementation,
+        micro_batch_tokens=config.train.micro_batch_tokens,
+    )
+
+
+def optimizer_options(config: Any) -> Any:
+    from rl_learner import OptimizerConfig
+
+    t = config.train
+    return OptimizerConfig(
+        lr=t.actor_learning_rate,
+        betas=t.adam_betas,
+        weight_decay=t.weight_decay,
+        warmup_ratio=t.lr_warmup_ratio,
+        min_lr_ratio=t.min_lr_ratio,
+        grad_clip=t.max_norm,
+    )
+
+
+def model_options(config: Any, deepspeed: Any) -> dict[str, Any]:
+    """Keyword arguments of `load_causal_lm` / `load_value_model` for this run."""
+    from rl_learner import deepspeed_config
+    from rl_learner.config import torch_dtype
+
+    zero3 = None
+    if deepspeed.zero_stage == 3:
+        zero3 = deepspeed_config(deepspeed, optimizer_options(config), world_size=1)
+    return {
+        "dtype": torch_dtype(deepspeed.dtype),
+        "attn_implementation": deepspeed.attn_implementation,
+        "gradient_checkpointing": deepspeed.gradient_checkpointing,
+        "zero3_config": zero3,
+    }
+
+
+def _micro_batches(items: Sequence[Any], lengths: Callable[[Any], int], budget: int) -> list[list[Any]]:
+    from rl_learner import group_by_tokens
+
+    return [[items[i] for i in group] for group in group_by_tokens([lengths(item) for item in items], budget)]
+
+
+def run_task(task: Task, config: Any) -> int:
+    """Run one supervised command with a resolved config; the process exit code (0 on success)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from rl_learner import TrainingState, export_hf, load_checkpoint, save_checkpoint
+
+    from ..options import dump_config
+    from ..preflight import PreflightError, check_model_path
+    from ..runs import RunFolderError, checkpoint_extra, prepare_run_folder
+
+    name = f"rl-launch {task.command}"
+    console = StartupLines(name)
+    output_dir = Path(config.log.output_dir)
+    try:
+        quiet_third_party_output()
+        model_path, data_path = config.model.pretrain, config.data.dataset
+        if config.preset != "none":
+            from .demo import build_demo
+
+            demo = build_demo(config.preset_root)
+            model_path = model_path or demo["model"]
+            data_path = data_path or demo[task.preset_data]
+            console.say(f"preset {config.preset}: model and data in {Path(demo['model']).parent}")
+        model_path = check_model_path("model.pretrain", model_path)
+        if not Path(data_path).expanduser().exists():
+            raise PreflightError(f"data.dataset: {data_path} does not exist")
+        ckpt_root = Path(config.ckpt.path or output_dir / "checkpoints")
+        plan = prepare_run_folder(
+            output_dir,
+            msgspec.to_builtins(config),
+            resume=config.ckpt.load_checkpoint,
+            ckpt_root=ckpt_root,
+            roles=[task.role],
+        )
+        console.say(plan.message)
+        (output_dir / "config.yaml").write_text(dump_config(config))
+
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        dataset = task.load(config, tokenizer, str(data_path))
+        if len(dataset) == 0:
+            raise PreflightError(f"data.dataset: {data_path}: no usable row ({dataset.stats.summary()})")
+        console.say(f"data: {len(dataset)} rows from {data_path} ({dataset.stats.summary()})")
+        torch.manual_seed(config.train.seed)
+        learner, train_step = task.build(config, model_path, config.train.max_steps)
+        console.say(
+            f"learner: DeepSpeed ZeRO-{config.train.zero_stage} {resolve_dtype(config)} in this process "
+            f"on {learner.device}, world size 1"
+        )
+        start = 0
+        if plan.resume:
+            folder = plan.checkpoints[task.role]
+            start = load_checkpoint(folder.parent, {task.role: learner.engine}, tag=folder.name).step
+
+        timer = PhaseTimer()
+        final = None
+        with Tracker(
+            output_dir,
+            total_steps=config.train.max_steps,
+            start_step=start,
+            progress_bar=config.log.progress_bar,
+            tensorboard=config.log.use_tensorboard,
+            wandb=config.log.use_wandb,
+            wandb_project=config.log.wandb_project,
+            run_name=config.log.run_name,
+            config=msgspec.to_builtins(config),
+            headline=task.headline,
+        ) as tracker:
+            batch = config.train.train_batch_size
+            for step in range(start + 1, config.train.max_steps + 1):
+                timer.reset()
+                began = time.perf_counter()
+                items = [dataset[i] for i in batch_positions(step, batch, len(dataset), config.train.seed)]
+                with timer.phase("training"):
+                    metrics = train_step(_micro_batches(items, task.lengths, config.train.micro_batch_tokens))
+                last = step == config.train.max_steps
+                if last or (config.ckpt.save_steps > 0 and step % config.ckpt.save_steps == 0):
+                    with timer.phase("checkpoint"):
+                        state = TrainingState(
+                            step=step, consumed_samples=step * batch, extra=checkpoint_extra(plan)
+                        )
+                        save_checkpoint(
+                            plan.ckpt_root / task.role,
+                            step,
+                            {task.role: learner.engine},
+                            state,
+                            keep_last=config.ckpt.max_ckpt_num,
+                        )
+                elapsed = time.perf_counter() - began
+                tokens = metrics.pop("tokens", 0.0)
+                tracker.log(
+                    step,
+                    {f"{task.command}/{key}": value for key, value in metrics.items()}
+                    | timer.metrics()
+                    | {"time/step": elapsed, "throughput/tokens_per_s": tokens / elapsed},
+                )
+            if config.ckpt.save_hf_model:
+                final = output_dir / "final"
+                export_hf(learner.engine, final, tokenizer=tokenizer)
+            summary = tracker.close()
+        print(f"outputs in {output_dir.resolve()}:")
+        print(f"  metrics   {Path(summary.metrics_path).resolve()}")
+        if summary.plot_path:
+            print(f"  plot      {Path(summary.plot_path).resolve()}")
+        print(f"  checkpoints {plan.ckpt_root}")
+        if final is not None:
+            print(f"  model     {final.resolve()}")
+        return 0
+    except (ConfigError, PreflightError, RunFolderError) as error:
+        print(f"{name}: error: {error}", file=sys.stderr)
+        return 2 if isinstance(error, (ConfigError, RunFolderError)) else 1
+    except KeyboardInterrupt:
+        return 130
