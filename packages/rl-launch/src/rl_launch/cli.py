@@ -68,6 +68,20 @@ def build_main_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Arg
         help="A module or .py file registering components, imported in the driver and every actor "
         "(repeatable; added to `plugins`).",
     )
+    from .serve_rm import ServeRMConfig
+
+    serve_rm = commands.add_parser(
+        "serve-rm",
+        help="Serve a reward model over HTTP (OpenRLHF's /get_reward API) for reward.remote_url.",
+        description=(
+            "Serve a reward model over HTTP: POST /get_reward {query, prompts?, labels?} -> "
+            "{rewards, scores}, GET /health. Settings come from, in increasing priority: the "
+            "defaults below, the --config file and the options."
+        ),
+        formatter_class=HelpFormatter,
+        allow_abbrev=False,
+    )
+    build_parser(ServeRMConfig, serve_rm)
     components = commands.add_parser(
         "components",
         help="List the components `ppo` can use by name (estimators, losses, KL estimators, engines, "
@@ -79,7 +93,7 @@ def build_main_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Arg
     )
     from .trainers import COMMANDS
 
-    parsers = {"ppo": ppo, "components": components}
+    parsers = {"ppo": ppo, "components": components, "serve-rm": serve_rm}
     for name, help_text in (
         ("sft", "Supervised fine-tuning on prompt / response rows (token-mean NLL of the responses)."),
         ("rm", "Train a reward model on chosen / rejected pairs (Bradley-Terry)."),
@@ -216,6 +230,10 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unrecognized arguments: {' '.join(extras)}")
         parser.print_help(sys.stderr)
         return 2
+    if args.command == "serve-rm":
+        from .serve_rm import run_command
+
+        return run_command(commands["serve-rm"], args, extras)
     if args.command == "components":
         if extras:
             commands["components"].error(f"unrecognized arguments: {' '.join(extras)}")

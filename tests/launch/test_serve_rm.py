@@ -1,0 +1,385 @@
+"""`rl-launch serve-rm`: a reward model behind OpenRLHF's HTTP API, driven by our real client.
+
+- `rl_rollout.RemoteRewardClient` gets one score per query, equal to a plain transformers forward
+  of the same model on the query's tokens (1e-5), over several batches of different lengths;
+  OpenRLHF's query-only body gets the same scores, on /get_reward and on /.
+- Requests from several threads at once each get their own answers.
+- Bad bodies get HTTP 400 with a JSON message naming what is wrong, an oversized one 413, another
+  path 404, and the server keeps serving; it binds to 127.0.0.1 by default.
+- Truncation (right / left), append_eos and normalize_reward (mean / std from config.json) score
+  exactly the tokens they say; normalize_reward without mean / std serves raw scores.
+- The command line: options, --print-config, errors with exit code 2.
+- End to end (slow): `rl-launch serve-rm --port 0` in a subprocess, and `rl-launch ppo
+  --reward.remote_url <its URL>` trains 2 steps against it.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from rl_launch.cli import main
+from rl_launch.config import ConfigError
+from rl_launch.options import load_config
+from rl_launch.serve_rm import RewardModelScorer, RewardModelServer, ServeRMConfig
+from rl_rollout import RemoteRewardClient, RemoteRewardError
+from tests.launch.launching import launch, launcher_env, read_metrics
+
+ATOL = 1e-5
+
+
+def _chat(question: str, answer: str) -> tuple[str, str]:
+    prompt = f"<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"
+    return prompt, prompt + answer
+
+
+def _samples(count: int, seed: int = 0) -> tuple[list[str], list[str], list[str]]:
+    """(queries, prompts, labels) of arithmetic chats whose answers have very different lengths."""
+    rng = random.Random(seed)
+    queries, prompts, labels = [], [], []
+    for index in range(count):
+        a, b = rng.randrange(100), rng.randrange(100)
+        answer = " ".join(["so"] * rng.randrange(0, 12)) + f" the sum is {a + b}<|im_end|>"
+        prompt, query = _chat(f"What is {a} + {b}?" + " Think." * (index % 3), answer)
+        queries.append(query)
+        prompts.append(prompt)
+        labels.append(str(a + b))
+    return queries, prompts, labels
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_checkpoint):
+    """`score(ids)`: a plain transformers forward of the reward model on one unpadded sequence."""
+    from transformers import AutoTokenizer
+
+    from rl_learner.models import load_value_model
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint)
+    model = load_value_model(tiny_checkpoint, dtype=torch.float32).eval()
+
+    def score(ids: list[int]) -> float:
+        with torch.inference_mode():
+            return float(model(input_ids=torch.tensor([ids])).logits[0, 0])
+
+    def ids(text: str) -> list[int]:
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    score.ids = ids
+    score.tokenizer = tokenizer
+    return score
+
+
+def _config(checkpoint, **options) -> ServeRMConfig:
+    return ServeRMConfig(
+        reward_pretrain=str(checkpoint), port=0, dtype="fp32", device="cpu", batch_size=3, **options
+    )
+
+
+@pytest.fixture(scope="module")
+def scorer(tiny_checkpoint):
+    # normalize_reward on a model whose config has no mean / std: raw scores are served.
+    return RewardModelScorer(_config(tiny_checkpoint, normalize_reward=True))
+
+
+@pytest.fixture(scope="module")
+def server(tiny_checkpoint, scorer):
+    with RewardModelServer(_config(tiny_checkpoint), scorer=scorer) as running:
+        yield running
+
+
+def _post(url: str, body: bytes, **headers: str) -> tuple[int, dict]:
+    request = urllib.request.Request(
+        url, data=body, headers={"Content-Type": "application/json", **headers}, method="POST"
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+def _get(url: str) -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(url, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+def _root(server: RewardModelServer) -> str:
+    return server.url.removesuffix("/get_reward")
+
+
+# ----------------------------------------------------------------------------- scores
+
+
+def test_remote_reward_client_gets_one_score_per_query_equal_to_a_direct_forward(server, reference):
+    queries, prompts, labels = _samples(11)
+    client = RemoteRewardClient(server.url, batch_size=4, max_retries=0)  # 3 requests, 2 forwards each
+    output = client(queries, prompts, labels)
+    assert len(output.rewards) == len(queries)
+    assert len(output.scores) == len(queries)
+    expected = [reference(reference.ids(query)) for query in queries]
+    assert output.rewards == pytest.approx(expected, abs=ATOL, rel=0)
+    assert output.scores == output.rewards
+    assert len(set(output.rewards)) > 1  # the queries really are scored apart
+    assert not output.fallback_indices
+
+
+def test_openrlhf_query_only_bodies_are_scored_on_get_reward_and_on_root(server, reference):
+    queries, _, _ = _samples(5, seed=1)
+    expected = [reference(reference.ids(query)) for query in queries]
+    for url in (server.url, _root(server) + "/"):
+        status, answer = _post(url, json.dumps({"query": queries}).encode())
+        assert status == 200
+        assert answer["rewards"] == pytest.approx(expected, abs=ATOL, rel=0)
+        assert answer["scores"] == answer["rewards"]
+    status, answer = _post(server.url, b'{"query": []}')
+    assert (status, answer["rewards"]) == (200, [])
+
+
+def test_concurrent_requests_from_several_threads_each_get_their_own_scores(server, reference):
+    queries, prompts, labels = _samples(24, seed=2)
+    expected = {query: reference(reference.ids(query)) for query in queries}
+    start = threading.Barrier(6)
+
+    def worker(seed: int) -> list[tuple[list[str], list[float]]]:
+        rng = random.Random(seed)
+        client = RemoteRewardClient(server.url, batch_size=5, max_retries=0)
+        start.wait()
+        answers = []
+        for _ in range(3):
+            picked = rng.sample(range(len(queries)), rng.randrange(1, 12))
+            batch = [queries[i] for i in picked]
+            output = client(batch, [prompts[i] for i in picked], [labels[i] for i in picked])
+            answers.append((batch, output.rewards))
+        return answers
+
+    with ThreadPoolExecutor(max_workers=6) as pool:
+        results = list(pool.map(worker, range(6)))
+    assert sum(len(answers) for answers in results) == 18
+    for answers in results:
+        for batch, rewards in answers:
+            assert rewards == pytest.approx([expected[query] for query in batch], abs=ATOL, rel=0)
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        (b"not json", r"request body is not valid JSON"),
+        (b'["a", "b"]', r"Expected `object`, got `array`"),
+        (b'{"prompts": ["a"]}', r"missing required field `query`"),
+        (b'{"query": "one text"}', r"Expected `array`, got `str` - at `\$.query`"),
+        (b'{"query": ["a", 3]}', r"Expected `str`, got `int` - at `\$.query\[1\]`"),
+        (b'{"query": ["a", "b"], "prompts": ["a"]}', r"prompts has 1 entries but query has 2"),
+        (b'{"query": ["a"], "prompts": ["a"], "labels": [1, 2]}', r"labels has 2 entries but query has 1"),
+        (b'{"query": [""]}', r"query\[0\]: the text '' has no tokens"),
+    ],
+)
+def test_a_bad_body_gets_400_with_a_message_and_the_server_keeps_serving(server, body, message):
+    status, answer = _post(server.url, body)
+    assert status == 400
+    assert set(answer) == {"error"}
+    assert re.search(message, answer["error"]), answer["error"]
+    status, answer = _post(server.url, b'{"query": ["fine"]}')
+    assert status == 200
+    assert len(answer["rewards"]) == 1
+
+
+def test_the_client_reports_a_400_without_retrying(server):
+    client = RemoteRewardClient(server.url, max_retries=3)
+    with pytest.raises(RemoteRewardError, match=r"HTTP 400 .*has no tokens"):
+        client([""], [""], [None])
+    assert client.num_retries == 0
+
+
+def test_an_oversized_body_gets_413_and_another_path_404(tiny_checkpoint, scorer):
+    with RewardModelServer(_config(tiny_checkpoint, max_body_bytes=1000), scorer=scorer) as small:
+        status, answer = _post(small.url, json.dumps({"query": ["x" * 5000]}).encode())
+        assert status == 413
+        assert "over the limit of 1000" in answer["error"]
+        status, answer = _post(small.url, json.dumps({"query": ["x" * 100]}).encode())
+        assert status == 200
+        status, answer = _post(_root(small) + "/score", b'{"query": ["a"]}')
+        assert status == 404
+        assert "/get_reward" in answer["error"]
+        assert _get(_root(small) + "/nothing")[0] == 404
+
+
+def test_the_server_binds_to_loopback_by_default_and_reports_health(tiny_checkpoint, scorer, server):
+    assert ServeRMConfig(reward_pretrain="m").host == "127.0.0.1"
+    with RewardModelServer(
+        ServeRMConfig(reward_pretrain=str(tiny_checkpoint), port=0), scorer=scorer
+    ) as default:
+        assert default.address[0] == "127.0.0.1"
+        assert default.url.startswith("http://127.0.0.1:")
+    status, health = _get(_root(server) + "/health")
+    assert status == 200
+    assert health["status"] == "ok"
+    assert health["model"] == str(tiny_checkpoint)
+    assert health["normalize_reward"] is False  # asked for, but the config holds no mean / std
+    assert health["requests"] >= 1
+    assert health["samples"] >= 1
+
+
+# ----------------------------------------------------------------------------- what is scored
+
+
+def test_truncation_keeps_the_first_or_last_max_len_tokens(tiny_checkpoint, reference):
+    queries, _, _ = _samples(4, seed=3)
+    for side in ("right", "left"):
+        scorer = RewardModelScorer(_config(tiny_checkpoint, max_len=7, truncation_side=side))
+        ids = [reference.ids(query) for query in queries]
+        kept = [row[:7] if side == "right" else row[-7:] for row in ids]
+        assert all(len(row) > 7 for row in ids)
+        assert scorer.score(queries) == pytest.approx([reference(row) for row in kept], abs=ATOL, rel=0)
+        assert scorer.health()["truncated"] == len(queries)
+
+
+def test_append_eos_and_normalize_reward_use_the_eos_token_and_the_config_mean_and_std(
+    tiny_checkpoint, reference, tmp_path
+):
+    folder = tmp_path / "rm"
+    shutil.copytree(tiny_checkpoint, folder)
+    config_file = folder / "config.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "mean": 0.25, "std": 0.5}))
+    scorer = RewardModelScorer(_config(folder, append_eos=True, normalize_reward=True, max_len=6))
+    eos, pad = reference.tokenizer.eos_token_id, reference.tokenizer.pad_token_id
+    texts = ["<|im_start|>user\nhi", "a b<|im_end|><|endoftext|>", "one two three four five six seven"]
+    expected = []
+    for text in texts:
+        ids = reference.ids(text)
+        while ids and ids[-1] in (eos, pad):
+            ids.pop()
+        expected.append((reference([*ids[:5], eos]) - 0.25) / 0.5)
+    assert scorer.health()["normalize_reward"] is True
+    assert scorer.score(texts) == pytest.approx(expected, abs=ATOL, rel=0)
+    # an empty text still has its eos to score
+    assert scorer.score([""]) == pytest.approx([(reference([eos]) - 0.25) / 0.5], abs=ATOL, rel=0)
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+def test_the_command_line_takes_options_a_config_file_and_prints_the_config(tmp_path, capsys):
+    settings = tmp_path / "serve.yaml"
+    settings.write_text("reward_pretrain: /models/rm\nbatch_size: 8\n")
+    code = main(
+        ["serve-rm", "--config", str(settings), "--port", "0", "--normalize_reward", "--print-config"]
+    )
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "reward_pretrain: /models/rm\n" in printed
+    assert "batch_size: 8\n" in printed
+    assert "port: 0\n" in printed
+    assert "host: 127.0.0.1\n" in printed
+    assert "normalize_reward: true\n" in printed
+    config = load_config(ServeRMConfig, None, {"reward_pretrain": "m", "append_eos": "true"})
+    assert config.append_eos is True
+    assert config.max_len == 2048
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        ([], r"reward_pretrain: None must name the reward model folder"),
+        (["--reward_pretrain", "m", "--port", "70000"], r"port: 70000 must be <= 65535"),
+        (["--reward_pretrain", "m", "--batch_size", "0"], r"batch_size: 0 must be >= 1"),
+        (["--reward_pretrain", "m", "--prt", "1"], r"prt: unknown option.*did you mean port"),
+        (
+            ["--reward_pretrain", "m", "--truncation_side", "middle"],
+            r"truncation_side: 'middle' is not one of",
+        ),
+    ],
+)
+def test_bad_options_exit_2_before_loading_anything(argv, message, capsys):
+    assert main(["serve-rm", *argv]) == 2
+    assert re.search(message, capsys.readouterr().err)
+
+
+def test_a_missing_model_folder_exits_1_with_the_path(tmp_path, capsys):
+    assert main(["serve-rm", "--reward_pretrain", str(tmp_path / "absent"), "--port", "0"]) == 1
+    assert str(tmp_path / "absent") in capsys.readouterr().err
+
+
+def test_append_eos_needs_room_for_a_token():
+    with pytest.raises(ConfigError, match=r"max_len: 1 must be >= 2 with append_eos"):
+        ServeRMConfig(reward_pretrain="m", append_eos=True, max_len=1)
+
+
+# ----------------------------------------------------------------------------- end to end
+
+
+@pytest.fixture
+def served(tiny_checkpoint):
+    """`rl-launch serve-rm --port 0` in a subprocess: (URL, process); stopped with SIGTERM after."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "rl_launch.cli", "serve-rm", "--reward_pretrain", str(tiny_checkpoint),
+         "--port", "0", "--dtype", "fp32", "--device", "cpu", "--batch_size", "8"],
+        env=launcher_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    try:
+        line = process.stdout.readline()  # printed once the model is loaded and the port bound
+        assert "serving" in line, (line, process.poll(), process.stderr.read() if process.poll() else "")
+        url = line.split(" at ")[1].split()[0]
+        assert url.startswith("http://127.0.0.1:")
+        assert url.endswith("/get_reward")
+        yield url, process
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
+    assert process.returncode == 0, process.stderr.read()[-2000:]
+
+
+@pytest.mark.slow
+def test_ppo_trains_two_steps_against_a_served_reward_model(served, tiny_checkpoint, tmp_path, ray_temp):
+    url, _ = served
+    ray_dir, env = ray_temp
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(
+        "".join(json.dumps({"prompt": f"What is {a} + 1?", "label": str(a + 1)}) + "\n" for a in range(8))
+    )
+    run_dir = tmp_path / "run"
+    args = [
+        "--preset", "none",
+        "--model.pretrain", str(tiny_checkpoint),
+        "--data.prompt_data", str(prompts),
+        "--reward.remote_url", url,
+        "--algo.advantage.estimator", "grpo",
+        "--rollout.n_samples_per_prompt", "2",
+        "--rollout.rollout_batch_size", "4",
+        "--rollout.generate_max_len", "8",
+        "--train.max_steps", "2",
+        "--ckpt.save_hf_model", "false",
+        "--log.output_dir", str(run_dir),
+        "--log.progress_bar", "false",
+        "--ray.temp_dir", ray_dir,
+    ]  # fmt: skip
+    result = launch(args, env)
+    assert result.returncode == 0, result.stderr[-4000:]
+    metrics = read_metrics(run_dir)
+    assert [line["step"] for line in metrics] == [1, 2]
+    for line in metrics:
+        # the fresh score head on the tiny backbone gives small nonzero rewards, never exactly 0
+        assert line["reward/remote_0_mean"] != 0.0
+        assert abs(line["reward/remote_0_mean"]) < 10.0
+    status, health = _get(url.removesuffix("/get_reward") + "/health")
+    assert status == 200
+    assert health["samples"] == 2 * 4 * 2
