@@ -223,6 +223,13 @@ def test_remote_url_to_a_python_file_is_a_reward_function_and_a_url_stays():
     assert notes == []
 
 
+def test_agent_func_path_is_the_agent_file_of_the_multi_turn_executor():
+    argv, notes = expand_aliases(["--train.agent_func_path", "agents/env.py"])
+    assert argv == ["--rollout.agent_func_path", "agents/env.py"]
+    assert notes == ["--train.agent_func_path agents/env.py → --rollout.agent_func_path agents/env.py"]
+    assert "train.agent_func_path" not in UNSUPPORTED
+
+
 def test_wandb_key_true_turns_wandb_on_and_a_key_is_refused_without_echoing_it():
     assert expand_aliases(["--logger.wandb.key", "True"])[0] == ["--log.use_wandb", "true"]
     with pytest.raises(ValueError, match="wandb login") as error:
@@ -313,10 +320,61 @@ OPENRLHF_REINFORCE_BASELINE = [
     "--ds.packing_samples",
     *("--train.dynamic_batch_enable", "--train.max_tokens_per_gpu", "16384"),
     *("--reward.clip_range", "-10", "10"),
+    *("--reward.overlong_buffer_len", "256", "--reward.overlong_penalty_factor", "1.0"),
+    *("--reward.stop_properly_penalty_coef", "0.0"),
     *("--algo.advantage.is_correction_enable", "--algo.advantage.is_correction_type", "icepop"),
     *("--algo.advantage.is_correction_threshold", "0.5", "5.0"),
     *("--logger.wandb.project", "reinforce-baseline", "--logger.wandb.run_name", "qwen-0.5b"),
 ]
+
+
+# OpenRLHF flags that are also options here (aliased so that the table lists them).
+SAME_NAMES = {
+    "reward.remote_url",
+    "reward.overlong_buffer_len",
+    "reward.overlong_penalty_factor",
+    "reward.stop_properly_penalty_coef",
+    "data.prompt_probs",
+    "data.prompt_split",
+    "eval.split",
+    "data.input_template",
+}
+
+
+def test_reward_shaping_flags_pass_through_unchanged_and_are_no_longer_refused():
+    argv = ["--reward.overlong_buffer_len", "64", "--reward.overlong_penalty_factor=0.5"]
+    argv += ["--reward.stop_properly_penalty_coef", "-0.5"]
+    assert expand_aliases(argv) == (argv, [])
+    assert not SAME_NAMES & set(UNSUPPORTED)
+
+
+OPENRLHF_DATA_FLAGS = [
+    *("--data.prompt_dataset", "math.jsonl,org/code", "--data.prompt_probs", "0.7,0.3"),
+    *("--data.prompt_split", "test", "--eval.dataset", "org/bench", "--eval.split", "validation"),
+    *("--data.input_template", "Question: {}\nAnswer:"),
+]
+
+
+def test_data_mixing_split_and_template_flags_are_no_longer_refused():
+    argv, notes = expand_aliases(OPENRLHF_DATA_FLAGS)
+    assert argv[:2] == ["--data.prompt_data", "math.jsonl,org/code"]
+    assert argv[2:] == OPENRLHF_DATA_FLAGS[2:6] + ["--data.eval_dataset", "org/bench"] + OPENRLHF_DATA_FLAGS[8:]
+    assert len(notes) == 2  # the two renamed flags; the same-name ones pass through silently
+
+
+@needs_final_config
+def test_openrlhf_data_flags_parse_to_mixing_splits_and_template(capsys):
+    from rl_launch.cli import main
+
+    argv, _ = expand_aliases(OPENRLHF_DATA_FLAGS)
+    assert main(["ppo", *argv, "--preset", "none", "--model.pretrain", "m", "--print-config"]) == 0
+    config = yaml.safe_load(capsys.readouterr().out)
+    assert config["data"]["prompt_data"] == "math.jsonl,org/code"
+    assert config["data"]["prompt_probs"] == [0.7, 0.3]
+    assert config["data"]["prompt_split"] == "test"
+    assert config["data"]["eval_dataset"] == "org/bench"
+    assert config["eval"]["split"] == "validation"
+    assert config["data"]["input_template"] == "Question: {}\nAnswer:"
 
 
 def test_openrlhf_example_expands_to_rl_launch_names():
@@ -347,8 +405,10 @@ def test_openrlhf_example_expands_to_rl_launch_names():
         "--log.wandb_project reinforce-baseline --log.run_name qwen-0.5b",
     ):
         assert expected in text
+    assert "--reward.overlong_buffer_len 256 --reward.overlong_penalty_factor 1.0" in text
+    assert "--reward.stop_properly_penalty_coef 0.0" in text
     # No OpenRLHF-only name is left, and each rewritten flag has its note.
-    openrlhf_only = {f"--{alias.flag}" for alias in ALIASES} - {"--reward.remote_url"}
+    openrlhf_only = {f"--{alias.flag}" for alias in ALIASES} - {f"--{name}" for name in SAME_NAMES}
     assert not [token for token in argv if token.partition("=")[0] in openrlhf_only]
     assert "--algo.advantage.gamma" not in text  # OpenRLHF runs reinforce_baseline with gamma 1.0
     rewritten = openrlhf_only | {"--reward.remote_url"}  # its value here is a .py file
@@ -377,8 +437,9 @@ def test_every_alias_target_is_an_option_of_the_config():
 @needs_final_config
 def test_no_openrlhf_flag_shadows_an_option_of_the_config():
     names = {option.name for option in iter_options(PPOConfig)}
-    # reward.remote_url is the one shared name: only a .py value (OpenRLHF's local function) changes.
-    assert set(_alias.flag for _alias in ALIASES) & names == {"reward.remote_url"}
+    # Shared names: only a .py value of reward.remote_url (OpenRLHF's local function) changes; the
+    # reward shaping flags mean the same here and pass through.
+    assert set(_alias.flag for _alias in ALIASES) & names == SAME_NAMES
     assert not set(UNSUPPORTED) & names
 
 
@@ -402,6 +463,9 @@ def test_expanded_openrlhf_example_parses_with_the_real_parser(capsys):
     assert config["reward"]["function"] == "/openrlhf/examples/python/reward_func.py"
     assert config["reward"]["remote_url"] is None
     assert config["ckpt"]["load_checkpoint"] is True
+    assert config["reward"]["overlong_buffer_len"] == 256
+    assert config["reward"]["overlong_penalty_factor"] == 1.0
+    assert config["reward"]["stop_properly_penalty_coef"] == 0.0
     assert config["rollout"]["dynamic_filtering_reward_range"] == [0.0, 1.0]
     assert config["train"]["micro_batch_tokens"] == 16384
 

@@ -12,6 +12,7 @@ group and calls a method on every rank at once.
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -22,6 +23,7 @@ import msgspec
 
 from rl_learner import DeepSpeedConfig, LoraOptions, OptimizerConfig
 
+from .config import RewardConfig
 from .plugins import PluginRef, import_plugins
 
 __all__ = ["ActorGroup", "EngineSpec", "LearnerSpec", "LearnerWorker", "RolloutWorker"]
@@ -54,6 +56,12 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
     """The engine's name in `rl_launch.components.ENGINES` (rollout.engine)."""
     options: dict[str, Any] = msgspec.field(default_factory=dict)
     """Keyword options of that engine, verbatim (rollout.engine_options)."""
+    executor: str = "single_turn"
+    """The executor's name in `rl_launch.components.EXECUTORS` (`components.executor_name`)."""
+    executor_options: dict[str, Any] = msgspec.field(default_factory=dict)
+    """Keyword options of that executor, verbatim (rollout.executor_options)."""
+    agent_func_path: str | None = None
+    """rollout.agent_func_path as an absolute path (the agent file multi_turn runs)."""
     model_path: str
     dtype: str
     max_model_len: int
@@ -63,8 +71,9 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
     max_num_seqs: int | None = None
     enforce_eager: bool = False
     reward_function: str | None = None
-    reward_url: str | None = None
-    reward_timeout_s: float = 60.0
+    """reward.function, or the preset's when no reward source is given."""
+    reward: RewardConfig = msgspec.field(default_factory=RewardConfig)
+    """The reward section: the servers, weights and request options (`build_reward`)."""
     log_dir: str | None = None
     """Folder of the actor's output file (`engine-<index>.log`); None: Ray's own handling."""
     plugins: tuple[PluginRef, ...] = ()
@@ -90,18 +99,59 @@ def send_output_to(log_dir: str | None, name: str) -> None:
 
 
 class LearnerWorker:
-    """One data-parallel rank of one role (Ray actor class; see `ActorGroup`)."""
+    """One data-parallel rank of one role (Ray actor class; see `ActorGroup`).
 
-    def __init__(self, spec: LearnerSpec, rank: int, world_size: int, master_port: int) -> None:
+    Started in two phases (`rl_launch.rendezvous`): the constructor only records who it is;
+    `node` reports where the actor runs (rank 0 also opens the rendezvous store there and reports
+    its port); `setup` joins the role's process group at rank 0's address and builds the model
+    and its DeepSpeed engine.
+    """
+
+    def __init__(self, spec: LearnerSpec, rank: int, world_size: int) -> None:
         send_output_to(spec.log_dir, f"{spec.role}-{rank}")
         # First: a PolicyLossConfig checks its loss name against POLICY_LOSSES as it arrives here.
         import_plugins(spec.plugins)
-        os.environ.update(
-            RANK=str(rank),
-            LOCAL_RANK="0",
-            WORLD_SIZE=str(world_size),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(master_port),
+        self.spec, self.rank, self.world_size = spec, rank, world_size
+        self.learner = None
+        self.sender = None
+        self._store = None
+        self._sync_port = None
+
+    def node(self, timeout_s: float) -> tuple[str, str, int | None]:
+        """(Ray node id, node IP address, rendezvous port on rank 0 / None on the others)."""
+        import ray
+
+        from .rendezvous import open_master_store
+
+        port = None
+        if self.rank == 0:
+            self._store = open_master_store(self.world_size, timeout_s)
+            port = self._store.port
+        return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(), port
+
+    def setup(self, master_addr: str, master_port: int, node_local_rank: int, timeout_s: float) -> bool:
+        """Join the role's process group at `master_addr:master_port`, then build the learner."""
+        import ray
+
+        from .rendezvous import device_local_rank, join_process_group
+
+        spec, world_size = self.spec, self.world_size
+        local_rank = device_local_rank(
+            node_local_rank, ray.get_gpu_ids(), os.environ.get("CUDA_VISIBLE_DEVICES")
+        )
+        os.environ["LOCAL_RANK"] = str(local_rank)
+        print(
+            f"{spec.role} rank {self.rank}/{world_size} on node {ray.util.get_node_ip_address()} "
+            f"(LOCAL_RANK {local_rank}) joins at {master_addr}:{master_port}",
+            flush=True,
+        )
+        join_process_group(
+            store=self._store,
+            master_addr=master_addr,
+            master_port=master_port,
+            rank=self.rank,
+            world_size=world_size,
+            timeout_s=timeout_s,
         )
         import torch
 
@@ -116,7 +166,6 @@ class LearnerWorker:
         from rl_learner.config import torch_dtype
 
         torch.manual_seed(spec.seed)
-        self.spec = spec
         dtype = torch_dtype(spec.dtype)
         zero3 = None
         if spec.deepspeed.zero_stage == 3:
@@ -141,9 +190,6 @@ class LearnerWorker:
             total_steps=spec.total_steps,
             on_non_finite=spec.on_non_finite,
         )
-        self.sender = None
-
-    def ready(self) -> bool:
         return True
 
     def logprobs(self, parts: list, temperature: float) -> list:
@@ -167,11 +213,25 @@ class LearnerWorker:
 
         return sync_layout(self.learner.engine, dtype=torch_dtype(dtype))
 
+    def reserve_sync_port(self) -> tuple[str, int]:
+        """(this node's IP address, a port held here) for the weight-sync group's store; rank 0."""
+        import ray
+
+        from rl_data.transport import reserve_port
+
+        self._sync_port = reserve_port()
+        return ray.util.get_node_ip_address(), self._sync_port.getsockname()[1]
+
     def init_sync(self, spec: Any) -> None:
         """Join the weight-sync group (blocks until every engine has joined too)."""
         from rl_learner import make_sender
 
-        self.sender = make_sender(spec, self.learner.engine)
+        try:
+            self.sender = make_sender(spec, self.learner.engine)
+        finally:
+            if self._sync_port is not None:  # the group's store serves the port now
+                self._sync_port.close()
+                self._sync_port = None
 
     def sync(self, version: int) -> Any:
         """Send the current weights; every rank calls, DP rank 0 returns the `WeightSyncReport`."""
@@ -203,21 +263,116 @@ class LearnerWorker:
             self.sender = None
 
 
-def build_reward(spec: EngineSpec) -> Any:
-    """The reward function of a rollout worker: a reward server, a registered reward
-    (`rl_launch.components.REWARDS`) or an OpenRLHF `reward_func` file."""
-    from rl_rollout import BatchedReward, RemoteRewardClient, load_reward_function
+def build_reward(spec: EngineSpec) -> RewardSources:
+    """The reward of a rollout worker: Σ_k w_k·r_k over its sources (`RewardConfig.sources`).
+
+    The sources are `spec.reward_function` (a registered reward, `rl_launch.components.REWARDS`,
+    or an OpenRLHF `reward_func` file; the zero reward when there is no source at all), then one
+    `rl_rollout.RemoteRewardClient` per URL of `reward.remote_url`, with the request options of
+    the reward section. The values of `reward.headers_env` name environment variables of this
+    actor; their values become the headers (a missing variable is an error naming the option).
+    """
+    from rl_rollout import BatchedReward, RemoteRewardClient, WeightedSumReward, load_reward_function
 
     from .components import REWARDS
 
+    reward = spec.reward
+    headers = {}
+    for header, variable in reward.headers_env.items():
+        if variable not in os.environ:
+            raise RuntimeError(
+                f"reward.headers_env.{header}: the environment variable {variable} is not set in the rollout actor"
+            )
+        headers[header] = os.environ[variable]
+    functions: list[Any] = []
     name = spec.reward_function
-    if spec.reward_url is not None:
-        return RemoteRewardClient(spec.reward_url, timeout_s=spec.reward_timeout_s)
-    if name is None:
-        return BatchedReward(lambda queries, prompts, labels: [0.0] * len(queries), name="zero")
-    if name in REWARDS:
-        return REWARDS[name]()
-    return load_reward_function(name)
+    if name is not None:
+        functions.append(REWARDS[name]() if name in REWARDS else load_reward_function(name))
+    elif not reward.urls:
+        functions.append(BatchedReward(lambda queries, prompts, labels: [0.0] * len(queries), name="zero"))
+    for url in reward.urls:
+        functions.append(
+            RemoteRewardClient(
+                url,
+                batch_size=reward.batch_size,
+                timeout_s=reward.timeout_s,
+                max_retries=reward.retries,
+                on_error=reward.on_error,
+                fallback=reward.fallback,
+                headers=headers,
+            )
+        )
+    remote = [f"remote_{index}" for index in range(len(reward.urls))]
+    sources = (["function"] if name is not None or not remote else []) + remote  # as RewardConfig.sources
+    weights = reward.weights or [1.0] * len(sources)
+    kept = {source: _KeepExtraLogs(function) for source, function in zip(sources, functions, strict=True)}
+    combined = WeightedSumReward({source: (kept[source], weight) for source, weight in zip(sources, weights)})
+    return RewardSources(combined, kept)
+
+
+class _KeepExtraLogs:
+    """A reward source that remembers the `extra_logs` of its last call (`WeightedSumReward` keeps
+    only each source's rewards)."""
+
+    def __init__(self, function: Any) -> None:
+        self.function = function
+        self.extra_logs: dict[str, Any] = {}
+
+    def __call__(self, queries: Any, prompts: Any, labels: Any) -> Any:
+        output = self.function(queries, prompts, labels)
+        self.extra_logs = output.extra_logs
+        return output
+
+
+class RewardSources:
+    """The weighted sum of a worker's reward sources, able to write its last call's logs into records.
+
+    After a call on B samples, `annotate(records)` (the B records of those samples, in order) sets
+    `record.extra["reward_sources"]` = {source: its own reward of that sample} and
+    `record.extra["reward_logs"]` = {key: value} from the sources' `extra_logs`: a list of B numbers
+    gives each record its own; a number, or a list of another length (one value per request),
+    gives every record the mean. Values that are not numbers are left out. The driver averages
+    both over a step (`rl_launch.algorithm.reward_metrics`).
+    """
+
+    def __init__(self, combined: Any, sources: dict[str, _KeepExtraLogs]) -> None:
+        self.combined = combined
+        self.sources = sources
+        self.name = combined.name
+        self.last: Any = None
+
+    def __call__(self, queries: Any, prompts: Any, labels: Any) -> Any:
+        self.last = self.combined(queries, prompts, labels)
+        return self.last
+
+    def annotate(self, records: list) -> None:
+        last, self.last = self.last, None
+        size = len(records)
+        # Only when one call scored exactly these records (an executor may score otherwise).
+        if last is None or len(last.rewards) != size:
+            return
+        per_source = {source: last.extra_logs[source] for source in self.sources}
+        logs: dict[str, list[float]] = {}
+        for source in self.sources.values():
+            for key, value in source.extra_logs.items():
+                values = _numbers(value)
+                if values:
+                    logs[str(key)] = values if len(values) == size else [sum(values) / len(values)] * size
+        for index, record in enumerate(records):
+            record.extra["reward_sources"] = {source: float(r[index]) for source, r in per_source.items()}
+            if logs:
+                record.extra["reward_logs"] = {key: values[index] for key, values in logs.items()}
+
+
+def _numbers(value: Any) -> list[float]:
+    """`value` as a list of finite floats ([] when it holds anything else)."""
+    items = value if isinstance(value, (list, tuple)) else [value]
+    out = []
+    for item in items:
+        if isinstance(item, bool) or not isinstance(item, (int, float)) or not math.isfinite(item):
+            return []
+        out.append(float(item))
+    return out
 
 
 class RolloutWorker:
@@ -242,25 +397,38 @@ class RolloutWorker:
     def generate(
         self, samples: bytes, sampling: Any, first_group_id: int, greedy_baseline: bool = False
     ) -> bytes:
-        """Run the single-turn executor on encoded `PromptSample`s; encoded `Trajectory`s back.
+        """Run the run's executor (`EngineSpec.executor`) on encoded `PromptSample`s; encoded
+        `Trajectory`s back.
 
-        With `greedy_baseline` (ReMax) each prompt is also answered greedily, and every sampled
-        record of that prompt carries the greedy answer's reward as `extra["baseline_reward"]`.
+        With `greedy_baseline` (ReMax) each prompt is also answered greedily (one greedy episode
+        with multi_turn), and every sampled record of that prompt carries the greedy answer's reward
+        as `extra["baseline_reward"]`. What the executor knows about each record rides in
+        `record.extra` (multi_turn: turns, episode_error, the agent's extra_logs; single_turn:
+        reward_fallback), and the driver logs it (`rl_launch.rollouts.rollout_metrics`).
         """
         import msgspec
 
         from rl_data import PromptSample, Trajectory, decode, encode
-        from rl_rollout import SingleTurnExecutor
+
+        from .components import EXECUTORS
 
         prompts = decode(samples, list[PromptSample])
+        spec = self.spec
 
         def run(params: Any) -> list[Trajectory]:
-            executor = SingleTurnExecutor(
-                self.engine, self.reward_fn, self.tokenizer, params, first_group_id=first_group_id
+            executor = EXECUTORS[spec.executor](
+                engine=self.engine,
+                reward_fn=self.reward_fn,
+                tokenizer=self.tokenizer,
+                sampling=params,
+                first_group_id=first_group_id,
+                agent_func_path=spec.agent_func_path,
+                **spec.executor_options,
             )
             return executor.run(prompts)
 
         records = run(sampling)
+        self.reward_fn.annotate(records)  # per-source rewards and extra_logs ride in record.extra
         if greedy_baseline:
             greedy = run(msgspec.structs.replace(sampling, n=1, temperature=0.0))
             baseline = {record.group_id: record.reward for record in greedy}

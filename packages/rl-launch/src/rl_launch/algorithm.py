@@ -9,12 +9,19 @@ the learners minimise. No Ray here; `rl_launch.ppo` calls these between the acto
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from rl_algos import compute_advantages, kl_penalty, token_level_rewards
-from rl_data import ExperienceBatch
+from rl_algos import (
+    compute_advantages,
+    kl_penalty,
+    overlong_penalty,
+    stop_properly_penalty,
+    token_level_rewards,
+)
+from rl_data import ExperienceBatch, Trajectory
 from rl_learner import PolicyLossConfig, ValueLossConfig
 
 from .components import estimator_options, estimator_takes
@@ -23,7 +30,9 @@ from .config import PPOConfig
 __all__ = [
     "old_logprobs_from_training",
     "policy_loss_config",
+    "reward_metrics",
     "score_batch",
+    "shape_rewards",
     "value_loss_config",
 ]
 
@@ -135,6 +144,56 @@ def score_batch(
     metrics["advantages/mean"] = _masked_mean(advantages, mask)
     metrics["advantages/abs_mean"] = _masked_mean(advantages.abs(), mask)
     return metrics
+
+
+def shape_rewards(
+    config: PPOConfig, rewards: torch.Tensor, response_lengths: torch.Tensor, truncated: torch.Tensor
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The outcome rewards `[B]` after OpenRLHF's reward shaping, and its metrics.
+
+    With L = rollout.generate_max_len, in this order:
+      overlong (DAPO; reward.overlong_buffer_len = L_buf, reward.overlong_penalty_factor = f):
+          r ← r − f·min(len − (L − L_buf), L_buf)/L_buf   where len > L − L_buf;
+      stop-properly (reward.stop_properly_penalty_coef = c), for `truncated` responses:
+          r ← c·r (0 ≤ c ≤ 1) or r ← c (c < 0).
+    `response_lengths` `[B]` counts response tokens, `truncated` `[B]` bool marks responses cut at L
+    (finish reason "length"). Each penalty's mean change over the batch is logged
+    (`reward/overlong_penalty_mean`, `reward/stop_properly_penalty_mean`, ≤ 0 for rewards ≥ 0).
+    """
+    reward = config.reward
+    metrics: dict[str, float] = {}
+    shaped = rewards
+    if reward.overlong_buffer_len is not None:
+        penalised = overlong_penalty(
+            shaped,
+            response_lengths.long(),
+            max_new_tokens=config.rollout.generate_max_len,
+            buffer_length=reward.overlong_buffer_len,
+            penalty_factor=reward.overlong_penalty_factor,
+        )
+        metrics["reward/overlong_penalty_mean"] = float((penalised - shaped).mean())
+        metrics["reward/overlong_fraction"] = float((penalised < shaped).float().mean())
+        shaped = penalised
+    if reward.stop_properly_penalty_coef is not None:
+        penalised = stop_properly_penalty(shaped, truncated.bool(), reward.stop_properly_penalty_coef)
+        metrics["reward/stop_properly_penalty_mean"] = float((penalised - shaped).mean())
+        shaped = penalised
+    if metrics:
+        metrics["reward/shaped_mean"] = float(shaped.mean())
+    return shaped, metrics
+
+
+def reward_metrics(records: Sequence[Trajectory]) -> dict[str, float]:
+    """Step means of what the rollout workers wrote into the records (`actors.RewardSources`):
+    `reward/<source>_mean` for each reward source, `reward/extra/<key>` for each `extra_logs` key of
+    the reward functions (averaged over the records that carry it)."""
+    sums: dict[str, list[float]] = {}
+    for record in records:
+        for source, value in record.extra.get("reward_sources", {}).items():
+            sums.setdefault(f"reward/{source}_mean", []).append(float(value))
+        for key, value in record.extra.get("reward_logs", {}).items():
+            sums.setdefault(f"reward/extra/{key}", []).append(float(value))
+    return {name: sum(values) / len(values) for name, values in sums.items()}
 
 
 def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> float:

@@ -298,6 +298,14 @@ ALIASES: tuple[Alias, ...] = (
     _alias("data.prompt_dataset", "data.prompt_data"),
     _alias("eval.dataset", "data.eval_dataset"),
     _alias("eval.steps", "eval.eval_steps"),
+    _alias("data.prompt_probs", "data.prompt_probs"),
+    _alias("data.prompt_split", "data.prompt_split"),
+    _alias("eval.split", "eval.split"),
+    _alias(
+        "data.input_template",
+        "data.input_template",
+        remark="used instead of the chat template; OpenRLHF ignores it when --data.apply_chat_template is given",
+    ),
     # Rollout.
     _alias("rollout.batch_size", "rollout.rollout_batch_size"),
     _alias("rollout.max_new_tokens", "rollout.generate_max_len"),
@@ -311,6 +319,11 @@ ALIASES: tuple[Alias, ...] = (
         convert=_always("async mode keeps one step of rollouts in flight", value="1"),
     ),
     _alias("algo.dynamic_filtering_enable", "rollout.dynamic_filtering", nargs=0),
+    _alias(
+        "train.agent_func_path",
+        "rollout.agent_func_path",
+        remark="runs rollout.executor multi_turn; its options: --rollout.executor_options.max_turns, ...",
+    ),
     _alias("algo.dynamic_filtering_range", "rollout.dynamic_filtering_reward_range", nargs=2),
     # Reward.
     _alias(
@@ -320,6 +333,9 @@ ALIASES: tuple[Alias, ...] = (
         convert=_reward_clip,
         remark="symmetric ranges only: -c c",
     ),
+    _alias("reward.overlong_buffer_len", "reward.overlong_buffer_len"),
+    _alias("reward.overlong_penalty_factor", "reward.overlong_penalty_factor"),
+    _alias("reward.stop_properly_penalty_coef", "reward.stop_properly_penalty_coef"),
     # Advantage estimator (`--algo.advantage.estimator` is the same name here).
     _alias(
         "algo.advantage.gamma",
@@ -469,10 +485,6 @@ UNSUPPORTED: Mapping[str, str] = {
     "vllm.enable_prefix_caching": "vLLM prefix caching is not an option here",
     "vllm.enable_sleep": "there is no sleep mode for the engines",
     # Data.
-    "data.prompt_probs": "one prompt dataset per run; datasets are not mixed",
-    "data.prompt_split": "prompt data is a file or a `datasets.save_to_disk` folder; there is no split to choose",
-    "eval.split": "evaluation data is a file or a `datasets.save_to_disk` folder; there is no split to choose",
-    "data.input_template": "prompts are used as written or through the chat template (--data.apply_chat_template)",
     "data.max_len": "the lengths are separate here: --data.prompt_max_len and --rollout.generate_max_len",
     "data.disable_fast_tokenizer": "the fast tokenizer is always used",
     "data.dataloader_num_workers": "the prompt loader has no worker processes",
@@ -488,16 +500,12 @@ UNSUPPORTED: Mapping[str, str] = {
     "train.full_determinism_enable": "there is no full-determinism mode",
     "train.enable_ema": "there is no EMA copy of the policy",
     "train.ema_beta": "there is no EMA copy of the policy",
-    "train.agent_func_path": "multi-turn agents are not supported; --reward.function takes an OpenRLHF reward_func file",
     # Algorithm and reward.
     "algo.advantage.no_std_norm": (
         "there is no mean-only whitening here; without the std division use --algo.advantage.estimator "
         "dr_grpo (instead of group_norm), or turn whitening off with --algo.advantage.options.whiten false"
     ),
     "reward.normalize_enable": "rewards are not normalised by running statistics",
-    "reward.overlong_buffer_len": "there is no overlong-response reward penalty",
-    "reward.overlong_penalty_factor": "there is no overlong-response reward penalty",
-    "reward.stop_properly_penalty_coef": "there is no penalty for truncated responses",
     # Checkpoints and logging.
     "ckpt.output_dir": "the final HF model goes to <log.output_dir>/final: give --log.output_dir",
     "ckpt.save_hf": "only the final policy is exported as an HF model (--ckpt.save_hf_model); checkpoints are DeepSpeed states",

@@ -8,6 +8,7 @@
 | KL in the loss      | `rl_algos.KL_ESTIMATORS`          | `algo.kl.loss_estimator`  | `algo.kl.loss_options`    |
 | reward function     | `REWARDS` (here)                  | `reward.function`         | the function's own file   |
 | rollout engine      | `ENGINES` (here)                  | `rollout.engine`          | `rollout.engine_options`  |
+| rollout executor    | `EXECUTORS` (here)                | `rollout.executor`        | `rollout.executor_options`|
 
 A component's options reach it unchanged: nothing is filtered, renamed or borrowed from another
 component's setting, so GSPO's clip range is GSPO's own default unless `algo.policy.options` says
@@ -58,12 +59,16 @@ __all__ = [
     "ENGINES",
     "ESTIMATOR_DEFAULTS",
     "ESTIMATOR_INPUTS",
+    "EXECUTORS",
+    "EXECUTOR_INPUTS",
     "REWARDS",
     "check_components",
     "component_options",
     "describe_components",
     "estimator_options",
     "estimator_takes",
+    "executor_name",
+    "executor_options",
     "list_components",
 ]
 
@@ -302,6 +307,7 @@ def check_components(config: PPOConfig) -> None:
     _check_loss(config)
     _check_kl(config)
     _check_engine(config)
+    _check_executor(config)
     if (
         config.reward.function is not None
         and config.reward.function not in REWARDS
@@ -311,10 +317,21 @@ def check_components(config: PPOConfig) -> None:
             f"reward.function: {config.reward.function!r} is neither a registered reward "
             f"({', '.join(sorted(REWARDS))}) nor a .py file"
         )
+    _check_reward_shaping(config)
     try:
         policy_loss_config(config, kl_coef=config.algo.kl.init_kl_coef)
     except ValueError as error:  # e.g. a correction mode with a gating it cannot use
         raise ConfigError(f"algo.policy: {error}") from None
+
+
+def _check_reward_shaping(config: PPOConfig) -> None:
+    """The overlong buffer fits in the response length it is measured against."""
+    buffer, longest = config.reward.overlong_buffer_len, config.rollout.generate_max_len
+    if buffer is not None and buffer > longest:
+        raise ConfigError(
+            f"reward.overlong_buffer_len: {buffer} must be <= rollout.generate_max_len ({longest}): the "
+            "penalty grows over the last overlong_buffer_len tokens before that limit"
+        )
 
 
 def describe_components(config: PPOConfig) -> str:
@@ -375,6 +392,12 @@ def list_components() -> str:
         ),
         ("rollout engines  (rollout.engine, options: rollout.engine_options)", ENGINES, None),
         ("reward functions  (reward.function; or an OpenRLHF reward_func file path.py)", REWARDS, None),
+        (
+            "rollout executors  (rollout.executor, options: rollout.executor_options; "
+            "multi_turn runs rollout.agent_func_path)",
+            EXECUTORS,
+            EXECUTOR_INPUTS,
+        ),
     ]
     lines: list[str] = []
     for title, registry, inputs in kinds:
@@ -386,6 +409,8 @@ def list_components() -> str:
             label = " / ".join(aliases)
             if inputs is not None:
                 options = {**component_options(fn, inputs=inputs), **ESTIMATOR_DEFAULTS.get(aliases[0], {})}
+                if registry is EXECUTORS:  # their options are the executor class's
+                    options = executor_options(aliases[0])
                 options.pop("**", None)
                 label += "(" + ", ".join(f"{k}={v!r}" for k, v in options.items()) + ")"
             doc = _first_line(fn)
@@ -488,3 +513,191 @@ def exact_match_reward() -> Any:
     from rl_rollout import ExactMatchReward
 
     return ExactMatchReward()
+
+
+# --------------------------------------------------------------------------------------------
+# Rollout executors: what turns a batch of prompts into scored records inside the rollout actor.
+
+EXECUTORS = Registry("rollout executor")
+"""Rollout executors: name -> `build(*, engine, reward_fn, tokenizer, sampling, first_group_id,
+agent_func_path, **options)` run inside the rollout actor, returning an object with
+`run(samples) -> list[rl_data.Trajectory]` (records prompt-major, group ids counting up from
+`first_group_id`). The keyword arguments in `EXECUTOR_INPUTS` are supplied by the run; the others
+are the executor's options (`rollout.executor_options`, verbatim). `build.options()` (optional)
+gives option -> default; without it they are read from the builder's signature."""
+
+EXECUTOR_INPUTS: frozenset[str] = frozenset(
+    {"engine", "reward_fn", "tokenizer", "sampling", "first_group_id", "agent_func_path"}
+)
+"""What the rollout actor hands every executor builder itself: not options."""
+
+
+def executor_name(config: PPOConfig) -> str:
+    """The executor a run uses: `rollout.executor`, or (unset) multi_turn when
+    `rollout.agent_func_path` names an agent file, else single_turn."""
+    rollout = config.rollout
+    if rollout.executor is not None:
+        return rollout.executor
+    return "multi_turn" if rollout.agent_func_path is not None else "single_turn"
+
+
+def executor_options(name: str) -> dict[str, Any]:
+    """Option -> default of the executor registered as `name` (`"**"` when it takes any)."""
+    build = EXECUTORS[name]
+    declared = getattr(build, "options", None)
+    return dict(declared()) if declared is not None else component_options(build, inputs=EXECUTOR_INPUTS)
+
+
+def _class_options(cls: type) -> dict[str, Any]:
+    """The keyword options of an executor class: its constructor's arguments with a default,
+    minus what the run supplies (`EXECUTOR_INPUTS`)."""
+    return component_options(cls, inputs=EXECUTOR_INPUTS)
+
+
+def _no_engine(max_model_len: int) -> Any:
+    """An engine that generates nothing, with a context length: `check_components` builds an
+    executor on it to check the executor's options (executors only store their engine)."""
+    from rl_rollout import Engine
+
+    class NoEngine(Engine):
+        name = "validation"
+
+        @property
+        def max_model_len(self) -> int:
+            return max_model_len
+
+        def generate(self, prompts: Any, params: Any) -> list:
+            raise RuntimeError("check_components builds executors only to check their options")
+
+    return NoEngine()
+
+
+def _check_agent_file(agent: str) -> str:
+    """The agent file as an absolute path, once it imports and defines an `AgentInstance`."""
+    from pathlib import Path
+
+    from rl_rollout import load_agent_class
+
+    path = Path(agent).expanduser()
+    if not path.is_file():
+        raise ConfigError(f"rollout.agent_func_path: agent file {agent!r} does not exist")
+    if path.suffix != ".py":
+        raise ConfigError(f"rollout.agent_func_path: {agent!r} is not a Python file ending in .py")
+    try:
+        load_agent_class(path)
+    except (ImportError, AttributeError, TypeError, ValueError) as error:
+        raise ConfigError(f"rollout.agent_func_path: {error}") from None
+    return str(path.resolve())
+
+
+def _check_executor(config: PPOConfig) -> None:
+    """The executor's name, the agent file, and the executor's options, by building it once on an
+    engine that generates nothing (so a wrong value fails with the executor's own message)."""
+    from rl_rollout import BatchedReward, SamplingParams
+
+    rollout = config.rollout
+    name = executor_name(config)
+    if name not in EXECUTORS:
+        raise ConfigError(
+            f"rollout.executor: {name!r} is not one of {', '.join(sorted(EXECUTORS))} "
+            "(a plugin may register more in rl_launch.components.EXECUTORS)"
+        )
+    agent = rollout.agent_func_path
+    if name == "single_turn" and agent is not None:
+        raise ConfigError(
+            f"rollout.agent_func_path: {agent!r} is an agent file, but rollout.executor is single_turn, "
+            "which runs no agent; leave rollout.executor unset or set it to multi_turn"
+        )
+    if name == "multi_turn":
+        if agent is None:
+            raise ConfigError(
+                "rollout.executor: 'multi_turn' runs the episodes of an agent file; set "
+                "rollout.agent_func_path to an OpenRLHF agent .py file"
+            )
+        sources = [f"reward.{field}" for field in ("function", "remote_url") if getattr(config.reward, field)]
+        if sources:
+            raise ConfigError(
+                f"{sources[0]}: with rollout.executor multi_turn the agent's step() rewards are the "
+                "reward and this source would never be called; leave it unset (a reward model, "
+                "model.reward_pretrain, still adds its score)"
+            )
+    agent_path = None if agent is None else _check_agent_file(agent)
+    given = rollout.executor_options
+    _check_options("rollout.executor_options", "rollout executor", name, given, executor_options(name))
+    zero = BatchedReward(lambda queries, prompts, labels: [0.0] * len(queries), name="zero")
+    _dry_run(
+        "rollout.executor_options",
+        f"rollout executor {name!r}",
+        lambda: EXECUTORS[name](
+            engine=_no_engine(config.data.prompt_max_len + rollout.generate_max_len),
+            reward_fn=zero,
+            tokenizer=None,
+            sampling=SamplingParams(n=rollout.n_samples_per_prompt, max_new_tokens=rollout.generate_max_len),
+            first_group_id=0,
+            agent_func_path=agent_path,
+            **given,
+        ),
+    )
+
+
+@EXECUTORS.register("single_turn")
+def single_turn_executor(
+    *,
+    engine: Any,
+    reward_fn: Any,
+    tokenizer: Any,
+    sampling: Any,
+    first_group_id: int,
+    agent_func_path: str | None,
+    **options: Any,
+) -> Any:
+    """`rl_rollout.SingleTurnExecutor`: n responses per prompt, scored by the reward sources in one call."""
+    from rl_rollout import SingleTurnExecutor
+
+    del agent_func_path  # None: check_components refuses an agent file with single_turn
+    return SingleTurnExecutor(
+        engine, reward_fn, tokenizer, sampling, first_group_id=first_group_id, **options
+    )
+
+
+def _single_turn_options() -> dict[str, Any]:
+    from rl_rollout import SingleTurnExecutor
+
+    return _class_options(SingleTurnExecutor)
+
+
+single_turn_executor.options = _single_turn_options  # type: ignore[attr-defined]
+
+
+@EXECUTORS.register("multi_turn")
+def multi_turn_executor(
+    *,
+    engine: Any,
+    reward_fn: Any,
+    tokenizer: Any,
+    sampling: Any,
+    first_group_id: int,
+    agent_func_path: str | None,
+    **options: Any,
+) -> Any:
+    """`rl_rollout.MultiTurnExecutor`: episodes of the agent file rollout.agent_func_path.
+
+    The reward of an episode is the sum of its step() rewards; environment tokens carry action
+    mask 0 (no loss on them) and log-prob 0."""
+    from rl_rollout import MultiTurnExecutor
+
+    del reward_fn  # the environment scores the episode
+    if agent_func_path is None:
+        raise ValueError("multi_turn needs an agent file (rollout.agent_func_path)")
+    return MultiTurnExecutor(
+        engine, tokenizer, sampling, env=agent_func_path, first_group_id=first_group_id, **options
+    )
+
+
+def _multi_turn_options() -> dict[str, Any]:
+    from rl_rollout import MultiTurnExecutor
+
+    return _class_options(MultiTurnExecutor)
+
+
+multi_turn_executor.options = _multi_turn_options  # type: ignore[attr-defined]

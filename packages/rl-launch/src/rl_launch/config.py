@@ -16,6 +16,9 @@ anything slow (Ray, engines, models) starts.
 
 from __future__ import annotations
 
+import math
+import re
+import urllib.parse
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -98,23 +101,105 @@ class ModelConfig(_Section):
     """Modules LoRA adapts (peft names), or "all-linear"."""
 
 
+def data_sources(value: str | list[str] | None) -> list[str]:
+    """The datasets an option names: a list as is, a string split at commas (OpenRLHF's
+    `a.jsonl,org/name`), None as none. Items are stripped; empty ones stay in, for the check."""
+    if value is None:
+        return []
+    items = value.split(",") if isinstance(value, str) else value
+    return [item.strip() for item in items]
+
+
+def _check_sources(field: str, value: str | list[str] | None) -> list[str]:
+    sources = data_sources(value)
+    if value is not None and (not sources or not all(sources)):
+        _fail(field, value, "must name datasets, comma-separated or as a list, without empty items")
+    repeated = sorted({source for source in sources if sources.count(source) > 1})
+    if repeated:
+        _fail(field, value, f"names {', '.join(repeated)} more than once; give each dataset once")
+    return sources
+
+
+# Probabilities must add up to 1 within this (rl_data.datasets.mix_datasets' tolerance).
+_PROBABILITY_TOLERANCE = 1e-6
+
+
 class DataConfig(_Section):
-    prompt_data: str | None = None
-    """Training prompts: a .jsonl/.json/.parquet/.csv file or a `datasets.save_to_disk` folder. None: the preset's."""
+    """Where prompts come from and how they become the text the engines see.
+
+    A dataset is a local file (.jsonl/.json/.parquet/.csv/.arrow), a `datasets.save_to_disk`
+    folder, a folder of data files that `datasets.load_dataset` reads, or a Hugging Face dataset
+    name `org/name` (its `prompt_split` and `prompt_subset`; with HF_HUB_OFFLINE set it must be in
+    the local cache). Every prompt keeps the dataset it came from (`record.extra["source"]`)."""
+
+    prompt_data: str | list[str] | None = None
+    """Training prompts: one dataset, or several comma-separated / as a list (mixed by prompt_probs,
+    else concatenated in order). None: the preset's."""
+    prompt_probs: list[float] | None = None
+    """Mix the prompt_data datasets: each training prompt is drawn from dataset i with probability
+    p_i (one per dataset, summing to 1, e.g. 0.7,0.3), after each dataset's own filtering; smaller
+    datasets are repeated until every one was used in full. None: concatenate them."""
+    prompt_split: str = "train"
+    """Split of a hub dataset, a load_dataset folder or a save_to_disk DatasetDict; a single file is
+    its own split."""
+    prompt_subset: str | None = None
+    """Configuration (subset) of a hub dataset, e.g. main for openai/gsm8k; None: its default."""
     input_key: str = "prompt"
     """Column holding the prompt (text, or a list of chat messages)."""
     label_key: str | None = "label"
     """Column holding the label given to the reward function; None: no labels."""
     apply_chat_template: bool = True
     """Render prompts with the tokenizer's chat template."""
+    input_template: str | None = None
+    """Text with one {} where the prompt goes, e.g. "Question: {}\\nAnswer:"; used instead of the
+    chat template. None: the chat template (or the prompt as written without one)."""
+    system_prompt: str | None = None
+    """System message put before each conversation by the chat template (a row's own system
+    message wins); None: none."""
     prompt_max_len: PositiveInt = 1024
-    """Longest prompt in tokens; longer prompts are dropped with a warning count."""
+    """Longest prompt in tokens; longer prompts are dropped and counted on the start-up line."""
+    skip_bad_rows: bool = False
+    """Leave out rows with a missing, empty or malformed prompt or a missing label, counted on the
+    start-up line; false: such a row stops the run, naming the file, the row and the key."""
     max_samples: PositiveInt | None = None
-    """Use at most this many training prompts."""
-    eval_dataset: str | None = None
-    """Evaluation prompts (same format); None: no evaluation unless the preset has some."""
+    """Use at most this many training prompts (the first ones after mixing)."""
+    eval_dataset: str | list[str] | None = None
+    """Evaluation prompts: datasets as for prompt_data (eval.split, eval.subset), each evaluated in
+    full and reported on its own as eval/<name>/... when there are several. None: no evaluation
+    unless the preset has some."""
     eval_max_samples: PositiveInt | None = 256
-    """Use at most this many evaluation prompts."""
+    """Use at most this many evaluation prompts from each evaluation dataset."""
+
+    def __post_init__(self) -> None:
+        sources = _check_sources("data.prompt_data", self.prompt_data)
+        _check_sources("data.eval_dataset", self.eval_dataset)
+        if self.prompt_probs is not None:
+            probabilities = self.prompt_probs
+            if len(probabilities) != len(sources):
+                _fail(
+                    "data.prompt_probs",
+                    probabilities,
+                    f"must have one probability per data.prompt_data dataset ({len(sources)} given)",
+                )
+            if not all(math.isfinite(p) and p >= 0 for p in probabilities):
+                _fail("data.prompt_probs", probabilities, "must be finite numbers >= 0")
+            if abs(math.fsum(probabilities) - 1.0) > _PROBABILITY_TOLERANCE:
+                _fail("data.prompt_probs", probabilities, f"must sum to 1 (they sum to {math.fsum(probabilities)!r})")
+        if self.input_template is not None and self.input_template.count("{}") != 1:
+            _fail(
+                "data.input_template",
+                self.input_template,
+                f"must contain {{}} exactly once, where the prompt goes (found {self.input_template.count('{}')})",
+            )
+        if self.system_prompt is not None:
+            if self.input_template is not None:
+                _fail(
+                    "data.system_prompt",
+                    self.system_prompt,
+                    "needs the chat template, not data.input_template: write the system text into the template",
+                )
+            if not self.apply_chat_template:
+                _fail("data.system_prompt", self.system_prompt, "needs data.apply_chat_template true")
 
 
 class RolloutConfig(_Section):
@@ -136,6 +221,18 @@ class RolloutConfig(_Section):
     engine_options: dict[str, Any] = msgspec.field(default_factory=dict)
     """Keyword options of that engine's constructor, passed verbatim and added to the ones the run
     sets itself (e.g. `--rollout.engine_options.enable_prefix_caching true` for vllm)."""
+    executor: str | None = None
+    """Rollout executor by name (rl_launch.components.EXECUTORS, plus any a plugin registers):
+    single_turn (n responses per prompt, scored by reward.*) or multi_turn (agent episodes of
+    rollout.agent_func_path; environment tokens are masked out of the loss). None: multi_turn when
+    rollout.agent_func_path is set, else single_turn."""
+    executor_options: dict[str, Any] = msgspec.field(default_factory=dict)
+    """Keyword options of that executor, passed verbatim (multi_turn: max_turns, max_length,
+    feedback, feedback_role, episode_timeout_s, max_concurrency, on_error, fallback, ...; see
+    `rl-launch components`), e.g. `--rollout.executor_options.max_turns 4`."""
+    agent_func_path: str | None = None
+    """An OpenRLHF agent file (a .py defining `AgentInstance` with async reset/step); its step()
+    rewards are the reward (OpenRLHF's train.agent_func_path). Implies rollout.executor multi_turn."""
     num_engines: PositiveInt = 1
     """Rollout engines (vllm_num_engines); prompts are split across them."""
     tensor_parallel_size: PositiveInt = 1
@@ -168,15 +265,122 @@ class RolloutConfig(_Section):
 
 
 class RewardConfig(_Section):
+    """Where rewards come from and how they are shaped before advantages.
+
+    Sources, in this order: `function` (when set, or the preset's when no source is given), then
+    each URL of `remote_url`. The reward is r = Σ_k w_k·r_k with `weights` w (all 1.0 by default);
+    each source's own mean is logged as `reward/<source>_mean` (`function`, `remote_0`, ...). The
+    shaping options then change r in the driver, before the KL and the advantages."""
+
     function: str | None = None
     """Rule reward: a built-in name (arithmetic, numeric, exact_match) or an OpenRLHF file `path.py`
     defining `reward_func(queries, prompts, labels)`. None: the preset's, or none."""
-    remote_url: str | None = None
-    """URL of a reward server (remote_rm_url), POSTed {queries, prompts, labels}."""
+    remote_url: str | list[str] | None = None
+    """Reward servers (remote_rm_url), comma-separated or a list: each is its own source, POSTed
+    {query, prompts, labels}, answering {rewards, scores?, extra_logs?}. No credentials in a URL:
+    use headers_env."""
+    weights: list[float] | None = None
+    """Weight of each source, in order: reward.function (when set), then each reward.remote_url;
+    None: all 1.0."""
+    batch_size: PositiveInt = 64
+    """Samples per request to a reward server (a step's samples go in concurrent requests)."""
+    retries: NonNegativeInt = 3
+    """Extra attempts of a request that failed on a connection error, a timeout or HTTP 5xx."""
     timeout_s: Positive = 60.0
-    """Seconds a remote reward call may take before it fails."""
+    """Seconds one request to a reward server may take (each attempt)."""
+    on_error: Literal["raise", "fallback"] = "raise"
+    """A request that failed for good stops the run (raise) or gives its samples `reward.fallback`."""
+    fallback: float = 0.0
+    """Reward of the samples of a failed request under on_error fallback."""
+    headers_env: dict[str, str] = msgspec.field(default_factory=dict)
+    """HTTP headers of the requests to reward servers: header name -> the NAME of an environment
+    variable holding its value, read in the rollout actors (`--reward.headers_env.Authorization
+    REWARD_TOKEN` with REWARD_TOKEN="Bearer ..."); the value never enters the config or the logs."""
+    overlong_buffer_len: PositiveInt | None = None
+    """DAPO overlong penalty: responses longer than rollout.generate_max_len minus this many tokens
+    lose up to `overlong_penalty_factor`, linearly over the buffer; None: off."""
+    overlong_penalty_factor: NonNegative = 1.0
+    """Largest overlong penalty (at rollout.generate_max_len tokens)."""
+    stop_properly_penalty_coef: float | None = None
+    """Responses cut at rollout.generate_max_len get r·c (0 <= c <= 1) or the reward c (c < 0); None: off."""
     clip: Positive | None = 10.0
     """Clip outcome rewards to [-clip, clip] before advantages; None: no clipping."""
+
+    @property
+    def urls(self) -> list[str]:
+        """The URLs of reward.remote_url: a list as is, a string split at commas, None as none."""
+        if self.remote_url is None:
+            return []
+        items = self.remote_url.split(",") if isinstance(self.remote_url, str) else self.remote_url
+        return [item.strip() for item in items]
+
+    @property
+    def sources(self) -> list[str]:
+        """The sources' names in the order of `weights`: "function" (reward.function, the preset's
+        or none), then "remote_0", "remote_1", ... for the URLs of reward.remote_url."""
+        remote = [f"remote_{index}" for index in range(len(self.urls))]
+        return (["function"] if self.function is not None or not remote else []) + remote
+
+    def __post_init__(self) -> None:
+        for url in self.urls:
+            if url:
+                _check_reward_url(url)  # first: the error below would show a URL's credentials
+        if self.remote_url is not None and not all(self.urls or [""]):
+            _fail(
+                "reward.remote_url",
+                self.remote_url,
+                "must name URLs, comma-separated or as a list, without empty items",
+            )
+        if self.weights is not None:
+            sources = self.sources
+            if len(self.weights) != len(sources):
+                _fail(
+                    "reward.weights",
+                    self.weights,
+                    f"must have one weight per reward source, {len(sources)} here ({', '.join(sources)})",
+                )
+            if not all(math.isfinite(weight) for weight in self.weights):
+                _fail("reward.weights", self.weights, "must be finite numbers")
+        if not math.isfinite(self.fallback):
+            _fail("reward.fallback", self.fallback, "must be a finite number")
+        for header, variable in self.headers_env.items():
+            if not _HEADER_NAME.fullmatch(header):
+                _fail("reward.headers_env", header, "is not an HTTP header name")
+            if not isinstance(variable, str) or not _ENV_NAME.fullmatch(variable):
+                _fail(
+                    f"reward.headers_env.{header}",
+                    "<hidden>",
+                    "must be the NAME of an environment variable (letters, digits, _), not the header's value",
+                )
+        if self.headers_env and not self.urls:
+            _fail(
+                "reward.headers_env",
+                sorted(self.headers_env),
+                "needs reward.remote_url (headers go to reward servers)",
+            )
+        coef = self.stop_properly_penalty_coef
+        if coef is not None and not (math.isfinite(coef) and coef <= 1):
+            _fail(
+                "reward.stop_properly_penalty_coef", coef, "must be <= 1 (a scale in [0, 1] or a reward < 0)"
+            )
+
+
+_HEADER_NAME = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~-]+")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def _check_reward_url(url: str) -> None:
+    """An http(s) URL with a host and without credentials in it."""
+    parsed = urllib.parse.urlsplit(url)
+    if parsed.username is not None or parsed.password is not None:
+        host = parsed.hostname or "?"
+        raise ConfigError(
+            f"reward.remote_url: a URL with credentials (user:password@{host}) is refused, it would be "
+            "written to config.yaml and the logs; put the secret in an environment variable and name it "
+            "in reward.headers_env (e.g. --reward.headers_env.Authorization REWARD_TOKEN)"
+        )
+    if parsed.scheme not in ("http", "https") or not parsed.hostname:
+        _fail("reward.remote_url", url, "is not an http:// or https:// URL with a host")
 
 
 class AdvantageConfig(_Section):
@@ -355,13 +559,23 @@ class EvalConfig(_Section):
     """Evaluate every this many steps, before the first (logged as step 0 in a fresh run) and after
     the last; -1: never."""
     n_samples_per_prompt: PositiveInt = 1
-    """Responses per evaluation prompt."""
+    """Responses per evaluation prompt (k): logged as eval/pass@k (share of prompts with at least one
+    correct response) and eval/mean@k (share of correct responses, averaged over prompts)."""
     temperature: NonNegative = 0.0
-    """Evaluation sampling temperature; 0 is greedy."""
+    """Evaluation sampling temperature; 0 is greedy (use > 0 with n_samples_per_prompt > 1)."""
+    correct_threshold: float = 0.5
+    """A response counts as correct for pass@k / mean@k when its reward is above this (strictly):
+    0.5 splits 0/1 and -1/+1 rewards; partial credit counts only above it."""
+    split: str = "train"
+    """Split of data.eval_dataset for a hub dataset, a load_dataset folder or a DatasetDict."""
+    subset: str | None = None
+    """Configuration (subset) of a hub data.eval_dataset; None: its default."""
 
     def __post_init__(self) -> None:
         if self.eval_steps == 0 or self.eval_steps < -1:
             _fail("eval.eval_steps", self.eval_steps, "must be -1 (never) or >= 1")
+        if not math.isfinite(self.correct_threshold):
+            _fail("eval.correct_threshold", self.correct_threshold, "must be a finite number")
 
 
 class HealthConfig(_Section):

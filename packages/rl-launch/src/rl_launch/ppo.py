@@ -25,7 +25,14 @@ import torch
 from rl_data import ExperienceBatch, Trajectory, build_experience
 from rl_learner import TrainingState
 
-from .algorithm import old_logprobs_from_training, policy_loss_config, score_batch, value_loss_config
+from .algorithm import (
+    old_logprobs_from_training,
+    policy_loss_config,
+    reward_metrics,
+    score_batch,
+    shape_rewards,
+    value_loss_config,
+)
 from .components import check_components, describe_components
 from .config import ConfigError, PPOConfig
 from .health import HealthError, HealthMonitor
@@ -66,15 +73,18 @@ class PPOTrainer:
             old_logprobs=not old_logprobs_from_training(self.config),
             temperature=self.config.rollout.temperature,
         )
-        rewards, metrics = batch.rewards.clone(), {}
+        rewards, metrics = batch.rewards.clone(), reward_metrics(records)
         if scores is not None:
             metrics["reward/model_mean"] = float(scores.mean())
             rewards = rewards + scores
+        truncated = torch.tensor([reason == "length" for reason in batch.finish_reasons], dtype=torch.bool)
+        shaped, shaping = shape_rewards(self.config, rewards, batch.response_lengths, truncated)
+        metrics |= shaping
         baseline = None
         if self.rollouts.greedy_baseline:
             baseline = torch.tensor([record.extra["baseline_reward"] for record in records])
         beta = float(self.kl.value)
-        metrics |= score_batch(self.config, batch, rewards, kl_coef=beta, baseline_rewards=baseline)
+        metrics |= score_batch(self.config, batch, shaped, kl_coef=beta, baseline_rewards=baseline)
         if "kl/mean" in metrics:
             self.kl.update(metrics["kl/mean"], len(records))
         lengths = batch.response_lengths.float()

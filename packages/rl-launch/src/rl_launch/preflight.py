@@ -17,7 +17,7 @@ from typing import Any
 import msgspec
 
 from .components import REWARDS
-from .config import PPOConfig
+from .config import PPOConfig, data_sources
 
 __all__ = ["PreflightError", "Resolved", "check_model_path", "check_reward_server", "resolve_inputs"]
 
@@ -35,10 +35,10 @@ class Resolved(msgspec.Struct, frozen=True, kw_only=True):
     model_path: str
     critic_path: str
     reward_model_path: str | None
-    prompt_data: str
-    eval_data: str | None
+    prompt_data: tuple[str, ...]
+    """Each training dataset: a local path (resolved) or a Hugging Face dataset name."""
+    eval_data: tuple[str, ...] | None
     reward_function: str | None
-    reward_url: str | None
     apply_chat_template: bool
 
 
@@ -90,11 +90,37 @@ def _check_reward_function(name: str | None) -> None:
         raise PreflightError(f"reward.function: {error}") from None
 
 
+def _check_headers_env(headers_env: dict[str, str]) -> None:
+    """Every variable reward.headers_env names is set here (the rollout actors get it from the driver)."""
+    missing = [f"{header} -> {name}" for header, name in headers_env.items() if name not in os.environ]
+    if missing:
+        raise PreflightError(
+            f"reward.headers_env: environment variables not set: {', '.join(missing)}; set each to its "
+            "header's value (e.g. REWARD_TOKEN='Bearer ...') before starting the run"
+        )
+
+
+# Extensions of the local dataset files rl_data reads: such a name is a file, never a hub dataset.
+_DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".arrow")
+
+
 def _check_data_file(option: str, value: str) -> str:
+    """A local file or folder (resolved), or a name shaped like a hub dataset `org/name`."""
     path = Path(value).expanduser()
-    if not path.exists() and (value.startswith((".", "/", "~")) or Path(value).suffix):
+    if path.exists():
+        return str(path)
+    looks_like_file = path.suffix.lower() in _DATA_SUFFIXES or (path.suffix and "/" not in value)
+    if value.startswith((".", "/", "~")) or looks_like_file:
         raise PreflightError(f"{option}: dataset file {value!r} does not exist")
-    return str(path) if path.exists() else value
+    if not _HUB_ID.match(value):
+        raise PreflightError(
+            f"{option}: {value!r} is neither a local file or folder nor a Hugging Face dataset name (org/name)"
+        )
+    return value
+
+
+def _check_data_files(option: str, value: str | list[str]) -> tuple[str, ...]:
+    return tuple(_check_data_file(option, item) for item in data_sources(value))
 
 
 def resolve_inputs(config: PPOConfig, preset: Any | None) -> Resolved:
@@ -112,12 +138,13 @@ def resolve_inputs(config: PPOConfig, preset: Any | None) -> Resolved:
     reward_model = None
     if config.model.reward_pretrain is not None:
         reward_model = check_model_path("model.reward_pretrain", config.model.reward_pretrain)
-    prompt_data = _check_data_file("data.prompt_data", prompt_data)
+    prompt_data = _check_data_files("data.prompt_data", prompt_data)
     if eval_data is not None:
-        eval_data = _check_data_file("data.eval_dataset", eval_data)
+        eval_data = _check_data_files("data.eval_dataset", eval_data)
     _check_reward_function(reward_function)
-    if config.reward.remote_url is not None:
-        check_reward_server(config.reward.remote_url)
+    for url in config.reward.urls:
+        check_reward_server(url)
+    _check_headers_env(config.reward.headers_env)
     return Resolved(
         model_path=model,
         critic_path=critic,
@@ -125,6 +152,5 @@ def resolve_inputs(config: PPOConfig, preset: Any | None) -> Resolved:
         prompt_data=prompt_data,
         eval_data=eval_data,
         reward_function=reward_function,
-        reward_url=config.reward.remote_url,
         apply_chat_template=config.data.apply_chat_template,
     )

