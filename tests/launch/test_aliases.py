@@ -358,7 +358,12 @@ OPENRLHF_DATA_FLAGS = [
 def test_data_mixing_split_and_template_flags_are_no_longer_refused():
     argv, notes = expand_aliases(OPENRLHF_DATA_FLAGS)
     assert argv[:2] == ["--data.prompt_data", "math.jsonl,org/code"]
-    assert argv[2:] == OPENRLHF_DATA_FLAGS[2:6] + ["--data.eval_dataset", "org/bench"] + OPENRLHF_DATA_FLAGS[8:]
+    assert argv[2:] == [
+        *OPENRLHF_DATA_FLAGS[2:6],
+        "--data.eval_dataset",
+        "org/bench",
+        *OPENRLHF_DATA_FLAGS[8:],
+    ]
     assert len(notes) == 2  # the two renamed flags; the same-name ones pass through silently
 
 

@@ -133,12 +133,13 @@ class DataConfig(_Section):
     the local cache). Every prompt keeps the dataset it came from (`record.extra["source"]`)."""
 
     prompt_data: str | list[str] | None = None
-    """Training prompts: one dataset, or several comma-separated / as a list (mixed by prompt_probs,
+    """Training prompts: a .jsonl/.json/.parquet/.csv/.arrow file, a save_to_disk or load_dataset
+    folder, or a hub dataset org/name; several comma-separated or as a list (mixed by prompt_probs,
     else concatenated in order). None: the preset's."""
     prompt_probs: list[float] | None = None
     """Mix the prompt_data datasets: each training prompt is drawn from dataset i with probability
-    p_i (one per dataset, summing to 1, e.g. 0.7,0.3), after each dataset's own filtering; smaller
-    datasets are repeated until every one was used in full. None: concatenate them."""
+    p_i (one per dataset, summing to 1, e.g. 0.7,0.3), after each dataset's own filtering; a dataset
+    drawn more often than its size allows repeats until every one was used in full. None: concatenate."""
     prompt_split: str = "train"
     """Split of a hub dataset, a load_dataset folder or a save_to_disk DatasetDict; a single file is
     its own split."""
@@ -184,7 +185,11 @@ class DataConfig(_Section):
             if not all(math.isfinite(p) and p >= 0 for p in probabilities):
                 _fail("data.prompt_probs", probabilities, "must be finite numbers >= 0")
             if abs(math.fsum(probabilities) - 1.0) > _PROBABILITY_TOLERANCE:
-                _fail("data.prompt_probs", probabilities, f"must sum to 1 (they sum to {math.fsum(probabilities)!r})")
+                _fail(
+                    "data.prompt_probs",
+                    probabilities,
+                    f"must sum to 1 (they sum to {math.fsum(probabilities)!r})",
+                )
         if self.input_template is not None and self.input_template.count("{}") != 1:
             _fail(
                 "data.input_template",

@@ -15,7 +15,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import msgspec
-import torch
 
 from rl_data import PromptSample, Trajectory, decode, encode
 from rl_rollout import SamplingParams, filter_groups
@@ -23,6 +22,7 @@ from rl_rollout import SamplingParams, filter_groups
 from .actors import ActorGroup
 from .components import estimator_takes
 from .config import PPOConfig
+from .evaluation import eval_metrics
 
 __all__ = ["Rollouts", "rollout_metrics"]
 
@@ -150,7 +150,9 @@ class Rollouts:
         return records, metrics | rollout_metrics(records)
 
     def evaluate(self, data: Any) -> dict[str, float]:
-        """Mean reward and response length on the evaluation prompts (`eval.*` sampling)."""
+        """Evaluation metrics on the evaluation prompts (`eval.*` sampling): mean reward and
+        length, pass@k and mean@k for k = eval.n_samples_per_prompt > 1, per evaluation dataset
+        when there are several (`rl_launch.evaluation`)."""
         cfg = self.config
         samples = [data[i] for i in range(len(data))]
         sampling = SamplingParams(
@@ -162,6 +164,9 @@ class Rollouts:
         group_id = self.next_group_id
         records = self.collect(self.submit(samples, sampling, for_training=False))
         self.next_group_id = group_id  # evaluation does not consume group ids of the training stream
-        rewards = torch.tensor([r.reward for r in records])
-        lengths = torch.tensor([float(r.response_ids.numel()) for r in records])
-        return {"eval/reward/mean": float(rewards.mean()), "eval/response_length/mean": float(lengths.mean())}
+        return eval_metrics(
+            records,
+            k=cfg.eval.n_samples_per_prompt,
+            threshold=cfg.eval.correct_threshold,
+            labels=getattr(data, "labels", None),
+        )

