@@ -17,7 +17,9 @@ from rl_data.transport import (
     WeightSyncSpec,
     free_port,
     layout_fingerprint,
+    local_address,
     read_buckets,
+    reserve_port,
     write_buckets,
 )
 
@@ -173,3 +175,32 @@ def test_ipc_handle_maps_the_same_cuda_memory_in_another_process(tmp_path):
     )
     subprocess.run([sys.executable, "-c", code], input=encode(handle), check=True, timeout=120)
     assert torch.equal(buffer.cpu(), torch.full((256,), 7, dtype=torch.uint8))
+
+
+def test_reserved_port_refuses_other_binders_but_a_tcpstore_serves_on_it():
+    import datetime
+    import errno
+    import socket
+
+    import torch.distributed as dist
+
+    holder = reserve_port("127.0.0.1")
+    port = holder.getsockname()[1]
+    try:
+        intruder = socket.socket()
+        with pytest.raises(OSError, match="in use") as refused:
+            intruder.bind(("127.0.0.1", port))
+        intruder.close()
+        assert refused.value.errno == errno.EADDRINUSE
+        timeout = datetime.timedelta(seconds=10)
+        server = dist.TCPStore("127.0.0.1", port, 2, is_master=True, wait_for_workers=False, timeout=timeout)
+        client = dist.TCPStore("127.0.0.1", port, 2, is_master=False, timeout=timeout)
+        client.set("key", "value")
+        assert server.port == port
+        assert server.get("key") == b"value"
+    finally:
+        holder.close()
+
+
+def test_local_address_towards_loopback_is_loopback():
+    assert local_address("127.0.0.1") == "127.0.0.1"

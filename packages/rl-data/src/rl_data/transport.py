@@ -61,10 +61,12 @@ __all__ = [
     "free_port",
     "ipc_handle",
     "layout_fingerprint",
+    "local_address",
     "open_ipc_handle",
     "read_buckets",
     "read_ipc_buckets",
     "receive_buckets",
+    "reserve_port",
     "share_buckets",
     "write_buckets",
 ]
@@ -120,6 +122,35 @@ def free_port(host: str = "127.0.0.1") -> int:
         return probe.getsockname()[1]
 
 
+def reserve_port(host: str = "") -> socket.socket:
+    """A socket holding a port the OS chose on `host` ("" = every address); its port is
+    `getsockname()[1]`. Close it once the real server has bound the port.
+
+    Unlike `free_port`, nothing else can take the port in between: the socket stays bound
+    (with SO_REUSEADDR, never listening), so the OS hands the port to no other `bind(0)` or
+    outgoing connection, while a server that also sets SO_REUSEADDR, as torch's `TCPStore`
+    does, may still bind and listen on it. Hold it on the machine that will serve the port.
+    """
+    holder = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        holder.bind((host, 0))
+    except BaseException:
+        holder.close()
+        raise
+    return holder
+
+
+def local_address(peer: str) -> str:
+    """The IPv4 address of this machine that packets to `peer` leave from (the routing table's
+    choice; a UDP `connect` sends nothing). A receiver on another node binds its gloo device
+    there: binding to the sender's address (`peer` itself) fails anywhere but on the sender's node.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((peer, 9))
+        return probe.getsockname()[0]
+
+
 def layout_fingerprint(meta: WeightSyncMeta) -> int:
     """A 63-bit fingerprint of the layout (names, dtypes, shapes, offsets; not checksums or version).
 
@@ -144,7 +175,9 @@ class SyncGroup:
 
     Rank 0 (the sender) hosts the rendezvous store at `host:port`; every rank blocks in the
     constructor until all `world_size` ranks have joined or `timeout_s` passes. gloo moves CPU
-    tensors, NCCL CUDA tensors (`device` is where this rank's buffers live).
+    tensors, NCCL CUDA tensors (`device` is where this rank's buffers live). With gloo, rank 0
+    listens at `host` and every other rank at its own address towards `host` (`local_address`),
+    so the ranks may sit on different machines.
     """
 
     def __init__(
@@ -175,7 +208,9 @@ class SyncGroup:
         if backend == "gloo":
             options = dist.ProcessGroupGloo._Options()
             options._timeout = timeout
-            options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+            # rank 0 serves at `host`, its own address; the others at theirs towards it
+            hostname = host if rank == 0 else local_address(host)
+            options._devices = [dist.ProcessGroupGloo.create_device(hostname=hostname)]
             self._group = dist.ProcessGroupGloo(self._store, rank, world_size, options)
         else:
             options = dist.ProcessGroupNCCL.Options()
