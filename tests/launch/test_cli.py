@@ -74,7 +74,8 @@ def test_ppo_help_as_a_module_subprocess():
     entries = help_entries(result.stdout)
     assert entries["algo.advantage.estimator"].endswith("(default: gae)")
     assert (
-        entries["ray.policy.num_actors"] == "INT Ray actors (data-parallel ranks) of this role. [>= 1] (default: 1)"
+        entries["ray.policy.num_actors"]
+        == "INT Ray actors (data-parallel ranks) of this role. [>= 1] (default: 1)"
     )
     assert "ray.policy:" in result.stdout
 
