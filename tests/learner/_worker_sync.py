@@ -12,7 +12,9 @@ usage:
       at the end `<tag>-done-<rank>`. Job keys: tag, out, spec (path of an encoded
       WeightSyncSpec), architecture, tied, dtype, layouts (per sync, the layout this receiver
       expects: "spec", "own" (planned from its own model's parameters) or "rebucketed" (the
-      spec's parameters in 4 KiB buckets); a list, or a dict rank -> list).
+      spec's parameters in 4 KiB buckets); a list, or a dict rank -> list). For a spec of the
+      "shm" transport the receiver reads the job's `versions` (one per layout) with an
+      `rl_data.shm.ShmReader` instead of joining a group, waiting for each to be published.
   python _worker_sync.py learner RANK WORLD MASTER_PORT SPEC OUT
       One rank of a ZeRO-3 DeepSpeed learner (CPU, gloo) built from the tiny model with seed 0:
       one optimizer step, then `make_sender(spec, engine).send(version=5)` on every rank, then a
@@ -37,6 +39,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch
 
 from rl_data import decode, encode, plan_buckets
+from rl_data.shm import ShmReader
 from rl_data.tiny import build_tiny_model, build_tiny_tokenizer
 from rl_data.transport import SyncGroup, WeightSyncError, WeightSyncSpec, receive_buckets
 
@@ -75,17 +78,23 @@ def run_job(job: dict, rank: int, tokenizer) -> None:
             for name, tensor in tensors.items():
                 params[name].copy_(tensor)
 
-    group = SyncGroup.from_spec(spec, rank)
+    shm = spec.transport == "shm"
+    group = None if shm else SyncGroup.from_spec(spec, rank)
     try:
-        for layout in sync_layouts(job, rank, spec, params):
-            report = receive_buckets(group, layout, consume)
+        for index, layout in enumerate(sync_layouts(job, rank, spec, params)):
+            if shm:
+                with ShmReader(spec.directory, layout, timeout_s=spec.timeout_s) as reader:
+                    report = reader.read(consume, version=job["versions"][index])
+            else:
+                report = receive_buckets(group, layout, consume)
             (out / f"{tag}-report-{rank}.msgpack").write_bytes(encode(report))
             state = {name: tensor.clone() for name, tensor in model.state_dict().items()}
             (out / f"{tag}-state-{rank}.msgpack").write_bytes(encode(state))
     except Exception as error:  # the test reads the message
         (out / f"{tag}-error-{rank}.txt").write_text(f"{type(error).__name__}: {error}")
     finally:
-        group.close()
+        if group is not None:
+            group.close()
 
 
 def receiver(rank: int) -> None:

@@ -22,12 +22,14 @@ import pytest
 import torch
 
 from rl_data import WeightSyncReport, compare_checksums, decode, encode
+from rl_data.shm import shm_directory
 from rl_data.tiny import build_tiny_model
 from rl_data.transport import WeightSyncError, WeightSyncSpec, free_port, read_buckets
 from rl_learner.sync import (
     BroadcastSender,
     FileSender,
     IpcSender,
+    ShmSender,
     make_sender,
     sync_layout,
 )
@@ -199,6 +201,38 @@ def test_lora_receiver_gets_the_merged_weights_and_the_live_model_keeps_its_adap
     assert not q_proj.merged
     assert "default" in q_proj.lora_A
     assert_same_state(model.state_dict(), before)
+
+
+def test_shm_sender_gives_receivers_started_first_every_version_with_matching_checksums(receivers, tokenizer):
+    model = build_tiny_model(tokenizer, architecture="llama", tie_word_embeddings=True, seed=0)
+    layout = sync_layout(model, dtype=torch.bfloat16, bucket_bytes=SMALL_BUCKETS)
+    spec = WeightSyncSpec(transport="shm", layout=layout, directory=shm_directory(), timeout_s=90)
+    # the receivers wait for versions 1 and 2 before the sender exists (the driver's ordering)
+    receivers.run(
+        "shm",
+        spec,
+        architecture="llama",
+        tied=True,
+        dtype="bfloat16",
+        layouts=["spec", "spec"],
+        versions=[1, 2],
+    )
+    sender = make_sender(spec, model)
+    assert isinstance(sender, ShmSender)
+    with sender:
+        first = sender.send(version=1)
+        with torch.no_grad():
+            model.model.norm.weight.add_(0.5)
+        second = sender.send(version=2)
+        results = receivers.wait("shm")
+    assert compare_checksums(first, second) != []
+    expected = {name: tensor.to(torch.bfloat16) for name, tensor in model.state_dict().items()}
+    for result in results.values():
+        assert "error" not in result, result.get("error")
+        assert result["report"].version == 2
+        assert compare_checksums(second, result["report"]) == []
+        assert_same_state(result["state"], expected)
+    assert not os.path.exists(spec.directory)  # close removed the segments
 
 
 def test_file_sender_merges_fan_in_fan_out_lora_like_merge_and_unload(tmp_path):

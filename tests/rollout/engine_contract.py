@@ -7,8 +7,9 @@ To plug an engine in, subclass `EngineContract` in a test module, provide a clas
 
     class TestMyEngine(EngineContract):
         logprob_atol = 1e-4              # |engine log-prob - float64 reference| allowed per token
-        supports_weight_sync = True      # the file-transport weight-update tests run (else: skipped,
+        supports_weight_sync = True      # the weight-update tests run (else: skipped,
                                          # and init_weight_sync must raise EngineError)
+        weight_sync_transports = ("file", "shm")   # the in-process-sender transports it takes
 
         @pytest.fixture(scope="class")
         @classmethod
@@ -35,11 +36,14 @@ What the contract pins, for every engine:
 - an empty or over-long prompt raises EngineError naming its index; a prompt close to the context
   length gets a response cut to fit, with "length";
 - `agenerate` from many concurrent callers gives what `generate` gives for greedy;
-- weight sync (when supported): weights written by `rl_data.transport.write_buckets` (file
-  transport, in-process) and applied with `receive_weights` change greedy outputs to those of
-  the reference with the new weights, set `policy_version` (also on generations) and report the
-  sender's checksums. The test restores the original weights (as the next version) afterwards,
-  so the class-scoped engine serves the other tests unchanged whatever the order.
+- weight sync (when supported), through every transport in `weight_sync_transports` whose
+  sender can live in the test process ("file": `rl_data.transport.write_buckets`; "shm": an
+  `rl_data.shm.ShmPublisher`, the engine's receiver in its own worker process for vLLM):
+  weights sent and applied with `receive_weights` change greedy outputs to those of the
+  reference with the new weights, set `policy_version` (also on generations) and report the
+  sender's checksums; a sender with another layout is refused. The test restores the original
+  weights (as the next version) afterwards, so the class-scoped engine serves the other tests
+  unchanged whatever the order (with "shm" that third version reuses the first one's slot).
 
 Engines need a weight-sync receiver that accepts `init_weight_sync` more than once (each call
 replaces the previous receiver), because every weight test joins its own file transport.
@@ -55,6 +59,7 @@ import pytest
 import torch
 
 from rl_data import compare_checksums, pack_bucket, plan_buckets
+from rl_data.shm import ShmPublisher, shm_directory
 from rl_data.transport import WeightSyncError, WeightSyncSpec, write_buckets
 from rl_rollout.protocol import Engine, EngineError, Generation, SamplingParams
 
@@ -93,6 +98,7 @@ class EngineContract:
 
     logprob_atol: float = 1e-4
     supports_weight_sync: bool = False
+    weight_sync_transports: tuple[str, ...] = ("file", "shm")
     # rank the engine's receiver takes in the file transport (file transport ignores it, but engines check it)
     weight_sync_rank: int = 1
 
@@ -383,21 +389,24 @@ class EngineContract:
             with pytest.raises(EngineError, match="weight_sync"):
                 engine.init_weight_sync(spec, self.weight_sync_rank)
 
-    def test_weight_update_through_the_file_transport(self, engine, prompts, greedy_run, reference, tmp_path):
-        if not self.supports_weight_sync:
-            pytest.skip(f"{type(engine).__name__} declares no weight sync")
+    @pytest.mark.parametrize("transport", ["file", "shm"])
+    def test_weight_update_through_each_transport(
+        self, engine, prompts, greedy_run, reference, tmp_path, transport
+    ):
+        if not self.supports_weight_sync or transport not in self.weight_sync_transports:
+            pytest.skip(f"{type(engine).__name__} declares no weight sync over {transport!r}")
         original = {name: param.detach().float().clone() for name, param in reference.named_parameters()}
         generator = torch.Generator().manual_seed(0)
         perturbed = {
             name: tensor + 0.05 * torch.randn(tensor.shape, generator=generator)
             for name, tensor in original.items()
         }
-        spec = _file_spec(reference, tmp_path)
+        spec, write, close = _sender(transport, _layout(reference), tmp_path)
         engine.init_weight_sync(spec, self.weight_sync_rank)
         version = engine.policy_version + 1
         params = SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True)
         try:
-            sent = _write(spec, perturbed, version)
+            sent = write(perturbed, version)
             report = engine.receive_weights(version)
             assert report.version == version
             assert compare_checksums(sent, report) == []
@@ -414,19 +423,20 @@ class EngineContract:
                     updated, prompt, generation, 0.0, where=f"new weights, prompt {index}"
                 )
         finally:
-            _write(spec, original, version + 1)
-            engine.receive_weights(version + 1)
+            try:
+                write(original, version + 1)
+                engine.receive_weights(version + 1)
+            finally:
+                close()
         assert engine.policy_version == version + 1
         restored = [per_prompt[0] for per_prompt in engine.generate(prompts, params)]
         assert [g.token_ids for g in restored] == [g.token_ids for g in greedy_run]
         assert all(g.policy_version == version + 1 for g in restored)
 
-    def test_weight_update_with_a_mismatched_layout_raises(self, engine, reference, tmp_path):
-        if not self.supports_weight_sync:
-            pytest.skip(f"{type(engine).__name__} declares no weight sync")
-        spec = _file_spec(reference, tmp_path)
-        engine.init_weight_sync(spec, self.weight_sync_rank)
-        version = engine.policy_version
+    @pytest.mark.parametrize("transport", ["file", "shm"])
+    def test_weight_update_with_a_mismatched_layout_raises(self, engine, reference, tmp_path, transport):
+        if not self.supports_weight_sync or transport not in self.weight_sync_transports:
+            pytest.skip(f"{type(engine).__name__} declares no weight sync over {transport!r}")
         names = [name for name, _ in reference.named_parameters()]
         # A sender whose layout differs (one parameter left out) writes a version this receiver rejects.
         smaller = plan_buckets(
@@ -438,11 +448,17 @@ class EngineContract:
             bucket_bytes=1 << 16,
         )
         state = {name: param.detach().float() for name, param in reference.named_parameters()}
-        write_buckets(
-            spec.directory, smaller, lambda b, out: pack_bucket(b, state, out=out), version=version + 1
-        )
-        with pytest.raises((EngineError, WeightSyncError), match="layout"):
-            engine.receive_weights(version + 1)
+        # the engine expects the full layout; the sender in its folder writes the smaller one
+        spec, _, _ = _sender(transport, _layout(reference), tmp_path, start=False)
+        engine.init_weight_sync(spec, self.weight_sync_rank)
+        version = engine.policy_version
+        _, write, close = _sender(transport, smaller, tmp_path, directory=spec.directory)
+        try:
+            write(state, version + 1)
+            with pytest.raises((EngineError, WeightSyncError), match="layout"):
+                engine.receive_weights(version + 1)
+        finally:
+            close()
         assert engine.policy_version == version
 
 
@@ -452,18 +468,40 @@ def msgspec_replace(params: SamplingParams, **changes) -> SamplingParams:
     return msgspec.structs.replace(params, **changes)
 
 
-def _file_spec(reference, directory) -> WeightSyncSpec:
-    layout = plan_buckets(
+def _layout(reference):
+    return plan_buckets(
         ((name, torch.float32, param.shape) for name, param in reference.named_parameters()),
         bucket_bytes=1 << 16,
     )
-    return WeightSyncSpec(transport="file", layout=layout, directory=str(directory))
 
 
-def _write(spec: WeightSyncSpec, tensors: dict[str, torch.Tensor], version: int):
-    return write_buckets(
-        spec.directory,
-        spec.layout,
-        lambda bucket, out: pack_bucket(bucket, tensors, out=out),
-        version=version,
+def _file_spec(reference, directory) -> WeightSyncSpec:
+    return WeightSyncSpec(transport="file", layout=_layout(reference), directory=str(directory))
+
+
+def _sender(transport: str, layout, tmp_path, *, directory: str | None = None, start: bool = True):
+    """(spec, write(tensors, version) -> report, close()) of an in-process sender over `transport`.
+
+    "file" writes under tmp_path; "shm" publishes from an `ShmPublisher` in a fresh folder under
+    /dev/shm (or `directory`), created only when `start`.
+    """
+    if transport == "file":
+        spec = WeightSyncSpec(transport="file", layout=layout, directory=directory or str(tmp_path))
+
+        def write(tensors, version):
+            return write_buckets(
+                spec.directory, layout, lambda b, out: pack_bucket(b, tensors, out=out), version=version
+            )
+
+        return spec, write, lambda: None
+    spec = WeightSyncSpec(
+        transport="shm", layout=layout, directory=directory or shm_directory(), timeout_s=60
     )
+    if not start:
+        return spec, None, lambda: None
+    publisher = ShmPublisher(spec.directory, layout, timeout_s=60)
+
+    def publish(tensors, version):
+        return publisher.publish(lambda b, out: pack_bucket(b, tensors, out=out), version=version)
+
+    return spec, publish, publisher.close

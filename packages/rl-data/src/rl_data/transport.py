@@ -11,6 +11,10 @@ transport a pair of loops, one per side:
   works anywhere, also across machines with a shared file system).
 - CUDA IPC: `share_buckets` / `read_ipc_buckets`; `ipc_handle` describes a bucket buffer living
   on one GPU so that another process on the same GPU maps it (`open_ipc_handle`) without a copy.
+- shm: `rl_data.shm.ShmPublisher` / `ShmReader` through a folder on a memory file system
+  (/dev/shm) for a sender and receivers on the same machine: the sender packs each bucket into
+  shared pages once, the receivers hand their engines views over them (no socket, no copy
+  before the engine's own); see that module for the versioned slots and their cleanup.
 
 Framing of one broadcast sync (every message is a collective on the group):
 
@@ -72,7 +76,7 @@ __all__ = [
 ]
 
 MAGIC = 0x524C5359  # "RLSY": the first word of every broadcast sync
-TRANSPORTS = ("broadcast", "ipc", "file")
+TRANSPORTS = ("broadcast", "ipc", "file", "shm")
 BACKENDS = ("gloo", "nccl")
 
 Produce = Callable[[BucketMeta, torch.Tensor], torch.Tensor]
@@ -87,8 +91,10 @@ class WeightSyncSpec(msgspec.Struct, frozen=True, kw_only=True):
     """How one learner and its engines move weights; the same spec is given to both sides.
 
     transport: "broadcast" (a process group of 1 sender + `world_size - 1` receivers at
-    `host:port`), "ipc" (CUDA IPC handles; engines on the sender's GPUs) or "file" (bucket files
-    under `directory`). layout: the bucket layout, sent once. A receiver's own rank in the group
+    `host:port`), "ipc" (CUDA IPC handles; engines on the sender's GPUs), "file" (bucket files
+    under `directory`) or "shm" (shared-memory slots under `directory`, a folder of its own per
+    run on a memory file system, `rl_data.shm.shm_directory()`; sender and engines on one
+    machine). layout: the bucket layout, sent once. A receiver's own rank in the group
     is given to it separately (1 + its offset among all engine workers).
     """
 
@@ -111,6 +117,11 @@ class WeightSyncSpec(msgspec.Struct, frozen=True, kw_only=True):
             check_integer("WeightSyncSpec.world_size", self.world_size, 2)
         if self.transport == "file" and not self.directory:
             raise ValueError("WeightSyncSpec.directory: the file transport needs a directory")
+        if self.transport == "shm" and not self.directory:
+            raise ValueError(
+                "WeightSyncSpec.directory: the shm transport needs a directory of its own on a memory "
+                "file system, e.g. rl_data.shm.shm_directory()"
+            )
         if not self.timeout_s > 0:
             raise ValueError(f"WeightSyncSpec.timeout_s: must be positive, got {self.timeout_s}")
 

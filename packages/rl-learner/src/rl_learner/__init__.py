@@ -41,7 +41,15 @@ from .supervised import (
     pack_sequences,
     sequence_logprobs,
 )
-from .sync import BroadcastSender, FileSender, IpcSender, WeightSender, make_sender, sync_layout
+from .sync import (
+    BroadcastSender,
+    FileSender,
+    IpcSender,
+    ShmSender,
+    WeightSender,
+    make_sender,
+    sync_layout,
+)
 
 __all__ = [
     "BroadcastSender",
@@ -59,6 +67,7 @@ __all__ = [
     "PolicyLossConfig",
     "RewardModelLearner",
     "SFTLearner",
+    "ShmSender",
     "TrainingState",
     "ValueLearner",
     "ValueLossConfig",

@@ -14,8 +14,9 @@ the adapters. This module bridges the two:
   returns the sender's `WeightSyncReport` (bytes, seconds, per-bucket checksums) to compare with
   the receivers' (`rl_data.compare_checksums(sent, received) == []`). Three strategies:
   `BroadcastSender` (a torch.distributed group of its own with the engines' workers: gloo on
-  CPU, NCCL on GPU), `IpcSender` (CUDA IPC handles for engines on the same GPUs) and
-  `FileSender` (bucket files in a folder). `make_sender(spec, model)` picks one from the spec.
+  CPU, NCCL on GPU), `IpcSender` (CUDA IPC handles for engines on the same GPUs), `FileSender`
+  (bucket files in a folder) and `ShmSender` (shared-memory slots for engines on the same
+  machine). `make_sender(spec, model)` picks one from the spec.
 
 Per bucket, the sender (1) gathers exactly that bucket's ZeRO-3 parameters
 (`deepspeed.zero.GatheredParameters(params, modifier_rank=None)`, released at the end of the
@@ -64,6 +65,7 @@ import torch
 
 from rl_data import WeightSyncMeta, WeightSyncReport, pack_bucket, plan_buckets
 from rl_data.errors import check_integer
+from rl_data.shm import ShmPublisher
 from rl_data.transport import (
     IpcPayload,
     SyncGroup,
@@ -79,6 +81,7 @@ __all__ = [
     "BroadcastSender",
     "FileSender",
     "IpcSender",
+    "ShmSender",
     "WeightSender",
     "make_sender",
     "sync_layout",
@@ -557,6 +560,43 @@ class FileSender(WeightSender):
         return write_buckets(self.directory, self.layout, self._produce, version=version, keep=self.keep)
 
 
+class ShmSender(WeightSender):
+    """Shared memory for engines on the sender's machine (`rl_data.shm.ShmPublisher` in `spec.directory`).
+
+    The sending rank owns the folder: the constructor creates it with `slots` slot files of the
+    layout's size (pre-faulted, so a send writes into resident pages: `slots` x the layout's
+    bytes of RAM), each `send` packs every bucket straight into a free slot (the only copy on this
+    side) and publishes it as the version; `close` removes the folder. Receivers
+    (`rl_rollout.WeightReceiver`) may call `receive(version)` before or while `send` runs: they
+    wait for the version. A receiver still reading the slot a send wants makes it wait, up to
+    `spec.timeout_s`; with 2 slots that happens only to a receiver two versions behind.
+    """
+
+    transport = "shm"
+
+    def __init__(
+        self, model: Any, spec: WeightSyncSpec, *, slots: int = 2, is_sender: bool | None = None
+    ) -> None:
+        super().__init__(model, spec, is_sender=is_sender)
+        check_integer("ShmSender: slots", slots, 1)
+        self.directory = spec.directory
+        self._publisher = (
+            ShmPublisher(spec.directory, self.layout, slots=slots, timeout_s=spec.timeout_s)
+            if self.is_sender
+            else None
+        )
+
+    def _send(self, version: int) -> WeightSyncReport:
+        return self._publisher.publish(self._produce, version=version)
+
+    def close(self) -> None:
+        """Unmap the slots and remove the folder (receivers keep what they mapped until they close)."""
+        super().close()
+        publisher, self._publisher = self._publisher, None
+        if publisher is not None:
+            publisher.close()
+
+
 class IpcSender(WeightSender):
     """CUDA IPC for engines on the learner's own GPUs: every bucket packed into a buffer they map.
 
@@ -619,8 +659,10 @@ def make_sender(
     device: torch.device | str | None = None,
     is_sender: bool | None = None,
     keep: int = 1,
+    slots: int = 2,
 ) -> WeightSender:
-    """The sender for `spec.transport`: `BroadcastSender`, `IpcSender` or `FileSender` (with `keep`)."""
+    """The sender for `spec.transport`: `BroadcastSender`, `IpcSender`, `FileSender` (with `keep`)
+    or `ShmSender` (with `slots`)."""
     if not isinstance(spec, WeightSyncSpec):
         raise TypeError(
             f"make_sender: spec must be an rl_data.transport.WeightSyncSpec, got {type(spec).__name__}"
@@ -629,4 +671,6 @@ def make_sender(
         return BroadcastSender(model, spec, device=device, is_sender=is_sender)
     if spec.transport == "ipc":
         return IpcSender(model, spec, device=device, is_sender=is_sender)
+    if spec.transport == "shm":
+        return ShmSender(model, spec, slots=slots, is_sender=is_sender)
     return FileSender(model, spec, keep=keep, is_sender=is_sender)

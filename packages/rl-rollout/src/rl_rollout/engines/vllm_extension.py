@@ -20,7 +20,9 @@ How received tensors are applied:
   into nothing. There the model runner's `reload_weights` is used: it restores the
   checkpoint-format parameters, loads and re-runs the post-load processing. It needs every
   tensor of a layer within one call, so the whole sync is staged (copied) first and loaded
-  once, after every bucket passed its checksum: a failed sync applies nothing.
+  once, after every bucket passed its checksum: a failed sync applies nothing. With the "shm"
+  transport nothing is copied to stage: the views over the shared pages stay valid (the
+  receiver holds the slot) until the load is done.
 - Elsewhere (the official vLLM on GPUs) each bucket goes straight into `model.load_weights`,
   the public route, without a staging copy.
 """
@@ -63,9 +65,13 @@ class WeightSyncExtension:
         return current_platform.is_cpu() and hasattr(self.model_runner, "reload_weights")
 
     def _rl_apply(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
-        # The tensors are views into a transfer buffer that is reused: copy before keeping them.
+        # The tensors are views into a transfer buffer that is reused: copy before keeping them,
+        # unless the receiver holds them until the staged load is done (shm).
         if self._rl_staged is not None:
-            self._rl_staged.extend((name, tensor.clone()) for name, tensor in named)
+            if self._rl_receiver.views_outlive_receive:
+                self._rl_staged.extend(named)
+            else:
+                self._rl_staged.extend((name, tensor.clone()) for name, tensor in named)
         else:
             self._rl_model().load_weights(weights=list(named))
 
@@ -99,12 +105,13 @@ class WeightSyncExtension:
         staging = self._rl_stages_weights()
         self._rl_staged = [] if staging else None
         try:
-            report = self._rl_receiver.receive(int(version), payload)
+            report = self._rl_receiver.receive(int(version), payload, hold=staging)
             if staging:
                 with torch.no_grad():
                     self.model_runner.reload_weights(weights_iterator=self._rl_staged)
         finally:
             self._rl_staged = None
+            self._rl_receiver.release()
         return encode(report)
 
     def close_weight_sync(self) -> None:

@@ -1,0 +1,238 @@
+"""The shm weight-sync transport (`rl_data.shm`): real sender and receiver processes on one machine.
+
+What is pinned: a receiver started before the sender waits for its version and gets the exact
+bytes (checksums equal to the sender's, tensors equal); versions are read in order and a version
+is never read half-written or after its slot was reused; a timeout names the version and the
+file; a corrupt or foreign-layout version is refused; the views handed over are the shared
+pages themselves; a receiver's own write into a view reaches neither the sender nor other
+receivers; a sender's folder disappears on close and at exit, and after a SIGKILL the stale
+sweep removes it; two concurrent runs never share a folder.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import mmap
+import os
+import pathlib
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+
+from rl_data import WeightSyncReport, compare_checksums, decode, pack_bucket, plan_buckets
+from rl_data.shm import (
+    ShmPublisher,
+    ShmReader,
+    WeightSyncTimeout,
+    remove_stale_directories,
+    shm_directory,
+)
+from rl_data.transport import TRANSPORTS, WeightSyncError, WeightSyncSpec
+
+WORKER = pathlib.Path(__file__).with_name("_worker_shm.py")
+_spec = importlib.util.spec_from_file_location("_worker_shm", WORKER)
+worker = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(worker)
+
+
+def start(*args: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    return subprocess.Popen([sys.executable, str(WORKER), *map(str, args)], env=env)
+
+
+def packer(version: int):
+    tensors = worker.weights(version)
+    return lambda bucket, out: pack_bucket(bucket, tensors, out=out)
+
+
+def collect(received: dict):
+    return lambda bucket, views: received.update({k: v.clone() for k, v in views.items()})
+
+
+@pytest.fixture
+def directory(tmp_path):
+    """A fresh shm folder name (under /dev/shm), removed after the test whatever happened."""
+    path = shm_directory()
+    yield path
+    import shutil
+
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_shm_is_a_transport_and_its_spec_needs_a_directory():
+    assert "shm" in TRANSPORTS
+    with pytest.raises(ValueError, match="shm transport needs a directory"):
+        WeightSyncSpec(transport="shm", layout=worker.layout())
+
+
+def test_receiver_started_before_the_sender_gets_every_version_in_order(directory, tmp_path):
+    receiver = start("recv", directory, tmp_path, 1, 2, 3)
+    sender = start("send", directory, tmp_path, 1.0, "close", 1, 2, 3)  # publishes after the receiver waits
+    assert receiver.wait(timeout=120) == 0
+    assert sender.wait(timeout=120) == 0
+    for version in (1, 2, 3):
+        sent = decode((tmp_path / f"sent-{version}.msgpack").read_bytes(), WeightSyncReport)
+        received = decode((tmp_path / f"received-{version}.msgpack").read_bytes(), WeightSyncReport)
+        assert received.version == sent.version == version
+        assert compare_checksums(sent, received) == []
+        tensors = decode((tmp_path / f"tensors-{version}.msgpack").read_bytes(), dict[str, torch.Tensor])
+        for name, tensor in worker.weights(version).items():
+            assert tensors[name].dtype == tensor.dtype, name
+            assert torch.equal(tensors[name], tensor), name
+    assert not os.path.exists(directory)  # the sender's close removed its folder
+
+
+def test_a_version_never_published_times_out_naming_the_version_and_the_file(directory):
+    with ShmPublisher(directory, worker.layout()) as publisher:
+        publisher.publish(packer(1), version=1)
+        with ShmReader(directory, worker.layout(), timeout_s=0.3) as reader:
+            with pytest.raises(WeightSyncTimeout, match=r"version 7 was not published as .*version-00000007"):
+                reader.read(lambda b, v: None, version=7)
+            assert reader.read(lambda b, v: None, version=1).version == 1
+
+
+def test_a_slot_is_reused_only_after_its_readers_let_go(directory):
+    """slots=1: the sender must wait for a reader that holds the slot; the old version is gone after."""
+    meta = worker.layout()
+    with ShmPublisher(directory, meta, slots=1, timeout_s=0.3) as publisher:
+        publisher.publish(packer(1), version=1)
+        reader = ShmReader(directory, meta, timeout_s=0.3)
+        held: dict[str, torch.Tensor] = {}
+        reader.read(lambda b, views: held.update(views), version=1, hold=True)
+        with pytest.raises(WeightSyncTimeout, match=r"version 2: .*slot-0.bin is still being read"):
+            publisher.publish(packer(2), version=2)
+        # the held views still show version 1, untouched by the failed publish
+        assert torch.equal(held["embed.weight"], worker.weights(1)["embed.weight"])
+        reader.release()
+        sent = publisher.publish(packer(2), version=2)
+        with pytest.raises(WeightSyncTimeout, match="version 1 was not published"):
+            reader.read(lambda b, v: None, version=1)  # its slot now holds version 2
+        received: dict[str, torch.Tensor] = {}
+        assert compare_checksums(sent, reader.read(collect(received), version=2)) == []
+        assert torch.equal(received["layer.0.weight"], worker.weights(2)["layer.0.weight"])
+        reader.close()
+
+
+def test_concurrent_send_and_receive_in_threads_see_whole_versions(directory):
+    meta = worker.layout()
+    with ShmPublisher(directory, meta) as publisher, ShmReader(directory, meta, timeout_s=30) as reader:
+        for version in range(1, 6):
+            received: dict[str, torch.Tensor] = {}
+            result = {}
+
+            def read(version=version, received=received, result=result):
+                result["report"] = reader.read(collect(received), version=version)
+
+            thread = threading.Thread(target=read)
+            thread.start()
+            sent = publisher.publish(packer(version), version=version)
+            thread.join(timeout=30)
+            assert compare_checksums(sent, result["report"]) == []
+            assert all(torch.equal(received[n], t) for n, t in worker.weights(version).items())
+
+
+def test_views_are_the_shared_pages_and_a_receivers_write_stays_its_own(directory):
+    meta = worker.layout()
+    with ShmPublisher(directory, meta, slots=1) as publisher:
+        publisher.publish(packer(1), version=1)
+        first, second = ShmReader(directory, meta), ShmReader(directory, meta)
+        storages = set()
+
+        def scribble(bucket, views):
+            for view in views.values():
+                storages.add(view.untyped_storage().data_ptr())
+                view.zero_()  # an engine that (wrongly) writes into what it was given
+
+        first.read(scribble, version=1)
+        assert len(storages) == 1  # every bucket is a view of the one mapped slot: no copy was made
+        received: dict[str, torch.Tensor] = {}
+        second.read(collect(received), version=1)  # the other receiver still sees the sender's bytes
+        assert torch.equal(received["embed.weight"], worker.weights(1)["embed.weight"])
+        sent = publisher.publish(packer(2), version=2)  # the same slot again
+        again: dict[str, torch.Tensor] = {}
+        assert compare_checksums(sent, first.read(collect(again), version=2)) == []
+        assert torch.equal(again["embed.weight"], worker.weights(2)["embed.weight"])
+        first.close()
+        second.close()
+
+
+def test_a_corrupt_bucket_is_refused_and_not_applied(directory):
+    meta = worker.layout()
+    with ShmPublisher(directory, meta, slots=1) as publisher:
+        publisher.publish(packer(1), version=1)
+        with open(pathlib.Path(directory) / "slot-0.bin", "r+b") as handle:
+            pages = mmap.mmap(handle.fileno(), 0)
+            offset = publisher.offsets[1]
+            pages[offset + 3] ^= 0x01
+            pages.close()
+        applied = []
+        with (
+            ShmReader(directory, meta) as reader,
+            pytest.raises(WeightSyncError, match=r"bucket 1 \(.*\) arrived with checksum"),
+        ):
+            reader.read(lambda b, views: applied.append(b.index), version=1)
+        assert applied == [0]
+
+
+def test_a_sender_with_another_layout_is_refused(directory):
+    with ShmPublisher(directory, worker.layout(4096)) as publisher:
+        publisher.publish(packer(1), version=1)
+        with (
+            ShmReader(directory, worker.layout(), timeout_s=5) as reader,
+            pytest.raises(WeightSyncError, match="differs from this receiver's layout"),
+        ):
+            reader.read(lambda b, v: None, version=1)
+
+
+@pytest.mark.parametrize("end", ["exit", "raise"])
+def test_a_sender_that_ends_without_close_leaves_no_folder(directory, tmp_path, end):
+    sender = start("send", directory, tmp_path, 0, end, 1)
+    assert sender.wait(timeout=120) == (0 if end == "exit" else 1)
+    assert (tmp_path / "sent-1.msgpack").exists()
+    assert not os.path.exists(directory)
+
+
+def test_a_killed_senders_folder_is_removed_by_the_stale_sweep(directory, tmp_path):
+    sender = start("send", directory, tmp_path, 0, "kill", 1)
+    assert sender.wait(timeout=120) == -9
+    assert (pathlib.Path(directory) / "slot-0.bin").exists()  # nothing ran at the kill
+    root = pathlib.Path(directory).parent
+    live = str(root / f"rl-weights-live-{os.getpid()}")  # named by hand: shm_directory() sweeps
+    with ShmPublisher(live, worker.layout()):
+        removed = remove_stale_directories(root)
+        assert directory in removed
+        assert not os.path.exists(directory)
+        assert os.path.exists(live)  # a live sender's folder is left alone
+    assert not os.path.exists(live)
+    sender = start("send", directory, tmp_path, 0, "kill", 1)
+    assert sender.wait(timeout=120) == -9
+    shm_directory()  # naming a new run's folder sweeps too
+    assert not os.path.exists(directory)
+
+
+def test_two_concurrent_runs_get_their_own_folders_and_a_folder_has_one_sender(directory, tmp_path):
+    other = shm_directory()
+    assert other != directory
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir()
+    second.mkdir()
+    runs = [
+        start("recv", directory, first, 1, 2),
+        start("recv", other, second, 2, 1),
+        start("send", directory, first, 0.5, "close", 1, 2),
+        start("send", other, second, 0.5, "close", 2, 1),  # other contents under the same numbers
+    ]
+    assert [run.wait(timeout=120) for run in runs] == [0, 0, 0, 0]
+    for out in (first, second):
+        for version in (1, 2):
+            sent = decode((out / f"sent-{version}.msgpack").read_bytes(), WeightSyncReport)
+            received = decode((out / f"received-{version}.msgpack").read_bytes(), WeightSyncReport)
+            assert compare_checksums(sent, received) == []
+    with ShmPublisher(directory, worker.layout()):
+        holder = start("send", directory, tmp_path, 0, "close", 1)
+        assert holder.wait(timeout=120) == 1  # FileExistsError: the folder belongs to this process
+    meta = plan_buckets([("a", torch.float32, (4,))])
+    assert ShmPublisher(other, meta).slot_bytes == 4096  # the folder is free again after its run
