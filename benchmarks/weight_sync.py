@@ -22,15 +22,25 @@ names up in `named_parameters()` and `copy_`, the shape of an engine's `load_wei
 - file, shared mem (ours): `rl_learner.sync.FileSender` writes the buckets (checksummed) into a
   folder under /dev/shm, then every receiver reads, verifies and loads them
   (`rl_data.transport.read_buckets`): the same-host CPU path that avoids the loopback sockets.
+- shm (ours): `rl_learner.sync.ShmSender` packs each bucket once into a pre-faulted shared-memory
+  slot and publishes the version; the receivers, called before the send as a driver does, wait
+  for it, verify the checksums and load from views over the shared pages (`rl_data.shm`): one
+  copy on each side, no socket.
 - memcpy: `dst.copy_(src)` of the same number of bytes in one process, the bound that memory
   bandwidth puts on any copy of these weights on this machine.
 
     python benchmarks/weight_sync.py [--hidden 768 --layers 12 --vocab 32000 --dtype float32
                                       --bucket-mb 128 --repeat 3 --rpc pipe|ray]
+    python benchmarks/weight_sync.py --shape qwen2-0.5b --dtype bfloat16   # Qwen2-0.5B's 290 tensors
+    python benchmarks/weight_sync.py --latency      # + gloo broadcast seconds per call vs bytes
 
-Prints seconds (best of `--repeat` syncs), GB/s (10^9 bytes of weights per second, counted once
-however many receivers), the ratio to the per-parameter scheme and the fraction of the memcpy
-rate. Between syncs the learner flips the sign of every weight, and after each sync every
+`--shape qwen2-0.5b` takes Qwen2-0.5B's config numbers (hidden 896, 24 layers, 14 heads, 2 KV
+heads, MLP 4864, vocabulary 151,936, tied embeddings: 494M parameters in 290 tensors; built
+locally, nothing is downloaded). Prints, per scheme, the median seconds of `--repeat` syncs and
+their range, GB/s at the median (10^9 bytes of weights per second, counted once however many
+receivers), the ratio to the per-parameter scheme and the fraction of the memcpy rate.
+`--latency` adds seconds per gloo broadcast call to the receivers for sizes 4 KiB .. 64 MiB and
+a fit `seconds = latency + bytes / bandwidth`, what bounds the broadcast schemes. Between syncs the learner flips the sign of every weight, and after each sync every
 receiver's weights are checked equal to the learner's (per-tensor checksums), so a scheme that
 skips work cannot report a good number.
 """
@@ -49,6 +59,7 @@ from typing import Any
 import torch
 
 from rl_data import bucket_checksum, decode, encode, pack_bucket, unpack_bucket
+from rl_data.shm import ShmReader, shm_directory
 from rl_data.tensors import tensor_checksum
 from rl_data.transport import SyncGroup, WeightSyncSpec, free_port, read_buckets, receive_buckets
 
@@ -56,6 +67,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# Qwen2-0.5B's config.json numbers (the layout of its 290 tensors), without a download.
+SHAPES = {
+    "qwen2-0.5b": dict(hidden=896, layers=24, heads=14, kv_heads=2, intermediate=4864, vocab=151_936),
+}
+LATENCY_SIZES = [4096 * 4**k for k in range(8)]  # 4 KiB .. 64 MiB
 SHARED_MEMORY = "/dev/shm"  # the file transport through RAM: the fastest same-host path on CPU
 
 
@@ -98,6 +114,7 @@ class ReceiverEngine:
         self.rank, self.world = rank, world
         self.model = build_model(config, DTYPES[dtype_name], seed=rank)
         self.group: SyncGroup | None = None
+        self.shm: ShmReader | None = None
 
     def join(self, port: int) -> str:
         """A group of its own per scheme (both frameworks set one up once, before any sync)."""
@@ -134,6 +151,31 @@ class ReceiverEngine:
         )
         return report.num_bytes
 
+    def receive_shm(self, spec_bytes: bytes, version: int) -> int:
+        """Ours, shm transport: wait for the version, verify, load from views over the shared pages."""
+        spec = decode(spec_bytes, WeightSyncSpec)
+        if self.shm is None or str(self.shm.directory) != spec.directory:
+            self.shm = ShmReader(spec.directory, spec.layout, timeout_s=spec.timeout_s)
+        params = dict(self.model.named_parameters())
+        start = time.perf_counter()
+        waited = []
+
+        def consume(bucket, views):
+            if not waited:
+                waited.append(time.perf_counter() - start)
+            load(params, views.items())
+
+        report = self.shm.read(consume, version=version)
+        return report.seconds - waited[0], waited[0]
+
+    def probe(self, sizes: list[int], calls: int) -> str:
+        """Join `calls` broadcasts of each size (the latency measurement)."""
+        for size in sizes:
+            buffer = torch.empty(size, dtype=torch.uint8)
+            for _ in range(calls):
+                self.group.broadcast(buffer).wait()
+        return "ok"
+
     def receive_unchecked(self, spec_bytes: bytes) -> int:
         """Buckets without checksums (benchmark only): what the checksums cost."""
         layout = decode(spec_bytes, WeightSyncSpec).layout
@@ -154,6 +196,9 @@ class ReceiverEngine:
         return weights_digest(self.model)
 
     def close(self) -> str:
+        if self.shm is not None:
+            self.shm.close()
+            self.shm = None
         if self.group is not None:
             self.group.close()
             self.group = None
@@ -298,8 +343,32 @@ def best_memcpy_seconds(nbytes: int, repeat: int) -> float:
     return best
 
 
+def broadcast_latency(group: SyncGroup, receivers: Any, calls: int) -> list[tuple[int, float]]:
+    """Mean seconds per broadcast call of each size to every receiver (after one warm-up call)."""
+    handles = receivers.call("probe", LATENCY_SIZES, calls + 1)
+    rows = []
+    for size in LATENCY_SIZES:
+        buffer = torch.randint(0, 256, (size,), dtype=torch.uint8)
+        group.broadcast(buffer).wait()
+        start = time.perf_counter()
+        for _ in range(calls):
+            group.broadcast(buffer).wait()
+        rows.append((size, (time.perf_counter() - start) / calls))
+    receivers.wait(handles)
+    return rows
+
+
+def fit_latency(rows: list[tuple[int, float]]) -> tuple[float, float]:
+    """Least squares `seconds = latency + bytes / bandwidth`; returns (latency s, bandwidth B/s)."""
+    x = torch.tensor([size for size, _ in rows], dtype=torch.float64)
+    y = torch.tensor([seconds for _, seconds in rows], dtype=torch.float64)
+    slope = ((x - x.mean()) * (y - y.mean())).sum() / ((x - x.mean()) ** 2).sum()
+    return float(y.mean() - slope * x.mean()), float(1 / slope)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default=None, help="a preset for the sizes below")
     parser.add_argument("--hidden", type=int, default=768)
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--heads", type=int, default=12)
@@ -313,11 +382,14 @@ def main() -> None:
     parser.add_argument(
         "--rpc", choices=("pipe", "ray"), default="pipe", help="remote calls over Pipes or to Ray actors"
     )
+    parser.add_argument("--latency", action="store_true", help="also time gloo broadcast calls per size")
     args = parser.parse_args()
+    for key, value in SHAPES.get(args.shape, {}).items():
+        setattr(args, key, value)
     if min(args.hidden, args.layers, args.vocab, args.bucket_mb, args.receivers, args.repeat) < 1:
         parser.error("sizes, --bucket-mb, --receivers and --repeat must be >= 1")
 
-    from rl_learner.sync import BroadcastSender, FileSender, sync_layout
+    from rl_learner.sync import BroadcastSender, FileSender, ShmSender, sync_layout
 
     config = model_config(args)
     model = build_model(config, DTYPES[args.dtype], seed=0)
@@ -327,10 +399,12 @@ def main() -> None:
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
     world = 1 + args.receivers
     receivers = (RayReceivers if args.rpc == "ray" else PipeReceivers)(args.receivers, config, args.dtype)
-    results: dict[str, float] = {}
+    results: dict[str, list[float]] = {}
+    shm_split: list[tuple[float, list[tuple[float, float]]]] = []
+    latency_rows: list[tuple[int, float]] = []
 
     def timed(scheme: str, run: Callable[[int], None]) -> None:
-        best = float("inf")
+        seconds = []
         for version in range(1, args.repeat + 1):
             with torch.no_grad():
                 for param in model.parameters():
@@ -338,9 +412,9 @@ def main() -> None:
             gc.collect()
             start = time.perf_counter()
             run(version)
-            best = min(best, time.perf_counter() - start)
+            seconds.append(time.perf_counter() - start)
             check_receivers(model, receivers, scheme)
-        results[scheme] = best
+        results[scheme] = seconds
 
     def own_group() -> SyncGroup:
         port = free_port()
@@ -352,6 +426,8 @@ def main() -> None:
     try:
         group = own_group()
         timed("per-parameter", lambda version: per_parameter_sync(model, group, receivers))
+        if args.latency:
+            latency_rows = broadcast_latency(group, receivers, calls=5)
         group.close()
 
         spec = WeightSyncSpec(transport="broadcast", layout=layout, port=free_port(), world_size=world)
@@ -378,27 +454,70 @@ def main() -> None:
                 receivers.wait(receivers.call("receive_file", file_bytes, version))
 
             timed("file, shared mem", file_sync)
+
+        shm_spec = WeightSyncSpec(transport="shm", layout=layout, directory=shm_directory(), timeout_s=120)
+        shm_bytes = encode(shm_spec)
+        with ShmSender(model, shm_spec) as shm_sender:
+
+            def shm_sync(version: int) -> None:
+                calls = receivers.call("receive_shm", shm_bytes, version)  # they wait for the version
+                shm_sender.send(version=version)
+                shm_split.append((shm_sender.last_report.seconds, receivers.wait(calls)))
+
+            timed("shm (ours)", shm_sync)
     finally:
         receivers.close()
-    memcpy = best_memcpy_seconds(nbytes, args.repeat)
+    memcpy = median(best_memcpy_seconds(nbytes, 1) for _ in range(args.repeat))
     checksum = checksum_seconds(layout, model, args.repeat)
 
     print(
-        f"Qwen2-style LM, {num_params / 1e6:.1f}M parameters ({num_tensors} tensors), {args.dtype}, "
+        f"Qwen2-style LM{f' ({args.shape})' if args.shape else ''}, {num_params / 1e6:.1f}M parameters "
+        f"({num_tensors} tensors), {args.dtype}, "
         f"{nbytes / 1e6:.0f} MB of weights -> {args.receivers} receivers, gloo on 127.0.0.1, remote calls "
-        f"over {args.rpc}; ours: {len(layout.buckets)} buckets of <= {args.bucket_mb} MiB; best of "
-        f"{args.repeat}; torch {torch.__version__}, {os.cpu_count()} CPUs; receivers verified equal after every sync"
+        f"over {args.rpc}; ours: {len(layout.buckets)} buckets of <= {args.bucket_mb} MiB; median [min-max] of "
+        f"{args.repeat}; torch {torch.__version__}, {os.cpu_count()} CPUs, load average "
+        f"{os.getloadavg()[0]:.1f}; receivers verified equal after every sync"
     )
-    header = f"{'scheme':<18} {'seconds':>8} {'GB/s':>7} {'vs per-param':>13} {'of memcpy':>10}"
+    header = f"{'scheme':<18} {'seconds':>8} {'[min - max]':>17} {'GB/s':>7} {'vs per-param':>13} {'of memcpy':>10}"
     print(header)
     print("-" * len(header))
-    baseline = results["per-parameter"]
-    for name, seconds in [*results.items(), ("memcpy (1 copy)", memcpy), ("checksum (1 pass)", checksum)]:
+    baseline = median(results["per-parameter"])
+    rows = [
+        (name, median(times), f"[{min(times):.3f} - {max(times):.3f}]") for name, times in results.items()
+    ]
+    rows += [("memcpy (1 copy)", memcpy, ""), ("checksum (1 pass)", checksum, "")]
+    for name, seconds, spread in rows:
         rate = nbytes / seconds
         print(
-            f"{name:<18} {seconds:>8.3f} {rate / 1e9:>7.2f} {baseline / seconds:>12.2f}x "
+            f"{name:<18} {seconds:>8.3f} {spread:>17} {rate / 1e9:>7.2f} {baseline / seconds:>12.2f}x "
             f"{rate / (nbytes / memcpy):>9.1%}"
         )
+    if shm_split:
+        publish = median(sender for sender, _ in shm_split)
+        reads = median(max(read for read, _ in replies) for _, replies in shm_split)
+        print(
+            f"\nshm split (medians): publish (pack + checksum into the slot) {publish:.3f} s, then the slower "
+            f"receiver's read (checksum + load into its model, after the version appeared) {reads:.3f} s; "
+            f"one memcpy {memcpy:.3f} s, one checksum pass {checksum:.3f} s"
+        )
+    if latency_rows:
+        latency, bandwidth = fit_latency(latency_rows)
+        print(f"\ngloo broadcast to {args.receivers} receivers, seconds per call (mean of 5):")
+        for size, seconds in latency_rows:
+            print(f"  {size / 2**10:>8.0f} KiB  {seconds * 1e3:>9.3f} ms  {size / seconds / 1e9:>6.2f} GB/s")
+        per_param = num_tensors * latency
+        print(
+            f"  fit: {latency * 1e3:.3f} ms per call + bytes at {bandwidth / 1e9:.2f} GB/s; {num_tensors} "
+            f"tensors x latency = {per_param:.3f} s of the per-parameter scheme's calls, the bytes "
+            f"{nbytes / bandwidth:.3f} s: at most {(per_param + nbytes / bandwidth) / (nbytes / bandwidth):.2f}x "
+            "for bucketing on this link (before the remote calls' own cost)"
+        )
+
+
+def median(values) -> float:
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
 
 
 if __name__ == "__main__":
