@@ -59,6 +59,7 @@ def _ppo_args(checkpoint, prompts, run_dir, ray_dir) -> list[str]:
         "--train.actor_learning_rate", "1e-4",
         "--train.zero_stage", "3",
         "--ckpt.save_steps", "2",
+        "--rollout.weight_sync", "broadcast",  # the gloo group (the other runs here use auto: shm)
         "--log.output_dir", str(run_dir),
         "--log.progress_bar", "false",
         "--ray.temp_dir", ray_dir,
@@ -224,6 +225,7 @@ def test_grpo_async_with_dynamic_filtering_and_evaluation_completes(
     assert set(initial) == {"step", "time", "eval/reward/mean", "eval/response_length/mean"}
     assert initial["step"] == 0  # evaluated before any update
     assert [line["step"] for line in metrics] == [1, 2, 3]
+    assert "weight sync: shared memory (/dev/shm/" in result.stdout + result.stderr  # auto on one CPU node
     # one step ahead: step 1's batch came from version 0 with version 0 training it; every later
     # first batch was generated while the previous step trained, so it lags by one version (refills
     # of dynamic filtering come after that step's sync and lag less)

@@ -213,6 +213,12 @@ class LearnerWorker:
 
         return sync_layout(self.learner.engine, dtype=torch_dtype(dtype))
 
+    def shm_directory(self) -> str:
+        """A fresh shared-memory folder on this node for the "shm" weight sync (rank 0)."""
+        from rl_data.shm import shm_directory
+
+        return str(shm_directory())
+
     def reserve_sync_port(self) -> tuple[str, int]:
         """(this node's IP address, a port held here) for the weight-sync group's store; rank 0."""
         import ray
@@ -390,9 +396,13 @@ class RolloutWorker:
 
         self.engine = ENGINES[spec.kind](spec, **spec.options)
 
-    def ready(self) -> tuple[int, int | None]:
-        """(weight-sync ranks this engine takes, its KV-cache bytes or None where vLLM sizes it)."""
-        return self.engine.sync_world_size, getattr(self.engine, "kv_cache_bytes", None)
+    def ready(self) -> tuple[int, int | None, str]:
+        """(weight-sync ranks this engine takes, its KV-cache bytes or None where vLLM sizes it,
+        the Ray node it runs on)."""
+        import ray
+
+        node = ray.get_runtime_context().get_node_id()
+        return self.engine.sync_world_size, getattr(self.engine, "kv_cache_bytes", None), node
 
     def generate(
         self, samples: bytes, sampling: Any, first_group_id: int, greedy_baseline: bool = False

@@ -147,7 +147,8 @@ class Roles:
         located = {role: group.submit("node", timeout_s) for role, group in self.groups.items()}
         _wait_started([future for futures in located.values() for future in futures], timeout_s)
         futures = []
-        for role, nodes in _get_all(located).items():
+        located = _get_all(located)
+        for role, nodes in located.items():
             _, master_addr, master_port = nodes[0]
             ranks = local_ranks([node_id for node_id, _, _ in nodes])
             futures += self.groups[role].submit(
@@ -155,8 +156,10 @@ class Roles:
             )
         _wait_started(futures + engine_ready, timeout_s)
         engines = ray.get(engine_ready)
-        self.engine_sync_sizes = [size for size, _ in engines]
-        self.kv_cache_bytes = [kv for _, kv in engines]
+        self.engine_sync_sizes = [size for size, _, _ in engines]
+        self.kv_cache_bytes = [kv for _, kv, _ in engines]
+        self.engine_nodes = [node for _, _, node in engines]
+        self.policy_node = located["policy"][0][0]
 
     def _learner_specs(self, inputs: Any, total_steps: int) -> dict[str, LearnerSpec]:
         cfg, dtype = self.config, self.dtype
@@ -240,30 +243,53 @@ class Roles:
             plugins=self.plugins,
         )
 
+    def weight_sync_strategy(self) -> str:
+        """`rollout.weight_sync`, with auto resolved by placement: shm when the policy's rank 0 and
+        every engine share a node on CPU (one copy through /dev/shm instead of gloo over
+        loopback), else a broadcast (NCCL on GPUs, gloo on CPU)."""
+        chosen = self.config.rollout.weight_sync
+        if chosen != "auto":
+            return chosen
+        same_node = all(node == self.policy_node for node in self.engine_nodes)
+        return "shm" if self.device == "cpu" and same_node else "broadcast"
+
     def init_weight_sync(self) -> str:
-        """One sync group: policy DP rank 0 sends, every engine worker receives; its description."""
+        """Policy DP rank 0 sends, every engine worker receives; a description of the strategy."""
         import ray
 
         from rl_data.transport import WeightSyncSpec
 
         layout = self.groups["policy"].call("sync_layout", self.dtype)[0]
-        backend = "nccl" if self.device == "cuda" else "gloo"
-        # The sender (policy rank 0) serves the group's store: the address and a port held on its node
-        host, port = ray.get(self.groups["policy"].actors[0].reserve_sync_port.remote())
-        spec = WeightSyncSpec(
-            transport="broadcast",
-            layout=layout,
-            host=host,
-            port=port,
-            world_size=1 + sum(self.engine_sync_sizes),
-            backend=backend,
-            timeout_s=self.config.ray.startup_timeout_s,
-        )
+        strategy = self.weight_sync_strategy()
+        timeout_s = self.config.ray.startup_timeout_s
         offsets = [1 + sum(self.engine_sync_sizes[:i]) for i in range(len(self.engine_sync_sizes))]
+        if strategy == "shm":
+            if any(node != self.policy_node for node in self.engine_nodes):
+                raise ClusterError(
+                    "rollout.weight_sync: shm needs every engine on the node of policy rank 0; these "
+                    "engines run elsewhere: use broadcast (or auto)"
+                )
+            directory = ray.get(self.groups["policy"].actors[0].shm_directory.remote())
+            spec = WeightSyncSpec(transport="shm", layout=layout, directory=directory, timeout_s=timeout_s)
+            description = f"shared memory ({directory})"
+        else:
+            backend = "nccl" if self.device == "cuda" else "gloo"
+            # The sender (policy rank 0) serves the group's store: the address and a port held on its node
+            host, port = ray.get(self.groups["policy"].actors[0].reserve_sync_port.remote())
+            spec = WeightSyncSpec(
+                transport="broadcast",
+                layout=layout,
+                host=host,
+                port=port,
+                world_size=1 + sum(self.engine_sync_sizes),
+                backend=backend,
+                timeout_s=timeout_s,
+            )
+            description = f"bucketed broadcast ({backend}) from {host}:{port}"
         futures = self.groups["policy"].submit("init_sync", spec)
         futures += self.engines.submit("init_sync", per_rank=[(spec, offset) for offset in offsets])
         ray.get(futures)
-        return f"bucketed broadcast ({backend}) from {host}:{port}"
+        return description
 
     # ------------------------------------------------------------------------------------------
     # The step's calls
@@ -362,8 +388,12 @@ class Roles:
         return line
 
     def shutdown(self) -> None:
+        import ray
         from ray.util.placement_group import remove_placement_group
 
+        if "policy" in self.groups:  # the sender removes its shared-memory folder (shm sync)
+            with contextlib.suppress(Exception):
+                ray.get(self.groups["policy"].submit("close"), timeout=30)
         for group in [*self.groups.values(), *([self.engines] if self.engines is not None else [])]:
             with contextlib.suppress(Exception):  # an actor that already died
                 group.kill()

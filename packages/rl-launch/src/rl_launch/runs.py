@@ -106,6 +106,7 @@ RESUMABLE_KEYS: tuple[str, ...] = (
     # rollout.*: sampling and batching are part of the algorithm. Engines hold no state (the policy's
     # weights are synced to them at start), so how many run and how they use their devices may change.
     "rollout.num_engines",
+    "rollout.weight_sync",
     "rollout.tensor_parallel_size",
     "rollout.gpu_memory_utilization",
     "rollout.max_num_seqs",
