@@ -11,20 +11,15 @@ from __future__ import annotations
 import asyncio
 import http.server
 import json
-import os
-import signal
-import subprocess
-import sys
 import threading
 
 import pytest
 
 from rl_data.transport import free_port
-from rl_rollout.engines.http import HTTPEngine, wait_for_server
+from rl_rollout.engines.http import HTTPEngine
 from rl_rollout.protocol import EngineError, SamplingParams
 from tests.rollout.engine_contract import EngineContract
-
-SERVER_START_S = 420  # vLLM's start-up on 2 busy CPU cores; bounded all the same
+from tests.rollout.vllm_server import vllm_server
 
 
 @pytest.mark.slow
@@ -35,26 +30,8 @@ class TestHTTPEngine(EngineContract):
     @pytest.fixture(scope="class")
     @classmethod
     def server(cls, checkpoint, tmp_path_factory):
-        port = free_port()
-        log_path = tmp_path_factory.mktemp("vllm-serve") / "server.log"
-        env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false")
-        command = [
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(checkpoint),
-            "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "256",
-            "--logprobs-mode", "processed_logprobs", "--seed", "0", "--disable-log-stats",
-        ]  # fmt: skip
-        with open(log_path, "wb") as log:
-            process = subprocess.Popen(
-                command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-            )
-        url = f"http://127.0.0.1:{port}"
-        try:
-            wait_for_server(url, SERVER_START_S, process=process)
-        except EngineError as error:
-            _stop(process)
-            pytest.fail(f"{error}; server log tail:\n{log_path.read_text(errors='replace')[-3000:]}")
-        yield url
-        _stop(process)
+        with vllm_server(checkpoint, tmp_path_factory.mktemp("vllm-serve")) as url:
+            yield url
 
     @pytest.fixture(scope="class")
     @classmethod
@@ -66,17 +43,6 @@ class TestHTTPEngine(EngineContract):
     def test_model_and_context_come_from_v1_models(self, engine, checkpoint):
         assert engine.model == str(checkpoint)
         assert engine.max_model_len == 256
-
-
-def _stop(process: subprocess.Popen) -> None:
-    if process.poll() is not None:
-        return
-    os.killpg(process.pid, signal.SIGTERM)
-    try:
-        process.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait(timeout=60)
 
 
 # --- a scripted server for the client's failure paths --------------------------------------------

@@ -402,7 +402,8 @@ class RolloutWorker:
         import ray
 
         node = ray.get_runtime_context().get_node_id()
-        return self.engine.sync_world_size, getattr(self.engine, "kv_cache_bytes", None), node
+        sync_ranks = getattr(self.engine, "sync_world_size", 0)  # 0: an engine that receives no weights
+        return sync_ranks, getattr(self.engine, "kv_cache_bytes", None), node
 
     def generate(
         self, samples: bytes, sampling: Any, first_group_id: int, greedy_baseline: bool = False

@@ -291,6 +291,16 @@ def _check_engine(config: PPOConfig) -> None:
             rollout.engine_options,
             dict.fromkeys(takes),
         )
+    receives = getattr(build, "receives_weights", True)
+    for name in getattr(build, "required_options", ()):
+        if name not in rollout.engine_options:
+            raise ConfigError(f"rollout.engine_options.{name}: rollout engine {rollout.engine!r} needs it")
+    if not receives and rollout.weight_sync not in ("auto", "none"):
+        raise ConfigError(
+            f"rollout.weight_sync: {rollout.weight_sync!r}, but rollout engine {rollout.engine!r} cannot "
+            "receive weights from the learner: use none (or auto); the engine then samples from the weights "
+            "its server loaded, and training is off-policy after the first update"
+        )
 
 
 def check_components(config: PPOConfig) -> None:
@@ -487,6 +497,36 @@ def _hf_accepts() -> set[str]:
 
 
 hf_engine.accepts = _hf_accepts  # type: ignore[attr-defined]
+
+
+@ENGINES.register("http")
+def http_engine(spec: Any, *, base_url: str, api_key_env: str | None = None, **options: Any) -> Any:
+    """`rl_rollout.engines.HTTPEngine`: an OpenAI-compatible completions server you run yourself
+    (`vllm serve MODEL --logprobs-mode processed_logprobs`), at `base_url`. It cannot receive the
+    learner's weights (`rollout.weight_sync` none). `api_key_env` names the environment variable
+    holding the server's API key, so the key stays out of the config and the logs."""
+    import os
+
+    from rl_rollout.engines import HTTPEngine
+
+    if api_key_env is not None:
+        if api_key_env not in os.environ:
+            raise ValueError(
+                f"rollout.engine_options.api_key_env: ${api_key_env} is not set in the rollout actor"
+            )
+        options["api_key"] = os.environ[api_key_env]
+    return HTTPEngine(base_url, **options)
+
+
+def _http_accepts() -> set[str]:
+    from rl_rollout.engines import HTTPEngine
+
+    return (set(inspect.signature(HTTPEngine).parameters) - {"api_key"}) | {"api_key_env"}
+
+
+http_engine.accepts = _http_accepts  # type: ignore[attr-defined]
+http_engine.required_options = ("base_url",)  # type: ignore[attr-defined]
+http_engine.receives_weights = False  # type: ignore[attr-defined]
 
 
 @REWARDS.register("arithmetic")

@@ -247,9 +247,13 @@ class Roles:
         """`rollout.weight_sync`, with auto resolved by placement: shm when the policy's rank 0 and
         every engine share a node on CPU (one copy through /dev/shm instead of gloo over
         loopback), else a broadcast (NCCL on GPUs, gloo on CPU)."""
+        from .components import ENGINES
+
         chosen = self.config.rollout.weight_sync
         if chosen != "auto":
             return chosen
+        if not getattr(ENGINES[self.config.rollout.engine], "receives_weights", True):
+            return "none"
         same_node = all(node == self.policy_node for node in self.engine_nodes)
         return "shm" if self.device == "cpu" and same_node else "broadcast"
 
@@ -259,8 +263,10 @@ class Roles:
 
         from rl_data.transport import WeightSyncSpec
 
-        layout = self.groups["policy"].call("sync_layout", self.dtype)[0]
         strategy = self.weight_sync_strategy()
+        if strategy == "none":
+            return "none (the engines keep the weights they started with; the run is off-policy after step 1)"
+        layout = self.groups["policy"].call("sync_layout", self.dtype)[0]
         timeout_s = self.config.ray.startup_timeout_s
         offsets = [1 + sum(self.engine_sync_sizes[:i]) for i in range(len(self.engine_sync_sizes))]
         if strategy == "shm":
@@ -343,6 +349,9 @@ class Roles:
     def sync_weights(self, version: int) -> dict[str, float]:
         """Send the policy's weights to every engine as `version`; time, size and checksum match."""
         import ray
+
+        if self.weight_sync_strategy() == "none":
+            return {}
 
         sent = self.groups["policy"].submit("sync", version)
         received = self.engines.submit("receive", version)

