@@ -168,7 +168,7 @@ def test_a_bad_option_value_fails_in_the_dry_run_with_the_section_name(overrides
             {"algo__policy__is_correction": "truncate", "algo__policy__is_correction_gating": "binary_kl"},
             r"^algo\.policy: .*correction",
         ),
-        ({"rollout__engine": "sglang"}, r"^rollout\.engine: 'sglang' is not one of hf, vllm"),
+        ({"rollout__engine": "sglang"}, r"^rollout\.engine: 'sglang' is not one of hf, http, vllm"),
         ({"reward__function": "made_up"}, r"^reward\.function: 'made_up' is neither a registered reward"),
     ],
 )
@@ -324,3 +324,14 @@ def test_every_registered_reward_builds_in_the_actor_and_scores(name, response, 
     reward = REWARDS[name]()
     prompt = "What is 4 + 1?"
     assert reward([prompt + response], [prompt], [label]).rewards == [expected]
+
+
+def test_a_weight_sync_is_a_registered_strategy_or_auto_or_none(capsys):
+    for name in ("auto", "none", "broadcast", "shm"):
+        config(rollout__weight_sync=name)
+    refused(
+        r"^rollout\.weight_sync: 'nccl' is not one of auto, none, broadcast, shm$",
+        rollout__weight_sync="nccl",
+    )
+    assert main(["components"]) == 0
+    assert "weight-sync strategies" in capsys.readouterr().out

@@ -62,6 +62,7 @@ __all__ = [
     "EXECUTORS",
     "EXECUTOR_INPUTS",
     "REWARDS",
+    "SYNC_STRATEGIES",
     "check_components",
     "component_options",
     "describe_components",
@@ -89,6 +90,12 @@ ENGINES = Registry("rollout engine")
 REWARDS = Registry("reward function")
 """Reward functions by name: name -> a factory returning an `rl_rollout` reward (called in the
 rollout actor). `reward.function` may also be an OpenRLHF `reward_func` file (`path.py`)."""
+
+SYNC_STRATEGIES = Registry("weight-sync strategy")
+"""How the policy's weights reach the engines (rollout.weight_sync): name -> `start(roles, layout)`
+returning `(rl_data.transport.WeightSyncSpec, description)`. It runs in the driver once the actors
+are up (`roles`: `rl_launch.roles.Roles`, `layout`: policy rank 0's `WeightSyncMeta`); policy rank 0
+and every engine then join the spec. "auto" and "none" are decided by `rl_launch.roles`."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -291,6 +298,9 @@ def _check_engine(config: PPOConfig) -> None:
             rollout.engine_options,
             dict.fromkeys(takes),
         )
+    if rollout.weight_sync not in ("auto", "none") and rollout.weight_sync not in SYNC_STRATEGIES:
+        allowed = ", ".join(["auto", "none", *sorted(SYNC_STRATEGIES)])
+        raise ConfigError(f"rollout.weight_sync: {rollout.weight_sync!r} is not one of {allowed}")
     receives = getattr(build, "receives_weights", True)
     for name in getattr(build, "required_options", ()):
         if name not in rollout.engine_options:
@@ -402,6 +412,7 @@ def list_components() -> str:
         ),
         ("rollout engines  (rollout.engine, options: rollout.engine_options)", ENGINES, None),
         ("reward functions  (reward.function; or an OpenRLHF reward_func file path.py)", REWARDS, None),
+        ("weight-sync strategies  (rollout.weight_sync; also auto and none)", SYNC_STRATEGIES, None),
         (
             "rollout executors  (rollout.executor, options: rollout.executor_options; "
             "multi_turn runs rollout.agent_func_path)",
@@ -527,6 +538,50 @@ def _http_accepts() -> set[str]:
 http_engine.accepts = _http_accepts  # type: ignore[attr-defined]
 http_engine.required_options = ("base_url",)  # type: ignore[attr-defined]
 http_engine.receives_weights = False  # type: ignore[attr-defined]
+
+
+@SYNC_STRATEGIES.register("broadcast")
+def broadcast_sync(roles: Any, layout: Any) -> tuple[Any, str]:
+    """A process group of policy rank 0 and every engine worker (NCCL on GPUs, gloo on CPU) that
+    meets at rank 0's node, on a port held there; the weights go in buckets."""
+    import ray
+
+    from rl_data.transport import WeightSyncSpec
+
+    backend = "nccl" if roles.device == "cuda" else "gloo"
+    host, port = ray.get(roles.groups["policy"].actors[0].reserve_sync_port.remote())
+    spec = WeightSyncSpec(
+        transport="broadcast",
+        layout=layout,
+        host=host,
+        port=port,
+        world_size=1 + sum(roles.engine_sync_sizes),
+        backend=backend,
+        timeout_s=roles.config.ray.startup_timeout_s,
+    )
+    return spec, f"bucketed broadcast ({backend}) from {host}:{port}"
+
+
+@SYNC_STRATEGIES.register("shm")
+def shm_sync(roles: Any, layout: Any) -> tuple[Any, str]:
+    """One copy through a /dev/shm folder made on the node of policy rank 0, which every engine must
+    share (`rl_data.shm`): zero-copy views for the engines' loaders."""
+    import ray
+
+    from rl_data.transport import WeightSyncSpec
+
+    from .cluster import ClusterError
+
+    if any(node != roles.policy_node for node in roles.engine_nodes):
+        raise ClusterError(
+            "rollout.weight_sync: shm needs every engine on the node of policy rank 0; these engines run "
+            "elsewhere: use broadcast (or auto)"
+        )
+    directory = ray.get(roles.groups["policy"].actors[0].shm_directory.remote())
+    spec = WeightSyncSpec(
+        transport="shm", layout=layout, directory=directory, timeout_s=roles.config.ray.startup_timeout_s
+    )
+    return spec, f"shared memory ({directory})"
 
 
 @REWARDS.register("arithmetic")

@@ -247,8 +247,9 @@ class RolloutConfig(_Section):
     max_num_seqs: PositiveInt | None = None
     """Sequences one engine runs at once (vLLM's max_num_seqs); None: one step's share, prompts per
     engine x n_samples_per_prompt. On CPU the engine sizes its KV cache for that many sequences."""
-    weight_sync: Literal["auto", "broadcast", "shm", "none"] = "auto"
-    """How the policy's weights reach the engines after each step: broadcast (a process group of
+    weight_sync: str = "auto"
+    """How the policy's weights reach the engines after each step (rl_launch.components.SYNC_STRATEGIES,
+    plus any a plugin registers): broadcast (a process group of
     policy rank 0 and every engine worker: NCCL on GPUs, gloo on CPU, bucketed), shm (one copy
     through /dev/shm; the engines must run on the node of policy rank 0), none (the engines keep
     the weights they started with: an http engine's server), or auto: none for an engine that

@@ -258,40 +258,18 @@ class Roles:
         return "shm" if self.device == "cpu" and same_node else "broadcast"
 
     def init_weight_sync(self) -> str:
-        """Policy DP rank 0 sends, every engine worker receives; a description of the strategy."""
+        """Policy DP rank 0 sends, every engine worker receives (`components.SYNC_STRATEGIES`); a
+        description of the strategy for the start-up line."""
         import ray
 
-        from rl_data.transport import WeightSyncSpec
+        from .components import SYNC_STRATEGIES
 
         strategy = self.weight_sync_strategy()
         if strategy == "none":
             return "none (the engines keep the weights they started with; the run is off-policy after step 1)"
         layout = self.groups["policy"].call("sync_layout", self.dtype)[0]
-        timeout_s = self.config.ray.startup_timeout_s
+        spec, description = SYNC_STRATEGIES[strategy](self, layout)
         offsets = [1 + sum(self.engine_sync_sizes[:i]) for i in range(len(self.engine_sync_sizes))]
-        if strategy == "shm":
-            if any(node != self.policy_node for node in self.engine_nodes):
-                raise ClusterError(
-                    "rollout.weight_sync: shm needs every engine on the node of policy rank 0; these "
-                    "engines run elsewhere: use broadcast (or auto)"
-                )
-            directory = ray.get(self.groups["policy"].actors[0].shm_directory.remote())
-            spec = WeightSyncSpec(transport="shm", layout=layout, directory=directory, timeout_s=timeout_s)
-            description = f"shared memory ({directory})"
-        else:
-            backend = "nccl" if self.device == "cuda" else "gloo"
-            # The sender (policy rank 0) serves the group's store: the address and a port held on its node
-            host, port = ray.get(self.groups["policy"].actors[0].reserve_sync_port.remote())
-            spec = WeightSyncSpec(
-                transport="broadcast",
-                layout=layout,
-                host=host,
-                port=port,
-                world_size=1 + sum(self.engine_sync_sizes),
-                backend=backend,
-                timeout_s=timeout_s,
-            )
-            description = f"bucketed broadcast ({backend}) from {host}:{port}"
         futures = self.groups["policy"].submit("init_sync", spec)
         futures += self.engines.submit("init_sync", per_rank=[(spec, offset) for offset in offsets])
         ray.get(futures)
