@@ -245,8 +245,14 @@ def test_unsupported_flag_names_the_flag_and_the_reason():
         ValueError, match=r"^--actor\.aux_loss_coef \(OpenRLHF\) is not supported by rl-launch: "
     ):
         expand_aliases(["--actor.aux_loss_coef", "0.001"])
-    with pytest.raises(ValueError, match=r"--vllm\.sync_backend .*bucketed broadcast"):
+    with pytest.raises(ValueError, match=r"--vllm\.sync_backend .*--rollout\.weight_sync \(broadcast"):
         expand_aliases(["--vllm.sync_backend=nccl"])
+
+
+def test_prefix_caching_reaches_the_vllm_engine_as_its_option():
+    argv, notes = expand_aliases(["--vllm.enable_prefix_caching"])
+    assert argv == ["--rollout.engine_options.enable_prefix_caching", "true"]
+    assert notes == ["--vllm.enable_prefix_caching → --rollout.engine_options.enable_prefix_caching true"]
 
 
 def test_every_unsupported_flag_of_a_command_line_is_reported_at_once():

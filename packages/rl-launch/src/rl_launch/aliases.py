@@ -313,6 +313,7 @@ ALIASES: tuple[Alias, ...] = (
     _alias("vllm.tensor_parallel_size", "rollout.tensor_parallel_size"),
     _alias("vllm.gpu_memory_utilization", "rollout.gpu_memory_utilization"),
     _alias("vllm.enforce_eager", "rollout.enforce_eager", nargs=0),
+    _alias("vllm.enable_prefix_caching", "rollout.engine_options.enable_prefix_caching", nargs=0),
     _alias("train.async_enable", "rollout.async_train", nargs=0),
     _alias(
         "train.async_queue_size",
@@ -480,9 +481,8 @@ UNSUPPORTED: Mapping[str, str] = {
     "use_ms": "models and datasets are not fetched from ModelScope",
     "local_rank": "set by DeepSpeed's launcher; rl-launch starts its ranks as Ray actors",
     # vLLM.
-    "vllm.sync_backend": "weights reach the engines by rl-launch's own bucketed broadcast; its transport is not an option",
-    "vllm.sync_with_ray": "weights reach the engines by rl-launch's own bucketed broadcast; its transport is not an option",
-    "vllm.enable_prefix_caching": "vLLM prefix caching is not an option here",
+    "vllm.sync_backend": "weights reach the engines by rl-launch's own strategies: choose one with --rollout.weight_sync (broadcast: NCCL on GPUs, gloo on CPU; shm)",
+    "vllm.sync_with_ray": "weights reach the engines by rl-launch's own strategies: choose one with --rollout.weight_sync (broadcast, shm)",
     "vllm.enable_sleep": "there is no sleep mode for the engines",
     # Data.
     "data.max_len": "the lengths are separate here: --data.prompt_max_len and --rollout.generate_max_len",
