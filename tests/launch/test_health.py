@@ -85,6 +85,7 @@ def test_a_run_whose_updates_are_all_non_finite_stops_after_the_bound(tiny_check
         "--log.output_dir", str(run_dir),
         "--log.progress_bar", "false",
         "--ray.temp_dir", ray_dir,
+        "--rollout.engine", "hf",  # transformers generation: starts in a second, vLLM in ~25 s
     ]  # fmt: skip
     result = launch(args, env)
     assert result.returncode == 1, result.stderr[-3000:]

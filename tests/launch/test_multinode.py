@@ -166,6 +166,7 @@ def test_policy_ranks_on_two_nodes_and_engine_on_a_third_train_and_sync(
         "--data.prompt_data", str(prompts),
         "--reward.function", "numeric",
         "--algo.advantage.estimator", "grpo",
+        "--rollout.engine", "hf",  # what is tested is where ranks meet, not the engine
         "--rollout.n_samples_per_prompt", "2",
         "--rollout.rollout_batch_size", "4",
         "--rollout.generate_max_len", "4",

@@ -264,6 +264,7 @@ def test_remax_runs_with_a_greedy_baseline_from_the_engines(tiny_checkpoint, pro
         "--log.output_dir", str(run_dir),
         "--log.progress_bar", "false",
         "--ray.temp_dir", ray_dir,
+        "--rollout.engine", "hf",  # the greedy baseline is the executor's, whatever the engine
     ]  # fmt: skip
     result = launch(args, env)
     assert result.returncode == 0, result.stderr[-4000:]

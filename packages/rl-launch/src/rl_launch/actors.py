@@ -402,7 +402,9 @@ class RolloutWorker:
         import ray
 
         node = ray.get_runtime_context().get_node_id()
-        sync_ranks = getattr(self.engine, "sync_world_size", 0)  # 0: an engine that receives no weights
+        # A receiving engine takes one rank of a broadcast group per worker process (vLLM: its TP
+        # x PP workers, `sync_world_size`; transformers: itself); one that receives nothing, none.
+        sync_ranks = getattr(self.engine, "sync_world_size", 1) if self.engine.supports("weight_sync") else 0
         return sync_ranks, getattr(self.engine, "kv_cache_bytes", None), node
 
     def generate(
