@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["build_learner", "read_rows"]
+__all__ = ["build_learner", "load_preferences", "read_rows"]
 
 
 def read_rows(data: Any, path: str) -> Any:
@@ -15,6 +15,24 @@ def read_rows(data: Any, path: str) -> Any:
     if data.max_samples is not None and data.max_samples < len(rows):
         rows = rows.select(range(data.max_samples))
     return rows
+
+
+def load_preferences(config: Any, tokenizer: Any, path: str) -> Any:
+    """The (prompt, chosen, rejected) pairs of `data.dataset` (RM and DPO), with `data.margin_key`
+    when the data section has one (RM)."""
+    from rl_data.datasets import PreferenceDataset
+
+    data = config.data
+    return PreferenceDataset(
+        read_rows(data, path),
+        tokenizer,
+        prompt_key=data.prompt_key,
+        chosen_key=data.chosen_key,
+        rejected_key=data.rejected_key,
+        margin_key=getattr(data, "margin_key", None),
+        apply_chat_template=data.apply_chat_template,
+        max_length=data.max_len,
+    )
 
 
 def build_learner(learner_class: type, config: Any, model_path: str, total_steps: int, *, value: bool) -> Any:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .common import build_learner, read_rows
+from .common import build_learner, load_preferences
 from .config import DPOConfig
 from .loop import Task, deepspeed_options, model_options, run_task
 
@@ -28,21 +28,6 @@ SETTINGS: dict[str, Any] = {
     "log": {"output_dir": "runs/dpo-arithmetic"},
 }
 """The arithmetic preset's settings (under the user's file and flags)."""
-
-
-def _load(config: DPOConfig, tokenizer: Any, path: str) -> Any:
-    from rl_data.datasets import PreferenceDataset
-
-    data = config.data
-    return PreferenceDataset(
-        read_rows(data, path),
-        tokenizer,
-        prompt_key=data.prompt_key,
-        chosen_key=data.chosen_key,
-        rejected_key=data.rejected_key,
-        apply_chat_template=data.apply_chat_template,
-        max_length=data.max_len,
-    )
 
 
 def _build(config: DPOConfig, model_path: str, total_steps: int):
@@ -73,7 +58,7 @@ TASK = Task(
     role="policy",
     headline=("dpo/reward_margin", "dpo/reward_accuracy"),
     preset_data="pairs",
-    load=_load,
+    load=load_preferences,
     lengths=lambda pair: int(pair.chosen_ids.numel() + pair.rejected_ids.numel()),
     build=_build,
 )

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .common import build_learner, read_rows
+from .common import build_learner, load_preferences
 from .config import RMConfig
 from .loop import Task, run_task
 
@@ -29,22 +29,6 @@ SETTINGS: dict[str, Any] = {
 """The arithmetic preset's settings (under the user's file and flags)."""
 
 
-def _load(config: RMConfig, tokenizer: Any, path: str) -> Any:
-    from rl_data.datasets import PreferenceDataset
-
-    data = config.data
-    return PreferenceDataset(
-        read_rows(data, path),
-        tokenizer,
-        prompt_key=data.prompt_key,
-        chosen_key=data.chosen_key,
-        rejected_key=data.rejected_key,
-        margin_key=data.margin_key,
-        apply_chat_template=data.apply_chat_template,
-        max_length=data.max_len,
-    )
-
-
 def _build(config: RMConfig, model_path: str, total_steps: int):
     from rl_learner import RewardModelLearner, pack_pairs
 
@@ -61,7 +45,7 @@ TASK = Task(
     role="reward_model",
     headline=("rm/accuracy", "rm/loss"),
     preset_data="pairs",
-    load=_load,
+    load=load_preferences,
     lengths=lambda pair: int(pair.chosen_ids.numel() + pair.rejected_ids.numel()),
     build=_build,
 )
