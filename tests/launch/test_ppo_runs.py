@@ -7,7 +7,8 @@
   logs the same metrics as the uninterrupted run for every step after the checkpoint (CPU, fixed
   seeds); started again without the flag, with a changed algorithm setting, or from another
   folder pointing at its checkpoints, it refuses before Ray starts.
-- GRPO in async mode (generation one step ahead) with DAPO dynamic filtering and evaluation.
+
+The async and ReMax runs are in test_ppo_variants.py.
 """
 
 from __future__ import annotations
@@ -182,102 +183,3 @@ def test_a_run_killed_after_a_checkpoint_resumes_with_the_same_metrics(
     assert [line["step"] for line in metrics] == [1, 2, 3, 4, 5]  # lines after the checkpoint replaced
     for line in metrics[saved:]:
         assert _comparable(line) == pytest.approx(reference[line["step"]], rel=1e-5, abs=1e-7)
-
-
-REWARD_FILE = """
-def reward_func(queries, prompts, labels):
-    # 1 when the response has a length divisible by 3: groups mix 0s and 1s, some are all 0 or all 1
-    return [float((len(query) - len(prompt)) % 3 == 0) for query, prompt in zip(queries, prompts)]
-"""
-
-
-def test_grpo_async_with_dynamic_filtering_and_evaluation_completes(
-    tiny_checkpoint, prompts, ray_temp, tmp_path
-):
-    ray_dir, env = ray_temp
-    reward_file = tmp_path / "reward.py"
-    reward_file.write_text(REWARD_FILE)
-    run_dir = tmp_path / "run"
-    args = [
-        "--preset", "none",
-        "--model.pretrain", str(tiny_checkpoint),
-        "--data.prompt_data", str(prompts),
-        "--data.eval_dataset", str(prompts),
-        "--data.eval_max_samples", "8",
-        "--eval.eval_steps", "2",
-        "--reward.function", str(reward_file),
-        "--rollout.n_samples_per_prompt", "4",
-        "--rollout.rollout_batch_size", "4",
-        "--rollout.generate_max_len", "12",
-        "--rollout.async_train", "true",
-        "--rollout.dynamic_filtering", "true",
-        "--algo.advantage.estimator", "grpo",
-        "--train.max_steps", "3",
-        "--train.actor_learning_rate", "1e-4",
-        "--ckpt.save_hf_model", "false",
-        "--log.output_dir", str(run_dir),
-        "--log.progress_bar", "false",
-        "--ray.temp_dir", ray_dir,
-    ]  # fmt: skip
-    result = launch(args, env)
-    assert result.returncode == 0, result.stderr[-4000:]
-    initial, *metrics = read_metrics(run_dir)
-    assert set(initial) == {"step", "time", "eval/reward/mean", "eval/response_length/mean"}
-    assert initial["step"] == 0  # evaluated before any update
-    assert [line["step"] for line in metrics] == [1, 2, 3]
-    assert "weight sync: shared memory (/dev/shm/" in result.stdout + result.stderr  # auto on one CPU node
-    # one step ahead: step 1's batch came from version 0 with version 0 training it; every later
-    # first batch was generated while the previous step trained, so it lags by one version (refills
-    # of dynamic filtering come after that step's sync and lag less)
-    lags = [line["health/policy_lag"] for line in metrics]
-    assert lags[0] == 0.0
-    assert all(0.0 < lag <= 1.0 for lag in lags[1:])
-    for line in metrics:
-        assert line["filter/groups_kept"] == 4  # the batch is filled with groups of mixed rewards
-        assert 0.0 < line["reward/mean"] < 1.0
-        assert line["health/sync_checksum_match"] == 1.0
-    assert "eval/reward/mean" in metrics[1]
-    assert "eval/reward/mean" in metrics[2]
-    assert "eval/reward/mean" not in metrics[0]
-    # one optimizer step per batch: no separate old-log-prob forward, the learner checks the
-    # engine's log-probs from its training forward instead (lagged by one version in async mode)
-    assert "old log-probs from the training forward" in result.stdout
-    assert all(
-        line["health/logprob_mismatch_max"] >= line["health/logprob_mismatch_mean"] >= 0 for line in metrics
-    )
-
-
-def test_remax_runs_with_a_greedy_baseline_from_the_engines(tiny_checkpoint, prompts, ray_temp, tmp_path):
-    ray_dir, env = ray_temp
-    run_dir = tmp_path / "run"
-    args = [
-        "--preset", "none",
-        "--model.pretrain", str(tiny_checkpoint),
-        "--data.prompt_data", str(prompts),
-        "--reward.function", str(_write_reward_file(tmp_path)),
-        "--algo.advantage.estimator", "remax",
-        "--rollout.n_samples_per_prompt", "4",
-        "--rollout.rollout_batch_size", "4",
-        "--rollout.generate_max_len", "8",
-        "--train.max_steps", "2",
-        "--ckpt.save_hf_model", "false",
-        "--log.output_dir", str(run_dir),
-        "--log.progress_bar", "false",
-        "--ray.temp_dir", ray_dir,
-        "--rollout.engine", "hf",  # the greedy baseline is the executor's, whatever the engine
-    ]  # fmt: skip
-    result = launch(args, env)
-    assert result.returncode == 0, result.stderr[-4000:]
-    metrics = read_metrics(run_dir)
-    assert [line["step"] for line in metrics] == [1, 2]
-    for line in metrics:
-        # the greedy answers were scored by the same reward: a length-based one, in {0, 1}
-        assert 0.0 <= line["reward/greedy_baseline_mean"] <= 1.0
-        assert line["advantages/abs_mean"] > 0  # sampled rewards differ from the greedy one somewhere
-        assert line["policy/skipped"] == 0
-
-
-def _write_reward_file(folder):
-    path = folder / "reward.py"
-    path.write_text(REWARD_FILE)
-    return path
