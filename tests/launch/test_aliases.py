@@ -195,15 +195,16 @@ def test_gamma_and_lambd_follow_the_estimator_openrlhf_would_run():
 
 
 def test_flags_meaning_what_rl_launch_always_does_are_dropped_and_others_refused():
-    argv, notes = expand_aliases(
-        ["--ds.packing_samples", "--actor.optim", "adam", "--train.async_queue_size", "1"]
-    )
+    argv, notes = expand_aliases(["--ds.packing_samples", "--actor.optim", "adam"])
     assert argv == []
-    assert [note.partition(" → ")[2].partition(":")[0] for note in notes] == ["dropped"] * 3
+    assert [note.partition(" → ")[2].partition(":")[0] for note in notes] == ["dropped"] * 2
     with pytest.raises(ValueError, match=r"--actor\.optim .*AdamW"):
         expand_aliases(["--actor.optim", "muon"])
-    with pytest.raises(ValueError, match=r"--train\.async_queue_size .*always uses 1"):
-        expand_aliases(["--train.async_queue_size", "4"])
+
+
+def test_the_async_queue_size_is_the_async_depth():
+    argv, _ = expand_aliases(["--train.async_enable", "--train.async_queue_size", "3"])
+    assert argv == ["--rollout.async_train", "true", "--rollout.async_depth", "3"]
 
 
 def test_actor_and_critic_settings_held_once_here_must_agree():

@@ -315,10 +315,7 @@ ALIASES: tuple[Alias, ...] = (
     _alias("vllm.enforce_eager", "rollout.enforce_eager", nargs=0),
     _alias("vllm.enable_prefix_caching", "rollout.engine_options.enable_prefix_caching", nargs=0),
     _alias("train.async_enable", "rollout.async_train", nargs=0),
-    _alias(
-        "train.async_queue_size",
-        convert=_always("async mode keeps one step of rollouts in flight", value="1"),
-    ),
+    _alias("train.async_queue_size", "rollout.async_depth"),
     _alias("algo.dynamic_filtering_enable", "rollout.dynamic_filtering", nargs=0),
     _alias(
         "train.agent_func_path",

@@ -257,9 +257,25 @@ class RolloutConfig(_Section):
     broadcast."""
     enforce_eager: bool = False
     """Disable CUDA graphs / torch.compile in vLLM (faster start, slower decoding)."""
+    weight_sync_timeout_s: Positive = 1800.0
+    """How long one weight sync may wait for its peers (the broadcast group's collectives, a shm
+    reader waiting for a version). In async mode an engine receives after the generations queued
+    before it, so this bounds a generation too; it is not ray.startup_timeout_s."""
     async_train: bool = False
-    """Generate step t+1 while training on step t; records carry the policy version they came from,
-    and the importance-sampling correction (`algo.policy.is_correction`) defaults to tis."""
+    """Generate ahead of training: step t + k's rollouts are submitted before step t trains, on the
+    weights the engines hold then. Records carry the policy version they came from, and the
+    importance-sampling correction (`algo.policy.is_correction`) defaults to tis."""
+    async_depth: PositiveInt = 1
+    """With async_train: steps of rollouts in flight ahead of the one training (OpenRLHF's
+    async_queue_size). Once the first depth steps are done, every record is exactly depth policy
+    versions behind the policy that trains on it (an engine receives new weights after the
+    generations queued before it). Checkpoints keep the
+    prompts in flight, so a resumed run trains on the prompts an uninterrupted one would."""
+    max_staleness: NonNegativeInt | None = None
+    """With async_train: drop records whose policy version is more than this behind the learner's
+    (counted in async/dropped_stale; async/staleness_mean and _max are logged every step). None:
+    keep all. Must be >= async_depth: every record of a steady async run is async_depth behind,
+    so the bound only catches an engine that fell further behind."""
     dynamic_filtering: bool = False
     """DAPO dynamic sampling: drop groups whose mean reward is outside the range and sample more prompts."""
     dynamic_filtering_reward_range: tuple[float, float] = (0.0, 1.0)
@@ -275,6 +291,18 @@ class RolloutConfig(_Section):
         low, high = self.dynamic_filtering_reward_range
         if not low < high:
             _fail("rollout.dynamic_filtering_reward_range", (low, high), "must have low < high")
+        if not self.async_train:
+            if self.async_depth != 1:
+                _fail("rollout.async_depth", self.async_depth, "needs rollout.async_train true")
+            if self.max_staleness is not None:
+                _fail("rollout.max_staleness", self.max_staleness, "needs rollout.async_train true")
+        elif self.max_staleness is not None and self.max_staleness < self.async_depth:
+            _fail(
+                "rollout.max_staleness",
+                self.max_staleness,
+                f"must be >= rollout.async_depth ({self.async_depth}): every record of an async run is "
+                "async_depth versions behind, so all of them would be dropped",
+            )
 
 
 class RewardConfig(_Section):
@@ -612,6 +640,10 @@ class LogConfig(_Section):
     """Where the output of the Ray actors (vLLM, DeepSpeed, transformers) goes: `file` writes it to
     `<output_dir>/logs/<role>-<rank>.log` and keeps the console to start-up lines, the progress
     bar and the summary; `console` forwards it to the console, as Ray does."""
+    completions: NonNegativeInt = 0
+    """Records of each training step written to `<output_dir>/completions.jsonl` (step, prompt,
+    response, reward, the prompt's dataset/row/index, group id, policy version); 0: none. The
+    first N of the step's batch, in the order the engines returned them."""
     use_tensorboard: bool = False
     """Write TensorBoard events to `<output_dir>/tensorboard` (needs rl-launch[tensorboard])."""
     use_wandb: bool = False
