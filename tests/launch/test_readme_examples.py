@@ -76,3 +76,15 @@ def test_the_readme_command_lines_run(tmp_path):
         "algo.advantage.options.scael: not an option of advantage estimator 'group_median'; it takes scale"
         in result.stderr
     )
+
+
+def test_the_readme_async_command_line_resolves_to_the_depth_and_bound_it_shows(tmp_path):
+    text = README.read_text()
+    start = text.index("- `--rollout.async_train`")
+    (shell,) = re.findall(r"```bash\n(.+?)```", text[start : text.index("### Rewards", start)], re.S)
+    command = shlex.split(shell.replace("\\\n", " "))
+    assert command[:2] == ["rl-launch", "ppo"]
+    result = run_cli([*command[1:], "--print-config"], tmp_path)
+    assert result.returncode == 0, result.stderr
+    for line in ("async_train: true", "async_depth: 2", "max_staleness: 2"):
+        assert line in result.stdout

@@ -317,3 +317,27 @@ def test_importing_the_module_imports_no_plotting_or_tracking_backend():
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
     )
     assert result.stdout.strip() == "[]"
+
+
+def test_completions_go_to_their_own_file_and_a_resume_drops_the_lines_after_its_step(tmp_path):
+    with Tracker(tmp_path, total_steps=4, progress_bar=False) as tracker:
+        for step in (1, 2, 3):
+            tracker.log(step, {"reward/mean": 0.5})
+            tracker.log_completions(
+                step, [{"prompt": f"p{step}", "reward": 1.0}, {"prompt": "q", "reward": 0.0}]
+            )
+    lines = [strict_json(line) for line in (tmp_path / "completions.jsonl").read_text().splitlines()]
+    assert [(line["step"], line["prompt"]) for line in lines] == [
+        (1, "p1"), (1, "q"), (2, "p2"), (2, "q"), (3, "p3"), (3, "q")
+    ]  # fmt: skip
+    with Tracker(tmp_path, total_steps=4, start_step=2, progress_bar=False) as tracker:
+        tracker.log(3, {"reward/mean": 0.7})
+        tracker.log_completions(3, [{"prompt": "again"}])
+    lines = [strict_json(line) for line in (tmp_path / "completions.jsonl").read_text().splitlines()]
+    assert [(line["step"], line["prompt"]) for line in lines] == [
+        (1, "p1"),
+        (1, "q"),
+        (2, "p2"),
+        (2, "q"),
+        (3, "again"),
+    ]

@@ -37,7 +37,7 @@ from .components import check_components, describe_components
 from .config import ConfigError, PPOConfig
 from .health import HealthError, HealthMonitor
 from .roles import Roles
-from .rollouts import Rollouts
+from .rollouts import Rollouts, completion_rows
 from .tracking import PhaseTimer, StartupLines, Tracker, quiet_third_party_output
 
 __all__ = ["PPOTrainer", "run"]
@@ -46,7 +46,9 @@ __all__ = ["PPOTrainer", "run"]
 class PPOTrainer:
     """The step loop over started roles and engines."""
 
-    def __init__(self, config: PPOConfig, roles: Roles, rollouts: Rollouts, eval_data, run_plan) -> None:
+    def __init__(
+        self, config: PPOConfig, roles: Roles, rollouts: Rollouts, eval_data, run_plan, tokenizer=None
+    ) -> None:
         from rl_algos import AdaptiveKLController, FixedKLController
 
         kl = config.algo.kl
@@ -64,6 +66,7 @@ class PPOTrainer:
         )
         self.version = 0
         self.health = HealthMonitor(config)
+        self.tokenizer = tokenizer  # decodes the `log.completions` rows
 
     def make_experience(self, records: list[Trajectory]) -> tuple[ExperienceBatch, dict[str, float]]:
         """The learners' forwards (all roles at once), then the advantages of the chosen estimator."""
@@ -142,6 +145,7 @@ class PPOTrainer:
             data_state=msgspec.to_builtins(self.rollouts.loader.state_dict()),
             extra={
                 "next_group_id": self.rollouts.next_group_id,
+                "in_flight": self.rollouts.in_flight(),
                 "kl_coef": float(self.kl.value),
                 **checkpoint_extra(self.run_plan),
             },
@@ -154,11 +158,15 @@ class PPOTrainer:
         if not plan.resume:
             return TrainingState(step=0)
         state = self.roles.load(plan.checkpoints)
-        self.rollouts.restart(state.data_state, int(state.extra.get("next_group_id", 0)))
         self.kl.value = float(state.extra.get("kl_coef", self.kl.value))
         self.version = state.policy_version
         self.version -= 1  # `sync` counts up: the engines get the restored weights as their version
         self.sync()
+        # after the sync: the steps that were in flight are generated again on the restored weights
+        extra = state.extra
+        self.rollouts.restart(
+            state.data_state, int(extra.get("next_group_id", 0)), extra.get("in_flight", [])
+        )
         return state
 
     def fit(self, tracker: Tracker, start: TrainingState) -> None:
@@ -171,7 +179,9 @@ class PPOTrainer:
             timer.reset()
             began = time.perf_counter()
             with timer.phase("generation"):
-                records, metrics = self.rollouts.generate(step)
+                records, metrics = self.rollouts.generate(step, self.version)
+            if cfg.log.completions:
+                tracker.log_completions(step, completion_rows(records[: cfg.log.completions], self.tokenizer))
             with timer.phase("experience"):
                 batch, experience = self.make_experience(records)
             with timer.phase("training"):
@@ -237,7 +247,8 @@ def run(config: PPOConfig) -> int:
         (output_dir / "config.yaml").write_text(dump_config(config))
         from transformers import AutoTokenizer
 
-        train_data, eval_data = load_prompts(config, inputs, AutoTokenizer.from_pretrained(inputs.model_path))
+        tokenizer = AutoTokenizer.from_pretrained(inputs.model_path)
+        train_data, eval_data = load_prompts(config, inputs, tokenizer)
         console.say(describe_data(train_data, eval_data))
         console.say(
             f"algorithm: {describe_components(config)}; old log-probs "
@@ -263,7 +274,8 @@ def run(config: PPOConfig) -> int:
         loader = PromptLoader(
             train_data, batch_size=config.rollout.rollout_batch_size, seed=config.train.seed, shuffle=True
         )
-        trainer = PPOTrainer(config, roles, Rollouts(config, roles.engines, loader), eval_data, plan)
+        rollouts = Rollouts(config, roles.engines, loader)
+        trainer = PPOTrainer(config, roles, rollouts, eval_data, plan, tokenizer=tokenizer)
         state = trainer.resume()
         with Tracker(
             output_dir,

@@ -1,17 +1,28 @@
 """Generation for the step loop: the prompt stream, the engines' futures, DAPO filtering, eval.
 
-`Rollouts.generate(step)` returns one step's records: `rollout.rollout_batch_size` prompts x
-`rollout.n_samples_per_prompt` responses, scored by the reward next to each engine. In async
-mode (`rollout.async_train`) the next step's generation is submitted before this step trains,
-on the weights the engines hold now. With dynamic filtering, groups whose mean reward is
-outside the range are dropped and more prompts are sampled (at most `max_sampling_rounds`).
-Group ids count up across the run (evaluation does not consume them), so they are unique keys.
+`Rollouts.generate(step, version)` returns one step's records: `rollout.rollout_batch_size`
+prompts x `rollout.n_samples_per_prompt` responses, scored by the reward next to each engine.
+
+Async mode (`rollout.async_train`, depth d = `rollout.async_depth`): once step t's records are
+in, the generations of steps t+1 ... t+d are in flight, submitted on the weights the engines hold
+then. An engine serves its calls in order, so the weights of step t's sync reach it after the
+generations queued before them: in steady state a record is exactly d policy versions behind
+the learner that trains on it. `rollout.max_staleness` drops records further behind than that
+(whole groups: a group comes from one engine call). The steps in flight are part of a
+checkpoint (`in_flight()`: step, first group id, dataset indices), and `restart` submits them
+again on the restored weights, with the same seeds and group ids, so a resumed run trains on the
+prompts an uninterrupted one would.
+
+With dynamic filtering, groups whose mean reward is outside the range are dropped and more
+prompts are sampled (at most `max_sampling_rounds`). Group ids count up across the run
+(evaluation does not consume them), so they are unique keys.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -24,7 +35,7 @@ from .components import estimator_takes
 from .config import PPOConfig
 from .evaluation import eval_metrics
 
-__all__ = ["Rollouts", "rollout_metrics"]
+__all__ = ["InFlight", "Rollouts", "completion_rows", "drop_stale", "rollout_metrics"]
 
 
 def rollout_metrics(records: list[Trajectory]) -> dict[str, float]:
@@ -68,6 +79,63 @@ def rollout_metrics(records: list[Trajectory]) -> dict[str, float]:
     return metrics
 
 
+@dataclass
+class InFlight:
+    """One step's generation under way (async mode): what a checkpoint needs to submit it again."""
+
+    step: int
+    group_id: int  # the first group id its prompts got
+    indices: list[int]  # the prompts' positions in the training dataset (PromptSample.index)
+    futures: list
+
+
+def completion_rows(records: list[Trajectory], tokenizer: Any) -> list[dict[str, Any]]:
+    """`log.completions` rows: what a record was asked and answered, how it scored, where its
+    prompt came from (dataset source, row, index) and which policy version wrote it."""
+    rows = []
+    for record in records:
+        rows.append(
+            {
+                "prompt": tokenizer.decode(record.prompt_ids.tolist()),
+                "response": tokenizer.decode(record.response_ids.tolist()),
+                "reward": float(record.reward),
+                "finish_reason": record.finish_reason,
+                "source": record.extra.get("source", ""),
+                "row": int(record.extra.get("row", -1)),
+                "index": int(record.extra.get("sample_index", -1)),
+                "group_id": int(record.group_id),
+                "policy_version": int(record.policy_version),
+            }
+        )
+    return rows
+
+
+def drop_stale(
+    records: list[Trajectory], version: int, max_staleness: int | None
+) -> tuple[list[Trajectory], dict[str, float]]:
+    """Keep the records at most `max_staleness` policy versions behind `version` (all when None).
+
+    staleness_i = version − record_i.policy_version. Metrics: async/staleness_max (over the
+    records generated), async/dropped_stale (#records dropped). Dropping nothing is the rule:
+    a steady async run is exactly async_depth behind and config requires max_staleness >= depth.
+    """
+    staleness = [version - record.policy_version for record in records]
+    kept = records
+    if max_staleness is not None:
+        kept = [record for record, lag in zip(records, staleness) if lag <= max_staleness]
+    metrics = {
+        "async/staleness_max": float(max(staleness, default=0)),
+        "async/dropped_stale": float(len(records) - len(kept)),
+    }
+    if records and not kept:
+        raise RuntimeError(
+            f"rollout.max_staleness = {max_staleness}: every record of this step was dropped (they are "
+            f"{min(staleness)}-{max(staleness)} versions behind the learner's {version}); an engine "
+            "has fallen behind the weight sync"
+        )
+    return kept, metrics
+
+
 class Rollouts:
     """The engines of a run, fed from a prompt loader."""
 
@@ -77,15 +145,33 @@ class Rollouts:
         self.loader = loader
         self.batches: Iterator[list[PromptSample]] = iter(loader)
         self.next_group_id = 0
-        self.pending: list | None = None  # async mode: the next step's generation, under way
+        self.pending: dict[int, InFlight] = {}  # async mode: later steps' generations, by step
         # ReMax: the reward of a greedy answer to each prompt is the baseline of its samples
         self.greedy_baseline = estimator_takes(config.algo.advantage.estimator, "baseline_rewards")
 
-    def restart(self, data_state: Any, next_group_id: int) -> None:
-        """Continue the prompt stream of a checkpoint."""
+    def in_flight(self) -> list[dict[str, Any]]:
+        """The steps under way, for a checkpoint: [{step, group_id, indices}], oldest first."""
+        return [
+            {"step": entry.step, "group_id": entry.group_id, "indices": entry.indices}
+            for entry in self.pending.values()
+        ]
+
+    def restart(self, data_state: Any, next_group_id: int, in_flight: list[dict[str, Any]] = ()) -> None:
+        """Continue the prompt stream of a checkpoint: submit the steps it had in flight again (on
+        the weights the engines hold now, with their seeds and group ids), then go on drawing."""
         self.loader.load_state_dict(data_state)
         self.batches = iter(self.loader)
+        for entry in in_flight:
+            self.next_group_id = int(entry["group_id"])
+            prompts = [self.loader.dataset[int(index)] for index in entry["indices"]]
+            self.pending[int(entry["step"])] = self.submit_step(int(entry["step"]), prompts)
         self.next_group_id = next_group_id
+
+    def submit_step(self, step: int, prompts: list[PromptSample]) -> InFlight:
+        """Submit the generation of step `step`'s batch."""
+        group_id = self.next_group_id
+        futures = self.submit(prompts, self.sampling(step))
+        return InFlight(step, group_id, [sample.index for sample in prompts], futures)
 
     def sampling(self, step: int) -> SamplingParams:
         r = self.config.rollout
@@ -119,16 +205,21 @@ class Rollouts:
 
         return [record for payload in ray.get(futures) for record in decode(payload, list[Trajectory])]
 
-    def generate(self, step: int) -> tuple[list[Trajectory], dict[str, float]]:
-        """The records of step `step` (DAPO-filtered if asked) and the filter's metrics."""
+    def generate(self, step: int, version: int) -> tuple[list[Trajectory], dict[str, float]]:
+        """The records of step `step` for the learner at policy version `version` (DAPO-filtered
+        if asked; in async mode without records staler than `rollout.max_staleness`) and metrics."""
         r = self.config.rollout
-        futures = self.pending or self.submit(next(self.batches), self.sampling(step))
-        self.pending = None
-        records = self.collect(futures)
-        if r.async_train and step < self.config.train.max_steps:
-            self.pending = self.submit(next(self.batches), self.sampling(step + 1))
+        entry = self.pending.pop(step, None) or self.submit_step(step, next(self.batches))
+        records = self.collect(entry.futures)
+        metrics: dict[str, float] = {}
+        if r.async_train:
+            last = min(step + r.async_depth, self.config.train.max_steps)
+            for ahead in range(step + 1, last + 1):
+                if ahead not in self.pending:
+                    self.pending[ahead] = self.submit_step(ahead, next(self.batches))
+            records, metrics = drop_stale(records, version, r.max_staleness)
         if not r.dynamic_filtering:
-            return records, rollout_metrics(records)
+            return records, metrics | rollout_metrics(records)
         low, high = r.dynamic_filtering_reward_range
         kept, _ = filter_groups(records, low=low, high=high)
         seen = len(records) // r.n_samples_per_prompt
@@ -145,7 +236,7 @@ class Rollouts:
                 f"was outside {r.dynamic_filtering_reward_range}); widen rollout.dynamic_filtering_reward_range"
             )
         kept = kept[: r.rollout_batch_size]
-        metrics = {"filter/groups_seen": float(seen), "filter/groups_kept": float(len(kept))}
+        metrics |= {"filter/groups_seen": float(seen), "filter/groups_kept": float(len(kept))}
         records = [record for group in kept for record in group]
         return records, metrics | rollout_metrics(records)
 

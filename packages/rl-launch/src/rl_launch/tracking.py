@@ -57,6 +57,7 @@ from tqdm import tqdm
 __all__ = ["PhaseTimer", "StartupLines", "Summary", "Tracker", "TrackingError", "quiet_third_party_output"]
 
 METRICS_FILE = "metrics.jsonl"
+COMPLETIONS_FILE = "completions.jsonl"
 SUMMARY_FILE = "summary.txt"
 PLOT_FILE = "curves.png"
 TENSORBOARD_DIR = "tensorboard"
@@ -349,6 +350,7 @@ class Tracker:
         self._summary: Summary | None = None
         self._tensorboard = None
         self._wandb_run = None
+        self._completions: Any = None
 
         if start_step > 0 and self.metrics_path.exists():
             self._truncate_metrics(start_step)
@@ -386,17 +388,32 @@ class Tracker:
             self._close_backends(exit_code=1)
             raise
 
-    def _truncate_metrics(self, start_step: int) -> None:
-        records = _read_records(self.metrics_path)
+    def _truncate_metrics(self, start_step: int, path: pathlib.Path | None = None) -> None:
+        path = path or self.metrics_path
+        records = _read_records(path)
         kept = [record for record in records if record["step"] <= start_step]
         with tempfile.NamedTemporaryFile(
-            "wb", dir=self.output_dir, prefix=f".{METRICS_FILE}.", suffix=".tmp", delete=False
+            "wb", dir=self.output_dir, prefix=f".{path.name}.", suffix=".tmp", delete=False
         ) as temporary:
             for record in kept:
                 temporary.write(msgspec.json.encode(record) + b"\n")
             temporary.flush()
             os.fsync(temporary.fileno())
-        os.replace(temporary.name, self.metrics_path)
+        os.replace(temporary.name, path)
+
+    def log_completions(self, step: int, rows: Sequence[Mapping[str, Any]]) -> None:
+        """Append `{"step": step, **row}` per row to `output_dir/completions.jsonl` (flushed); on
+        resume, the lines after `start_step` are dropped first, as for the metrics file."""
+        if self._completions is None:
+            path = self.output_dir / COMPLETIONS_FILE
+            if self.start_step > 0 and path.exists():
+                self._truncate_metrics(self.start_step, path)
+                self._completions = open(path, "ab")  # noqa: SIM115 (open for the tracker's lifetime)
+            else:
+                self._completions = open(path, "wb")  # noqa: SIM115
+        for row in rows:
+            self._completions.write(msgspec.json.encode({"step": step, **row}) + b"\n")
+        self._completions.flush()
 
     def _clean_metrics(self, step: int, metrics: Mapping[str, float | int]) -> dict[str, float | int | None]:
         if not isinstance(metrics, Mapping):
@@ -472,6 +489,8 @@ class Tracker:
     def _close_backends(self, exit_code: int) -> None:
         self._bar.close()
         self._file.close()
+        if self._completions is not None:
+            self._completions.close()
         if self._tensorboard is not None:
             self._tensorboard.close()
             self._tensorboard = None
