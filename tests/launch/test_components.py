@@ -14,7 +14,15 @@ from rl_algos import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
 from rl_data import ExperienceBatch, Trajectory, build_experience
 from rl_launch.algorithm import old_logprobs_from_training, policy_loss_config, score_batch
 from rl_launch.cli import main, resolve_ppo_config
-from rl_launch.components import ENGINES, REWARDS, check_components, describe_components, list_components
+from rl_launch.components import (
+    ENGINES,
+    REWARDS,
+    SyncPlacement,
+    check_components,
+    choose_weight_sync,
+    describe_components,
+    list_components,
+)
 from rl_launch.config import ConfigError
 
 BASE = {
@@ -327,11 +335,47 @@ def test_every_registered_reward_builds_in_the_actor_and_scores(name, response, 
 
 
 def test_a_weight_sync_is_a_registered_strategy_or_auto_or_none(capsys):
-    for name in ("auto", "none", "broadcast", "shm"):
+    for name in ("auto", "none", "broadcast", "shm", "file", "ipc"):
         config(rollout__weight_sync=name)
     refused(
-        r"^rollout\.weight_sync: 'nccl' is not one of auto, none, broadcast, shm$",
+        r"^rollout\.weight_sync: 'nccl' is not one of auto, none, broadcast, file, ipc, shm$",
         rollout__weight_sync="nccl",
     )
     assert main(["components"]) == 0
-    assert "weight-sync strategies" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "weight-sync strategies" in out
+    assert "  ipc" in out
+    assert "  file" in out
+
+
+def test_ipc_weight_sync_on_a_cpu_run_is_refused_naming_both_options():
+    refused(
+        r"^rollout\.weight_sync: ipc \(CUDA IPC\) needs GPUs, but ray\.device is cpu",
+        rollout__weight_sync="ipc",
+        ray__device="cpu",
+    )
+
+
+def _placement(device="cuda", receives=True, same_gpu=False, same_node=True):
+    return SyncPlacement(
+        device=device,
+        engine_receives=receives,
+        engines_on_policy_gpus=same_gpu,
+        engines_on_policy_node=same_node,
+    )
+
+
+@pytest.mark.parametrize(
+    ("placement", "expected"),
+    [
+        (_placement(receives=False, same_gpu=True), "none"),  # an http engine: nothing can reach it
+        (_placement(device="cpu", receives=False), "none"),
+        (_placement(same_gpu=True), "ipc"),  # ray.colocate all: the engines map the policy's buffers
+        (_placement(same_gpu=False, same_node=True), "broadcast"),  # other GPUs of the node: NCCL
+        (_placement(same_gpu=False, same_node=False), "broadcast"),
+        (_placement(device="cpu", same_node=True), "shm"),  # one CPU node: /dev/shm
+        (_placement(device="cpu", same_node=False), "broadcast"),  # CPU nodes: gloo
+    ],
+)
+def test_auto_weight_sync_follows_the_placement(placement, expected):
+    assert choose_weight_sync(placement) == expected

@@ -138,21 +138,57 @@ def test_constructor_rejects_bad_arguments(tiny_checkpoint, kwargs, match):
         HFEngine(tiny_checkpoint, **kwargs)
 
 
-def test_sleep_is_unsupported_on_cpu(engine):
-    assert engine.supports("sleep") is False
-    with pytest.raises(EngineError, match="does not support sleep"):
-        engine.sleep()
+def test_sleep_contract_refuses_work_while_asleep_and_wake_restores_identical_generations(
+    tiny_checkpoint, prompts, tmp_path
+):
+    """The hybrid engine's order (rl_launch.roles): generate, sleep, ..., wake, receive, generate.
+    On CPU nothing moves, but the contract is the one the GPU path keeps: no generation and no
+    weight sync while asleep (a sync must follow `wake_up`, as vLLM needs its weights in place)."""
+    from rl_data.transport import write_buckets
+
+    sleeper = HFEngine(tiny_checkpoint, dtype="float32", max_model_len=128, seed=0)
+    try:
+        assert sleeper.supports("sleep") is True
+        before = sleeper.generate(prompts, GREEDY)
+        layout = _layout(sleeper.model)
+        directory = tmp_path / "sync"
+        state = {name: p.detach().clone() for name, p in sleeper.model.named_parameters()}
+        write_buckets(directory, layout, lambda b, out: pack_bucket(b, state, out=out), version=1)
+        sleeper.init_weight_sync(WeightSyncSpec(transport="file", layout=layout, directory=str(directory)), 1)
+        sleeper.sleep(1)
+        sleeper.sleep(1)  # idempotent
+        assert sleeper.asleep is True
+        with pytest.raises(
+            EngineError, match=r"HFEngine\.generate: the engine is asleep; call wake_up\(\) first"
+        ):
+            sleeper.generate(prompts, GREEDY)
+        with pytest.raises(EngineError, match="receive_weights: the engine is asleep"):
+            sleeper.receive_weights(1)
+        assert sleeper.policy_version == 0  # the refused sync changed nothing
+        with pytest.raises(ValueError, match="level must be 1 or 2"):
+            sleeper.sleep(3)
+        sleeper.wake_up()
+        sleeper.wake_up()  # idempotent
+        assert sleeper.receive_weights(1).version == 1
+        after = sleeper.generate(prompts, GREEDY)
+        assert [p[0].token_ids for p in after] == [p[0].token_ids for p in before]
+        assert after[0][0].policy_version == 1
+    finally:
+        sleeper.close()
 
 
 @pytest.mark.gpu
 def test_sleep_moves_weights_off_the_gpu_and_back(tiny_checkpoint, prompts):
     gpu = HFEngine(tiny_checkpoint, dtype="float32", device="cuda", max_model_len=128)
     before = gpu.generate(prompts, GREEDY)
+    held = torch.cuda.memory_allocated()
     gpu.sleep()
     assert next(gpu.model.parameters()).device.type == "cpu"
+    assert torch.cuda.memory_allocated() < held  # the weights left the GPU
     with pytest.raises(EngineError, match="asleep"):
         gpu.generate(prompts, GREEDY)
     gpu.wake_up()
+    assert next(gpu.model.parameters()).device.type == "cuda"
     assert [p[0].token_ids for p in gpu.generate(prompts, GREEDY)] == [p[0].token_ids for p in before]
 
 
@@ -227,19 +263,37 @@ def test_receive_weights_before_init_raises(engine):
         fresh.receive_weights(1)
 
 
-def test_weight_update_by_gloo_broadcast_from_a_sender_process(tiny_checkpoint, tmp_path, prompts):
+@pytest.mark.parametrize(
+    "backend",
+    [
+        "gloo",
+        pytest.param(
+            "nccl",
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(
+                    torch.cuda.device_count() < 2, reason="NCCL refuses two ranks on one GPU: needs 2 GPUs"
+                ),
+            ],
+        ),
+    ],
+)
+def test_weight_update_by_broadcast_from_a_sender_process(tiny_checkpoint, tmp_path, prompts, backend):
     from transformers import AutoModelForCausalLM
 
-    receiver_engine = HFEngine(tiny_checkpoint, dtype="float32", max_model_len=128)
+    device = "cuda:1" if backend == "nccl" else "cpu"  # the sender broadcasts from cuda:0
+    receiver_engine = HFEngine(tiny_checkpoint, dtype="float32", max_model_len=128, device=device)
     layout = _layout(receiver_engine.model)
     port = free_port()
     sender = subprocess.Popen(
-        [sys.executable, str(WORKER), str(tiny_checkpoint), str(port), str(tmp_path)],
+        [sys.executable, str(WORKER), str(tiny_checkpoint), str(port), str(tmp_path), backend],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
     )
     try:
-        spec = WeightSyncSpec(transport="broadcast", layout=layout, port=port, world_size=2, timeout_s=120)
+        spec = WeightSyncSpec(
+            transport="broadcast", layout=layout, port=port, world_size=2, timeout_s=120, backend=backend
+        )
         receiver_engine.init_weight_sync(spec, 1)
         report = receiver_engine.receive_weights(5)
         output, _ = sender.communicate(timeout=180)
@@ -255,6 +309,6 @@ def test_weight_update_by_gloo_broadcast_from_a_sender_process(tiny_checkpoint, 
     expected = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32)
     for name, param in expected.named_parameters():
         perturbed = param.detach() + 0.01 * (torch.arange(param.numel()).reshape(param.shape) % 7)
-        assert torch.equal(receiver_engine.model.get_parameter(name), perturbed), name
+        assert torch.equal(receiver_engine.model.get_parameter(name).cpu(), perturbed), name
     result = receiver_engine.generate(prompts[:1], GREEDY)[0][0]
     assert result.policy_version == 5

@@ -228,6 +228,25 @@ class LearnerWorker:
         self._sync_port = reserve_port()
         return ray.util.get_node_ip_address(), self._sync_port.getsockname()[1]
 
+    def location(self) -> tuple[str, list[str]]:
+        """(Ray node id, the GPU ids Ray gave this actor): where the hybrid engine and the sync
+        strategy (`Roles.sync_placement`) look for engines on the same GPU."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id(), [str(gpu) for gpu in ray.get_gpu_ids()]
+
+    def offload_plan(self) -> tuple[str, str]:
+        """What `offload_states` does on this rank (`rl_learner.Learner.offload_plan`)."""
+        return self.learner.offload_plan()
+
+    def offload_states(self) -> bool:
+        """Hybrid engine: free this rank's GPU memory while the engines generate."""
+        return self.learner.offload_states()
+
+    def reload_states(self) -> bool:
+        """Hybrid engine: bring the states back before forwards and training."""
+        return self.learner.reload_states()
+
     def init_sync(self, spec: Any) -> None:
         """Join the weight-sync group (blocks until every engine has joined too)."""
         from rl_learner import make_sender
@@ -240,8 +259,19 @@ class LearnerWorker:
                 self._sync_port = None
 
     def sync(self, version: int) -> Any:
-        """Send the current weights; every rank calls, DP rank 0 returns the `WeightSyncReport`."""
-        return self.sender.send(version)
+        """Send the current weights; every rank calls, DP rank 0 returns the `WeightSyncReport`.
+
+        CUDA IPC ("ipc"): every rank returns (report, `IpcPayload`) and keeps its buffers until
+        `release_sync`, after the engines on its GPU have read them."""
+        report = self.sender.send(version)
+        payload = getattr(self.sender, "payload", None)
+        return report if payload is None else (report, payload)
+
+    def release_sync(self) -> None:
+        """Free the buffers of the last CUDA IPC sync (a no-op for the other transports)."""
+        release = getattr(self.sender, "release", None)
+        if release is not None:
+            release()
 
     def save(self, root: str, step: int, state: Any, keep_last: int) -> str:
         from rl_learner import save_checkpoint
@@ -398,14 +428,15 @@ class RolloutWorker:
 
     def ready(self) -> tuple[int, int | None, str]:
         """(weight-sync ranks this engine takes, its KV-cache bytes or None where vLLM sizes it,
-        the Ray node it runs on)."""
+        the Ray node it runs on, the GPU ids Ray gave it)."""
         import ray
 
         node = ray.get_runtime_context().get_node_id()
         # A receiving engine takes one rank of a broadcast group per worker process (vLLM: its TP
         # x PP workers, `sync_world_size`; transformers: itself); one that receives nothing, none.
         sync_ranks = getattr(self.engine, "sync_world_size", 1) if self.engine.supports("weight_sync") else 0
-        return sync_ranks, getattr(self.engine, "kv_cache_bytes", None), node
+        gpus = [str(gpu) for gpu in ray.get_gpu_ids()]
+        return sync_ranks, getattr(self.engine, "kv_cache_bytes", None), node, gpus
 
     def generate(
         self, samples: bytes, sampling: Any, first_group_id: int, greedy_baseline: bool = False
@@ -452,8 +483,28 @@ class RolloutWorker:
     def init_sync(self, spec: Any, rank: int) -> None:
         self.engine.init_weight_sync(spec, rank=rank)
 
-    def receive(self, version: int) -> Any:
-        return self.engine.receive_weights(version=version)
+    def receive(self, version: int, payload: Any = None) -> Any:
+        """Receive weights `version` (`payload`: the `IpcPayload` of a CUDA IPC sync, else None)."""
+        if payload is None:
+            return self.engine.receive_weights(version=version)
+        return self.engine.receive_weights(version=version, payload=payload)
+
+    def can_sleep(self) -> bool:
+        return self.engine.supports("sleep")
+
+    def sleep(self, level: int = 1) -> bool:
+        """Hybrid engine: free the engine's memory until `wake_up`; False when it cannot sleep."""
+        if not self.engine.supports("sleep"):
+            return False
+        self.engine.sleep(level)
+        return True
+
+    def wake_up(self) -> bool:
+        """Undo `sleep`; False when the engine cannot sleep."""
+        if not self.engine.supports("sleep"):
+            return False
+        self.engine.wake_up()
+        return True
 
     def policy_version(self) -> int:
         return self.engine.policy_version

@@ -250,11 +250,13 @@ class RolloutConfig(_Section):
     weight_sync: str = "auto"
     """How the policy's weights reach the engines after each step (rl_launch.components.SYNC_STRATEGIES,
     plus any a plugin registers): broadcast (a process group of
-    policy rank 0 and every engine worker: NCCL on GPUs, gloo on CPU, bucketed), shm (one copy
-    through /dev/shm; the engines must run on the node of policy rank 0), none (the engines keep
+    policy rank 0 and every engine worker: NCCL on GPUs, gloo on CPU, bucketed), ipc (CUDA IPC:
+    every engine on the GPU of a policy rank, ray.colocate all), shm (one copy through /dev/shm;
+    the engines must run on the node of policy rank 0), file (bucket files under
+    <log.output_dir>/weight_sync, which every engine must be able to read), none (the engines keep
     the weights they started with: an http engine's server), or auto: none for an engine that
-    cannot receive weights, shm on CPU when the engines share the node of policy rank 0, else
-    broadcast."""
+    cannot receive weights, ipc on GPUs when every engine shares a policy rank's GPU, shm on CPU
+    when the engines share the node of policy rank 0, else broadcast."""
     enforce_eager: bool = False
     """Disable CUDA graphs / torch.compile in vLLM (faster start, slower decoding)."""
     weight_sync_timeout_s: Positive = 1800.0
@@ -561,7 +563,10 @@ class RayConfig(_Section):
     temp_dir: str | None = None
     """Session folder of a local Ray (None: `<log.output_dir>/ray`)."""
     colocate: Literal["none", "all", "policy_ref", "critic_reward", "policy_ref+critic_reward"] = "none"
-    """Roles sharing the same GPUs (colocate_all_models, colocate_actor_ref, colocate_critic_reward)."""
+    """Roles sharing the same GPUs (colocate_all_models, colocate_actor_ref, colocate_critic_reward).
+    all is the hybrid engine: every step the engines sleep once generation is done and wake before
+    the weight sync, and on GPUs the learners offload their DeepSpeed states while the engines
+    generate (not with rollout.async_train)."""
     policy: ResourceConfig = msgspec.field(default_factory=ResourceConfig)
     """Policy learner actors."""
     critic: ResourceConfig = msgspec.field(default_factory=ResourceConfig)
@@ -703,6 +708,13 @@ class PPOConfig(_Section):
                 "train.train_batch_size",
                 size,
                 f"must divide rollout.rollout_batch_size x rollout.n_samples_per_prompt = {samples}",
+            )
+        if self.ray.colocate == "all" and self.rollout.async_train:
+            _fail(
+                "rollout.async_train",
+                True,
+                "cannot be combined with ray.colocate all: the hybrid engine puts the engines to sleep "
+                "while the learners train, so nothing can generate ahead (use ray.colocate none or a pair)",
             )
 
     @property

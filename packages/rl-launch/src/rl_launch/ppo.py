@@ -173,6 +173,7 @@ class PPOTrainer:
         cfg = self.config
         timer = PhaseTimer()
         consumed = start.consumed_samples
+        self.roles.to_generation()  # hybrid engine: the learners' states leave the GPU, engines awake
         if start.step == 0 and self.eval_data is not None:
             tracker.log(0, self.rollouts.evaluate(self.eval_data))  # the starting policy
         for step in range(start.step + 1, cfg.train.max_steps + 1):
@@ -182,10 +183,16 @@ class PPOTrainer:
                 records, metrics = self.rollouts.generate(step, self.version)
             if cfg.log.completions:
                 tracker.log_completions(step, completion_rows(records[: cfg.log.completions], self.tokenizer))
+            if self.roles.hybrid:  # ray.colocate all: engines sleep, learners reload their states
+                with timer.phase("sleep"):
+                    self.roles.to_training()
             with timer.phase("experience"):
                 batch, experience = self.make_experience(records)
             with timer.phase("training"):
                 metrics |= experience | self.train(batch, step)
+            if self.roles.hybrid:  # learners offload their states, engines wake for the sync
+                with timer.phase("wake"):
+                    self.roles.to_generation()
             with timer.phase("sync"):
                 metrics |= self.sync()
             last = step == cfg.train.max_steps

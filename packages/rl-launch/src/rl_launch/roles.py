@@ -4,7 +4,8 @@
 and engine's spec from the config and waits until every actor is up. Its methods are the
 loop's vocabulary: `forwards` (old / reference log-probs, values, reward-model scores, all roles
 at once), `train` (critic and policy on the same mini-batch, at once), `sync_weights`, `save`,
-`load`, `export`. A batch is split over the ranks of a role by token budget
+`load`, `export`, and for the hybrid engine (`ray.colocate all`) `to_generation` / `to_training`.
+A batch is split over the ranks of a role by token budget
 (`rl_data.plan_micro_batches`), and the per-rank results are put back in batch order.
 """
 
@@ -98,6 +99,11 @@ class Roles:
         self.engines: ActorGroup | None = None
         self.placement: dict[str, Any] = {}
         self.kv_cache_bytes: list[int | None] = []
+        self.engine_gpus: list[list[str]] = []
+        self.policy_locations: list[tuple[str, list[str]]] = []
+        self.engines_asleep = False
+        self.learners_offloaded = False
+        self._strategy: str | None = None
 
     # ------------------------------------------------------------------------------------------
     # Start-up
@@ -156,10 +162,12 @@ class Roles:
             )
         _wait_started(futures + engine_ready, timeout_s)
         engines = ray.get(engine_ready)
-        self.engine_sync_sizes = [size for size, _, _ in engines]
-        self.kv_cache_bytes = [kv for _, kv, _ in engines]
-        self.engine_nodes = [node for _, _, node in engines]
+        self.engine_sync_sizes = [size for size, _, _, _ in engines]
+        self.kv_cache_bytes = [kv for _, kv, _, _ in engines]
+        self.engine_nodes = [node for _, _, node, _ in engines]
+        self.engine_gpus = [gpus for _, _, _, gpus in engines]
         self.policy_node = located["policy"][0][0]
+        self.policy_locations = [tuple(location) for location in self.groups["policy"].call("location")]
 
     def _learner_specs(self, inputs: Any, total_steps: int) -> dict[str, LearnerSpec]:
         cfg, dtype = self.config, self.dtype
@@ -220,9 +228,13 @@ class Roles:
     def _engine_spec(self, inputs: Any, use_gpus: bool, log_dir: str | None) -> EngineSpec:
         cfg = self.config
         r = cfg.rollout
+        options = dict(r.engine_options)
+        if self.hybrid and use_gpus and r.engine == "vllm":
+            # vLLM can sleep only when started with its sleep-mode allocator; a user's own setting wins.
+            options.setdefault("enable_sleep_mode", True)
         return EngineSpec(
             kind=r.engine,
-            options=dict(r.engine_options),
+            options=options,
             executor=executor_name(cfg),
             executor_options=dict(r.executor_options),
             agent_func_path=(
@@ -243,19 +255,42 @@ class Roles:
             plugins=self.plugins,
         )
 
-    def weight_sync_strategy(self) -> str:
-        """`rollout.weight_sync`, with auto resolved by placement: shm when the policy's rank 0 and
-        every engine share a node on CPU (one copy through /dev/shm instead of gloo over
-        loopback), else a broadcast (NCCL on GPUs, gloo on CPU)."""
-        from .components import ENGINES
+    def engine_policy_ranks(self) -> list[int | None]:
+        """For each engine, the policy rank whose GPU it runs on (it holds exactly that one GPU, on
+        that rank's node), or None: the engines a CUDA IPC sync can reach from each rank."""
+        ranks: list[int | None] = []
+        for node, gpus in zip(self.engine_nodes, self.engine_gpus, strict=True):
+            match = None
+            if len(gpus) == 1:
+                for rank, (policy_node, policy_gpus) in enumerate(self.policy_locations):
+                    if policy_node == node and list(policy_gpus) == list(gpus):
+                        match = rank
+                        break
+            ranks.append(match)
+        return ranks
 
-        chosen = self.config.rollout.weight_sync
-        if chosen != "auto":
-            return chosen
-        if not getattr(ENGINES[self.config.rollout.engine], "receives_weights", True):
-            return "none"
-        same_node = all(node == self.policy_node for node in self.engine_nodes)
-        return "shm" if self.device == "cpu" and same_node else "broadcast"
+    def sync_placement(self) -> Any:
+        """The facts `components.choose_weight_sync` decides auto from."""
+        from .components import ENGINES, SyncPlacement
+
+        return SyncPlacement(
+            device=self.device,
+            engine_receives=getattr(ENGINES[self.config.rollout.engine], "receives_weights", True),
+            engines_on_policy_gpus=bool(self.engine_nodes)
+            and all(rank is not None for rank in self.engine_policy_ranks()),
+            engines_on_policy_node=all(node == self.policy_node for node in self.engine_nodes),
+        )
+
+    def weight_sync_strategy(self) -> str:
+        """`rollout.weight_sync`, with auto resolved from the placement (`components.choose_weight_sync`):
+        none for an engine that cannot receive, ipc for engines on the policy's GPUs, broadcast
+        across GPUs (NCCL) or nodes (gloo), shm for CPU engines on the node of policy rank 0."""
+        from .components import choose_weight_sync
+
+        if self._strategy is None:
+            chosen = self.config.rollout.weight_sync
+            self._strategy = choose_weight_sync(self.sync_placement()) if chosen == "auto" else chosen
+        return self._strategy
 
     def init_weight_sync(self) -> str:
         """Policy DP rank 0 sends, every engine worker receives (`components.SYNC_STRATEGIES`); a
@@ -325,21 +360,125 @@ class Roles:
         return {role: per_rank[0] for role, per_rank in _get_all(futures).items()}  # equal on every rank
 
     def sync_weights(self, version: int) -> dict[str, float]:
-        """Send the policy's weights to every engine as `version`; time, size and checksum match."""
+        """Send the policy's weights to every engine as `version`; time, size and checksum match.
+
+        CUDA IPC: every policy rank packs the weights into buffers on its GPU and returns their
+        `IpcPayload`; each engine maps the payload of the rank on its GPU, then the ranks free them.
+        """
         import ray
 
-        if self.weight_sync_strategy() == "none":
+        strategy = self.weight_sync_strategy()
+        if strategy == "none":
             return {}
+        if self.engines_asleep:
+            raise RuntimeError("Roles.sync_weights: the engines are asleep; call to_generation() first")
 
         sent = self.groups["policy"].submit("sync", version)
-        received = self.engines.submit("receive", version)
-        report = ray.get(sent)[0]
-        mismatched = sum(len(compare_checksums(report, other)) for other in ray.get(received))
+        if strategy == "ipc":
+            shared = ray.get(sent)
+            reports = [report for report, _ in shared]
+            ranks = self.engine_policy_ranks()
+            received = self.engines.submit("receive", per_rank=[(version, shared[rank][1]) for rank in ranks])
+            received = ray.get(received)
+            ray.get(self.groups["policy"].submit("release_sync"))
+            report = reports[0]
+            mismatched = sum(
+                len(compare_checksums(reports[rank], other))
+                for rank, other in zip(ranks, received, strict=True)
+            )
+        else:
+            if strategy == "file":  # a reader does not wait for the files: they must be written first
+                ray.get(sent)
+            received = self.engines.submit("receive", version)
+            report = ray.get(sent)[0]
+            mismatched = sum(len(compare_checksums(report, other)) for other in ray.get(received))
         return {
             "sync/seconds": float(report.seconds),
             "sync/gigabytes": report.num_bytes / 1e9,
             "health/sync_checksum_match": float(mismatched == 0),
         }
+
+    # ------------------------------------------------------------------------------------------
+    # The hybrid engine (ray.colocate all): who holds the GPU memory
+
+    @property
+    def hybrid(self) -> bool:
+        return self.config.ray.colocate == "all"
+
+    def _offloading(self) -> list[str]:
+        """The learner roles that free GPU memory while the engines generate (GPU runs only)."""
+        return list(self.groups) if self.hybrid and self.device == "cuda" else []
+
+    def _move_learner_states(self, method: str) -> None:
+        """`offload_states` or `reload_states` on every rank of every offloading role, at once."""
+        import ray
+
+        ray.get([future for role in self._offloading() for future in self.groups[role].submit(method)])
+
+    def to_training(self) -> None:
+        """Hybrid engine, once generation (and eval) are done: the engines sleep (level 1: vLLM keeps
+        the weights in host memory and drops its KV cache), then the learners reload their DeepSpeed
+        states for the forwards and training. Nothing happens without `ray.colocate all`."""
+        import ray
+
+        if not self.hybrid:
+            return
+        if not self.engines_asleep:
+            ray.get(self.engines.submit("sleep", 1))
+            self.engines_asleep = True
+        if self.learners_offloaded:
+            self._move_learner_states("reload_states")
+            self.learners_offloaded = False
+
+    def to_generation(self) -> None:
+        """Hybrid engine, before the weight sync and the next generation: the learners offload their
+        DeepSpeed states (on GPUs), then the engines wake. The inverse of `to_training`."""
+        import ray
+
+        if not self.hybrid:
+            return
+        if not self.learners_offloaded and self._offloading():
+            self._move_learner_states("offload_states")
+            self.learners_offloaded = True
+        if self.engines_asleep:
+            ray.get(self.engines.submit("wake_up"))
+            self.engines_asleep = False
+
+    @contextlib.contextmanager
+    def _learner_states(self):
+        """The learners' states on their device for the duration (a checkpoint, an export)."""
+
+        offloaded = self.learners_offloaded
+        if offloaded:
+            self._move_learner_states("reload_states")
+            self.learners_offloaded = False
+        try:
+            yield
+        finally:
+            if offloaded:
+                self._move_learner_states("offload_states")
+                self.learners_offloaded = True
+
+    def describe_hybrid(self) -> str | None:
+        """The start-up line of the hybrid engine (None without `ray.colocate all`)."""
+        if not self.hybrid:
+            return None
+        line = "hybrid engine (ray.colocate all): the engines sleep after generation and wake before the weight sync"
+        if not all(self.engines.call("can_sleep")):
+            line += f" (the {self.config.rollout.engine} engine cannot sleep here: the calls are no-ops)"
+        if self.device != "cuda":
+            return (
+                line + "; DeepSpeed state offload is skipped on CPU (the states already live in host memory)"
+            )
+        plans = {role: self.groups[role].call("offload_plan")[0] for role in self.groups}
+        return (
+            line
+            + "; learners while the engines generate: "
+            + ", ".join(
+                f"{role} {'offloads: ' if kind != 'none' else 'stays: '}{why}"
+                for role, (kind, why) in plans.items()
+            )
+        )
 
     # ------------------------------------------------------------------------------------------
     # Checkpoints, export, shutdown
@@ -348,10 +487,11 @@ class Roles:
         return [role for role in TRAINED_ROLES if role in self.groups]
 
     def save(self, root: str, step: int, state: Any) -> None:
-        for role in self.trained():
-            self.groups[role].call(
-                "save", os.path.join(root, role), step, state, self.config.ckpt.max_ckpt_num
-            )
+        with self._learner_states():
+            for role in self.trained():
+                self.groups[role].call(
+                    "save", os.path.join(root, role), step, state, self.config.ckpt.max_ckpt_num
+                )
 
     def load(self, checkpoints: dict[str, Any]) -> Any:
         """Load `checkpoints[role]` (a checkpoint folder) into every trained role; the policy's
@@ -363,7 +503,8 @@ class Roles:
         return states["policy"]
 
     def export(self, path: str, tokenizer_path: str) -> None:
-        self.groups["policy"].call("export", path, tokenizer_path)
+        with self._learner_states():
+            self.groups["policy"].call("export", path, tokenizer_path)
 
     def describe(self) -> str:
         """One start-up line: the actors of every role and the engines' KV cache."""
@@ -372,7 +513,8 @@ class Roles:
         sizes = {size for size in self.kv_cache_bytes if size is not None}
         if sizes:
             line += f" (KV cache {max(sizes) / 2**20:.0f} MiB each)"
-        return line
+        hybrid = self.describe_hybrid()
+        return line if hybrid is None else f"{line}; {hybrid}"
 
     def shutdown(self) -> None:
         import ray

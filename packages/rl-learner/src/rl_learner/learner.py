@@ -356,9 +356,80 @@ class Learner:
         """Learning rate of the next update."""
         return float(self.engine.optimizer.param_groups[0]["lr"]) if self.trainable else 0.0
 
+    # ----------------------------------------------------------------- hybrid engine: GPU memory
+
+    def offload_plan(self) -> tuple[str, str]:
+        """How `offload_states` frees this learner's GPU memory: ("deepspeed" | "module" | "none", why).
+
+        - "deepspeed": a trained engine under ZeRO-1/2/3 whose optimizer lives on the GPU; DeepSpeed's
+          `offload_states()` moves every state (fp32 master weights, Adam moments, gradient
+          buffers, the bf16 / fp16 weights) to pinned host memory and `reload_states()` brings them back.
+        - "module": an inference-only engine (reference, reward model) below ZeRO-3: its weights are
+          its only state, moved with `module.to("cpu")` and back.
+        - "none": on CPU (the states already live in host memory), ZeRO-0 training (DeepSpeed has no
+          state offload for a plain torch optimizer), train.adam_offload (the optimizer already runs
+          on the CPU), ZeRO-3 with an optimizer other than DeepSpeed's FusedAdam (where its kernel
+          did not build: DeepSpeed refuses), or an inference-only ZeRO-3 engine (DeepSpeed cannot
+          move one without an optimizer).
+        """
+        if self.device.type != "cuda":
+            return "none", "on CPU the DeepSpeed states already live in host memory"
+        if self.trainable:
+            if self.ds.zero_stage == 0:
+                return "none", "ZeRO-0 has no DeepSpeed state offload (use train.zero_stage >= 1)"
+            if self.ds.offload_optimizer:
+                return "none", "the optimizer already runs on the CPU (train.adam_offload)"
+            basic = type(getattr(self.engine.optimizer, "optimizer", None)).__name__
+            if self.ds.zero_stage == 3 and basic != "FusedAdam":
+                # DeepSpeed 0.19's ZeRO-3 offload_states asserts on any other optimizer
+                return (
+                    "none",
+                    f"DeepSpeed offloads ZeRO-3 states only with its FusedAdam (this rank runs {basic})",
+                )
+            return "deepspeed", f"DeepSpeed offload_states (ZeRO-{self.ds.zero_stage})"
+        if self.ds.zero_stage == 3:
+            return "none", "DeepSpeed cannot move an inference-only ZeRO-3 engine"
+        return "module", "the weights move to host memory"
+
+    @property
+    def offloaded(self) -> bool:
+        """Whether `offload_states` moved the states off the GPU (until `reload_states`)."""
+        return getattr(self, "_offloaded", False)
+
+    def offload_states(self) -> bool:
+        """Free this learner's GPU memory for colocated engines (see `offload_plan`); True when
+        something moved. Forwards and training need `reload_states` first."""
+        kind, _ = self.offload_plan()
+        if kind == "none" or self.offloaded:
+            return False
+        if kind == "deepspeed":
+            self.engine.offload_states()
+        else:
+            self.engine.module.to("cpu")
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        self._offloaded = True
+        return True
+
+    def reload_states(self) -> bool:
+        """Undo `offload_states` (a no-op when nothing was offloaded); True when something moved."""
+        if not self.offloaded:
+            return False
+        if self.offload_plan()[0] == "deepspeed":
+            self.engine.reload_states()
+        else:
+            self.engine.module.to(self.device)
+        torch.cuda.synchronize(self.device)
+        self._offloaded = False
+        return True
+
     # ----------------------------------------------------------------- helpers
 
     def _batches(self, micro_batches: Sequence[ExperienceBatch]) -> list[ExperienceBatch]:
+        if self.offloaded:
+            raise RuntimeError(
+                f"{type(self).__name__}: the states are offloaded to host memory; call reload_states() first"
+            )
         if isinstance(micro_batches, ExperienceBatch) or not isinstance(micro_batches, Sequence):
             raise TypeError(
                 f"micro_batches must be a sequence of ExperienceBatch, got {type(micro_batches).__name__}"

@@ -30,8 +30,13 @@ dropped), so no token after a row's end is ever produced for it.
 Weight sync: `init_weight_sync` builds an `rl_rollout.WeightReceiver` whose `apply` copies each
 named tensor into the model's `state_dict()` entry (dtype cast included). Tied weights share
 storage, so writing one name updates both; a name missing from the state dict is accepted only
-when the model declares it tied to another parameter. `sleep` moves the weights to CPU and
-`wake_up` back (CUDA only). `agenerate` batches concurrent callers: requests arriving within
+when the model declares it tied to another parameter.
+
+Sleep (the hybrid engine's contract, on every device): `sleep` frees the engine's device memory (on
+CUDA the weights move to host memory and the cache is emptied; on CPU nothing needs to move) and
+`wake_up` restores it. While asleep, `generate` and `receive_weights` are refused with an
+`EngineError` (wake the engine before a weight sync, as vLLM needs its weights in place to load
+new ones); after `wake_up` the engine generates exactly what it did before. `agenerate` batches concurrent callers: requests arriving within
 `batch_wait_s` of each other with equal `SamplingParams` go through one `generate` call.
 """
 
@@ -227,9 +232,7 @@ class HFEngine(Engine):
 
     def supports(self, feature: str) -> bool:
         super().supports(feature)  # validates the name
-        if feature == "sleep":
-            return self.device.type == "cuda"
-        return feature in ("weight_sync", "async")
+        return feature in ("weight_sync", "async", "sleep")
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Generation]]:
         if not isinstance(params, SamplingParams):
@@ -485,24 +488,27 @@ class HFEngine(Engine):
     # --- memory -------------------------------------------------------------------------------------
 
     def sleep(self, level: int = 1) -> None:
-        """Move the weights to CPU and free the GPU cache (level 1 and 2 alike: weights are kept)."""
-        if not self.supports("sleep"):
-            raise self._unsupported("sleep")
+        """Free the device memory until `wake_up`: on CUDA move the weights to host memory and empty
+        the cache (level 1 and 2 alike: the weights are kept); on CPU only refuse work until then."""
         if level not in (1, 2):
             raise ValueError(f"{self.name}.sleep: level must be 1 or 2, got {level!r}")
         with self._lock:
             if not self._asleep:
-                self.model.to("cpu")
-                torch.cuda.empty_cache()
+                if self.device.type == "cuda":
+                    self.model.to("cpu")
+                    torch.cuda.empty_cache()
                 self._asleep = True
 
+    @property
+    def asleep(self) -> bool:
+        return self._asleep
+
     def wake_up(self) -> None:
-        """Move the weights back to the engine's device."""
-        if not self.supports("sleep"):
-            raise self._unsupported("sleep")
+        """Move the weights back to the engine's device; a no-op when awake."""
         with self._lock:
             if self._asleep:
-                self.model.to(self.device)
+                if self.device.type == "cuda":
+                    self.model.to(self.device)
                 self._asleep = False
 
     def close(self) -> None:

@@ -22,7 +22,8 @@ prefix cache is reset, so no cached prefix computed with old weights is served a
 with W workers (tensor x pipeline parallel) takes W consecutive receiver ranks, `rank`,
 `rank + 1`, ...: see `sync_world_size`.
 
-Sleep mode needs a GPU (vLLM's CPU worker ignores it): `supports("sleep")` is False on CPU.
+Sleep mode needs a GPU (vLLM's CPU worker ignores it): `supports("sleep")` is False on CPU. While
+asleep, `generate` and `receive_weights` are refused (wake before a weight sync), as `HFEngine` does.
 
 Start-up and shutdown: vLLM's engine core runs in a child process; `close()` shuts it down so
 that another engine can start in the same process. Scripts that start an engine need an
@@ -200,6 +201,7 @@ class VLLMEngine(Engine):
         if enable_sleep_mode is None:
             enable_sleep_mode = not on_cpu
         self._sleep_enabled = bool(enable_sleep_mode) and not on_cpu
+        self._asleep = False
         self.policy_version = 0
         self._request_ids = itertools.count()
         self._engine = None
@@ -334,12 +336,17 @@ class VLLMEngine(Engine):
             await asyncio.gather(*tasks, return_exceptions=True)
             raise
 
+    def _check_awake(self, method: str) -> None:
+        if self._asleep:
+            raise EngineError(f"VLLMEngine.{method}: the engine is asleep; call wake_up() first")
+
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Generation]]:
         """`params.n` responses for each prompt: result[i][j] is sample j of prompts[i].
 
         Raises EngineError naming the prompt for an empty or over-long prompt (before anything
-        is submitted) or a request vLLM rejects.
+        is submitted) or a request vLLM rejects, and while the engine is asleep.
         """
+        self._check_awake("generate")
         checked = check_prompts(prompts, params, self.max_model_len, self.name)
         return self._run(self._batch(checked, params))
 
@@ -349,6 +356,7 @@ class VLLMEngine(Engine):
         Works from any event loop: the request runs on the engine's loop and this awaits it.
         Cancelling the await aborts the request in vLLM.
         """
+        self._check_awake("agenerate")
         [checked] = check_prompts([prompt], params, self.max_model_len, self.name)
         future = asyncio.run_coroutine_threadsafe(self._request(0, checked, params), self._loop)
         return await asyncio.wrap_future(future)
@@ -396,6 +404,7 @@ class VLLMEngine(Engine):
         are checked against each other). Raises EngineError carrying the worker's WeightSyncError
         message on a layout or checksum mismatch (policy_version is then unchanged).
         """
+        self._check_awake("receive_weights")
         payload_bytes = encode(payload) if payload is not None else None
         reports = decode_reports(self._worker_call("receive_weights", (int(version), payload_bytes)))
         if any(report.checksums != reports[0].checksums for report in reports):
@@ -424,12 +433,18 @@ class VLLMEngine(Engine):
         if level not in (1, 2):
             raise ValueError(f"VLLMEngine.sleep: level must be 1 or 2, got {level!r}")
         self._run(self._live().sleep(level))
+        self._asleep = True
 
     def wake_up(self) -> None:
         """Undo `sleep` (after a level-2 sleep, load weights before generating)."""
         if not self._sleep_enabled:
             raise self._unsupported("sleep")
         self._run(self._live().wake_up())
+        self._asleep = False
+
+    @property
+    def asleep(self) -> bool:
+        return self._asleep
 
     # --- lifetime ------------------------------------------------------------------------------
 
