@@ -256,9 +256,19 @@ def test_sleep_needs_a_gpu_and_wake_up_restores_generation(vllm_engine, test_pro
         with pytest.raises(EngineError, match="does not support sleep"):
             vllm_engine.sleep()
         return
+    import torch
+
     before = vllm_engine.generate(test_prompts, GREEDY)
+    free_awake, _ = torch.cuda.mem_get_info()
     vllm_engine.sleep(1)
+    free_asleep, _ = torch.cuda.mem_get_info()
+    assert free_asleep > free_awake  # the KV cache went and the weights moved to host memory
+    with pytest.raises(EngineError, match=r"VLLMEngine\.generate: the engine is asleep"):
+        vllm_engine.generate(test_prompts, GREEDY)
+    with pytest.raises(EngineError, match=r"VLLMEngine\.receive_weights: the engine is asleep"):
+        vllm_engine.receive_weights(1)
     vllm_engine.wake_up()
+    assert torch.cuda.mem_get_info()[0] < free_asleep  # and came back
     assert [g[0].token_ids for g in vllm_engine.generate(test_prompts, GREEDY)] == [
         g[0].token_ids for g in before
     ]
