@@ -23,9 +23,9 @@ names up in `named_parameters()` and `copy_`, the shape of an engine's `load_wei
   folder under /dev/shm, then every receiver reads, verifies and loads them
   (`rl_data.transport.read_buckets`): the same-host CPU path that avoids the loopback sockets.
 - shm (ours): `rl_learner.sync.ShmSender` packs each bucket once into a pre-faulted shared-memory
-  slot and publishes the version; the receivers, called before the send as a driver does, wait
-  for it, verify the checksums and load from views over the shared pages (`rl_data.shm`): one
-  copy on each side, no socket.
+  slot and marks it ready; the receivers, called before the send as a driver does, load bucket
+  i while the sender packs bucket i+1, each verifying the bucket's page checksum and loading from
+  views over the shared pages (`rl_data.shm`): one copy on each side, overlapped, no socket.
 - memcpy: `dst.copy_(src)` of the same number of bytes in one process, the bound that memory
   bandwidth puts on any copy of these weights on this machine.
 
@@ -71,6 +71,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 SHAPES = {
     "qwen2-0.5b": dict(hidden=896, layers=24, heads=14, kv_heads=2, intermediate=4864, vocab=151_936),
 }
+SCHEMES = ("per-parameter", "bucketed", "unchecked", "file", "shm")
 LATENCY_SIZES = [4096 * 4**k for k in range(8)]  # 4 KiB .. 64 MiB
 SHARED_MEMORY = "/dev/shm"  # the file transport through RAM: the fastest same-host path on CPU
 
@@ -109,8 +110,10 @@ def weights_digest(model: torch.nn.Module) -> list[int]:
 class ReceiverEngine:
     """A receiving engine's side of both schemes; served over a Pipe or as a Ray actor."""
 
-    def __init__(self, rank: int, world: int, config: dict[str, Any], dtype_name: str) -> None:
-        torch.set_num_threads(1)
+    def __init__(
+        self, rank: int, world: int, config: dict[str, Any], dtype_name: str, threads: int = 1
+    ) -> None:
+        torch.set_num_threads(threads)
         self.rank, self.world = rank, world
         self.model = build_model(config, DTYPES[dtype_name], seed=rank)
         self.group: SyncGroup | None = None
@@ -161,7 +164,7 @@ class ReceiverEngine:
         waited = []
 
         def consume(bucket, views):
-            if not waited:
+            if not waited:  # the first bucket was ready
                 waited.append(time.perf_counter() - start)
             load(params, views.items())
 
@@ -205,9 +208,11 @@ class ReceiverEngine:
         return "closed"
 
 
-def serve(connection: Any, rank: int, world: int, config: dict[str, Any], dtype_name: str) -> None:
+def serve(
+    connection: Any, rank: int, world: int, config: dict[str, Any], dtype_name: str, threads: int
+) -> None:
     """A receiver process for `--rpc pipe`: (method, args) messages in, results out, until None."""
-    engine = ReceiverEngine(rank, world, config, dtype_name)
+    engine = ReceiverEngine(rank, world, config, dtype_name, threads)
     connection.send("ready")
     while (message := connection.recv()) is not None:
         method, args = message
@@ -218,11 +223,13 @@ def serve(connection: Any, rank: int, world: int, config: dict[str, Any], dtype_
 class PipeReceivers:
     """Remote calls over multiprocessing Connections: `call` returns at once, `wait` collects."""
 
-    def __init__(self, count: int, config: dict[str, Any], dtype_name: str) -> None:
+    def __init__(self, count: int, config: dict[str, Any], dtype_name: str, threads: int = 1) -> None:
         context = multiprocessing.get_context("spawn")
         pipes = [context.Pipe() for _ in range(count)]
         self.processes = [
-            context.Process(target=serve, args=(child, rank, count + 1, config, dtype_name), daemon=True)
+            context.Process(
+                target=serve, args=(child, rank, count + 1, config, dtype_name, threads), daemon=True
+            )
             for rank, (_, child) in enumerate(pipes, start=1)
         ]
         for process in self.processes:
@@ -249,7 +256,7 @@ class PipeReceivers:
 class RayReceivers:
     """The same calls to Ray actors (as OpenRLHF makes them), on a local Ray bound to 127.0.0.1."""
 
-    def __init__(self, count: int, config: dict[str, Any], dtype_name: str) -> None:
+    def __init__(self, count: int, config: dict[str, Any], dtype_name: str, threads: int = 1) -> None:
         import ray
 
         self.ray = ray
@@ -262,7 +269,9 @@ class RayReceivers:
             log_to_driver=False,
         )
         actor = ray.remote(num_cpus=1)(ReceiverEngine)
-        self.actors = [actor.remote(rank, count + 1, config, dtype_name) for rank in range(1, count + 1)]
+        self.actors = [
+            actor.remote(rank, count + 1, config, dtype_name, threads) for rank in range(1, count + 1)
+        ]
         ray.get([a.digest.remote() for a in self.actors])
 
     def call(self, method: str, *args: Any) -> list:
@@ -382,12 +391,40 @@ def main() -> None:
     parser.add_argument(
         "--rpc", choices=("pipe", "ray"), default="pipe", help="remote calls over Pipes or to Ray actors"
     )
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=2,
+        help="untimed syncs per scheme first (a run's steady state: shm receivers map each of the 2 "
+        "slots once, paying its page faults, then reuse the mapping)",
+    )
     parser.add_argument("--latency", action="store_true", help="also time gloo broadcast calls per size")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch intra-op threads of the learner (its sends, memcpy and checksum rows) and of each "
+        "receiver; default: torch's own in the learner, 1 per receiver",
+    )
+    parser.add_argument(
+        "--schemes",
+        default=",".join(SCHEMES),
+        help=f"comma-separated subset of {','.join(SCHEMES)} (memcpy and checksum rows always run)",
+    )
     args = parser.parse_args()
+    schemes = set(args.schemes.split(","))
+    if not schemes <= set(SCHEMES):
+        parser.error(f"--schemes: unknown {sorted(schemes - set(SCHEMES))}; choose from {','.join(SCHEMES)}")
+    if args.threads is not None:
+        if args.threads < 1:
+            parser.error("--threads must be >= 1")
+        torch.set_num_threads(args.threads)
     for key, value in SHAPES.get(args.shape, {}).items():
         setattr(args, key, value)
     if min(args.hidden, args.layers, args.vocab, args.bucket_mb, args.receivers, args.repeat) < 1:
         parser.error("sizes, --bucket-mb, --receivers and --repeat must be >= 1")
+    if args.warmup < 0:
+        parser.error("--warmup must be >= 0")
 
     from rl_learner.sync import BroadcastSender, FileSender, ShmSender, sync_layout
 
@@ -398,14 +435,16 @@ def main() -> None:
     layout = sync_layout(model, bucket_bytes=args.bucket_mb * 2**20)
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
     world = 1 + args.receivers
-    receivers = (RayReceivers if args.rpc == "ray" else PipeReceivers)(args.receivers, config, args.dtype)
+    receivers = (RayReceivers if args.rpc == "ray" else PipeReceivers)(
+        args.receivers, config, args.dtype, args.threads or 1
+    )
     results: dict[str, list[float]] = {}
     shm_split: list[tuple[float, list[tuple[float, float]]]] = []
     latency_rows: list[tuple[int, float]] = []
 
     def timed(scheme: str, run: Callable[[int], None]) -> None:
         seconds = []
-        for version in range(1, args.repeat + 1):
+        for version in range(1, args.warmup + args.repeat + 1):
             with torch.no_grad():
                 for param in model.parameters():
                     param.neg_()  # every sync moves other bytes
@@ -414,7 +453,7 @@ def main() -> None:
             run(version)
             seconds.append(time.perf_counter() - start)
             check_receivers(model, receivers, scheme)
-        results[scheme] = seconds
+        results[scheme] = seconds[args.warmup :]
 
     def own_group() -> SyncGroup:
         port = free_port()
@@ -424,47 +463,58 @@ def main() -> None:
         return group
 
     try:
-        group = own_group()
-        timed("per-parameter", lambda version: per_parameter_sync(model, group, receivers))
-        if args.latency:
-            latency_rows = broadcast_latency(group, receivers, calls=5)
-        group.close()
+        if "per-parameter" in schemes:
+            group = own_group()
+            timed("per-parameter", lambda version: per_parameter_sync(model, group, receivers))
+            if args.latency:
+                latency_rows = broadcast_latency(group, receivers, calls=5)
+            group.close()
 
         spec = WeightSyncSpec(transport="broadcast", layout=layout, port=free_port(), world_size=world)
         spec_bytes = encode(spec)
-        calls = receivers.call("join", spec.port)
-        sender = BroadcastSender(model, spec)
-        receivers.wait(calls)
-        timed("bucketed (ours)", lambda version: bucketed_sync(sender, spec_bytes, receivers, version))
-        sender.close()
+        if "bucketed" in schemes:
+            calls = receivers.call("join", spec.port)
+            sender = BroadcastSender(model, spec)
+            receivers.wait(calls)
+            timed("bucketed (ours)", lambda version: bucketed_sync(sender, spec_bytes, receivers, version))
+            sender.close()
 
-        group = own_group()
-        timed("  w/o checksums", lambda version: unchecked_sync(model, group, layout, spec_bytes, receivers))
-        group.close()
+        if "unchecked" in schemes:
+            group = own_group()
+            timed(
+                "  w/o checksums", lambda version: unchecked_sync(model, group, layout, spec_bytes, receivers)
+            )
+            group.close()
 
-        with tempfile.TemporaryDirectory(
-            dir=SHARED_MEMORY if os.path.isdir(SHARED_MEMORY) else None
-        ) as folder:
-            file_spec = WeightSyncSpec(transport="file", layout=layout, directory=folder)
-            file_bytes = encode(file_spec)
-            file_sender = FileSender(model, file_spec)
+        if "file" in schemes:
+            with tempfile.TemporaryDirectory(
+                dir=SHARED_MEMORY if os.path.isdir(SHARED_MEMORY) else None
+            ) as folder:
+                file_spec = WeightSyncSpec(transport="file", layout=layout, directory=folder)
+                file_bytes = encode(file_spec)
+                file_sender = FileSender(model, file_spec)
 
-            def file_sync(version: int) -> None:
-                file_sender.send(version=version)
-                receivers.wait(receivers.call("receive_file", file_bytes, version))
+                def file_sync(version: int) -> None:
+                    file_sender.send(version=version)
+                    receivers.wait(receivers.call("receive_file", file_bytes, version))
 
-            timed("file, shared mem", file_sync)
+                timed("file, shared mem", file_sync)
 
-        shm_spec = WeightSyncSpec(transport="shm", layout=layout, directory=shm_directory(), timeout_s=120)
-        shm_bytes = encode(shm_spec)
-        with ShmSender(model, shm_spec) as shm_sender:
+        if "shm" in schemes:
+            shm_spec = WeightSyncSpec(
+                transport="shm", layout=layout, directory=shm_directory(), timeout_s=120
+            )
+            shm_bytes = encode(shm_spec)
+            with ShmSender(model, shm_spec) as shm_sender:
 
-            def shm_sync(version: int) -> None:
-                calls = receivers.call("receive_shm", shm_bytes, version)  # they wait for the version
-                shm_sender.send(version=version)
-                shm_split.append((shm_sender.last_report.seconds, receivers.wait(calls)))
+                def shm_sync(version: int) -> None:
+                    calls = receivers.call("receive_shm", shm_bytes, version)  # they wait for the version
+                    shm_sender.send(version=version)
+                    shm_split.append((shm_sender.last_report.seconds, receivers.wait(calls)))
 
-            timed("shm (ours)", shm_sync)
+                del shm_split[: -args.repeat]  # the timed ones
+
+                timed("shm (ours)", shm_sync)
     finally:
         receivers.close()
     memcpy = median(best_memcpy_seconds(nbytes, 1) for _ in range(args.repeat))
@@ -475,13 +525,14 @@ def main() -> None:
         f"({num_tensors} tensors), {args.dtype}, "
         f"{nbytes / 1e6:.0f} MB of weights -> {args.receivers} receivers, gloo on 127.0.0.1, remote calls "
         f"over {args.rpc}; ours: {len(layout.buckets)} buckets of <= {args.bucket_mb} MiB; median [min-max] of "
-        f"{args.repeat}; torch {torch.__version__}, {os.cpu_count()} CPUs, load average "
+        f"{args.repeat} after {args.warmup} untimed; torch {torch.__version__}, {os.cpu_count()} CPUs, {torch.get_num_threads()} learner "
+        f"threads, {args.threads or 1} per receiver, load average "
         f"{os.getloadavg()[0]:.1f}; receivers verified equal after every sync"
     )
     header = f"{'scheme':<18} {'seconds':>8} {'[min - max]':>17} {'GB/s':>7} {'vs per-param':>13} {'of memcpy':>10}"
     print(header)
     print("-" * len(header))
-    baseline = median(results["per-parameter"])
+    baseline = median(results["per-parameter"]) if "per-parameter" in results else float("nan")
     rows = [
         (name, median(times), f"[{min(times):.3f} - {max(times):.3f}]") for name, times in results.items()
     ]
@@ -496,9 +547,10 @@ def main() -> None:
         publish = median(sender for sender, _ in shm_split)
         reads = median(max(read for read, _ in replies) for _, replies in shm_split)
         print(
-            f"\nshm split (medians): publish (pack + checksum into the slot) {publish:.3f} s, then the slower "
-            f"receiver's read (checksum + load into its model, after the version appeared) {reads:.3f} s; "
-            f"one memcpy {memcpy:.3f} s, one checksum pass {checksum:.3f} s"
+            f"\nshm split (medians): the sender's publish (pack + page checksum of every bucket) {publish:.3f} s; "
+            f"the slower receiver's read from its first ready bucket on (checksum + load into its model, "
+            f"overlapping the publish) {reads:.3f} s; one memcpy {memcpy:.3f} s, one bucket_checksum pass "
+            f"{checksum:.3f} s"
         )
     if latency_rows:
         latency, bandwidth = fit_latency(latency_rows)

@@ -6,7 +6,10 @@ is never read half-written or after its slot was reused; a timeout names the ver
 file; a corrupt or foreign-layout version is refused; the views handed over are the shared
 pages themselves; a receiver's own write into a view reaches neither the sender nor other
 receivers; a sender's folder disappears on close and at exit, and after a SIGKILL the stale
-sweep removes it; two concurrent runs never share a folder.
+sweep removes it; two concurrent runs never share a folder. Per bucket: a receiver loads bucket
+i while the sender still packs the next ones, never sees a bucket torn or from another version
+(also while the next version is written), and fails at once when the sender fails mid-version;
+the check (`page_checksum`) sees a flipped bit, a stale page and a moved page.
 """
 
 from __future__ import annotations
@@ -24,9 +27,11 @@ import torch
 
 from rl_data import WeightSyncReport, compare_checksums, decode, pack_bucket, plan_buckets
 from rl_data.shm import (
+    PAGE_BYTES,
     ShmPublisher,
     ShmReader,
     WeightSyncTimeout,
+    page_checksum,
     remove_stale_directories,
     shm_directory,
 )
@@ -235,4 +240,144 @@ def test_two_concurrent_runs_get_their_own_folders_and_a_folder_has_one_sender(d
         holder = start("send", directory, tmp_path, 0, "close", 1)
         assert holder.wait(timeout=120) == 1  # FileExistsError: the folder belongs to this process
     meta = plan_buckets([("a", torch.float32, (4,))])
-    assert ShmPublisher(other, meta).slot_bytes == 4096  # the folder is free again after its run
+    assert (
+        ShmPublisher(other, meta).slot_bytes == 2 * 4096
+    )  # free again after its run: header + 1 bucket page
+
+
+def test_page_checksum_sees_a_flipped_bit_a_stale_page_and_a_moved_page():
+    generator = torch.Generator().manual_seed(0)
+    pages = torch.randint(0, 256, (4 * PAGE_BYTES,), dtype=torch.uint8, generator=generator)
+    reference = page_checksum(pages, pages.numel())
+    assert page_checksum(pages.clone(), pages.numel()) == reference  # a function of the bytes
+    assert page_checksum(pages, pages.numel() - 1) != reference  # the length counts
+    for position in (0, 5, PAGE_BYTES + 8, pages.numel() - 1):
+        flipped = pages.clone()
+        flipped[position] ^= 0x10
+        assert page_checksum(flipped, pages.numel()) != reference, position
+    stale = pages.clone()
+    stale[PAGE_BYTES : 2 * PAGE_BYTES] = torch.randint(
+        0, 256, (PAGE_BYTES,), dtype=torch.uint8, generator=generator
+    )
+    assert page_checksum(stale, pages.numel()) != reference
+    swapped = pages.clone()
+    swapped[:PAGE_BYTES], swapped[2 * PAGE_BYTES : 3 * PAGE_BYTES] = (
+        pages[2 * PAGE_BYTES : 3 * PAGE_BYTES],
+        pages[:PAGE_BYTES],
+    )
+    assert page_checksum(swapped, pages.numel()) != reference
+    with pytest.raises(ValueError, match="whole 4096-byte pages"):
+        page_checksum(pages[:100], 100)
+
+
+def test_a_stale_page_in_a_bucket_is_refused(directory):
+    """Bucket 1's first page is put back to what version 1 held after version 2 was published in
+    the same slot: the shape a torn or unsynchronised write would leave."""
+    meta = worker.layout()
+    with ShmPublisher(directory, meta, slots=1) as publisher:
+        publisher.publish(packer(1), version=1)
+        offset = publisher.offsets[1]
+        with open(pathlib.Path(directory) / "slot-0.bin", "r+b") as handle:
+            pages = mmap.mmap(handle.fileno(), 0)
+            old_page = bytes(pages[offset : offset + PAGE_BYTES])
+            publisher.publish(packer(2), version=2)
+            pages[offset : offset + PAGE_BYTES] = old_page
+            pages.close()
+        with (
+            ShmReader(directory, meta) as reader,
+            pytest.raises(WeightSyncError, match=r"bucket 1 \(.*\) arrived with checksum"),
+        ):
+            reader.read(lambda b, views: None, version=2)
+
+
+def test_a_receiver_loads_a_bucket_while_the_sender_packs_the_next(directory):
+    """The sender's bucket 1 waits until the receiver has consumed bucket 0 of the same version:
+    this only finishes if buckets are handed over one by one, not after the whole version."""
+    meta = worker.layout()
+    assert len(meta.buckets) >= 2
+    consumed = threading.Event()
+    tensors = worker.weights(1)
+
+    def produce(bucket, out):
+        if bucket.index == 1 and not consumed.wait(timeout=30):
+            raise AssertionError("bucket 0 was not handed to the receiver while bucket 1 was pending")
+        return pack_bucket(bucket, tensors, out=out)
+
+    with ShmPublisher(directory, meta) as publisher, ShmReader(directory, meta, timeout_s=60) as reader:
+        received: dict[str, torch.Tensor] = {}
+        result = {}
+
+        def consume(bucket, views):
+            received.update({k: v.clone() for k, v in views.items()})
+            if bucket.index == 0:
+                consumed.set()
+
+        thread = threading.Thread(target=lambda: result.update(report=reader.read(consume, version=1)))
+        thread.start()
+        sent = publisher.publish(produce, version=1)
+        thread.join(timeout=60)
+        assert compare_checksums(sent, result["report"]) == []
+        assert all(torch.equal(received[n], t) for n, t in tensors.items())
+
+
+def test_a_reader_of_one_version_never_sees_the_next_one_written_into_its_buckets(directory):
+    """A slow receiver of version v holds its views while the sender writes v+1 (the other slot)
+    and then wants v+2 (its slot): the views keep v's bytes until released, then v+2 arrives whole."""
+    meta = worker.layout()
+    with ShmPublisher(directory, meta, slots=2, timeout_s=30) as publisher:
+        reader = ShmReader(directory, meta, timeout_s=30)
+        publisher.publish(packer(1), version=1)
+        held: dict[str, torch.Tensor] = {}
+        reader.read(lambda b, views: held.update(views), version=1, hold=True)
+        publisher.publish(packer(2), version=2)  # the other slot: no wait
+        done = threading.Event()
+        thread = threading.Thread(target=lambda: (publisher.publish(packer(3), version=3), done.set()))
+        thread.start()  # waits for the reader to let go of version 1's slot
+        assert not done.wait(timeout=0.5)
+        assert all(torch.equal(held[n], t) for n, t in worker.weights(1).items())
+        reader.release()
+        thread.join(timeout=30)
+        assert done.is_set()
+        received: dict[str, torch.Tensor] = {}
+        reader.read(collect(received), version=3)
+        assert all(torch.equal(received[n], t) for n, t in worker.weights(3).items())
+        reader.close()
+
+
+def test_a_sender_failing_mid_version_fails_its_waiting_receivers_at_once(directory):
+    meta = worker.layout()
+    tensors = worker.weights(1)
+
+    def produce(bucket, out):
+        if bucket.index == 1:
+            raise RuntimeError("the gather failed")
+        return pack_bucket(bucket, tensors, out=out)
+
+    with ShmPublisher(directory, meta) as publisher, ShmReader(directory, meta, timeout_s=60) as reader:
+        errors: list[BaseException] = []
+        applied: list[int] = []
+
+        def read():
+            try:
+                reader.read(lambda b, views: applied.append(b.index), version=1)
+            except BaseException as error:
+                errors.append(error)
+
+        thread = threading.Thread(target=read)
+        thread.start()
+        with pytest.raises(RuntimeError, match="the gather failed"):
+            publisher.publish(produce, version=1)
+        thread.join(timeout=30)  # far below the reader's 60 s timeout
+        assert not thread.is_alive()
+        assert len(errors) == 1, errors
+        assert isinstance(errors[0], WeightSyncError), errors
+        assert "failed while publishing version 1" in str(errors[0])
+        assert 1 not in applied
+        with (
+            ShmReader(directory, meta, timeout_s=60) as late,
+            pytest.raises(WeightSyncError, match="version 1"),
+        ):
+            late.read(lambda b, views: None, version=1)  # a receiver that comes after the failure
+        sent = publisher.publish(packer(1), version=1)  # the same version again, whole this time
+        received: dict[str, torch.Tensor] = {}
+        assert compare_checksums(sent, reader.read(collect(received), version=1)) == []

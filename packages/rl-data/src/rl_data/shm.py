@@ -10,24 +10,44 @@ own `load_weights` makes the one copy into its parameters).
 Files under `directory`, one folder per run (`shm_directory()` names a fresh one under /dev/shm):
 
     owner                  "<hostname> <pid>" of the sender (for `remove_stale_directories`)
-    slot-<k>.bin           k = 0 .. slots-1: one version's buckets, each at a page-aligned offset
-    version-<v>.msgpack    a `ShmVersion`: the slot holding version v, the layout stamped with v
-                           and the per-bucket checksums (`rl_data.bucket_checksum`)
+    slot-<k>.bin           k = 0 .. slots-1: a header page (`header_bytes`), then one version's
+                           buckets, each at a page-aligned offset (`slot_offsets`)
+    version-<v>.msgpack    a `ShmVersion`: the slot holding version v and the layout stamped with v
+
+The slot header (`header_bytes`) holds int64 words: word 0 the version whose publish failed (-1
+for none), then per bucket i ready[i] (word 1 + 2i) and checksum[i] (word 2 + 2i): ready[i] = v
+once bucket i of version v is packed and its checksum (`page_checksum`) stored, -1 while the
+slot is being rewritten.
 
 Publishing version v (`ShmPublisher.publish`): pick the next slot k (round-robin), unlink the
 version file that names slot k (no new reader starts on it), take an exclusive `flock` on
-slot-k (this waits, up to `timeout_s`, for readers still on the version it held), pack and
-checksum every bucket in place, release the lock, then write version-v.msgpack under a temporary
-name and rename it: a reader sees a version complete or not at all.
+slot-k (this waits, up to `timeout_s`, for readers still on the version it held), mark every
+bucket not ready, turn the lock into a shared one and publish version-v.msgpack at once (written
+under a temporary name and renamed). Then, bucket by bucket, pack it in place, store its
+checksum and set ready[i] = v; the lock is dropped after the last bucket. Receivers therefore
+load bucket i while the sender packs bucket i+1: a sync takes about max(pack, load) per bucket,
+not pack + load of the whole model.
 
 Reading version v (`ShmReader.read`): wait for version-v.msgpack (polling, up to `timeout_s`; the
 error names the version and the folder), open its slot, take a shared `flock`, check that
 version-v.msgpack is still there (else the sender recycled the slot meanwhile, and the read
-fails naming the version), verify each bucket's checksum and hand `consume` views into the
-mapping. The mapping is private copy-on-write, so a stray write by an engine never reaches the
-sender or the other receivers (and would show as a checksum mismatch next time); it is kept
-across versions, so after the first read no page faults are paid. The shared lock is held until
-`read` returns, or with `hold=True` until `release()`: the views stay valid exactly that long.
+fails naming the version); then for each bucket wait for ready[i] = v, verify its checksum and
+hand `consume` views into the mapping. A bucket is never read torn: the sender writes a bucket
+of a slot only between marking it not ready and setting ready[i] = v, and it rewrites the slot
+only after every reader's shared lock on it is gone (x86 keeps stores in order, so the bucket's
+bytes are visible before its ready word; the checksum would catch them otherwise). The
+mapping is private copy-on-write, so a stray write by an engine never reaches the sender or
+the other receivers (and shows as a checksum mismatch next time); it is kept across versions,
+so after the first read no page faults are paid. The shared lock is held until `read` returns,
+or with `hold=True` until `release()`: the views stay valid exactly that long.
+
+The check (`page_checksum`, computed by the sender on the bytes it wrote and by every receiver on
+the bytes it hands its engine): one read pass at memory speed (per-page sums of 64-bit words,
+weighted by page number). It catches any change confined to one 64-bit word or to a few bytes, a
+stale, torn or private (copy-on-write) page, a page at the wrong place and a wrong length; it
+does not see words permuted within one 4 KiB page (no transport fault does that). The per-bucket
+checksums of the sender's and a receiver's reports are compared by `compare_checksums` as for
+the other transports (there `rl_data.bucket_checksum`, a slower position-exact sum).
 
 Send and receive may run concurrently (the driver starts both at once): a receiver waits for its
 version to be published. With `slots=2` a sender never waits for receivers that are one version
@@ -36,8 +56,8 @@ behind; versions must increase from one send to the next for that ordering to ho
 Cleanup: `ShmPublisher.close()` removes the folder, and so does interpreter exit (a finalizer).
 A sender killed outright (SIGKILL, OOM) leaves it behind: `remove_stale_directories(root)`
 removes the folders whose owner process on this host is gone, and `shm_directory()` runs it
-before naming a new folder. The memory itself returns to the system once the last receiver has
-unmapped it (`ShmReader.close()`).
+before naming a new folder. A receiver waiting on a bucket of a killed sender times out. The
+memory itself returns to the system once the last receiver has unmapped it (`ShmReader.close()`).
 """
 
 from __future__ import annotations
@@ -59,8 +79,9 @@ import torch
 
 from .errors import check_integer
 from .serialization import decode, encode
+from .tensors import _LENGTH_MULTIPLIER, _UINT64_MASK, _mix64
 from .transport import WeightSyncError, _mismatch, layout_fingerprint
-from .weights import BucketMeta, WeightSyncMeta, WeightSyncReport, bucket_checksum, unpack_bucket
+from .weights import BucketMeta, WeightSyncMeta, WeightSyncReport, unpack_bucket
 
 __all__ = [
     "DEFAULT_PREFIX",
@@ -69,14 +90,19 @@ __all__ = [
     "ShmReader",
     "ShmVersion",
     "WeightSyncTimeout",
+    "header_bytes",
+    "page_checksum",
     "remove_stale_directories",
     "shm_directory",
     "slot_offsets",
 ]
 
 PAGE_BYTES = 4096
+PAGE_WORDS = PAGE_BYTES // 8
 DEFAULT_PREFIX = "rl-weights-"
 _OWNER = "owner"
+_NOT_READY = -1
+_POLL_MAX_S = 0.001  # a receiver polling a bucket's ready word sleeps at most this long
 
 Produce = Callable[[BucketMeta, torch.Tensor], torch.Tensor]
 Consume = Callable[[BucketMeta, Mapping[str, torch.Tensor]], None]
@@ -89,9 +115,10 @@ class WeightSyncTimeout(WeightSyncError, TimeoutError):
 class ShmVersion(msgspec.Struct, frozen=True):
     """What a receiver needs to read one published version: the slot file and where each bucket is.
 
-    layout: the sender's layout stamped with the version and per-bucket checksums. slot: the
-    slot file's name in the folder; slot_inode: its inode (a slot file recreated by a new sender
-    is a different file). offsets: each bucket's byte offset in the slot (page-aligned).
+    layout: the sender's layout stamped with the version (the per-bucket checksums are in the
+    slot header, written as each bucket is ready). slot: the slot file's name in the folder;
+    slot_inode: its inode (a slot file recreated by a new sender is a different file). offsets:
+    each bucket's byte offset in the slot (page-aligned, after the header).
     """
 
     layout: WeightSyncMeta
@@ -100,14 +127,58 @@ class ShmVersion(msgspec.Struct, frozen=True):
     offsets: tuple[int, ...]
 
 
+def header_bytes(meta: WeightSyncMeta) -> int:
+    """Size of a slot's header in whole pages: int64 word 0 (the version whose publish failed),
+    then for bucket i word 1 + 2i (the version it is ready for) and 2 + 2i (its checksum)."""
+    return -(-(8 + 16 * len(meta.buckets)) // PAGE_BYTES) * PAGE_BYTES
+
+
 def slot_offsets(meta: WeightSyncMeta) -> tuple[tuple[int, ...], int]:
-    """Each bucket's offset in a slot file, and the file's size: buckets back to back, each
-    starting on a page boundary (`PAGE_BYTES`), so every view is aligned for any dtype."""
-    offsets, cursor = [], 0
+    """Each bucket's offset in a slot file, and the file's size: the header, then the buckets back
+    to back, each starting on a page boundary (`PAGE_BYTES`), so every view is aligned for any
+    dtype and every bucket is a whole number of pages (the padding stays zero)."""
+    offsets, cursor = [], header_bytes(meta)
     for bucket in meta.buckets:
         offsets.append(cursor)
         cursor += -(-bucket.nbytes // PAGE_BYTES) * PAGE_BYTES
-    return tuple(offsets), max(cursor, PAGE_BYTES)
+    return tuple(offsets), cursor
+
+
+def page_checksum(pages: torch.Tensor, nbytes: int) -> int:
+    """A 64-bit checksum of a bucket held in whole pages: one read pass at memory speed.
+
+    `pages` is a uint8 tensor of P x 4096 bytes (the bucket's `nbytes` then zero padding).
+    With q_{p,k} the 64-bit words (little-endian) of page p and r_p = Σ_k q_{p,k} (mod 2^64):
+
+        s1 = Σ_p r_p,   s2 = Σ_p (p + 1) · r_p   (mod 2^64)
+        checksum = mix64(mix64(s1 + K · nbytes) + s2  mod 2^64),   K = 0x9E3779B97F4A7C15
+
+    (mix64 is the splitmix64 finaliser, as in `rl_data.tensors.tensor_checksum`). Any change
+    confined to one word changes s1; a stale or private page changes its r_p, a page moved or
+    swapped changes s2; words permuted within one page are not seen. Only the page sums
+    r_p (a vector of P) are materialised: about the speed of reading the bytes once, where
+    `tensor_checksum`'s position-exact sum makes two passes.
+    """
+    if pages.dtype != torch.uint8 or pages.dim() != 1 or pages.numel() % PAGE_BYTES:
+        raise ValueError(
+            f"page_checksum: pages must be a 1-D uint8 tensor of whole {PAGE_BYTES}-byte pages, "
+            f"got {pages.dtype} of shape {tuple(pages.shape)}"
+        )
+    page_sums = pages.view(torch.int64).view(-1, PAGE_WORDS).sum(dim=1)
+    weights = torch.arange(1, page_sums.numel() + 1, dtype=torch.int64)
+    first, second = (
+        value & _UINT64_MASK for value in torch.stack([page_sums.sum(), (page_sums * weights).sum()]).tolist()
+    )
+    return _mix64((_mix64((first + _LENGTH_MULTIPLIER * nbytes) & _UINT64_MASK) + second) & _UINT64_MASK)
+
+
+def _signed(value: int) -> int:
+    """A uint64 as the int64 with the same bits (the header's words are int64)."""
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def _page_span(bucket: BucketMeta) -> int:
+    return -(-bucket.nbytes // PAGE_BYTES) * PAGE_BYTES
 
 
 def _default_root() -> str:
@@ -172,7 +243,7 @@ def _remove_tree(path: str) -> None:
 
 
 def _wait_for_lock(fd: int, operation: int, deadline: float, describe: Callable[[], str]) -> None:
-    delay = 0.0005
+    delay = 0.0002
     while True:
         try:
             fcntl.flock(fd, operation | fcntl.LOCK_NB)
@@ -181,7 +252,7 @@ def _wait_for_lock(fd: int, operation: int, deadline: float, describe: Callable[
             if time.monotonic() >= deadline:
                 raise WeightSyncTimeout(describe()) from None
             time.sleep(delay)
-            delay = min(delay * 2, 0.01)
+            delay = min(delay * 2, _POLL_MAX_S)
 
 
 class ShmPublisher:
@@ -202,6 +273,7 @@ class ShmPublisher:
         self.layout = meta.layout_only()
         self.timeout_s = timeout_s
         self.offsets, self.slot_bytes = slot_offsets(self.layout)
+        self.header_bytes = header_bytes(self.layout)
         self._claim()
         self._finalizer = weakref.finalize(self, _remove_tree, str(self.directory))
         self._slots: list[tuple[pathlib.Path, int, mmap.mmap, torch.Tensor]] = []
@@ -236,14 +308,20 @@ class ShmPublisher:
         except BaseException:
             os.close(fd)
             raise
-        return path, fd, mapping, torch.frombuffer(mapping, dtype=torch.uint8)
+        view = torch.frombuffer(mapping, dtype=torch.uint8)
+        view[: self.header_bytes].view(torch.int64).fill_(_NOT_READY)  # no version in it yet
+        return path, fd, mapping, view
 
     def publish(self, produce: Produce, *, version: int) -> WeightSyncReport:
         """Write every bucket (`produce(bucket, out)` fills the `[bucket.nbytes]` uint8 view `out`
         into the slot) and publish it as `version`; returns the sender's report.
 
-        Raises WeightSyncTimeout naming the slot when a receiver still reads the version that the
-        slot held after `timeout_s`.
+        The version is announced before its first bucket is packed, and each bucket is marked
+        ready as soon as it is packed and checksummed, so receivers load it meanwhile. Raises
+        WeightSyncTimeout naming the slot when a receiver still reads the version that the slot
+        held after `timeout_s`; if `produce` fails, the version is marked failed in the slot
+        header, so its receivers (waiting or still to come) fail at once naming the version,
+        and the error propagates. The version number may be published again.
         """
         check_integer("ShmPublisher.publish: version", version, 0)
         if not self._slots:
@@ -252,7 +330,8 @@ class ShmPublisher:
         index = self._next
         self._next = (self._next + 1) % len(self._slots)
         path, fd, _, view = self._slots[index]
-        _version_path(self.directory, version).unlink(missing_ok=True)  # a re-sent version number
+        final = _version_path(self.directory, version)
+        final.unlink(missing_ok=True)  # a re-sent version number
         previous = self._published.pop(index, None)
         if previous is not None:
             _version_path(self.directory, previous).unlink(missing_ok=True)
@@ -266,25 +345,40 @@ class ShmPublisher:
                 f"{previous}) after {self.timeout_s:g} s; a receiver holds it (hold=True without release()?)"
             ),
         )
+        header = view[: self.header_bytes].view(torch.int64)
         try:
+            header.fill_(_NOT_READY)  # exclusive: no reader is on this slot
+            # Shared from here on: the receivers of `version` lock the slot while it is written.
+            # (Linux converts a flock by dropping and re-taking it; a reader of the old version
+            # that slips in finds its version file gone and fails, it never reads this one.)
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            record = ShmVersion(
+                layout=msgspec.structs.replace(self.layout, version=version),
+                slot=path.name,
+                slot_inode=os.fstat(fd).st_ino,
+                offsets=self.offsets,
+            )
+            staging = final.with_name(f".tmp-{final.name}-{os.getpid()}")
+            staging.write_bytes(encode(record))
+            os.replace(staging, final)
             checksums = []
             for bucket, offset in zip(self.layout.buckets, self.offsets, strict=True):
                 out = view[offset : offset + bucket.nbytes]
                 filled = produce(bucket, out)
                 if filled.data_ptr() != out.data_ptr():
                     out.copy_(filled)
-                checksums.append(bucket_checksum(out))
+                checksum = page_checksum(view[offset : offset + _page_span(bucket)], bucket.nbytes)
+                checksums.append(checksum)
+                header[2 + 2 * bucket.index] = _signed(checksum)
+                header[1 + 2 * bucket.index] = version  # ready: after its bytes and checksum
+        except BaseException:
+            # The version file stays (a receiver may not have opened it yet) and names this slot,
+            # whose word 0 now fails every receiver of the version; the slot's next use unlinks it.
+            header[0] = version
+            raise
         finally:
+            self._published[index] = version
             fcntl.flock(fd, fcntl.LOCK_UN)
-        stamped = msgspec.structs.replace(self.layout.with_checksums(checksums), version=version)
-        record = ShmVersion(
-            layout=stamped, slot=path.name, slot_inode=os.fstat(fd).st_ino, offsets=self.offsets
-        )
-        final = _version_path(self.directory, version)
-        staging = final.with_name(f".tmp-{final.name}-{os.getpid()}")
-        staging.write_bytes(encode(record))
-        os.replace(staging, final)
-        self._published[index] = version
         return WeightSyncReport(
             version=version,
             num_bytes=self.layout.total_bytes,
@@ -351,7 +445,7 @@ class ShmReader:
                         f"sending version {version}?"
                     ) from None
                 time.sleep(delay)
-                delay = min(delay * 2, 0.01)
+                delay = min(delay * 2, _POLL_MAX_S)
 
     def _map(self, name: str, fd: int, inode: int, size: int) -> torch.Tensor:
         cached = self._mappings.get(name)
@@ -381,8 +475,31 @@ class ShmReader:
         with contextlib.suppress(BufferError):  # views still referenced: the GC unmaps later
             mapping.close()
 
+    def _wait_for_bucket(
+        self, view: torch.Tensor, bucket: BucketMeta, version: int, deadline: float, slot_path: pathlib.Path
+    ) -> int:
+        """Poll bucket's ready word until it names `version`; returns the sender's checksum of it."""
+        header = view[: header_bytes(self.layout)].view(torch.int64)
+        ready = 1 + 2 * bucket.index
+        delay = 0.00005
+        while int(header[ready]) != version:
+            if int(header[0]) == version:
+                raise WeightSyncError(
+                    f"ShmReader: the sender failed while publishing version {version} in {slot_path} "
+                    f"(bucket {bucket.index} was never written); its own error says why"
+                )
+            if time.monotonic() >= deadline:
+                raise WeightSyncTimeout(
+                    f"ShmReader: version {version}: bucket {bucket.index} of {slot_path} was not written "
+                    f"within {self.timeout_s:g} s of the read; did the sender stop?"
+                )
+            time.sleep(delay)
+            delay = min(delay * 2, _POLL_MAX_S)
+        return int(header[ready + 1]) & _UINT64_MASK
+
     def read(self, consume: Consume, *, version: int, hold: bool = False) -> WeightSyncReport:
-        """Wait for `version`, verify each bucket's checksum and `consume(bucket, views)` it.
+        """Wait for `version`, then for each bucket: wait until the sender marked it ready, verify
+        its checksum and `consume(bucket, views)` it (while the sender packs the next ones).
 
         The views (planned dtype and shape) point into the shared pages: copy out of them, do not
         write to them. They stay valid until `read` returns, or with `hold=True` until
@@ -421,27 +538,25 @@ class ShmReader:
             fresh = record.slot not in self._mappings
             view = self._map(record.slot, fd, stat.st_ino, stat.st_size)
             checksums = []
-            for bucket, sent, offset in zip(
-                self.layout.buckets, record.layout.buckets, record.offsets, strict=True
-            ):
-                if offset + bucket.nbytes > stat.st_size:
+            for bucket, offset in zip(self.layout.buckets, record.offsets, strict=True):
+                span = _page_span(bucket)
+                if offset + span > stat.st_size or offset < header_bytes(self.layout):
                     raise WeightSyncError(
-                        f"ShmReader: bucket {bucket.index} at offset {offset} runs past the end of {slot_path} "
-                        f"({stat.st_size} bytes)"
+                        f"ShmReader: bucket {bucket.index} at offset {offset} lies outside the buckets of "
+                        f"{slot_path} ({stat.st_size} bytes)"
                     )
-                buffer = view[offset : offset + bucket.nbytes]
-                got = bucket_checksum(buffer)
-                if got != sent.checksum and not fresh:
+                sent = self._wait_for_bucket(view, bucket, version, deadline, slot_path)
+                got = page_checksum(view[offset : offset + span], bucket.nbytes)
+                if got != sent and not fresh:
                     # A page this process wrote to (through a view) is its private copy and no
                     # longer follows the sender: map the slot afresh once and look again.
                     self._unmap(record.slot)
                     view, fresh = self._map(record.slot, fd, stat.st_ino, stat.st_size), True
-                    buffer = view[offset : offset + bucket.nbytes]
-                    got = bucket_checksum(buffer)
-                if got != sent.checksum:
-                    raise _mismatch(bucket, got, sent.checksum, f"ShmReader ({slot_path})")
+                    got = page_checksum(view[offset : offset + span], bucket.nbytes)
+                if got != sent:
+                    raise _mismatch(bucket, got, sent, f"ShmReader ({slot_path})")
                 checksums.append(got)
-                consume(bucket, unpack_bucket(bucket, buffer))
+                consume(bucket, unpack_bucket(bucket, view[offset : offset + bucket.nbytes]))
         except BaseException:
             os.close(fd)
             raise

@@ -565,10 +565,12 @@ class ShmSender(WeightSender):
 
     The sending rank owns the folder: the constructor creates it with `slots` slot files of the
     layout's size (pre-faulted, so a send writes into resident pages: `slots` x the layout's
-    bytes of RAM), each `send` packs every bucket straight into a free slot (the only copy on this
-    side) and publishes it as the version; `close` removes the folder. Receivers
+    bytes of RAM), each `send` announces the version, then packs every bucket straight into a
+    free slot (the only copy on this side) and marks it ready with its checksum, so receivers
+    load bucket i while bucket i+1 is packed; `close` removes the folder. Receivers
     (`rl_rollout.WeightReceiver`) may call `receive(version)` before or while `send` runs: they
-    wait for the version. A receiver still reading the slot a send wants makes it wait, up to
+    wait for the version and then for each bucket. The report's checksums are
+    `rl_data.shm.page_checksum`s, compared with the receivers' by `compare_checksums`. A receiver still reading the slot a send wants makes it wait, up to
     `spec.timeout_s`; with 2 slots that happens only to a receiver two versions behind.
     """
 
