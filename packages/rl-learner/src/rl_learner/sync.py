@@ -570,7 +570,8 @@ class ShmSender(WeightSender):
     load bucket i while bucket i+1 is packed; `close` removes the folder. Receivers
     (`rl_rollout.WeightReceiver`) may call `receive(version)` before or while `send` runs: they
     wait for the version and then for each bucket. The report's checksums are
-    `rl_data.shm.page_checksum`s, compared with the receivers' by `compare_checksums`. A receiver still reading the slot a send wants makes it wait, up to
+    `rl_data.shm.page_checksum`s, compared with the receivers' by `compare_checksums`. A
+    receiver still reading the slot a send wants makes it wait, up to
     `spec.timeout_s`; with 2 slots that happens only to a receiver two versions behind.
     """
 
