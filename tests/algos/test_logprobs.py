@@ -389,7 +389,9 @@ def test_cuda_results_match_cpu(dtype):
             for t in (lp, h, grad_of(lp, x, upstream.to(device)), grad_of(h, x, upstream.to(device)))
         ]
         assert lp.device.type == h.device.type == device
-    grad_tol = 1e-6 if dtype == torch.float32 else 1e-2
+    grad_tol = (
+        1e-5 if dtype == torch.float32 else 1e-2
+    )  # float32 sums in another order: ~2e-6 apart on an H100
     for index, (cpu, cuda) in enumerate(zip(results["cpu"], results["cuda"])):
         tol = 1e-5 if index < 2 else grad_tol
         torch.testing.assert_close(cuda, cpu, atol=tol, rtol=tol)

@@ -600,5 +600,5 @@ def test_cuda_tensors_encode_like_their_cpu_copies_and_checksum_the_same() -> No
     raw = random_tensor(torch.uint8, (4 * 5000 + 3,), seed=3)
     expected = reference_checksum(raw_bytes(raw))
     assert tensor_checksum(raw.to("cuda")) == expected
-    assert tensor_checksum(raw.to("cuda"), chunk_words=333) == expected
+    assert tensor_checksum(raw.to("cuda"), row_words=333) == expected
     assert tensor_checksum(on_gpu) == tensor_checksum(tensor)

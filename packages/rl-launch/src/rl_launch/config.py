@@ -275,8 +275,8 @@ class RolloutConfig(_Section):
     prompts in flight, so a resumed run trains on the prompts an uninterrupted one would."""
     max_staleness: NonNegativeInt | None = None
     """With async_train: drop records whose policy version is more than this behind the learner's
-    (counted in async/dropped_stale; async/staleness_mean and _max are logged every step). None:
-    keep all. Must be >= async_depth: every record of a steady async run is async_depth behind,
+    (counted in async/dropped_stale; async/staleness_max and health/policy_lag, the mean, are
+    logged every step). None: keep all. Must be >= async_depth: every record of a steady async run is async_depth behind,
     so the bound only catches an engine that fell further behind."""
     dynamic_filtering: bool = False
     """DAPO dynamic sampling: drop groups whose mean reward is outside the range and sample more prompts."""
