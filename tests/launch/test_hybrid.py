@@ -3,10 +3,11 @@
 - Config: `rollout.async_train` with `ray.colocate all` is refused (the engines sleep while the
   learners train, so nothing can generate ahead).
 - End to end on CPU (real CLI, Ray, DeepSpeed, the transformers engine): every step the engines
-  sleep once generation is done and wake before the weight sync (`time/sleep` then `time/wake`
-  in the step's phases, in that order); the engines refuse to generate or receive weights while
-  asleep (tests/rollout/test_hf_engine.py pins that), so a run that completes with matching
-  checksums ran the phases in that order. The same run syncs through files
+  sleep once generation is done and wake before the weight sync, and the learners offload after
+  it (`time/sleep`, `time/wake`, `time/sync`, `time/offload` in the step's phases, in that
+  order); the engines refuse to generate or receive weights while asleep
+  (tests/rollout/test_hf_engine.py pins that), so a run that completes with matching checksums
+  ran the phases in that order. The same run syncs through files
   (`--rollout.weight_sync file`).
 - On a GPU (`gpu`): the same loop on one GPU picks CUDA IPC (auto) and the policy offloads its
   DeepSpeed states while the engine generates (tests/learner/test_offload.py checks the memory).
@@ -84,7 +85,10 @@ def test_hybrid_engine_on_cpu_sleeps_after_generation_wakes_before_a_file_sync(
     assert [line["step"] for line in metrics] == [1, 2]
     for line in metrics:
         phases = [key for key in line if key.startswith("time/") and key != "time/step"]
-        order = [phases.index(f"time/{name}") for name in ("generation", "sleep", "training", "wake", "sync")]
+        order = [
+            phases.index(f"time/{name}")
+            for name in ("generation", "sleep", "training", "wake", "sync", "offload")
+        ]
         assert order == sorted(order), phases  # PhaseTimer lists phases in the order they first ran
         assert line["health/sync_checksum_match"] == 1.0
         assert line["policy_version"] == line["step"]
@@ -131,3 +135,4 @@ def test_hybrid_engine_on_one_gpu_syncs_by_cuda_ipc_and_offloads_the_learners(
         assert line["health/sync_checksum_match"] == 1.0
         assert line["time/sleep"] > 0
         assert line["time/wake"] > 0
+        assert line["time/offload"] > 0

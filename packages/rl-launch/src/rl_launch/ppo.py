@@ -190,11 +190,14 @@ class PPOTrainer:
                 batch, experience = self.make_experience(records)
             with timer.phase("training"):
                 metrics |= experience | self.train(batch, step)
-            if self.roles.hybrid:  # learners offload their states, engines wake for the sync
+            if self.roles.hybrid:  # the engines wake for the sync, read from the learners' GPU
                 with timer.phase("wake"):
-                    self.roles.to_generation()
+                    self.roles.wake_engines()
             with timer.phase("sync"):
                 metrics |= self.sync()
+            if self.roles.hybrid:  # then the learners' states leave the GPU for the generation
+                with timer.phase("offload"):
+                    self.roles.offload_learners()
             last = step == cfg.train.max_steps
             if self.eval_data is not None and (step % cfg.eval.eval_steps == 0 or last):
                 with timer.phase("eval"):

@@ -430,19 +430,27 @@ class Roles:
             self._move_learner_states("reload_states")
             self.learners_offloaded = False
 
-    def to_generation(self) -> None:
-        """Hybrid engine, before the weight sync and the next generation: the learners offload their
-        DeepSpeed states (on GPUs), then the engines wake. The inverse of `to_training`."""
+    def wake_engines(self) -> None:
+        """Hybrid engine, after training: the engines wake (before the weight sync, which needs them
+        awake; the learners still hold their states, so the sync reads the weights on the GPU)."""
         import ray
 
-        if not self.hybrid:
-            return
-        if not self.learners_offloaded and self._offloading():
-            self._move_learner_states("offload_states")
-            self.learners_offloaded = True
-        if self.engines_asleep:
+        if self.hybrid and self.engines_asleep:
             ray.get(self.engines.submit("wake_up"))
             self.engines_asleep = False
+
+    def offload_learners(self) -> None:
+        """Hybrid engine, after the weight sync: the learners offload their DeepSpeed states (GPU
+        runs) so that the engines have the memory to generate."""
+        if self.hybrid and not self.learners_offloaded and self._offloading():
+            self._move_learner_states("offload_states")
+            self.learners_offloaded = True
+
+    def to_generation(self) -> None:
+        """Hybrid engine, before generating: engines awake, learners' states off the GPU. The
+        inverse of `to_training`; the step loop runs its halves around the weight sync."""
+        self.wake_engines()
+        self.offload_learners()
 
     @contextlib.contextmanager
     def _learner_states(self):
