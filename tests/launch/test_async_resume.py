@@ -123,4 +123,7 @@ def test_an_async_run_killed_after_a_checkpoint_trains_on_the_prompts_of_an_unin
         assert line["async/staleness_max"] == expected, step
         assert line["health/policy_lag"] == expected, step
         assert line["async/dropped_stale"] == 0.0
+        assert line.get("health/sync_checksum_match", 1.0) == 1.0  # compared once the receipts are in
         assert [row["policy_version"] for row in completions[step]] == [step - 1 - expected] * (BATCH * N)
+    assert metrics[-1]["health/sync_checksum_match"] == 1.0
+    assert metrics[-1]["sync/unsettled_versions"] == 0.0

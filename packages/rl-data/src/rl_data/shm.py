@@ -553,6 +553,13 @@ class ShmReader:
                     self._unmap(record.slot)
                     view, fresh = self._map(record.slot, fd, stat.st_ino, stat.st_size), True
                     got = page_checksum(view[offset : offset + span], bucket.nbytes)
+                for _ in range(3):
+                    if got == sent:
+                        break
+                    # On CPUs that may reorder stores (Arm), the ready word can show before the
+                    # last bytes of the bucket: look again before calling it a mismatch.
+                    time.sleep(0.001)
+                    got = page_checksum(view[offset : offset + span], bucket.nbytes)
                 if got != sent:
                     raise _mismatch(bucket, got, sent, f"ShmReader ({slot_path})")
                 checksums.append(got)

@@ -131,9 +131,18 @@ class PPOTrainer:
                         history.setdefault(name, []).append(value)
         return {key: sum(values) / len(values) for key, values in history.items()}
 
-    def sync(self) -> dict[str, float]:
+    def sync(self, *, settle: bool = False) -> dict[str, float]:
+        """The weights go to the engines as the next version. `settle`: also wait for the receipts
+        async mode has not compared yet (the last step), so every version is checked."""
         self.version += 1
-        return self.roles.sync_weights(self.version)
+        metrics = self.roles.sync_weights(self.version)
+        if settle:
+            late = self.roles.settle_sync()
+            key = "health/sync_checksum_match"
+            if key in late:
+                metrics[key] = min(late[key], metrics.get(key, 1.0))
+                metrics["sync/unsettled_versions"] = late["sync/unsettled_versions"]
+        return metrics
 
     def save(self, step: int, consumed: int) -> None:
         from .runs import checkpoint_extra
@@ -193,12 +202,12 @@ class PPOTrainer:
             if self.roles.hybrid:  # the engines wake for the sync, read from the learners' GPU
                 with timer.phase("wake"):
                     self.roles.wake_engines()
+            last = step == cfg.train.max_steps
             with timer.phase("sync"):
-                metrics |= self.sync()
+                metrics |= self.sync(settle=last)
             if self.roles.hybrid:  # then the learners' states leave the GPU for the generation
                 with timer.phase("offload"):
                     self.roles.offload_learners()
-            last = step == cfg.train.max_steps
             if self.eval_data is not None and (step % cfg.eval.eval_steps == 0 or last):
                 with timer.phase("eval"):
                     metrics |= self.rollouts.evaluate(self.eval_data)

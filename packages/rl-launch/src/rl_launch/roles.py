@@ -104,6 +104,7 @@ class Roles:
         self.engines_asleep = False
         self.learners_offloaded = False
         self._strategy: str | None = None
+        self._receipts: list[tuple[Any, list]] = []  # async mode: syncs whose receipts are not compared yet
 
     # ------------------------------------------------------------------------------------------
     # Start-up
@@ -391,12 +392,44 @@ class Roles:
                 ray.get(sent)
             received = self.engines.submit("receive", version)
             report = ray.get(sent)[0]
+            if self.config.rollout.async_train:
+                return self._settle_receipts(report, received)
             mismatched = sum(len(compare_checksums(report, other)) for other in ray.get(received))
         return {
             "sync/seconds": float(report.seconds),
             "sync/gigabytes": report.num_bytes / 1e9,
             "health/sync_checksum_match": float(mismatched == 0),
         }
+
+    def _settle_receipts(self, report: Any, received: list, *, wait: bool = False) -> dict[str, float]:
+        """Async mode: an engine receives a version after the generations queued before it, so the
+        driver does not wait for that: each sync's receipts are compared once they are all in (at
+        a later step's sync, oldest first). `health/sync_checksum_match` covers the versions
+        settled in this call (absent when none was); `sync/unsettled_versions` counts the rest.
+        `wait`: settle every version (the end of the run)."""
+        import ray
+
+        if report is not None:
+            self._receipts.append((report, received))
+        settled = []
+        while self._receipts:
+            futures = self._receipts[0][1]
+            if not wait and len(ray.wait(futures, num_returns=len(futures), timeout=0)[0]) < len(futures):
+                break
+            settled.append(self._receipts.pop(0))
+        metrics = {"sync/unsettled_versions": float(len(self._receipts))}
+        if report is not None:
+            metrics |= {"sync/seconds": float(report.seconds), "sync/gigabytes": report.num_bytes / 1e9}
+        if settled:
+            mismatched = sum(
+                len(compare_checksums(sent, other)) for sent, futures in settled for other in ray.get(futures)
+            )
+            metrics["health/sync_checksum_match"] = float(mismatched == 0)
+        return metrics
+
+    def settle_sync(self) -> dict[str, float]:
+        """Wait for the receipts async mode has not compared yet; their metrics ({} when none)."""
+        return self._settle_receipts(None, [], wait=True) if self._receipts else {}
 
     # ------------------------------------------------------------------------------------------
     # The hybrid engine (ray.colocate all): who holds the GPU memory
