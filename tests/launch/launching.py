@@ -6,10 +6,12 @@ import contextlib
 import json
 import os
 import pathlib
+import random
 import secrets
 import signal
 import subprocess
 import sys
+import time
 
 
 def launcher_env(**extra: str) -> dict[str, str]:
@@ -58,3 +60,34 @@ def launch(args: list[str], env: dict[str, str], *, timeout: float = 900) -> sub
 def read_metrics(run_dir: pathlib.Path) -> list[dict]:
     """The lines of a run's metrics.jsonl."""
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def write_sum_prompts(path: pathlib.Path, count: int) -> pathlib.Path:
+    """A JSONL prompt file of `count` rows {"prompt": "What is a + b?", "label": "a+b"} (a, b < 10,
+    seed 0), the tasks of the e2e runs; returns `path`."""
+    rng = random.Random(0)
+    with path.open("w") as file:
+        for _ in range(count):
+            a, b = rng.randrange(10), rng.randrange(10)
+            file.write(json.dumps({"prompt": f"What is {a} + {b}?", "label": str(a + b)}) + "\n")
+    return path
+
+
+def kill_once_written(args: list[str], env: dict[str, str], marker: pathlib.Path, ray_dir: str) -> None:
+    """Start `rl-launch ppo <args>`, SIGKILL it (its process group and its local Ray's daemons) as
+    soon as `marker` exists; fails if the run ends first or takes over 10 minutes."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "rl_launch.cli", "ppo", *args],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + 600
+    while not marker.exists():
+        assert process.poll() is None, "the run ended before it could be killed"
+        assert time.monotonic() < deadline, f"{marker} did not appear within 10 minutes"
+        time.sleep(0.05)
+    os.killpg(process.pid, signal.SIGKILL)  # the driver and the local Ray it started
+    process.wait()
+    kill_processes(list(ray_processes(ray_dir)))  # Ray daemons outside the process group, if any

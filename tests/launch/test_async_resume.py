@@ -10,17 +10,11 @@ ones generated again on the restored weights. `log.completions` writes what each
 from __future__ import annotations
 
 import json
-import os
-import random
-import signal
-import subprocess
-import sys
-import time
 
 import pytest
 
 from rl_data.datasets import ResumableSampler
-from tests.launch.launching import kill_processes, launch, ray_processes, read_metrics
+from tests.launch.launching import kill_once_written, launch, read_metrics, write_sum_prompts
 
 pytestmark = pytest.mark.slow
 
@@ -29,13 +23,7 @@ PROMPTS, BATCH, N, STEPS, DEPTH, SEED = 64, 4, 2, 8, 2, 3
 
 @pytest.fixture
 def prompts(tmp_path):
-    path = tmp_path / "train.jsonl"
-    rng = random.Random(0)
-    with path.open("w") as file:
-        for _ in range(PROMPTS):
-            a, b = rng.randrange(10), rng.randrange(10)
-            file.write(json.dumps({"prompt": f"What is {a} + {b}?", "label": str(a + b)}) + "\n")
-    return path
+    return write_sum_prompts(tmp_path / "train.jsonl", PROMPTS)
 
 
 def _completions(run_dir) -> dict[int, list[dict]]:
@@ -73,22 +61,8 @@ def test_an_async_run_killed_after_a_checkpoint_trains_on_the_prompts_of_an_unin
         "--log.progress_bar", "false",
         "--ray.temp_dir", ray_dir,
     ]  # fmt: skip
-    killed = subprocess.Popen(
-        [sys.executable, "-m", "rl_launch.cli", "ppo", *args],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
     latest = run_dir / "checkpoints" / "policy" / "latest"
-    deadline = time.monotonic() + 600
-    while not latest.exists():
-        assert killed.poll() is None, "the run ended before it could be killed"
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-    os.killpg(killed.pid, signal.SIGKILL)  # the driver and the local Ray it started
-    killed.wait()
-    kill_processes(list(ray_processes(ray_dir)))
+    kill_once_written(args, env, latest, ray_dir)
     tag = latest.read_text().strip()
     saved = int(tag.removeprefix("step_"))
     assert saved < STEPS

@@ -15,14 +15,11 @@
 
 from __future__ import annotations
 
-import json
-import random
-
 import pytest
 
 from rl_launch.cli import resolve_ppo_config
 from rl_launch.config import ConfigError
-from tests.launch.launching import launch, read_metrics
+from tests.launch.launching import launch, read_metrics, write_sum_prompts
 
 
 def test_async_training_with_the_hybrid_engine_is_refused_naming_both_options():
@@ -41,13 +38,7 @@ def test_async_training_with_the_hybrid_engine_is_refused_naming_both_options():
 
 @pytest.fixture(scope="module")
 def prompts(tmp_path_factory):
-    path = tmp_path_factory.mktemp("prompts") / "train.jsonl"
-    rng = random.Random(0)
-    with path.open("w") as file:
-        for _ in range(16):
-            a, b = rng.randrange(10), rng.randrange(10)
-            file.write(json.dumps({"prompt": f"What is {a} + {b}?", "label": str(a + b)}) + "\n")
-    return path
+    return write_sum_prompts(tmp_path_factory.mktemp("prompts") / "train.jsonl", 16)
 
 
 @pytest.mark.slow

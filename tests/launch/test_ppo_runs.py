@@ -13,18 +13,19 @@ The async and ReMax runs are in test_ppo_variants.py.
 
 from __future__ import annotations
 
-import json
 import os
-import random
-import signal
-import subprocess
-import sys
 import tempfile
-import time
 
 import pytest
 
-from tests.launch.launching import kill_processes, launch, launcher_env, ray_processes, read_metrics
+from tests.launch.launching import (
+    kill_once_written,
+    launch,
+    launcher_env,
+    ray_processes,
+    read_metrics,
+    write_sum_prompts,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -34,13 +35,7 @@ _TIMING = ("time/", "throughput/", "sync/seconds")
 
 @pytest.fixture(scope="module")
 def prompts(tmp_path_factory):
-    path = tmp_path_factory.mktemp("prompts") / "train.jsonl"
-    rng = random.Random(0)
-    with path.open("w") as file:
-        for _ in range(64):
-            a, b = rng.randrange(10), rng.randrange(10)
-            file.write(json.dumps({"prompt": f"What is {a} + {b}?", "label": str(a + b)}) + "\n")
-    return path
+    return write_sum_prompts(tmp_path_factory.mktemp("prompts") / "train.jsonl", 64)
 
 
 def _ppo_args(checkpoint, prompts, run_dir, ray_dir) -> list[str]:
@@ -132,22 +127,8 @@ def test_a_run_killed_after_a_checkpoint_resumes_with_the_same_metrics(
     reference = {line["step"]: _comparable(line) for line in read_metrics(ppo_run[0])}
     run_dir = tmp_path / "run"
     args = _ppo_args(tiny_checkpoint, prompts, run_dir, ray_dir)
-    killed = subprocess.Popen(
-        [sys.executable, "-m", "rl_launch.cli", "ppo", *args],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
     latest = run_dir / "checkpoints" / "critic" / "latest"  # the critic saves after the policy
-    deadline = time.monotonic() + 600
-    while not latest.exists():
-        assert killed.poll() is None, "the run ended before it could be killed"
-        assert time.monotonic() < deadline
-        time.sleep(0.1)
-    os.killpg(killed.pid, signal.SIGKILL)  # the driver and the local Ray it started
-    killed.wait()
-    kill_processes(list(ray_processes(ray_dir)))  # Ray daemons outside the process group, if any
+    kill_once_written(args, env, latest, ray_dir)
     saved = int(latest.read_text().strip().removeprefix("step_"))
     assert saved < 5
 

@@ -8,25 +8,16 @@ test workers run them beside the long PPO / resume runs of test_ppo_runs.py.
 
 from __future__ import annotations
 
-import json
-import random
-
 import pytest
 
-from tests.launch.launching import launch, read_metrics
+from tests.launch.launching import launch, read_metrics, write_sum_prompts
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def prompts(tmp_path_factory):
-    path = tmp_path_factory.mktemp("prompts") / "train.jsonl"
-    rng = random.Random(0)
-    with path.open("w") as file:
-        for _ in range(64):
-            a, b = rng.randrange(10), rng.randrange(10)
-            file.write(json.dumps({"prompt": f"What is {a} + {b}?", "label": str(a + b)}) + "\n")
-    return path
+    return write_sum_prompts(tmp_path_factory.mktemp("prompts") / "train.jsonl", 64)
 
 
 REWARD_FILE = """
