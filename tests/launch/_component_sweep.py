@@ -77,7 +77,7 @@ def main(model: str, prompts: str, ray_dir: str, out: str) -> None:
                 check_components(case)
                 trainer = PPOTrainer(case, roles, Rollouts(case, roles.engines, loader), None, None)
                 trainer.version = version
-                records, _ = trainer.rollouts.generate(step)
+                records, _ = trainer.rollouts.generate(step, trainer.version)
                 batch, metrics = trainer.make_experience(records)
                 metrics |= trainer.train(batch, step)
                 metrics |= trainer.sync()
