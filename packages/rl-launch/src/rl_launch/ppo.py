@@ -38,7 +38,7 @@ from .config import ConfigError, PPOConfig
 from .health import HealthError, HealthMonitor
 from .roles import Roles
 from .rollouts import Rollouts, completion_rows
-from .tracking import PhaseTimer, StartupLines, Tracker, quiet_third_party_output
+from .tracking import PhaseTimer, StartupLines, Tracker, print_outputs, quiet_third_party_output
 
 __all__ = ["PPOTrainer", "run"]
 
@@ -232,11 +232,10 @@ def run(config: PPOConfig) -> int:
     import ray
 
     from .cluster import ClusterError, start_ray
-    from .options import dump_config
     from .plugins import import_plugins, resolve_plugins
     from .preflight import PreflightError, resolve_inputs
     from .prompts import describe_data, load_prompts
-    from .runs import RunFolderError, prepare_run_folder
+    from .runs import RunFolderError, open_run_folder
 
     started_ray, roles = False, None
     console = StartupLines("rl-launch ppo")
@@ -254,16 +253,9 @@ def run(config: PPOConfig) -> int:
             preset = prepare_preset(config.preset, config.preset_root, seed=0)
             console.say(f"preset {config.preset}: model and prompts in {Path(preset.model_path).parent}")
         inputs = resolve_inputs(config, preset)
-        ckpt_root = Path(config.ckpt.path or output_dir / "checkpoints")
-        plan = prepare_run_folder(
-            output_dir,
-            msgspec.to_builtins(config),
-            resume=config.ckpt.load_checkpoint,
-            ckpt_root=ckpt_root,
-            roles=["policy", "critic"] if config.needs_critic else ["policy"],
+        plan = open_run_folder(
+            config, roles=["policy", "critic"] if config.needs_critic else ["policy"], say=console.say
         )
-        console.say(plan.message)
-        (output_dir / "config.yaml").write_text(dump_config(config))
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(inputs.model_path)
@@ -296,32 +288,14 @@ def run(config: PPOConfig) -> int:
         rollouts = Rollouts(config, roles.engines, loader)
         trainer = PPOTrainer(config, roles, rollouts, eval_data, plan, tokenizer=tokenizer)
         state = trainer.resume()
-        with Tracker(
-            output_dir,
-            total_steps=config.train.max_steps,
-            start_step=state.step,
-            progress_bar=config.log.progress_bar,
-            tensorboard=config.log.use_tensorboard,
-            wandb=config.log.use_wandb,
-            wandb_project=config.log.wandb_project,
-            run_name=config.log.run_name,
-            config=msgspec.to_builtins(config),
-        ) as tracker:
+        with Tracker.for_run(config, start_step=state.step) as tracker:
             trainer.fit(tracker, state)
             final = None
             if config.ckpt.save_hf_model:
                 final = output_dir / "final"
                 roles.export(str(final), inputs.model_path)
             summary = tracker.close()
-        print(f"outputs in {output_dir.resolve()}:")
-        print(f"  metrics   {Path(summary.metrics_path).resolve()}")
-        if summary.plot_path:
-            print(f"  plot      {Path(summary.plot_path).resolve()}")
-        print(f"  checkpoints {ckpt_root.resolve()}")
-        if final is not None:
-            print(f"  model     {final.resolve()}")
-        if log_dir is not None:
-            print(f"  actor logs {Path(log_dir).resolve()}")
+        print_outputs(output_dir, summary, plan.ckpt_root, final=final, log_dir=log_dir)
         return 0
     except (ConfigError, PreflightError, ClusterError, RunFolderError) as error:
         print(f"rl-launch ppo: error: {error}", file=sys.stderr)

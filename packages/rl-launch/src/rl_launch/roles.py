@@ -393,7 +393,11 @@ class Roles:
             received = self.engines.submit("receive", version)
             report = ray.get(sent)[0]
             if self.config.rollout.async_train:
-                return self._settle_receipts(report, received)
+                self._receipts.append((report, received))
+                return {
+                    "sync/seconds": float(report.seconds),
+                    "sync/gigabytes": report.num_bytes / 1e9,
+                } | self._settle_receipts(wait=False)
             mismatched = sum(len(compare_checksums(report, other)) for other in ray.get(received))
         return {
             "sync/seconds": float(report.seconds),
@@ -401,7 +405,7 @@ class Roles:
             "health/sync_checksum_match": float(mismatched == 0),
         }
 
-    def _settle_receipts(self, report: Any, received: list, *, wait: bool = False) -> dict[str, float]:
+    def _settle_receipts(self, *, wait: bool) -> dict[str, float]:
         """Async mode: an engine receives a version after the generations queued before it, so the
         driver does not wait for that: each sync's receipts are compared once they are all in (at
         a later step's sync, oldest first). `health/sync_checksum_match` covers the versions
@@ -409,8 +413,6 @@ class Roles:
         `wait`: settle every version (the end of the run)."""
         import ray
 
-        if report is not None:
-            self._receipts.append((report, received))
         settled = []
         while self._receipts:
             futures = self._receipts[0][1]
@@ -418,8 +420,6 @@ class Roles:
                 break
             settled.append(self._receipts.pop(0))
         metrics = {"sync/unsettled_versions": float(len(self._receipts))}
-        if report is not None:
-            metrics |= {"sync/seconds": float(report.seconds), "sync/gigabytes": report.num_bytes / 1e9}
         if settled:
             mismatched = sum(
                 len(compare_checksums(sent, other)) for sent, futures in settled for other in ray.get(futures)
@@ -429,7 +429,7 @@ class Roles:
 
     def settle_sync(self) -> dict[str, float]:
         """Wait for the receipts async mode has not compared yet; their metrics ({} when none)."""
-        return self._settle_receipts(None, [], wait=True) if self._receipts else {}
+        return self._settle_receipts(wait=True) if self._receipts else {}
 
     # ------------------------------------------------------------------------------------------
     # The hybrid engine (ray.colocate all): who holds the GPU memory

@@ -723,3 +723,22 @@ def checkpoint_extra(plan: RunPlan) -> dict[str, str]:
     cannot be resumed.
     """
     return {RUN_ID_KEY: plan.run_id, FINGERPRINT_KEY: plan.fingerprint}
+
+
+def open_run_folder(config: Any, *, roles: Sequence[str], say: Any) -> RunPlan:
+    """`prepare_run_folder` for a command's config (`log.output_dir`, `ckpt.path` or
+    `<output_dir>/checkpoints`, `ckpt.load_checkpoint`); `say`s the plan's line and writes the
+    resolved config to `<output_dir>/config.yaml`. What `rl-launch ppo` and the trainers share."""
+    from .options import dump_config
+
+    output_dir = Path(config.log.output_dir)
+    plan = prepare_run_folder(
+        output_dir,
+        msgspec.to_builtins(config),
+        resume=config.ckpt.load_checkpoint,
+        ckpt_root=Path(config.ckpt.path or output_dir / "checkpoints"),
+        roles=roles,
+    )
+    say(plan.message)
+    (output_dir / "config.yaml").write_text(dump_config(config))
+    return plan

@@ -54,7 +54,15 @@ from typing import Any
 import msgspec
 from tqdm import tqdm
 
-__all__ = ["PhaseTimer", "StartupLines", "Summary", "Tracker", "TrackingError", "quiet_third_party_output"]
+__all__ = [
+    "PhaseTimer",
+    "StartupLines",
+    "Summary",
+    "Tracker",
+    "TrackingError",
+    "print_outputs",
+    "quiet_third_party_output",
+]
 
 METRICS_FILE = "metrics.jsonl"
 COMPLETIONS_FILE = "completions.jsonl"
@@ -353,7 +361,7 @@ class Tracker:
         self._completions: Any = None
 
         if start_step > 0 and self.metrics_path.exists():
-            self._truncate_metrics(start_step)
+            self._truncate_lines(start_step)
             self._file = open(self.metrics_path, "ab")  # noqa: SIM115 (open for the tracker's lifetime)
         else:
             self._file = open(self.metrics_path, "wb")  # noqa: SIM115
@@ -388,7 +396,25 @@ class Tracker:
             self._close_backends(exit_code=1)
             raise
 
-    def _truncate_metrics(self, start_step: int, path: pathlib.Path | None = None) -> None:
+    @classmethod
+    def for_run(cls, config: Any, *, start_step: int, headline: Sequence[str] | None = None) -> Tracker:
+        """The tracker of a command's run: `log.output_dir`, `train.max_steps` and the `log.*`
+        switches of its config (progress bar, TensorBoard, wandb, run name)."""
+        log = config.log
+        return cls(
+            log.output_dir,
+            total_steps=config.train.max_steps,
+            start_step=start_step,
+            progress_bar=log.progress_bar,
+            tensorboard=log.use_tensorboard,
+            wandb=log.use_wandb,
+            wandb_project=log.wandb_project,
+            run_name=log.run_name,
+            config=msgspec.to_builtins(config),
+            headline=headline,
+        )
+
+    def _truncate_lines(self, start_step: int, path: pathlib.Path | None = None) -> None:
         path = path or self.metrics_path
         records = _read_records(path)
         kept = [record for record in records if record["step"] <= start_step]
@@ -407,7 +433,7 @@ class Tracker:
         if self._completions is None:
             path = self.output_dir / COMPLETIONS_FILE
             if self.start_step > 0 and path.exists():
-                self._truncate_metrics(self.start_step, path)
+                self._truncate_lines(self.start_step, path)
                 self._completions = open(path, "ab")  # noqa: SIM115 (open for the tracker's lifetime)
             else:
                 self._completions = open(path, "wb")  # noqa: SIM115
@@ -552,3 +578,23 @@ class Tracker:
 
     def __exit__(self, exc_type: object, exc: object, traceback: object) -> None:
         self.close(exit_code=0 if exc_type is None else 1)
+
+
+def print_outputs(
+    output_dir: pathlib.Path,
+    summary: Summary,
+    ckpt_root: pathlib.Path,
+    *,
+    final: pathlib.Path | None = None,
+    log_dir: str | None = None,
+) -> None:
+    """The closing lines of a run: where its metrics, plot, checkpoints, model and logs are."""
+    print(f"outputs in {output_dir.resolve()}:")
+    print(f"  metrics   {pathlib.Path(summary.metrics_path).resolve()}")
+    if summary.plot_path:
+        print(f"  plot      {pathlib.Path(summary.plot_path).resolve()}")
+    print(f"  checkpoints {ckpt_root.resolve()}")
+    if final is not None:
+        print(f"  model     {final.resolve()}")
+    if log_dir is not None:
+        print(f"  actor logs {pathlib.Path(log_dir).resolve()}")

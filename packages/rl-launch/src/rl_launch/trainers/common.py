@@ -35,6 +35,11 @@ def load_preferences(config: Any, tokenizer: Any, path: str) -> Any:
     )
 
 
+def pair_tokens(pair: Any) -> int:
+    """Tokens of a preference pair (chosen + rejected): its size for the micro-batch token budget."""
+    return int(pair.chosen_ids.numel() + pair.rejected_ids.numel())
+
+
 def build_learner(learner_class: type, config: Any, model_path: str, total_steps: int, *, value: bool) -> Any:
     """A trained learner of `model_path`: causal LM, or (`value`) a reward model with a score head."""
     from rl_learner import load_causal_lm, load_value_model

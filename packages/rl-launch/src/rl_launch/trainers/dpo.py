@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .common import build_learner, load_preferences
+from .common import build_learner, load_preferences, pair_tokens
 from .config import DPOConfig
 from .loop import Task, deepspeed_options, model_options, run_task
 
@@ -59,7 +59,7 @@ TASK = Task(
     headline=("dpo/reward_margin", "dpo/reward_accuracy"),
     preset_data="pairs",
     load=load_preferences,
-    lengths=lambda pair: int(pair.chosen_ids.numel() + pair.rejected_ids.numel()),
+    lengths=pair_tokens,
     build=_build,
 )
 

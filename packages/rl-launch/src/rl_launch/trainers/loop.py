@@ -25,10 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import msgspec
-
 from ..config import ConfigError
-from ..tracking import PhaseTimer, StartupLines, Tracker, quiet_third_party_output
+from ..tracking import PhaseTimer, StartupLines, Tracker, print_outputs, quiet_third_party_output
 
 __all__ = ["Task", "batch_positions", "run_task"]
 
@@ -137,9 +135,8 @@ def run_task(task: Task, config: Any) -> int:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from rl_learner import TrainingState, export_hf, load_checkpoint, save_checkpoint
 
-    from ..options import dump_config
     from ..preflight import PreflightError, check_model_path
-    from ..runs import RunFolderError, checkpoint_extra, prepare_run_folder
+    from ..runs import RunFolderError, checkpoint_extra, open_run_folder
 
     name = f"rl-launch {task.command}"
     console = StartupLines(name)
@@ -157,16 +154,7 @@ def run_task(task: Task, config: Any) -> int:
         model_path = check_model_path("model.pretrain", model_path)
         if not Path(data_path).expanduser().exists():
             raise PreflightError(f"data.dataset: {data_path} does not exist")
-        ckpt_root = Path(config.ckpt.path or output_dir / "checkpoints")
-        plan = prepare_run_folder(
-            output_dir,
-            msgspec.to_builtins(config),
-            resume=config.ckpt.load_checkpoint,
-            ckpt_root=ckpt_root,
-            roles=[task.role],
-        )
-        console.say(plan.message)
-        (output_dir / "config.yaml").write_text(dump_config(config))
+        plan = open_run_folder(config, roles=[task.role], say=console.say)
 
         from transformers import AutoTokenizer
 
@@ -188,18 +176,7 @@ def run_task(task: Task, config: Any) -> int:
 
         timer = PhaseTimer()
         final = None
-        with Tracker(
-            output_dir,
-            total_steps=config.train.max_steps,
-            start_step=start,
-            progress_bar=config.log.progress_bar,
-            tensorboard=config.log.use_tensorboard,
-            wandb=config.log.use_wandb,
-            wandb_project=config.log.wandb_project,
-            run_name=config.log.run_name,
-            config=msgspec.to_builtins(config),
-            headline=task.headline,
-        ) as tracker:
+        with Tracker.for_run(config, start_step=start, headline=task.headline) as tracker:
             batch = config.train.train_batch_size
             for step in range(start + 1, config.train.max_steps + 1):
                 timer.reset()
@@ -232,13 +209,7 @@ def run_task(task: Task, config: Any) -> int:
                 final = output_dir / "final"
                 export_hf(learner.engine, final, tokenizer=tokenizer)
             summary = tracker.close()
-        print(f"outputs in {output_dir.resolve()}:")
-        print(f"  metrics   {Path(summary.metrics_path).resolve()}")
-        if summary.plot_path:
-            print(f"  plot      {Path(summary.plot_path).resolve()}")
-        print(f"  checkpoints {plan.ckpt_root}")
-        if final is not None:
-            print(f"  model     {final.resolve()}")
+        print_outputs(output_dir, summary, plan.ckpt_root, final=final)
         return 0
     except (ConfigError, PreflightError, RunFolderError) as error:
         print(f"{name}: error: {error}", file=sys.stderr)

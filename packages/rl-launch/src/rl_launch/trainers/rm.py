@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .common import build_learner, load_preferences
+from .common import build_learner, load_preferences, pair_tokens
 from .config import RMConfig
 from .loop import Task, run_task
 
@@ -46,7 +46,7 @@ TASK = Task(
     headline=("rm/accuracy", "rm/loss"),
     preset_data="pairs",
     load=load_preferences,
-    lengths=lambda pair: int(pair.chosen_ids.numel() + pair.rejected_ids.numel()),
+    lengths=pair_tokens,
     build=_build,
 )
 
