@@ -103,7 +103,6 @@ class Roles:
         self.policy_locations: list[tuple[str, list[str]]] = []
         self.engines_asleep = False
         self.learners_offloaded = False
-        self._strategy: str | None = None
         self._receipts: list[tuple[Any, list]] = []  # async mode: syncs whose receipts are not compared yet
 
     # ------------------------------------------------------------------------------------------
@@ -288,10 +287,8 @@ class Roles:
         across GPUs (NCCL) or nodes (gloo), shm for CPU engines on the node of policy rank 0."""
         from .components import choose_weight_sync
 
-        if self._strategy is None:
-            chosen = self.config.rollout.weight_sync
-            self._strategy = choose_weight_sync(self.sync_placement()) if chosen == "auto" else chosen
-        return self._strategy
+        chosen = self.config.rollout.weight_sync
+        return choose_weight_sync(self.sync_placement()) if chosen == "auto" else chosen
 
     def init_weight_sync(self) -> str:
         """Policy DP rank 0 sends, every engine worker receives (`components.SYNC_STRATEGIES`); a

@@ -21,7 +21,7 @@ prompts are sampled (at most `max_sampling_rounds`). Group ids count up across t
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -156,7 +156,9 @@ class Rollouts:
             for entry in self.pending.values()
         ]
 
-    def restart(self, data_state: Any, next_group_id: int, in_flight: list[dict[str, Any]] = ()) -> None:
+    def restart(
+        self, data_state: Any, next_group_id: int, in_flight: Sequence[Mapping[str, Any]] = ()
+    ) -> None:
         """Continue the prompt stream of a checkpoint: submit the steps it had in flight again (on
         the weights the engines hold now, with their seeds and group ids), then go on drawing."""
         self.loader.load_state_dict(data_state)
