@@ -379,3 +379,43 @@ def _placement(device="cuda", receives=True, same_gpu=False, same_node=True):
 )
 def test_auto_weight_sync_follows_the_placement(placement, expected):
     assert choose_weight_sync(placement) == expected
+
+
+# ---------------------------------------------------------------------------- shared prefixes
+
+
+@pytest.mark.parametrize(
+    ("attention", "share", "expected"),
+    [
+        ("sdpa", None, True),
+        ("eager", None, True),
+        ("flash_attention_2", None, False),
+        ("sdpa", "false", False),
+        ("sdpa", "true", True),
+    ],
+)
+def test_model_share_prefix_reaches_every_learner_verbatim(attention, share, expected):
+    from types import SimpleNamespace
+
+    from rl_launch.algorithm import learners_share_prefix
+    from rl_launch.roles import Roles
+
+    overrides = {"model__attn_implementation": attention}
+    if share is not None:
+        overrides["model__share_prefix"] = share
+    cfg = config(**overrides)
+    roles = Roles(cfg)
+    roles.dtype = "fp32"
+    inputs = SimpleNamespace(model_path="/m", critic_path="/c", reward_model_path="/r")
+    for role, spec in roles._learner_specs(inputs, total_steps=1).items():
+        assert spec.deepspeed.share_prefix == (None if share is None else share == "true"), role
+        assert spec.deepspeed.shares_prefix is expected, role
+    assert learners_share_prefix(cfg) is expected
+
+
+def test_share_prefix_with_flash_attention_is_refused_before_anything_starts():
+    refused(
+        r"^model\.share_prefix: True needs model\.attn_implementation sdpa or eager",
+        model__attn_implementation="flash_attention_2",
+        model__share_prefix="true",
+    )

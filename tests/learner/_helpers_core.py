@@ -12,18 +12,23 @@ NUM_STEPS = 2  # optimizer steps in the equivalence runs
 
 
 def experience(num_sequences: int = 8, *, seed: int = 0, vocab: int = 400) -> ExperienceBatch:
-    """A fixed batch of random trajectories of different lengths (ids in [3, vocab): no pad id, inside the tiny vocabulary)."""
+    """A fixed batch of random trajectories of different lengths (ids in [3, vocab): no pad id, inside
+    the tiny vocabulary). Sequences 4g..4g+3 are group g: one prompt, four responses (so the
+    learners run each prompt once, `rl_learner.models.shared_prefix`, while the references don't)."""
     generator = torch.Generator().manual_seed(seed)
     records = []
+    prompts: dict[int, torch.Tensor] = {}
     for index in range(num_sequences):
-        prompt = int(torch.randint(2, 6, (1,), generator=generator))
+        if index // 4 not in prompts:
+            length = int(torch.randint(2, 6, (1,), generator=generator))
+            prompts[index // 4] = torch.randint(3, vocab, (length,), generator=generator)
         response = int(torch.randint(2, 9, (1,), generator=generator))
         mask = torch.ones(response, dtype=torch.bool)
         if index % 3 == 1 and response > 2:
             mask[1] = False  # an environment token
         records.append(
             Trajectory(
-                prompt_ids=torch.randint(3, vocab, (prompt,), generator=generator),
+                prompt_ids=prompts[index // 4],
                 response_ids=torch.randint(3, vocab, (response,), generator=generator),
                 action_mask=mask,
                 rollout_logprobs=-torch.rand(response, generator=generator) * 4,

@@ -251,12 +251,15 @@ def test_metrics_are_global_and_equal_on_every_rank(runs):
         double = _metrics(runs[2, 2], rank)["policy_metrics"]
         for step_single, step_double in zip(single, double, strict=True):
             assert step_double.keys() == step_single.keys()
-            for key in step_single.keys() - {"mismatch_ess"}:  # a ratio: averaged per micro-batch
+            # mismatch_ess: a ratio, averaged per micro-batch; shared_tokens_frac: depends on which
+            # sequences share a micro-batch
+            for key in step_single.keys() - {"mismatch_ess", "shared_tokens_frac"}:
                 assert step_double[key] == pytest.approx(step_single[key], rel=1e-5, abs=1e-7), key
     first = single[0]
     assert first["tokens"] == experience().num_actions
     assert first["sequences"] == 8
     assert first["skipped"] == 0
+    assert 0 < first["shared_tokens_frac"] < 0.5  # groups of 4 share a prompt (`experience`)
     assert first["loss"] == pytest.approx(
         first["loss_policy"] + 0.05 * first["loss_kl"] - 0.01 * first["loss_entropy"]
     )

@@ -28,6 +28,7 @@ from .components import estimator_options, estimator_takes
 from .config import PPOConfig
 
 __all__ = [
+    "learners_share_prefix",
     "old_logprobs_from_training",
     "policy_loss_config",
     "reward_metrics",
@@ -35,6 +36,16 @@ __all__ = [
     "shape_rewards",
     "value_loss_config",
 ]
+
+
+def learners_share_prefix(config: PPOConfig) -> bool:
+    """Whether the learners run a prompt shared by several sequences once (`model.share_prefix`,
+    resolved as `rl_learner.DeepSpeedConfig.shares_prefix` resolves it: None = by the attention)."""
+    from rl_learner.config import PREFIX_SHARING_ATTENTION
+
+    if config.model.share_prefix is None:
+        return config.model.attn_implementation in PREFIX_SHARING_ATTENTION
+    return config.model.share_prefix
 
 
 def old_logprobs_from_training(config: PPOConfig) -> bool:

@@ -91,6 +91,10 @@ class ModelConfig(_Section):
     """Training and rollout precision; auto = bf16 on GPUs, fp32 on CPU."""
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
     """Attention kernel of the learners."""
+    share_prefix: bool | None = None
+    """Learners run a prompt shared by several sequences of a micro-batch once (the n samples of
+    a GRPO group, a DPO pair): the same log-probs, values and gradients for fewer tokens. None: on
+    with sdpa and eager, off with flash_attention_2 (which cannot share; true is refused)."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass (less memory, ~30% more compute)."""
     lora_rank: NonNegativeInt = 0
@@ -99,6 +103,15 @@ class ModelConfig(_Section):
     """LoRA alpha (scale alpha / rank)."""
     target_modules: list[str] = msgspec.field(default_factory=lambda: ["all-linear"])
     """Modules LoRA adapts (peft names), or "all-linear"."""
+
+    def __post_init__(self) -> None:
+        if self.share_prefix and self.attn_implementation == "flash_attention_2":
+            _fail(
+                "model.share_prefix",
+                True,
+                "needs model.attn_implementation sdpa or eager; flash_attention_2 finds sequences from "
+                "position ids and cannot share a prefix (leave share_prefix unset or false)",
+            )
 
 
 def data_sources(value: str | list[str] | None) -> list[str]:

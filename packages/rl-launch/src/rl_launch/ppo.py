@@ -26,6 +26,7 @@ from rl_data import ExperienceBatch, Trajectory, build_experience
 from rl_learner import TrainingState
 
 from .algorithm import (
+    learners_share_prefix,
     old_logprobs_from_training,
     policy_loss_config,
     reward_metrics,
@@ -267,6 +268,11 @@ def run(config: PPOConfig) -> int:
                 "from the training forward"
                 if old_logprobs_from_training(config)
                 else "from a separate forward"
+            )
+            + (
+                "; learners run a prompt shared by several samples once (model.share_prefix)"
+                if learners_share_prefix(config)
+                else ""
             )
         )
         started_ray = start_ray(config, temp_dir=config.ray.temp_dir)

@@ -177,6 +177,7 @@ class Roles:
             offload_optimizer=cfg.train.adam_offload,
             gradient_checkpointing=cfg.model.gradient_checkpointing,
             attn_implementation=cfg.model.attn_implementation,
+            share_prefix=cfg.model.share_prefix,
             micro_batch_tokens=cfg.train.micro_batch_tokens,
         )
         inference = msgspec.structs.replace(ds, offload_optimizer=False)

@@ -29,6 +29,7 @@ import torch
 __all__ = [
     "ATTN_IMPLEMENTATIONS",
     "DTYPES",
+    "PREFIX_SHARING_ATTENTION",
     "SCHEDULERS",
     "ZERO_STAGES",
     "DeepSpeedConfig",
@@ -45,6 +46,7 @@ SCHEDULERS: tuple[str, ...] = ("cosine", "constant")
 DTYPES: tuple[str, ...] = ("bf16", "fp16", "fp32")
 ZERO_STAGES: tuple[int, ...] = (0, 1, 2, 3)
 ATTN_IMPLEMENTATIONS: tuple[str, ...] = ("sdpa", "eager", "flash_attention_2")
+PREFIX_SHARING_ATTENTION: tuple[str, ...] = ("sdpa", "eager")
 
 
 def _choice(owner: str, field: str, value: Any, allowed: tuple) -> None:
@@ -120,6 +122,12 @@ class DeepSpeedConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Recompute activations in the backward pass instead of storing them (less memory, ~30% slower)."""
     attn_implementation: str = "sdpa"
     """Attention kernel of the HF model: "sdpa" (default), "eager", or "flash_attention_2" (needs the package)."""
+    share_prefix: bool | None = None
+    """Run a prompt that several sequences of a micro-batch start with once (GRPO's n samples, a DPO
+    pair): the same values and gradients for fewer tokens through the model
+    (`rl_learner.models.shared_prefix`). None: on with sdpa and eager attention, off with
+    flash_attention_2, whose kernel finds sequences from position ids and cannot share (True is
+    refused with it)."""
     micro_batch_tokens: int = 16384
     """Token budget of one packed micro-batch (sequences are packed, never padded), ≥ 1."""
     reduce_bucket_size: int = 500_000_000
@@ -137,6 +145,14 @@ class DeepSpeedConfig(msgspec.Struct, frozen=True, kw_only=True):
         for field in ("offload_optimizer", "offload_params", "gradient_checkpointing"):
             if not isinstance(getattr(self, field), bool):
                 raise ValueError(f"{owner}.{field}: {getattr(self, field)!r} is not a bool")
+        if self.share_prefix not in (None, True, False):
+            raise ValueError(f"{owner}.share_prefix: {self.share_prefix!r} is not a bool or None")
+        if self.share_prefix and self.attn_implementation not in PREFIX_SHARING_ATTENTION:
+            raise ValueError(
+                f"{owner}.share_prefix: True needs attn_implementation "
+                f"{' or '.join(PREFIX_SHARING_ATTENTION)}, got {self.attn_implementation!r} "
+                "(its kernel finds sequences from position ids); set share_prefix False or None"
+            )
         for field in (
             "micro_batch_tokens",
             "reduce_bucket_size",
@@ -152,6 +168,13 @@ class DeepSpeedConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(
                 f"{owner}.offload_params: True needs zero_stage 3, got zero_stage {self.zero_stage}"
             )
+
+    @property
+    def shares_prefix(self) -> bool:
+        """Whether the learner runs shared prefixes once: `share_prefix`, None resolved by the attention."""
+        if self.share_prefix is None:
+            return self.attn_implementation in PREFIX_SHARING_ATTENTION
+        return self.share_prefix
 
 
 def torch_dtype(name: str) -> torch.dtype:

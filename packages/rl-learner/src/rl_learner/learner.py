@@ -61,7 +61,14 @@ from rl_data import ExperienceBatch
 from rl_data.transport import free_port
 
 from .config import DeepSpeedConfig, OptimizerConfig, build_optimizer, build_scheduler, deepspeed_config
-from .models import packed_logprobs, packed_model_inputs, packed_scores, packed_values, unwrap_model
+from .models import (
+    packed_logprobs,
+    packed_model_inputs,
+    packed_scores,
+    packed_values,
+    shared_prefix,
+    unwrap_model,
+)
 
 __all__ = [
     "CORRECTIONS",
@@ -520,8 +527,10 @@ class Learner:
 
         # Inputs and the global normaliser, before any forward. A usage error is shared through
         # the same all-reduce, so that every rank raises instead of one waiting for the others.
-        # normaliser, action tokens, sequences, micro-batches M, M²
-        local_count = torch.tensor([0.0, 0.0, 0.0, len(batches), len(batches) ** 2], dtype=torch.float64)
+        # normaliser, action tokens, sequences, micro-batches M, M², tokens, tokens of shared prefixes
+        local_count = torch.tensor(
+            [0.0, 0.0, 0.0, len(batches), len(batches) ** 2, 0.0, 0.0], dtype=torch.float64
+        )
         problem: tuple[int, str] | None = None
         for index, batch in enumerate(batches):
             if batch.num_sequences == 0:
@@ -539,6 +548,9 @@ class Learner:
             local_count[0] += float(loss_normalizer(mask, mode))
             local_count[1] += batch.num_actions
             local_count[2] += batch.num_sequences
+            local_count[5] += batch.num_tokens
+            sharing = shared_prefix(batch) if self.ds.shares_prefix else None
+            local_count[6] += sharing.saved_tokens if sharing is not None else 0
         flags = torch.zeros(self.world_size, 2, dtype=torch.float64)
         if problem is not None:
             flags[self.rank] = torch.tensor([names.index(problem[1]) + 1, problem[0]], dtype=torch.float64)
@@ -551,7 +563,7 @@ class Learner:
                 f"have the same number ({int(totals[3])} in all over {self.world_size} ranks); every rank must "
                 "run the same number of micro-batches (rl_data.plan_micro_batches gives each rank the same count)"
             )
-        flags = totals[5:].reshape(self.world_size, 2)
+        flags = totals[len(local_count) :].reshape(self.world_size, 2)
         problems = [
             (r, int(flags[r, 1]), names[int(flags[r, 0]) - 1])
             for r in range(self.world_size)
@@ -565,7 +577,12 @@ class Learner:
                     "fill it before train_step"
                 )
         lr = self.lr
-        base = {"tokens": float(totals[1]), "sequences": float(totals[2]), "lr": lr}
+        base = {
+            "tokens": float(totals[1]),
+            "sequences": float(totals[2]),
+            "shared_tokens_frac": float(totals[6]) / max(float(totals[5]), 1.0),
+            "lr": lr,
+        }
         if problems:
             return self._non_finite(problems, base)
 
@@ -672,6 +689,7 @@ class PolicyLearner(Learner):
                 temperature=temperature,
                 with_entropy=with_entropy,
                 only_actions=only_actions,
+                share_prefix=self.ds.shares_prefix,
             )
             return tuple(t.float() for t in out) if with_entropy else out.float()
 
@@ -691,7 +709,8 @@ class PolicyLearner(Learner):
         loss_entropy, the policy loss's own metrics (ppo_kl, clip_fraction, ...) as token-weighted
         means, entropy (mean over action tokens), kl (mean k-estimate, when kl_coef > 0),
         mismatch metrics (with a correction), grad_norm, lr (of this update), tokens, sequences,
-        skipped (0 or 1).
+        shared_tokens_frac (of the micro-batches' tokens, those the model did not run because
+        their prefix was shared), skipped (0 or 1).
         """
         if not isinstance(loss, PolicyLossConfig):
             raise TypeError(f"loss must be a PolicyLossConfig, got {type(loss).__name__}")
@@ -731,7 +750,12 @@ class PolicyLearner(Learner):
         def forward_loss(batch: ExperienceBatch, normalizer: torch.Tensor):
             # the objective reads action tokens only: no LM head / log-softmax at the others
             logprobs, entropy = packed_logprobs(
-                self.engine, batch, temperature=loss.temperature, with_entropy=True, only_actions=True
+                self.engine,
+                batch,
+                temperature=loss.temperature,
+                with_entropy=True,
+                only_actions=True,
+                share_prefix=self.ds.shares_prefix,
             )
             view = batch.response_view
             ref = view(batch.ref_logprobs) if loss.kl_coef > 0 else None
@@ -817,16 +841,22 @@ class ValueLearner(Learner):
 
     def values(self, micro_batches: Sequence[ExperienceBatch]) -> list[torch.Tensor]:
         """Values [N_i] (float32, no grad): values[t] = V(tokens before t), 0 at sequence starts."""
-        return self._inference(micro_batches, lambda batch: packed_values(self.engine, batch).float())
+        return self._inference(
+            micro_batches,
+            lambda batch: packed_values(self.engine, batch, share_prefix=self.ds.shares_prefix).float(),
+        )
 
     def scores(self, micro_batches: Sequence[ExperienceBatch]) -> list[torch.Tensor]:
         """Reward-model scores [S_i] (float32, no grad): the score head at each sequence's last token."""
-        return self._inference(micro_batches, lambda batch: packed_scores(self.engine, batch).float())
+        return self._inference(
+            micro_batches,
+            lambda batch: packed_scores(self.engine, batch, share_prefix=self.ds.shares_prefix).float(),
+        )
 
     def train_step(self, micro_batches: Sequence[ExperienceBatch], loss: ValueLossConfig) -> dict[str, float]:
         """One critic update with the clipped value loss; micro-batches need `values` (the old
         values) and `returns`. Metrics: loss, value_mean, value_clip_fraction, grad_norm, lr,
-        tokens, sequences, skipped."""
+        tokens, sequences, shared_tokens_frac, skipped."""
         if not isinstance(loss, ValueLossConfig):
             raise TypeError(f"loss must be a ValueLossConfig, got {type(loss).__name__}")
 
@@ -839,7 +869,7 @@ class ValueLearner(Learner):
 
         def forward_loss(batch: ExperienceBatch, normalizer: torch.Tensor):
             view = batch.response_view
-            values = packed_values(self.engine, batch)
+            values = packed_values(self.engine, batch, share_prefix=self.ds.shares_prefix)
             return terms(
                 view(values),
                 view(batch.values),

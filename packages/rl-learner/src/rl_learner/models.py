@@ -28,6 +28,20 @@ so every token attends only to the earlier tokens of its own sequence, exactly a
 per-sequence forward. No N×N mask is built (`rl_data.packed_attention_mask` is O(N²) and only
 for tests and the benchmark).
 
+Shared prefixes (`share_prefix=True`, sdpa / eager). GRPO-style batches hold n samples of one
+prompt: n sequences that start with the same tokens. `shared_prefix(batch)` finds them (the
+tokens before a sequence's first action token, compared exactly) and the forward runs each
+distinct prefix once: the model sees the compressed row of Nc tokens (every token of a group's
+first sequence, only the suffix of the others), and attention gathers each sequence's full
+token list from it (the prefix from the first member), so every suffix token attends to the
+prefix keys and values exactly as in its own sequence. Positions are unchanged (a suffix
+continues from its prefix's length). Outputs are mapped back to the N tokens of the row
+(`SharedPrefix.own`), so callers see the same [N] values; the gradient of a shared prefix
+token is the sum of what its n copies would get, which is what the parameters receive from n
+copies. Embeddings, projections, MLPs and the LM head then cost Nc instead of N tokens (a
+GRPO group of n samples of a P-token prompt with L-token responses: P + n·L instead of
+n·(P + L)); attention still costs what it did.
+
 Alignment (the `rl_data` convention). The value at token t belongs to the state before t:
 
     logprobs[t] = log π(x_t | x_<t of its sequence)   from the logits at t − 1
@@ -52,6 +66,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from rl_algos import entropy_from_logits, logprobs_from_logits
@@ -62,6 +77,7 @@ from .config import ATTN_IMPLEMENTATIONS
 __all__ = [
     "PACKED_ATTENTION_MAX_WASTE",
     "LengthBuckets",
+    "SharedPrefix",
     "length_buckets",
     "load_causal_lm",
     "load_value_model",
@@ -70,6 +86,7 @@ __all__ = [
     "packed_model_inputs",
     "packed_scores",
     "packed_values",
+    "shared_prefix",
     "unwrap_model",
 ]
 
@@ -367,6 +384,75 @@ def length_buckets(
     return LengthBuckets(tuple(g.to(device) for g in gathers), order.to(device), num_tokens)
 
 
+class SharedPrefix:
+    """A packed row with each group's shared prefix run once (module docstring).
+
+    Attributes:
+      keep: [Nc] int64, ascending: the row's tokens the model runs (a group's first sequence
+        whole, the other members from their first action token on).
+      own: [N] int64: for every token of the row, the index in the compressed row of the token
+        whose output it takes (itself, or the same position of its group's first sequence).
+      num_tokens: N.
+    """
+
+    def __init__(self, keep: torch.Tensor, own: torch.Tensor, num_tokens: int) -> None:
+        self.keep = keep
+        self.own = own
+        self.num_tokens = num_tokens
+
+    @property
+    def saved_tokens(self) -> int:
+        """N − Nc: the tokens of the row the model does not run."""
+        return self.num_tokens - self.keep.numel()
+
+    def buckets(self, buckets: LengthBuckets) -> LengthBuckets:
+        """`length_buckets` of the row's sequences, reading each token from the compressed row."""
+        own = self.own.to(buckets.order.device)
+        return LengthBuckets(
+            tuple(own[gather] for gather in buckets.gathers),
+            buckets.order[self.keep.to(own.device)],
+            self.keep.numel(),
+        )
+
+    def __repr__(self) -> str:
+        return f"SharedPrefix(num_tokens={self.num_tokens}, runs={self.keep.numel()})"
+
+
+def shared_prefix(batch: ExperienceBatch) -> SharedPrefix | None:
+    """Group the sequences of a packed batch by their prefix; None when no two share one.
+
+    A sequence's prefix is its tokens before its first action token (`batch.action_mask`), the
+    whole sequence if it has none. Sequences whose prefixes are equal token for token form a
+    group; the first of each group (in row order) runs whole, the others only from their first
+    action token on (`SharedPrefix`). Every sequence starts at position 0 (`rl_data`), so equal
+    prefixes have equal positions. Cost O(N) on the host (one read of input_ids and the mask).
+    """
+    if batch.num_sequences < 2:
+        return None
+    ids = batch.input_ids.cpu().numpy()
+    actions = batch.action_mask.cpu().numpy()
+    bounds = batch.cu_seqlens.tolist()
+    source = np.arange(batch.num_tokens)
+    first: dict[bytes, int] = {}
+    for start, end in itertools.pairwise(bounds):
+        hits = np.flatnonzero(actions[start:end])
+        length = int(hits[0]) if hits.size else end - start
+        if length == 0:
+            continue
+        origin = first.setdefault(ids[start : start + length].tobytes(), start)
+        if origin != start:
+            source[start : start + length] = np.arange(origin, origin + length)
+    runs = source == np.arange(batch.num_tokens)
+    if runs.all():
+        return None
+    compressed = np.cumsum(runs) - 1
+    return SharedPrefix(
+        torch.from_numpy(np.flatnonzero(runs)),
+        torch.from_numpy(compressed[source]),
+        batch.num_tokens,
+    )
+
+
 def _bucket_mask(
     width: int, sliding_window: int | None, base: str, dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor | None:
@@ -498,7 +584,9 @@ def _packed_implementation(module: torch.nn.Module) -> str:
 # --------------------------------------------------------------------------- packed forward
 
 
-def packed_model_inputs(model: Any, batch: ExperienceBatch) -> dict[str, Any]:
+def packed_model_inputs(
+    model: Any, batch: ExperienceBatch, *, sharing: SharedPrefix | None = None
+) -> dict[str, Any]:
     """Keyword arguments of a packed forward: input_ids, position_ids [1, N], and for sdpa/eager the buckets.
 
     flash / flex attention get only position_ids (module docstring). sdpa and eager models are
@@ -506,34 +594,61 @@ def packed_model_inputs(model: Any, batch: ExperienceBatch) -> dict[str, Any]:
     batch) and an empty [1, 1, 0, 0] placeholder `attention_mask`, which transformers passes
     through untouched instead of building a mask. An empty batch (S = 0) becomes one dummy
     token, so every rank still runs a forward (ZeRO's collectives); its outputs must be
-    multiplied by 0 by the caller.
+    multiplied by 0 by the caller. With `sharing` (`shared_prefix(batch)`; sdpa and eager only)
+    the row is the compressed one: input_ids, position_ids [1, Nc] and buckets that read each
+    sequence's tokens from it; outputs at compressed token c belong to the row's tokens t with
+    `sharing.own[t] == c`.
     """
     module = unwrap_model(model)
     implementation = _packed_implementation(module)
     device = next(module.parameters()).device
+    if sharing is not None and implementation not in _BASE_IMPLEMENTATIONS:
+        raise ValueError(
+            f"shared prefixes need sdpa or eager attention; {type(module).__name__} runs {implementation!r}, "
+            "whose kernel finds sequences from position ids (run it with share_prefix=False)"
+        )
     if batch.num_tokens == 0:
         input_ids = torch.zeros(1, dtype=torch.int64, device=device)
         position_ids = torch.zeros(1, dtype=torch.int64, device=device)
         cu_seqlens = torch.tensor([0, 1], dtype=torch.int32)
+        sharing = None
     else:
         input_ids = batch.input_ids.to(device)
         position_ids = batch.position_ids.to(device)
         cu_seqlens = batch.cu_seqlens.cpu()
+    if sharing is not None:
+        keep = sharing.keep.to(device)
+        input_ids, position_ids = input_ids[keep], position_ids[keep]
     inputs: dict[str, Any] = {
         "input_ids": input_ids[None],
         "position_ids": position_ids[None],
         "use_cache": False,
     }
     if implementation in _BASE_IMPLEMENTATIONS:
+        buckets = length_buckets(cu_seqlens)
+        if sharing is not None:
+            buckets = sharing.buckets(buckets)
         inputs["attention_mask"] = torch.zeros((1, 1, 0, 0), dtype=torch.bool, device=device)
-        inputs["packed_length_buckets"] = length_buckets(cu_seqlens).to(device)
+        inputs["packed_length_buckets"] = buckets.to(device)
     return inputs
+
+
+def _sharing(batch: ExperienceBatch, share_prefix: bool) -> SharedPrefix | None:
+    """`shared_prefix(batch)` when asked for and the batch has any, else None."""
+    if not share_prefix or batch.num_tokens == 0:
+        return None
+    return shared_prefix(batch)
 
 
 def _shift_to_tokens(per_position: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
     """[N−1] values computed at positions 0..N−2 → [N] values at tokens 1..N−1, 0 at each sequence start."""
     shifted = torch.cat([per_position.new_zeros((1, *per_position.shape[1:])), per_position])
     return torch.where(position_ids.to(shifted.device) > 0, shifted, torch.zeros_like(shifted))
+
+
+def _logits_before(tokens: torch.Tensor, sharing: SharedPrefix | None) -> torch.Tensor:
+    """Where the logits that choose row tokens `tokens` (each ≥ 1) are: t − 1, or its compressed copy."""
+    return tokens - 1 if sharing is None else sharing.own[tokens - 1]
 
 
 def packed_logprobs(
@@ -543,6 +658,7 @@ def packed_logprobs(
     temperature: float = 1.0,
     with_entropy: bool = False,
     only_actions: bool = False,
+    share_prefix: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Token log-probs (and entropies) of a causal LM over a packed batch.
 
@@ -550,6 +666,8 @@ def packed_logprobs(
     that predict an action token (`batch.action_mask`), through transformers' `logits_to_keep`:
     their cost and the [K, V] logits scale with the response tokens instead of all N tokens
     (for a 152k vocabulary, 16k tokens of float32 logits are 10 GB). Values at other tokens are 0.
+    With `share_prefix`, sequences that start with the same prompt run it once (module
+    docstring; sdpa / eager attention and a model that takes `logits_to_keep`): the same values.
 
     Returns:
       logprobs [N] (float32; float64 for a float64 model), value at t = log π(x_t | x_<t), 0 at
@@ -558,20 +676,30 @@ def packed_logprobs(
       flow when grad mode is on. For an empty batch the tensors have N = 0 but are connected to
       the dummy forward (multiplied by 0).
     """
-    inputs = packed_model_inputs(model, batch)
-    keep = None
-    if only_actions and batch.num_tokens and _accepts_logits_to_keep(model):
+    takes_keep = _accepts_logits_to_keep(model)
+    if share_prefix and not takes_keep:
+        raise ValueError(
+            f"share_prefix needs a model whose forward takes logits_to_keep; {type(unwrap_model(model)).__name__} does not"
+        )
+    sharing = _sharing(batch, share_prefix)
+    inputs = packed_model_inputs(model, batch, sharing=sharing)
+    device = inputs["input_ids"].device
+    keep = targets = None
+    if only_actions and batch.num_tokens and takes_keep:
         # a sequence's first token has no logits before it (its log-prob is 0 in either mode)
         targets = torch.nonzero(batch.action_mask & (batch.position_ids > 0), as_tuple=True)[0]
-        keep = targets - 1  # the logits at t − 1 choose token t
-        inputs["logits_to_keep"] = keep.to(inputs["input_ids"].device)
+        keep = _logits_before(targets, sharing)
+    elif sharing is not None:
+        keep = _logits_before(torch.arange(1, batch.num_tokens), sharing)  # for tokens 1..N−1
+    if keep is not None:
+        inputs["logits_to_keep"] = keep.to(device)
     logits = model(**inputs).logits[0]
     if batch.num_tokens == 0:
         zero = logits.sum() * 0.0
         empty = zero.reshape(1)[:0].float()
         return (empty, empty.clone()) if with_entropy else empty
     labels = batch.input_ids.to(logits.device)
-    if keep is not None:
+    if targets is not None:
         targets = targets.to(logits.device)
         selected = logprobs_from_logits(logits, labels[targets], temperature=temperature)
         logprobs = selected.new_zeros(batch.num_tokens).index_put((targets,), selected)
@@ -579,12 +707,14 @@ def packed_logprobs(
             return logprobs
         entropy = entropy_from_logits(logits, temperature=temperature)
         return logprobs, entropy.new_zeros(batch.num_tokens).index_put((targets,), entropy)
+    if sharing is None:
+        logits = logits[:-1]
     logprobs = _shift_to_tokens(
-        logprobs_from_logits(logits[:-1], labels[1:], temperature=temperature), batch.position_ids
+        logprobs_from_logits(logits, labels[1:], temperature=temperature), batch.position_ids
     )
     if not with_entropy:
         return logprobs
-    entropy = _shift_to_tokens(entropy_from_logits(logits[:-1], temperature=temperature), batch.position_ids)
+    entropy = _shift_to_tokens(entropy_from_logits(logits, temperature=temperature), batch.position_ids)
     return logprobs, entropy
 
 
@@ -618,34 +748,39 @@ class _ScoreCapture:
         self._handle.remove()
 
 
-def _per_position_scores(model: Any, batch: ExperienceBatch) -> torch.Tensor:
+def _per_position_scores(model: Any, batch: ExperienceBatch, share_prefix: bool = False) -> torch.Tensor:
     """[N] output of the score head at every position (one dummy position for an empty batch)."""
     module = unwrap_model(model)
+    sharing = _sharing(batch, share_prefix)
     with _ScoreCapture(module) as capture:
-        model(**packed_model_inputs(model, batch))
+        model(**packed_model_inputs(model, batch, sharing=sharing))
     assert capture.output is not None
     scores = capture.output[0, :, 0]
+    if sharing is not None:
+        scores = scores[sharing.own.to(scores.device)]
     return scores.double() if scores.dtype == torch.float64 else scores.float()
 
 
-def packed_values(value_model: Any, batch: ExperienceBatch) -> torch.Tensor:
+def packed_values(value_model: Any, batch: ExperienceBatch, *, share_prefix: bool = False) -> torch.Tensor:
     """Critic values [N]: values[t] = score(h_{t−1}) = V(x_<t), 0 at each sequence's first token.
 
-    float32 (float64 for a float64 model); gradients flow when grad mode is on.
+    float32 (float64 for a float64 model); gradients flow when grad mode is on. `share_prefix`:
+    as in `packed_logprobs`, the same values.
     """
-    scores = _per_position_scores(value_model, batch)
+    scores = _per_position_scores(value_model, batch, share_prefix)
     if batch.num_tokens == 0:
         return scores[:0] + scores.sum() * 0.0
     return _shift_to_tokens(scores[:-1], batch.position_ids)
 
 
-def packed_scores(reward_model: Any, batch: ExperienceBatch) -> torch.Tensor:
+def packed_scores(reward_model: Any, batch: ExperienceBatch, *, share_prefix: bool = False) -> torch.Tensor:
     """Reward-model scores [S]: the score head at the last token of each sequence.
 
     Equal to HF's `AutoModelForSequenceClassification` forward on the same sequences, right-padded,
-    when no sequence ends with the pad token (HF reads the last non-pad token).
+    when no sequence ends with the pad token (HF reads the last non-pad token). `share_prefix`:
+    as in `packed_logprobs`, the same scores.
     """
-    scores = _per_position_scores(reward_model, batch)
+    scores = _per_position_scores(reward_model, batch, share_prefix)
     if batch.num_sequences == 0:
         return scores[:0] + scores.sum() * 0.0
     last = batch.cu_seqlens[1:].to(device=scores.device, dtype=torch.int64) - 1

@@ -203,7 +203,9 @@ class SFTLearner(PolicyLearner):
             raise ValueError(f"aggregation: {aggregation!r} is not one of {', '.join(SFT_AGGREGATIONS)}")
 
         def forward_loss(batch: ExperienceBatch, normalizer: torch.Tensor):
-            logprobs = packed_logprobs(self.engine, batch, only_actions=True)
+            logprobs = packed_logprobs(
+                self.engine, batch, only_actions=True, share_prefix=self.ds.shares_prefix
+            )
             view, mask = batch.response_view(logprobs), batch.response_action_mask()
             if aggregation == "token-mean":
                 total, metrics = sft_loss(view, mask, normalizer=normalizer)
@@ -289,7 +291,9 @@ class DPOLearner(PolicyLearner):
 
         def forward_loss(batch: ExperienceBatch, normalizer: torch.Tensor):
             pairs = _pair_count(batch)
-            logprobs = packed_logprobs(self.engine, batch, only_actions=True)
+            logprobs = packed_logprobs(
+                self.engine, batch, only_actions=True, share_prefix=self.ds.shares_prefix
+            )
             policy = sequence_logprobs(batch, logprobs)
             reference = sequence_logprobs(batch, batch.ref_logprobs.to(policy.dtype))
             losses, metrics = dpo_loss(
@@ -346,7 +350,7 @@ class RewardModelLearner(ValueLearner):
 
         def forward_loss(batch: ExperienceBatch, normalizer: torch.Tensor):
             pairs = _pair_count(batch)
-            scores = packed_scores(self.engine, batch)
+            scores = packed_scores(self.engine, batch, share_prefix=self.ds.shares_prefix)
             margin = batch.rewards[:pairs].to(scores.device) if use_margin else None
             losses, metrics = reward_model_loss(scores[:pairs], scores[pairs:], margin=margin)
             total = losses.sum() / (normalizer / 2)

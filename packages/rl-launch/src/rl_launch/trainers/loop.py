@@ -87,6 +87,7 @@ def deepspeed_options(config: Any) -> Any:
         offload_optimizer=config.train.adam_offload,
         gradient_checkpointing=config.model.gradient_checkpointing,
         attn_implementation=config.model.attn_implementation,
+        share_prefix=config.model.share_prefix,
         micro_batch_tokens=config.train.micro_batch_tokens,
     )
 
