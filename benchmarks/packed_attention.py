@@ -9,6 +9,9 @@ Three ways to run the same forward + backward of S sequences through a causal LM
     ours     `rl_learner.models.packed_logprobs`: the packed row, attention in length buckets
              (`length_buckets`, stock sdpa / eager kernels on right-padded [B_k, L_k] sub-batches):
              attention costs about ΣLᵢ², everything else runs on the N real tokens only.
+    shared   ours with `share_prefix=True` (the learners' default): sequences that start with
+             the same prompt run it once (`rl_learner.models.shared_prefix`), so embeddings,
+             projections, MLPs and the LM head run on the Nc tokens of the compressed row.
 
 All three compute the per-token log-probs of the same tokens with the same seeded model, then
 back-propagate one fixed random upstream gradient; the table reports the median of `--repeats`
@@ -26,8 +29,14 @@ Shapes (`--shapes`):
             (Qwen2, hidden 128, 2 layers, 4 heads, 2 KV heads, MLP 512, 1,024-token vocabulary);
     long    8 sequences of 1,500-2,500 tokens on a bigger tiny model (hidden 256, 4 layers,
             8 heads, 4 KV heads, MLP 1,024).
+    grpo    GRPO groups on the preset's model: 32 prompts of 18-25 tokens x 8 responses of 2-5
+            (the preset's own batch, whose ChatML prompts are ~20 tokens and answers 2-5);
+    grpo-long   2 prompts of 1,000-1,499 tokens x 8 responses of 200-599, the long model;
+    grpo-gpu    2 prompts of 1,024-2,047 tokens x 8 responses of 256-1,023 on a Qwen2-0.5B-wide
+            model (hidden 896, 24 layers, 1,024-token vocabulary): for one GPU.
 
-    python benchmarks/packed_attention.py [--shapes preset long] [--attention sdpa] [--threads 1]
+    python benchmarks/packed_attention.py [--shapes preset long grpo grpo-long] [--variants ours shared]
+        [--attention sdpa] [--threads 1] [--dtype float32]
 
 The dense variant of `long` takes about a minute per run on one CPU core; `--repeats 1` is a
 quicker check.
@@ -50,15 +59,35 @@ import torch
 
 from rl_algos import logprobs_from_logits
 from rl_data import ExperienceBatch, Trajectory, build_experience, packed_attention_mask
+from rl_learner.models import shared_prefix
 
 SHAPES = {
     "preset": {"sequences": 512, "min_length": 15, "max_length": 35, "hidden": 128, "layers": 2},
     "long": {"sequences": 8, "min_length": 1500, "max_length": 2500, "hidden": 256, "layers": 4},
+    # GRPO groups: `prompts` prompts x `n` responses, each group's sequences start with one prompt
+    "grpo": {"prompts": 32, "n": 8, "prompt": (18, 26), "response": (2, 6), "hidden": 128, "layers": 2},
+    "grpo-long": {
+        "prompts": 2,
+        "n": 8,
+        "prompt": (1000, 1500),
+        "response": (200, 600),
+        "hidden": 256,
+        "layers": 4,
+    },
+    "grpo-gpu": {
+        "prompts": 2,
+        "n": 8,
+        "prompt": (1024, 2048),
+        "response": (256, 1024),
+        "hidden": 896,
+        "layers": 24,
+    },
 }
-VARIANTS = ("dense", "padded", "ours")
+VARIANTS = ("dense", "padded", "ours", "shared")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def build_model(shape: dict, attention: str, device: torch.device):
+def build_model(shape: dict, attention: str, device: torch.device, dtype: torch.dtype = torch.float32):
     from rl_data.tiny import build_tiny_model, build_tiny_tokenizer
 
     tokenizer = build_tiny_tokenizer(vocab_size=1024, model_max_length=4096)
@@ -74,12 +103,31 @@ def build_model(shape: dict, attention: str, device: torch.device):
         seed=0,
     )
     model.config._attn_implementation = attention
-    return model.to(device).train()
+    return model.to(device=device, dtype=dtype).train()
 
 
 def make_batch(shape: dict, vocab: int, seed: int, *, sequences: int | None = None) -> ExperienceBatch:
-    """S sequences of uniform random length (half prompt, half response) and random token ids."""
+    """S sequences of uniform random length (half prompt, half response) and random token ids; for
+    a GRPO shape, `prompts` groups of `n` (`sequences` given: that many groups of two)."""
     generator = torch.Generator().manual_seed(seed)
+    if "prompts" in shape:
+        records = []
+        for _ in range(shape["prompts"] if sequences is None else sequences):
+            prompt = torch.randint(
+                3,
+                vocab,
+                (int(torch.randint(*shape["prompt"], (1,), generator=generator)),),
+                generator=generator,
+            )
+            for _ in range(shape["n"] if sequences is None else 2):
+                length = int(torch.randint(*shape["response"], (1,), generator=generator))
+                records.append(
+                    Trajectory(
+                        prompt_ids=prompt,
+                        response_ids=torch.randint(3, vocab, (length,), generator=generator),
+                    )
+                )
+        return build_experience(records)
     count = shape["sequences"] if sequences is None else sequences
     lengths = torch.randint(shape["min_length"], shape["max_length"] + 1, (count,), generator=generator)
     records = []
@@ -128,7 +176,18 @@ def ours_logprobs(model, batch: ExperienceBatch) -> torch.Tensor:
     return packed_logprobs(model, batch)
 
 
-FUNCTIONS = {"dense": dense_logprobs, "padded": padded_logprobs, "ours": ours_logprobs}
+def shared_logprobs(model, batch: ExperienceBatch) -> torch.Tensor:
+    from rl_learner.models import packed_logprobs
+
+    return packed_logprobs(model, batch, share_prefix=True)
+
+
+FUNCTIONS = {
+    "dense": dense_logprobs,
+    "padded": padded_logprobs,
+    "ours": ours_logprobs,
+    "shared": shared_logprobs,
+}
 
 
 def sync(device: torch.device) -> None:
@@ -155,7 +214,7 @@ def child(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     shape = SHAPES[args.shape]
-    model = build_model(shape, args.attention, device)
+    model = build_model(shape, args.attention, device, DTYPES[args.dtype])
     function = FUNCTIONS[args.child]
     batch = make_batch(shape, model.config.vocab_size, args.seed)
     upstream = torch.randn(batch.num_tokens, generator=torch.Generator().manual_seed(args.seed)).to(device)
@@ -174,13 +233,16 @@ def child(args: argparse.Namespace) -> None:
         times.append(seconds)
     peak = (torch.cuda.max_memory_allocated(device) if device.type == "cuda" else peak_rss_bytes()) - baseline
     torch.save(logprobs, args.result)
-    print(json.dumps({"seconds": statistics.median(times[1:]), "peak_bytes": peak}))
+    sharing = shared_prefix(batch) if args.child == "shared" else None
+    tokens_run = batch.num_tokens - (sharing.saved_tokens if sharing is not None else 0)
+    print(json.dumps({"seconds": statistics.median(times[1:]), "peak_bytes": peak, "tokens_run": tokens_run}))
 
 
 def run_child(args: argparse.Namespace, shape: str, variant: str, result: str) -> dict | None:
     command = [sys.executable, os.path.abspath(__file__), "--child", variant, "--shape", shape]
     command += ["--result", result, "--attention", args.attention, "--device", args.device]
     command += ["--threads", str(args.threads), "--repeats", str(args.repeats), "--seed", str(args.seed)]
+    command += ["--dtype", args.dtype]
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         reason = "killed, out of memory?" if done.returncode == -9 else done.stderr.strip()[-2000:]
@@ -193,7 +255,11 @@ def run_child(args: argparse.Namespace, shape: str, variant: str, result: str) -
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=["preset", "long"])
+    parser.add_argument(
+        "--shapes", nargs="+", choices=sorted(SHAPES), default=["preset", "long", "grpo", "grpo-long"]
+    )
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     parser.add_argument("--attention", choices=["sdpa", "eager"], default="sdpa")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch CPU threads")
@@ -208,35 +274,39 @@ def main() -> None:
         return
 
     print(
-        f"forward + backward of per-token log-probs, float32, attention {args.attention} on {args.device}, "
+        f"forward + backward of per-token log-probs, {args.dtype}, attention {args.attention} on {args.device}, "
         f"torch {torch.__version__}, {args.threads} threads, median of {args.repeats} after 1 warm-up"
     )
     header = (
-        f"{'shape':<7} {'tokens':>7} {'variant':<7} {'seconds':>8} {'vs ours':>8} {'peak MB':>8} "
+        f"{'shape':<9} {'tokens':>7} {'variant':<7} {'seconds':>8} {'vs ours':>8} {'peak MB':>8} "
         f"{'vs ours':>8} {'max|diff|':>9}"
     )
     print(header)
     print("-" * len(header))
     with tempfile.TemporaryDirectory() as scratch:
         for shape in args.shapes:
-            batch = make_batch(SHAPES[shape], 1 << 30, args.seed)
+            batch = make_batch(SHAPES[shape], 1 << 30, args.seed)  # only its token count is used
             reports = {
                 variant: run_child(args, shape, variant, os.path.join(scratch, f"{variant}.pt"))
-                for variant in VARIANTS
+                for variant in args.variants
             }
-            ours = reports["ours"]
+            if reports.get("shared") is not None:
+                run = reports["shared"]["tokens_run"]
+                print(f"{shape}: with shared prefixes the model runs {run} of the {batch.num_tokens} tokens")
+            ours = reports.get("ours")
+            exact = reports.get("dense") or ours  # the log-probs the others are compared with
             for variant, report in reports.items():
                 if report is None:
-                    print(f"{shape:<7} {batch.num_tokens:>7} {variant:<7} {'failed':>8}")
+                    print(f"{shape:<9} {batch.num_tokens:>7} {variant:<7} {'failed':>8}")
                     continue
                 time_ratio = memory_ratio = diff = "-"
                 if ours is not None:
                     time_ratio = f"{report['seconds'] / ours['seconds']:.2f}x"
                     memory_ratio = f"{report['peak_bytes'] / max(ours['peak_bytes'], 2**20):.2f}x"
-                if reports["dense"] is not None:
-                    diff = f"{float((report['logprobs'] - reports['dense']['logprobs']).abs().max()):.1e}"
+                if exact is not None:
+                    diff = f"{float((report['logprobs'] - exact['logprobs']).abs().max()):.1e}"
                 print(
-                    f"{shape:<7} {batch.num_tokens:>7} {variant:<7} {report['seconds']:>8.3f} {time_ratio:>8} "
+                    f"{shape:<9} {batch.num_tokens:>7} {variant:<7} {report['seconds']:>8.3f} {time_ratio:>8} "
                     f"{report['peak_bytes'] / 2**20:>8.1f} {memory_ratio:>8} {diff:>9}",
                     flush=True,
                 )

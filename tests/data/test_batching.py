@@ -166,8 +166,8 @@ def test_partition_argument_errors_name_the_argument():
 # --------------------------------------------------------------------------- plan_micro_batches
 
 
-def check_plan(plan, lengths, *, max_tokens, num_ranks, min_micro_batches=1):
-    """Every invariant a plan promises."""
+def check_plan(plan, lengths, *, max_tokens, num_ranks, min_micro_batches=1, grouped=False):
+    """Every invariant a plan promises (with `grouped`, micro-batches hold groups, not sequences)."""
     assert isinstance(plan, MicroBatchPlan)
     assert len(plan.ranks) == num_ranks
     planned = [i for batches in plan.ranks for batch in batches for i in batch]
@@ -186,7 +186,7 @@ def check_plan(plan, lengths, *, max_tokens, num_ranks, min_micro_batches=1):
         sequences = sum(len(batch) for batch in batches)
         rank_empty = sum(not batch for batch in batches)
         # A micro-batch is empty only when the rank has fewer sequences than micro-steps.
-        assert rank_empty == max(0, steps - sequences)
+        assert rank_empty == max(0, steps - sequences) or grouped
         empty += rank_empty
     assert plan.num_empty_micro_batches == empty
     per_rank = [sum(row) for row in plan.micro_batch_tokens]
@@ -216,6 +216,35 @@ def test_plan_properties(lengths, max_tokens, num_ranks, min_micro_batches, part
         partition=partition,
     )
     check_plan(plan, lengths, max_tokens=max_tokens, num_ranks=num_ranks, min_micro_batches=min_micro_batches)
+
+
+@given(
+    rows=st.lists(st.tuples(st.integers(min_value=0, max_value=120), st.integers(0, 6)), max_size=60),
+    max_tokens=st.integers(min_value=1, max_value=400),
+    num_ranks=st.integers(min_value=1, max_value=4),
+)
+@settings(max_examples=200, deadline=None)
+def test_a_grouped_plan_keeps_every_group_that_fits_in_one_micro_batch(rows, max_tokens, num_ranks):
+    lengths = [length for length, _ in rows]
+    groups = [group for _, group in rows]
+    plan = plan_micro_batches(
+        lengths, max_tokens=max_tokens, num_ranks=num_ranks, on_too_long="skip", groups=groups
+    )
+    check_plan(plan, lengths, max_tokens=max_tokens, num_ranks=num_ranks, grouped=True)
+    where = {
+        i: (r, j) for r, batches in enumerate(plan.ranks) for j, batch in enumerate(batches) for i in batch
+    }
+    for group in set(groups):
+        members = [i for i, g in enumerate(groups) if g == group and i not in plan.skipped]
+        if sum(lengths[i] for i in members) <= max_tokens:
+            assert len({where[i] for i in members}) <= 1, (group, members, plan.ranks)
+
+
+def test_a_group_longer_than_the_budget_is_cut_into_consecutive_pieces():
+    plan = plan_micro_batches([4, 4, 4, 4, 3], max_tokens=8, groups=[7, 7, 7, 7, 1])
+    assert sorted(plan.ranks[0]) == [[0, 1], [2, 3], [4]]
+    with pytest.raises(ValueError, match="groups has 2 entries but lengths has 5"):
+        plan_micro_batches([4, 4, 4, 4, 3], max_tokens=8, groups=[7, 7])
 
 
 @given(

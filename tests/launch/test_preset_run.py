@@ -42,7 +42,8 @@ def test_the_default_preset_raises_the_held_out_accuracy(ray_temp, tmp_path):
     assert evals[-1] >= EVAL_FINAL, evals
     # 8 samples of a ~20-token prompt with ~4-token answers: the learner runs each prompt once
     shared = [line["policy/shared_tokens_frac"] for line in metrics if "policy/shared_tokens_frac" in line]
-    assert len(shared) == 16 and min(shared) > 0.5, shared
+    assert len(shared) == 16, shared
+    assert min(shared) > 0.5, shared
     assert str(run_dir.resolve()) in result.stdout
     assert (run_dir / "curves.png").is_file()
     assert (run_dir / "final" / "config.json").is_file()

@@ -200,3 +200,23 @@ def test_any_grouping_gives_the_same_log_probs(tokenizer_for_hypothesis, rows):
 def tokenizer_for_hypothesis(tokenizer):
     """The float64 sdpa model the property test runs (one per module: hypothesis reuses it)."""
     return _model(tokenizer, "sdpa")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize(("dtype", "atol"), [(torch.float32, 1e-4), (torch.bfloat16, 0.1)])
+def test_on_cuda_the_shared_forward_gives_the_unshared_values_and_gradients(tokenizer, dtype, atol):
+    batch = grouped(prompts=4, n=8, seed=4).to("cuda")
+    results = {}
+    for share in (False, True):
+        model = _model(tokenizer, "sdpa", torch.float32).to(device="cuda", dtype=dtype)
+        logprobs = packed_logprobs(model, batch, only_actions=True, share_prefix=share)
+        (logprobs * batch.action_mask).sum().backward()
+        results[share] = (
+            logprobs.detach().float(),
+            torch.cat([p.grad.flatten().float() for p in model.parameters()]),
+        )
+    (plain, grads), (shared, shared_grads) = results[False], results[True]
+    torch.testing.assert_close(shared, plain, rtol=0, atol=atol)
+    # the gradient as a whole: a missing or doubled group contribution moves it by O(1)
+    assert float((shared_grads - grads).norm() / grads.norm()) < (1e-4 if dtype == torch.float32 else 2e-2)

@@ -493,6 +493,7 @@ def plan_micro_batches(
     on_too_long: str = "error",
     min_micro_batches: int = 1,
     partition: str = "karmarkar_karp",
+    groups: Sequence[int] | None = None,
 ) -> MicroBatchPlan:
     """Assign sequences to data-parallel ranks and token-budgeted micro-batches, balanced by tokens.
 
@@ -511,6 +512,12 @@ def plan_micro_batches(
     5. Each rank's micro-batches are ordered by decreasing token count, so micro-step j has
        similar sizes on every rank.
 
+    With `groups`, steps 2-4 place groups instead of sequences: the sequences of one group id
+    (GRPO's n samples of a prompt) stay in one micro-batch, so a learner that runs a shared
+    prompt once (`rl_learner.models.shared_prefix`) runs it once per group, not once per piece.
+    A group whose tokens exceed `max_tokens` is cut into consecutive pieces that fit. Placing
+    whole groups balances the ranks more coarsely.
+
     Args:
       lengths: [n] token count of every sequence (prompt + response).
       max_tokens: token budget of one micro-batch, ≥ 1.
@@ -519,6 +526,7 @@ def plan_micro_batches(
       on_too_long: one of "error", "skip".
       min_micro_batches: M is at least this (e.g. a fixed number of gradient-accumulation steps).
       partition: "karmarkar_karp" (default) or "greedy" (LPT, for comparison).
+      groups: [n] group id of every sequence, or None (every sequence on its own).
 
     Returns:
       A `MicroBatchPlan`; every index 0..n−1 appears exactly once in `plan.ranks` or in
@@ -548,18 +556,49 @@ def plan_micro_batches(
         "min_micro_batches": min_micro_batches,
         "partition": _PARTITIONERS[partition],
     }
-    ranks = _plan(values, kept, equal_count_ranks=False, **options)
-    plan = MicroBatchPlan.from_assignment(
-        _order(ranks, values), values, max_tokens=max_tokens, skipped=skipped
-    )
-    if plan.num_empty_micro_batches and len(kept) >= num_ranks * plan.num_micro_batches:
-        ranks = _plan(values, kept, equal_count_ranks=True, **options)
-        other = MicroBatchPlan.from_assignment(
-            _order(ranks, values), values, max_tokens=max_tokens, skipped=skipped
-        )
+    units = _group_units(values, kept, groups, max_tokens)
+    weights = [sum(values[i] for i in unit) for unit in units]
+
+    def assign(equal_count_ranks: bool) -> list[list[list[int]]]:
+        placed = _plan(weights, list(range(len(units))), equal_count_ranks=equal_count_ranks, **options)
+        expanded = [[sorted(i for u in micro for i in units[u]) for micro in rank] for rank in placed]
+        return _order(expanded, values)
+
+    plan = MicroBatchPlan.from_assignment(assign(False), values, max_tokens=max_tokens, skipped=skipped)
+    if plan.num_empty_micro_batches and len(units) >= num_ranks * plan.num_micro_batches:
+        other = MicroBatchPlan.from_assignment(assign(True), values, max_tokens=max_tokens, skipped=skipped)
         if other.num_empty_micro_batches < plan.num_empty_micro_batches:
             plan = other
     return plan
+
+
+def _group_units(
+    values: Sequence[int], kept: Sequence[int], groups: Sequence[int] | None, max_tokens: int
+) -> list[list[int]]:
+    """The items `plan_micro_batches` places: each kept sequence alone, or with `groups` the kept
+    sequences of each group id (in order of first appearance), cut into consecutive pieces of at
+    most `max_tokens` tokens."""
+    if groups is None:
+        return [[index] for index in kept]
+    if len(groups) != len(values):
+        raise ValueError(
+            f"groups has {len(groups)} entries but lengths has {len(values)}; one group id per sequence"
+        )
+    members: dict[int, list[int]] = {}
+    for index in kept:
+        members.setdefault(groups[index], []).append(index)
+    units: list[list[int]] = []
+    for indices in members.values():
+        piece: list[int] = []
+        tokens = 0
+        for index in indices:
+            if piece and tokens + values[index] > max_tokens:
+                units.append(piece)
+                piece, tokens = [], 0
+            piece.append(index)
+            tokens += values[index]
+        units.append(piece)
+    return units
 
 
 # --------------------------------------------------------------------------- naive baseline

@@ -25,6 +25,7 @@ from rl_data import ExperienceBatch, compare_checksums, micro_batches, plan_micr
 from rl_learner import DeepSpeedConfig, LoraOptions, OptimizerConfig
 
 from .actors import ActorGroup, EngineSpec, LearnerSpec, LearnerWorker, RolloutWorker
+from .algorithm import learners_share_prefix
 from .cluster import ClusterError, cluster_has_gpus, place_roles, plan_roles
 from .components import executor_name
 from .config import PPOConfig
@@ -313,10 +314,15 @@ class Roles:
     # The step's calls
 
     def split(self, batch: ExperienceBatch, role: str) -> list[list[ExperienceBatch]]:
-        """`batch` planned over the ranks of `role`: each rank's micro-batches (dynamic batching)."""
+        """`batch` planned over the ranks of `role`: each rank's micro-batches (dynamic batching).
+
+        When the learners run shared prompts once, a group's samples stay in one micro-batch."""
         ranks = len(self.groups[role])
         plan = plan_micro_batches(
-            batch.sequence_lengths.tolist(), max_tokens=self.config.train.micro_batch_tokens, num_ranks=ranks
+            batch.sequence_lengths.tolist(),
+            max_tokens=self.config.train.micro_batch_tokens,
+            num_ranks=ranks,
+            groups=batch.group_ids.tolist() if learners_share_prefix(self.config) else None,
         )
         return [micro_batches(batch, plan, rank) for rank in range(ranks)]
 

@@ -648,7 +648,7 @@ def _shift_to_tokens(per_position: torch.Tensor, position_ids: torch.Tensor) -> 
 
 def _logits_before(tokens: torch.Tensor, sharing: SharedPrefix | None) -> torch.Tensor:
     """Where the logits that choose row tokens `tokens` (each ≥ 1) are: t − 1, or its compressed copy."""
-    return tokens - 1 if sharing is None else sharing.own[tokens - 1]
+    return tokens - 1 if sharing is None else sharing.own.to(tokens.device)[tokens - 1]
 
 
 def packed_logprobs(
