@@ -35,7 +35,7 @@ Shapes (`--shapes`):
     grpo-gpu    2 prompts of 1,024-2,047 tokens x 8 responses of 256-1,023 on a Qwen2-0.5B-wide
             model (hidden 896, 24 layers, 1,024-token vocabulary): for one GPU.
 
-    python benchmarks/packed_attention.py [--shapes preset long grpo grpo-long] [--variants ours shared]
+    python benchmarks/packed_attention.py [--shapes preset long grpo] [--variants ours shared]
         [--attention sdpa] [--threads 1] [--dtype float32]
 
 The dense variant of `long` takes about a minute per run on one CPU core; `--repeats 1` is a
@@ -255,9 +255,7 @@ def run_child(args: argparse.Namespace, shape: str, variant: str, result: str) -
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--shapes", nargs="+", choices=sorted(SHAPES), default=["preset", "long", "grpo", "grpo-long"]
-    )
+    parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=["preset", "long", "grpo"])
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     parser.add_argument("--attention", choices=["sdpa", "eager"], default="sdpa")
