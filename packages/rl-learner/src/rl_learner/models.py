@@ -679,7 +679,8 @@ def packed_logprobs(
     takes_keep = _accepts_logits_to_keep(model)
     if share_prefix and not takes_keep:
         raise ValueError(
-            f"share_prefix needs a model whose forward takes logits_to_keep; {type(unwrap_model(model)).__name__} does not"
+            f"share_prefix needs a model whose forward takes logits_to_keep; {type(unwrap_model(model)).__name__} "
+            "does not (run it with share_prefix=False: DeepSpeedConfig.share_prefix, rl-launch's model.share_prefix)"
         )
     sharing = _sharing(batch, share_prefix)
     inputs = packed_model_inputs(model, batch, sharing=sharing)
