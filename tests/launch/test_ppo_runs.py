@@ -163,4 +163,11 @@ def test_a_run_killed_after_a_checkpoint_resumes_with_the_same_metrics(
     metrics = read_metrics(run_dir)
     assert [line["step"] for line in metrics] == [1, 2, 3, 4, 5]  # lines after the checkpoint replaced
     for line in metrics[saved:]:
-        assert _comparable(line) == pytest.approx(reference[line["step"]], rel=1e-5, abs=1e-7)
+        expected = reference[line["step"]]
+        # The gap between the learner's and the engine's log-probs is float32 rounding (~1e-6): the
+        # engine's own log-probs move by an ulp with how its scheduler happened to batch the
+        # requests (timing), so that gap is compared at the learners' own tolerance.
+        gaps = {key for key in expected if key.startswith("health/logprob_mismatch")}
+        assert {k: line[k] for k in gaps} == pytest.approx({k: expected[k] for k in gaps}, abs=1e-5)
+        rest = {k: v for k, v in _comparable(line).items() if k not in gaps}
+        assert rest == pytest.approx({k: v for k, v in expected.items() if k not in gaps}, rel=1e-5, abs=1e-7)
