@@ -40,12 +40,10 @@ __all__ = [
 
 def learners_share_prefix(config: PPOConfig) -> bool:
     """Whether the learners run a prompt shared by several sequences once (`model.share_prefix`,
-    resolved as `rl_learner.DeepSpeedConfig.shares_prefix` resolves it: None = by the attention)."""
-    from rl_learner.config import PREFIX_SHARING_ATTENTION
+    resolved by the learners' own rule, `rl_learner.config.prefix_sharing_on`)."""
+    from rl_learner.config import prefix_sharing_on
 
-    if config.model.share_prefix is None:
-        return config.model.attn_implementation in PREFIX_SHARING_ATTENTION
-    return config.model.share_prefix
+    return prefix_sharing_on(config.model.share_prefix, config.model.attn_implementation)
 
 
 def old_logprobs_from_training(config: PPOConfig) -> bool:

@@ -38,6 +38,7 @@ __all__ = [
     "build_scheduler",
     "deepspeed_config",
     "lr_factor",
+    "prefix_sharing_on",
     "torch_dtype",
     "warmup_steps",
 ]
@@ -171,10 +172,15 @@ class DeepSpeedConfig(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def shares_prefix(self) -> bool:
-        """Whether the learner runs shared prefixes once: `share_prefix`, None resolved by the attention."""
-        if self.share_prefix is None:
-            return self.attn_implementation in PREFIX_SHARING_ATTENTION
-        return self.share_prefix
+        """Whether the learner runs shared prefixes once (`prefix_sharing_on`)."""
+        return prefix_sharing_on(self.share_prefix, self.attn_implementation)
+
+
+def prefix_sharing_on(share_prefix: bool | None, attn_implementation: str) -> bool:
+    """`share_prefix` as given, or for None whether `attn_implementation` can share (sdpa, eager)."""
+    if share_prefix is None:
+        return attn_implementation in PREFIX_SHARING_ATTENTION
+    return share_prefix
 
 
 def torch_dtype(name: str) -> torch.dtype:

@@ -676,7 +676,7 @@ def packed_logprobs(
       flow when grad mode is on. For an empty batch the tensors have N = 0 but are connected to
       the dummy forward (multiplied by 0).
     """
-    takes_keep = _accepts_logits_to_keep(model)
+    takes_keep = (share_prefix or only_actions) and _accepts_logits_to_keep(model)
     if share_prefix and not takes_keep:
         raise ValueError(
             f"share_prefix needs a model whose forward takes logits_to_keep; {type(unwrap_model(model)).__name__} "
