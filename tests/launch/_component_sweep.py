@@ -20,11 +20,11 @@ import traceback
 def case_overrides(kind: str, name: str) -> dict[str, str]:
     """The config of one case: the KL goes where the estimator can use it (β > 0 in every case,
     so the reference model's forward and both KL paths run)."""
-    from rl_launch.components import estimator_takes
+    from rl_launch.components import estimator_needs
 
     estimator = name if kind == "estimator" else "grpo"
     overrides = {"algo.advantage.estimator": estimator, "algo.kl.init_kl_coef": "0.01"}
-    if not estimator_takes(estimator, "token_rewards"):
+    if not estimator_needs(estimator).token_rewards:
         overrides["algo.kl.use_kl_loss"] = "true"
     if kind == "loss":
         overrides["algo.policy.loss"] = name

@@ -309,7 +309,7 @@ def test_the_engine_section_reaches_the_engine_verbatim(tiny_checkpoint):
         max_model_len=64,
         seed=0,
     )
-    engine = ENGINES[spec.kind](spec, **spec.options)
+    engine = ENGINES[spec.kind].build(spec, **spec.options)
     try:
         assert engine.max_batch_size == 3
         assert engine.max_model_len == 64

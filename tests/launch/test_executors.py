@@ -80,10 +80,10 @@ def test_the_options_and_the_agent_file_reach_the_executor_verbatim(agent_file):
         "fallback": -1,
         "feedback": "chat",
     }
-    from rl_launch.components import _no_engine
+    from rl_launch.components import validation_engine
 
-    executor = EXECUTORS["multi_turn"](
-        engine=_no_engine(64),
+    executor = EXECUTORS["multi_turn"].build(
+        engine=validation_engine(64),
         reward_fn=None,
         tokenizer=None,
         sampling=SamplingParams(n=2),

@@ -58,6 +58,7 @@ __all__ = [
     "BATCH_FIELDS",
     "compute_advantages",
     "dr_grpo",
+    "estimator_inputs",
     "gae",
     "gpg",
     "grpo",
@@ -81,6 +82,13 @@ BATCH_FIELDS = (
     "all_reduce",
 )
 """Inputs `compute_advantages` hands to an estimator only if the estimator declares them."""
+
+
+def estimator_inputs(estimator: str) -> frozenset[str]:
+    """The `BATCH_FIELDS` the estimator registered as `estimator` declares: what it needs from a
+    run (`"values"`: a critic; `"baseline_rewards"`: a baseline response's reward; `"token_rewards"`:
+    per-token rewards, so a KL in the reward reaches it)."""
+    return frozenset(inspect.signature(ADVANTAGE_ESTIMATORS[estimator]).parameters) & frozenset(BATCH_FIELDS)
 
 
 def compute_advantages(estimator: str, **inputs) -> tuple[torch.Tensor, torch.Tensor]:

@@ -424,7 +424,8 @@ class RolloutWorker:
         self.reward_fn = build_reward(spec)
         from .components import ENGINES
 
-        self.engine = ENGINES[spec.kind](spec, **spec.options)
+        self.receives_weights = ENGINES[spec.kind].receives_weights
+        self.engine = ENGINES[spec.kind].build(spec, **spec.options)
 
     def ready(self) -> tuple[int, int | None, str]:
         """(weight-sync ranks this engine takes, its KV-cache bytes or None where vLLM sizes it,
@@ -434,7 +435,7 @@ class RolloutWorker:
         node = ray.get_runtime_context().get_node_id()
         # A receiving engine takes one rank of a broadcast group per worker process (vLLM: its TP
         # x PP workers, `sync_world_size`; transformers: itself); one that receives nothing, none.
-        sync_ranks = getattr(self.engine, "sync_world_size", 1) if self.engine.supports("weight_sync") else 0
+        sync_ranks = getattr(self.engine, "sync_world_size", 1) if self.receives_weights else 0
         gpus = [str(gpu) for gpu in ray.get_gpu_ids()]
         return sync_ranks, getattr(self.engine, "kv_cache_bytes", None), node, gpus
 
@@ -460,7 +461,7 @@ class RolloutWorker:
         spec = self.spec
 
         def run(params: Any) -> list[Trajectory]:
-            executor = EXECUTORS[spec.executor](
+            executor = EXECUTORS[spec.executor].build(
                 engine=self.engine,
                 reward_fn=self.reward_fn,
                 tokenizer=self.tokenizer,

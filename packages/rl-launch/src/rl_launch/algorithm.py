@@ -24,7 +24,7 @@ from rl_algos import (
 from rl_data import ExperienceBatch, Trajectory
 from rl_learner import PolicyLossConfig, ValueLossConfig
 
-from .components import estimator_options, estimator_takes
+from .components import estimator_needs, estimator_options
 from .config import PPOConfig
 
 __all__ = [
@@ -133,7 +133,7 @@ def score_batch(
         rewards, mask, kl=kl if in_reward else None, kl_coef=kl_coef if in_reward else 0.0, reward_clip=clip
     )
     estimator = config.algo.advantage.estimator
-    clips_itself = estimator_takes(estimator, "reward_clip")
+    clips_itself = estimator_needs(estimator).clips_rewards
     inputs: dict[str, Any] = {
         "rewards": rewards if clips_itself or not clip else rewards.clamp(-clip, clip),
         "token_rewards": token_rewards,

@@ -25,9 +25,11 @@ import msgspec
 from msgspec import Meta
 
 from rl_algos import ADVANTAGE_ESTIMATORS, AGGREGATION_MODES, KL_ESTIMATORS, POLICY_LOSSES
+from rl_algos.estimators import estimator_inputs
+
+from .errors import ConfigError
 
 __all__ = [
-    "CRITIC_ESTIMATORS",
     "AlgoConfig",
     "CheckpointConfig",
     "ConfigError",
@@ -45,14 +47,6 @@ __all__ = [
     "RolloutConfig",
     "TrainConfig",
 ]
-
-# Estimators that need a value model (critic); the others work from outcome rewards alone.
-CRITIC_ESTIMATORS: tuple[str, ...] = ("gae",)
-
-
-class ConfigError(ValueError):
-    """A configuration value is wrong; the message names the dotted field and what is allowed."""
-
 
 # Ranges are msgspec constraints, checked while the config is decoded; a value outside fails as
 # `train.max_steps: expected int >= 1 (value: 0)`. `__post_init__` keeps the checks that span
@@ -732,7 +726,8 @@ class PPOConfig(_Section):
 
     @property
     def needs_critic(self) -> bool:
-        return self.algo.advantage.estimator in CRITIC_ESTIMATORS
+        """The estimator takes `values` (gae, or a plugin's that does): the run starts a critic."""
+        return "values" in estimator_inputs(self.algo.advantage.estimator)
 
     @property
     def needs_reference(self) -> bool:

@@ -273,11 +273,12 @@ class Roles:
 
     def sync_placement(self) -> Any:
         """The facts `components.choose_weight_sync` decides auto from."""
-        from .components import ENGINES, SyncPlacement
+        from .components import ENGINES
+        from .weight_sync import SyncPlacement
 
         return SyncPlacement(
             device=self.device,
-            engine_receives=getattr(ENGINES[self.config.rollout.engine], "receives_weights", True),
+            engine_receives=ENGINES[self.config.rollout.engine].receives_weights,
             engines_on_policy_gpus=bool(self.engine_nodes)
             and all(rank is not None for rank in self.engine_policy_ranks()),
             engines_on_policy_node=all(node == self.policy_node for node in self.engine_nodes),
@@ -287,7 +288,7 @@ class Roles:
         """`rollout.weight_sync`, with auto resolved from the placement (`components.choose_weight_sync`):
         none for an engine that cannot receive, ipc for engines on the policy's GPUs, broadcast
         across GPUs (NCCL) or nodes (gloo), shm for CPU engines on the node of policy rank 0."""
-        from .components import choose_weight_sync
+        from .weight_sync import choose_weight_sync
 
         chosen = self.config.rollout.weight_sync
         return choose_weight_sync(self.sync_placement()) if chosen == "auto" else chosen
@@ -297,7 +298,7 @@ class Roles:
         description of the strategy for the start-up line."""
         import ray
 
-        from .components import SYNC_STRATEGIES
+        from .weight_sync import SYNC_STRATEGIES
 
         strategy = self.weight_sync_strategy()
         if strategy == "none":

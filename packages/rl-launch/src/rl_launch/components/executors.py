@@ -1,0 +1,234 @@
+"""Rollout executors: what turns a batch of prompts into scored records inside the rollout actor;
+`rollout.executor` and its options `rollout.executor_options`.
+
+An entry's builder is called as `build(*, engine, reward_fn, tokenizer, sampling, first_group_id,
+agent_func_path, **options)` and returns an object with `run(samples) -> list[rl_data.Trajectory]`
+(records prompt-major, group ids counting up from `first_group_id`). The keyword arguments in
+`EXECUTOR_INPUTS` are supplied by the run; the others are the executor's options, verbatim. An
+entry may declare `options` (option -> default, e.g. read from the executor class it builds);
+without it they are read from the builder's signature.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ..errors import ConfigError
+from .base import ComponentKind, ComponentRegistry, Selection, component_options, dry_run
+
+if TYPE_CHECKING:
+    from ..config import PPOConfig
+
+__all__ = [
+    "EXECUTOR",
+    "EXECUTORS",
+    "EXECUTOR_INPUTS",
+    "ExecutorEntry",
+    "executor_name",
+    "executor_options",
+    "validation_engine",
+]
+
+EXECUTOR_INPUTS: frozenset[str] = frozenset(
+    {"engine", "reward_fn", "tokenizer", "sampling", "first_group_id", "agent_func_path"}
+)
+"""What the rollout actor hands every executor builder itself: not options."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ExecutorEntry:
+    """A rollout executor as the launcher sees it."""
+
+    build: Callable[..., Any]
+    """`build(*, engine, reward_fn, tokenizer, sampling, first_group_id, agent_func_path, **options)`."""
+    options: Callable[[], Mapping[str, Any]] | None = None
+    """Option -> default (imported lazily); None: `build`'s keyword arguments with a default."""
+    runs_agent: bool = False
+    """It runs the episodes of `rollout.agent_func_path`, whose step() rewards are the reward."""
+
+    def option_defaults(self) -> dict[str, Any]:
+        if self.options is not None:
+            return dict(self.options())
+        return component_options(self.build, inputs=EXECUTOR_INPUTS)
+
+
+EXECUTORS = ComponentRegistry("rollout executor", ExecutorEntry)
+"""Rollout executors by name -> `ExecutorEntry` (register a builder, with `options=` or not)."""
+
+
+def executor_name(config: PPOConfig) -> str:
+    """The executor a run uses: `rollout.executor`, or (unset) multi_turn when
+    `rollout.agent_func_path` names an agent file, else single_turn."""
+    rollout = config.rollout
+    if rollout.executor is not None:
+        return rollout.executor
+    return "multi_turn" if rollout.agent_func_path is not None else "single_turn"
+
+
+def executor_options(name: str) -> dict[str, Any]:
+    """Option -> default of the executor registered as `name` (`"**"` when it takes any)."""
+    return EXECUTORS[name].option_defaults()
+
+
+def validation_engine(max_model_len: int) -> Any:
+    """An engine that generates nothing, with a context length: `check_components` builds an
+    executor on it to check the executor's options (executors only store their engine)."""
+    from rl_rollout import Engine
+
+    class NoEngine(Engine):
+        name = "validation"
+
+        @property
+        def max_model_len(self) -> int:
+            return max_model_len
+
+        def generate(self, prompts: Any, params: Any) -> list:
+            raise RuntimeError("check_components builds executors only to check their options")
+
+    return NoEngine()
+
+
+def _check_agent_file(agent: str) -> str:
+    """The agent file as an absolute path, once it imports and defines an `AgentInstance`."""
+    from rl_rollout import load_agent_class
+
+    path = Path(agent).expanduser()
+    if not path.is_file():
+        raise ConfigError(f"rollout.agent_func_path: agent file {agent!r} does not exist")
+    if path.suffix != ".py":
+        raise ConfigError(f"rollout.agent_func_path: {agent!r} is not a Python file ending in .py")
+    try:
+        load_agent_class(path)
+    except (ImportError, AttributeError, TypeError, ValueError) as error:
+        raise ConfigError(f"rollout.agent_func_path: {error}") from None
+    return str(path.resolve())
+
+
+def _select(config: PPOConfig) -> list[Selection]:
+    name = executor_name(config)
+    entry = EXECUTORS.get(name)
+    takes = entry.option_defaults() if entry is not None else None
+    return [
+        Selection(
+            "rollout.executor", name, "rollout.executor_options", config.rollout.executor_options, takes
+        )
+    ]
+
+
+def _check(config: PPOConfig) -> None:
+    """The agent file and the executor's options, by building it once on an engine that
+    generates nothing (so a wrong value fails with the executor's own message)."""
+    from rl_rollout import BatchedReward, SamplingParams
+
+    rollout = config.rollout
+    name = executor_name(config)
+    entry = EXECUTORS[name]
+    agent = rollout.agent_func_path
+    if agent is not None and not entry.runs_agent:
+        raise ConfigError(
+            f"rollout.agent_func_path: {agent!r} is an agent file, but rollout.executor is {name}, "
+            "which runs no agent; leave rollout.executor unset or set it to multi_turn"
+        )
+    if entry.runs_agent:
+        if agent is None:
+            raise ConfigError(
+                f"rollout.executor: {name!r} runs the episodes of an agent file; set "
+                "rollout.agent_func_path to an OpenRLHF agent .py file"
+            )
+        sources = [f"reward.{field}" for field in ("function", "remote_url") if getattr(config.reward, field)]
+        if sources:
+            raise ConfigError(
+                f"{sources[0]}: with rollout.executor {name} the agent's step() rewards are the "
+                "reward and this source would never be called; leave it unset (a reward model, "
+                "model.reward_pretrain, still adds its score)"
+            )
+    agent_path = None if agent is None else _check_agent_file(agent)
+    zero = BatchedReward(lambda queries, prompts, labels: [0.0] * len(queries), name="zero")
+    dry_run(
+        "rollout.executor_options",
+        f"rollout executor {name!r}",
+        lambda: entry.build(
+            engine=validation_engine(config.data.prompt_max_len + rollout.generate_max_len),
+            reward_fn=zero,
+            tokenizer=None,
+            sampling=SamplingParams(n=rollout.n_samples_per_prompt, max_new_tokens=rollout.generate_max_len),
+            first_group_id=0,
+            agent_func_path=agent_path,
+            **rollout.executor_options,
+        ),
+    )
+
+
+EXECUTOR = ComponentKind(
+    title="rollout executors",
+    singular="rollout executor",
+    registry=EXECUTORS,
+    where="rollout.executor, options: rollout.executor_options; multi_turn runs rollout.agent_func_path",
+    select=_select,
+    options_of=executor_options,
+    check=_check,
+)
+
+
+# --------------------------------------------------------------------------------------------
+# The built-in executors.
+
+
+def _single_turn_options() -> dict[str, Any]:
+    from rl_rollout import SingleTurnExecutor
+
+    return component_options(SingleTurnExecutor, inputs=EXECUTOR_INPUTS)
+
+
+@EXECUTORS.register("single_turn", options=_single_turn_options)
+def single_turn_executor(
+    *,
+    engine: Any,
+    reward_fn: Any,
+    tokenizer: Any,
+    sampling: Any,
+    first_group_id: int,
+    agent_func_path: str | None,
+    **options: Any,
+) -> Any:
+    """`rl_rollout.SingleTurnExecutor`: n responses per prompt, scored by the reward sources in one call."""
+    from rl_rollout import SingleTurnExecutor
+
+    del agent_func_path  # None: check_components refuses an agent file with single_turn
+    return SingleTurnExecutor(
+        engine, reward_fn, tokenizer, sampling, first_group_id=first_group_id, **options
+    )
+
+
+def _multi_turn_options() -> dict[str, Any]:
+    from rl_rollout import MultiTurnExecutor
+
+    return component_options(MultiTurnExecutor, inputs=EXECUTOR_INPUTS)
+
+
+@EXECUTORS.register("multi_turn", options=_multi_turn_options, runs_agent=True)
+def multi_turn_executor(
+    *,
+    engine: Any,
+    reward_fn: Any,
+    tokenizer: Any,
+    sampling: Any,
+    first_group_id: int,
+    agent_func_path: str | None,
+    **options: Any,
+) -> Any:
+    """`rl_rollout.MultiTurnExecutor`: episodes of the agent file rollout.agent_func_path.
+
+    The reward of an episode is the sum of its step() rewards; environment tokens carry action
+    mask 0 (no loss on them) and log-prob 0."""
+    from rl_rollout import MultiTurnExecutor
+
+    del reward_fn  # the environment scores the episode
+    if agent_func_path is None:
+        raise ValueError("multi_turn needs an agent file (rollout.agent_func_path)")
+    return MultiTurnExecutor(
+        engine, tokenizer, sampling, env=agent_func_path, first_group_id=first_group_id, **options
+    )
