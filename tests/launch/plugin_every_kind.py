@@ -1,0 +1,77 @@
+"""A `--plugin` that registers one component of every kind, none of them in the packages:
+
+    advantage estimator  plugin_td          takes `values`, so the run starts and trains a critic
+    rollout engine       plugin_hf          the transformers engine, built through its own entry
+    rollout executor     plugin_tagged      single-turn episodes that tag their records
+    rollout correction   plugin_capped      importance weights capped from above only
+
+Each component leaves a trace the tests read: the engine and executor print a line into their
+actor's log, the executor's tag arrives as the metric `rollout/agent/plugin_tag`, and the
+correction's own metric `plugin_cap_fraction` reaches the policy's metrics.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from rl_algos import ADVANTAGE_ESTIMATORS, compute_gae
+from rl_launch.components import ENGINES, EXECUTORS
+
+ENGINE_LINE = "plugin_every_kind: engine built"
+EXECUTOR_LINE = "plugin_every_kind: executor built"
+
+
+@ADVANTAGE_ESTIMATORS.register("plugin_td")
+def plugin_td(
+    *, token_rewards: torch.Tensor, values: torch.Tensor, action_mask: torch.Tensor, gamma: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One-step TD advantages, A_t = r_t + γ·V_{t+1} − V_t (GAE with λ = 0), returns A + V.
+
+    Shapes: `[batch, seq]` in and out. Taking `values` is all it takes to get a critic."""
+    return compute_gae(token_rewards, values, action_mask, gamma=gamma, lam=0.0)
+
+
+@ENGINES.register("plugin_hf", receives_weights=True, sleeps=True)
+def plugin_hf(spec: Any, **options: Any) -> Any:
+    """The transformers engine, registered under a plugin's name (its options are the hf engine's)."""
+    print(ENGINE_LINE, flush=True)
+    return ENGINES["hf"].build(spec, **options)
+
+
+class _Tagged:
+    """Runs an executor and marks every record it returns with `extra_logs[plugin_tag]`."""
+
+    def __init__(self, inner: Any, tag: float) -> None:
+        self.inner, self.tag = inner, tag
+
+    def run(self, samples: Any) -> list:
+        records = self.inner.run(samples)
+        for record in records:
+            record.extra["extra_logs"] = {**(record.extra.get("extra_logs") or {}), "plugin_tag": self.tag}
+        return records
+
+
+@EXECUTORS.register("plugin_tagged")
+def plugin_tagged(
+    *,
+    engine: Any,
+    reward_fn: Any,
+    tokenizer: Any,
+    sampling: Any,
+    first_group_id: int,
+    agent_func_path: str | None,
+    tag: float = 1.0,
+) -> Any:
+    """Single-turn episodes whose records carry `tag` (logged as rollout/agent/plugin_tag)."""
+    print(EXECUTOR_LINE, flush=True)
+    inner = EXECUTORS["single_turn"].build(
+        engine=engine,
+        reward_fn=reward_fn,
+        tokenizer=tokenizer,
+        sampling=sampling,
+        first_group_id=first_group_id,
+        agent_func_path=agent_func_path,
+    )
+    return _Tagged(inner, tag)
