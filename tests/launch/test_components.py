@@ -17,12 +17,11 @@ from rl_launch.cli import main, resolve_ppo_config
 from rl_launch.components import (
     ENGINES,
     REWARDS,
-    SyncPlacement,
     check_components,
-    choose_weight_sync,
     describe_components,
     list_components,
 )
+from rl_launch.components.weight_sync import SyncPlacement, choose_weight_sync
 from rl_launch.config import ConfigError
 
 BASE = {

@@ -115,7 +115,7 @@ class LearnerWorker:
         self.learner = None
         self.sender = None
         self._store = None
-        self._sync_port = None
+        self._sync_holds: list[Any] = []
 
     def node(self, timeout_s: float) -> tuple[str, str, int | None]:
         """(Ray node id, node IP address, rendezvous port on rank 0 / None on the others)."""
@@ -213,20 +213,15 @@ class LearnerWorker:
 
         return sync_layout(self.learner.engine, dtype=torch_dtype(dtype))
 
-    def shm_directory(self) -> str:
-        """A fresh shared-memory folder on this node for the "shm" weight sync (rank 0)."""
-        from rl_data.shm import shm_directory
+    def prepare_sync(self, fn: Any) -> Any:
+        """`fn(self)` for a weight-sync strategy's start (`Roles.on_policy_rank_0`, rank 0): what it
+        makes on this node (a port, a folder); `hold_until_sync` keeps a resource open meanwhile."""
+        return fn(self)
 
-        return str(shm_directory())
-
-    def reserve_sync_port(self) -> tuple[str, int]:
-        """(this node's IP address, a port held here) for the weight-sync group's store; rank 0."""
-        import ray
-
-        from rl_data.transport import reserve_port
-
-        self._sync_port = reserve_port()
-        return ray.util.get_node_ip_address(), self._sync_port.getsockname()[1]
+    def hold_until_sync(self, resource: Any) -> None:
+        """Keep `resource` (with a `close()`: a socket holding a port) until `init_sync` has built
+        the sender, which then serves what it held."""
+        self._sync_holds.append(resource)
 
     def location(self) -> tuple[str, list[str]]:
         """(Ray node id, the GPU ids Ray gave this actor): where the hybrid engine and the sync
@@ -248,30 +243,26 @@ class LearnerWorker:
         return self.learner.reload_states()
 
     def init_sync(self, spec: Any) -> None:
-        """Join the weight-sync group (blocks until every engine has joined too)."""
+        """Join the weight-sync transport of `spec` (blocks until every engine has joined a group)."""
         from rl_learner import make_sender
 
         try:
             self.sender = make_sender(spec, self.learner.engine)
         finally:
-            if self._sync_port is not None:  # the group's store serves the port now
-                self._sync_port.close()
-                self._sync_port = None
+            held, self._sync_holds = self._sync_holds, []
+            for resource in held:  # the sender serves what they held now
+                resource.close()
 
-    def sync(self, version: int) -> Any:
-        """Send the current weights; every rank calls, DP rank 0 returns the `WeightSyncReport`.
-
-        CUDA IPC ("ipc"): every rank returns (report, `IpcPayload`) and keeps its buffers until
-        `release_sync`, after the engines on its GPU have read them."""
+    def sync(self, version: int) -> tuple[Any, Any]:
+        """Send the current weights; every rank calls. (the `WeightSyncReport`, None off the sending
+        ranks; the sender's `payload` for the engines, None where the transport carries it all:
+        CUDA IPC's `IpcPayload`, whose buffers stay until `release_sync`)."""
         report = self.sender.send(version)
-        payload = getattr(self.sender, "payload", None)
-        return report if payload is None else (report, payload)
+        return report, self.sender.payload
 
     def release_sync(self) -> None:
-        """Free the buffers of the last CUDA IPC sync (a no-op for the other transports)."""
-        release = getattr(self.sender, "release", None)
-        if release is not None:
-            release()
+        """Free what the last send keeps for the engines (`WeightSender.release`)."""
+        self.sender.release()
 
     def save(self, root: str, step: int, state: Any, keep_last: int) -> str:
         from rl_learner import save_checkpoint

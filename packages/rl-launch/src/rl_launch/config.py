@@ -255,7 +255,7 @@ class RolloutConfig(_Section):
     """Sequences one engine runs at once (vLLM's max_num_seqs); None: one step's share, prompts per
     engine x n_samples_per_prompt. On CPU the engine sizes its KV cache for that many sequences."""
     weight_sync: str = "auto"
-    """How the policy's weights reach the engines after each step (rl_launch.components.SYNC_STRATEGIES,
+    """How the policy's weights reach the engines after each step (rl_launch.components.weight_sync.SYNC_STRATEGIES,
     plus any a plugin registers): broadcast (a process group of
     policy rank 0 and every engine worker: NCCL on GPUs, gloo on CPU, bucketed), ipc (CUDA IPC:
     every engine on the GPU of a policy rank, ray.colocate all), shm (one copy through /dev/shm;

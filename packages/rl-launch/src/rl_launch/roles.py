@@ -272,9 +272,9 @@ class Roles:
         return ranks
 
     def sync_placement(self) -> Any:
-        """The facts `components.choose_weight_sync` decides auto from."""
+        """The facts `weight_sync.choose_weight_sync` decides auto from."""
         from .components import ENGINES
-        from .weight_sync import SyncPlacement
+        from .components.weight_sync import SyncPlacement
 
         return SyncPlacement(
             device=self.device,
@@ -285,26 +285,34 @@ class Roles:
         )
 
     def weight_sync_strategy(self) -> str:
-        """`rollout.weight_sync`, with auto resolved from the placement (`components.choose_weight_sync`):
+        """`rollout.weight_sync`, with auto resolved from the placement (`weight_sync.choose_weight_sync`):
         none for an engine that cannot receive, ipc for engines on the policy's GPUs, broadcast
         across GPUs (NCCL) or nodes (gloo), shm for CPU engines on the node of policy rank 0."""
-        from .weight_sync import choose_weight_sync
+        from .components.weight_sync import choose_weight_sync
 
         chosen = self.config.rollout.weight_sync
         return choose_weight_sync(self.sync_placement()) if chosen == "auto" else chosen
 
+    def on_policy_rank_0(self, fn: Any) -> Any:
+        """`fn(worker)` run inside the actor of policy rank 0 (the sender), its result: what a weight
+        sync's start function makes on the sender's machine (a port it holds, a folder). `fn` must
+        be a module-level function (Ray sends it by reference)."""
+        import ray
+
+        return ray.get(self.groups["policy"].actors[0].prepare_sync.remote(fn))
+
     def init_weight_sync(self) -> str:
-        """Policy DP rank 0 sends, every engine worker receives (`components.SYNC_STRATEGIES`); a
+        """Policy DP rank 0 sends, every engine worker receives (`weight_sync.SYNC_STRATEGIES`); a
         description of the strategy for the start-up line."""
         import ray
 
-        from .weight_sync import SYNC_STRATEGIES
+        from .components.weight_sync import SYNC_STRATEGIES
 
         strategy = self.weight_sync_strategy()
         if strategy == "none":
             return "none (the engines keep the weights they started with; the run is off-policy after step 1)"
         layout = self.groups["policy"].call("sync_layout", self.dtype)[0]
-        spec, description = SYNC_STRATEGIES[strategy](self, layout)
+        spec, description = SYNC_STRATEGIES[strategy].start(self, layout)
         offsets = [1 + sum(self.engine_sync_sizes[:i]) for i in range(len(self.engine_sync_sizes))]
         futures = self.groups["policy"].submit("init_sync", spec)
         futures += self.engines.submit("init_sync", per_rank=[(spec, offset) for offset in offsets])
@@ -368,19 +376,25 @@ class Roles:
     def sync_weights(self, version: int) -> dict[str, float]:
         """Send the policy's weights to every engine as `version`; time, size and checksum match.
 
-        CUDA IPC: every policy rank packs the weights into buffers on its GPU and returns their
-        `IpcPayload`; each engine maps the payload of the rank on its GPU, then the ranks free them.
+        How is the strategy's data (`weight_sync.SyncStrategy`): with `sender_first` the engines
+        start receiving once the sender returned; with `per_rank_payload` (CUDA IPC) every policy
+        rank returns a payload with its report, each engine receives the payload of the rank on
+        its GPU, then the ranks release them. Every policy rank returns (report, payload): the
+        report is None off the sending ranks, the payload None where the transport carries it all.
         """
         import ray
 
-        strategy = self.weight_sync_strategy()
-        if strategy == "none":
+        from .components.weight_sync import SYNC_STRATEGIES
+
+        name = self.weight_sync_strategy()
+        if name == "none":
             return {}
         if self.engines_asleep:
             raise RuntimeError("Roles.sync_weights: the engines are asleep; call to_generation() first")
+        strategy = SYNC_STRATEGIES[name]
 
         sent = self.groups["policy"].submit("sync", version)
-        if strategy == "ipc":
+        if strategy.per_rank_payload:
             shared = ray.get(sent)
             reports = [report for report, _ in shared]
             ranks = self.engine_policy_ranks()
@@ -393,10 +407,10 @@ class Roles:
                 for rank, other in zip(ranks, received, strict=True)
             )
         else:
-            if strategy == "file":  # a reader does not wait for the files: they must be written first
+            if strategy.sender_first:  # a reader does not wait for the data: it must be sent first
                 ray.get(sent)
             received = self.engines.submit("receive", version)
-            report = ray.get(sent)[0]
+            report = ray.get(sent)[0][0]
             if self.config.rollout.async_train:
                 self._receipts.append((report, received))
                 return {

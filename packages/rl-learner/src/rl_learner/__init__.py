@@ -8,8 +8,9 @@
   Every loss is normalised by the global count of the whole optimizer step (all micro-batches,
   all ranks), so the update does not depend on how the batch is split. Non-finite values never
   reach the weights.
-- Weight sync, sender side (`rl_learner.sync`): bucketed broadcast, CUDA IPC or files, through
-  `rl_data.transport`; ZeRO-3 gathered per bucket, LoRA merged on the fly, cast to the engine's dtype.
+- Weight sync, sender side (`rl_learner.sync`): bucketed broadcast, CUDA IPC, shared memory or
+  files, through `rl_data.sync`, one sender per transport (`rl_learner.senders`, found by name in
+  `SENDERS`); ZeRO-3 gathered per bucket, LoRA merged on the fly, cast to the engine's dtype.
 - Supervised learners (`rl_learner.supervised`): `SFTLearner`, `RewardModelLearner` and
   `DPOLearner` (sigmoid DPO, cDPO, IPO) on `pack_sequences` / `pack_pairs` micro-batches.
 - Checkpoints (`rl_learner.checkpoint`): atomic, rotated, verified on resume; HF export.
@@ -31,6 +32,7 @@ from .config import DeepSpeedConfig, OptimizerConfig, build_optimizer, build_sch
 from .learner import Learner, NonFiniteError, PolicyLearner, PolicyLossConfig, ValueLearner, ValueLossConfig
 from .lora import LoraOptions, apply_lora
 from .models import load_causal_lm, load_value_model, packed_logprobs, packed_scores, packed_values
+from .senders import BroadcastSender, FileSender, IpcSender, ShmSender
 from .supervised import (
     DPOLearner,
     DPOLossConfig,
@@ -41,17 +43,10 @@ from .supervised import (
     pack_sequences,
     sequence_logprobs,
 )
-from .sync import (
-    BroadcastSender,
-    FileSender,
-    IpcSender,
-    ShmSender,
-    WeightSender,
-    make_sender,
-    sync_layout,
-)
+from .sync import SENDERS, WeightSender, make_sender, sync_layout
 
 __all__ = [
+    "SENDERS",
     "BroadcastSender",
     "CheckpointError",
     "DPOLearner",

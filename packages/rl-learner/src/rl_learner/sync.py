@@ -9,14 +9,15 @@ the adapters. This module bridges the two:
 
 - `sync_layout(model, dtype=...)` is the bucket layout (`rl_data.WeightSyncMeta`) of the weights
   the engines receive, planned without gathering anything. The orchestrator puts it in the
-  `rl_data.transport.WeightSyncSpec` that both sides get, once.
+  `rl_data.sync.WeightSyncSpec` that both sides get, once.
 - A `WeightSender` moves one version of the weights per `send(version)`, bucket by bucket, and
   returns the sender's `WeightSyncReport` (bytes, seconds, per-bucket checksums) to compare with
-  the receivers' (`rl_data.compare_checksums(sent, received) == []`). Three strategies:
+  the receivers' (`rl_data.compare_checksums(sent, received) == []`). One strategy per
+  transport, each in its own module of `rl_learner.senders` and found by name in `SENDERS`:
   `BroadcastSender` (a torch.distributed group of its own with the engines' workers: gloo on
   CPU, NCCL on GPU), `IpcSender` (CUDA IPC handles for engines on the same GPUs), `FileSender`
   (bucket files in a folder) and `ShmSender` (shared-memory slots for engines on the same
-  machine). `make_sender(spec, model)` picks one from the spec.
+  machine); a plugin registers its own. `make_sender(spec, model)` picks one from the spec.
 
 Per bucket, the sender (1) gathers exactly that bucket's ZeRO-3 parameters
 (`deepspeed.zero.GatheredParameters(params, modifier_rank=None)`, released at the end of the
@@ -56,32 +57,21 @@ from __future__ import annotations
 import abc
 import contextlib
 import dataclasses
+import inspect
 import sys
-import time
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import torch
 
+from rl_algos import Registry
 from rl_data import WeightSyncMeta, WeightSyncReport, pack_bucket, plan_buckets
 from rl_data.errors import check_integer
-from rl_data.shm import ShmPublisher
-from rl_data.transport import (
-    IpcPayload,
-    SyncGroup,
-    WeightSyncError,
-    WeightSyncSpec,
-    broadcast_buckets,
-    share_buckets,
-    write_buckets,
-)
+from rl_data.sync import WeightSyncError, WeightSyncSpec
 from rl_data.weights import BucketMeta
 
 __all__ = [
-    "BroadcastSender",
-    "FileSender",
-    "IpcSender",
-    "ShmSender",
+    "SENDERS",
     "WeightSender",
     "make_sender",
     "sync_layout",
@@ -378,6 +368,11 @@ def _distributed_rank() -> int:
 # --- senders --------------------------------------------------------------------------------------
 
 
+SENDERS = Registry("weight-sync sender")
+"""transport name -> `WeightSender` subclass (`rl_learner.senders` holds the built-ins; a plugin
+registers its own with `@SENDERS.register("name")`)."""
+
+
 class WeightSender(abc.ABC):
     """Sends the weights of one model to its engines, one version per `send`; a strategy per transport.
 
@@ -388,13 +383,15 @@ class WeightSender(abc.ABC):
 
     transport: ClassVar[str]
     every_rank_sends: ClassVar[bool] = False
+    """Whether every learner rank sends to the engines on its own GPU (CUDA IPC), not only rank 0."""
+    payload: Any = None
+    """What the engines need from this rank to receive the last send, handed to them by the
+    orchestrator (the "ipc" transport's `IpcPayload`); None where the transport carries it all."""
 
     def __init__(self, model: Any, spec: WeightSyncSpec, *, is_sender: bool | None = None) -> None:
         name = type(self).__name__
         if not isinstance(spec, WeightSyncSpec):
-            raise TypeError(
-                f"{name}: spec must be an rl_data.transport.WeightSyncSpec, got {type(spec).__name__}"
-            )
+            raise TypeError(f"{name}: spec must be an rl_data.sync.WeightSyncSpec, got {type(spec).__name__}")
         if spec.transport != self.transport:
             raise ValueError(
                 f"{name}: spec.transport is {spec.transport!r}, this sender handles {self.transport!r}"
@@ -490,6 +487,9 @@ class WeightSender(abc.ABC):
     def _send(self, version: int) -> WeightSyncReport:
         """Move every bucket of `self.layout` (built by `self._produce`) to the engines."""
 
+    def release(self) -> None:  # noqa: B027 - most transports keep nothing for the engines
+        """Free what the last send keeps for the engines (after every engine has received it)."""
+
     def close(self) -> None:
         """Release the transport (idempotent)."""
         self._closed = True
@@ -501,179 +501,44 @@ class WeightSender(abc.ABC):
         self.close()
 
 
-class BroadcastSender(WeightSender):
-    """Broadcast in buckets over a `SyncGroup` with the engines' workers (gloo on CPU, NCCL on GPU).
+def _registered() -> Registry:
+    """`SENDERS`, with the built-in senders imported (each module registers its own)."""
+    from . import senders  # noqa: F401
 
-    The sending rank joins the group described by `spec` (transport "broadcast") as rank 0; the
-    constructor blocks until all `spec.world_size - 1` receivers have joined (or
-    `spec.timeout_s` passes). The layout travels once, in the spec; each `send` moves a 5-word
-    header, then per bucket one checksum word and the bucket (`rl_data.transport`'s framing), and
-    fails on every rank, before any bucket moves, when a receiver's layout differs.
-
-    `device`: where the bucket buffers live; CPU for gloo, the current CUDA device for NCCL.
-    """
-
-    transport = "broadcast"
-
-    def __init__(
-        self,
-        model: Any,
-        spec: WeightSyncSpec,
-        *,
-        device: torch.device | str | None = None,
-        is_sender: bool | None = None,
-    ) -> None:
-        super().__init__(model, spec, is_sender=is_sender)
-        if device is None:
-            device = "cpu" if spec.backend == "gloo" else torch.device("cuda", torch.cuda.current_device())
-        self.device = torch.device(device)
-        self._group = SyncGroup.from_spec(spec, 0, self.device) if self.is_sender else None
-
-    def _send(self, version: int) -> WeightSyncReport:
-        return broadcast_buckets(self._group, self.layout, self._produce, version=version)
-
-    def close(self) -> None:
-        """Leave the sync group (the receivers should close theirs too)."""
-        super().close()
-        group, self._group = self._group, None
-        if group is not None:
-            group.close()
-
-
-class FileSender(WeightSender):
-    """Write each version as bucket files under `spec.directory` (`rl_data.transport.write_buckets`).
-
-    The engines read `directory/version-<v>/` with `read_buckets`; a version appears atomically.
-    `keep`: how many newest versions stay on disk.
-    """
-
-    transport = "file"
-
-    def __init__(
-        self, model: Any, spec: WeightSyncSpec, *, keep: int = 1, is_sender: bool | None = None
-    ) -> None:
-        super().__init__(model, spec, is_sender=is_sender)
-        check_integer("FileSender: keep", keep, 1)
-        self.directory, self.keep = spec.directory, keep
-
-    def _send(self, version: int) -> WeightSyncReport:
-        return write_buckets(self.directory, self.layout, self._produce, version=version, keep=self.keep)
-
-
-class ShmSender(WeightSender):
-    """Shared memory for engines on the sender's machine (`rl_data.shm.ShmPublisher` in `spec.directory`).
-
-    The sending rank owns the folder: the constructor creates it with `slots` slot files of the
-    layout's size (pre-faulted, so a send writes into resident pages: `slots` x the layout's
-    bytes of RAM), each `send` announces the version, then packs every bucket straight into a
-    free slot (the only copy on this side) and marks it ready with its checksum, so receivers
-    load bucket i while bucket i+1 is packed; `close` removes the folder. Receivers
-    (`rl_rollout.WeightReceiver`) may call `receive(version)` before or while `send` runs: they
-    wait for the version and then for each bucket. The report's checksums are
-    `rl_data.shm.page_checksum`s, compared with the receivers' by `compare_checksums`. A
-    receiver still reading the slot a send wants makes it wait, up to
-    `spec.timeout_s`; with 2 slots that happens only to a receiver two versions behind.
-    """
-
-    transport = "shm"
-
-    def __init__(
-        self, model: Any, spec: WeightSyncSpec, *, slots: int = 2, is_sender: bool | None = None
-    ) -> None:
-        super().__init__(model, spec, is_sender=is_sender)
-        check_integer("ShmSender: slots", slots, 1)
-        self.directory = spec.directory
-        self._publisher = (
-            ShmPublisher(spec.directory, self.layout, slots=slots, timeout_s=spec.timeout_s)
-            if self.is_sender
-            else None
-        )
-
-    def _send(self, version: int) -> WeightSyncReport:
-        return self._publisher.publish(self._produce, version=version)
-
-    def close(self) -> None:
-        """Unmap the slots and remove the folder (receivers keep what they mapped until they close)."""
-        super().close()
-        publisher, self._publisher = self._publisher, None
-        if publisher is not None:
-            publisher.close()
-
-
-class IpcSender(WeightSender):
-    """CUDA IPC for engines on the learner's own GPUs: every bucket packed into a buffer they map.
-
-    Every learner rank is a sender for the engines on its GPU (under ZeRO-3 each rank holds the
-    full bucket while it is gathered). `send` packs all buckets into buffers on `device`, keeps
-    them alive and sets `payload` (an `rl_data.transport.IpcPayload`: the layout stamped with
-    version and checksums, one handle per bucket) for the orchestrator to hand to the engines
-    (`read_ipc_buckets`). The buffers stay until `release()` or the next `send`: release only
-    after every engine has returned. Peak extra GPU memory: the whole model in the layout dtype.
-    The report's seconds cover the packing only.
-    """
-
-    transport = "ipc"
-    every_rank_sends = True
-
-    def __init__(
-        self,
-        model: Any,
-        spec: WeightSyncSpec,
-        *,
-        device: torch.device | str | None = None,
-        is_sender: bool | None = None,
-    ) -> None:
-        super().__init__(model, spec, is_sender=is_sender)
-        if device is None:
-            if not torch.cuda.is_available():
-                raise ValueError("IpcSender: CUDA IPC needs a CUDA device and none is available")
-            device = torch.device("cuda", torch.cuda.current_device())
-        self.device = torch.device(device)
-        if self.device.type != "cuda":
-            raise ValueError(f"IpcSender: device must be a CUDA device, got {self.device}")
-        self.payload: IpcPayload | None = None
-        self._buffers: list[torch.Tensor] = []
-
-    def _send(self, version: int) -> WeightSyncReport:
-        self.release()
-        start = time.perf_counter()
-        payload, buffers = share_buckets(self.layout, self._produce, version=version, device=self.device)
-        self.payload, self._buffers = payload, buffers
-        return WeightSyncReport(
-            version=version,
-            num_bytes=self.layout.total_bytes,
-            seconds=time.perf_counter() - start,
-            checksums=tuple(int(checksum) for checksum in payload.layout.checksums),
-        )
-
-    def release(self) -> None:
-        """Free the buffers of the last send (after every engine has read them)."""
-        self.payload, self._buffers = None, []
-
-    def close(self) -> None:
-        super().close()
-        self.release()
+    return SENDERS
 
 
 def make_sender(
-    spec: WeightSyncSpec,
-    model: Any,
-    *,
-    device: torch.device | str | None = None,
-    is_sender: bool | None = None,
-    keep: int = 1,
-    slots: int = 2,
+    spec: WeightSyncSpec, model: Any, *, is_sender: bool | None = None, **options: Any
 ) -> WeightSender:
-    """The sender for `spec.transport`: `BroadcastSender`, `IpcSender`, `FileSender` (with `keep`)
-    or `ShmSender` (with `slots`)."""
+    """The sender registered for `spec.transport` in `SENDERS`, built on `model`.
+
+    `options` go to that sender's constructor, those it takes: `device` (broadcast, ipc), `keep`
+    (file), `slots` (shm), a plugin sender's own; the others are left out, so one call serves
+    every transport. An option that no registered sender takes is a TypeError.
+    """
     if not isinstance(spec, WeightSyncSpec):
         raise TypeError(
-            f"make_sender: spec must be an rl_data.transport.WeightSyncSpec, got {type(spec).__name__}"
+            f"make_sender: spec must be an rl_data.sync.WeightSyncSpec, got {type(spec).__name__}"
         )
-    if spec.transport == "broadcast":
-        return BroadcastSender(model, spec, device=device, is_sender=is_sender)
-    if spec.transport == "ipc":
-        return IpcSender(model, spec, device=device, is_sender=is_sender)
-    if spec.transport == "shm":
-        return ShmSender(model, spec, slots=slots, is_sender=is_sender)
-    return FileSender(model, spec, keep=keep, is_sender=is_sender)
+    senders = _registered()
+    sender_class = senders[spec.transport]
+    takes = set(inspect.signature(sender_class).parameters)
+    unknown = sorted(
+        name
+        for name in options
+        if not any(name in inspect.signature(other).parameters for other in senders.values())
+    )
+    if unknown:
+        raise TypeError(f"make_sender: no weight sender takes {', '.join(unknown)}")
+    given = {name: value for name, value in options.items() if name in takes}
+    return sender_class(model, spec, is_sender=is_sender, **given)
+
+
+def __getattr__(name: str) -> Any:
+    # The built-in senders moved to `rl_learner.senders`; their old address keeps working.
+    if name in ("BroadcastSender", "FileSender", "IpcSender", "ShmSender"):
+        from . import senders
+
+        return getattr(senders, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -3,7 +3,7 @@
 - One engine protocol (`Engine`, `SamplingParams`, `Generation`): vLLM in-process
   (`rl_rollout.engines.VLLMEngine`), HF transformers (`HFEngine`) and an OpenAI-compatible
   server (`HTTPEngine`) all pass the same contract tests. Engines receive weights from a
-  learner through `rl_data.transport` (`WeightReceiver`), never by importing `rl_learner`.
+  learner through `rl_data.sync` (`WeightReceiver`, one receiver per transport in `RECEIVERS`), never by importing `rl_learner`.
 - Executors turn `rl_data.PromptSample`s into scored `rl_data.Trajectory` records: single-turn
   (n samples per prompt) and multi-turn agents (environment tokens carry action mask 0; OpenRLHF
   agent files work unchanged).
@@ -34,9 +34,10 @@ from .rewards import (
     WeightedSumReward,
     load_reward_function,
 )
-from .weights import WeightReceiver
+from .weights import RECEIVERS, TransportReceiver, WeightReceiver
 
 __all__ = [
+    "RECEIVERS",
     "BatchedReward",
     "DynamicSampler",
     "Engine",
@@ -56,6 +57,7 @@ __all__ = [
     "RewardOutput",
     "SamplingParams",
     "SingleTurnExecutor",
+    "TransportReceiver",
     "WeightReceiver",
     "WeightedSumReward",
     "__version__",

@@ -15,7 +15,7 @@ what the learner recomputes with `rl_algos.logprobs_from_logits(logits, labels, 
 off.)
 
 Weight sync, receiving side: `init_weight_sync(spec, rank)` joins the transport that
-`rl_data.transport.WeightSyncSpec` describes (a process group, a folder, CUDA IPC);
+`rl_data.sync.WeightSyncSpec` describes (a process group, a folder, CUDA IPC, a plugin's);
 `receive_weights(...)` applies one sync and returns a `WeightSyncReport` whose checksums the
 sender compares. The engine then reports the new `policy_version`.
 """
@@ -26,11 +26,12 @@ import abc
 import asyncio
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import msgspec
 
 from rl_data import FINISH_REASONS, WeightSyncReport
-from rl_data.transport import IpcPayload, WeightSyncSpec
+from rl_data.sync import WeightSyncSpec
 
 __all__ = [
     "FEATURES",
@@ -198,8 +199,10 @@ class Engine(abc.ABC):
         """Join the weight-sync transport of `spec` as receiver `rank` (1 + offset among receivers)."""
         raise self._unsupported("weight_sync")
 
-    def receive_weights(self, version: int, payload: IpcPayload | None = None) -> WeightSyncReport:
-        """Receive and apply one sync (`payload` for CUDA IPC); sets policy_version = `version`."""
+    def receive_weights(self, version: int, payload: Any = None) -> WeightSyncReport:
+        """Receive and apply one sync; sets policy_version = `version`. `payload`: what the spec's
+        transport takes from the sender for this sync (`rl_rollout.WeightReceiver.payload_type`, the
+        `IpcPayload` of CUDA IPC), None for the others."""
         raise self._unsupported("weight_sync")
 
     def sleep(self, level: int = 1) -> None:

@@ -1,12 +1,16 @@
 """The receiving side of weight sync, shared by every engine that can take new weights.
 
-An engine gives a `WeightReceiver` the spec it was handed (`rl_data.transport.WeightSyncSpec`,
-the same one the learner's sender holds), its rank in the sync group and a function that
-applies named tensors to its model; `receive` then runs one sync over the spec's transport and
-returns the receiver's `WeightSyncReport` (per-bucket checksums for the sender to compare).
+An engine gives a `WeightReceiver` the spec it was handed (`rl_data.sync.WeightSyncSpec`, the
+same one the learner's sender holds), its rank in the sync group and a function that applies
+named tensors to its model; `receive` then runs one sync over the spec's transport and returns
+the receiver's `WeightSyncReport` (per-bucket checksums for the sender to compare).
 
     receiver = WeightReceiver(spec, rank=1, apply=lambda named: model.load_weights(named))
     report = receiver.receive(version=3)
+
+The transport's own loop is a `TransportReceiver`, one module per transport in
+`rl_rollout.receivers`, found by the spec's transport name in `RECEIVERS`; a plugin registers
+its own there (`@RECEIVERS.register("name")`).
 
 The tensors handed to `apply` are views into a transfer buffer that is reused: `apply` must
 copy them (every `load_weights` does). With the "shm" transport they are views over the pages
@@ -17,25 +21,63 @@ them instead of copying them first (`views_outlive_receive`).
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Callable, Iterable, Mapping
+from typing import Any, ClassVar
 
 import torch
 
-from rl_data import BucketMeta, WeightSyncReport
-from rl_data.shm import ShmReader
-from rl_data.transport import (
-    IpcPayload,
-    SyncGroup,
-    WeightSyncError,
-    WeightSyncSpec,
-    read_buckets,
-    read_ipc_buckets,
-    receive_buckets,
-)
+from rl_algos import Registry
+from rl_data import BucketMeta, WeightSyncMeta, WeightSyncReport
+from rl_data.sync import Consume, WeightSyncError, WeightSyncSpec
 
-__all__ = ["WeightReceiver"]
+__all__ = ["RECEIVERS", "TransportReceiver", "WeightReceiver"]
 
 Apply = Callable[[Iterable[tuple[str, torch.Tensor]]], None]
+
+
+class TransportReceiver(abc.ABC):
+    """One transport's receiving loop, built once per engine worker from the spec.
+
+    The constructor joins the transport (a process group blocks there until every rank joined).
+    `receive(version, consume, payload, hold)` runs one sync, handing each verified bucket to
+    `consume(bucket, tensors)`, and returns the receiver's `WeightSyncReport`. `device`: where
+    the engine would like received buffers (a transport may ignore it).
+
+    payload_type: the msgspec struct each `receive` needs from the orchestrator (the "ipc"
+    transport's `IpcPayload`, one per policy rank), None when the transport carries everything.
+    views_outlive_receive: whether `hold=True` keeps the views handed to `consume` valid until
+    `release()` (the "shm" transport: they are the shared pages themselves).
+    """
+
+    payload_type: ClassVar[type | None] = None
+    views_outlive_receive: ClassVar[bool] = False
+
+    def __init__(
+        self, spec: WeightSyncSpec, rank: int, layout: WeightSyncMeta, *, device: torch.device | str | None
+    ) -> None:
+        self.spec, self.rank, self.layout, self.device = spec, rank, layout, device
+
+    @abc.abstractmethod
+    def receive(self, version: int, consume: Consume, payload: Any, *, hold: bool) -> WeightSyncReport:
+        """Receive one sync; raise `WeightSyncError` on a layout or checksum mismatch."""
+
+    def release(self) -> None:  # noqa: B027 - only transports whose views outlive receive hold anything
+        """Let the sender reuse what a `receive(..., hold=True)` kept."""
+
+    def close(self) -> None:  # noqa: B027 - a transport without resources has nothing to release
+        """Leave the transport (a process group, a mapping)."""
+
+
+RECEIVERS = Registry("weight-sync receiver")
+"""transport name -> `TransportReceiver` subclass (`rl_rollout.receivers` holds the built-ins)."""
+
+
+def _registered() -> Registry:
+    """`RECEIVERS`, with the built-in receivers imported (each module registers its own)."""
+    from . import receivers  # noqa: F401
+
+    return RECEIVERS
 
 
 class WeightReceiver:
@@ -53,44 +95,39 @@ class WeightReceiver:
     ) -> None:
         self.spec, self.rank, self._apply = spec, rank, apply
         self.layout = spec.layout.layout_only()
-        self._group = SyncGroup.from_spec(spec, rank, device) if spec.transport == "broadcast" else None
-        self._shm = (
-            ShmReader(spec.directory, self.layout, timeout_s=spec.timeout_s)
-            if spec.transport == "shm"
-            else None
-        )
+        self._kind: type[TransportReceiver] = _registered()[spec.transport]
+        self._transport: TransportReceiver | None = self._kind(spec, rank, self.layout, device=device)
 
     @property
     def views_outlive_receive(self) -> bool:
         """Whether `receive(..., hold=True)` keeps the views handed to `apply` valid until
         `release()` (the "shm" transport: they are the shared pages themselves)."""
-        return self._shm is not None
+        return self._kind.views_outlive_receive
+
+    @property
+    def payload_type(self) -> type | None:
+        """The payload `receive` needs for this transport (`IpcPayload` for "ipc"), or None."""
+        return self._kind.payload_type
 
     def _consume(self, bucket: BucketMeta, tensors: Mapping[str, torch.Tensor]) -> None:
         self._apply(tensors.items())
 
-    def receive(
-        self, version: int, payload: IpcPayload | None = None, *, hold: bool = False
-    ) -> WeightSyncReport:
+    def receive(self, version: int, payload: Any = None, *, hold: bool = False) -> WeightSyncReport:
         """Run one sync of weights `version`; raises WeightSyncError on any mismatch.
 
-        `payload` is the sender's `IpcPayload` for the "ipc" transport and must be None otherwise.
-        `hold` (shm only, ignored elsewhere): keep the views handed to `apply` valid until
-        `release()`, e.g. for an engine that loads what it staged after `receive` returns.
+        `payload` is what the transport's receiver needs from the sender for this sync (the
+        "ipc" transport's `IpcPayload`) and must be None for the others. `hold` (shm only,
+        ignored elsewhere): keep the views handed to `apply` valid until `release()`, e.g. for an
+        engine that loads what it staged after `receive` returns.
         """
-        transport = self.spec.transport
-        if (payload is not None) != (transport == "ipc"):
+        transport, expected = self.spec.transport, self.payload_type
+        if (payload is not None) != (expected is not None):
+            wanted = f"an {expected.__name__}" if expected is not None else "no payload"
             raise ValueError(
-                f"WeightReceiver.receive: an IpcPayload goes with the 'ipc' transport only; this one is {transport!r}"
+                f"WeightReceiver.receive: the {transport!r} transport takes {wanted}, "
+                f"got {type(payload).__name__ if payload is not None else 'none'}"
             )
-        if transport == "broadcast":
-            report = receive_buckets(self._group, self.layout, self._consume)
-        elif transport == "file":
-            report = read_buckets(self.spec.directory, self.layout, self._consume, version=version)
-        elif transport == "shm":
-            report = self._shm.read(self._consume, version=version, hold=hold)
-        else:
-            report = read_ipc_buckets(payload, self.layout, self._consume)
+        report = self._transport.receive(version, self._consume, payload, hold=hold)
         if report.version != version:
             raise WeightSyncError(
                 f"WeightReceiver.receive: asked for version {version}, the sender sent version {report.version}"
@@ -99,14 +136,11 @@ class WeightReceiver:
 
     def release(self) -> None:
         """Let the sender reuse what a `receive(..., hold=True)` kept (shm); a no-op otherwise."""
-        if self._shm is not None:
-            self._shm.release()
+        if self._transport is not None:
+            self._transport.release()
 
     def close(self) -> None:
         """Leave the sync group (broadcast transport), unmap the shared memory (shm)."""
-        if self._shm is not None:
-            self._shm.close()
-            self._shm = None
-        if self._group is not None:
-            self._group.close()
-            self._group = None
+        transport, self._transport = self._transport, None
+        if transport is not None:
+            transport.close()

@@ -39,13 +39,18 @@ that clips rewards itself); every other keyword argument with a default is an op
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError
-from ..weight_sync import SYNC_STRATEGIES, SyncPlacement, choose_weight_sync
-from .base import ComponentKind, Selection, check_options, component_options, format_options
+from .base import (
+    ComponentKind,
+    ComponentRegistry,
+    Selection,
+    check_options,
+    component_options,
+    format_options,
+)
 from .engines import ENGINE, ENGINES, EngineEntry
 from .estimators import (
     ESTIMATOR,
@@ -68,7 +73,7 @@ from .executors import (
 from .kl import KL
 from .losses import POLICY_LOSS
 from .rewards import REWARD, REWARDS
-from .sync import WEIGHT_SYNC
+from .weight_sync import SYNC_STRATEGIES, WEIGHT_SYNC, SyncPlacement, SyncStrategy, choose_weight_sync
 
 if TYPE_CHECKING:
     from ..config import PPOConfig
@@ -87,6 +92,7 @@ __all__ = [
     "EstimatorNeeds",
     "ExecutorEntry",
     "SyncPlacement",
+    "SyncStrategy",
     "check_components",
     "choose_weight_sync",
     "component_options",
@@ -140,9 +146,9 @@ def describe_components(config: PPOConfig) -> str:
     return ", ".join(part for part in parts if part)
 
 
-def _builder(value: Any) -> Any:
-    """What a registry holds under a name: a function, or an entry whose `build` is one."""
-    return value.build if dataclasses.is_dataclass(value) else value
+def _builder(registry: Any, value: Any) -> Any:
+    """What a registry holds under a name: a function, or an entry wrapping one."""
+    return registry.builder_of(value) if isinstance(registry, ComponentRegistry) else value
 
 
 def list_components() -> str:
@@ -160,7 +166,7 @@ def list_components() -> str:
             label = " / ".join(aliases)
             if kind.options_of is not None:
                 label += f"({format_options(kind.options_of(aliases[0]))})"
-            doc = (inspect.getdoc(_builder(values[key])) or "").strip().split("\n")[0]
+            doc = (inspect.getdoc(_builder(kind.registry, values[key])) or "").strip().split("\n")[0]
             lines.append(f"  {label}" + (f"\n      {doc}" if doc else ""))
         if kind.listing_note:
             lines.append(f"  ({kind.listing_note})")

@@ -92,13 +92,18 @@ def format_options(options: Mapping[str, Any]) -> str:
 
 
 class ComponentRegistry(Registry):
-    """A registry whose values are entries of `entry_type` (a dataclass with a `build` field):
-    `register(name, **capabilities)` wraps the decorated builder as `entry_type(build=fn, ...)`;
-    an entry instance may also be registered as it is."""
+    """A registry whose values are entries of `entry_type`, a dataclass whose field `builder`
+    holds the function: `register(name, **capabilities)` wraps the decorated function as
+    `entry_type(<builder>=fn, **capabilities)`; an entry instance may also be registered as it is."""
 
-    def __init__(self, kind: str, entry_type: type) -> None:
+    def __init__(self, kind: str, entry_type: type, *, builder: str = "build") -> None:
         super().__init__(kind)
         self.entry_type = entry_type
+        self.builder = builder
+
+    def builder_of(self, entry: Any) -> Callable[..., Any]:
+        """The function an entry wraps (its docstring is what `rl-launch components` shows)."""
+        return getattr(entry, self.builder)
 
     def register(
         self,
@@ -111,7 +116,9 @@ class ComponentRegistry(Registry):
     ) -> Any:
         def add(build: Any) -> Any:
             entry = (
-                build if isinstance(build, self.entry_type) else self.entry_type(build=build, **capabilities)
+                build
+                if isinstance(build, self.entry_type)
+                else self.entry_type(**{self.builder: build}, **capabilities)
             )
             Registry.register(self, name, entry, aliases=aliases, override=override)
             return build

@@ -34,8 +34,8 @@ from collections.abc import Iterable
 import torch
 
 from rl_data import WeightSyncReport, decode, encode
+from rl_data.sync import WeightSyncSpec
 from rl_data.tensors import tensor_checksum
-from rl_data.transport import IpcPayload, WeightSyncSpec
 
 from ..weights import WeightReceiver
 
@@ -96,12 +96,14 @@ class WeightSyncExtension:
     def receive_weights(self, version: int, payload_bytes: bytes | None = None) -> bytes:
         """Receive and apply one sync of weights `version`; returns the encoded `WeightSyncReport`.
 
-        `payload_bytes` is the encoded `IpcPayload` for the CUDA IPC transport, None otherwise.
+        `payload_bytes` is the encoded payload the transport's receiver takes (`IpcPayload` for
+        CUDA IPC, `WeightReceiver.payload_type`), None otherwise.
         Raises (through collective_rpc) `WeightSyncError` on a layout or checksum mismatch.
         """
         if self._rl_receiver is None:
             raise RuntimeError("receive_weights: call init_weight_sync first; this worker has no sync group")
-        payload = decode(payload_bytes, IpcPayload) if payload_bytes is not None else None
+        payload_type = self._rl_receiver.payload_type
+        payload = decode(payload_bytes, payload_type) if payload_bytes is not None and payload_type else None
         staging = self._rl_stages_weights()
         self._rl_staged = [] if staging else None
         try:
