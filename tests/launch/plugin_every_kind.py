@@ -4,6 +4,8 @@
     rollout engine       plugin_hf          the transformers engine, built through its own entry
     rollout executor     plugin_tagged      single-turn episodes that tag their records
     rollout correction   plugin_capped      importance weights capped from above only
+    weight sync          toy_folder         buckets through a folder of the run (its wire spec, sender
+                                            and receiver: tests/integration/_toy_transport.py)
 
 Each component leaves a trace the tests read: the engine and executor print a line into their
 actor's log, the executor's tag arrives as the metric `rollout/agent/plugin_tag`, and the
@@ -14,10 +16,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from pathlib import Path
+
 import torch
 
+import tests.integration._toy_transport as toy_transport
 from rl_algos import ADVANTAGE_ESTIMATORS, compute_gae
-from rl_launch.components import ENGINES, EXECUTORS
+from rl_data.sync import WeightSyncSpec
+from rl_launch.components import ENGINES, EXECUTORS, SYNC_STRATEGIES
 
 ENGINE_LINE = "plugin_every_kind: engine built"
 EXECUTOR_LINE = "plugin_every_kind: executor built"
@@ -75,3 +81,17 @@ def plugin_tagged(
         agent_func_path=agent_func_path,
     )
     return _Tagged(inner, tag)
+
+
+@SYNC_STRATEGIES.register(toy_transport.NAME, sender_first=True)
+def toy_folder_sync(roles: Any, layout: Any) -> tuple[Any, str]:
+    """Buckets copied through `<log.output_dir>/toy_sync` (the receivers read once the sender wrote)."""
+    folder = Path(roles.config.log.output_dir).resolve() / "toy_sync"
+    folder.mkdir(parents=True, exist_ok=True)
+    spec = WeightSyncSpec(
+        transport=toy_transport.NAME,
+        layout=layout,
+        options={"folder": str(folder)},
+        timeout_s=roles.config.rollout.weight_sync_timeout_s,
+    )
+    return spec, f"toy folder ({folder})"
