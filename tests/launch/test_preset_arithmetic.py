@@ -22,7 +22,7 @@ from rl_launch.presets.arithmetic import (
     problem_split,
     score_response,
 )
-from rl_launch.sft import sft_warm_start
+from rl_launch.warm_start import sft_warm_start
 
 FAST_SFT_STEPS = 4
 

@@ -400,6 +400,40 @@ def test_export_of_a_lora_model_is_merged_and_leaves_the_adapters_alive(tiny_che
     assert torch.equal(eval_logits(model, ids), live)
 
 
+def test_export_of_a_dora_model_equals_peft_merge_and_unload(tiny_checkpoint, tmp_path):
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_checkpoint)
+    dora = LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False, use_dora=True
+    )
+    model = get_peft_model(base, dora)
+    with torch.no_grad():  # magnitudes other than ‖W‖ so the rescaling matters
+        for name, parameter in model.named_parameters():
+            if "lora_magnitude_vector" in name:
+                parameter.mul_(1.5)
+    before = {key: value.clone() for key, value in model.state_dict().items()}
+    ids = input_ids(13)
+    live = eval_logits(model, ids)
+    merged = copy.deepcopy(model).merge_and_unload()
+    with model.disable_adapter():
+        assert not torch.allclose(eval_logits(model, ids), live, atol=1e-3)
+
+    export_hf(model, tmp_path / "merged")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    assert not any("lora" in key or "base_layer" in key for key in loaded.state_dict())
+    exported = loaded.state_dict()
+    for key, value in merged.state_dict().items():
+        torch.testing.assert_close(exported[key], value, atol=1e-6, rtol=1e-6, msg=key)
+    torch.testing.assert_close(eval_logits(loaded, ids), eval_logits(merged, ids), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(eval_logits(loaded, ids), live, atol=1e-5, rtol=1e-5)
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
 # ----------------------------------------------------------------------------------------------
 # Kill and resume, in fresh processes
 

@@ -339,3 +339,31 @@ def test_usage_errors_are_raised_on_every_rank(runs, stage, world):
             assert "the ranks do not all have the same number" in errors["uneven"]
         assert f"micro_batches[0].advantages is None on rank {world - 1}" in errors["unfilled"]
         assert "optimizer=None (inference only); cannot train" in data["reference_train"]
+
+
+def test_step_counts_travel_as_one_float64_tensor_in_field_order():
+    from rl_learner.learner import StepCounts
+
+    counts = StepCounts(
+        normalizer=3.5,
+        action_tokens=7,
+        sequences=2,
+        micro_batches=2,
+        micro_batches_squared=4,
+        tokens=11,
+        shared_prefix_tokens=1,
+    )
+    tensor = counts.to_tensor()
+    assert tensor.dtype == torch.float64
+    assert tensor.tolist() == [3.5, 7.0, 2.0, 2.0, 4.0, 11.0, 1.0]
+    assert StepCounts.from_tensor(tensor + tensor) == StepCounts(7.0, 14.0, 4.0, 4.0, 8.0, 22.0, 2.0)
+    with pytest.raises(ValueError, match=r"shape \(8,\), not \(7,\)"):
+        StepCounts.from_tensor(torch.zeros(8, dtype=torch.float64))
+
+
+def test_step_counts_detect_ranks_with_different_micro_batch_counts():
+    from rl_learner.learner import StepCounts
+
+    # two ranks with 2 micro-batches each, then 1 and 3
+    assert StepCounts(micro_batches=4, micro_batches_squared=8).uniform_micro_batches(world_size=2)
+    assert not StepCounts(micro_batches=4, micro_batches_squared=10).uniform_micro_batches(world_size=2)

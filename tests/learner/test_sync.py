@@ -306,6 +306,33 @@ def test_embedding_lora_lora_bias_and_two_active_adapters_merge_like_merge_and_u
     assert {"model.embed_tokens.weight", "model.layers.1.self_attn.q_proj.bias"} <= changed
 
 
+def test_dora_merges_like_merge_and_unload_and_export_hf_writes_the_same_weights(tokenizer, tmp_path):
+    import peft
+
+    from rl_learner import export_hf
+
+    model = peft.get_peft_model(
+        build_tiny_model(tokenizer, seed=0),
+        peft.LoraConfig(
+            r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False, use_dora=True
+        ),
+    )
+    with torch.no_grad():  # magnitudes other than ‖W‖ so the rescaling matters
+        for name, param in model.named_parameters():
+            if "lora_magnitude_vector" in name:
+                param.mul_(1.5)
+    received = file_round_trip(model, tmp_path / "sync")
+    merged = {name: p.detach() for name, p in copy.deepcopy(model).merge_and_unload().named_parameters()}
+    assert received.keys() == merged.keys()
+    for name, tensor in merged.items():
+        torch.testing.assert_close(received[name], tensor, rtol=1e-6, atol=1e-6, msg=name)
+    export_hf(model, tmp_path / "export")
+    from safetensors.torch import load_file
+
+    exported = load_file(tmp_path / "export" / "model.safetensors")
+    assert all(torch.equal(exported[name], received[name]) for name in received)
+
+
 def test_zero3_engine_on_two_learner_ranks_syncs_identical_weights(receivers, tokenizer, tmp_path):
     model = build_tiny_model(tokenizer, architecture="llama", tie_word_embeddings=True, seed=0)
     layout = sync_layout(model, bucket_bytes=SMALL_BUCKETS)

@@ -155,27 +155,12 @@ class LearnerWorker:
         )
         import torch
 
-        from rl_learner import (
-            PolicyLearner,
-            ValueLearner,
-            apply_lora,
-            deepspeed_config,
-            load_causal_lm,
-            load_value_model,
-        )
-        from rl_learner.config import torch_dtype
+        from rl_learner import PolicyLearner, ValueLearner, apply_lora, load_causal_lm, load_value_model
+
+        from .learner_settings import model_load_options
 
         torch.manual_seed(spec.seed)
-        dtype = torch_dtype(spec.dtype)
-        zero3 = None
-        if spec.deepspeed.zero_stage == 3:
-            zero3 = deepspeed_config(spec.deepspeed, spec.optimizer, world_size=world_size)
-        options = {
-            "dtype": dtype,
-            "attn_implementation": spec.deepspeed.attn_implementation,
-            "gradient_checkpointing": spec.deepspeed.gradient_checkpointing,
-            "zero3_config": zero3,
-        }
+        options = model_load_options(spec.deepspeed, spec.optimizer, world_size=world_size)
         if spec.role in ("policy", "ref"):
             model = load_causal_lm(spec.model_path, **options)
         else:

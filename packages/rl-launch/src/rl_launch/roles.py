@@ -22,13 +22,13 @@ import msgspec
 import torch
 
 from rl_data import ExperienceBatch, compare_checksums, micro_batches, plan_micro_batches
-from rl_learner import DeepSpeedConfig, LoraOptions, OptimizerConfig
 
 from .actors import ActorGroup, EngineSpec, LearnerSpec, LearnerWorker, RolloutWorker
 from .algorithm import learners_share_prefix
 from .cluster import ClusterError, cluster_has_gpus, place_roles, plan_roles
 from .components import executor_name
 from .config import PPOConfig
+from .learner_settings import learner_dtype, learner_settings
 from .rendezvous import local_ranks
 
 __all__ = ["TRAINED_ROLES", "Roles"]
@@ -116,7 +116,7 @@ class Roles:
         cfg = self.config
         use_gpus = cfg.ray.device == "cuda" or (cfg.ray.device == "auto" and cluster_has_gpus())
         self.device = "cuda" if use_gpus else "cpu"
-        self.dtype = cfg.model.dtype if cfg.model.dtype != "auto" else ("bf16" if use_gpus else "fp32")
+        self.dtype = learner_dtype(cfg.model.dtype, use_gpus=use_gpus)
         layouts = {layout.role: layout for layout in plan_roles(cfg, use_gpus=use_gpus)}
         self.placement = place_roles(list(layouts.values()), timeout_s=cfg.ray.startup_timeout_s)
         timeout_s = cfg.ray.startup_timeout_s
@@ -172,44 +172,17 @@ class Roles:
 
     def _learner_specs(self, inputs: Any, total_steps: int) -> dict[str, LearnerSpec]:
         cfg, dtype = self.config, self.dtype
-        ds = DeepSpeedConfig(
-            zero_stage=cfg.train.zero_stage,
-            dtype=dtype,
-            offload_optimizer=cfg.train.adam_offload,
-            gradient_checkpointing=cfg.model.gradient_checkpointing,
-            attn_implementation=cfg.model.attn_implementation,
-            share_prefix=cfg.model.share_prefix,
-            micro_batch_tokens=cfg.train.micro_batch_tokens,
-        )
-        inference = msgspec.structs.replace(ds, offload_optimizer=False)
-
-        def optimizer(lr: float) -> OptimizerConfig:
-            t = cfg.train
-            return OptimizerConfig(
-                lr=lr,
-                betas=t.adam_betas,
-                weight_decay=t.weight_decay,
-                warmup_ratio=t.lr_warmup_ratio,
-                min_lr_ratio=t.min_lr_ratio,
-                grad_clip=t.max_norm,
-            )
-
-        lora = None
-        if cfg.model.lora_rank > 0:
-            targets = cfg.model.target_modules
-            lora = LoraOptions(
-                rank=cfg.model.lora_rank,
-                alpha=float(cfg.model.lora_alpha),
-                target_modules="all-linear" if targets == ["all-linear"] else list(targets),
-            )
+        actor = learner_settings(cfg.model, cfg.train, dtype=dtype, lr=cfg.train.actor_learning_rate)
+        critic = learner_settings(cfg.model, cfg.train, dtype=dtype, lr=cfg.train.critic_learning_rate)
+        ds, inference = actor.deepspeed, actor.inference
         common = {"dtype": dtype, "seed": cfg.train.seed}
         return {
             "policy": LearnerSpec(
                 role="policy",
                 model_path=inputs.model_path,
                 deepspeed=ds,
-                lora=lora,
-                optimizer=optimizer(cfg.train.actor_learning_rate),
+                lora=actor.lora,
+                optimizer=actor.optimizer,
                 total_steps=total_steps,
                 **common,
             ),
@@ -218,7 +191,7 @@ class Roles:
                 role="critic",
                 model_path=inputs.critic_path,
                 deepspeed=ds,
-                optimizer=optimizer(cfg.train.critic_learning_rate),
+                optimizer=critic.optimizer,
                 total_steps=total_steps,
                 **common,
             ),

@@ -47,8 +47,9 @@ detect corruption, not forgery). Everything this module writes itself is JSON.
 
 `export_hf` writes a folder that `AutoModelForCausalLM` / `AutoModelForSequenceClassification`
 load (safetensors, config, generation config, tokenizer), from a plain model, a DeepSpeed engine
-in any ZeRO stage (ZeRO-3 parameters are gathered, rank 0 writes) or a peft LoRA model (the
-merged weights are computed on copies; the live adapters are left untouched).
+in any ZeRO stage (ZeRO-3 parameters are gathered, rank 0 writes) or a peft LoRA or DoRA model
+(the merged weights are computed on copies by `rl_learner.lora.merged_tensors`, as weight sync
+does; the live adapters are left untouched).
 """
 
 from __future__ import annotations
@@ -68,6 +69,8 @@ from typing import Any
 import msgspec
 import numpy as np
 import torch
+
+from .lora import merged_tensors
 
 __all__ = [
     "CHECKPOINT_FORMAT",
@@ -813,91 +816,26 @@ def _gathered(parameters: list[torch.nn.Parameter]) -> Iterator[None]:
         yield
 
 
-def _peft_classes() -> tuple[tuple[type, ...], tuple[type, ...]]:
-    try:
-        from peft.tuners.lora import LoraLayer
-        from peft.utils import ModulesToSaveWrapper
-    except ImportError:
-        return (), ()
-    return (LoraLayer,), (ModulesToSaveWrapper,)
-
-
 def _full_state_dict(model: torch.nn.Module, *, keep: bool) -> dict[str, torch.Tensor]:
     """The model's persistent state with full (ZeRO-3-gathered) tensors and LoRA merged, on CPU.
 
-    Collective under ZeRO-3: every rank walks the modules; only where `keep` are copies made.
-    Names are the plain model's (peft's `base_layer` and adapter weights folded away); tied
-    parameters map to one tensor.
+    Collective under ZeRO-3: every rank walks the tensors (`rl_learner.lora.merged_tensors`, the
+    walker weight sync uses) and gathers each one's parameters in turn; only where `keep` are
+    copies made. Names are the plain model's (peft's `base_layer` and adapter weights folded away,
+    LoRA and DoRA merged); tied parameters map to one tensor.
     """
-    lora_types, wrapper_types = _peft_classes()
     output: dict[str, torch.Tensor] = {}
     copies: dict[int, torch.Tensor] = {}
-
-    def copy(tensor: torch.Tensor) -> torch.Tensor:
-        if id(tensor) not in copies:
-            copies[id(tensor)] = tensor.detach().to("cpu", copy=True)
-        return copies[id(tensor)]
-
-    def direct_state(module: torch.nn.Module, prefix: str) -> None:
-        parameters = [(n, p) for n, p in module.named_parameters(recurse=False) if p is not None]
-        with _gathered([p for _, p in parameters]):
-            if keep:
-                for name, parameter in parameters:
-                    output[prefix + name] = copy(parameter)
-        if keep:
-            skipped = getattr(module, "_non_persistent_buffers_set", set())
-            for name, buffer in module.named_buffers(recurse=False):
-                if buffer is not None and name not in skipped:
-                    output[prefix + name] = copy(buffer)
-
-    def merged_lora(layer: Any, prefix: str) -> None:
-        base = layer.get_base_layer()
-        adapters = [] if layer.disable_adapters else list(layer.active_adapters)
-        adapters = [a for a in adapters if a in layer.lora_A or a in getattr(layer, "lora_embedding_A", {})]
-        adapters = [a for a in adapters if a not in layer.merged_adapters]
-        for adapter in adapters:
-            if adapter in getattr(layer, "lora_variant", {}):
-                raise ValueError(
-                    f"export_hf: {prefix.rstrip('.')} uses a LoRA variant (e.g. DoRA) for adapter {adapter!r}; "
-                    "only plain LoRA is merged here: merge_and_unload() a copy of the model and export that"
-                )
-        with _gathered(list(layer.parameters())):
+    for tensor in merged_tensors(model, where="export_hf", buffers=True, tied=True):
+        with _gathered(tensor.params()):
             if not keep:
-                return
-            weight = base.weight.detach().to("cpu", copy=True)
-            bias = getattr(base, "bias", None)
-            bias = None if bias is None else bias.detach().to("cpu", copy=True)
-            with torch.no_grad():
-                for adapter in adapters:
-                    weight += layer.get_delta_weight(adapter).detach().to("cpu", weight.dtype)
-                    if getattr(layer, "lora_bias", {}).get(adapter):
-                        lora_bias = layer.lora_B[adapter].bias.detach().to("cpu") * layer.scaling[adapter]
-                        bias = bias + lora_bias.to(bias.dtype)
-            output[prefix + "weight"] = weight
-            if bias is not None:
-                output[prefix + "bias"] = bias
-            for name, parameter in base.named_parameters(recurse=False):
-                if name not in ("weight", "bias"):
-                    output[prefix + name] = copy(parameter)
-            skipped = getattr(base, "_non_persistent_buffers_set", set())
-            for name, buffer in base.named_buffers(recurse=False):
-                if buffer is not None and name not in skipped:
-                    output[prefix + name] = copy(buffer)
-
-    def visit(module: torch.nn.Module, prefix: str) -> None:
-        if lora_types and isinstance(module, lora_types) and hasattr(module, "get_delta_weight"):
-            merged_lora(module, prefix)
-            return
-        if wrapper_types and isinstance(module, wrapper_types):
-            active = [] if module.disable_adapters else list(module.active_adapters)
-            active = [a for a in active if a in module.modules_to_save]
-            visit(module.modules_to_save[active[0]] if active else module.original_module, prefix)
-            return
-        direct_state(module, prefix)
-        for name, child in module.named_children():
-            visit(child, f"{prefix}{name}.")
-
-    visit(model, "")
+                continue
+            if tensor.adapters():
+                output[tensor.name] = tensor.value().detach().to("cpu", copy=True)
+            else:
+                if id(tensor.param) not in copies:
+                    copies[id(tensor.param)] = tensor.param.detach().to("cpu", copy=True)
+                output[tensor.name] = copies[id(tensor.param)]
     return output
 
 
@@ -910,10 +848,10 @@ def export_hf(
 ) -> Path:
     """Write a Hugging Face folder (safetensors, config, tokenizer) of a model, atomically.
 
-    `model` is a `transformers` model, a peft `PeftModel` around one (LoRA merged into the
-    weights: the folder loads with plain `AutoModelFor...` classes; the live adapters and base
+    `model` is a `transformers` model, a peft `PeftModel` around one (LoRA or DoRA merged into
+    the weights: the folder loads with plain `AutoModelFor...` classes; the live adapters and base
     weights are not modified), or a DeepSpeed engine wrapping either, in any ZeRO stage (ZeRO-3
-    parameters are gathered one module at a time; rank 0 holds the full state on CPU and
+    parameters are gathered one tensor at a time; rank 0 holds the full state on CPU and
     writes). Call on every rank when distributed. The folder is built in a temporary sibling
     and renamed into place; an existing folder at `path` is replaced.
 

@@ -34,6 +34,7 @@ learner before calling the optimizer.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import math
 import os
@@ -280,6 +281,49 @@ def _ensure_distributed() -> None:
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
 
 
+# --------------------------------------------------------------------------- step counts
+
+
+@dataclasses.dataclass
+class StepCounts:
+    """The counts one optimizer step needs before any forward, summed over micro-batches and ranks.
+
+    All are float64 so that one all-reduce (`to_tensor` / `from_tensor`) carries them together,
+    next to the ranks' usage-error flags.
+    """
+
+    normalizer: float = 0.0
+    """Σ loss_normalizer(mask_j, mode): what every micro-batch's loss is divided by."""
+    action_tokens: float = 0.0
+    """Σ action tokens (the denominator of the token-mean metrics)."""
+    sequences: float = 0.0
+    """Σ sequences."""
+    micro_batches: float = 0.0
+    """Σ_ranks M, with M the rank's number of micro-batches."""
+    micro_batches_squared: float = 0.0
+    """Σ_ranks M²: equals (Σ_ranks M)² / world_size only if every rank has the same M."""
+    tokens: float = 0.0
+    """Σ packed tokens (prompt and response)."""
+    shared_prefix_tokens: float = 0.0
+    """Σ tokens a shared prompt prefix saved (0 without prefix sharing)."""
+
+    def to_tensor(self) -> torch.Tensor:
+        """The counts in field order, float64 [len(fields)]."""
+        return torch.tensor(dataclasses.astuple(self), dtype=torch.float64)
+
+    @classmethod
+    def from_tensor(cls, values: torch.Tensor) -> StepCounts:
+        """The inverse of `to_tensor`: `values` [len(fields)] in field order."""
+        size = len(dataclasses.fields(cls))
+        if values.shape != (size,):
+            raise ValueError(f"StepCounts.from_tensor: values has shape {tuple(values.shape)}, not ({size},)")
+        return cls(*(float(value) for value in values.tolist()))
+
+    def uniform_micro_batches(self, world_size: int) -> bool:
+        """Whether every rank ran the same number M of micro-batches: Σ M² · R = (Σ M)²."""
+        return self.micro_batches_squared * world_size == self.micro_batches**2
+
+
 # --------------------------------------------------------------------------- base
 
 
@@ -473,17 +517,26 @@ class Learner:
             dist.all_reduce(values, op=op or dist.ReduceOp.SUM)
         return values
 
-    def _problems(self, local: tuple[int, str] | None, names: Sequence[str]) -> list[tuple[int, int, str]]:
-        """All ranks' first non-finite finding: [(rank, micro-batch, quantity)], the same on every rank."""
+    def _flags(self, local: tuple[int, str] | None, names: Sequence[str]) -> torch.Tensor:
+        """This rank's row of the ranks' first-finding flags, float64 [world_size, 2]: (1 + the
+        quantity's index in `names`, micro-batch) in row `rank` when `local` is set, zeros elsewhere."""
         flags = torch.zeros(self.world_size, 2, dtype=torch.float64)
         if local is not None:
             flags[self.rank] = torch.tensor([names.index(local[1]) + 1, local[0]], dtype=torch.float64)
-        flags = self._agree(flags).cpu()
+        return flags
+
+    def _decode_flags(self, flags: torch.Tensor, names: Sequence[str]) -> list[tuple[int, int, str]]:
+        """[(rank, micro-batch, quantity)] from the all-reduced flags ([world_size · 2] or [world_size, 2])."""
+        flags = flags.reshape(self.world_size, 2)
         return [
             (rank, int(flags[rank, 1]), names[int(flags[rank, 0]) - 1])
             for rank in range(self.world_size)
             if flags[rank, 0] > 0
         ]
+
+    def _problems(self, local: tuple[int, str] | None, names: Sequence[str]) -> list[tuple[int, int, str]]:
+        """All ranks' first non-finite finding: [(rank, micro-batch, quantity)], the same on every rank."""
+        return self._decode_flags(self._agree(self._flags(local, names)).cpu(), names)
 
     def _grad_norm_zero0(self) -> float:
         """Global gradient 2-norm of a ZeRO-0 fp32 engine (gradients are all-reduced: same on all ranks)."""
@@ -527,10 +580,7 @@ class Learner:
 
         # Inputs and the global normaliser, before any forward. A usage error is shared through
         # the same all-reduce, so that every rank raises instead of one waiting for the others.
-        # normaliser, action tokens, sequences, micro-batches M, M², tokens, tokens of shared prefixes
-        local_count = torch.tensor(
-            [0.0, 0.0, 0.0, len(batches), len(batches) ** 2, 0.0, 0.0], dtype=torch.float64
-        )
+        local = StepCounts(micro_batches=float(len(batches)), micro_batches_squared=float(len(batches) ** 2))
         problem: tuple[int, str] | None = None
         for index, batch in enumerate(batches):
             if batch.num_sequences == 0:
@@ -545,30 +595,24 @@ class Learner:
             if problem is not None and problem[1] in missing:
                 break
             mask = batch.response_action_mask()
-            local_count[0] += float(loss_normalizer(mask, mode))
-            local_count[1] += batch.num_actions
-            local_count[2] += batch.num_sequences
-            local_count[5] += batch.num_tokens
+            local.normalizer += float(loss_normalizer(mask, mode))
+            local.action_tokens += batch.num_actions
+            local.sequences += batch.num_sequences
+            local.tokens += batch.num_tokens
             sharing = shared_prefix(batch) if self.ds.shares_prefix else None
-            local_count[6] += sharing.saved_tokens if sharing is not None else 0
-        flags = torch.zeros(self.world_size, 2, dtype=torch.float64)
-        if problem is not None:
-            flags[self.rank] = torch.tensor([names.index(problem[1]) + 1, problem[0]], dtype=torch.float64)
-        totals = self._agree(torch.cat([local_count, flags.flatten()])).cpu()
-        normalizer = max(float(totals[0]), 1.0)
-        # Σ M² · R = (Σ M)² only if every rank has the same M (else ZeRO's collectives would hang).
-        if float(totals[4]) * self.world_size != float(totals[3]) ** 2:
+            local.shared_prefix_tokens += sharing.saved_tokens if sharing is not None else 0
+        local_counts = local.to_tensor()
+        agreed = self._agree(torch.cat([local_counts, self._flags(problem, names).flatten()])).cpu()
+        totals = StepCounts.from_tensor(agreed[: len(local_counts)])
+        normalizer = max(totals.normalizer, 1.0)
+        if not totals.uniform_micro_batches(self.world_size):  # else ZeRO's collectives would hang
             raise ValueError(
                 f"micro_batches: rank {self.rank} has {len(batches)} micro-batches but the ranks do not all "
-                f"have the same number ({int(totals[3])} in all over {self.world_size} ranks); every rank must "
-                "run the same number of micro-batches (rl_data.plan_micro_batches gives each rank the same count)"
+                f"have the same number ({int(totals.micro_batches)} in all over {self.world_size} ranks); "
+                "every rank must run the same number of micro-batches (rl_data.plan_micro_batches gives "
+                "each rank the same count)"
             )
-        flags = totals[len(local_count) :].reshape(self.world_size, 2)
-        problems = [
-            (r, int(flags[r, 1]), names[int(flags[r, 0]) - 1])
-            for r in range(self.world_size)
-            if flags[r, 0] > 0
-        ]
+        problems = self._decode_flags(agreed[len(local_counts) :], names)
         for rank, micro, quantity in problems:
             if quantity in missing:
                 slot = quantity.removeprefix("missing ")
@@ -578,9 +622,9 @@ class Learner:
                 )
         lr = self.lr
         base = {
-            "tokens": float(totals[1]),
-            "sequences": float(totals[2]),
-            "shared_tokens_frac": float(totals[6]) / max(float(totals[5]), 1.0),
+            "tokens": totals.action_tokens,
+            "sequences": totals.sequences,
+            "shared_tokens_frac": totals.shared_prefix_tokens / max(totals.tokens, 1.0),
             "lr": lr,
         }
         if problems:
@@ -644,7 +688,7 @@ class Learner:
             .cpu()
             .tolist()
         )
-        tokens = max(float(totals[1]), 1.0)
+        tokens = max(totals.action_tokens, 1.0)
         out = dict(base)
         for key, value in zip(keys, reduced, strict=True):
             out[key] = value if key.startswith("loss") else value / tokens

@@ -25,9 +25,10 @@ bucket), (2) merges LoRA into the base weights of that bucket on a copy,
 
     W' = W + Σ_a transpose(B_a @ A_a, fan_in_fan_out) · scaling_a       (W: [out, in], A_a: [r, in], B_a: [out, r])
 
-over the active, not yet merged adapters `a` (peft's `get_delta_weight`, added in the order and
-dtype `merge_and_unload` uses, so the engine gets the same bits), and (3) casts to the layout's
-dtype while packing (`rl_data.pack_bucket`). The live model is never modified.
+over the active, not yet merged adapters `a` (DoRA too: `rl_learner.lora.merged_tensors`, the
+walker `export_hf` uses as well; peft's `get_delta_weight`, added in the order and dtype
+`merge_and_unload` uses, so the engine gets the same bits), and (3) casts to the layout's dtype
+while packing (`rl_data.pack_bucket`). The live model is never modified.
 
 Names the engine sees: a DeepSpeed engine's or DDP's `.module` is unwrapped; for a peft model the
 `base_model.model.` prefix and `.base_layer` are dropped, the adapters (`lora_A`, `lora_B`,
@@ -56,9 +57,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
-import dataclasses
 import inspect
-import sys
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
@@ -70,6 +69,8 @@ from rl_data.errors import check_integer
 from rl_data.sync import WeightSyncError, WeightSyncSpec
 from rl_data.weights import BucketMeta
 
+from .lora import MergedTensor, merged_tensors
+
 __all__ = [
     "SENDERS",
     "WeightSender",
@@ -79,173 +80,15 @@ __all__ = [
 
 DEFAULT_BUCKET_BYTES = 256 * 2**20
 
-# Markers of peft adapter parameters: they must never reach an engine under their own names.
-_ADAPTER_MARKERS = (
-    ".lora_A.",
-    ".lora_B.",
-    ".lora_embedding_A.",
-    ".lora_embedding_B.",
-    ".lora_magnitude_vector.",
-    ".lora_dropout.",
-    ".modules_to_save.",
-    ".original_module.",
-    ".base_layer.",
-)
-
-
 # --- which tensors the engines receive ------------------------------------------------------------
 
-
-@dataclasses.dataclass(frozen=True)
-class _Source:
-    """One tensor the engines receive: a live parameter, plus the LoRA layer whose deltas merge into it.
-
-    `role` is "weight" or "bias" of a LoRA layer's base layer (merged), or "plain".
-    """
-
-    name: str
-    param: torch.nn.Parameter
-    lora: Any = None
-    role: str = "plain"
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        shape = getattr(self.param, "ds_shape", None)  # ZeRO-3: the full shape without gathering
-        return tuple(shape if shape is not None else self.param.shape)
-
-    def adapters(self) -> list[str]:
-        """The LoRA adapters whose deltas belong in this tensor (active, not merged into it yet)."""
-        if self.lora is None:
-            return []
-        layer = self.lora
-        if layer.disable_adapters:
-            if layer.merged:
-                raise ValueError(
-                    f"sync: {self.name}: adapters {layer.merged_adapters} are merged into the weight but "
-                    "disabled; unmerge them (or enable them) before a sync"
-                )
-            return []
-        available = set(layer.lora_A) | set(layer.lora_embedding_A)
-        adapters = [a for a in layer.active_adapters if a in available and a not in layer.merged_adapters]
-        if self.role == "bias":
-            adapters = [a for a in adapters if getattr(layer, "lora_bias", {}).get(a, False)]
-        return adapters
-
-    def params(self) -> list[torch.nn.Parameter]:
-        """Every live parameter this tensor is computed from (all gathered together under ZeRO-3)."""
-        if not self.adapters():
-            return [self.param]
-        extra = [p for n, p in self.lora.named_parameters() if not n.startswith("base_layer.")]
-        return [self.param, *extra]
-
-    def value(self) -> torch.Tensor:
-        """The tensor to send, computed from gathered parameters; the live model is not modified."""
-        tensor = self.param.detach()
-        adapters = self.adapters()
-        if not adapters:
-            return tensor
-        layer = self.lora
-        merged = tensor.clone()
-        with torch.no_grad():
-            for adapter in adapters:
-                if self.role == "bias":
-                    merged += layer.lora_B[adapter].bias * layer.scaling[adapter]
-                elif adapter in getattr(layer, "lora_variant", {}):
-                    # DoRA and other variants: peft's out-of-place merge.
-                    merged = layer.lora_variant[adapter].merge_safe(layer, adapter, merged)
-                else:  # what merge_and_unload does in place: weight.data += delta
-                    merged += layer.get_delta_weight(adapter)
-        return merged
+def _sources(model: Any) -> list[MergedTensor]:
+    """The tensors the engines receive (`rl_learner.lora.merged_tensors`), in `named_parameters()`
+    order, each storage once, parameters only."""
+    return merged_tensors(model, where="sync")
 
 
-def _loaded(module_name: str) -> Any:
-    """A module if something already imported it (then objects of its classes can exist), else None."""
-    return sys.modules.get(module_name)
-
-
-def _unwrap(model: Any) -> torch.nn.Module:
-    """The HF model under DeepSpeed / DDP / peft wrappers (its names are the engine's names)."""
-    deepspeed = _loaded("deepspeed")
-    for _ in range(8):
-        is_engine = deepspeed is not None and isinstance(model, deepspeed.DeepSpeedEngine)
-        if is_engine or isinstance(model, torch.nn.parallel.DistributedDataParallel):
-            model = model.module
-        elif (
-            _loaded("peft") is not None and hasattr(model, "peft_config") and hasattr(model, "get_base_model")
-        ):
-            model = model.get_base_model()
-        else:
-            break
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(
-            f"sync: model must be a torch.nn.Module or a deepspeed.DeepSpeedEngine, got {type(model).__name__}"
-        )
-    return model
-
-
-def _sources(model: Any) -> list[_Source]:
-    """The tensors the engines receive, in `named_parameters()` order, each storage once."""
-    root = _unwrap(model)
-    lora_module = _loaded("peft.tuners.lora")
-    lora_layer = getattr(lora_module, "LoraLayer", None) if lora_module else None
-    other = _loaded("peft.utils.other")
-    modules_to_save = getattr(other, "ModulesToSaveWrapper", None)
-    auxiliary = getattr(other, "AuxiliaryTrainingWrapper", None) or modules_to_save
-    sources: list[_Source] = []
-    seen: set[int] = set()
-
-    def emit(name: str, param: torch.nn.Parameter, lora: Any = None, role: str = "plain") -> None:
-        if id(param) in seen:
-            return
-        seen.add(id(param))
-        sources.append(_Source(name=name, param=param, lora=lora, role=role))
-
-    def walk(module: torch.nn.Module, prefix: str) -> None:
-        if lora_layer is not None and isinstance(module, lora_layer):
-            base = module.get_base_layer()
-            for key, param in base._parameters.items():
-                if param is not None:
-                    if key in ("weight", "bias"):
-                        emit(prefix + key, param, module, key)
-                    else:
-                        emit(prefix + key, param)
-            for key, child in base._modules.items():
-                if child is not None:
-                    walk(child, f"{prefix}{key}.")
-            return  # the adapters themselves are not sent
-        if auxiliary is not None and isinstance(module, auxiliary):
-            if not isinstance(module, modules_to_save):
-                raise ValueError(
-                    f"sync: module {prefix.rstrip('.')!r} is a peft {type(module).__name__}, which weight sync "
-                    "does not merge (LoRA and modules_to_save are supported); merge_and_unload() first"
-                )
-            copies = module.modules_to_save
-            active = [a for a in module.active_adapters if a in copies]
-            if module.disable_adapters or not active:
-                walk(module.original_module, prefix)
-            else:
-                walk(copies[active[0]], prefix)
-            return
-        for key, param in module._parameters.items():
-            if param is not None:
-                emit(prefix + key, param)
-        for key, child in module._modules.items():
-            if child is not None:
-                walk(child, f"{prefix}{key}.")
-
-    walk(root, "")
-    for source in sources:
-        dotted = f".{source.name}."
-        marker = next((m for m in _ADAPTER_MARKERS if m in dotted), None)
-        if marker is not None:
-            raise ValueError(
-                f"sync: parameter {source.name!r} still carries the peft marker {marker.strip('.')!r}; "
-                "this adapter kind is not supported by weight sync (LoRA and modules_to_save are)"
-            )
-    return sources
-
-
-def _wire_dtype(source: _Source, dtype: torch.dtype | None) -> torch.dtype:
+def _wire_dtype(source: MergedTensor, dtype: torch.dtype | None) -> torch.dtype:
     if dtype is None or not source.param.dtype.is_floating_point:
         return source.param.dtype
     return dtype
@@ -287,7 +130,7 @@ def sync_layout(
     )
 
 
-def _check_layout(layout: WeightSyncMeta, sources: Sequence[_Source], where: str) -> None:
+def _check_layout(layout: WeightSyncMeta, sources: Sequence[MergedTensor], where: str) -> None:
     """Raise ValueError naming the differences between a layout and the tensors `model` yields."""
     planned = {param.name: param for bucket in layout.buckets for param in bucket.params}
     available = {source.name: source for source in sources}
@@ -344,7 +187,7 @@ class _Coordinator:
         return int(word.item())
 
 
-def _zero3_group(sources: Sequence[_Source]) -> Any:
+def _zero3_group(sources: Sequence[MergedTensor]) -> Any:
     """The data-parallel group of the ZeRO-3 partitioned parameters, None when there are none."""
     for source in sources:
         for param in source.params():

@@ -369,7 +369,7 @@ def build_preset(
     from rl_data import render_prompt
     from rl_data.tiny import build_tiny_model, build_tiny_tokenizer
 
-    from ..sft import sft_warm_start
+    from ..warm_start import sft_warm_start
 
     root.mkdir(parents=True, exist_ok=True)
     staging = root / f".{RECIPE_NAME}-{digest}.tmp-{os.getpid()}"

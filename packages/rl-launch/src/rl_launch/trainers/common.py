@@ -44,14 +44,14 @@ def build_learner(learner_class: type, config: Any, model_path: str, total_steps
     """A trained learner of `model_path`: causal LM, or (`value`) a reward model with a score head."""
     from rl_learner import load_causal_lm, load_value_model
 
-    from .loop import deepspeed_options, model_options, optimizer_options
+    from .loop import learner_options, model_options
 
-    deepspeed = deepspeed_options(config)
-    options = model_options(config, deepspeed)
+    settings = learner_options(config)
+    options = model_options(config, settings.deepspeed)
     if value:
         model = load_value_model(model_path, head_seed=config.train.seed, **options)
     else:
         model = load_causal_lm(model_path, **options)
     return learner_class(
-        model, deepspeed=deepspeed, optimizer=optimizer_options(config), total_steps=total_steps
+        model, deepspeed=settings.deepspeed, optimizer=settings.optimizer, total_steps=total_steps
     )

@@ -12,7 +12,7 @@ from typing import Any
 
 from .common import build_learner, load_preferences, pair_tokens
 from .config import DPOConfig
-from .loop import Task, deepspeed_options, model_options, run_task
+from .loop import Task, learner_options, model_options, run_task
 
 __all__ = ["SETTINGS", "TASK", "run"]
 
@@ -31,12 +31,10 @@ SETTINGS: dict[str, Any] = {
 
 
 def _build(config: DPOConfig, model_path: str, total_steps: int):
-    import msgspec
-
     from rl_learner import DPOLearner, DPOLossConfig, PolicyLearner, load_causal_lm, pack_pairs
 
     learner = build_learner(DPOLearner, config, model_path, total_steps, value=False)
-    deepspeed = msgspec.structs.replace(deepspeed_options(config), offload_optimizer=False)
+    deepspeed = learner_options(config).inference
     reference = PolicyLearner(
         load_causal_lm(model_path, **model_options(config, deepspeed)), deepspeed=deepspeed
     )

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import ConfigError
+from ..learner_settings import LearnerSettings, learner_dtype, learner_settings, model_load_options
 from ..tracking import PhaseTimer, StartupLines, Tracker, print_outputs, quiet_third_party_output
 
 __all__ = ["Task", "batch_positions", "run_task"]
@@ -70,56 +71,22 @@ def batch_positions(step: int, batch_size: int, count: int, seed: int) -> list[i
 
 
 def resolve_dtype(config: Any) -> str:
+    """`model.dtype`, "auto" resolved for this process (bf16 when CUDA is available, else fp32)."""
     import torch
 
-    dtype = config.model.dtype
-    if dtype == "auto":
-        return "bf16" if torch.cuda.is_available() else "fp32"
-    return dtype
+    return learner_dtype(config.model.dtype, use_gpus=torch.cuda.is_available())
 
 
-def deepspeed_options(config: Any) -> Any:
-    from rl_learner import DeepSpeedConfig
-
-    return DeepSpeedConfig(
-        zero_stage=config.train.zero_stage,
-        dtype=resolve_dtype(config),
-        offload_optimizer=config.train.adam_offload,
-        gradient_checkpointing=config.model.gradient_checkpointing,
-        attn_implementation=config.model.attn_implementation,
-        share_prefix=config.model.share_prefix,
-        micro_batch_tokens=config.train.micro_batch_tokens,
-    )
-
-
-def optimizer_options(config: Any) -> Any:
-    from rl_learner import OptimizerConfig
-
-    t = config.train
-    return OptimizerConfig(
-        lr=t.actor_learning_rate,
-        betas=t.adam_betas,
-        weight_decay=t.weight_decay,
-        warmup_ratio=t.lr_warmup_ratio,
-        min_lr_ratio=t.min_lr_ratio,
-        grad_clip=t.max_norm,
+def learner_options(config: Any) -> LearnerSettings:
+    """The trained learner's settings (`learner_settings`) at `train.actor_learning_rate`."""
+    return learner_settings(
+        config.model, config.train, dtype=resolve_dtype(config), lr=config.train.actor_learning_rate
     )
 
 
 def model_options(config: Any, deepspeed: Any) -> dict[str, Any]:
-    """Keyword arguments of `load_causal_lm` / `load_value_model` for this run."""
-    from rl_learner import deepspeed_config
-    from rl_learner.config import torch_dtype
-
-    zero3 = None
-    if deepspeed.zero_stage == 3:
-        zero3 = deepspeed_config(deepspeed, optimizer_options(config), world_size=1)
-    return {
-        "dtype": torch_dtype(deepspeed.dtype),
-        "attn_implementation": deepspeed.attn_implementation,
-        "gradient_checkpointing": deepspeed.gradient_checkpointing,
-        "zero3_config": zero3,
-    }
+    """Keyword arguments of `load_causal_lm` / `load_value_model` for this run (one process)."""
+    return model_load_options(deepspeed, learner_options(config).optimizer, world_size=1)
 
 
 def _micro_batches(items: Sequence[Any], lengths: Callable[[Any], int], budget: int) -> list[list[Any]]:

@@ -1,4 +1,6 @@
-"""A short supervised warm start for a causal LM on (prompt, response) pairs, on CPU.
+"""The presets' supervised warm start: a short in-process fine-tuning of a causal LM on
+(prompt, response) pairs, on CPU. (The `rl-launch sft` command is another thing:
+`rl_launch.trainers.sft`, supervised fine-tuning of a dataset on DeepSpeed learners.)
 
 RL from a randomly initialised model never sees a reward: it first has to learn the answer
 format. Presets therefore fine-tune their model for a few dozen steps on demonstrations before

@@ -1,0 +1,109 @@
+"""The launcher config's `model` and `train` sections as `rl_learner` settings, in one place.
+
+`rl-launch ppo` (`roles.Roles`, its learner actors in `actors.LearnerWorker`) and `rl-launch
+sft` / `rm` / `dpo` (`trainers.loop`) build their DeepSpeed learners from the same two sections
+(`config.ModelConfig`, `config.TrainConfig` or its subclass), so they read them here:
+
+    dtype     = learner_dtype(model.dtype, use_gpus=...)            "auto": bf16 on GPUs, fp32 on CPU
+    settings  = learner_settings(model, train, dtype=dtype, lr=...) DeepSpeedConfig, OptimizerConfig, LoRA
+    options   = model_load_options(settings.deepspeed, settings.optimizer, world_size=...)
+    model     = load_causal_lm(path, **options)                     (or load_value_model)
+
+`rl_learner` is imported when a function runs, not with this module, so that the command line
+starts without it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rl_learner import DeepSpeedConfig, LoraOptions, OptimizerConfig
+
+    from .config import ModelConfig, TrainConfig
+
+__all__ = ["LearnerSettings", "learner_dtype", "learner_settings", "model_load_options"]
+
+
+def learner_dtype(dtype: str, *, use_gpus: bool) -> str:
+    """`model.dtype` resolved: "auto" is bf16 where the learners run on GPUs and fp32 on CPU."""
+    if dtype != "auto":
+        return dtype
+    return "bf16" if use_gpus else "fp32"
+
+
+@dataclasses.dataclass(frozen=True)
+class LearnerSettings:
+    """What a trained learner is built with; `inference` is the DeepSpeed config of a frozen one."""
+
+    deepspeed: DeepSpeedConfig
+    optimizer: OptimizerConfig
+    lora: LoraOptions | None
+    """None when `model.lora_rank` is 0 (all weights train)."""
+
+    @property
+    def inference(self) -> DeepSpeedConfig:
+        """`deepspeed` without optimizer offload: a reference or reward model has no optimizer."""
+        import msgspec
+
+        return msgspec.structs.replace(self.deepspeed, offload_optimizer=False)
+
+
+def learner_settings(model: ModelConfig, train: TrainConfig, *, dtype: str, lr: float) -> LearnerSettings:
+    """The learner settings of the `model` and `train` sections, with resolved `dtype` and peak `lr`.
+
+    `lr` is passed because a run has one per trained role (`train.actor_learning_rate`,
+    `train.critic_learning_rate`); everything else comes from the sections as they are.
+    """
+    from rl_learner import DeepSpeedConfig, LoraOptions, OptimizerConfig
+
+    deepspeed = DeepSpeedConfig(
+        zero_stage=train.zero_stage,
+        dtype=dtype,
+        offload_optimizer=train.adam_offload,
+        gradient_checkpointing=model.gradient_checkpointing,
+        attn_implementation=model.attn_implementation,
+        share_prefix=model.share_prefix,
+        micro_batch_tokens=train.micro_batch_tokens,
+    )
+    optimizer = OptimizerConfig(
+        lr=lr,
+        betas=train.adam_betas,
+        weight_decay=train.weight_decay,
+        warmup_ratio=train.lr_warmup_ratio,
+        min_lr_ratio=train.min_lr_ratio,
+        grad_clip=train.max_norm,
+    )
+    lora = None
+    if model.lora_rank > 0:
+        targets = model.target_modules
+        lora = LoraOptions(
+            rank=model.lora_rank,
+            alpha=float(model.lora_alpha),
+            target_modules="all-linear" if targets == ["all-linear"] else list(targets),
+        )
+    return LearnerSettings(deepspeed=deepspeed, optimizer=optimizer, lora=lora)
+
+
+def model_load_options(
+    deepspeed: DeepSpeedConfig, optimizer: OptimizerConfig | None, *, world_size: int
+) -> dict[str, Any]:
+    """Keyword arguments of `rl_learner.load_causal_lm` / `load_value_model` for a learner.
+
+    Under ZeRO-3 the model is built partitioned (`zero3_config`: the DeepSpeed config of this
+    engine, `optimizer` and `world_size` included, so that transformers' `zero.Init` shards it
+    the way the engine will).
+    """
+    from rl_learner import deepspeed_config
+    from rl_learner.config import torch_dtype
+
+    zero3 = None
+    if deepspeed.zero_stage == 3:
+        zero3 = deepspeed_config(deepspeed, optimizer, world_size=world_size)
+    return {
+        "dtype": torch_dtype(deepspeed.dtype),
+        "attn_implementation": deepspeed.attn_implementation,
+        "gradient_checkpointing": deepspeed.gradient_checkpointing,
+        "zero3_config": zero3,
+    }
