@@ -112,7 +112,7 @@ class FakeGroup:
         self.log.append((self.role, method, rank))
         try:
             return Done(getattr(self.workers[rank], method)(*args), ready=method not in self.late)
-        except Exception as error:  # noqa: BLE001 - re-raised by ray.get, as Ray does
+        except Exception as error:  # re-raised by ray.get, as Ray does
             return Done(error=error)
 
     def submit(self, method: str, *args: Any, per_rank: Sequence[tuple] | None = None) -> list[Done]:

@@ -68,7 +68,8 @@ def test_a_step_generates_then_scores_then_trains_then_syncs_then_saves():
         "critic.save",
     ]
     (trained,) = run.learners["policy"][0].trained
-    assert trained["has_advantages"] and trained["groups"] == [0, 1]
+    assert trained["has_advantages"]
+    assert trained["groups"] == [0, 1]
 
 
 def test_the_next_step_generates_on_the_weights_of_the_last_sync():
@@ -77,7 +78,8 @@ def test_the_next_step_generates_on_the_weights_of_the_last_sync():
     assert [call["version"] for call in training_calls(run)] == [0, 1, 2]
     assert [call["first_group_id"] for call in training_calls(run)] == [0, 2, 4]  # group ids count up
     assert [metrics["policy_version"] for _, metrics in run.tracker.logged] == [1.0, 2.0, 3.0]
-    assert run.engines[0].version == 3 and run.wire.checksum == 3  # three updates, three syncs
+    assert run.engines[0].version == 3
+    assert run.wire.checksum == 3
 
 
 def test_the_old_logprob_forward_runs_only_when_a_batch_gets_several_optimizer_steps():
@@ -106,9 +108,12 @@ def test_mini_batches_cover_the_batch_once_per_epoch():
     )
     run.fit()
     steps = [step["sequences"] for step in run.learners["policy"][0].trained]
-    assert len(steps) == 8 and all(len(mini) == 2 for mini in steps)  # 2 epochs x 8 samples / 2 each
-    first, second = sum(steps[:4], []), sum(steps[4:], [])
-    assert sorted(first) == sorted(second) and len(set(first)) == 8  # every sample once per epoch
+    assert len(steps) == 8
+    assert all(len(mini) == 2 for mini in steps)
+    first = [sequence for mini in steps[:4] for sequence in mini]
+    second = [sequence for mini in steps[4:] for sequence in mini]
+    assert sorted(first) == sorted(second)
+    assert len(set(first)) == 8
     assert steps[:4] != steps[4:]  # in a new order
 
 
@@ -116,7 +121,8 @@ def test_a_batch_is_split_over_the_ranks_of_a_role():
     run = fake_run(config(**{"train.max_steps": 1, "rollout.rollout_batch_size": 4}), ranks=2)
     run.fit()
     per_rank = [learner.trained[0]["groups"] for learner in run.learners["policy"]]
-    assert all(per_rank) and sorted(per_rank[0] + per_rank[1]) == [0, 1, 2, 3]
+    assert all(per_rank)
+    assert sorted(per_rank[0] + per_rank[1]) == [0, 1, 2, 3]
 
 
 def test_dynamic_filtering_keeps_accepted_groups_and_draws_more_prompts():
@@ -196,7 +202,8 @@ def test_checkpoints_every_save_steps_and_at_the_last_step_with_the_loop_state()
     assert saved == ["global_step2", "global_step4", "global_step5"]
     state = run.learners["policy"][0].load("/ckpt/policy", "global_step4")
     assert (state.step, state.consumed_samples, state.policy_version) == (4, 16, 4)
-    assert state.extra["next_group_id"] == 8 and state.extra["run_id"] == "fake"
+    assert state.extra["next_group_id"] == 8
+    assert state.extra["run_id"] == "fake"
     none_between = fake_run(config(**{"train.max_steps": 3}))
     none_between.fit()
     assert sorted(tag for _, tag, _ in none_between.checkpoints) == ["global_step3"]
@@ -280,10 +287,14 @@ def test_a_step_logs_rewards_lengths_training_sync_timing_and_version():
     ((step, metrics),) = run.tracker.logged
     assert step == 1
     assert metrics["reward/mean"] == 0.5  # samples alternate 0 and 1
-    assert metrics["response_length/mean"] == 3.0 and metrics["rollout/action_tokens_mean"] == 3.0
-    assert metrics["policy/loss"] == 1.0 and metrics["policy/grad_norm"] == 0.5
-    assert metrics["sync/gigabytes"] == 16 / 1e9 and metrics["health/sync_checksum_match"] == 1.0
-    assert metrics["kl/coef"] == 0.0 and metrics["health/policy_lag"] == 0.0
+    assert metrics["response_length/mean"] == 3.0
+    assert metrics["rollout/action_tokens_mean"] == 3.0
+    assert metrics["policy/loss"] == 1.0
+    assert metrics["policy/grad_norm"] == 0.5
+    assert metrics["sync/gigabytes"] == 16 / 1e9
+    assert metrics["health/sync_checksum_match"] == 1.0
+    assert metrics["kl/coef"] == 0.0
+    assert metrics["health/policy_lag"] == 0.0
     assert metrics["policy_version"] == 1.0
     phases = [key for key in metrics if key.startswith("time/")]
     assert phases == [
@@ -296,4 +307,6 @@ def test_a_step_logs_rewards_lengths_training_sync_timing_and_version():
     ]
     assert metrics["throughput/samples_per_s"] > 0
     ((logged_step, rows),) = run.tracker.completions
-    assert logged_step == 1 and len(rows) == 1 and rows[0]["group_id"] == 0
+    assert logged_step == 1
+    assert len(rows) == 1
+    assert rows[0]["group_id"] == 0
