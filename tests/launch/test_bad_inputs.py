@@ -79,6 +79,7 @@ def test_a_reward_server_that_is_down_stops_the_run_before_ray_starts(
     assert os.listdir(ray_dir) == []
 
 
+@pytest.mark.slow  # starts a local Ray cluster
 def test_more_gpus_than_the_cluster_has_fails_before_any_actor_and_leaves_no_ray(
     tiny_checkpoint, prompts, ray_temp, tmp_path
 ):
