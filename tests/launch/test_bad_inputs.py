@@ -15,6 +15,9 @@ import pytest
 from rl_data.transport import free_port
 from tests.launch.launching import launch
 
+# Every test starts `rl-launch ppo` in a process (seconds of imports); the last one starts Ray too.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def prompts(tmp_path_factory):
@@ -79,7 +82,6 @@ def test_a_reward_server_that_is_down_stops_the_run_before_ray_starts(
     assert os.listdir(ray_dir) == []
 
 
-@pytest.mark.slow  # starts a local Ray cluster
 def test_more_gpus_than_the_cluster_has_fails_before_any_actor_and_leaves_no_ray(
     tiny_checkpoint, prompts, ray_temp, tmp_path
 ):
