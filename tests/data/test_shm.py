@@ -218,6 +218,7 @@ def test_a_killed_senders_folder_is_removed_by_the_stale_sweep(directory, tmp_pa
     assert not os.path.exists(directory)
 
 
+@pytest.mark.slow  # four sender and receiver processes
 def test_two_concurrent_runs_get_their_own_folders_and_a_folder_has_one_sender(directory, tmp_path):
     other = shm_directory()
     assert other != directory

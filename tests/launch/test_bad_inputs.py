@@ -15,6 +15,9 @@ import pytest
 from rl_data.transport import free_port
 from tests.launch.launching import launch
 
+# Every test starts `rl-launch ppo` in a process (seconds of imports); the last one starts Ray too.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def prompts(tmp_path_factory):

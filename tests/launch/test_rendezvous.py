@@ -67,6 +67,7 @@ def _rank(rank: int, world_size: int, ports, results) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.slow  # three spawned processes in a gloo group
 def test_ranks_meet_at_the_store_rank_0_opened_on_a_port_it_picked():
     context = multiprocessing.get_context("spawn")
     ports, results = context.Queue(), context.Queue()

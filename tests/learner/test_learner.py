@@ -41,6 +41,10 @@ from _worker_learner import POLICY_LOSS
 from rl_data.transport import free_port
 
 WORKER = pathlib.Path(__file__).resolve().parent / "_worker_learner.py"
+
+# Every test reads the runs of a module fixture: DeepSpeed worker processes, one and two ranks (minutes).
+pytestmark = pytest.mark.slow
+
 # (stage, world size, model dtype, extra checks). DeepSpeed's ZeRO-0 all-reduce refuses float64
 # gradients, so ZeRO-0 runs in float32.
 RUNS = [

@@ -16,6 +16,9 @@ from rl_data.transport import free_port
 
 WORKER = pathlib.Path(__file__).resolve().parent / "_worker_old_from_forward.py"
 
+# Every test reads the results of one DeepSpeed worker process (tens of seconds).
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):

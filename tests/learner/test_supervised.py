@@ -114,6 +114,7 @@ PAIR_KEYS = {
 }
 
 
+@pytest.mark.slow  # `results`: a DeepSpeed worker process
 @pytest.mark.parametrize("kind", ["sft", "dpo", "cdpo", "ipo", "rm"])
 def test_first_step_matches_plain_transformers_and_the_rl_algos_loss(results, kind):
     run = results[kind]
@@ -123,6 +124,7 @@ def test_first_step_matches_plain_transformers_and_the_rl_algos_loss(results, ki
         assert math.isclose(run["whole"][key], run["reference"][key], rel_tol=1e-4, abs_tol=1e-5), key
 
 
+@pytest.mark.slow  # `results`: a DeepSpeed worker process
 @pytest.mark.parametrize("kind", ["sft", "dpo", "cdpo", "ipo", "rm"])
 def test_micro_batch_split_gives_the_same_step(results, kind):
     whole, split = results[kind]["whole"], results[kind]["split"]
@@ -130,6 +132,7 @@ def test_micro_batch_split_gives_the_same_step(results, kind):
         assert math.isclose(whole[key], split[key], rel_tol=1e-4, abs_tol=1e-6), key
 
 
+@pytest.mark.slow  # `results`: a DeepSpeed worker process
 def test_training_moves_each_metric_the_right_way(results):
     sft = [m["loss"] for m in results["sft"]["curve"]]
     assert sft[-1] < 0.5 * sft[0]

@@ -116,6 +116,7 @@ def assert_same_state(received: dict[str, torch.Tensor], expected: dict[str, tor
         assert torch.equal(received[name], tensor), name
 
 
+@pytest.mark.slow  # `receivers`: two processes in a gloo group, ~10 s to start and stop
 @pytest.mark.parametrize(("architecture", "tied"), [("qwen2", False), ("llama", True)])
 def test_broadcast_makes_both_receivers_identical_with_matching_checksums(
     receivers, tokenizer, architecture, tied
@@ -142,6 +143,7 @@ def test_broadcast_makes_both_receivers_identical_with_matching_checksums(
         assert_same_state(result["state"], model.state_dict())
 
 
+@pytest.mark.slow  # `receivers`: two processes in a gloo group, ~10 s to start and stop
 def test_broadcast_casts_to_the_engine_dtype(receivers, tokenizer):
     model = build_tiny_model(tokenizer, seed=0)
     layout = sync_layout(model, dtype=torch.bfloat16, bucket_bytes=SMALL_BUCKETS)
@@ -179,6 +181,7 @@ def lora_model(tokenizer, **config):
     return model
 
 
+@pytest.mark.slow  # `receivers`: two processes in a gloo group, ~10 s to start and stop
 def test_lora_receiver_gets_the_merged_weights_and_the_live_model_keeps_its_adapters(receivers, tokenizer):
     model = lora_model(tokenizer)
     before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
@@ -203,6 +206,7 @@ def test_lora_receiver_gets_the_merged_weights_and_the_live_model_keeps_its_adap
     assert_same_state(model.state_dict(), before)
 
 
+@pytest.mark.slow  # `receivers`: two processes in a gloo group, ~10 s to start and stop
 def test_shm_sender_gives_receivers_started_first_every_version_with_matching_checksums(receivers, tokenizer):
     model = build_tiny_model(tokenizer, architecture="llama", tie_word_embeddings=True, seed=0)
     layout = sync_layout(model, dtype=torch.bfloat16, bucket_bytes=SMALL_BUCKETS)
@@ -333,6 +337,7 @@ def test_dora_merges_like_merge_and_unload_and_export_hf_writes_the_same_weights
     assert all(torch.equal(exported[name], received[name]) for name in received)
 
 
+@pytest.mark.slow  # `receivers`: two processes in a gloo group, ~10 s to start and stop
 def test_zero3_engine_on_two_learner_ranks_syncs_identical_weights(receivers, tokenizer, tmp_path):
     model = build_tiny_model(tokenizer, architecture="llama", tie_word_embeddings=True, seed=0)
     layout = sync_layout(model, bucket_bytes=SMALL_BUCKETS)
@@ -386,6 +391,7 @@ def test_zero3_engine_on_two_learner_ranks_syncs_identical_weights(receivers, to
         assert_same_state({name: state[name] for name in trained}, trained)
 
 
+@pytest.mark.slow  # `receivers`: two processes in a gloo group, ~10 s to start and stop
 def test_a_receiver_expecting_other_parameter_names_fails_on_both_sides(receivers, tokenizer):
     model = build_tiny_model(tokenizer, architecture="llama", seed=0)  # no attention biases
     spec = broadcast_spec(sync_layout(model))

@@ -263,6 +263,7 @@ def test_receive_weights_before_init_raises(engine):
         fresh.receive_weights(1)
 
 
+@pytest.mark.slow  # a sender process and a gloo group
 @pytest.mark.parametrize(
     "backend",
     [

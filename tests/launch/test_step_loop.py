@@ -1,0 +1,312 @@
+"""The step loop (`PPOTrainer.fit` over real `Roles` and `Rollouts`) on in-process toy actors.
+
+No Ray, no engine, no DeepSpeed: `tests/launch/fakes.py` stands in for the actors, so each test
+runs one to a few steps in milliseconds and pins what the loop does with them: the order of the
+phases, dynamic filtering, the async depth, eval and checkpoint cadence, resume, the metrics.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from rl_launch.config import PPOConfig
+from rl_launch.options import load_config
+from tests.launch.fakes import FakeRun, fake_run, toy_prompts, use_fake_ray
+
+
+@pytest.fixture(autouse=True)
+def _no_ray(monkeypatch):
+    use_fake_ray(monkeypatch)
+    # The toy tensors hold a few dozen numbers: one thread. With two on a busy machine, each
+    # tiny op waits for the other thread (torch.repeat_interleave: ~10 ms instead of ~10 us).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def config(**overrides) -> PPOConfig:
+    """A GRPO run of 2 prompts x 2 samples per step, 3 steps, no reference or critic."""
+    settings = {
+        "preset": "arithmetic",  # validation only: nothing is prepared
+        "rollout.rollout_batch_size": 2,
+        "rollout.n_samples_per_prompt": 2,
+        "rollout.generate_max_len": 8,
+        "rollout.weight_sync": "broadcast",
+        "algo.advantage.estimator": "grpo",
+        "train.max_steps": 3,
+        "train.micro_batch_tokens": 64,
+        "log.progress_bar": False,
+    }
+    return load_config(PPOConfig, overrides={**settings, **{k: str(v) for k, v in overrides.items()}})
+
+
+def training_calls(run: FakeRun, engine: int = 0) -> list[dict]:
+    """The engine's generate calls for training (eval asks for eval.n_samples_per_prompt = 1)."""
+    n = run.trainer.config.rollout.n_samples_per_prompt
+    return [call for call in run.engines[engine].generated if call["n"] == n]
+
+
+def test_a_step_generates_then_scores_then_trains_then_syncs_then_saves():
+    run = fake_run(
+        config(**{"train.max_steps": 1, "algo.kl.init_kl_coef": 0.01, "algo.advantage.estimator": "gae"})
+    )
+    run.fit()
+    assert run.log.methods() == [
+        "engine.generate",
+        "policy.logprobs",  # the experience: every role's forward at once
+        "ref.logprobs",
+        "critic.values",
+        "critic.train_step",  # then both trained roles on the same mini-batch
+        "policy.train_step",
+        "policy.sync",
+        "engine.receive",
+        "policy.save",  # the last step always saves
+        "critic.save",
+    ]
+    (trained,) = run.learners["policy"][0].trained
+    assert trained["has_advantages"]
+    assert trained["groups"] == [0, 1]
+
+
+def test_the_next_step_generates_on_the_weights_of_the_last_sync():
+    run = fake_run(config())
+    run.fit()
+    assert [call["version"] for call in training_calls(run)] == [0, 1, 2]
+    assert [call["first_group_id"] for call in training_calls(run)] == [0, 2, 4]  # group ids count up
+    assert [metrics["policy_version"] for _, metrics in run.tracker.logged] == [1.0, 2.0, 3.0]
+    assert run.engines[0].version == 3
+    assert run.wire.checksum == 3
+
+
+def test_the_old_logprob_forward_runs_only_when_a_batch_gets_several_optimizer_steps():
+    one_step = fake_run(config(**{"train.max_steps": 1}))
+    one_step.fit()
+    assert "policy.logprobs" not in one_step.log.methods()  # the training forward's own log-probs
+    two_epochs = fake_run(config(**{"train.max_steps": 1, "train.max_epochs": 2}))
+    two_epochs.fit()
+    assert two_epochs.log.methods("policy")[:3] == [
+        "policy.logprobs",
+        "policy.train_step",
+        "policy.train_step",
+    ]
+
+
+def test_mini_batches_cover_the_batch_once_per_epoch():
+    run = fake_run(
+        config(
+            **{
+                "train.max_steps": 1,
+                "train.max_epochs": 2,
+                "train.train_batch_size": 2,
+                "rollout.rollout_batch_size": 4,
+            }
+        )
+    )
+    run.fit()
+    steps = [step["sequences"] for step in run.learners["policy"][0].trained]
+    assert len(steps) == 8
+    assert all(len(mini) == 2 for mini in steps)
+    first = [sequence for mini in steps[:4] for sequence in mini]
+    second = [sequence for mini in steps[4:] for sequence in mini]
+    assert sorted(first) == sorted(second)
+    assert len(set(first)) == 8
+    assert steps[:4] != steps[4:]  # in a new order
+
+
+def test_a_batch_is_split_over_the_ranks_of_a_role():
+    run = fake_run(config(**{"train.max_steps": 1, "rollout.rollout_batch_size": 4}), ranks=2)
+    run.fit()
+    per_rank = [learner.trained[0]["groups"] for learner in run.learners["policy"]]
+    assert all(per_rank)
+    assert sorted(per_rank[0] + per_rank[1]) == [0, 1, 2, 3]
+
+
+def test_dynamic_filtering_keeps_accepted_groups_and_draws_more_prompts():
+    def reward(prompt, sample):  # even prompts: every sample right (mean 1, filtered); odd: half right
+        return 1.0 if prompt.index % 2 == 0 else float(sample % 2)
+
+    settings = {"rollout.dynamic_filtering": "true", "rollout.rollout_batch_size": 4, "train.max_steps": 2}
+    run = fake_run(config(**settings), reward=reward, shuffle=False)
+    run.fit()
+    calls = training_calls(run)
+    assert [call["indices"] for call in calls[:2]] == [[0, 1, 2, 3], [4, 5, 6, 7]]  # two rounds for step 1
+    assert calls[1]["seed"] != calls[0]["seed"]  # the extra round samples with its own seed
+    assert calls[2]["indices"] == [8, 9, 10, 11]  # step 2 goes on after the extra prompts
+    step_1 = run.tracker.logged[0][1]
+    assert (step_1["filter/groups_seen"], step_1["filter/groups_kept"]) == (8.0, 4.0)
+    trained = run.learners["policy"][0].trained[0]["groups"]
+    assert trained == [1, 3, 5, 7]  # the odd prompts' groups (group id = position in the stream)
+
+
+def test_dynamic_filtering_stops_with_a_diagnosis_when_no_group_survives():
+    run = fake_run(config(**{"rollout.dynamic_filtering": "true"}), reward=lambda prompt, sample: 1.0)
+    with pytest.raises(RuntimeError, match="dynamic filtering kept no group in 4 rounds"):
+        run.fit()
+    assert len(training_calls(run)) == 4  # rollout.max_sampling_rounds
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_async_records_are_depth_versions_behind_in_steady_state(depth):
+    steps = 5
+    run = fake_run(
+        config(**{"rollout.async_train": "true", "rollout.async_depth": depth, "train.max_steps": steps})
+    )
+    run.fit()
+    staleness = [metrics["async/staleness_max"] for _, metrics in run.tracker.logged]
+    assert staleness == [min(step - 1, depth) for step in range(1, steps + 1)]
+    assert [metrics["health/policy_lag"] for _, metrics in run.tracker.logged] == staleness
+    calls = training_calls(run)
+    assert len(calls) == steps  # nothing is submitted beyond train.max_steps
+    assert [call["version"] for call in calls] == [0] * (depth + 1) + list(range(1, steps - depth))
+
+
+def test_async_sync_receipts_are_compared_once_in_and_all_at_the_last_step():
+    run = fake_run(config(**{"rollout.async_train": "true"}))
+    run.roles.engines.late = {"receive"}  # the engines are still generating the steps queued before
+    run.engines[0].corrupt = True
+    run.fit()
+    logged = [metrics for _, metrics in run.tracker.logged]
+    assert [metrics["sync/unsettled_versions"] for metrics in logged] == [1.0, 2.0, 0.0]
+    assert ["health/sync_checksum_match" in metrics for metrics in logged] == [False, False, True]
+    assert logged[-1]["health/sync_checksum_match"] == 0.0  # the corrupt receipts are found at the end
+
+
+def test_a_sync_whose_checksums_differ_is_reported():
+    run = fake_run(config(**{"train.max_steps": 2}))
+    run.fit()
+    assert [metrics["health/sync_checksum_match"] for _, metrics in run.tracker.logged] == [1.0, 1.0]
+    broken = fake_run(config(**{"train.max_steps": 1}))
+    broken.engines[0].corrupt = True
+    broken.fit()
+    assert broken.tracker.logged[0][1]["health/sync_checksum_match"] == 0.0
+
+
+def test_eval_runs_at_start_every_eval_steps_and_at_the_last_step_without_using_group_ids():
+    run = fake_run(config(**{"eval.eval_steps": 2, "train.max_steps": 5}), eval_prompts=toy_prompts(3))
+    run.fit()
+    evaluated = [
+        step for step, metrics in run.tracker.logged if any(key.startswith("eval/") for key in metrics)
+    ]
+    assert evaluated == [0, 2, 4, 5]
+    assert [call["first_group_id"] for call in training_calls(run)] == [0, 2, 4, 6, 8]
+
+
+def test_checkpoints_every_save_steps_and_at_the_last_step_with_the_loop_state():
+    run = fake_run(config(**{"ckpt.save_steps": 2, "train.max_steps": 5}), ckpt_root="/ckpt")
+    run.fit()
+    saved = sorted(tag for root, tag, _ in run.checkpoints)
+    assert saved == ["global_step2", "global_step4", "global_step5"]
+    state = run.learners["policy"][0].load("/ckpt/policy", "global_step4")
+    assert (state.step, state.consumed_samples, state.policy_version) == (4, 16, 4)
+    assert state.extra["next_group_id"] == 8
+    assert state.extra["run_id"] == "fake"
+    none_between = fake_run(config(**{"train.max_steps": 3}))
+    none_between.fit()
+    assert sorted(tag for _, tag, _ in none_between.checkpoints) == ["global_step3"]
+
+
+class _Killed(Exception):
+    pass
+
+
+def test_a_resumed_async_run_trains_on_the_prompts_an_uninterrupted_one_would():
+    settings = {"rollout.async_train": "true", "ckpt.save_steps": 2, "train.max_steps": 4}
+    whole = fake_run(config(**settings), ckpt_root="/a/checkpoints")
+    whole.fit()
+
+    first = fake_run(config(**settings), ckpt_root="/b/checkpoints")
+    original_log = first.tracker.log
+
+    def log_then_die(step, metrics):
+        original_log(step, metrics)
+        if step == 2:
+            raise _Killed
+
+    first.tracker.log = log_then_die
+    with pytest.raises(_Killed):
+        first.fit()
+
+    resumed = fake_run(
+        config(**settings),
+        ckpt_root="/b/checkpoints",
+        resume_from={"policy": Path("/b/checkpoints/policy/global_step2")},
+        checkpoints=first.checkpoints,
+    )
+    start = resumed.trainer.resume()
+    assert (start.step, resumed.trainer.version, resumed.engines[0].version) == (2, 2, 2)
+    resumed.fit(start)
+
+    def without_version(calls):
+        return [{key: value for key, value in call.items() if key != "version"} for call in calls]
+
+    assert without_version(training_calls(resumed)) == without_version(training_calls(whole)[2:])
+    assert resumed.learners["policy"][0].trained == whole.learners["policy"][0].trained[2:]
+    assert resumed.tracker.steps() == [3, 4]
+
+
+def test_the_greedy_baseline_is_asked_for_training_but_not_for_eval():
+    run = fake_run(
+        config(**{"algo.advantage.estimator": "remax", "train.max_steps": 1}), eval_prompts=toy_prompts(2)
+    )
+    run.fit()
+    assert [call["greedy_baseline"] for call in run.engines[0].generated] == [False, True, False]
+    assert run.tracker.logged[-1][1]["reward/greedy_baseline_mean"] == 0.0  # sample 0's reward
+
+
+def test_the_hybrid_engine_sleeps_for_training_and_learners_offload_for_generation():
+    run = fake_run(config(**{"ray.colocate": "all", "train.max_steps": 2}))
+    run.roles.device = "cuda"  # the learners offload their states only on GPU runs
+    run.fit()
+    step = [
+        "engine.generate",
+        "engine.sleep",
+        "policy.reload_states",
+        "policy.train_step",
+        "engine.wake_up",
+        "policy.sync",
+        "engine.receive",
+        "policy.offload_states",
+    ]
+    assert run.log.methods() == [
+        "policy.offload_states",
+        *step,
+        *step,
+        "policy.reload_states",
+        "policy.save",
+        "policy.offload_states",
+    ]
+
+
+def test_a_step_logs_rewards_lengths_training_sync_timing_and_version():
+    run = fake_run(config(**{"train.max_steps": 1, "log.completions": 1}))
+    run.fit()
+    ((step, metrics),) = run.tracker.logged
+    assert step == 1
+    assert metrics["reward/mean"] == 0.5  # samples alternate 0 and 1
+    assert metrics["response_length/mean"] == 3.0
+    assert metrics["rollout/action_tokens_mean"] == 3.0
+    assert metrics["policy/loss"] == 1.0
+    assert metrics["policy/grad_norm"] == 0.5
+    assert metrics["sync/gigabytes"] == 16 / 1e9
+    assert metrics["health/sync_checksum_match"] == 1.0
+    assert metrics["kl/coef"] == 0.0
+    assert metrics["health/policy_lag"] == 0.0
+    assert metrics["policy_version"] == 1.0
+    phases = [key for key in metrics if key.startswith("time/")]
+    assert phases == [
+        "time/generation",
+        "time/experience",
+        "time/training",
+        "time/sync",
+        "time/checkpoint",
+        "time/step",
+    ]
+    assert metrics["throughput/samples_per_s"] > 0
+    ((logged_step, rows),) = run.tracker.completions
+    assert logged_step == 1
+    assert len(rows) == 1
+    assert rows[0]["group_id"] == 0
