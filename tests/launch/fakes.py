@@ -281,10 +281,11 @@ class ToyLearner:
     def sync_layout(self, dtype: str) -> None:
         return None
 
-    def sync(self, version: int) -> WeightSyncReport:
+    def sync(self, version: int) -> tuple[WeightSyncReport, None]:
+        """(report, payload) like `LearnerWorker.sync`; a toy transport has no payload."""
         if self.rank == 0:
             self.wire.version, self.wire.checksum = version, self.updates
-        return WeightSyncReport(version=version, num_bytes=16, seconds=0.0, checksums=(self.updates,))
+        return WeightSyncReport(version=version, num_bytes=16, seconds=0.0, checksums=(self.updates,)), None
 
     def release_sync(self) -> None:
         pass
