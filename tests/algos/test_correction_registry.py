@@ -28,7 +28,14 @@ def old_options(correction: str, level: str, gating: str, bounds: tuple[float, f
         return {"mode": "truncate", "level": level, "gating": gating, "low": low, "high": high}
     if correction == "icepop":
         return {"method": "icepop", "level": level, "gating": gating, "low": low, "high": high}
-    return {"mode": "mask", "level": level, "gating": gating, "mask_weight": "token", "low": low, "high": high}
+    return {
+        "mode": "mask",
+        "level": level,
+        "gating": gating,
+        "mask_weight": "token",
+        "low": low,
+        "high": high,
+    }
 
 
 def new_options(correction: str, level: str, gating: str, bounds: tuple[float, float]) -> dict[str, Any]:
@@ -82,8 +89,11 @@ def test_registry_entry_equals_the_old_keyword_table(correction, level, gating, 
     expected, expected_metrics = rollout_correction(
         old, rollout, mask, **old_options(correction, level, gating, bounds)
     )
-    weights, metrics = CORRECTIONS[correction](old, rollout, mask, **new_options(correction, level, gating, bounds))
-    assert weights.dtype == torch.float32 and not weights.requires_grad
+    weights, metrics = CORRECTIONS[correction](
+        old, rollout, mask, **new_options(correction, level, gating, bounds)
+    )
+    assert weights.dtype == torch.float32
+    assert not weights.requires_grad
     assert torch.equal(weights, expected)
     assert metrics.keys() == expected_metrics.keys()
     for key, value in metrics.items():

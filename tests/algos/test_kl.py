@@ -120,7 +120,8 @@ def test_plus_variants_are_plain_registry_names():
 
     for name, base in [("k1", "kl"), ("k2", "mse"), ("k3", "low_var_kl"), ("abs", None)]:
         entry = KL_ESTIMATORS[f"{name}+"]
-        assert isinstance(entry, StraightThroughKL) and entry.estimator is KL_ESTIMATORS[name]
+        assert isinstance(entry, StraightThroughKL)
+        assert entry.estimator is KL_ESTIMATORS[name]
         if base is not None:
             assert KL_ESTIMATORS[f"{base}+"] is entry
     assert not isinstance(KL_ESTIMATORS["k3"], StraightThroughKL)

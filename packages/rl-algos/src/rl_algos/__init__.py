@@ -19,10 +19,10 @@ from .__about__ import __version__
 from .aggregation import AGGREGATION_MODES, aggregate_loss, loss_normalizer
 from .corrections import (
     CORRECTION_GATINGS,
-    CORRECTIONS,
     CORRECTION_LEVELS,
     CORRECTION_METHODS,
     CORRECTION_MODES,
+    CORRECTIONS,
     MASK_WEIGHTS,
     mismatch_metrics,
     rollout_correction,
