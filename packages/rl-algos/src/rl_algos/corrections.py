@@ -262,8 +262,8 @@ def truncated_importance_sampling(
     """Truncated importance sampling: weight = clip(u, low, high), u the `level`'s ratio.
 
     Worked values: level "token" → [2, 5, 0.5]; level "sequence" (u = 4) → [4, 4, 4].
-    OpenRLHF: `--vllm_is_correction_type tis` / 0.11's mode "truncate"; verl: rollout_is
-    "token" / "sequence" (truncate). Options: `level` (one of `CORRECTION_LEVELS`), 0 < low < high.
+    OpenRLHF: `--vllm_is_correction_type tis` / 0.11's mode "truncate"; verl: rollout_is at
+    level token / sequence (truncated importance weights). Options: `level` (one of `CORRECTION_LEVELS`), 0 < low < high.
     Returns `rollout_correction`'s (weights, metrics), with correction_clip_fraction.
     """
     return rollout_correction(
@@ -286,7 +286,8 @@ def icepop(
     `level`'s ratio, so the survivors keep the level's own weight).
 
     Worked values: level "token" → [2, 0, 0]; level "geometric" (u = 1.587, kept) → [1.587] * 3.
-    OpenRLHF: `--vllm_is_correction_type icepop`; verl: rollout_rs / mask with the level's weight.
+    OpenRLHF: `--vllm_is_correction_type icepop`; verl: rejection sampling (rollout_rs) at the
+    level, survivors weighted by the level's own ratio.
     Options: `level`, `gating` (`CORRECTION_GATINGS`; a divergence takes low=0, high=δ), low, high.
     """
     return rollout_correction(
@@ -345,7 +346,8 @@ def sequence_mask(
     (weight 0) otherwise. A pure filter: kept tokens are not reweighted.
 
     Worked values: geometric mean 1.587 inside (0.5, 5) → [1, 1, 1]; with high = 1.5 → [0, 0, 0].
-    verl: rollout_rs "geometric" with weight 1. Metrics: sequence_mask_fraction.
+    verl: rejection sampling (rollout_rs) at level geometric, no reweighting. Metrics:
+    sequence_mask_fraction.
     """
     return rollout_correction(
         old_logprobs, rollout_logprobs, action_mask, mode="none", sequence_mask_range=(low, high)
