@@ -113,3 +113,23 @@ def test_adaptive_controller_follows_the_proportional_rule():
 def test_adaptive_controller_rejects_non_positive_settings(kwargs, match):
     with pytest.raises(ValueError, match=match):
         AdaptiveKLController(**kwargs)
+
+
+def test_plus_variants_are_plain_registry_names():
+    from rl_algos import StraightThroughKL
+
+    for name, base in [("k1", "kl"), ("k2", "mse"), ("k3", "low_var_kl"), ("abs", None)]:
+        entry = KL_ESTIMATORS[f"{name}+"]
+        assert isinstance(entry, StraightThroughKL)
+        assert entry.estimator is KL_ESTIMATORS[name]
+        if base is not None:
+            assert KL_ESTIMATORS[f"{base}+"] is entry
+    assert not isinstance(KL_ESTIMATORS["k3"], StraightThroughKL)
+
+
+def test_straight_through_entry_called_alone_has_k3_value_and_k2_gradient():
+    d = torch.tensor([0.5, -1.0], requires_grad=True)
+    value = KL_ESTIMATORS["k3+"](d)
+    torch.testing.assert_close(value, KL_ESTIMATORS["k3"](d.detach()))
+    value.sum().backward()
+    torch.testing.assert_close(d.grad, d.detach())

@@ -14,14 +14,13 @@ correction's own metric `plugin_cap_fraction` reaches the policy's metrics.
 
 from __future__ import annotations
 
-from typing import Any
-
 from pathlib import Path
+from typing import Any
 
 import torch
 
 import tests.integration._toy_transport as toy_transport
-from rl_algos import ADVANTAGE_ESTIMATORS, compute_gae
+from rl_algos import ADVANTAGE_ESTIMATORS, CORRECTIONS, compute_gae, masked_mean
 from rl_data.sync import WeightSyncSpec
 from rl_launch.components import ENGINES, EXECUTORS, SYNC_STRATEGIES
 
@@ -37,6 +36,28 @@ def plugin_td(
 
     Shapes: `[batch, seq]` in and out. Taking `values` is all it takes to get a critic."""
     return compute_gae(token_rewards, values, action_mask, gamma=gamma, lam=0.0)
+
+
+@CORRECTIONS.register("plugin_capped")
+def plugin_capped(
+    old_logprobs: torch.Tensor,
+    rollout_logprobs: torch.Tensor,
+    action_mask: torch.Tensor,
+    *,
+    cap: float = 5.0,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Token importance weights w_t = exp(log π_old − log π_rollout), capped from above: min(w_t, cap).
+
+    Shapes: `[batch, seq]` in and out (float32, detached, 0 off the mask); the metric
+    `plugin_cap_fraction` is the share of action tokens whose weight was capped."""
+    if not cap > 0:
+        raise ValueError(f"cap must be > 0, got {cap}")
+    mask = action_mask.float()
+    weights = (old_logprobs.detach().float() - rollout_logprobs.detach().float()).clamp(max=20.0).exp()
+    capped = weights > cap
+    return (weights.clamp(max=cap) * mask).detach(), {
+        "plugin_cap_fraction": masked_mean(capped.float(), mask)
+    }
 
 
 @ENGINES.register("plugin_hf", receives_weights=True, sleeps=True)

@@ -84,10 +84,18 @@ def test_two_value_flag_goes_to_two_options():
 
 
 def test_two_value_flag_into_a_tuple_option_is_joined_by_a_comma():
-    argv, _ = expand_aliases(["--algo.advantage.is_correction_threshold", "0.5", "5.0"])
-    assert argv == ["--algo.policy.is_correction_bounds", "0.5,5.0"]
     argv, _ = expand_aliases(["--algo.dynamic_filtering_range", "0", "1"])
     assert argv == ["--rollout.dynamic_filtering_reward_range", "0,1"]
+
+
+def test_is_correction_threshold_becomes_the_corrections_low_and_high_options():
+    argv, _ = expand_aliases(["--algo.advantage.is_correction_threshold", "0.5", "5.0"])
+    assert argv == [
+        "--algo.policy.correction_options.low",
+        "0.5",
+        "--algo.policy.correction_options.high",
+        "5.0",
+    ]
 
 
 def test_a_multi_value_flag_missing_a_value_is_refused():
@@ -163,11 +171,11 @@ def test_nodes_times_gpus_per_node_is_the_number_of_actors():
 
 def test_is_correction_switch_and_type_become_one_mode():
     argv, _ = expand_aliases(["--algo.advantage.is_correction_enable"])
-    assert argv == ["--algo.policy.is_correction", "tis"]  # OpenRLHF's type when only the switch is given
+    assert argv == ["--algo.policy.correction", "tis"]  # OpenRLHF's type when only the switch is given
     argv, notes = expand_aliases(
         ["--algo.advantage.is_correction_enable", "--algo.advantage.is_correction_type", "icepop"]
     )
-    assert argv == ["--algo.policy.is_correction", "icepop"]
+    assert argv == ["--algo.policy.correction", "icepop"]
     assert len(notes) == 2
     with pytest.raises(ValueError, match=r"turns nothing on without --algo\.advantage\.is_correction_enable"):
         expand_aliases(["--algo.advantage.is_correction_type", "icepop"])
@@ -412,8 +420,8 @@ def test_openrlhf_example_expands_to_rl_launch_names():
         "--model.gradient_checkpointing true",
         "--train.micro_batch_tokens 16384",
         "--reward.clip 10",
-        "--algo.policy.is_correction icepop",
-        "--algo.policy.is_correction_bounds 0.5,5.0",
+        "--algo.policy.correction icepop",
+        "--algo.policy.correction_options.low 0.5 --algo.policy.correction_options.high 5.0",
         "--log.wandb_project reinforce-baseline --log.run_name qwen-0.5b",
     ):
         assert expected in text
@@ -466,7 +474,8 @@ def test_expanded_openrlhf_example_parses_with_the_real_parser(capsys):
     assert algo["advantage"]["estimator"] == "reinforce_baseline"
     assert algo["advantage"]["options"] == {}  # gamma 1.0 was dropped, as OpenRLHF ignores it here
     assert algo["policy"]["options"] == {"epsilon_low": 0.2, "epsilon_high": 0.28}
-    assert algo["policy"]["is_correction"] == "icepop"
+    assert algo["policy"]["correction"] == "icepop"
+    assert algo["policy"]["correction_options"] == {"low": 0.5, "high": 5.0}
     assert algo["kl"]["use_kl_loss"] is True
     assert (algo["kl"]["reward_estimator"], algo["kl"]["loss_estimator"]) == ("k2", "k2")
     assert algo["kl"]["init_kl_coef"] == pytest.approx(1e-4)

@@ -172,8 +172,17 @@ def test_a_bad_option_value_fails_in_the_dry_run_with_the_section_name(overrides
             r"^algo\.advantage\.estimator: 'remax' takes the rule / remote reward of a greedy answer",
         ),
         (
-            {"algo__policy__is_correction": "truncate", "algo__policy__is_correction_gating": "binary_kl"},
-            r"^algo\.policy: .*correction",
+            {"algo__policy__correction": "truncate", "algo__policy__correction_options__gating": "binary_kl"},
+            r"^algo\.policy\.correction_options\.gating: not an option of rollout correction 'truncate'; "
+            r"it takes high, level, low",
+        ),
+        (
+            {"algo__policy__correction": "mask", "algo__policy__correction_options__gating": "tv"},
+            r"^algo\.policy\.correction_options: rollout correction 'mask' refused its options: .*upper bound only",
+        ),
+        (
+            {"algo__policy__correction": "none", "algo__policy__correction_options__low": "0.1"},
+            r"^algo\.policy\.correction_options: .* given, but algo\.policy\.correction is none",
         ),
         ({"rollout__engine": "sglang"}, r"^rollout\.engine: 'sglang' is not one of hf, http, vllm"),
         ({"reward__function": "made_up"}, r"^reward\.function: 'made_up' is neither a registered reward"),
@@ -181,6 +190,43 @@ def test_a_bad_option_value_fails_in_the_dry_run_with_the_section_name(overrides
 )
 def test_combinations_that_cannot_work_fail_before_anything_starts(overrides, pattern):
     refused(pattern, **overrides)
+
+
+@pytest.mark.parametrize("name", ["k1", "kl"])
+def test_k1_as_a_loss_is_refused_under_either_name_but_its_plus_variant_is_not(name):
+    loss_kl = {"algo__kl__init_kl_coef": "0.01", "algo__kl__use_kl_loss": "true"}
+    refused(r"zero expected gradient", **loss_kl, algo__kl__loss_estimator=name)
+    assert policy_loss_config(
+        config(**loss_kl, algo__kl__loss_estimator=f"{name}+"), kl_coef=0.01
+    ).kl_estimator == (f"{name}+")
+
+
+def test_a_plus_variant_is_refused_in_the_reward_which_has_no_gradient():
+    refused(r"^algo\.kl\.reward_estimator: 'k3\+' is not one of", algo__kl__reward_estimator="k3+")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "correction", "options"),
+    [
+        ({}, "none", {}),
+        ({"rollout__async_train": "true"}, "tis", {}),
+        ({"rollout__async_train": "true", "algo__policy__correction_options__high": "2"}, "tis", {"high": 2}),
+        (
+            {"algo__policy__correction_options__high": "2"},
+            "none",
+            {},
+        ),  # auto picked none: tis's options unused
+        (
+            {"algo__policy__correction": "icepop", "algo__policy__correction_options__level": "sequence"},
+            "icepop",
+            {"level": "sequence"},
+        ),
+        ({"algo__policy__correction": "seq-mask-tis"}, "seq-mask-tis", {}),
+    ],
+)
+def test_the_correction_and_its_options_reach_the_learner_verbatim(overrides, correction, options):
+    learner = policy_loss_config(config(**overrides), kl_coef=0.0)
+    assert (learner.correction, learner.correction_options) == (correction, options)
 
 
 def test_k1_in_the_reward_and_k3_in_the_loss_are_the_defaults_and_each_side_is_its_own():

@@ -53,7 +53,7 @@ def test_a_run_samples_from_a_vllm_server(tiny_checkpoint, ray_temp, tmp_path):
             "--rollout.engine", "http",
             "--rollout.engine_options.base_url", url,
             "--algo.advantage.estimator", "grpo",
-            "--algo.policy.is_correction", "tis",  # the sampler lags the learner from step 2 on
+            "--algo.policy.correction", "tis",  # the sampler lags the learner from step 2 on
             "--rollout.n_samples_per_prompt", "2",
             "--rollout.rollout_batch_size", "4",
             "--rollout.generate_max_len", "4",

@@ -55,15 +55,30 @@ def test_a_bad_option_of_a_plugin_component_fails_before_anything_starts(tiny_ch
     prompts.write_text(json.dumps({"prompt": "What is 1 + 1?", "label": "2"}) + "\n")
     result = launch(
         [
-            "--preset", "none", "--model.pretrain", str(tiny_checkpoint), "--data.prompt_data", str(prompts),
-            "--reward.function", "numeric", "--plugin", os.path.relpath(PLUGIN), *CHOICES,
-            "--algo.policy.correction_options.cop", "3", "--log.output_dir", str(tmp_path / "run"),
-        ],  # fmt: skip
+            "--preset",
+            "none",
+            "--model.pretrain",
+            str(tiny_checkpoint),
+            "--data.prompt_data",
+            str(prompts),
+            "--reward.function",
+            "numeric",
+            "--plugin",
+            os.path.relpath(PLUGIN),
+            *CHOICES,
+            "--algo.policy.correction_options.cop",
+            "3",
+            "--log.output_dir",
+            str(tmp_path / "run"),
+        ],
         dict(os.environ),
         timeout=120,
     )
     assert result.returncode == 2
-    assert "algo.policy.correction_options.cop: not an option of rollout correction 'plugin_capped'" in result.stderr
+    assert (
+        "algo.policy.correction_options.cop: not an option of rollout correction 'plugin_capped'"
+        in result.stderr
+    )
 
 
 @pytest.mark.slow
@@ -96,7 +111,8 @@ def test_a_run_uses_a_plugin_component_of_every_kind(tiny_checkpoint, ray_temp, 
     metrics = read_metrics(run_dir)
     assert [line["step"] for line in metrics] == [1, 2]
     for line in metrics:
-        assert math.isfinite(line["policy/loss"]) and line["policy/skipped"] == 0
+        assert math.isfinite(line["policy/loss"])
+        assert line["policy/skipped"] == 0
         assert math.isfinite(line["critic/loss"])  # plugin_td takes values: a critic was started and trained
         assert line["rollout/agent/plugin_tag"] == 2.0  # the executor's option arrived verbatim
         assert "policy/plugin_cap_fraction" in line  # the correction ran in the learner

@@ -408,3 +408,95 @@ def test_roles_without_a_common_step_are_refused(tmp_path):
 
 def test_no_checkpoint_at_all_selects_nothing(tmp_path):
     assert select_checkpoint(tmp_path / "missing", ROLES, run_id="a", fingerprint="f") is None
+
+
+# ----------------------------------------------------------------------------------------------
+# Older run.json formats
+
+
+def format_1_run(tmp_path, policy: dict, *, steps=(2, 4)):
+    """A run folder as rl-launch wrote it before run format 2 (the correction in four keys), by hand."""
+    output_dir = tmp_path / "run"
+    output_dir.mkdir()
+    old_config = changed(CONFIG)
+    old_config["algo"]["policy"] = {"loss": "ppo", **policy}
+    old_fingerprint = config_fingerprint(old_config)
+    run_id = "c" * 32
+    manifest = {
+        "run_id": run_id,
+        "created": "2025-01-01T00:00:00+00:00",
+        "version": "0.1.0",
+        "fingerprint": old_fingerprint,
+        "config": old_config,
+        "resumes": [],
+        "format": 1,
+    }
+    (output_dir / "run.json").write_text(json.dumps(manifest, indent=2))
+    for step in steps:
+        for role in ROLES:
+            write_checkpoint(
+                output_dir / "checkpoints",
+                role,
+                step,
+                extra={"run_id": run_id, "config_fingerprint": old_fingerprint},
+            )
+    return output_dir, old_fingerprint
+
+
+FORMAT_1_POLICY = {
+    "is_correction": "tis",
+    "is_correction_level": "sequence",
+    "is_correction_gating": "ratio",
+    "is_correction_bounds": [0.5, 2.0],
+}
+
+
+def test_a_format_1_run_json_is_read_with_the_corrections_new_keys(tmp_path):
+    output_dir, old_fingerprint = format_1_run(tmp_path, FORMAT_1_POLICY)
+    manifest = read_run_manifest(output_dir)
+    assert manifest.format == 1
+    assert manifest.config["algo"]["policy"] == {
+        "loss": "ppo",
+        "correction": "tis",
+        "correction_options": {"level": "sequence", "low": 0.5, "high": 2.0},
+    }
+    assert manifest.fingerprint == config_fingerprint(manifest.config)
+    assert manifest.earlier_fingerprints == [old_fingerprint]
+
+
+def test_a_format_1_run_folder_resumes_from_its_checkpoints_and_is_rewritten_as_format_2(tmp_path):
+    output_dir, old_fingerprint = format_1_run(tmp_path, FORMAT_1_POLICY)
+    current = changed(CONFIG, ckpt__load_checkpoint=True)
+    current["algo"]["policy"] = {
+        "loss": "ppo",
+        "correction": "tis",
+        "correction_options": {"level": "sequence", "low": 0.5, "high": 2.0},
+    }
+    plan = prepare(output_dir, current, resume=True)
+    assert (plan.resume, plan.step, plan.run_id) == (True, 4, "c" * 32)
+    assert plan.fingerprint == config_fingerprint(current)
+    assert "run.json of format 1 read with its former option names" in plan.message
+    written = json.loads((output_dir / "run.json").read_text())
+    assert written["format"] == runs.RUN_FORMAT == 2
+    assert written["earlier_fingerprints"] == [old_fingerprint]
+    assert "is_correction" not in written["config"]["algo"]["policy"]
+    # Resumed again before a new save: the old checkpoints are still this run's.
+    again = prepare(output_dir, current, resume=True)
+    assert (again.resume, again.step) == (True, 4)
+    assert "format 1" not in again.message
+
+
+def test_a_format_1_run_folder_refuses_another_correction_on_resume(tmp_path):
+    output_dir, _ = format_1_run(tmp_path, FORMAT_1_POLICY)
+    current = changed(CONFIG, ckpt__load_checkpoint=True)
+    current["algo"]["policy"] = {"loss": "ppo", "correction": "tis", "correction_options": {}}
+    with pytest.raises(RunFolderError, match=r"algo\.policy\.correction_options"):
+        prepare(output_dir, current, resume=True)
+
+
+def test_a_run_json_of_an_unknown_format_is_refused(tmp_path):
+    output_dir, _ = format_1_run(tmp_path, FORMAT_1_POLICY, steps=())
+    data = json.loads((output_dir / "run.json").read_text())
+    (output_dir / "run.json").write_text(json.dumps({**data, "format": 9}))
+    with pytest.raises(RunFolderError, match=r"has format 9; this rl-launch .* reads formats 1, 2"):
+        read_run_manifest(output_dir)

@@ -22,13 +22,14 @@ from .corrections import (
     CORRECTION_LEVELS,
     CORRECTION_METHODS,
     CORRECTION_MODES,
+    CORRECTIONS,
     MASK_WEIGHTS,
     mismatch_metrics,
     rollout_correction,
 )
 from .estimators import ADVANTAGE_ESTIMATORS, compute_advantages
 from .group import CENTRES, GROUP_NORM_PRESETS, SCALES, SINGLETON_POLICIES, group_normalize
-from .kl import KL_ESTIMATORS, AdaptiveKLController, FixedKLController, kl_penalty
+from .kl import KL_ESTIMATORS, AdaptiveKLController, FixedKLController, StraightThroughKL, kl_penalty
 from .logprobs import default_chunk_size, entropy_from_logits, logprobs_from_logits
 from .masked import last_action_index, masked_mean, masked_mean_var, masked_sum, masked_whiten
 from .objective import policy_objective
@@ -49,6 +50,7 @@ __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "AGGREGATION_MODES",
     "CENTRES",
+    "CORRECTIONS",
     "CORRECTION_GATINGS",
     "CORRECTION_LEVELS",
     "CORRECTION_METHODS",
@@ -62,6 +64,7 @@ __all__ = [
     "AdaptiveKLController",
     "FixedKLController",
     "Registry",
+    "StraightThroughKL",
     "UnknownNameError",
     "__version__",
     "aggregate_loss",

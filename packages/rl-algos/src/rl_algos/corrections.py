@@ -32,6 +32,21 @@ Recipes (weights in words):
   seq-mask (Geo-Mask)                 mode="mask", level="geometric", mask_weight="one"    1 or 0
   seq-mask-tis (OpenRLHF)             mode="mask", level="geometric", mask_weight="token"  w_t or 0
   trust region on the rollout         mode="mask", gating="binary_kl", low=0, high=δ        w_t or 0
+
+`CORRECTIONS` names the corrections a trainer picks by name (rl-learner's
+`PolicyLossConfig.correction`, rl-launch's `algo.policy.correction`), each a thin wrapper over
+`rollout_correction` whose keyword options are passed verbatim from the config:
+
+  name                 options (defaults)                          weights
+  "tis" ("truncate")   level="token", low=0.5, high=5.0            clip(u, low, high)
+  "icepop"             level="token", gating="ratio", low, high    u or 0
+  "mask"               level="token", gating="ratio", low, high    w_t or 0
+  "seq-mask"           low=0.5, high=5.0                           1 or 0 per sequence
+  "seq-mask-tis"       low=0.5, high=5.0                           w_t or 0 per sequence
+
+An entry is `(old_logprobs, rollout_logprobs, action_mask, *, <options>) -> (weights, metrics)`
+with `[batch, seq]` float32 detached weights; register your own with
+`@CORRECTIONS.register("my_correction")`.
 """
 
 from __future__ import annotations
@@ -40,8 +55,10 @@ import torch
 
 from ._checks import check_choice, check_floating, check_ndim, check_positive, check_same_shape, mask_as
 from .masked import masked_mean
+from .registry import Registry
 
 __all__ = [
+    "CORRECTIONS",
     "CORRECTION_GATINGS",
     "CORRECTION_LEVELS",
     "CORRECTION_METHODS",
@@ -56,6 +73,10 @@ CORRECTION_MODES = ("truncate", "mask", "none")
 CORRECTION_LEVELS = ("token", "sequence", "geometric")
 CORRECTION_GATINGS = ("ratio", "binary_kl", "tv")
 MASK_WEIGHTS = ("token", "level", "one")
+
+CORRECTIONS = Registry("rollout correction")
+"""Rollout/learner mismatch corrections by name (module docstring): name -> `(old_logprobs,
+rollout_logprobs, action_mask, *, **options) -> (weights [batch, seq], metrics)`."""
 
 _LOG_CLAMP = 20.0
 _PROB_CLAMP = 1e-6
@@ -221,3 +242,140 @@ def rollout_correction(
         dropped = (~keep.squeeze(-1)) & has_tokens
         metrics["sequence_mask_fraction"] = dropped.float().sum() / has_tokens.float().sum().clamp(min=1)
     return (weights * mask).detach(), metrics
+
+
+# --------------------------------------------------------------------------------------------
+# The named corrections. Worked values: one sequence, Δ = [log 2, log 8, log 0.25] (token
+# weights w = [2, 8, 0.25], geometric mean 4^{1/3} = 1.587, product 4), bounds (0.5, 5).
+
+
+@CORRECTIONS.register("tis", aliases=("truncate",))
+def truncated_importance_sampling(
+    old_logprobs: torch.Tensor,
+    rollout_logprobs: torch.Tensor,
+    action_mask: torch.Tensor,
+    *,
+    level: str = "token",
+    low: float = 0.5,
+    high: float = 5.0,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Truncated importance sampling: weight = clip(u, low, high), u the `level`'s ratio.
+
+    Worked values: level "token" → [2, 5, 0.5]; level "sequence" (u = 4) → [4, 4, 4].
+    OpenRLHF: `--vllm_is_correction_type tis` / 0.11's mode "truncate"; verl: rollout_is at
+    level token / sequence (truncated importance weights). Options: `level` (one of `CORRECTION_LEVELS`), 0 < low < high.
+    Returns `rollout_correction`'s (weights, metrics), with correction_clip_fraction.
+    """
+    return rollout_correction(
+        old_logprobs, rollout_logprobs, action_mask, mode="truncate", level=level, low=low, high=high
+    )
+
+
+@CORRECTIONS.register("icepop")
+def icepop(
+    old_logprobs: torch.Tensor,
+    rollout_logprobs: torch.Tensor,
+    action_mask: torch.Tensor,
+    *,
+    level: str = "token",
+    gating: str = "ratio",
+    low: float = 0.5,
+    high: float = 5.0,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """ICEPOP: weight = u on units whose statistic is inside the bounds, 0 outside (u = the
+    `level`'s ratio, so the survivors keep the level's own weight).
+
+    Worked values: level "token" → [2, 0, 0]; level "geometric" (u = 1.587, kept) → [1.587] * 3.
+    OpenRLHF: `--vllm_is_correction_type icepop`; verl: rejection sampling (rollout_rs) at the
+    level, survivors weighted by the level's own ratio.
+    Options: `level`, `gating` (`CORRECTION_GATINGS`; a divergence takes low=0, high=δ), low, high.
+    """
+    return rollout_correction(
+        old_logprobs,
+        rollout_logprobs,
+        action_mask,
+        mode="mask",
+        level=level,
+        gating=gating,
+        low=low,
+        high=high,
+        mask_weight="level",
+    )
+
+
+@CORRECTIONS.register("mask")
+def token_weight_mask(
+    old_logprobs: torch.Tensor,
+    rollout_logprobs: torch.Tensor,
+    action_mask: torch.Tensor,
+    *,
+    level: str = "token",
+    gating: str = "ratio",
+    low: float = 0.5,
+    high: float = 5.0,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """OpenRLHF 0.11.2's mode "mask": weight = w_t = exp(Δ_t) on units whose statistic (the
+    `level`'s ratio, or a `gating` divergence) is inside the bounds, 0 outside.
+
+    Worked values: level "token" → [2, 0, 0]; level "geometric" (1.587, kept) → [2, 8, 0.25].
+    Options: `level`, `gating` (a divergence "binary_kl" / "tv" takes low=0, high=δ), low, high.
+    """
+    return rollout_correction(
+        old_logprobs,
+        rollout_logprobs,
+        action_mask,
+        mode="mask",
+        level=level,
+        gating=gating,
+        low=low,
+        high=high,
+        mask_weight="token",
+    )
+
+
+@CORRECTIONS.register("seq-mask")
+def sequence_mask(
+    old_logprobs: torch.Tensor,
+    rollout_logprobs: torch.Tensor,
+    action_mask: torch.Tensor,
+    *,
+    low: float = 0.5,
+    high: float = 5.0,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Geo-Mask: keep a sequence, at weight 1, when low ≤ exp(Σ_t m·Δ_t / L_i) ≤ high; drop it
+    (weight 0) otherwise. A pure filter: kept tokens are not reweighted.
+
+    Worked values: geometric mean 1.587 inside (0.5, 5) → [1, 1, 1]; with high = 1.5 → [0, 0, 0].
+    verl: rejection sampling (rollout_rs) at level geometric, no reweighting. Metrics:
+    sequence_mask_fraction.
+    """
+    return rollout_correction(
+        old_logprobs, rollout_logprobs, action_mask, mode="none", sequence_mask_range=(low, high)
+    )
+
+
+@CORRECTIONS.register("seq-mask-tis")
+def sequence_mask_token_weights(
+    old_logprobs: torch.Tensor,
+    rollout_logprobs: torch.Tensor,
+    action_mask: torch.Tensor,
+    *,
+    low: float = 0.5,
+    high: float = 5.0,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """OpenRLHF's sequence mask: drop a sequence whose geometric-mean ratio exp(Σ_t m·Δ_t / L_i)
+    is outside [low, high]; kept sequences keep each token's weight w_t = exp(Δ_t).
+
+    Worked values: geometric mean 1.587 inside (0.5, 5) → [2, 8, 0.25]; with high = 1.5 → [0, 0, 0].
+    OpenRLHF: `--vllm_is_correction_type seq-mask-tis`. Metrics: correction_mask_fraction.
+    """
+    return rollout_correction(
+        old_logprobs,
+        rollout_logprobs,
+        action_mask,
+        mode="mask",
+        level="geometric",
+        low=low,
+        high=high,
+        mask_weight="token",
+    )

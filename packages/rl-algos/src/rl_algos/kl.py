@@ -7,11 +7,13 @@ With d = logπ(a|s) − logπ_ref(a|s) for the sampled token (samples drawn from
   k3  = exp(−d) − 1 + d     unbiased, ≥ 0, low variance (Schulman)  (alias "low_var_kl")
   abs = |d|
 
-A "+" suffix (`k1+`, `k3+`, `abs+`, ...) gives the named estimator's value with k2's
-gradient (straight-through), as in verl: value = sg(k) + k2 − sg(k2), where the k2 surrogate is
+The "+" entries (`k1+`, `k2+`, `k3+`, `abs+` and `kl+`, `mse+`, `low_var_kl+`) are registry
+names of their own, each a `StraightThroughKL`: the named estimator's value with k2's gradient
+(straight-through), as in verl: value = sg(k) + k2 − sg(k2). In `kl_penalty` the k2 surrogate is
 built from the UNCLAMPED d (verl does the same), so the gradient is d even where the value is
 clamped. Worked values: logπ = −30, logπ_ref = −1, `k3+` with verl's clamps → value 10.0,
-gradient −29.
+gradient −29. A user's estimator gets its "+" the same way:
+`KL_ESTIMATORS.register("mine+", StraightThroughKL(mine))`.
 
 OpenRLHF's `unbiased_gradient` (`kl_penalty(..., unbiased_gradient=True, old_logprobs=...)`)
 also keeps the named estimator's value, with the gradient of sg(w)·d²/2, w = π/π_old =
@@ -26,6 +28,9 @@ Clamps: OpenRLHF clamps the estimate to [−10, 10] (`value_clamp=10`); verl cla
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
+
 import torch
 
 from ._checks import check_floating, check_positive, check_same_shape, compute_dtype
@@ -35,6 +40,7 @@ __all__ = [
     "KL_ESTIMATORS",
     "AdaptiveKLController",
     "FixedKLController",
+    "StraightThroughKL",
     "kl_penalty",
 ]
 
@@ -62,6 +68,29 @@ def _abs(log_ratio: torch.Tensor) -> torch.Tensor:
     return log_ratio.abs()
 
 
+@dataclasses.dataclass(frozen=True)
+class StraightThroughKL:
+    """A KL estimator with `estimator`'s value and k2's gradient: sg(k(d)) + k2(d) − sg(k2(d)).
+
+    Called on its own it does exactly that; `kl_penalty` clamps the value as for `estimator` and
+    builds the k2 surrogate from the unclamped d (module docstring).
+    """
+
+    estimator: Callable[[torch.Tensor], torch.Tensor]
+    """The estimator whose value is kept, e.g. k3."""
+
+    def __call__(self, log_ratio: torch.Tensor) -> torch.Tensor:
+        surrogate = _k2(log_ratio)
+        return self.estimator(log_ratio).detach() + surrogate - surrogate.detach()
+
+
+for _name, _aliases in (("k1", ("kl",)), ("k2", ("mse",)), ("k3", ("low_var_kl",)), ("abs", ())):
+    KL_ESTIMATORS.register(
+        f"{_name}+", StraightThroughKL(KL_ESTIMATORS[_name]), aliases=[f"{alias}+" for alias in _aliases]
+    )
+del _name, _aliases
+
+
 def kl_penalty(
     logprobs: torch.Tensor,
     ref_logprobs: torch.Tensor,
@@ -78,7 +107,7 @@ def kl_penalty(
     Args:
       logprobs: `[batch, seq]` log π of the sampled tokens (may require grad).
       ref_logprobs: `[batch, seq]` log π_ref of the same tokens.
-      estimator: a name in `KL_ESTIMATORS`, optionally with a "+" suffix (k2 gradient).
+      estimator: a name in `KL_ESTIMATORS` ("k3", or "k3+": a `StraightThroughKL`, k2's gradient).
       log_ratio_clamp: clamp d to [−c, c] before the estimator (verl: 20), or None.
       value_clamp: clamp the estimate to [−c, c] (OpenRLHF: 10), or None.
       unbiased_gradient: OpenRLHF's option: the value of `estimator`, the gradient of
@@ -92,11 +121,9 @@ def kl_penalty(
     """
     check_floating("logprobs", logprobs)
     check_same_shape("ref_logprobs", ref_logprobs, "logprobs", logprobs)
-    straight_through = estimator.endswith("+")
-    base = estimator[:-1] if straight_through else estimator
-    if base not in KL_ESTIMATORS:
-        known = sorted(KL_ESTIMATORS) + [f"{name}+" for name in sorted(KL_ESTIMATORS)]
-        raise ValueError(f"unknown KL estimator {estimator!r}; known names: {', '.join(known)}")
+    entry = KL_ESTIMATORS[estimator]
+    straight_through = isinstance(entry, StraightThroughKL)
+    value_of = entry.estimator if straight_through else entry
     dtype = compute_dtype(logprobs, ref_logprobs)
     if old_logprobs is not None and not unbiased_gradient:
         raise ValueError("old_logprobs is used only with unbiased_gradient=True; pass both or neither")
@@ -109,7 +136,7 @@ def kl_penalty(
     if log_ratio_clamp is not None:
         check_positive("log_ratio_clamp", log_ratio_clamp)
         log_ratio = log_ratio.clamp(-log_ratio_clamp, log_ratio_clamp)
-    kl = KL_ESTIMATORS[base](log_ratio)
+    kl = value_of(log_ratio)
     if value_clamp is not None:
         check_positive("value_clamp", value_clamp)
         kl = kl.clamp(-value_clamp, value_clamp)

@@ -75,7 +75,7 @@ def policy_objective(
       importance_weights: `[batch, seq]` detached weights w multiplying l, or None.
       ref_logprobs: `[batch, seq]` log π_ref; needed when `kl_coef > 0`.
       kl_coef: β ≥ 0; 0 leaves the KL term out.
-      kl_estimator: a name in `KL_ESTIMATORS`, optionally with "+".
+      kl_estimator: a name in `KL_ESTIMATORS` (a "+" name such as "k3+" has k2's gradient).
       kl_options: keyword options of `kl_penalty` (log_ratio_clamp, value_clamp,
         unbiased_gradient, importance_weight_cap); with `unbiased_gradient` the weight π/π_old
         uses `old_logprobs`.

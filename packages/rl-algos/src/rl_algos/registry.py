@@ -49,7 +49,8 @@ class Registry(dict):
                     raise TypeError(f"{self.kind} names must be non-empty strings, got {key!r}")
                 if key in self and not override:
                     raise ValueError(
-                        f"{self.kind} {key!r} is already registered (to {self[key].__qualname__}); "
+                        f"{self.kind} {key!r} is already registered (to "
+                        f"{getattr(self[key], '__qualname__', repr(self[key]))}); "
                         "pass override=True to replace it"
                     )
                 self[key] = func

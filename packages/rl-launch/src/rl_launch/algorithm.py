@@ -24,7 +24,7 @@ from rl_algos import (
 from rl_data import ExperienceBatch, Trajectory
 from rl_learner import PolicyLossConfig, ValueLossConfig
 
-from .components import estimator_needs, estimator_options
+from .components import correction_name, estimator_needs, estimator_options
 from .config import PPOConfig
 
 __all__ = [
@@ -63,15 +63,16 @@ def old_logprobs_from_training(config: PPOConfig) -> bool:
 
 
 def policy_loss_config(config: PPOConfig, *, kl_coef: float) -> PolicyLossConfig:
-    """The learner's objective: `algo.policy` (the loss and its options, verbatim) and the KL in
-    the loss (`algo.kl.loss_*`, β = `kl_coef`) when `algo.kl.use_kl_loss`.
+    """The learner's objective: `algo.policy` (the loss, the rollout correction and their options,
+    verbatim; correction auto resolved by rollout.async_train) and the KL in the loss
+    (`algo.kl.loss_*`, β = `kl_coef`) when `algo.kl.use_kl_loss`.
 
     Raises ValueError naming the `PolicyLossConfig` field for a combination it refuses.
     """
     policy, kl = config.algo.policy, config.algo.kl
-    correction = policy.is_correction
-    if correction == "auto":
-        correction = "tis" if config.rollout.async_train else "none"
+    correction, correction_options = correction_name(config), dict(policy.correction_options)
+    if correction == "none":
+        correction_options = {}  # auto's options are tis's, unused when it picks none
     return PolicyLossConfig(
         name=policy.loss,
         options=dict(policy.options),
@@ -82,9 +83,7 @@ def policy_loss_config(config: PPOConfig, *, kl_coef: float) -> PolicyLossConfig
         kl_options=dict(kl.loss_options),
         entropy_coef=policy.entropy_coef,
         correction=correction,
-        correction_level=policy.is_correction_level,
-        correction_gating=policy.is_correction_gating,
-        correction_bounds=policy.is_correction_bounds,
+        correction_options=correction_options,
         temperature=config.rollout.temperature,
         old_logprobs_from_forward=old_logprobs_from_training(config),
     )

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import msgspec
@@ -159,7 +159,26 @@ def resolve_ppo_config(path: str | None, overrides: Mapping[str, Any]) -> PPOCon
         from .presets import preset_settings
 
         settings = preset_settings(preset)
-    return load_config(PPOConfig, path, {**overrides, "preset": preset}, base=settings)
+    return load_config(
+        PPOConfig, path, {**overrides, "preset": preset}, base=settings, rewrite=_former_keys_of(path)
+    )
+
+
+def _former_keys_of(path: str | None) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    """The config file's settings with rl-launch's former option names rewritten (a note each)."""
+
+    def rewrite(settings: dict[str, Any]) -> dict[str, Any]:
+        from .aliases import migrate_former_keys
+
+        try:
+            settings, notes = migrate_former_keys(settings)
+        except ValueError as error:
+            raise ConfigError(f"{error} (in {path})") from None
+        for note in notes:
+            print(f"{PROG} ppo: former option in {path}: {note}", file=sys.stderr)
+        return settings
+
+    return rewrite
 
 
 def _ppo_overrides(args: argparse.Namespace, extras: list[str]) -> dict[str, Any]:
@@ -215,14 +234,17 @@ def main(argv: list[str] | None = None) -> int:
     parser, commands = build_main_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["ppo"]:
-        from .aliases import expand_aliases
+        from .aliases import expand_aliases, expand_former_options
 
         try:
+            argv, former = expand_former_options(argv)
             argv, notes = expand_aliases(argv)
         except ValueError as error:
             print(f"{PROG} ppo: error: {error}", file=sys.stderr)
             return 2
-        for note in notes:  # stderr: --print-config's YAML on stdout stays clean
+        for note in former:  # stderr: --print-config's YAML on stdout stays clean
+            print(f"{PROG} ppo: former option {note}", file=sys.stderr)
+        for note in notes:
             print(f"{PROG} ppo: OpenRLHF flag {note}", file=sys.stderr)
     args, extras = parser.parse_known_args(argv)
     if args.command is None:

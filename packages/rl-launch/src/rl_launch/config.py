@@ -24,7 +24,14 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
-from rl_algos import ADVANTAGE_ESTIMATORS, AGGREGATION_MODES, KL_ESTIMATORS, POLICY_LOSSES
+from rl_algos import (
+    ADVANTAGE_ESTIMATORS,
+    AGGREGATION_MODES,
+    CORRECTIONS,
+    KL_ESTIMATORS,
+    POLICY_LOSSES,
+    StraightThroughKL,
+)
 from rl_algos.estimators import estimator_inputs
 
 from .errors import ConfigError
@@ -273,7 +280,7 @@ class RolloutConfig(_Section):
     async_train: bool = False
     """Generate ahead of training: step t + k's rollouts are submitted before step t trains, on the
     weights the engines hold then. Records carry the policy version they came from, and the
-    importance-sampling correction (`algo.policy.is_correction`) defaults to tis."""
+    importance-sampling correction (`algo.policy.correction`) defaults to tis."""
     async_depth: PositiveInt = 1
     """With async_train: steps of rollouts in flight ahead of the one training (OpenRLHF's
     async_queue_size). Once the first depth steps are done, every record is exactly depth policy
@@ -469,8 +476,12 @@ class KLConfig(_Section):
     """Horizon (samples) of the adaptive controller."""
 
     def __post_init__(self) -> None:
-        _one_of("algo.kl.reward_estimator", self.reward_estimator, KL_ESTIMATORS)
-        _one_of("algo.kl.loss_estimator", self.loss_estimator.removesuffix("+"), KL_ESTIMATORS)
+        # A "+" estimator (k2's gradient) changes nothing in a reward, which carries no gradient.
+        in_reward = [
+            name for name, entry in KL_ESTIMATORS.items() if not isinstance(entry, StraightThroughKL)
+        ]
+        _one_of("algo.kl.reward_estimator", self.reward_estimator, in_reward)
+        _one_of("algo.kl.loss_estimator", self.loss_estimator, KL_ESTIMATORS)
 
 
 class PolicyConfig(_Section):
@@ -486,27 +497,21 @@ class PolicyConfig(_Section):
     """Loss aggregation: token-mean, seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm."""
     entropy_coef: NonNegative = 0.0
     """Entropy bonus coefficient (entropy_loss_coef)."""
-    is_correction: Literal[
-        "auto", "none", "tis", "icepop", "seq-mask", "seq-mask-tis", "truncate", "mask"
-    ] = "auto"
-    """Rollout/learner mismatch correction (enable_vllm_is_correction); auto = tis when async, else
-    none. tis / icepop / seq-mask name the older OpenRLHF modes, truncate / mask OpenRLHF 0.11's;
-    seq-mask keeps surviving sequences at weight 1, seq-mask-tis keeps their token weights."""
-    is_correction_level: Literal["token", "sequence", "geometric"] = "token"
-    """Level of the importance weights of tis / icepop / truncate / mask: per token, per sequence
-    (product of the token ratios) or the geometric mean over the sequence."""
-    is_correction_gating: Literal["ratio", "binary_kl", "tv"] = "ratio"
-    """What icepop / mask compare with the bounds: the ratio, or a divergence between rollout and
-    learner policy on the sampled token (binary_kl, tv; then the bounds are (0, delta))."""
-    is_correction_bounds: tuple[float, float] = (0.5, 5.0)
-    """Bounds of the correction: importance-weight range, or (0, delta) with a divergence gating."""
+    correction: str = "auto"
+    """Rollout/learner mismatch correction by name (rl_algos.CORRECTIONS, plus any a plugin
+    registers): tis (alias truncate), icepop, mask, seq-mask (kept sequences at weight 1),
+    seq-mask-tis (kept sequences keep their token weights); none; or auto = tis when
+    rollout.async_train, else none (enable_vllm_is_correction)."""
+    correction_options: dict[str, Any] = msgspec.field(default_factory=dict)
+    """Keyword options of that correction, passed verbatim (tis: level, low, high; icepop and mask:
+    level, gating, low, high; seq-mask and seq-mask-tis: low, high), e.g.
+    `--algo.policy.correction_options.high 2`. Unset ones keep the correction's defaults (bounds
+    0.5, 5.0, level token, gating ratio). With auto they are tis's, unused when auto picks none."""
 
     def __post_init__(self) -> None:
         _one_of("algo.policy.loss", self.loss, POLICY_LOSSES)
         _one_of("algo.policy.aggregation", self.aggregation, AGGREGATION_MODES)
-        low, high = self.is_correction_bounds
-        if not 0.0 <= low < high:
-            _fail("algo.policy.is_correction_bounds", (low, high), "must have 0 <= low < high")
+        _one_of("algo.policy.correction", self.correction, [*CORRECTIONS, "auto", "none"])
 
 
 class AlgoConfig(_Section):

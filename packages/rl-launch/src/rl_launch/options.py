@@ -37,7 +37,7 @@ import re
 import textwrap
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import msgspec
@@ -720,6 +720,7 @@ def load_config(
     path: str | None = None,
     overrides: Mapping[str, Any] | None = None,
     base: Mapping[str, Any] | None = None,
+    rewrite: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
 ) -> Any:
     """The `cls` struct built from, in increasing priority: its defaults, `base`, the file, `overrides`.
 
@@ -729,6 +730,8 @@ def load_config(
         overrides: dotted option -> command-line text (parsed with `parse_value` and the field's
             type; a non-str value is taken as already parsed).
         base: a nested dict of settings under the file (e.g. a preset's).
+        rewrite: applied to the file's settings before they are checked (e.g. renaming an
+            option's former name), or None.
 
     Raises:
         ConfigError: a missing/invalid file, an unknown option (with the allowed names and the
@@ -742,7 +745,8 @@ def load_config(
             raise ConfigError(f"base: expected a mapping of settings, got {type(base).__name__}")
         layers.append((base, " (in the base settings)"))
     if path is not None:
-        layers.append((read_config_file(path), f" (in {path})"))
+        settings = read_config_file(path)
+        layers.append((rewrite(settings) if rewrite is not None else settings, f" (in {path})"))
     for layer, source in layers:
         _check_keys(cls, layer, "", source)
         _merge(merged, layer)

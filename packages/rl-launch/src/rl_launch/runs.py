@@ -26,7 +26,8 @@ time, rl-launch version, configuration and fingerprint, and one entry per resume
 
 Configurations are handled as nested dicts (`msgspec.to_builtins(config)`), so this module does
 not depend on the exact fields of `PPOConfig`; keys are named by their dotted path
-(`algo.advantage.estimator`). It imports neither Ray nor torch (`rl_learner` is imported when
+(`algo.advantage.estimator`). The one exception is reading an older `run.json` format, whose
+configuration's former keys `rl_launch.aliases.migrate_former_keys` rewrites. It imports neither Ray nor torch (`rl_learner` is imported when
 checkpoints are listed; that import stays light).
 
 Typical use by the driver, before Ray starts:
@@ -79,7 +80,11 @@ __all__ = [
 ]
 
 RUN_FILE = "run.json"
-RUN_FORMAT = 1
+RUN_FORMAT = 2
+# Format 2 (rl-launch's rollout correction became `algo.policy.correction` and its options): a
+# format-1 run.json is read with its configuration's former keys rewritten
+# (`rl_launch.aliases.migrate_former_keys`), its fingerprint kept in `earlier_fingerprints`.
+_READABLE_FORMATS = (1, 2)
 # Keys of TrainingState.extra that tie a checkpoint to the run that wrote it.
 RUN_ID_KEY = "run_id"
 FINGERPRINT_KEY = "config_fingerprint"
@@ -274,7 +279,9 @@ class RunManifest(msgspec.Struct, kw_only=True):
         fingerprint: `config_fingerprint(config)`.
         config:      the configuration of the last start, a nested dict.
         resumes:     one `RunResume` per resume, oldest first.
-        format:      the layout of this file.
+        format:      the layout of this file (`RUN_FORMAT`; an older one as read, until rewritten).
+        earlier_fingerprints: fingerprints this configuration had under earlier formats; a
+                     checkpoint carrying one of them was written by this run under its old names.
     """
 
     run_id: str
@@ -284,6 +291,7 @@ class RunManifest(msgspec.Struct, kw_only=True):
     config: dict[str, Any]
     resumes: list[RunResume] = msgspec.field(default_factory=list)
     format: int = RUN_FORMAT
+    earlier_fingerprints: list[str] = msgspec.field(default_factory=list)
 
 
 def _now() -> str:
@@ -359,10 +367,24 @@ def read_run_manifest(output_dir: str | os.PathLike[str]) -> RunManifest | None:
             f"{path.resolve()} is not a valid run manifest ({error}); it identifies the run that owns "
             f"{path.parent.resolve()}: restore it, or use another --log.output_dir"
         ) from None
-    if manifest.format != RUN_FORMAT:
+    if manifest.format not in _READABLE_FORMATS:
         raise RunFolderError(
-            f"{path.resolve()} has format {manifest.format}; this rl-launch ({__version__}) reads format "
-            f"{RUN_FORMAT}: continue the run with the rl-launch version {manifest.version} that wrote it"
+            f"{path.resolve()} has format {manifest.format}; this rl-launch ({__version__}) reads formats "
+            f"{', '.join(map(str, _READABLE_FORMATS))}: continue the run with the rl-launch version "
+            f"{manifest.version} that wrote it"
+        )
+    if manifest.format == 1:
+        from .aliases import migrate_former_keys
+
+        try:
+            config, _ = migrate_former_keys(manifest.config)
+        except ValueError as error:
+            raise RunFolderError(f"{path.resolve()} (format 1): {error}") from None
+        manifest = msgspec.structs.replace(
+            manifest,
+            config=config,
+            fingerprint=config_fingerprint(config),
+            earlier_fingerprints=[*manifest.earlier_fingerprints, manifest.fingerprint],
         )
     return manifest
 
@@ -401,7 +423,7 @@ def _loads_only_own(folder: Path) -> str:
     )
 
 
-def _check_identity(folder: Path, *, run_id: str, fingerprint: str) -> None:
+def _check_identity(folder: Path, *, run_id: str, fingerprint: str, earlier: Sequence[str] = ()) -> None:
     """Refuse checkpoint `folder` unless its training_state.json names this run and configuration."""
     state_file = folder / _STATE_FILE
     try:
@@ -428,7 +450,7 @@ def _check_identity(folder: Path, *, run_id: str, fingerprint: str) -> None:
             f"checkpoint {folder} was written by run {written_by}, not by this run {run_id}; "
             + _loads_only_own(folder)
         )
-    if written_with != fingerprint:
+    if written_with != fingerprint and written_with not in earlier:
         raise RunFolderError(
             f"checkpoint {folder} was written by this run {run_id} under another configuration "
             f"(fingerprint {str(written_with)[:12]}, now {fingerprint[:12]}): {RUN_FILE} was edited, "
@@ -445,7 +467,12 @@ def _complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
 
 
 def select_checkpoint(
-    ckpt_root: str | os.PathLike[str], roles: Sequence[str], *, run_id: str, fingerprint: str
+    ckpt_root: str | os.PathLike[str],
+    roles: Sequence[str],
+    *,
+    run_id: str,
+    fingerprint: str,
+    earlier_fingerprints: Sequence[str] = (),
 ) -> SelectedCheckpoint | None:
     """The newest step complete for every role in `ckpt_root/<role>/`, checked to belong to this run.
 
@@ -458,6 +485,8 @@ def select_checkpoint(
         ckpt_root: the checkpoint folder (`ckpt.path`, default `<output_dir>/checkpoints`).
         roles: the trained roles, each checkpointed in its own root, e.g. ["policy", "critic"].
         run_id, fingerprint: this run's, from `run.json` and `config_fingerprint`.
+        earlier_fingerprints: the same configuration's fingerprints under earlier run formats
+            (`RunManifest.earlier_fingerprints`), also accepted.
 
     Returns:
         The step and each role's checkpoint folder; None when no role has a complete checkpoint.
@@ -473,7 +502,7 @@ def select_checkpoint(
     for role in roles:
         found[role] = {}
         for step, folder in _complete_checkpoints(root / role):
-            _check_identity(folder, run_id=run_id, fingerprint=fingerprint)
+            _check_identity(folder, run_id=run_id, fingerprint=fingerprint, earlier=earlier_fingerprints)
             found[role][step] = folder  # a step saved twice: the newest save wins
     if not any(found.values()):
         return None
@@ -658,7 +687,13 @@ def prepare_run_folder(
             "--log.output_dir (or restore these values to continue this run). Keys that may change "
             f"on resume: {', '.join(RESUMABLE_KEYS)}"
         )
-    selected = select_checkpoint(ckpt_root, roles, run_id=manifest.run_id, fingerprint=fingerprint)
+    selected = select_checkpoint(
+        ckpt_root,
+        roles,
+        run_id=manifest.run_id,
+        fingerprint=fingerprint,
+        earlier_fingerprints=manifest.earlier_fingerprints,
+    )
     step = 0 if selected is None else selected.step
     max_steps = _max_steps(config)
     if selected is not None and max_steps is not None and step >= max_steps:
@@ -681,7 +716,12 @@ def prepare_run_folder(
     write_run_manifest(
         output_dir,
         msgspec.structs.replace(
-            manifest, version=__version__, fingerprint=fingerprint, config=config, resumes=resumes
+            manifest,
+            version=__version__,
+            fingerprint=fingerprint,
+            config=config,
+            resumes=resumes,
+            format=RUN_FORMAT,
         ),
         exclusive=False,
     )
@@ -691,6 +731,11 @@ def prepare_run_folder(
     else:
         message = f"resuming run {manifest.run_id[:8]} from step {step}: {ckpt_root}"
         checkpoints = selected.folders
+    if manifest.format != RUN_FORMAT:
+        message += (
+            f" ({RUN_FILE} of format {manifest.format} read with its former option names, "
+            f"rewritten as format {RUN_FORMAT})"
+        )
     return RunPlan(
         run_id=manifest.run_id,
         fingerprint=fingerprint,

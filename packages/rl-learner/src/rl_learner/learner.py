@@ -47,15 +47,13 @@ import torch.distributed as dist
 
 from rl_algos import (
     AGGREGATION_MODES,
-    CORRECTION_GATINGS,
-    CORRECTION_LEVELS,
+    CORRECTIONS,
     KL_ESTIMATORS,
     POLICY_LOSSES,
     aggregate_loss,
     kl_penalty,
     loss_normalizer,
     policy_objective,
-    rollout_correction,
     value_loss,
 )
 from rl_data import ExperienceBatch
@@ -72,7 +70,6 @@ from .models import (
 )
 
 __all__ = [
-    "CORRECTIONS",
     "ON_NON_FINITE",
     "Learner",
     "NonFiniteError",
@@ -83,21 +80,6 @@ __all__ = [
 ]
 
 ON_NON_FINITE: tuple[str, ...] = ("skip", "raise")
-CORRECTIONS: tuple[str, ...] = ("none", "tis", "icepop", "seq-mask", "seq-mask-tis", "truncate", "mask")
-"""Rollout/learner mismatch corrections `PolicyLossConfig.correction` accepts, in two vocabularies.
-
-OpenRLHF's older names (`--vllm_is_correction_type`) and ours:
-  "tis"           truncate the importance weight into the bounds, at `correction_level`
-  "icepop"        zero the weight of units outside the bounds, survivors keep the level's weight
-  "seq-mask"      drop sequences whose geometric-mean ratio is outside the bounds; kept
-                  sequences have weight 1 (a pure filter: Geo-Mask)
-  "seq-mask-tis"  the same filter, but kept sequences keep each token's weight exp(Δ_t)
-                  (OpenRLHF's sequence mask)
-OpenRLHF 0.11.2's modes, with `correction_level` (token / sequence / geometric) and
-`correction_gating` (ratio / binary_kl / tv):
-  "truncate"      clip the level's ratio into the bounds (ratio gating only)
-  "mask"          zero units outside the bounds; survivors keep each token's weight exp(Δ_t)
-"""
 
 
 class NonFiniteError(FloatingPointError):
@@ -133,22 +115,16 @@ class PolicyLossConfig(msgspec.Struct, frozen=True, kw_only=True):
     kl_coef: float = 0.0
     """β of the KL(π‖π_ref) term added to the loss (GRPO style); 0 turns it off (needs ref_logprobs)."""
     kl_estimator: str = "k3"
-    """KL estimator of that term: a name in `rl_algos.KL_ESTIMATORS`, optionally with "+" (k2 gradient)."""
+    """KL estimator of that term: a name in `rl_algos.KL_ESTIMATORS` ("k3", or "k3+": k2's gradient)."""
     entropy_coef: float = 0.0
     """Coefficient of the entropy bonus (loss −= coef·entropy); 0 turns it off."""
     correction: str = "none"
-    """Rollout/learner mismatch correction, one of `CORRECTIONS` (needs rollout_logprobs): "none",
-    "tis", "icepop", "seq-mask" (kept sequences at weight 1), "seq-mask-tis" (kept sequences keep
-    token weights, OpenRLHF), or OpenRLHF 0.11.2's modes "truncate" and "mask"."""
-    correction_level: str = "token"
-    """"token", "sequence" (product of the token ratios) or "geometric" (their geometric mean), for
-    tis / icepop / truncate / mask; seq-mask and seq-mask-tis are geometric by definition."""
-    correction_gating: str = "ratio"
-    """What icepop / mask compare with the bounds: "ratio", or the sampled-token divergence between
-    the rollout and learner policies, "binary_kl" or "tv" (then correction_bounds = (0, δ))."""
-    correction_bounds: tuple[float, float] = (0.5, 5.0)
-    """(low, high) range of the gated statistic: the importance ratio (0 < low < high), or
-    (0, δ) for a divergence gating."""
+    """Rollout/learner mismatch correction, a name in `rl_algos.CORRECTIONS` (needs rollout_logprobs):
+    "tis" / "truncate", "icepop", "mask", "seq-mask" (kept sequences at weight 1), "seq-mask-tis"
+    (kept sequences keep token weights, OpenRLHF), or one a user registered; "none" for no weights."""
+    correction_options: dict[str, Any] = msgspec.field(default_factory=dict)
+    """Keyword options of that correction, passed verbatim, e.g. {"level": "sequence", "low": 0.5,
+    "high": 2.0} for "tis" or {"gating": "tv", "low": 0.0, "high": 0.1} for "mask"."""
     kl_options: dict[str, Any] = msgspec.field(default_factory=dict)
     """Keyword options of `rl_algos.kl_penalty` for the KL term, e.g. {"log_ratio_clamp": 20,
     "value_clamp": 10} (verl) or {"unbiased_gradient": True} (OpenRLHF; uses the old log-probs)."""
@@ -171,37 +147,31 @@ class PolicyLossConfig(msgspec.Struct, frozen=True, kw_only=True):
         if self.horizon is not None and (not isinstance(self.horizon, int) or self.horizon < 1):
             raise ValueError(f"{owner}.horizon: {self.horizon!r} is not an integer >= 1")
         _non_negative(owner, "kl_coef", self.kl_coef)
-        base = self.kl_estimator.removesuffix("+")
-        if base not in KL_ESTIMATORS:
+        if self.kl_estimator not in KL_ESTIMATORS:
             raise ValueError(
                 f"{owner}.kl_estimator: {self.kl_estimator!r} is not one of {sorted(KL_ESTIMATORS)}"
             )
         if not isinstance(self.entropy_coef, (int, float)) or not math.isfinite(self.entropy_coef):
             raise ValueError(f"{owner}.entropy_coef: {self.entropy_coef!r} is not a finite number")
-        _choice(owner, "correction", self.correction, CORRECTIONS)
-        _choice(owner, "correction_level", self.correction_level, CORRECTION_LEVELS)
-        _choice(owner, "correction_gating", self.correction_gating, CORRECTION_GATINGS)
-        low, high = self.correction_bounds
-        if not 0 <= low < high:
+        if self.correction == "none":
+            if self.correction_options:
+                raise ValueError(
+                    f"{owner}.correction_options: {self.correction_options!r} given, but correction is "
+                    "'none' (no weights); name a correction or drop the options"
+                )
+        elif self.correction not in CORRECTIONS:
             raise ValueError(
-                f"{owner}.correction_bounds: {self.correction_bounds!r} must satisfy 0 <= low < high"
+                f"{owner}.correction: {self.correction!r} is not 'none' nor one of {', '.join(sorted(CORRECTIONS))}"
             )
-        if self.correction in ("seq-mask", "seq-mask-tis") and self.correction_gating != "ratio":
-            raise ValueError(
-                f"{owner}.correction_gating: {self.correction_gating!r} does not apply to "
-                f"correction={self.correction!r} (a geometric-mean ratio filter); use correction='mask' "
-                "with correction_level='sequence' to drop sequences by their mean divergence"
-            )
-        if self.correction != "none":
-            # rl_algos checks the combination (e.g. a divergence gating needs a mask and low = 0).
+        else:
+            # The correction checks its own options (e.g. a divergence gating needs low = 0).
             one = torch.zeros(1, 1)
             try:
-                rollout_correction(one, one, torch.ones(1, 1), **self.correction_options())
-            except ValueError as error:
+                CORRECTIONS[self.correction](one, one, torch.ones(1, 1), **self.correction_options)
+            except (TypeError, ValueError) as error:
                 raise ValueError(
-                    f"{owner}: correction={self.correction!r}, correction_level={self.correction_level!r}, "
-                    f"correction_gating={self.correction_gating!r}, correction_bounds="
-                    f"{self.correction_bounds!r}: {error}"
+                    f"{owner}.correction_options: {self.correction_options!r} for correction "
+                    f"{self.correction!r}: {error}"
                 ) from None
         if self.kl_options:
             one = torch.zeros(1, 1)
@@ -212,36 +182,6 @@ class PolicyLossConfig(msgspec.Struct, frozen=True, kw_only=True):
                 raise ValueError(f"{owner}.kl_options: {self.kl_options!r}: {error}") from None
         if not isinstance(self.temperature, (int, float)) or not self.temperature > 0:
             raise ValueError(f"{owner}.temperature: {self.temperature!r} is not a number > 0")
-
-    def correction_options(self) -> dict[str, Any]:
-        """The `rl_algos.rollout_correction` keyword arguments of `correction` (not for "none")."""
-        low, high = self.correction_bounds
-        bounds = {"low": low, "high": high}
-        if self.correction == "seq-mask":
-            return {"mode": "none", "sequence_mask_range": (low, high)}
-        if self.correction == "seq-mask-tis":
-            return {"mode": "mask", "level": "geometric", "mask_weight": "token", **bounds}
-        if self.correction in ("tis", "truncate"):
-            return {
-                "mode": "truncate",
-                "level": self.correction_level,
-                "gating": self.correction_gating,
-                **bounds,
-            }
-        if self.correction == "icepop":
-            return {
-                "method": "icepop",
-                "level": self.correction_level,
-                "gating": self.correction_gating,
-                **bounds,
-            }
-        return {
-            "mode": "mask",
-            "level": self.correction_level,
-            "gating": self.correction_gating,
-            "mask_weight": "token",
-            **bounds,
-        }
 
 
 class ValueLossConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -770,7 +710,7 @@ class PolicyLearner(Learner):
         def terms(logprobs, entropy, old, advantages, mask, ref, rollout, normalizer):
             weights, metrics = None, {}
             if loss.correction != "none":
-                weights, metrics = rollout_correction(old, rollout, mask, **loss.correction_options())
+                weights, metrics = CORRECTIONS[loss.correction](old, rollout, mask, **loss.correction_options)
             total, objective_metrics = policy_objective(
                 logprobs,
                 old,

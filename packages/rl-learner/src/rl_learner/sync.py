@@ -82,6 +82,7 @@ DEFAULT_BUCKET_BYTES = 256 * 2**20
 
 # --- which tensors the engines receive ------------------------------------------------------------
 
+
 def _sources(model: Any) -> list[MergedTensor]:
     """The tensors the engines receive (`rl_learner.lora.merged_tensors`), in `named_parameters()`
     order, each storage once, parameters only."""

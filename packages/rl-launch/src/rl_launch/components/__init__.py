@@ -4,6 +4,7 @@
 |---------------------|-----------------------------------|---------------------------|---------------------------|
 | advantage estimator | `rl_algos.ADVANTAGE_ESTIMATORS`   | `algo.advantage.estimator`| `algo.advantage.options`  |
 | policy loss         | `rl_algos.POLICY_LOSSES`          | `algo.policy.loss`        | `algo.policy.options`     |
+| rollout correction  | `rl_algos.CORRECTIONS`            | `algo.policy.correction`  | `algo.policy.correction_options` |
 | KL in the reward    | `rl_algos.KL_ESTIMATORS`          | `algo.kl.reward_estimator`| `algo.kl.reward_options`  |
 | KL in the loss      | `rl_algos.KL_ESTIMATORS`          | `algo.kl.loss_estimator`  | `algo.kl.loss_options`    |
 | reward function     | `REWARDS`                         | `reward.function`         | the function's own file   |
@@ -51,6 +52,7 @@ from .base import (
     component_options,
     format_options,
 )
+from .corrections import CORRECTION, correction_name
 from .engines import ENGINE, ENGINES, EngineEntry
 from .estimators import (
     ESTIMATOR,
@@ -96,6 +98,7 @@ __all__ = [
     "check_components",
     "choose_weight_sync",
     "component_options",
+    "correction_name",
     "describe_components",
     "estimator_needs",
     "estimator_options",
@@ -106,7 +109,16 @@ __all__ = [
     "validation_engine",
 ]
 
-KINDS: tuple[ComponentKind, ...] = (ESTIMATOR, POLICY_LOSS, KL, ENGINE, REWARD, WEIGHT_SYNC, EXECUTOR)
+KINDS: tuple[ComponentKind, ...] = (
+    ESTIMATOR,
+    POLICY_LOSS,
+    CORRECTION,
+    KL,
+    ENGINE,
+    REWARD,
+    WEIGHT_SYNC,
+    EXECUTOR,
+)
 """Every component kind of `rl-launch ppo`, in the order they are checked and listed."""
 
 

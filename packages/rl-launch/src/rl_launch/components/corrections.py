@@ -10,6 +10,7 @@ import torch
 
 from rl_algos import CORRECTIONS
 
+from ..errors import ConfigError
 from .base import ComponentKind, Selection, component_options, dry_run, format_options
 
 if TYPE_CHECKING:
@@ -29,14 +30,21 @@ def correction_name(config: PPOConfig) -> str:
     return name
 
 
+def _options_owner(config: PPOConfig) -> str:
+    """Whose options `algo.policy.correction_options` are: the correction's, and with auto tis's
+    (unused when auto picks none)."""
+    name = config.algo.policy.correction
+    return "tis" if name == "auto" else name
+
+
 def _options_of(name: str) -> dict[str, Any]:
     return component_options(CORRECTIONS[name], inputs=CORRECTION_INPUTS)
 
 
 def _select(config: PPOConfig) -> list[Selection]:
     policy = config.algo.policy
-    name = correction_name(config)
-    takes = _options_of(name) if name in CORRECTIONS else {}
+    name = _options_owner(config)
+    takes = _options_of(name) if name in CORRECTIONS else None  # none: refused in _check
     return [
         Selection(
             "algo.policy.correction",
@@ -50,11 +58,14 @@ def _select(config: PPOConfig) -> list[Selection]:
 
 
 def _check(config: PPOConfig) -> None:
-    name = correction_name(config)
+    name, options = _options_owner(config), config.algo.policy.correction_options
     if name == "none":
+        if options:
+            raise ConfigError(
+                f"algo.policy.correction_options: {options!r} given, but algo.policy.correction is none"
+            )
         return
     old = torch.tensor([[-1.0, -0.5, -2.0]])
-    options = config.algo.policy.correction_options
     dry_run(
         "algo.policy.correction_options",
         f"rollout correction {name!r}",

@@ -63,8 +63,7 @@ def _check(config: PPOConfig) -> None:
     if (
         kl.init_kl_coef > 0
         and kl.use_kl_loss
-        and KL_ESTIMATORS[kl.loss_estimator.removesuffix("+")] is KL_ESTIMATORS["k1"]
-        and not kl.loss_estimator.endswith("+")
+        and KL_ESTIMATORS[kl.loss_estimator] is KL_ESTIMATORS["k1"]  # "k1" or "kl"; "k1+" is not
     ):
         # E[∇ k1] = E[∇ log π] = 0 under π's own samples: as a loss, k1 pulls nowhere on average
         raise ConfigError(
