@@ -289,7 +289,7 @@ def test_user_registered_estimator_is_found_by_name_and_receives_declared_inputs
 def test_every_issue_estimator_is_registered():
     expected = {
         "gae", "reinforce", "reinforce_baseline", "rloo", "grpo", "group_norm",
-        "dr_grpo", "opo", "gpg", "remax", "grpo_passk",
+        "dr_grpo", "opo", "gpg", "remax", "grpo_passk", "group_reward_to_go", "flash_reinforce",
     }  # fmt: skip
     assert expected <= set(ADVANTAGE_ESTIMATORS)
 

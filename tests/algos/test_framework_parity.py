@@ -17,6 +17,7 @@ from rl_algos import (
     aggregate_loss,
     compute_advantages,
     kl_penalty,
+    rollout_correction,
     token_level_rewards,
 )
 
@@ -236,3 +237,184 @@ def test_unbiased_gradient_weight_cap():
 def test_old_logprobs_without_unbiased_gradient_is_refused():
     with pytest.raises(ValueError, match="old_logprobs is used only with unbiased_gradient=True"):
         kl_penalty(torch.zeros(1, 1), torch.zeros(1, 1), "k3", old_logprobs=torch.zeros(1, 1))
+
+
+def test_openrlhf_caps_the_unbiased_gradient_weight_at_ten():
+    # OpenRLHF 0.11.2 (KL_IS_WEIGHT_CLIP = 10): log π = −1, log π_ref = −1.5, log π_old = −4, so
+    # w = e³ = 20.09 and d = 0.5. The gradient of sg(w)·d²/2 is w·d: 10.04 uncapped, 10·0.5 = 5.0 capped.
+    def gradient(**cap):
+        logprobs = torch.tensor([[-1.0]], dtype=torch.float64, requires_grad=True)
+        kl = kl_penalty(
+            logprobs,
+            torch.tensor([[-1.5]], dtype=torch.float64),
+            "k3",
+            unbiased_gradient=True,
+            old_logprobs=torch.tensor([[-4.0]], dtype=torch.float64),
+            **cap,
+        )
+        (grad,) = torch.autograd.grad(kl.sum(), logprobs)
+        return grad.item()
+
+    assert gradient(importance_weight_cap=10) == pytest.approx(5.0)
+    assert gradient() == pytest.approx(math.exp(3.0) * 0.5)  # 10.04: kl_penalty caps nothing by default
+
+
+# ------------------------------------------------------------------ verl's KL-Cov coefficient
+
+
+def test_kl_cov_default_coefficient_is_verls_config_default():
+    # verl's actor.policy_loss.ppo_kl_coef is 0.1 (1.0 is only its fallback for None). A = [2, 1, 0, −3],
+    # log π = [−1, −2, −3, −4], log π_old = log π − 0.1: ρ = e^0.1, one token penalised (covariance 4.5,
+    # the last), l = ρ·[−2, −1, 0, 3] + [0, 0, 0, 0.1·|0.1|]; token-mean (ρ terms sum to 0): 0.01/4.
+    logprobs = torch.tensor([[-1.0, -2.0, -3.0, -4.0]])
+    advantages = torch.tensor([[2.0, 1.0, 0.0, -3.0]])
+    mask = torch.ones(1, 4)
+    loss, metrics = POLICY_LOSSES["kl_cov"](logprobs, logprobs - 0.1, advantages, mask)
+    assert aggregate_loss(loss, mask, "token-mean").item() == pytest.approx(0.0025, abs=1e-7)
+    assert metrics["kl_cov_fraction"].item() == pytest.approx(0.25)
+
+
+# ----------------------------------------- OpenRLHF's divergence gate and float32 rounding
+
+
+def test_a_binary_kl_rounded_below_zero_is_kept_here_and_dropped_by_openrlhf():
+    # In float32, p = e^−0.5 against q = e^−0.5000003 gives a binary KL of about −4.3e-8. rl_algos
+    # bounds the statistic from above only and keeps the token with its weight w = q/p ≈ 1;
+    # OpenRLHF 0.11.2 keeps low ≤ statistic ≤ high (low = 0) and gives it weight 0.
+    rollout = torch.tensor([[-0.5]])
+    old = torch.tensor([[-0.5000003]])
+    weights, metrics = rollout_correction(
+        old, rollout, torch.ones(1, 1), mode="mask", gating="binary_kl", low=0.0, high=0.01
+    )
+    assert metrics["mismatch_binary_kl"].item() < 0
+    assert weights.item() == pytest.approx(1.0, abs=1e-6)
+    assert metrics["correction_mask_fraction"].item() == 0.0
+
+
+# ------------------------------- OpenRLHF's outcome estimators with the KL in the reward
+
+
+def test_group_norm_with_kl_in_the_reward_is_openrlhfs_reward_to_go():
+    """OpenRLHF 0.11.2 `--algo.advantage.estimator group_norm --algo.kl.init_coef 0.1`, by hand.
+
+    One group r = [2, 0, 1]: mean 1, unbiased std √((1 + 1 + 0)/2) = 1, so the normalised outcome
+    is ã = [1, −1, 0] (ε = 1e-9 aside), within the clip of 10. Masks [1, 1, 1], [1, 1, 0],
+    [1, 0, 0]; KL [[0.5, 1, 2], [1, 3, ·], [4, ·, ·]], β = 0.1. Token rewards −β·KL + ã on the
+    last action token: [−0.05, −0.1, −0.2 + 1], [−0.1, −0.3 − 1], [−0.4 + 0]. Reward-to-go
+    (γ = 1, no whitening): [0.65, 0.7, 0.8], [−1.4, −1.3, 0], [−0.4, 0, 0].
+    """
+    rewards = torch.tensor([2.0, 0.0, 1.0])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 0, 0]])
+    kl = torch.tensor([[0.5, 1.0, 2.0], [1.0, 3.0, 9.0], [4.0, 9.0, 9.0]])
+    advantages, returns = compute_advantages(
+        "group_reward_to_go",
+        token_rewards=token_level_rewards(rewards, mask, kl=kl, kl_coef=0.1),
+        rewards=rewards,
+        group_ids=torch.zeros(3, dtype=torch.long),
+        action_mask=mask,
+        preset="group_norm",
+    )
+    expected = torch.tensor([[0.65, 0.7, 0.8], [-1.4, -1.3, 0.0], [-0.4, 0.0, 0.0]])
+    torch.testing.assert_close(advantages, expected)
+    torch.testing.assert_close(returns, expected)
+
+
+@pytest.mark.parametrize(
+    ("preset", "expected"),
+    [
+        # r = [3, 0, 0]: mean 1, unbiased std √3 → (r − 1)/√3
+        ("group_norm", [2 / math.sqrt(3), -1 / math.sqrt(3), -1 / math.sqrt(3)]),
+        # r − 1
+        ("dr_grpo", [2.0, -1.0, -1.0]),
+        # r − mean of the others: 3 − 0, 0 − 1.5, 0 − 1.5
+        ("rloo", [3.0, -1.5, -1.5]),
+        # no group: r − batch mean 1
+        ("flash_reinforce", [2.0, -1.0, -1.0]),
+    ],
+)
+def test_reward_to_go_presets_without_kl_give_the_outcome_on_every_action_token(preset, expected):
+    rewards = torch.tensor([3.0, 0.0, 0.0])
+    mask = torch.tensor([[1, 1], [1, 0], [1, 1]])
+    advantages, _ = compute_advantages(
+        "group_reward_to_go",
+        token_rewards=token_level_rewards(rewards, mask),
+        rewards=rewards,
+        group_ids=torch.zeros(3, dtype=torch.long),
+        action_mask=mask,
+        preset=preset,
+    )
+    scalar = torch.tensor(expected)
+    torch.testing.assert_close(advantages, scalar[:, None] * mask, atol=1e-6, rtol=0)
+
+
+def test_reward_to_go_clips_after_centring_like_openrlhf():
+    # dr_grpo, r = [30, 0, 0]: clip(r − 10, ±10) = [10, −10, −10]. Clipping first (rl_algos' dr_grpo
+    # on clip(r) = [10, 0, 0]) would give [6.67, −3.33, −3.33].
+    rewards = torch.tensor([30.0, 0.0, 0.0])
+    mask = torch.ones(3, 1)
+    advantages, _ = compute_advantages(
+        "group_reward_to_go",
+        token_rewards=token_level_rewards(rewards, mask),
+        rewards=rewards,
+        group_ids=torch.zeros(3, dtype=torch.long),
+        action_mask=mask,
+        preset="dr_grpo",
+    )
+    torch.testing.assert_close(advantages.flatten(), torch.tensor([10.0, -10.0, -10.0]))
+
+
+def test_group_norm_reward_to_go_without_kl_equals_grpo_with_openrlhfs_preset():
+    generator = torch.Generator().manual_seed(0)
+    rewards = torch.rand(8, generator=generator)
+    groups = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
+    mask = (torch.rand(8, 5, generator=generator) < 0.7).long()
+    mask[:, 0] = 1
+    ours, _ = compute_advantages(
+        "group_reward_to_go",
+        token_rewards=token_level_rewards(rewards, mask),
+        rewards=rewards,
+        group_ids=groups,
+        action_mask=mask,
+    )
+    grpo, _ = compute_advantages(
+        "grpo", rewards=rewards, group_ids=groups, action_mask=mask, preset="openrlhf"
+    )
+    torch.testing.assert_close(ours, grpo)
+
+
+def test_flash_reinforce_is_the_batch_mean_baseline_with_the_kl_and_no_whitening():
+    """OpenRLHF 0.11.2 `flash_reinforce`, by hand: r = [1, 0, 0, 0], batch mean 0.25, so ã =
+    [0.75, −0.25, −0.25, −0.25] (OpenRLHF's own test). Two action tokens each, KL rows [1, 1],
+    [0, 0], [0, 0], [0, 2], β = 0.5: token rewards [−0.5, −0.5 + 0.75], [0, −0.25], [0, −0.25],
+    [0, −1 − 0.25]; reward-to-go [−0.25, 0.25], [−0.25, −0.25], [−0.25, −0.25], [−1.25, −1.25].
+    """
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0])
+    mask = torch.ones(4, 2)
+    kl = torch.tensor([[1.0, 1.0], [0.0, 0.0], [0.0, 0.0], [0.0, 2.0]])
+    inputs = {"rewards": rewards, "action_mask": mask, "group_ids": torch.arange(4)}
+    plain, _ = compute_advantages(
+        "flash_reinforce", token_rewards=token_level_rewards(rewards, mask), **inputs
+    )
+    torch.testing.assert_close(plain[:, 0], torch.tensor([0.75, -0.25, -0.25, -0.25]))
+    advantages, returns = compute_advantages(
+        "flash_reinforce", token_rewards=token_level_rewards(rewards, mask, kl=kl, kl_coef=0.5), **inputs
+    )
+    expected = torch.tensor([[-0.25, 0.25], [-0.25, -0.25], [-0.25, -0.25], [-1.25, -1.25]])
+    torch.testing.assert_close(advantages, expected)
+    torch.testing.assert_close(returns, expected)
+
+
+def test_reward_to_go_refuses_an_unknown_preset_naming_the_known_ones():
+    rewards = torch.tensor([1.0, 0.0])
+    mask = torch.ones(2, 1)
+    with pytest.raises(
+        ValueError, match=r"preset must be one of \['dr_grpo', 'flash_reinforce', 'group_norm', 'rloo'\]"
+    ):
+        compute_advantages(
+            "group_reward_to_go",
+            token_rewards=token_level_rewards(rewards, mask),
+            rewards=rewards,
+            group_ids=torch.zeros(2, dtype=torch.long),
+            action_mask=mask,
+            preset="reinforce_baseline",
+        )

@@ -129,9 +129,9 @@ def test_kl_cov_penalises_the_tokens_of_largest_covariance():
     old = COV_LOGPROBS - 0.1  # ρ = e^0.1 = 1.105171, |log π − log π_old| = 0.1
     rho = math.exp(0.1)
     base = [-2.0 * rho, -1.0 * rho, 0.0, 3.0 * rho]
-    # r = 0.25 of 4 tokens → 1 token: the covariance 4.5 one (index 3)
+    # r = 0.25 of 4 tokens → 1 token: the covariance 4.5 one (index 3); coefficient 1
     loss, metrics = POLICY_LOSSES["kl_cov"](
-        COV_LOGPROBS, old, COV_ADVANTAGES, torch.ones(1, 4), kl_cov_ratio=0.25
+        COV_LOGPROBS, old, COV_ADVANTAGES, torch.ones(1, 4), kl_cov_ratio=0.25, ppo_kl_coef=1.0
     )
     torch.testing.assert_close(loss, torch.tensor([[base[0], base[1], 0.0, base[3] + 0.1]]))
     assert metrics["kl_cov_fraction"].item() == pytest.approx(0.25)

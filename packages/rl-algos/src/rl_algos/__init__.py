@@ -27,7 +27,7 @@ from .corrections import (
     mismatch_metrics,
     rollout_correction,
 )
-from .estimators import ADVANTAGE_ESTIMATORS, compute_advantages
+from .estimators import ADVANTAGE_ESTIMATORS, REWARD_TO_GO_PRESETS, compute_advantages
 from .group import CENTRES, GROUP_NORM_PRESETS, SCALES, SINGLETON_POLICIES, group_normalize
 from .kl import KL_ESTIMATORS, AdaptiveKLController, FixedKLController, StraightThroughKL, kl_penalty
 from .logprobs import default_chunk_size, entropy_from_logits, logprobs_from_logits
@@ -59,6 +59,7 @@ __all__ = [
     "KL_ESTIMATORS",
     "MASK_WEIGHTS",
     "POLICY_LOSSES",
+    "REWARD_TO_GO_PRESETS",
     "SCALES",
     "SINGLETON_POLICIES",
     "AdaptiveKLController",

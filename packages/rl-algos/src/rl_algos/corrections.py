@@ -22,6 +22,12 @@ returns per-token weights to multiply the policy loss by before aggregating. Thr
                          filter: Geo-Mask)
             "none"       weight = 1 (then only `sequence_mask_range` applies, or the metrics)
 
+A divergence gate bounds from above only: a unit is dropped when its statistic exceeds `high`.
+The binary KL is ≥ 0 in exact arithmetic, but in float32 a near-zero one can round below 0
+(log π_rollout = −0.5, log π_old = −0.5000003 gives −4.3e-8); such a token is kept here.
+OpenRLHF 0.11.2 keeps a unit only if low ≤ statistic ≤ high (with low = 0), so it drops that
+token, a difference confined to tokens whose two log-probs agree to a few ulps.
+
 The legacy `method` names map onto these: "tis" = truncate; "icepop" = mask with the level's
 own weight; "none" = none. Independently, `sequence_mask_range=(lo, hi)` multiplies the weights
 by [lo ≤ exp(Σ_t m·Δ_t / L_i) ≤ hi] (drop whole sequences by their geometric-mean ratio).

@@ -18,8 +18,13 @@ the rest, so a loop can hand every estimator the same batch. Add your own with
 Outcome estimators broadcast one scalar advantage A_i over every action token of sample i:
 A[i, t] = A_i·m[i, t]; their returns equal their advantages (there is no critic to fit).
 
+Outcome estimators ignore `token_rewards`, so a KL in the reward cannot reach them. Their
+OpenRLHF forms do take it: `group_reward_to_go` (and `flash_reinforce`) puts the centred and
+scaled outcome on the last action token of the token rewards, keeps −β·KL_t on every action
+token and returns the reward-to-go (see `REWARD_TO_GO_PRESETS` for OpenRLHF's names).
+
 Groups of one. Every estimator with a group baseline (grpo, dr_grpo, rloo, opo, gpg,
-reinforce_baseline, grpo_passk) takes `singleton`, with one meaning everywhere: "zero" (the
+reinforce_baseline, grpo_passk, group_reward_to_go) takes `singleton`, with one meaning everywhere: "zero" (the
 default: the lone sample is its own baseline, A = 0), "raw" (the baseline is 0, so the
 sample keeps its reward: verl's rule) or "error" (raise, naming the group).
 """
@@ -56,11 +61,14 @@ from .returns import compute_discounted_returns, compute_gae
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "BATCH_FIELDS",
+    "REWARD_TO_GO_PRESETS",
     "compute_advantages",
     "dr_grpo",
     "estimator_inputs",
+    "flash_reinforce",
     "gae",
     "gpg",
+    "group_reward_to_go",
     "grpo",
     "grpo_passk",
     "opo",
@@ -218,18 +226,7 @@ def reinforce_baseline(
     check_ndim("token_rewards", token_rewards, 2, "[batch, seq]")
     check_shape("rewards", rewards, token_rewards.shape[:1], "[batch]")
     centred = group_normalize(rewards, group_ids, centre="group", scale="none", singleton=singleton)
-    r = rewards.to(torch.float64)
-    centred = centred.to(torch.float64)
-    before, after = r, centred
-    if reward_clip is not None:
-        check_positive("reward_clip", reward_clip)
-        before = r.clamp(-reward_clip, reward_clip)
-        after = centred.clamp(-reward_clip, reward_clip)
-    mask = mask_as("action_mask", action_mask, token_rewards, "token_rewards")
-    last = last_action_index(mask, "action_mask")
-    shaped = token_rewards.float().clone()
-    rows = torch.arange(shaped.shape[0], device=shaped.device)
-    shaped[rows, last] += (after - before).to(shaped.dtype)
+    shaped = _replace_outcome(token_rewards, rewards, centred, action_mask, reward_clip)
     return reinforce(
         token_rewards=shaped,
         action_mask=action_mask,
@@ -361,6 +358,106 @@ def gpg(
     return _broadcast(alpha * centred, action_mask)
 
 
+REWARD_TO_GO_PRESETS: dict[str, dict[str, object]] = {
+    # (r − mean_g)/(std_g + 1e-9), unbiased std
+    "group_norm": {"centre": "group", "scale": "group_std", "unbiased": True, "epsilon": 1e-9},
+    # r − mean_g
+    "dr_grpo": {"centre": "group", "scale": "none"},
+    # r − mean of the other members of the group
+    "rloo": {"centre": "leave_one_out", "scale": "none"},
+    # r − mean of the whole batch (no group)
+    "flash_reinforce": {"centre": "batch", "scale": "none"},
+}
+"""Knobs of `group_reward_to_go` (`group_normalize`'s) that give OpenRLHF 0.11.2's estimator of the
+same name. OpenRLHF's `reinforce_baseline` is not among them: it whitens the returns afterwards
+(rl_algos' `reinforce_baseline`)."""
+
+
+@ADVANTAGE_ESTIMATORS.register("group_reward_to_go")
+def group_reward_to_go(
+    *,
+    token_rewards: torch.Tensor,
+    rewards: torch.Tensor,
+    action_mask: torch.Tensor,
+    group_ids: torch.Tensor | None = None,
+    preset: str | None = None,
+    centre: str = "group",
+    scale: str = "group_std",
+    unbiased: bool = True,
+    epsilon: float = 1e-9,
+    singleton: str = "zero",
+    reward_clip: float | None = 10.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A group-normalised outcome as the last token's reward, then the undiscounted reward-to-go.
+
+    OpenRLHF 0.11.2's `group_norm`, `rloo`, `dr_grpo` and `flash_reinforce`, KL in the reward
+    included (its `compute_advantages_and_returns` and `compute_reward`):
+
+        ã_i = clip(group_normalize(r)_i, −c, c)              (centre and scale first, then clip)
+        r̃_t = −β·KL_t·m_t + [t = last action token of i]·ã_i
+        A_t = G_t = Σ_{s ≥ t, m_s = 1} r̃_s                   (γ = 1, no whitening)
+
+    `token_rewards` must be `token_level_rewards(rewards, action_mask, kl=..., kl_coef=β,
+    reward_clip=c)` with the same `rewards` and c as `reward_clip` here (both default to 10): the
+    outcome that function placed on the last action token, clip(r_i), is replaced by ã_i and the
+    KL part stays. Without a KL every action token of sample i gets ã_i, the outcome estimator's
+    value (`grpo` with `preset="openrlhf"` for `group_norm`), except that the clip comes after
+    the normalisation.
+
+    Worked values: one group r = [2, 0, 1] (mean 1, unbiased std 1), action masks [1, 1, 1],
+    [1, 1, 0], [1, 0, 0], KL [[0.5, 1, 2], [1, 3, ·], [4, ·, ·]], β = 0.1, group_norm:
+    ã = [1, −1, 0]; A = [[0.65, 0.7, 0.8], [−1.4, −1.3, 0], [−0.4, 0, 0]].
+
+    Args:
+      token_rewards: `[batch, seq]` per-token rewards (above).
+      rewards: `[batch]` scalar outcome rewards, before clipping.
+      action_mask: `[batch, seq]`; every row needs an action token.
+      group_ids: `[batch]` integer prompt group; needed unless centre and scale are not group based.
+      preset: a name of `REWARD_TO_GO_PRESETS` (OpenRLHF's estimator names); it replaces centre,
+        scale, unbiased and epsilon. The defaults are those of "group_norm".
+      centre, scale, unbiased, epsilon, singleton: the knobs of `group_normalize`.
+      reward_clip: c > 0, or None when neither side clips.
+
+    Returns:
+      (A, G), equal, `[batch, seq]` float32, 0 off the action tokens.
+    """
+    knobs: dict[str, object] = {"centre": centre, "scale": scale, "unbiased": unbiased, "epsilon": epsilon}
+    if preset is not None:
+        if preset not in REWARD_TO_GO_PRESETS:
+            raise ValueError(f"preset must be one of {sorted(REWARD_TO_GO_PRESETS)}, got {preset!r}")
+        knobs = {**knobs, **REWARD_TO_GO_PRESETS[preset]}
+    check_ndim("token_rewards", token_rewards, 2, "[batch, seq]")
+    check_shape("rewards", rewards, token_rewards.shape[:1], "[batch]")
+    scalar = group_normalize(rewards, group_ids, singleton=singleton, **knobs)
+    shaped = _replace_outcome(token_rewards, rewards, scalar, action_mask, reward_clip)
+    returns = compute_discounted_returns(shaped, action_mask, gamma=1.0)
+    return returns, returns.clone()
+
+
+@ADVANTAGE_ESTIMATORS.register("flash_reinforce")
+def flash_reinforce(
+    *,
+    token_rewards: torch.Tensor,
+    rewards: torch.Tensor,
+    action_mask: torch.Tensor,
+    reward_clip: float | None = 10.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """FlashREINFORCE (OpenRLHF 0.11.2): the batch mean as the baseline, no group, no whitening.
+
+        ã_i = clip(r_i − mean_batch(r), −c, c), then the reward-to-go of `group_reward_to_go`
+
+    (its preset "flash_reinforce"), for one sample per prompt. `token_rewards` as there. Worked
+    values: r = [1, 0, 0, 0], one token each, no KL: A = [0.75, −0.25, −0.25, −0.25].
+    """
+    return group_reward_to_go(
+        token_rewards=token_rewards,
+        rewards=rewards,
+        action_mask=action_mask,
+        preset="flash_reinforce",
+        reward_clip=reward_clip,
+    )
+
+
 @ADVANTAGE_ESTIMATORS.register("remax")
 def remax(
     *, rewards: torch.Tensor, baseline_rewards: torch.Tensor, action_mask: torch.Tensor
@@ -419,6 +516,29 @@ def _best_minus_second(r: torch.Tensor, stats: GroupStats) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------- helpers
+
+
+def _replace_outcome(
+    token_rewards: torch.Tensor,
+    rewards: torch.Tensor,
+    shaped: torch.Tensor,
+    action_mask: torch.Tensor,
+    reward_clip: float | None,
+) -> torch.Tensor:
+    """`token_rewards` `[batch, seq]` with clip(r_i) on each row's last action token replaced by
+    clip(shaped_i) (float32); c = `reward_clip` > 0, or None for no clip on either side."""
+    r = rewards.to(torch.float64)
+    before, after = r, shaped.to(torch.float64)
+    if reward_clip is not None:
+        check_positive("reward_clip", reward_clip)
+        before = r.clamp(-reward_clip, reward_clip)
+        after = after.clamp(-reward_clip, reward_clip)
+    mask = mask_as("action_mask", action_mask, token_rewards, "token_rewards")
+    last = last_action_index(mask, "action_mask")
+    out = token_rewards.float().clone()
+    rows = torch.arange(out.shape[0], device=out.device)
+    out[rows, last] += (after - before).to(out.dtype)
+    return out
 
 
 def _out_dtype(rewards: torch.Tensor) -> torch.dtype:

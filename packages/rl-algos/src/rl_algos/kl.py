@@ -18,7 +18,10 @@ gradient −29. A user's estimator gets its "+" the same way:
 OpenRLHF's `unbiased_gradient` (`kl_penalty(..., unbiased_gradient=True, old_logprobs=...)`)
 also keeps the named estimator's value, with the gradient of sg(w)·d²/2, w = π/π_old =
 exp(logπ − logπ_old) (capped at `importance_weight_cap`): the reverse-KL gradient when the
-samples came from π_old, not π. Without `old_logprobs`, w = 1 (the "+" variant).
+samples came from π_old, not π. Without `old_logprobs`, w = 1 (the "+" variant). OpenRLHF caps w
+at 10 (its `KL_IS_WEIGHT_CLIP`); pass `importance_weight_cap=10` for its numbers (the default,
+None, does not cap). At logπ = −1, logπ_ref = −1.5, logπ_old = −4 (w = e³ = 20.09) the gradient
+w·d is 10.04 uncapped and 10·0.5 = 5.0 with the cap, OpenRLHF's.
 
 Worked values at logπ = −1.0, logπ_ref = −1.5: k1 0.5, k2 0.125, k3 0.106531.
 
@@ -114,7 +117,7 @@ def kl_penalty(
         sg(w)·d²/2 with d unclamped and w = exp(logπ − logπ_old) (1 without `old_logprobs`).
       old_logprobs: `[batch, seq]` log π_old of the sampled tokens, for w (only with
         `unbiased_gradient`).
-      importance_weight_cap: cap w at this value (> 0), or None for no cap.
+      importance_weight_cap: cap w at this value (> 0; OpenRLHF: 10), or None for no cap.
 
     Returns:
       `[batch, seq]` float32 (float64 for float64 inputs) estimate (not masked: multiply by the action mask or aggregate).

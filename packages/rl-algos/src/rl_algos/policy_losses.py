@@ -423,7 +423,7 @@ def kl_cov(
     action_mask: torch.Tensor,
     *,
     kl_cov_ratio: float = 2e-4,
-    ppo_kl_coef: float = 1.0,
+    ppo_kl_coef: float = 0.1,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """KL-Cov (Cui et al., 2025; verl): a KL penalty on the tokens of largest covariance.
 
@@ -435,7 +435,12 @@ def kl_cov(
 
     Args:
       kl_cov_ratio: r, the fraction of action tokens to penalise (verl: 2e-4).
-      ppo_kl_coef: k ≥ 0 (verl: 1).
+      ppo_kl_coef: k ≥ 0 (verl's config default, `actor.policy_loss.ppo_kl_coef: 0.1`; its
+        loss function falls back to 1 only when the config holds None).
+
+    Worked values (token-mean): A = [2, 1, 0, −3], log π = [−1, −2, −3, −4], log π_old = log π −
+    0.1, defaults: one token (covariance 4.5, the last) is penalised, l = ρ·[−2, −1, 0, 3] +
+    [0, 0, 0, 0.1·0.1], mean 0.0025 (k = 1 gave 0.025).
     """
     logp, old, adv, mask = _prepare(logprobs, old_logprobs, advantages, action_mask)
     _check_fraction("kl_cov_ratio", kl_cov_ratio)

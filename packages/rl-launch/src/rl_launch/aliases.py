@@ -35,9 +35,12 @@ them with that reason (one `ValueError` naming every such flag) instead of argpa
 option". OpenRLHF flags whose name is already an rl-launch option (`--algo.advantage.estimator`,
 `--rollout.n_samples_per_prompt`, `--rollout.temperature`, `--train.max_epochs`, `--ckpt.path`,
 ...) pass through untouched; every OpenRLHF estimator name is registered in `rl_algos` under the
-same name (`group_norm` is grpo's alias). One such name takes a second meaning in OpenRLHF:
+same name (`group_norm` is grpo's alias). Two such names take a second meaning in OpenRLHF:
 `--reward.remote_url path.py` names a local reward function file there, which is
-`--reward.function path.py` here (an http(s) URL stays as it is).
+`--reward.function path.py` here (an http(s) URL stays as it is); and `--algo.advantage.estimator
+group_norm` / `rloo` / `dr_grpo` with the KL in the reward (`--algo.kl.init_coef` > 0 without
+`--algo.kl.use_loss`) is a KL-regularised estimator there, `--algo.advantage.estimator
+group_reward_to_go --algo.advantage.options.preset <name>` here (without that KL it stays as it is).
 
 rl-launch's own former option names are rewritten the same way, with a note: the rollout
 correction's four options `algo.policy.is_correction` / `_level` / `_gating` / `_bounds` are now
@@ -155,7 +158,7 @@ def _always(reason: str, value: str | None = None) -> Convert:
 
 
 # OpenRLHF sets gamma to 1.0 for these estimators, whatever the flag says; lambd is gae's alone.
-_UNDISCOUNTED_ESTIMATORS = ("rloo", "reinforce_baseline", "group_norm", "dr_grpo")
+_UNDISCOUNTED_ESTIMATORS = ("rloo", "reinforce_baseline", "group_norm", "dr_grpo", "flash_reinforce")
 
 
 def _gamma(values: tuple[str, ...], context: Context) -> Pairs | str:
@@ -168,6 +171,34 @@ def _lambd(values: tuple[str, ...], context: Context) -> Pairs | str:
     if context.estimator is not None and context.estimator != "gae":
         return f"lambda is GAE's; OpenRLHF ignores it for {context.estimator}"
     return [("algo.advantage.options.lam", values[0])]
+
+
+# OpenRLHF runs these through compute_reward (the KL as per-token rewards, then reward-to-go):
+# rl_algos' group_reward_to_go with the preset of the same name. The outcome-only estimators of
+# those names differ only when the KL goes into the reward, which they refuse.
+_REWARD_TO_GO_ESTIMATORS = ("group_norm", "rloo", "dr_grpo")
+
+
+def _advantage_estimator(values: tuple[str, ...], context: Context) -> Pairs:
+    name = values[0]
+    try:
+        kl_coef = float(context.given.get("algo.kl.init_coef", ("0",))[0])
+    except ValueError:
+        kl_coef = 0.0  # argparse names the bad value of --algo.kl.init_kl_coef
+    if name in _REWARD_TO_GO_ESTIMATORS and kl_coef > 0 and "algo.kl.use_loss" not in context.given:
+        return [("algo.advantage.estimator", "group_reward_to_go"), ("algo.advantage.options.preset", name)]
+    return [("algo.advantage.estimator", name)]
+
+
+def _unbiased_gradient(values: tuple[str, ...], context: Context) -> Pairs | str:
+    # OpenRLHF caps the weight π/π_old of this gradient at 10 (KL_IS_WEIGHT_CLIP); kl_penalty's cap
+    # is off unless given.
+    if "algo.kl.use_loss" not in context.given:
+        return "OpenRLHF uses it only for the KL in the loss (--algo.kl.use_loss)"
+    return [
+        ("algo.kl.loss_options.unbiased_gradient", "true"),
+        ("algo.kl.loss_options.importance_weight_cap", "10"),
+    ]
 
 
 _EPSILON_LOW = "algo.policy.options.epsilon_low"
@@ -352,10 +383,17 @@ ALIASES: tuple[Alias, ...] = (
     _alias("reward.stop_properly_penalty_coef", "reward.stop_properly_penalty_coef"),
     # Advantage estimator (`--algo.advantage.estimator` is the same name here).
     _alias(
+        "algo.advantage.estimator",
+        "algo.advantage.estimator",
+        "algo.advantage.options.preset",
+        convert=_advantage_estimator,
+        remark="group_norm / rloo / dr_grpo with the KL in the reward → group_reward_to_go with that preset",
+    ),
+    _alias(
         "algo.advantage.gamma",
         "algo.advantage.options.gamma",
         convert=_gamma,
-        remark="dropped for rloo, reinforce_baseline, group_norm, dr_grpo, which OpenRLHF runs with gamma 1",
+        remark="dropped for rloo, reinforce_baseline, group_norm, dr_grpo, flash_reinforce, which OpenRLHF runs with gamma 1",
     ),
     _alias(
         "algo.advantage.lambd",
@@ -371,6 +409,14 @@ ALIASES: tuple[Alias, ...] = (
         "algo.kl.reward_estimator",
         "algo.kl.loss_estimator",
         remark="one OpenRLHF estimator serves the side the run uses (reward or loss)",
+    ),
+    _alias(
+        "algo.kl.unbiased_gradient",
+        "algo.kl.loss_options.unbiased_gradient",
+        "algo.kl.loss_options.importance_weight_cap",
+        nargs=0,
+        convert=_unbiased_gradient,
+        remark="with OpenRLHF's cap of 10 on π/π_old; dropped without --algo.kl.use_loss",
     ),
     _alias("algo.kl.target", "algo.kl.kl_target"),
     _alias("algo.kl.horizon", "algo.kl.kl_horizon"),

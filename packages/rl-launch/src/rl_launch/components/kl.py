@@ -83,7 +83,9 @@ def _check(config: PPOConfig) -> None:
         raise ConfigError(
             f"algo.kl.init_kl_coef: {kl.init_kl_coef} puts the KL into the reward, but estimator "
             f"{config.algo.advantage.estimator!r} uses outcome rewards only and would ignore it; set "
-            "algo.kl.use_kl_loss true (GRPO style) or pick gae / reinforce / reinforce_baseline"
+            "algo.kl.use_kl_loss true (GRPO style) or pick gae / reinforce / reinforce_baseline, or "
+            "group_reward_to_go (OpenRLHF's KL-in-reward form of group_norm / rloo / dr_grpo: its "
+            "preset option) / flash_reinforce"
         )
 
 
