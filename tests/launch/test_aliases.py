@@ -202,6 +202,54 @@ def test_gamma_and_lambd_follow_the_estimator_openrlhf_would_run():
     assert argv == ["--algo.advantage.estimator=reinforce", "--algo.advantage.options.gamma", "0.9"]
 
 
+@pytest.mark.parametrize("estimator", ["group_norm", "rloo", "dr_grpo"])
+def test_a_group_estimator_with_the_kl_in_the_reward_becomes_openrlhfs_reward_to_go_form(estimator):
+    argv, notes = expand_aliases(["--algo.advantage.estimator", estimator, "--algo.kl.init_coef", "0.01"])
+    assert argv == [
+        *("--algo.advantage.estimator", "group_reward_to_go", "--algo.advantage.options.preset", estimator),
+        *("--algo.kl.init_kl_coef", "0.01"),
+    ]
+    assert notes[0] == (
+        f"--algo.advantage.estimator {estimator} → --algo.advantage.estimator group_reward_to_go "
+        f"--algo.advantage.options.preset {estimator}"
+    )
+    # Without a KL in the reward the outcome estimator of that name is OpenRLHF's: untouched.
+    for rest in ([], ["--algo.kl.init_coef", "0"], ["--algo.kl.init_coef", "0.01", "--algo.kl.use_loss"]):
+        argv, _ = expand_aliases([f"--algo.advantage.estimator={estimator}", *rest])
+        assert argv[0] == f"--algo.advantage.estimator={estimator}"
+    argv, _ = expand_aliases(["--algo.advantage.estimator", "flash_reinforce", "--algo.kl.init_coef", "0.01"])
+    assert argv[:2] == ["--algo.advantage.estimator", "flash_reinforce"]  # takes the KL under its name
+
+
+@needs_final_config
+def test_openrlhf_group_norm_with_the_kl_in_the_reward_passes_check_components():
+    from rl_launch.cli import resolve_ppo_config
+    from rl_launch.components import check_components
+
+    argv, _ = expand_aliases(["--algo.advantage.estimator", "group_norm", "--algo.kl.init_coef", "0.01"])
+    overrides = dict(zip((name.removeprefix("--") for name in argv[::2]), argv[1::2], strict=True))
+    cfg = resolve_ppo_config(
+        None, {"model.pretrain": "/models/never-loaded", "data.prompt_data": "/data/x.jsonl", **overrides}
+    )
+    check_components(cfg)
+    assert cfg.algo.advantage.estimator == "group_reward_to_go"
+    assert cfg.algo.advantage.options == {"preset": "group_norm"}
+
+
+def test_unbiased_gradient_carries_openrlhfs_weight_cap_of_ten():
+    argv, _ = expand_aliases(["--algo.kl.use_loss", "--algo.kl.unbiased_gradient"])
+    assert argv == [
+        *("--algo.kl.use_kl_loss", "true"),
+        *("--algo.kl.loss_options.unbiased_gradient", "true"),
+        *("--algo.kl.loss_options.importance_weight_cap", "10"),
+    ]
+    argv, notes = expand_aliases(["--algo.kl.unbiased_gradient"])
+    assert argv == []
+    assert notes[0].startswith(
+        "--algo.kl.unbiased_gradient → dropped: OpenRLHF uses it only for the KL in the loss"
+    )
+
+
 def test_flags_meaning_what_rl_launch_always_does_are_dropped_and_others_refused():
     argv, notes = expand_aliases(["--ds.packing_samples", "--actor.optim", "adam"])
     assert argv == []
@@ -346,6 +394,7 @@ OPENRLHF_REINFORCE_BASELINE = [
 # OpenRLHF flags that are also options here (aliased so that the table lists them).
 SAME_NAMES = {
     "reward.remote_url",
+    "algo.advantage.estimator",
     "reward.overlong_buffer_len",
     "reward.overlong_penalty_factor",
     "reward.stop_properly_penalty_coef",
@@ -457,7 +506,8 @@ def test_every_alias_target_is_an_option_of_the_config():
 @needs_final_config
 def test_no_openrlhf_flag_shadows_an_option_of_the_config():
     names = {option.name for option in iter_options(PPOConfig)}
-    # Shared names: only a .py value of reward.remote_url (OpenRLHF's local function) changes; the
+    # Shared names: only a .py value of reward.remote_url (OpenRLHF's local function) and a group
+    # estimator with the KL in the reward (OpenRLHF's reward-to-go form) change; the
     # reward shaping flags mean the same here and pass through.
     assert set(_alias.flag for _alias in ALIASES) & names == SAME_NAMES
     assert not set(UNSUPPORTED) & names

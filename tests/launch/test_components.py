@@ -299,6 +299,31 @@ def test_score_batch_passes_the_estimator_its_options_verbatim():
     assert first.tolist() == pytest.approx([0.5, -0.5, 0.0, 0.0])
 
 
+@pytest.mark.parametrize(
+    ("estimator", "options"),
+    [("group_reward_to_go", {"algo__advantage__options__preset": "group_norm"}), ("flash_reinforce", {})],
+)
+def test_an_estimator_taking_token_rewards_accepts_the_kl_in_the_reward_and_the_kl_moves_it(
+    estimator, options
+):
+    # grpo refuses β > 0 in the reward (test above); these take token_rewards, so check_components
+    # accepts it. k1 KL = old − ref = 0.5 on each of the 3 response tokens, β = 0.01: −0.005 per
+    # token, so the reward-to-go moves by −0.015, −0.01, −0.005 along each response.
+    cfg = config(algo__advantage__estimator=estimator, algo__kl__init_kl_coef="0.01", **options)
+    records = _records([1.0, 0.0, 1.0, 0.5], [0, 0, 1, 1])
+
+    def advantages(kl_coef: float) -> torch.Tensor:
+        batch = build_experience(records)
+        batch.old_logprobs = batch.from_response_view(torch.full((4, 3), -1.0))
+        batch.ref_logprobs = batch.from_response_view(torch.full((4, 3), -1.5))
+        score_batch(cfg, batch, batch.rewards.clone(), kl_coef=kl_coef)
+        return batch.response_view(batch.advantages)
+
+    without, with_kl = advantages(0.0), advantages(0.01)
+    torch.testing.assert_close(without, without[:, :1].expand(4, 3))  # the outcome on every token
+    torch.testing.assert_close(with_kl - without, torch.tensor([[-0.015, -0.01, -0.005]]).expand(4, 3))
+
+
 def test_gae_whitens_its_advantages_by_default_and_not_when_told():
     records = _records([1.0, 0.0, 1.0, 0.5], [0, 1, 2, 3])
     for whiten, expect_unit in (("true", True), ("false", False)):
