@@ -54,6 +54,10 @@ class SupervisedTrainConfig(TrainConfig):
     gradients accumulate over the micro-batches of a step."""
     actor_learning_rate: Positive = 5e-6
     """Peak learning rate of the trained model."""
+    epochs: PositiveInt | None = None
+    """Passes over the data (OpenRLHF's max_epochs): when given, train.max_steps becomes
+    ⌈epochs × rows / train_batch_size⌉, set once the dataset is loaded (the start-up line says
+    how many); None: train.max_steps as given."""
 
 
 class SFTLogConfig(LogConfig):
@@ -162,7 +166,7 @@ class _SupervisedRoot(_Section):
             _fail(
                 "model.lora_rank", self.model.lora_rank, f"must be 0: rl-launch {command} trains all weights"
             )
-        for field in ("max_epochs", "critic_learning_rate"):
+        for field in ("max_epochs", "critic_learning_rate", "num_episodes"):
             if getattr(self.train, field) != getattr(_DEFAULT_TRAIN, field):
                 _fail(f"train.{field}", getattr(self.train, field), f"does not apply to rl-launch {command}")
 
