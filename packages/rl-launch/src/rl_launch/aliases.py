@@ -898,7 +898,7 @@ UNSUPPORTED: Mapping[str, str] = {
     "actor.freeze_visual_encoder": _NO_VISION,
     "actor.aux_loss_coef": "there is no MoE load-balancing loss term",
     "model.aux_loss_coef": (
-        "there is no MoE load-balancing loss term (an open issue adds it for ppo's --actor.aux_loss_coef)"
+        "there is no MoE load-balancing loss term (an open issue adds it, for ppo's actor first)"
     ),
     "ref.offload": "the reference model is not offloaded to CPU",
     "reward.offload": "the reward model is not offloaded to CPU",
@@ -910,7 +910,7 @@ UNSUPPORTED: Mapping[str, str] = {
         for part in ("lr", "momentum", "ns_steps", "nesterov", "no_nesterov")
     },
     **{
-        f"muon.{part}": f"{_NO_MUON} (an open issue adds Muon, with ppo's --actor.muon.*)"
+        f"muon.{part}": f"{_NO_MUON} (an open issue adds Muon, for ppo's actor and critic first)"
         for part in ("lr", "momentum", "ns_steps", "nesterov", "no_nesterov")
     },
     "model.pretrain_mode_enable": "sft trains the response tokens of prompt / response rows; there is no whole-text (pretraining) loss",
@@ -1068,7 +1068,7 @@ def expand_aliases(argv: Sequence[str], command: str = "ppo") -> tuple[list[str]
         token = argv[index]
         name, equals, inline = token[2:].partition("=") if token.startswith("--") else ("", "", "")
         if name in refused:
-            problems.append(f"--{name} (OpenRLHF) is not supported by rl-launch {command}: {refused[name]}")
+            problems.append(f"--{name} (OpenRLHF) is not supported by rl-launch: {refused[name]}")
         elif name in flags:
             alias = flags[name]
             try:
