@@ -538,3 +538,139 @@ def test_options_named_in_the_refusals_and_the_same_name_flags_exist():
         "reward.remote_url",
     }
     assert same_names <= set(leaves)
+
+
+# ------------------------------------------------- translations of the OpenRLHF drop-in issue
+
+
+def test_sleep_flags_say_what_they_mean_with_and_without_the_hybrid_engine():
+    _, notes = expand_aliases(["--train.colocate_all", "--vllm.enable_sleep", "--ds.enable_sleep"])
+    assert "always, which is what this flag asks for" in notes[1]
+    assert "always, which is what this flag asks for" in notes[2]
+    argv, notes = expand_aliases(["--vllm.enable_sleep"])
+    assert argv == []
+    assert "ignored, as OpenRLHF does without the hybrid engine" in notes[0]
+    _, notes = expand_aliases(["--ray.colocate", "all", "--ds.enable_sleep"])
+    assert "always" in notes[0]
+
+
+def test_sync_backend_is_the_broadcast_strategy_and_other_backends_are_refused():
+    argv, notes = expand_aliases(["--vllm.sync_backend", "gloo"])
+    assert argv == ["--rollout.weight_sync", "broadcast"]
+    assert "NCCL on GPUs and gloo on CPU" in notes[0]
+    with pytest.raises(ValueError, match="nccl and gloo"):
+        expand_aliases(["--vllm.sync_backend", "mpi"])
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--data.max_len", "2048"], ["--data.prompt_max_len", "1024", "--rollout.generate_max_len", "1024"]),
+        (
+            ["--data.max_len", "9216", "--rollout.max_new_tokens", "8192"],
+            ["--data.prompt_max_len", "1024", "--rollout.generate_max_len", "8192"],
+        ),
+        (
+            ["--data.prompt_max_len", "512", "--data.max_len", "2048"],
+            ["--data.prompt_max_len", "512", "--rollout.generate_max_len", "1536"],
+        ),
+    ],
+)
+def test_max_len_is_split_into_the_prompt_and_response_lengths_with_a_note(argv, expected):
+    expanded, notes = expand_aliases(argv)
+    assert expanded == expected
+    assert any("prompt + response ≤" in note for note in notes)
+
+
+def test_max_len_is_max_len_for_sft_and_serve_rm():
+    assert expand_aliases(["--data.max_len", "512"], "sft") == (["--data.max_len", "512"], [])
+    assert expand_aliases(["--data.max_len", "512"], "serve-rm")[0] == ["--max_len", "512"]
+    with pytest.raises(ValueError, match="leaves no room for a prompt"):
+        expand_aliases(["--data.max_len", "100", "--rollout.max_new_tokens", "100"])
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        (["--algo.advantage.is_correction_level", "off"], {"correction": "none"}),
+        (["--algo.advantage.is_correction_level", "token"], {"correction": "tis"}),
+        (
+            ["--algo.advantage.is_correction_level", "token", "--algo.advantage.is_correction_mode", "mask"],
+            {"correction": "mask"},
+        ),
+        (
+            [
+                "--algo.advantage.is_correction_level",
+                "seq",
+                *("--algo.advantage.is_correction_threshold", "0.5", "2"),
+            ],
+            {"correction": "mask", "level": "geometric", "low": "0.5", "high": "2"},
+        ),
+        (
+            [
+                *("--algo.advantage.is_correction_level", "seq", "--algo.advantage.is_correction_gating"),
+                *("binary_kl", "--algo.advantage.is_correction_threshold", "5e-3"),
+            ],
+            {"correction": "mask", "level": "sequence", "gating": "binary_kl", "low": "0", "high": "5e-3"},
+        ),
+    ],
+)
+def test_openrlhf_0_11_2_correction_level_mode_and_gating_become_a_correction(flags, expected):
+    argv, _ = expand_aliases(flags)
+    pairs = dict(zip(argv[::2], argv[1::2], strict=True))
+    got = {key.rpartition(".")[2]: value for key, value in pairs.items()}
+    assert got == expected
+
+
+@pytest.mark.parametrize(
+    ("flags", "match"),
+    [
+        (
+            ["--algo.advantage.is_correction_level", "seq", "--algo.advantage.is_correction_mode", "clip"],
+            "clip truncates a token's ratio",
+        ),
+        (["--algo.advantage.is_correction_gating", "tv"], "turns nothing on without"),
+        (
+            ["--algo.advantage.is_correction_enable", "--algo.advantage.is_correction_level", "token"],
+            "not both",
+        ),
+        (
+            [
+                "--algo.advantage.is_correction_level",
+                "token",
+                "--algo.advantage.is_correction_threshold",
+                "2",
+            ],
+            "one value is an upper bound only",
+        ),
+    ],
+)
+def test_openrlhf_0_11_2_correction_flags_without_a_counterpart_are_refused(flags, match):
+    with pytest.raises(ValueError, match=match):
+        expand_aliases(flags)
+
+
+def test_deepspeed_keys_pass_through_the_deepspeed_config_option():
+    argv, _ = expand_aliases(["--ds.overlap_comm", "--ds.zpg", "8", "--ds.grad_accum_dtype", "fp32"], "dpo")
+    assert argv == [
+        *("--train.deepspeed_config.zero_optimization.overlap_comm", "true"),
+        *("--train.deepspeed_config.zero_optimization.zero_hpz_partition_size", "8"),
+        *("--train.deepspeed_config.data_types.grad_accum_dtype", "fp32"),
+    ]
+
+
+def test_logger_flags_reach_wandb_and_tensorboard_options():
+    argv, _ = expand_aliases(
+        ["--logger.wandb.org", "team", "--logger.wandb.group", "g", "--logger.tensorboard_dir", "tb"], "rm"
+    )
+    assert argv == [
+        *("--log.wandb_entity", "team", "--log.wandb_group", "g"),
+        *("--log.use_tensorboard", "true", "--log.tensorboard_dir", "tb"),
+    ]
+
+
+def test_async_colocate_all_colocates_the_learners_only_as_openrlhf():
+    argv, notes = expand_aliases(["--train.async_enable", "--train.colocate_all", "--vllm.enable_sleep"])
+    assert argv == ["--rollout.async_train", "true", "--ray.colocate", "policy_ref"]
+    assert "only the DeepSpeed models" in notes[1]
+    assert "ignored" in notes[2]

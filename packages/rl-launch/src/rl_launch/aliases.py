@@ -1,11 +1,15 @@
-"""OpenRLHF 0.11's PPO flag names, accepted by `rl-launch ppo` and rewritten to its own options.
+"""OpenRLHF 0.11's flag names, accepted by `rl-launch ppo`, `sft`, `rm`, `dpo` and `serve-rm` and
+rewritten to their own options.
 
-OpenRLHF 0.11 names its PPO flags by owner and dot (`--algo.kl.init_coef`, `--rollout.batch_size`,
-`--actor.eps_clip_low_high 0.2 0.28`, `--ckpt.load_enable`, ...): the argument list of
-`openrlhf/cli/train_ppo_ray.py`, whose old flat names (`--init_kl_coef`, `--rollout_batch_size`,
-...) were removed. `expand_aliases` rewrites a command line written with those names into this
-launcher's options before argparse sees it, and returns one note per rewritten flag, which the
-CLI prints so that nothing is translated silently:
+OpenRLHF 0.11 names its flags by owner and dot (`--algo.kl.init_coef`, `--rollout.batch_size`,
+`--actor.eps_clip_low_high 0.2 0.28`, `--ckpt.load_enable`, ...): the argument lists of
+`openrlhf/cli/train_ppo_ray.py`, `train_sft.py`, `train_rm.py`, `train_dpo.py` and `serve_rm.py`.
+One table (`ALIASES`) serves every command: each entry names the commands it applies to, and a
+flag with two meanings has two entries (`--data.max_len` is a total budget for ppo, split into
+the prompt and response lengths, and `data.max_len` itself for sft). `expand_aliases(argv,
+command)` rewrites a command line written with those names into the command's options before
+argparse sees it, and returns one note per rewritten flag, which the CLI prints so that nothing
+is translated silently:
 
     argv, notes = expand_aliases(["--algo.kl.use_loss", "--actor.eps_clip_low_high", "0.2", "0.28"])
     argv == ["--algo.kl.use_kl_loss", "true", "--algo.policy.options.epsilon_low", "0.2",
@@ -28,10 +32,18 @@ only where it means the same thing here; conversions stay within that meaning:
 - flags whose meaning is what rl-launch always does (`--ds.packing_samples`, `--actor.optim adam`):
   accepted and dropped, with a note; another value than rl-launch's is refused;
 - flags OpenRLHF itself ignores in the run at hand (`--algo.advantage.gamma` with `group_norm`,
-  which OpenRLHF runs with gamma 1): dropped, with a note saying why.
+  which OpenRLHF runs with gamma 1): dropped, with a note saying why;
+- flags that change nothing a run computes here (`--train.micro_batch_size`: micro-batches are
+  packed to a token budget; `--vllm.enable_sleep`: what `ray.colocate all` always does): dropped,
+  with a note saying what happens instead;
+- translations whose note states the assumption (`--data.max_len` split into two lengths,
+  `--vllm.sync_backend nccl` → the broadcast strategy) or names the option the loop resolves
+  (`--train.num_episodes`, sft's `--train.max_epochs` → `train.epochs`: steps from the data's size);
+- DeepSpeed's own keys (`--ds.overlap_comm`, `--ds.zpg`, `--ds.grad_accum_dtype`), passed through
+  `train.deepspeed_config`.
 
-`UNSUPPORTED` lists OpenRLHF 0.11 flags with no counterpart here and why; `expand_aliases` refuses
-them with that reason (one `ValueError` naming every such flag) instead of argparse's "unknown
+`UNSUPPORTED` lists OpenRLHF 0.11 flags with no counterpart here and why, for every command
+without an alias for the flag (`refusals_of`); `expand_aliases` refuses them with that reason (one `ValueError` naming every such flag) instead of argparse's "unknown
 option". OpenRLHF flags whose name is already an rl-launch option (`--algo.advantage.estimator`,
 `--rollout.n_samples_per_prompt`, `--rollout.temperature`, `--train.max_epochs`, `--ckpt.path`,
 ...) pass through untouched; every OpenRLHF estimator name is registered in `rl_algos` under the
@@ -306,8 +318,18 @@ _COLOCATE = {
 }
 
 
-def _colocate(values: tuple[str, ...], context: Context) -> Pairs:
+def _colocate(values: tuple[str, ...], context: Context) -> Pairs | tuple[Pairs, str]:
     given = [value for flag, value in _COLOCATE.items() if flag in context.given]
+    if "all" in given and "train.async_enable" in context.given:
+        # OpenRLHF's async mode colocates only its DeepSpeed models; the engines keep their GPUs.
+        pairs = ["policy_ref"]
+        if {"critic.model_name_or_path", "reward.model_name_or_path"} & set(context.given):
+            pairs.append("critic_reward")
+        return (
+            [("ray.colocate", "+".join(pairs))],
+            "with --train.async_enable OpenRLHF colocates only the DeepSpeed models; the engines generate "
+            "on GPUs of their own",
+        )
     return [("ray.colocate", "all" if "all" in given else "+".join(given))]
 
 
@@ -382,6 +404,9 @@ def _dropped(reason: str) -> Convert:
 
 
 def _colocated(context: Context) -> bool:
+    """Whether the run is the hybrid engine (ray.colocate all); not in OpenRLHF's async mode."""
+    if "train.async_enable" in context.given:
+        return False
     return "train.colocate_all" in context.given or context.options.get("ray.colocate") == "all"
 
 
@@ -396,8 +421,9 @@ def _sleep(side: str) -> Convert:
                 "(the engines sleep after generation, the learners' states leave the GPU for it)"
             )
         return (
-            f"ignored, as OpenRLHF does without --train.colocate_all: the {side} only where the engines "
-            "share the learners' GPUs (--ray.colocate all); here they have GPUs of their own"
+            f"ignored, as OpenRLHF does without the hybrid engine (--train.colocate_all, not async): the "
+            f"{side} only where the engines share the learners' GPUs (--ray.colocate all); here they "
+            "have GPUs of their own"
         )
 
     return convert
@@ -546,9 +572,10 @@ ALIASES: tuple[Alias, ...] = (
         "ds.lora.rank",
         "model.lora_rank",
         commands=TRAINERS,
-        remark="sft, rm and dpo train all weights: a rank above 0 is refused there",
+        remark="rm and dpo train all weights: a rank above 0 is refused there",
     ),
     _alias("ds.lora.alpha", "model.lora_alpha", commands=TRAINERS),
+    _alias("ds.lora.dropout", "model.lora_dropout", commands=TRAINERS),
     _alias("ds.lora.target_modules", "model.target_modules", nargs=None, commands=TRAINERS),
     # Data and evaluation.
     _alias("data.prompt_dataset", "data.prompt_data"),
@@ -892,7 +919,6 @@ UNSUPPORTED: Mapping[str, str] = {
     "ds.experts_implementation": "the MoE expert kernel is not an option here (transformers picks it)",
     "ds.use_liger_kernel": "Liger kernels are not supported",
     "ds.load_in_4bit": "4-bit (QLoRA) loading is not supported",
-    "ds.lora.dropout": "LoRA dropout is not an option here (--model.lora_rank, --model.lora_alpha are)",
     "actor.gradient_checkpointing_reentrant": "the reentrant variant of gradient checkpointing is not an option here",
     "model.gradient_checkpointing_reentrant": "the reentrant variant of gradient checkpointing is not an option here",
     "actor.freeze_visual_encoder": _NO_VISION,

@@ -104,6 +104,8 @@ class ModelConfig(_Section):
     """LoRA rank of the policy; 0 trains all weights."""
     lora_alpha: PositiveInt = 16
     """LoRA alpha (scale alpha / rank)."""
+    lora_dropout: Annotated[float, Meta(ge=0, lt=1)] = 0.0
+    """Dropout on the LoRA adapters' input."""
     target_modules: list[str] = msgspec.field(default_factory=lambda: ["all-linear"])
     """Modules LoRA adapts (peft names), or "all-linear"."""
 

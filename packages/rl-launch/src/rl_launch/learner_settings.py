@@ -84,6 +84,7 @@ def learner_settings(model: ModelConfig, train: TrainConfig, *, dtype: str, lr: 
         lora = LoraOptions(
             rank=model.lora_rank,
             alpha=float(model.lora_alpha),
+            dropout=model.lora_dropout,
             target_modules="all-linear" if targets == ["all-linear"] else list(targets),
         )
     return LearnerSettings(deepspeed=deepspeed, optimizer=optimizer, lora=lora)

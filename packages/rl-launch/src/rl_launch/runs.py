@@ -127,7 +127,6 @@ RESUMABLE_KEYS: tuple[str, ...] = (
     # continues on the schedule of the new length (OpenRLHF does the same).
     "train.max_steps",
     "train.num_episodes",
-    "train.epochs",
     # ray.*: where the cluster is and how generous it is. Not ray.policy / ray.critic (their
     # num_actors is the data-parallel size the ZeRO optimizer state was partitioned for), nor
     # ray.ref / ray.reward_model / ray.colocate (the actor layout is kept as one decision).

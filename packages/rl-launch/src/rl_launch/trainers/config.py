@@ -8,7 +8,7 @@ preset under the file and the flags.
 
 These trainers run in the driver process (torch.distributed world size 1, DeepSpeed on that one
 rank), so there is no `ray` section; options of the shared sections that they cannot honour
-(a critic, a separate reward model, LoRA, PPO epochs) are refused with the reason.
+(a critic, a separate reward model, PPO epochs; LoRA in rm and dpo) are refused with the reason.
 """
 
 from __future__ import annotations
@@ -162,9 +162,11 @@ class _SupervisedRoot(_Section):
         for field in ("critic_pretrain", "reward_pretrain"):
             if getattr(self.model, field) is not None:
                 _fail(f"model.{field}", getattr(self.model, field), f"does not apply to rl-launch {command}")
-        if self.model.lora_rank:
+        if self.model.lora_rank and command != "sft":
             _fail(
-                "model.lora_rank", self.model.lora_rank, f"must be 0: rl-launch {command} trains all weights"
+                "model.lora_rank",
+                self.model.lora_rank,
+                f"must be 0: rl-launch {command} trains all weights (LoRA is sft's and ppo's)",
             )
         for field in ("max_epochs", "critic_learning_rate", "num_episodes"):
             if getattr(self.train, field) != getattr(_DEFAULT_TRAIN, field):
