@@ -9,7 +9,7 @@ import msgspec
 import pytest
 import yaml
 
-from rl_launch.aliases import ALIASES, UNSUPPORTED, expand_aliases
+from rl_launch.aliases import ALIASES, COMMANDS, UNSUPPORTED, aliases_of, expand_aliases, refusals_of
 from rl_launch.config import PPOConfig
 from rl_launch.options import iter_options
 
@@ -302,8 +302,8 @@ def test_unsupported_flag_names_the_flag_and_the_reason():
         ValueError, match=r"^--actor\.aux_loss_coef \(OpenRLHF\) is not supported by rl-launch: "
     ):
         expand_aliases(["--actor.aux_loss_coef", "0.001"])
-    with pytest.raises(ValueError, match=r"--vllm\.sync_backend .*--rollout\.weight_sync \(broadcast"):
-        expand_aliases(["--vllm.sync_backend=nccl"])
+    with pytest.raises(ValueError, match=r"--vllm\.sync_with_ray .*--rollout\.weight_sync \(broadcast"):
+        expand_aliases(["--vllm.sync_with_ray"])
 
 
 def test_prefix_caching_reaches_the_vllm_engine_as_its_option():
@@ -314,10 +314,10 @@ def test_prefix_caching_reaches_the_vllm_engine_as_its_option():
 
 def test_every_unsupported_flag_of_a_command_line_is_reported_at_once():
     with pytest.raises(ValueError, match=r"^OpenRLHF flags rl-launch cannot take:") as error:
-        expand_aliases(["--ckpt.output_dir", "out", "--algo.kl.use_loss", "--train.micro_batch_size", "4"])
+        expand_aliases(["--ckpt.disable_ds", "--algo.kl.use_loss", "--ckpt.max_mem", "4"])
     message = str(error.value)
-    assert "--ckpt.output_dir" in message
-    assert "--train.micro_batch_size" in message
+    assert "--ckpt.disable_ds" in message
+    assert "--ckpt.max_mem" in message
     assert "--algo.kl.use_loss" not in message
 
 
@@ -343,10 +343,17 @@ def test_arguments_after_a_double_dash_are_left_alone():
     assert expand_aliases(["--", "--algo.kl.use_loss"]) == (["--", "--algo.kl.use_loss"], [])
 
 
-def test_every_flag_is_listed_once():
-    flags = [alias.flag for alias in ALIASES]
-    assert len(flags) == len(set(flags))
-    assert not set(flags) & set(UNSUPPORTED)
+def test_every_flag_is_listed_once_per_command():
+    for command in COMMANDS:
+        flags = [alias.flag for alias in ALIASES if command in alias.commands]
+        assert len(flags) == len(set(flags)), command
+    # a refused flag is accepted only where a command has it with a meaning (serve_rm's normalisation)
+    assert {alias.flag for alias in ALIASES} & set(UNSUPPORTED) == {
+        "reward.normalize_enable",
+        "eval.dataset",
+        "eval.split",
+        "data.input_template",
+    }
 
 
 # ---------------------------------------------------------------- a realistic OpenRLHF 0.11 script
@@ -409,7 +416,7 @@ def test_reward_shaping_flags_pass_through_unchanged_and_are_no_longer_refused()
     argv = ["--reward.overlong_buffer_len", "64", "--reward.overlong_penalty_factor=0.5"]
     argv += ["--reward.stop_properly_penalty_coef", "-0.5"]
     assert expand_aliases(argv) == (argv, [])
-    assert not SAME_NAMES & set(UNSUPPORTED)
+    assert not SAME_NAMES & set(refusals_of("ppo"))
 
 
 OPENRLHF_DATA_FLAGS = [
@@ -477,7 +484,7 @@ def test_openrlhf_example_expands_to_rl_launch_names():
     assert "--reward.overlong_buffer_len 256 --reward.overlong_penalty_factor 1.0" in text
     assert "--reward.stop_properly_penalty_coef 0.0" in text
     # No OpenRLHF-only name is left, and each rewritten flag has its note.
-    openrlhf_only = {f"--{alias.flag}" for alias in ALIASES} - {f"--{name}" for name in SAME_NAMES}
+    openrlhf_only = {f"--{flag}" for flag in aliases_of("ppo")} - {f"--{name}" for name in SAME_NAMES}
     assert not [token for token in argv if token.partition("=")[0] in openrlhf_only]
     assert "--algo.advantage.gamma" not in text  # OpenRLHF runs reinforce_baseline with gamma 1.0
     rewritten = openrlhf_only | {"--reward.remote_url"}  # its value here is a .py file
@@ -491,15 +498,31 @@ def _dict_option(option_type: typing.Any) -> bool:
     return option_type is dict or typing.get_origin(option_type) is dict
 
 
+def _config_of(command: str) -> type:
+    from rl_launch.serve_rm import ServeRMConfig
+    from rl_launch.trainers import COMMANDS as TRAINER_COMMANDS
+
+    return {"ppo": PPOConfig, "serve-rm": ServeRMConfig, **TRAINER_COMMANDS}[command]
+
+
+def _is_option(name: str, leaves: dict[str, typing.Any]) -> bool:
+    if name in leaves:
+        return True
+    parts = name.split(".")  # an entry of a dict option, at any depth
+    return any(_dict_option(leaves.get(".".join(parts[:end]))) for end in range(1, len(parts)))
+
+
 @needs_final_config
-def test_every_alias_target_is_an_option_of_the_config():
-    leaves = {option.name: option.type for option in iter_options(PPOConfig) if not option.is_section}
-    missing = []
-    for alias in ALIASES:
-        for target in alias.targets:
-            parent = target.rpartition(".")[0]
-            if target not in leaves and not (parent in leaves and _dict_option(leaves[parent])):
-                missing.append(f"--{alias.flag} -> {target}")
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_alias_target_is_an_option_of_the_config(command):
+    config = _config_of(command)
+    leaves = {option.name: option.type for option in iter_options(config) if not option.is_section}
+    missing = [
+        f"--{alias.flag} -> {target}"
+        for alias in aliases_of(command).values()
+        for target in alias.targets
+        if not _is_option(target, leaves)
+    ]
     assert not missing
 
 
@@ -507,10 +530,11 @@ def test_every_alias_target_is_an_option_of_the_config():
 def test_no_openrlhf_flag_shadows_an_option_of_the_config():
     names = {option.name for option in iter_options(PPOConfig)}
     # Shared names: only a .py value of reward.remote_url (OpenRLHF's local function) and a group
-    # estimator with the KL in the reward (OpenRLHF's reward-to-go form) change; the
-    # reward shaping flags mean the same here and pass through.
-    assert set(_alias.flag for _alias in ALIASES) & names == SAME_NAMES
-    assert not set(UNSUPPORTED) & names
+    # estimator with the KL in the reward (OpenRLHF's reward-to-go form) change; the reward shaping
+    # flags mean the same here and pass through; train.num_episodes is ours too, with a note (the
+    # loop resolves it).
+    assert set(aliases_of("ppo")) & names == SAME_NAMES | {"train.num_episodes"}
+    assert not set(refusals_of("ppo")) & names
 
 
 @needs_final_config
@@ -546,6 +570,7 @@ def test_options_named_in_the_refusals_and_the_same_name_flags_exist():
     leaves = {option.name: option.type for option in iter_options(PPOConfig) if not option.is_section}
     named = {word for reason in UNSUPPORTED.values() for word in re.findall(r"--([\w.]+)", reason)}
     named -= {alias.flag for alias in ALIASES}  # a reason may point at an accepted OpenRLHF flag
+    named -= {"data.apply_chat_template"}  # sft's option, named in a reason of sft / rm / dpo
     unknown = [
         name for name in named if name not in leaves and not _dict_option(leaves.get(name.rpartition(".")[0]))
     ]
@@ -563,3 +588,139 @@ def test_options_named_in_the_refusals_and_the_same_name_flags_exist():
         "reward.remote_url",
     }
     assert same_names <= set(leaves)
+
+
+# ------------------------------------------------- translations of the OpenRLHF drop-in issue
+
+
+def test_sleep_flags_say_what_they_mean_with_and_without_the_hybrid_engine():
+    _, notes = expand_aliases(["--train.colocate_all", "--vllm.enable_sleep", "--ds.enable_sleep"])
+    assert "always, which is what this flag asks for" in notes[1]
+    assert "always, which is what this flag asks for" in notes[2]
+    argv, notes = expand_aliases(["--vllm.enable_sleep"])
+    assert argv == []
+    assert "ignored, as OpenRLHF does without the hybrid engine" in notes[0]
+    _, notes = expand_aliases(["--ray.colocate", "all", "--ds.enable_sleep"])
+    assert "always" in notes[0]
+
+
+def test_sync_backend_is_the_broadcast_strategy_and_other_backends_are_refused():
+    argv, notes = expand_aliases(["--vllm.sync_backend", "gloo"])
+    assert argv == ["--rollout.weight_sync", "broadcast"]
+    assert "NCCL on GPUs and gloo on CPU" in notes[0]
+    with pytest.raises(ValueError, match="nccl and gloo"):
+        expand_aliases(["--vllm.sync_backend", "mpi"])
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--data.max_len", "2048"], ["--data.prompt_max_len", "1024", "--rollout.generate_max_len", "1024"]),
+        (
+            ["--data.max_len", "9216", "--rollout.max_new_tokens", "8192"],
+            ["--data.prompt_max_len", "1024", "--rollout.generate_max_len", "8192"],
+        ),
+        (
+            ["--data.prompt_max_len", "512", "--data.max_len", "2048"],
+            ["--data.prompt_max_len", "512", "--rollout.generate_max_len", "1536"],
+        ),
+    ],
+)
+def test_max_len_is_split_into_the_prompt_and_response_lengths_with_a_note(argv, expected):
+    expanded, notes = expand_aliases(argv)
+    assert expanded == expected
+    assert any("prompt + response ≤" in note for note in notes)
+
+
+def test_max_len_is_max_len_for_sft_and_serve_rm():
+    assert expand_aliases(["--data.max_len", "512"], "sft") == (["--data.max_len", "512"], [])
+    assert expand_aliases(["--data.max_len", "512"], "serve-rm")[0] == ["--max_len", "512"]
+    with pytest.raises(ValueError, match="leaves no room for a prompt"):
+        expand_aliases(["--data.max_len", "100", "--rollout.max_new_tokens", "100"])
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        (["--algo.advantage.is_correction_level", "off"], {"correction": "none"}),
+        (["--algo.advantage.is_correction_level", "token"], {"correction": "tis"}),
+        (
+            ["--algo.advantage.is_correction_level", "token", "--algo.advantage.is_correction_mode", "mask"],
+            {"correction": "mask"},
+        ),
+        (
+            [
+                "--algo.advantage.is_correction_level",
+                "seq",
+                *("--algo.advantage.is_correction_threshold", "0.5", "2"),
+            ],
+            {"correction": "mask", "level": "geometric", "low": "0.5", "high": "2"},
+        ),
+        (
+            [
+                *("--algo.advantage.is_correction_level", "seq", "--algo.advantage.is_correction_gating"),
+                *("binary_kl", "--algo.advantage.is_correction_threshold", "5e-3"),
+            ],
+            {"correction": "mask", "level": "sequence", "gating": "binary_kl", "low": "0", "high": "5e-3"},
+        ),
+    ],
+)
+def test_openrlhf_0_11_2_correction_level_mode_and_gating_become_a_correction(flags, expected):
+    argv, _ = expand_aliases(flags)
+    pairs = dict(zip(argv[::2], argv[1::2], strict=True))
+    got = {key.rpartition(".")[2]: value for key, value in pairs.items()}
+    assert got == expected
+
+
+@pytest.mark.parametrize(
+    ("flags", "match"),
+    [
+        (
+            ["--algo.advantage.is_correction_level", "seq", "--algo.advantage.is_correction_mode", "clip"],
+            "clip truncates a token's ratio",
+        ),
+        (["--algo.advantage.is_correction_gating", "tv"], "turns nothing on without"),
+        (
+            ["--algo.advantage.is_correction_enable", "--algo.advantage.is_correction_level", "token"],
+            "not both",
+        ),
+        (
+            [
+                "--algo.advantage.is_correction_level",
+                "token",
+                "--algo.advantage.is_correction_threshold",
+                "2",
+            ],
+            "one value is an upper bound only",
+        ),
+    ],
+)
+def test_openrlhf_0_11_2_correction_flags_without_a_counterpart_are_refused(flags, match):
+    with pytest.raises(ValueError, match=match):
+        expand_aliases(flags)
+
+
+def test_deepspeed_keys_pass_through_the_deepspeed_config_option():
+    argv, _ = expand_aliases(["--ds.overlap_comm", "--ds.zpg", "8", "--ds.grad_accum_dtype", "fp32"], "dpo")
+    assert argv == [
+        *("--train.deepspeed_config.zero_optimization.overlap_comm", "true"),
+        *("--train.deepspeed_config.zero_optimization.zero_hpz_partition_size", "8"),
+        *("--train.deepspeed_config.data_types.grad_accum_dtype", "fp32"),
+    ]
+
+
+def test_logger_flags_reach_wandb_and_tensorboard_options():
+    argv, _ = expand_aliases(
+        ["--logger.wandb.org", "team", "--logger.wandb.group", "g", "--logger.tensorboard_dir", "tb"], "rm"
+    )
+    assert argv == [
+        *("--log.wandb_entity", "team", "--log.wandb_group", "g"),
+        *("--log.use_tensorboard", "true", "--log.tensorboard_dir", "tb"),
+    ]
+
+
+def test_async_colocate_all_colocates_the_learners_only_as_openrlhf():
+    argv, notes = expand_aliases(["--train.async_enable", "--train.colocate_all", "--vllm.enable_sleep"])
+    assert argv == ["--rollout.async_train", "true", "--ray.colocate", "policy_ref"]
+    assert "only the DeepSpeed models" in notes[1]
+    assert "ignored" in notes[2]

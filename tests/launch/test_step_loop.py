@@ -310,3 +310,23 @@ def test_a_step_logs_rewards_lengths_training_sync_timing_and_version():
     assert logged_step == 1
     assert len(rows) == 1
     assert rows[0]["group_id"] == 0
+
+
+def test_num_episodes_become_steps_once_the_prompts_are_loaded():
+    from rl_launch.learner_settings import learner_settings
+    from rl_launch.ppo import steps_of_episodes
+
+    config = load_config(
+        PPOConfig,
+        None,
+        {"train.num_episodes": "3", "rollout.rollout_batch_size": "4", "preset": "arithmetic"},
+    )
+    assert steps_of_episodes(config, 10).train.max_steps == 6  # 3 × ⌊10 / 4⌋
+    assert steps_of_episodes(config, 2).train.max_steps == 1  # fewer prompts than a batch: one step
+    config = load_config(
+        PPOConfig,
+        None,
+        {"train.deepspeed_config.zero_optimization.overlap_comm": "true", "preset": "arithmetic"},
+    )
+    settings = learner_settings(config.model, config.train, dtype="fp32", lr=1e-6)
+    assert settings.deepspeed.extra == {"zero_optimization": {"overlap_comm": True}}

@@ -63,7 +63,7 @@ def test_dotted_options_reach_the_loss_and_data_sections():
         ("dpo", {"loss.beta": "0"}, "loss.beta"),
         ("rm", {"loss.use_margin": "true"}, "needs data.margin_key"),
         ("sft", {"loss.aggregation": "seq-mean-token-sum"}, "loss.aggregation"),
-        ("sft", {"model.lora_rank": "8"}, "model.lora_rank"),
+        ("dpo", {"model.lora_rank": "8"}, "model.lora_rank"),
         ("sft", {"model.critic_pretrain": "x"}, "does not apply to rl-launch sft"),
         ("rm", {"train.max_epochs": "2"}, "train.max_epochs"),
     ],
@@ -155,3 +155,11 @@ def test_demo_run_learns_resumes_and_exports(command, tmp_path):
     tokenizer = transformers.AutoTokenizer.from_pretrained(out / "final")
     ids = tokenizer("What is 3 + 1?", return_tensors="pt")
     assert model(**ids).logits.shape[0] == 1
+
+
+def test_epochs_become_steps_once_the_dataset_size_is_known():
+    from rl_launch.trainers.loop import steps_of_epochs
+
+    config = resolve_config("sft", None, {"train.epochs": "2", "train.train_batch_size": "4"})
+    assert steps_of_epochs(config, 10).train.max_steps == 5  # ⌈2 × 10 / 4⌉
+    assert steps_of_epochs(config, 1).train.max_steps == 1

@@ -203,3 +203,13 @@ def test_build_scheduler_rejects_non_positive_total_steps():
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
     with pytest.raises(ValueError, match="total_steps: 0 is not an integer >= 1"):
         build_scheduler(optimizer, OptimizerConfig(), 0)
+
+
+def test_extra_deepspeed_keys_merge_into_the_built_config_key_by_key():
+    from rl_learner import DeepSpeedConfig, deepspeed_config
+
+    extra = {"zero_optimization": {"overlap_comm": True}, "data_types": {"grad_accum_dtype": "fp32"}}
+    config = deepspeed_config(DeepSpeedConfig(zero_stage=2, dtype="fp32", extra=extra), world_size=1)
+    assert config["zero_optimization"]["overlap_comm"] is True
+    assert config["zero_optimization"]["stage"] == 2  # kept beside the merged key
+    assert config["data_types"] == {"grad_accum_dtype": "fp32"}

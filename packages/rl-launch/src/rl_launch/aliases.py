@@ -1,11 +1,15 @@
-"""OpenRLHF 0.11's PPO flag names, accepted by `rl-launch ppo` and rewritten to its own options.
+"""OpenRLHF 0.11's flag names, accepted by `rl-launch ppo`, `sft`, `rm`, `dpo` and `serve-rm` and
+rewritten to their own options.
 
-OpenRLHF 0.11 names its PPO flags by owner and dot (`--algo.kl.init_coef`, `--rollout.batch_size`,
-`--actor.eps_clip_low_high 0.2 0.28`, `--ckpt.load_enable`, ...): the argument list of
-`openrlhf/cli/train_ppo_ray.py`, whose old flat names (`--init_kl_coef`, `--rollout_batch_size`,
-...) were removed. `expand_aliases` rewrites a command line written with those names into this
-launcher's options before argparse sees it, and returns one note per rewritten flag, which the
-CLI prints so that nothing is translated silently:
+OpenRLHF 0.11 names its flags by owner and dot (`--algo.kl.init_coef`, `--rollout.batch_size`,
+`--actor.eps_clip_low_high 0.2 0.28`, `--ckpt.load_enable`, ...): the argument lists of
+`openrlhf/cli/train_ppo_ray.py`, `train_sft.py`, `train_rm.py`, `train_dpo.py` and `serve_rm.py`.
+One table (`ALIASES`) serves every command: each entry names the commands it applies to, and a
+flag with two meanings has two entries (`--data.max_len` is a total budget for ppo, split into
+the prompt and response lengths, and `data.max_len` itself for sft). `expand_aliases(argv,
+command)` rewrites a command line written with those names into the command's options before
+argparse sees it, and returns one note per rewritten flag, which the CLI prints so that nothing
+is translated silently:
 
     argv, notes = expand_aliases(["--algo.kl.use_loss", "--actor.eps_clip_low_high", "0.2", "0.28"])
     argv == ["--algo.kl.use_kl_loss", "true", "--algo.policy.options.epsilon_low", "0.2",
@@ -28,10 +32,18 @@ only where it means the same thing here; conversions stay within that meaning:
 - flags whose meaning is what rl-launch always does (`--ds.packing_samples`, `--actor.optim adam`):
   accepted and dropped, with a note; another value than rl-launch's is refused;
 - flags OpenRLHF itself ignores in the run at hand (`--algo.advantage.gamma` with `group_norm`,
-  which OpenRLHF runs with gamma 1): dropped, with a note saying why.
+  which OpenRLHF runs with gamma 1): dropped, with a note saying why;
+- flags that change nothing a run computes here (`--train.micro_batch_size`: micro-batches are
+  packed to a token budget; `--vllm.enable_sleep`: what `ray.colocate all` always does): dropped,
+  with a note saying what happens instead;
+- translations whose note states the assumption (`--data.max_len` split into two lengths,
+  `--vllm.sync_backend nccl` → the broadcast strategy) or names the option the loop resolves
+  (`--train.num_episodes`, sft's `--train.max_epochs` → `train.epochs`: steps from the data's size);
+- DeepSpeed's own keys (`--ds.overlap_comm`, `--ds.zpg`, `--ds.grad_accum_dtype`), passed through
+  `train.deepspeed_config`.
 
-`UNSUPPORTED` lists OpenRLHF 0.11 flags with no counterpart here and why; `expand_aliases` refuses
-them with that reason (one `ValueError` naming every such flag) instead of argparse's "unknown
+`UNSUPPORTED` lists OpenRLHF 0.11 flags with no counterpart here and why, for every command
+without an alias for the flag (`refusals_of`); `expand_aliases` refuses them with that reason (one `ValueError` naming every such flag) instead of argparse's "unknown
 option". OpenRLHF flags whose name is already an rl-launch option (`--algo.advantage.estimator`,
 `--rollout.n_samples_per_prompt`, `--rollout.temperature`, `--train.max_epochs`, `--ckpt.path`,
 ...) pass through untouched; every OpenRLHF estimator name is registered in `rl_algos` under the
@@ -58,17 +70,29 @@ from typing import Any
 
 __all__ = [
     "ALIASES",
+    "COMMANDS",
     "FORMER_CORRECTION_KEYS",
     "UNSUPPORTED",
     "Alias",
     "Context",
+    "aliases_of",
     "expand_aliases",
     "expand_former_options",
     "migrate_former_keys",
+    "refusals_of",
+    "render_mapping_table",
 ]
 
 Pairs = list[tuple[str, str]]
 """(our dotted option, its command-line text) pairs, in order."""
+
+
+COMMANDS: tuple[str, ...] = ("ppo", "sft", "rm", "dpo", "serve-rm")
+"""The `rl-launch` commands that take OpenRLHF's flags (its train_ppo_ray, train_sft, train_rm,
+train_dpo and serve_rm)."""
+PPO: tuple[str, ...] = ("ppo",)
+SUPERVISED: tuple[str, ...] = ("sft", "rm", "dpo")
+TRAINERS: tuple[str, ...] = (*PPO, *SUPERVISED)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,16 +103,21 @@ class Context:
     """Every aliased OpenRLHF flag on the command line (no dashes) -> the values it was given last."""
     estimator: str | None
     """The value of `--algo.advantage.estimator` on the command line, None when it is not there."""
+    command: str = "ppo"
+    """The rl-launch command the line is for."""
+    options: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    """rl-launch's own options written on the command line (no dashes) -> their last value."""
 
 
-Convert = Callable[[tuple[str, ...], Context], "Pairs | str"]
-"""(values, context) -> the options to emit, or a str: why nothing is emitted. Raises ValueError
-for a value that has no counterpart here."""
+Expansion = "Pairs | str | tuple[Pairs, str]"
+Convert = Callable[[tuple[str, ...], Context], Expansion]
+"""(values, context) -> the options to emit; a str: why nothing is emitted; or (options, what the
+note should add: a split, a condition). Raises ValueError for a value that has no counterpart here."""
 
 
 @dataclasses.dataclass(frozen=True)
 class Alias:
-    """One OpenRLHF 0.11 flag and what it becomes here."""
+    """One OpenRLHF 0.11 flag and what it becomes here, for the commands in `commands`."""
 
     flag: str
     """OpenRLHF's name, without the dashes (`actor.eps_clip_low_high`)."""
@@ -100,10 +129,15 @@ class Alias:
     """None: the plain rename of `_rename`."""
     remark: str = ""
     """What a reader of the README should know about it (a differing convention, a condition)."""
+    commands: tuple[str, ...] = PPO
+    """The rl-launch commands whose OpenRLHF counterpart has this flag with this meaning."""
+    note: str = ""
+    """Printed with the rewrite every time (a translation that is not a plain rename)."""
 
-    def expand(self, values: tuple[str, ...], context: Context) -> Pairs | str:
+    def expand(self, values: tuple[str, ...], context: Context) -> Pairs | str | tuple[Pairs, str]:
         if self.convert is None:
-            return _rename(self, values, context)
+            pairs = _rename(self, values, context)
+            return (pairs, self.note) if self.note else pairs
         return self.convert(values, context)
 
 
@@ -227,15 +261,85 @@ def _policy_loss(values: tuple[str, ...], context: Context) -> Pairs:
 
 _IS_ENABLE = "algo.advantage.is_correction_enable"
 _IS_TYPE = "algo.advantage.is_correction_type"
+_IS_LEVEL = "algo.advantage.is_correction_level"
+_IS_MODE = "algo.advantage.is_correction_mode"
+_IS_GATING = "algo.advantage.is_correction_gating"
+_IS_THRESHOLD = "algo.advantage.is_correction_threshold"
+_CORRECTION_OPTION = "algo.policy.correction_options."
+_DIVERGENCES = ("binary_kl", "tv")
 
 
-def _is_correction(values: tuple[str, ...], context: Context) -> Pairs:
-    if _IS_ENABLE not in context.given:
-        raise ValueError(
-            f"turns nothing on without --{_IS_ENABLE} (OpenRLHF ignores it); add that flag or drop this one"
-        )
-    kind = context.given.get(_IS_TYPE, ("tis",))[0]  # OpenRLHF's type when only the switch is given
-    return [("algo.policy.correction", kind)]
+def _correction_bounds(values: tuple[str, ...], divergence: bool) -> Pairs:
+    """OpenRLHF's threshold `[LOW] HIGH`: one value is an upper bound only (a divergence's δ)."""
+    if len(values) > 2:
+        raise ValueError(f"--{_IS_THRESHOLD} takes LOW HIGH or HIGH, got {len(values)} values")
+    if len(values) == 1:
+        if not divergence:
+            raise ValueError(
+                f"--{_IS_THRESHOLD} {values[0]}: one value is an upper bound only, which a ratio "
+                f"gating cannot use (its low bound is > 0); give LOW HIGH, or --{_IS_GATING} binary_kl / tv"
+            )
+        return [(f"{_CORRECTION_OPTION}low", "0"), (f"{_CORRECTION_OPTION}high", values[0])]
+    return [(f"{_CORRECTION_OPTION}low", values[0]), (f"{_CORRECTION_OPTION}high", values[1])]
+
+
+def _correction(values: tuple[str, ...], context: Context) -> Pairs:
+    """The rollout correction of OpenRLHF's flags, 0.11.0's or 0.11.2's, as one choice.
+
+    0.11.0: `--is_correction_enable` with `--is_correction_type tis|icepop|seq-mask-tis` (tis when
+    absent) names the correction. 0.11.2: `--is_correction_level off|token|seq`, `--_mode mask|clip`
+    and `--_gating ratio|binary_kl|tv`: clip is `tis` (a token ratio truncated to the bounds); mask
+    is `mask` (units outside the bounds dropped, survivors keep their token weight), at level
+    `token`, or per sequence: the geometric-mean ratio (`geometric`) with ratio gating, the mean
+    divergence (`sequence`) with binary_kl / tv. Without a mode, seq and a divergence gating mask
+    (the only mode they have) and token clips. `--_threshold` sets the bounds (one value: δ of a
+    divergence); alone it sets the options of the automatic choice.
+    """
+    del values
+    given = context.given
+    zero_eleven_two = [flag for flag in (_IS_LEVEL, _IS_MODE, _IS_GATING) if flag in given]
+    gating = given.get(_IS_GATING, ("ratio",))[0]
+    if gating not in ("ratio", *_DIVERGENCES):
+        raise ValueError(f"--{_IS_GATING}: OpenRLHF's choices are ratio, binary_kl, tv, got {gating!r}")
+    options: Pairs = []
+    if _IS_THRESHOLD in given:
+        options = _correction_bounds(given[_IS_THRESHOLD], gating in _DIVERGENCES)
+    if _IS_ENABLE in given or _IS_TYPE in given:
+        if zero_eleven_two:
+            raise ValueError(
+                f"give OpenRLHF 0.11.0's --{_IS_ENABLE} / --{_IS_TYPE} or 0.11.2's --{_IS_LEVEL} / "
+                f"--{_IS_MODE} / --{_IS_GATING}, not both"
+            )
+        if _IS_ENABLE not in given:
+            raise ValueError(
+                f"turns nothing on without --{_IS_ENABLE} (OpenRLHF ignores it); add that flag or drop this one"
+            )
+        return [("algo.policy.correction", given.get(_IS_TYPE, ("tis",))[0]), *options]
+    if not zero_eleven_two:
+        return options  # the threshold alone: the bounds of the automatic choice
+    level = given.get(_IS_LEVEL, (None,))[0]
+    if level is None:
+        raise ValueError(f"turns nothing on without --{_IS_LEVEL} token or seq (OpenRLHF's default is off)")
+    if level == "off":
+        return [("algo.policy.correction", "none")]
+    if level not in ("token", "seq"):
+        raise ValueError(f"--{_IS_LEVEL}: OpenRLHF's choices are off, token, seq, got {level!r}")
+    mode = given.get(_IS_MODE, ("mask" if level == "seq" or gating != "ratio" else "clip",))[0]
+    if mode == "clip":
+        if level == "seq" or gating != "ratio":
+            raise ValueError(
+                f"--{_IS_MODE} clip truncates a token's ratio: it takes --{_IS_LEVEL} token with ratio "
+                f"gating, not level {level!r} with gating {gating!r} (use --{_IS_MODE} mask)"
+            )
+        return [("algo.policy.correction", "tis"), *options]
+    if mode != "mask":
+        raise ValueError(f"--{_IS_MODE}: OpenRLHF's choices are mask, clip, got {mode!r}")
+    pairs: Pairs = [("algo.policy.correction", "mask")]
+    if level == "seq":
+        pairs.append((f"{_CORRECTION_OPTION}level", "geometric" if gating == "ratio" else "sequence"))
+    if gating != "ratio":
+        pairs.append((f"{_CORRECTION_OPTION}gating", gating))
+    return [*pairs, *options]
 
 
 _COLOCATE = {
@@ -245,8 +349,18 @@ _COLOCATE = {
 }
 
 
-def _colocate(values: tuple[str, ...], context: Context) -> Pairs:
+def _colocate(values: tuple[str, ...], context: Context) -> Pairs | tuple[Pairs, str]:
     given = [value for flag, value in _COLOCATE.items() if flag in context.given]
+    if "all" in given and "train.async_enable" in context.given:
+        # OpenRLHF's async mode colocates only its DeepSpeed models; the engines keep their GPUs.
+        pairs = ["policy_ref"]
+        if {"critic.model_name_or_path", "reward.model_name_or_path"} & set(context.given):
+            pairs.append("critic_reward")
+        return (
+            [("ray.colocate", "+".join(pairs))],
+            "with --train.async_enable OpenRLHF colocates only the DeepSpeed models; the engines generate "
+            "on GPUs of their own",
+        )
     return [("ray.colocate", "all" if "all" in given else "+".join(given))]
 
 
@@ -311,23 +425,165 @@ def _wandb_key(values: tuple[str, ...], context: Context) -> Pairs:
     )
 
 
+def _dropped(reason: str) -> Convert:
+    """A flag whose setting has no effect on what a run computes here: accepted, dropped, `reason` printed."""
+
+    def convert(values: tuple[str, ...], context: Context) -> str:
+        return reason
+
+    return convert
+
+
+def _colocated(context: Context) -> bool:
+    """Whether the run is the hybrid engine (ray.colocate all); not in OpenRLHF's async mode."""
+    if "train.async_enable" in context.given:
+        return False
+    return "train.colocate_all" in context.given or context.options.get("ray.colocate") == "all"
+
+
+def _sleep(side: str) -> Convert:
+    """`--vllm.enable_sleep` / `--ds.enable_sleep`: the hybrid engine's sleep, which `ray.colocate
+    all` always does here (roles.Roles.to_training / offload_learners)."""
+
+    def convert(values: tuple[str, ...], context: Context) -> str:
+        if _colocated(context):
+            return (
+                f"with --ray.colocate all the {side} always, which is what this flag asks for "
+                "(the engines sleep after generation, the learners' states leave the GPU for it)"
+            )
+        return (
+            f"ignored, as OpenRLHF does without the hybrid engine (--train.colocate_all, not async): the "
+            f"{side} only where the engines share the learners' GPUs (--ray.colocate all); here they "
+            "have GPUs of their own"
+        )
+
+    return convert
+
+
+def _sync_backend(values: tuple[str, ...], context: Context) -> tuple[Pairs, str]:
+    if values[0] not in ("nccl", "gloo"):
+        raise ValueError(f"OpenRLHF's backends are nccl and gloo, got {values[0]!r}")
+    return (
+        [("rollout.weight_sync", "broadcast")],
+        "the bucketed torch.distributed broadcast, over NCCL on GPUs and gloo on CPU (the device picks)",
+    )
+
+
+def _save_hf(values: tuple[str, ...], context: Context) -> tuple[Pairs, str]:
+    return (
+        [("ckpt.save_hf_model", "true")],
+        "the HF model is exported once, at the end, to --ckpt.hf_output_dir; checkpoints stay DeepSpeed states",
+    )
+
+
+def _max_len(values: tuple[str, ...], context: Context) -> tuple[Pairs, str]:
+    """PPO: OpenRLHF's total budget (prompt + response) split into this launcher's two lengths."""
+    total = _int(values[0])
+    new_tokens = context.given.get(
+        "rollout.max_new_tokens", (context.options.get("rollout.generate_max_len"),)
+    )[0]
+    prompt = context.options.get("data.prompt_max_len")
+    if new_tokens is not None:
+        if _int(new_tokens) >= total:
+            raise ValueError(f"{total} leaves no room for a prompt beside {new_tokens} generated tokens")
+        if prompt is not None:
+            return [], "the prompt and response lengths are given separately"
+        return (
+            [("data.prompt_max_len", str(total - _int(new_tokens)))],
+            f"prompt + response ≤ {total}: the prompt gets what the {new_tokens} generated tokens leave",
+        )
+    if total < 2:
+        raise ValueError(f"{total} cannot hold a prompt and a response")
+    prompt_len = _int(prompt) if prompt is not None else total // 2
+    if prompt_len >= total:
+        raise ValueError(f"--data.prompt_max_len {prompt_len} leaves no room for a response within {total}")
+    pairs = [] if prompt is not None else [("data.prompt_max_len", str(prompt_len))]
+    return (
+        [*pairs, ("rollout.generate_max_len", str(total - prompt_len))],
+        f"prompt + response ≤ {total}: {prompt_len} for the prompt, {total - prompt_len} for the response "
+        "(OpenRLHF gives each response what its own prompt leaves; here the two are fixed)",
+    )
+
+
+def _tensorboard_dir(values: tuple[str, ...], context: Context) -> Pairs:
+    return [("log.use_tensorboard", "true"), ("log.tensorboard_dir", values[0])]
+
+
+def _deepspeed_key(key: str, value: str | None = None) -> Convert:
+    """A DeepSpeed config key, passed through `train.deepspeed_config` (merged into every learner's)."""
+    target = f"train.deepspeed_config.{key}"
+
+    def convert(values: tuple[str, ...], context: Context) -> Pairs:
+        return [(target, values[0] if value is None else value)]
+
+    return convert
+
+
+def _rm_loss_type(values: tuple[str, ...], context: Context) -> str:
+    if values[0] not in ("sigmoid", "logexpsigmoid"):
+        raise ValueError(f"OpenRLHF's choices are sigmoid and logexpsigmoid, got {values[0]!r}")
+    return "both are Bradley-Terry's −log σ(r_chosen − r_rejected), the loss of rl-launch rm"
+
+
+def _margin_loss(values: tuple[str, ...], context: Context) -> tuple[Pairs, str]:
+    pairs = [("loss.use_margin", "true")]
+    if "data.margin_key" not in context.options:
+        pairs.append(("data.margin_key", "margin"))
+    return pairs, "the margin of each pair is read from its column, `margin` as OpenRLHF's"
+
+
+def _ipo(values: tuple[str, ...], context: Context) -> Pairs:
+    return [("loss.loss_type", "ipo")]
+
+
+def _zero_only(reason: str) -> Convert:
+    """A coefficient of a loss term rl-launch does not have: 0 (off) is accepted, anything else refused."""
+
+    def convert(values: tuple[str, ...], context: Context) -> str:
+        if _float(values[0]) != 0:
+            raise ValueError(f"{reason}; only 0 (off) is accepted, got {values[0]}")
+        return f"0 turns it off: {reason}"
+
+    return convert
+
+
 # --------------------------------------------------------------------------------------------
 # The tables.
 
 
 def _alias(
-    flag: str, *targets: str, nargs: int | None = 1, convert: Convert | None = None, remark: str = ""
+    flag: str,
+    *targets: str,
+    nargs: int | None = 1,
+    convert: Convert | None = None,
+    remark: str = "",
+    commands: tuple[str, ...] = PPO,
+    note: str = "",
 ) -> Alias:
-    return Alias(flag, targets, nargs, convert, remark)
+    return Alias(flag, targets, nargs, convert, remark, commands, note)
 
 
 _PACKING = "sequences are packed into micro-batches of at most --train.micro_batch_tokens tokens"
+_MICRO_BATCH = (
+    "micro-batches are packed to a token budget here (--train.micro_batch_tokens, OpenRLHF's "
+    "--train.max_tokens_per_gpu), so a count of samples per GPU does not apply; the update is the same"
+)
+_SUPERVISED_ADAM = (
+    ("adam.lr", "train.actor_learning_rate", 1),
+    ("adam.betas", "train.adam_betas", 2),
+    ("adam.weight_decay", "train.weight_decay", 1),
+    ("lr_warmup_ratio", "train.lr_warmup_ratio", 1),
+    ("min_lr_ratio", "train.min_lr_ratio", 1),
+    ("max_norm", "train.max_norm", 1),
+)
 
 ALIASES: tuple[Alias, ...] = (
     # Models.
     _alias("actor.model_name_or_path", "model.pretrain"),
+    _alias("model.model_name_or_path", "model.pretrain", commands=SUPERVISED),
     _alias("critic.model_name_or_path", "model.critic_pretrain"),
     _alias("reward.model_name_or_path", "model.reward_pretrain"),
+    _alias("reward.model_name_or_path", "reward_pretrain", commands=("serve-rm",)),
     _alias(
         "reward.remote_url",
         "reward.function",
@@ -335,16 +591,32 @@ ALIASES: tuple[Alias, ...] = (
         convert=_remote_url,
         remark="a `.py` file is a local reward function (`reward.function`); a URL stays `reward.remote_url`",
     ),
-    _alias("ds.param_dtype", "model.dtype"),
-    _alias("ds.attn_implementation", "model.attn_implementation"),
+    _alias("ds.param_dtype", "model.dtype", commands=TRAINERS),
+    _alias("ds.param_dtype", "dtype", commands=("serve-rm",)),
+    _alias("ds.attn_implementation", "model.attn_implementation", commands=TRAINERS),
+    _alias("ds.attn_implementation", "attn_implementation", commands=("serve-rm",)),
     _alias("actor.gradient_checkpointing_enable", "model.gradient_checkpointing", nargs=0),
-    _alias("ds.lora.rank", "model.lora_rank"),
-    _alias("ds.lora.alpha", "model.lora_alpha"),
-    _alias("ds.lora.target_modules", "model.target_modules", nargs=None),
+    _alias(
+        "model.gradient_checkpointing_enable", "model.gradient_checkpointing", nargs=0, commands=SUPERVISED
+    ),
+    _alias(
+        "ds.lora.rank",
+        "model.lora_rank",
+        commands=TRAINERS,
+        remark="rm and dpo train all weights: a rank above 0 is refused there",
+    ),
+    _alias("ds.lora.alpha", "model.lora_alpha", commands=TRAINERS),
+    _alias("ds.lora.dropout", "model.lora_dropout", commands=TRAINERS),
+    _alias("ds.lora.target_modules", "model.target_modules", nargs=None, commands=TRAINERS),
     # Data and evaluation.
     _alias("data.prompt_dataset", "data.prompt_data"),
     _alias("eval.dataset", "data.eval_dataset"),
     _alias("eval.steps", "eval.eval_steps"),
+    _alias(
+        "eval.steps",
+        commands=SUPERVISED,
+        convert=_always("sft, rm and dpo have no evaluation set", value="-1"),
+    ),
     _alias("data.prompt_probs", "data.prompt_probs"),
     _alias("data.prompt_split", "data.prompt_split"),
     _alias("eval.split", "eval.split"),
@@ -352,6 +624,19 @@ ALIASES: tuple[Alias, ...] = (
         "data.input_template",
         "data.input_template",
         remark="used instead of the chat template; OpenRLHF ignores it when --data.apply_chat_template is given",
+    ),
+    _alias(
+        "data.max_len",
+        "data.prompt_max_len",
+        "rollout.generate_max_len",
+        convert=_max_len,
+        remark="OpenRLHF's total is split: the prompt gets what --rollout.max_new_tokens leaves, else half",
+    ),
+    _alias("data.max_len", "max_len", commands=("serve-rm",)),
+    _alias(
+        "data.dataloader_num_workers",
+        convert=_dropped("the data is read in the driver; worker processes would not change what is trained"),
+        commands=TRAINERS,
     ),
     # Rollout.
     _alias("rollout.batch_size", "rollout.rollout_batch_size"),
@@ -361,6 +646,24 @@ ALIASES: tuple[Alias, ...] = (
     _alias("vllm.gpu_memory_utilization", "rollout.gpu_memory_utilization"),
     _alias("vllm.enforce_eager", "rollout.enforce_eager", nargs=0),
     _alias("vllm.enable_prefix_caching", "rollout.engine_options.enable_prefix_caching", nargs=0),
+    _alias(
+        "vllm.enable_sleep",
+        nargs=0,
+        convert=_sleep("engines sleep"),
+        remark="what --ray.colocate all always does; ignored without it, as OpenRLHF does",
+    ),
+    _alias(
+        "ds.enable_sleep",
+        nargs=0,
+        convert=_sleep("learners offload"),
+        remark="what --ray.colocate all always does; ignored without it",
+    ),
+    _alias(
+        "vllm.sync_backend",
+        "rollout.weight_sync",
+        convert=_sync_backend,
+        remark="nccl / gloo: the broadcast strategy, which picks NCCL on GPUs and gloo on CPU",
+    ),
     _alias("train.async_enable", "rollout.async_train", nargs=0),
     _alias("train.async_queue_size", "rollout.async_depth"),
     _alias("algo.dynamic_filtering_enable", "rollout.dynamic_filtering", nargs=0),
@@ -370,6 +673,14 @@ ALIASES: tuple[Alias, ...] = (
         remark="runs rollout.executor multi_turn; its options: --rollout.executor_options.max_turns, ...",
     ),
     _alias("algo.dynamic_filtering_range", "rollout.dynamic_filtering_reward_range", nargs=2),
+    _alias("rollout.micro_batch_size", convert=_dropped(_MICRO_BATCH)),
+    _alias(
+        "rollout.max_tokens_per_gpu",
+        convert=_dropped(
+            "the learners' forwards use the training token budget, --train.micro_batch_tokens "
+            "(OpenRLHF's --train.max_tokens_per_gpu)"
+        ),
+    ),
     # Reward.
     _alias(
         "reward.clip_range",
@@ -381,6 +692,13 @@ ALIASES: tuple[Alias, ...] = (
     _alias("reward.overlong_buffer_len", "reward.overlong_buffer_len"),
     _alias("reward.overlong_penalty_factor", "reward.overlong_penalty_factor"),
     _alias("reward.stop_properly_penalty_coef", "reward.stop_properly_penalty_coef"),
+    _alias(
+        "reward.normalize_enable",
+        "normalize_reward",
+        nargs=0,
+        commands=("serve-rm",),
+        remark="(r − mean) / std with the statistics stored in the reward model's config",
+    ),
     # Advantage estimator (`--algo.advantage.estimator` is the same name here).
     _alias(
         "algo.advantage.estimator",
@@ -432,26 +750,67 @@ ALIASES: tuple[Alias, ...] = (
     _alias("actor.eps_clip_low_high", _EPSILON_LOW, _EPSILON_HIGH, nargs=2),
     _alias("actor.dual_clip", "algo.policy.options.dual_clip"),
     _alias("actor.entropy_coef", "algo.policy.entropy_coef"),
-    _alias(
-        _IS_ENABLE,
-        "algo.policy.correction",
-        nargs=0,
-        convert=_is_correction,
-        remark="with --algo.advantage.is_correction_type (default tis, as OpenRLHF)",
-    ),
-    _alias(_IS_TYPE, "algo.policy.correction", convert=_is_correction, remark="tis, icepop, seq-mask-tis"),
-    _alias(
-        "algo.advantage.is_correction_threshold",
-        "algo.policy.correction_options.low",
-        "algo.policy.correction_options.high",
-        nargs=2,
+    *(
+        _alias(
+            flag,
+            "algo.policy.correction",
+            "algo.policy.correction_options",
+            nargs=nargs,
+            convert=_correction,
+            remark=remark,
+        )
+        for flag, nargs, remark in (
+            (
+                _IS_ENABLE,
+                0,
+                "OpenRLHF 0.11.0: with --algo.advantage.is_correction_type (default tis, as OpenRLHF)",
+            ),
+            (_IS_TYPE, 1, "tis, icepop, seq-mask-tis"),
+            (
+                _IS_LEVEL,
+                1,
+                "OpenRLHF 0.11.2: off → none; token; seq → level geometric (ratio gating) or sequence (binary_kl, tv)",
+            ),
+            (
+                _IS_MODE,
+                1,
+                "clip → tis (token level, ratio gating); mask → mask (default for seq and binary_kl / tv)",
+            ),
+            (_IS_GATING, 1, "ratio, binary_kl, tv → correction_options.gating"),
+            (
+                _IS_THRESHOLD,
+                None,
+                "LOW HIGH → correction_options.low, .high; one value: δ of binary_kl / tv (low 0)",
+            ),
+        )
     ),
     _alias("critic.value_clip", "algo.value_clip"),
     # Training.
-    _alias("train.batch_size", "train.train_batch_size"),
+    _alias("train.batch_size", "train.train_batch_size", commands=TRAINERS),
+    _alias("batch_size", "batch_size", commands=("serve-rm",)),
     _alias("train.max_tokens_per_gpu", "train.micro_batch_tokens"),
+    _alias("train.micro_batch_size", convert=_dropped(_MICRO_BATCH), commands=TRAINERS),
     _alias("train.dynamic_batch_enable", nargs=0, convert=_always(_PACKING)),
-    _alias("ds.packing_samples", nargs=0, convert=_always(_PACKING)),
+    _alias("ds.packing_samples", nargs=0, convert=_always(_PACKING), commands=TRAINERS),
+    _alias(
+        "ds.packing_samples",
+        nargs=0,
+        convert=_dropped("the server scores each request's queries in batches of --batch_size"),
+        commands=("serve-rm",),
+    ),
+    _alias(
+        "train.num_episodes",
+        "train.num_episodes",
+        note="the loop sets train.max_steps = episodes × ⌊prompts / rollout.rollout_batch_size⌋ once the prompts are loaded",
+        remark="train.max_steps = episodes × ⌊prompts / rollout_batch_size⌋, set once the prompts are loaded",
+    ),
+    _alias(
+        "train.max_epochs",
+        "train.epochs",
+        commands=SUPERVISED,
+        note="the loop sets train.max_steps = ⌈epochs × rows / train_batch_size⌉ once the data is loaded",
+        remark="passes over the data: train.max_steps = ⌈epochs × rows / train_batch_size⌉, set once the data is loaded",
+    ),
     _alias("actor.adam.lr", "train.actor_learning_rate"),
     _alias("critic.adam.lr", "train.critic_learning_rate"),
     *(
@@ -462,15 +821,10 @@ ALIASES: tuple[Alias, ...] = (
             convert=_shared(option, target),
             remark="one value for both roles",
         )
-        for option, target, nargs in (
-            ("adam.betas", "train.adam_betas", 2),
-            ("adam.weight_decay", "train.weight_decay", 1),
-            ("lr_warmup_ratio", "train.lr_warmup_ratio", 1),
-            ("min_lr_ratio", "train.min_lr_ratio", 1),
-            ("max_norm", "train.max_norm", 1),
-        )
+        for option, target, nargs in _SUPERVISED_ADAM[1:]
         for entity in ("actor", "critic")
     ),
+    *(_alias(option, target, nargs=nargs, commands=SUPERVISED) for option, target, nargs in _SUPERVISED_ADAM),
     *(
         _alias(f"{entity}.{option}", convert=_always(reason, value=value))
         for option, value, reason in (
@@ -480,8 +834,46 @@ ALIASES: tuple[Alias, ...] = (
         )
         for entity in ("actor", "critic")
     ),
-    _alias("ds.zero_stage", "train.zero_stage"),
-    _alias("ds.adam_offload", "train.adam_offload", nargs=0),
+    *(
+        _alias(option, convert=_always(reason, value=value), commands=SUPERVISED)
+        for option, value, reason in (
+            ("optim", "adam", "the optimizer is AdamW"),
+            ("adam.eps", "1e-8", "AdamW's epsilon is 1e-8"),
+            ("lr_scheduler", "cosine_with_min_lr", "the schedule is cosine, with warmup and a floor"),
+        )
+    ),
+    _alias("ds.zero_stage", "train.zero_stage", commands=TRAINERS),
+    _alias("ds.adam_offload", "train.adam_offload", nargs=0, commands=TRAINERS),
+    _alias(
+        "ds.tensor_parallel_size",
+        convert=_always("the learners are data-parallel (ZeRO), without tensor parallelism", value="1"),
+        commands=TRAINERS,
+    ),
+    # DeepSpeed config keys, passed through (merged into the config every learner builds).
+    _alias(
+        "ds.overlap_comm",
+        "train.deepspeed_config.zero_optimization.overlap_comm",
+        nargs=0,
+        convert=_deepspeed_key("zero_optimization.overlap_comm", "true"),
+        commands=TRAINERS,
+    ),
+    _alias(
+        "ds.zpg",
+        "train.deepspeed_config.zero_optimization.zero_hpz_partition_size",
+        convert=_deepspeed_key("zero_optimization.zero_hpz_partition_size"),
+        commands=TRAINERS,
+    ),
+    _alias(
+        "ds.grad_accum_dtype",
+        "train.deepspeed_config.data_types.grad_accum_dtype",
+        convert=_deepspeed_key("data_types.grad_accum_dtype"),
+        commands=TRAINERS,
+    ),
+    _alias(
+        "local_rank",
+        convert=_dropped("set by DeepSpeed's launcher; rl-launch starts its own ranks"),
+        commands=TRAINERS,
+    ),
     # Ray placement.
     *(
         _alias(
@@ -494,45 +886,92 @@ ALIASES: tuple[Alias, ...] = (
         for part in ("num_nodes", "num_gpus_per_node")
     ),
     *(_alias(flag, "ray.colocate", nargs=0, convert=_colocate) for flag in _COLOCATE),
+    # Supervised losses (OpenRLHF's model.* flags of train_rm / train_dpo).
+    _alias("model.beta", "loss.beta", commands=("dpo",)),
+    _alias("model.ipo_enable", "loss.loss_type", nargs=0, convert=_ipo, commands=("dpo",), remark="→ ipo"),
+    _alias("model.label_smoothing", "loss.label_smoothing", commands=("dpo",)),
+    _alias(
+        "model.nll_loss_coef",
+        convert=_zero_only("there is no NLL term beside the DPO loss"),
+        commands=("dpo",),
+    ),
+    _alias(
+        "model.margin_loss_enable",
+        "loss.use_margin",
+        "data.margin_key",
+        nargs=0,
+        convert=_margin_loss,
+        commands=("rm",),
+        remark="the column `margin` unless --data.margin_key is given",
+    ),
+    _alias(
+        "model.loss_type",
+        convert=_rm_loss_type,
+        commands=("rm",),
+        remark="sigmoid and logexpsigmoid are the same loss",
+    ),
     # Checkpoints and logging.
-    _alias("ckpt.load_enable", "ckpt.load_checkpoint", nargs=0),
-    _alias("ckpt.max_num", "ckpt.max_ckpt_num"),
+    _alias(
+        "ckpt.output_dir",
+        "ckpt.hf_output_dir",
+        commands=TRAINERS,
+        remark="where the final HF model goes (default <log.output_dir>/final)",
+    ),
+    _alias("ckpt.save_hf", "ckpt.save_hf_model", nargs=0, convert=_save_hf, commands=TRAINERS),
+    _alias("ckpt.load_enable", "ckpt.load_checkpoint", nargs=0, commands=TRAINERS),
+    _alias("ckpt.max_num", "ckpt.max_ckpt_num", commands=TRAINERS),
     _alias(
         "logger.wandb.key",
         "log.use_wandb",
         convert=_wandb_key,
+        commands=TRAINERS,
         remark="True only; log in to wandb beforehand",
     ),
-    _alias("logger.wandb.project", "log.wandb_project"),
-    _alias("logger.wandb.run_name", "log.run_name"),
-    _alias("logger.logging_steps", convert=_always("every step is logged", value="1")),
+    _alias("logger.wandb.project", "log.wandb_project", commands=TRAINERS),
+    _alias("logger.wandb.run_name", "log.run_name", commands=TRAINERS),
+    _alias("logger.wandb.org", "log.wandb_entity", commands=TRAINERS),
+    _alias("logger.wandb.group", "log.wandb_group", commands=TRAINERS),
+    _alias(
+        "logger.tensorboard_dir",
+        "log.use_tensorboard",
+        "log.tensorboard_dir",
+        convert=_tensorboard_dir,
+        commands=TRAINERS,
+    ),
+    _alias("logger.logging_steps", convert=_always("every step is logged", value="1"), commands=TRAINERS),
 )
-"""Every OpenRLHF 0.11 flag `rl-launch ppo` accepts; see the module docstring."""
+"""Every OpenRLHF 0.11 flag the commands accept, each entry for the commands it names (a flag
+may have one entry per meaning: `--data.max_len` is a total budget for ppo and the same
+`data.max_len` for sft); see the module docstring."""
 
-_TOKEN_BUDGET = "micro-batches are packed to a token budget here: --train.micro_batch_tokens"
-_NO_VISION = "vision-language models are not supported"
+_NO_VISION = (
+    "vision-language models are not supported yet (images in records: an open issue of the agents "
+    "and VLM work)"
+)
 _NO_MUON = "the optimizer is AdamW"
+_SEQUENCE_PARALLEL = (
+    "ring attention (sequence parallelism) is not supported yet: a micro-batch spanning an SP × DP "
+    "group is an open issue of the scale work"
+)
 
 UNSUPPORTED: Mapping[str, str] = {
     # Models and DeepSpeed.
     "ref.model_name_or_path": "the reference model is always the policy's initial model (--model.pretrain)",
     "ds.value_head_prefix": "a reward model here is a sequence classifier with one label, whatever its head's name",
-    "ds.zpg": "DeepSpeed's ZeRO++ partition size is not an option here",
-    "ds.overlap_comm": "DeepSpeed's communication overlap is not an option here",
-    "ds.grad_accum_dtype": "DeepSpeed's gradient accumulation dtype is not an option here",
     "ds.deepcompile": "DeepCompile is not supported",
-    "ds.enable_sleep": "there is no sleep mode for the learners",
     "ds.use_universal_ckpt": "checkpoints are DeepSpeed's own format only",
-    "ds.tensor_parallel_size": "the learners are data-parallel (ZeRO) only",
-    "ds.ring_attn_size": "ring attention (sequence parallelism) is not supported",
-    "ds.ring_attn_head_stride": "ring attention (sequence parallelism) is not supported",
-    "ds.experts_implementation": "the MoE expert kernel is not an option here",
+    "ds.ring_attn_size": _SEQUENCE_PARALLEL,
+    "ds.ring_attn_head_stride": _SEQUENCE_PARALLEL,
+    "ds.experts_implementation": "the MoE expert kernel is not an option here (transformers picks it)",
     "ds.use_liger_kernel": "Liger kernels are not supported",
     "ds.load_in_4bit": "4-bit (QLoRA) loading is not supported",
-    "ds.lora.dropout": "LoRA dropout is not an option here (--model.lora_rank, --model.lora_alpha are)",
     "actor.gradient_checkpointing_reentrant": "the reentrant variant of gradient checkpointing is not an option here",
+    "model.gradient_checkpointing_reentrant": "the reentrant variant of gradient checkpointing is not an option here",
     "actor.freeze_visual_encoder": _NO_VISION,
     "actor.aux_loss_coef": "there is no MoE load-balancing loss term",
+    "model.aux_loss_coef": (
+        "there is no MoE load-balancing loss term (an open issue adds it, for ppo's actor first)"
+    ),
     "ref.offload": "the reference model is not offloaded to CPU",
     "reward.offload": "the reward model is not offloaded to CPU",
     "critic.freezing_steps": "the policy is not frozen while the critic warms up",
@@ -542,25 +981,35 @@ UNSUPPORTED: Mapping[str, str] = {
         for entity in ("actor", "critic")
         for part in ("lr", "momentum", "ns_steps", "nesterov", "no_nesterov")
     },
+    **{
+        f"muon.{part}": f"{_NO_MUON} (an open issue adds Muon, for ppo's actor and critic first)"
+        for part in ("lr", "momentum", "ns_steps", "nesterov", "no_nesterov")
+    },
+    "model.pretrain_mode_enable": "sft trains the response tokens of prompt / response rows; there is no whole-text (pretraining) loss",
+    "model.compute_fp32_loss_enable": "not an option here: the reward model's loss is computed from its scores as they come",
     "use_ms": "models and datasets are not fetched from ModelScope",
-    "local_rank": "set by DeepSpeed's launcher; rl-launch starts its ranks as Ray actors",
     # vLLM.
-    "vllm.sync_backend": "weights reach the engines by rl-launch's own strategies: choose one with --rollout.weight_sync (broadcast: NCCL on GPUs, gloo on CPU; shm)",
-    "vllm.sync_with_ray": "weights reach the engines by rl-launch's own strategies: choose one with --rollout.weight_sync (broadcast, shm)",
-    "vllm.enable_sleep": "there is no sleep mode for the engines",
+    "vllm.sync_with_ray": "weights reach the engines by rl-launch's own strategies: choose one with --rollout.weight_sync (broadcast, shm, file)",
     # Data.
-    "data.max_len": "the lengths are separate here: --data.prompt_max_len and --rollout.generate_max_len",
     "data.disable_fast_tokenizer": "the fast tokenizer is always used",
-    "data.dataloader_num_workers": "the prompt loader has no worker processes",
+    "data.input_template": (
+        "sft, rm and dpo render rows with the chat template, or as plain text with "
+        "--data.apply_chat_template false; there is no template string"
+    ),
+    "eval.dataset": "sft, rm and dpo have no evaluation set (ppo's is --data.eval_dataset)",
+    "eval.split": "sft, rm and dpo have no evaluation set (ppo's is --data.eval_dataset)",
     "data.image_key": _NO_VISION,
     "data.max_images_per_prompt": _NO_VISION,
+    "data.tokenizer_chat_template": "the tokenizer's own chat template is used; edit its tokenizer_config.json to change it",
+    "data.dataset_probs": "sft, rm and dpo read one dataset per run (mixing is ppo's --data.prompt_probs)",
+    "data.dataset_split": "sft, rm and dpo read a local file or a save_to_disk folder, which has no splits",
+    "data.multiturn": "sft trains one response per row; there is no compacted multi-turn format",
     # Rollout and training.
-    "rollout.micro_batch_size": _TOKEN_BUDGET,
-    "train.micro_batch_size": _TOKEN_BUDGET,
-    "rollout.max_tokens_per_gpu": "one token budget serves every learner forward: --train.micro_batch_tokens (--train.max_tokens_per_gpu)",
     "rollout.vllm_generate_batch_size": "each engine takes its share of the step's prompts at once (--rollout.max_num_seqs bounds it)",
-    "train.num_episodes": "the length of training is --train.max_steps (one rollout batch per step)",
-    "train.partial_rollout_enable": "partial rollouts are not supported (--rollout.async_train overlaps whole steps)",
+    "train.partial_rollout_enable": (
+        "partial rollouts are not supported yet (engines pausing for a weight sync and resuming "
+        "in-flight requests is an open issue of the scale work); --rollout.async_train overlaps whole steps"
+    ),
     "train.full_determinism_enable": "there is no full-determinism mode",
     "train.enable_ema": "there is no EMA copy of the policy",
     "train.ema_beta": "there is no EMA copy of the policy",
@@ -571,18 +1020,26 @@ UNSUPPORTED: Mapping[str, str] = {
     ),
     "reward.normalize_enable": "rewards are not normalised by running statistics",
     # Checkpoints and logging.
-    "ckpt.output_dir": "the final HF model goes to <log.output_dir>/final: give --log.output_dir",
-    "ckpt.save_hf": "only the final policy is exported as an HF model (--ckpt.save_hf_model); checkpoints are DeepSpeed states",
     "ckpt.disable_ds": "checkpoints are always DeepSpeed states",
     "ckpt.max_mem": "checkpoints are limited by count only: --ckpt.max_ckpt_num",
     "ckpt.best_metric_key": "there is no best-checkpoint tracking",
-    "logger.wandb.org": "not an option here; wandb reads WANDB_ENTITY from the environment",
-    "logger.wandb.group": "not an option here; wandb reads WANDB_RUN_GROUP from the environment",
-    "logger.tensorboard_dir": "TensorBoard events go to <log.output_dir>/tensorboard: give --log.use_tensorboard",
 }
-"""OpenRLHF 0.11 flags with no counterpart in `rl-launch ppo` (no dashes) -> why."""
+"""OpenRLHF 0.11 flags with no counterpart here (no dashes) -> why; refused by every command that
+has no `ALIASES` entry for the flag."""
 
-_BY_FLAG: Mapping[str, Alias] = {alias.flag: alias for alias in ALIASES}
+
+def aliases_of(command: str) -> dict[str, Alias]:
+    """The OpenRLHF flags `rl-launch <command>` accepts (no dashes) -> their alias."""
+    if command not in COMMANDS:
+        raise ValueError(f"command: {command!r} is not one of {', '.join(COMMANDS)}")
+    return {alias.flag: alias for alias in ALIASES if command in alias.commands}
+
+
+def refusals_of(command: str) -> dict[str, str]:
+    """The OpenRLHF flags `rl-launch <command>` refuses (no dashes) -> why: `UNSUPPORTED` less the
+    flags the command has an alias for."""
+    accepted = aliases_of(command)
+    return {flag: reason for flag, reason in UNSUPPORTED.items() if flag not in accepted}
 
 
 # --------------------------------------------------------------------------------------------
@@ -622,16 +1079,22 @@ def _take_values(
     return values, end
 
 
-def _estimator(argv: Sequence[str]) -> str | None:
-    estimator = None
+def _own_options(argv: Sequence[str], flags: Mapping[str, Alias]) -> dict[str, str]:
+    """rl-launch's own options written in `argv` (not OpenRLHF flags) -> their last value."""
+    options: dict[str, str] = {}
     for index, token in enumerate(argv):
-        name, equals, inline = token.partition("=")
-        if name == "--algo.advantage.estimator":
-            if equals:
-                estimator = inline
-            elif index + 1 < len(argv):
-                estimator = argv[index + 1]
-    return estimator
+        if not token.startswith("--"):
+            continue
+        name, equals, inline = token[2:].partition("=")
+        if name in flags:
+            continue
+        if equals:
+            options[name] = inline
+        elif index + 1 < len(argv) and not argv[index + 1].startswith("--"):
+            options[name] = argv[index + 1]
+        else:
+            options[name] = "true"
+    return options
 
 
 def _tokens(pairs: Pairs) -> list[str]:
@@ -648,8 +1111,8 @@ def _failure(problems: list[str]) -> ValueError:
     return ValueError("OpenRLHF flags rl-launch cannot take:\n  " + "\n  ".join(problems))
 
 
-def expand_aliases(argv: Sequence[str]) -> tuple[list[str], list[str]]:
-    """Rewrite the OpenRLHF 0.11 flags of `argv` into `rl-launch ppo` options.
+def expand_aliases(argv: Sequence[str], command: str = "ppo") -> tuple[list[str], list[str]]:
+    """Rewrite the OpenRLHF 0.11 flags of `argv` into `rl-launch <command>` options (`aliases_of`).
 
     Handles `--flag value`, `--flag=value`, store_true switches (`--algo.kl.use_loss`) and flags
     with several values (`--actor.eps_clip_low_high 0.2 0.28`). Every other argument passes
@@ -659,7 +1122,8 @@ def expand_aliases(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     those flags. Arguments after a bare `--` are left alone.
 
     Returns:
-        (the new argument list, one note per rewritten flag: `"<as written> → <what it became>"`).
+        (the new argument list, one note per rewritten flag: `"<as written> → <what it became>"`,
+        with what a translation adds after a colon, or `"<as written> → dropped: <why>"`).
 
     Raises:
         ValueError: naming each OpenRLHF flag that has no counterpart here (`UNSUPPORTED`, with
@@ -667,6 +1131,7 @@ def expand_aliases(argv: Sequence[str]) -> tuple[list[str], list[str]]:
             a flag without its values. Several are reported in one error, one per line.
     """
     argv = list(argv)
+    flags, refused = aliases_of(command), refusals_of(command)
     stop = argv.index("--") if "--" in argv else len(argv)
     problems: list[str] = []
     occurrences: list[_Occurrence] = []
@@ -674,10 +1139,10 @@ def expand_aliases(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     while index < stop:
         token = argv[index]
         name, equals, inline = token[2:].partition("=") if token.startswith("--") else ("", "", "")
-        if name in UNSUPPORTED:
-            problems.append(f"--{name} (OpenRLHF) is not supported by rl-launch: {UNSUPPORTED[name]}")
-        elif name in _BY_FLAG:
-            alias = _BY_FLAG[name]
+        if name in refused:
+            problems.append(f"--{name} (OpenRLHF) is not supported by rl-launch: {refused[name]}")
+        elif name in flags:
+            alias = flags[name]
             try:
                 values, end = _take_values(argv[:stop], index, alias, inline if equals else None)
             except ValueError as error:
@@ -688,7 +1153,13 @@ def expand_aliases(argv: Sequence[str]) -> tuple[list[str], list[str]]:
                 continue
         index += 1
 
-    context = Context({o.alias.flag: o.values for o in occurrences}, _estimator(argv[:stop]))
+    options = _own_options(argv[:stop], flags)
+    context = Context(
+        {o.alias.flag: o.values for o in occurrences},
+        options.get("algo.advantage.estimator"),
+        command=command,
+        options=options,
+    )
     output: list[str] = []
     notes: list[str] = []
     written: dict[tuple[str, str], str] = {}  # an emitted option -> the flag it came from
@@ -705,8 +1176,14 @@ def expand_aliases(argv: Sequence[str]) -> tuple[list[str], list[str]]:
         if isinstance(expansion, str):
             notes.append(f"{shlex.join(original)} → dropped: {expansion}")
             continue
+        expansion, why = expansion if isinstance(expansion, tuple) else (expansion, "")
+        if not expansion:
+            notes.append(f"{shlex.join(original)} → dropped: {why}")
+            continue
         if expansion == [(occurrence.alias.flag, ",".join(occurrence.values))]:  # already rl-launch's option
             output.extend(original)
+            if why:
+                notes.append(f"{shlex.join(original)} → {shlex.join(original)}: {why}")
             continue
         merged = [
             pair for pair in expansion if written.get(pair, occurrence.alias.flag) != occurrence.alias.flag
@@ -716,7 +1193,9 @@ def expand_aliases(argv: Sequence[str]) -> tuple[list[str], list[str]]:
             written[pair] = occurrence.alias.flag
         output.extend(_tokens(fresh))
         if fresh:
-            notes.append(f"{shlex.join(original)} → {shlex.join(_tokens(fresh))}")
+            notes.append(
+                f"{shlex.join(original)} → {shlex.join(_tokens(fresh))}" + (f": {why}" if why else "")
+            )
         else:
             notes.append(f"{shlex.join(original)} → (with {shlex.join(_tokens(merged))} above)")
     output.extend(argv[position:])
@@ -885,3 +1364,40 @@ def expand_former_options(argv: Sequence[str]) -> tuple[list[str], list[str]]:
         notes.append(f"{original} → {shlex.join(new)}")
     first = first or 0
     return [*kept[:first], *tokens, *kept[first:], *argv[stop:]], notes
+
+
+# --------------------------------------------------------------------------------------------
+# The README's mapping table, rendered from the tables above (the one source).
+
+
+def _status(alias: Alias) -> str:
+    if not alias.targets:
+        return "accepted, dropped with a note"
+    if alias.targets == (alias.flag,) and not alias.note:
+        return "same name"
+    if alias.convert is None and not alias.note:
+        return "renamed"
+    return "translated"
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def render_mapping_table() -> str:
+    """The markdown table of every OpenRLHF flag in `ALIASES` and `UNSUPPORTED`: the flag, the
+    commands it applies to, what it becomes here (or why it is refused) and its status; one row
+    per flag and meaning, sorted by flag. packages/rl-launch/README.md holds it verbatim."""
+    rows = []
+    for alias in ALIASES:
+        targets = ", ".join(f"`--{target}`" for target in alias.targets) or "—"
+        what = f"{targets} ({alias.remark})" if alias.remark else targets
+        rows.append((alias.flag, ", ".join(alias.commands), what, _status(alias)))
+    for flag, reason in UNSUPPORTED.items():
+        commands = [command for command in COMMANDS if flag not in aliases_of(command)]
+        scope = "all" if len(commands) == len(COMMANDS) else ", ".join(commands)
+        rows.append((flag, scope, reason, "refused"))
+    lines = ["| OpenRLHF flag | commands | rl-launch | status |", "| --- | --- | --- | --- |"]
+    for flag, scope, what, status in sorted(rows, key=lambda row: (row[0], row[3] == "refused", row[1])):
+        lines.append(f"| `--{flag}` | {scope} | {_cell(what)} | {status} |")
+    return "\n".join(lines) + "\n"

@@ -233,19 +233,23 @@ def main(argv: list[str] | None = None) -> int:
     """
     parser, commands = build_main_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["ppo"]:
+    from .aliases import COMMANDS as ALIASED_COMMANDS
+
+    if argv[:1] and argv[0] in ALIASED_COMMANDS:
         from .aliases import expand_aliases, expand_former_options
 
+        command, former = argv[0], []
         try:
-            argv, former = expand_former_options(argv)
-            argv, notes = expand_aliases(argv)
+            if command == "ppo":
+                argv, former = expand_former_options(argv)
+            argv, notes = expand_aliases(argv, command)
         except ValueError as error:
-            print(f"{PROG} ppo: error: {error}", file=sys.stderr)
+            print(f"{PROG} {command}: error: {error}", file=sys.stderr)
             return 2
         for note in former:  # stderr: --print-config's YAML on stdout stays clean
-            print(f"{PROG} ppo: former option {note}", file=sys.stderr)
+            print(f"{PROG} {command}: former option {note}", file=sys.stderr)
         for note in notes:
-            print(f"{PROG} ppo: OpenRLHF flag {note}", file=sys.stderr)
+            print(f"{PROG} {command}: OpenRLHF flag {note}", file=sys.stderr)
     args, extras = parser.parse_known_args(argv)
     if args.command is None:
         if extras:
@@ -265,8 +269,9 @@ def main(argv: list[str] | None = None) -> int:
 
         command, cls = args.command, COMMANDS[args.command]
         try:
-            check_unknown_args(cls, extras)
-            config = resolve_config(command, args.config, overrides_from_namespace(cls, args))
+            entries, rest = split_mapping_entries(cls, extras)
+            check_unknown_args(cls, rest)
+            config = resolve_config(command, args.config, {**overrides_from_namespace(cls, args), **entries})
         except (ConfigError, FileNotFoundError) as error:
             print(f"{commands[command].prog}: error: {error}", file=sys.stderr)
             return 2

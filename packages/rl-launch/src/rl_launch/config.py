@@ -17,6 +17,7 @@ anything slow (Ray, engines, models) starts.
 from __future__ import annotations
 
 import math
+import pathlib
 import re
 import urllib.parse
 from typing import Annotated, Any, Literal
@@ -53,6 +54,7 @@ __all__ = [
     "RewardConfig",
     "RolloutConfig",
     "TrainConfig",
+    "hf_output_dir",
 ]
 
 # Ranges are msgspec constraints, checked while the config is decoded; a value outside fails as
@@ -102,6 +104,8 @@ class ModelConfig(_Section):
     """LoRA rank of the policy; 0 trains all weights."""
     lora_alpha: PositiveInt = 16
     """LoRA alpha (scale alpha / rank)."""
+    lora_dropout: Annotated[float, Meta(ge=0, lt=1)] = 0.0
+    """Dropout on the LoRA adapters' input."""
     target_modules: list[str] = msgspec.field(default_factory=lambda: ["all-linear"])
     """Modules LoRA adapts (peft names), or "all-linear"."""
 
@@ -528,6 +532,10 @@ class AlgoConfig(_Section):
 class TrainConfig(_Section):
     max_steps: PositiveInt = 100
     """Training steps (one rollout batch each); the prompt data is cycled through as needed."""
+    num_episodes: PositiveInt | None = None
+    """Passes over the prompt data (OpenRLHF's episodes): when given, train.max_steps becomes
+    num_episodes × ⌊prompts / rollout.rollout_batch_size⌋ (at least 1), set once the prompt data
+    is loaded (the start-up line says how many); None: train.max_steps as given."""
     max_epochs: PositiveInt = 1
     """PPO epochs over each rollout batch."""
     train_batch_size: PositiveInt | None = None
@@ -552,6 +560,10 @@ class TrainConfig(_Section):
     """DeepSpeed ZeRO stage of the policy and critic."""
     adam_offload: bool = False
     """Offload the optimizer state to CPU memory."""
+    deepspeed_config: dict[str, Any] = msgspec.field(default_factory=dict)
+    """DeepSpeed config keys merged, verbatim and last, into the config every learner builds
+    (nested dicts merge key by key), e.g. `--train.deepspeed_config.zero_optimization.overlap_comm
+    true`; DeepSpeed itself checks them when the learners start."""
     seed: int = 42
     """Seed of data order and model initialisation."""
 
@@ -605,7 +617,9 @@ class CheckpointConfig(_Section):
     config may differ only in keys such as train.max_steps and log.*; a fresh run refuses a folder
     that already holds one, and a run loads only checkpoints it wrote."""
     save_hf_model: bool = True
-    """Export the final policy as an HF folder `<log.output_dir>/final`."""
+    """Export the final policy as an HF folder (`ckpt.hf_output_dir`)."""
+    hf_output_dir: str | None = None
+    """Folder of that HF export (OpenRLHF's ckpt.output_dir); None: `<log.output_dir>/final`."""
 
     def __post_init__(self) -> None:
         if self.save_steps == 0 or self.save_steps < -1:
@@ -662,11 +676,17 @@ class LogConfig(_Section):
     response, reward, the prompt's dataset/row/index, group id, policy version); 0: none. The
     first N of the step's batch, in the order the engines returned them."""
     use_tensorboard: bool = False
-    """Write TensorBoard events to `<output_dir>/tensorboard` (needs rl-launch[tensorboard])."""
+    """Write TensorBoard events (needs rl-launch[tensorboard]) to `log.tensorboard_dir`."""
+    tensorboard_dir: str | None = None
+    """Folder of the TensorBoard events; None: `<output_dir>/tensorboard`."""
     use_wandb: bool = False
     """Log to Weights & Biases (needs rl-launch[wandb])."""
     wandb_project: str | None = None
     """wandb project name."""
+    wandb_entity: str | None = None
+    """wandb entity (team or user) the run is logged under; None: wandb's default."""
+    wandb_group: str | None = None
+    """wandb run group; None: no group."""
     run_name: str | None = None
     """Run name in wandb and the summary."""
 
@@ -737,3 +757,11 @@ class PPOConfig(_Section):
     @property
     def needs_reference(self) -> bool:
         return self.algo.kl.init_kl_coef > 0.0
+
+
+def hf_output_dir(config: Any) -> pathlib.Path:
+    """Where a run's final HF export goes: `ckpt.hf_output_dir`, else `<log.output_dir>/final`
+    (the config of any command with `ckpt` and `log` sections)."""
+    if config.ckpt.hf_output_dir is not None:
+        return pathlib.Path(config.ckpt.hf_output_dir).expanduser()
+    return pathlib.Path(config.log.output_dir) / "final"

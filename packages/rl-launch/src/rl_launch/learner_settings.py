@@ -5,7 +5,9 @@ sft` / `rm` / `dpo` (`trainers.loop`) build their DeepSpeed learners from the sa
 (`config.ModelConfig`, `config.TrainConfig` or its subclass), so they read them here:
 
     dtype     = learner_dtype(model.dtype, use_gpus=...)            "auto": bf16 on GPUs, fp32 on CPU
-    settings  = learner_settings(model, train, dtype=dtype, lr=...) DeepSpeedConfig, OptimizerConfig, LoRA
+    settings  = learner_settings(model, train, dtype=dtype, lr=...) DeepSpeedConfig (with
+                                                                    train.deepspeed_config merged
+                                                                    last), OptimizerConfig, LoRA
     options   = model_load_options(settings.deepspeed, settings.optimizer, world_size=...)
     model     = load_causal_lm(path, **options)                     (or load_value_model)
 
@@ -66,6 +68,7 @@ def learner_settings(model: ModelConfig, train: TrainConfig, *, dtype: str, lr: 
         attn_implementation=model.attn_implementation,
         share_prefix=model.share_prefix,
         micro_batch_tokens=train.micro_batch_tokens,
+        extra=dict(train.deepspeed_config),
     )
     optimizer = OptimizerConfig(
         lr=lr,
@@ -81,6 +84,7 @@ def learner_settings(model: ModelConfig, train: TrainConfig, *, dtype: str, lr: 
         lora = LoraOptions(
             rank=model.lora_rank,
             alpha=float(model.lora_alpha),
+            dropout=model.lora_dropout,
             target_modules="all-linear" if targets == ["all-linear"] else list(targets),
         )
     return LearnerSettings(deepspeed=deepspeed, optimizer=optimizer, lora=lora)

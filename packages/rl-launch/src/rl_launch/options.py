@@ -580,13 +580,14 @@ def _is_mapping_type(type_: Any) -> bool:
 
 def _mapping_option(cls: type, dotted: str) -> str | None:
     """The dict-typed option that `dotted` is an entry of (`algo.policy.options` for
-    `algo.policy.options.epsilon_high`), or None."""
+    `algo.policy.options.epsilon_high`; `train.deepspeed_config` for the nested entry
+    `train.deepspeed_config.zero_optimization.overlap_comm`), or None."""
     leaves = {option.name: option for option in iter_options(cls) if not option.is_section}
     parts = dotted.split(".")
     for end in range(len(parts) - 1, 0, -1):
         prefix = ".".join(parts[:end])
         if prefix in leaves:
-            return prefix if _is_mapping_type(leaves[prefix].type) and end == len(parts) - 1 else None
+            return prefix if _is_mapping_type(leaves[prefix].type) else None
     return None
 
 

@@ -35,13 +35,13 @@ from .algorithm import (
     value_loss_config,
 )
 from .components import check_components, describe_components
-from .config import ConfigError, PPOConfig
+from .config import ConfigError, PPOConfig, hf_output_dir
 from .health import HealthError, HealthMonitor
 from .roles import Roles
 from .rollouts import Rollouts, completion_rows
 from .tracking import PhaseTimer, StartupLines, Tracker, print_outputs, quiet_third_party_output
 
-__all__ = ["PPOTrainer", "run"]
+__all__ = ["PPOTrainer", "run", "steps_of_episodes"]
 
 
 class PPOTrainer:
@@ -228,6 +228,14 @@ class PPOTrainer:
                 tracker.message(warning)
 
 
+def steps_of_episodes(config: PPOConfig, prompts: int) -> PPOConfig:
+    """`config` with train.max_steps = num_episodes × ⌊prompts / rollout_batch_size⌋ (at least 1):
+    OpenRLHF's length of training in passes over the prompt data, once its size is known."""
+    per_episode = prompts // config.rollout.rollout_batch_size
+    steps = max(1, config.train.num_episodes * per_episode)
+    return msgspec.structs.replace(config, train=msgspec.structs.replace(config.train, max_steps=steps))
+
+
 def run(config: PPOConfig) -> int:
     """Run `rl-launch ppo` with a resolved config; the process exit code (0 on success)."""
     import ray
@@ -262,6 +270,12 @@ def run(config: PPOConfig) -> int:
         tokenizer = AutoTokenizer.from_pretrained(inputs.model_path)
         train_data, eval_data = load_prompts(config, inputs, tokenizer)
         console.say(describe_data(train_data, eval_data))
+        if config.train.num_episodes is not None:
+            config = steps_of_episodes(config, len(train_data))
+            console.say(
+                f"train.num_episodes {config.train.num_episodes}: train.max_steps {config.train.max_steps} "
+                f"({len(train_data)} prompts, {config.rollout.rollout_batch_size} per step)"
+            )
         console.say(
             f"algorithm: {describe_components(config)}; old log-probs "
             + (
@@ -298,7 +312,7 @@ def run(config: PPOConfig) -> int:
             trainer.fit(tracker, state)
             final = None
             if config.ckpt.save_hf_model:
-                final = output_dir / "final"
+                final = hf_output_dir(config)
                 roles.export(str(final), inputs.model_path)
             summary = tracker.close()
         print_outputs(output_dir, summary, plan.ckpt_root, final=final, log_dir=log_dir)

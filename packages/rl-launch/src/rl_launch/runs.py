@@ -126,6 +126,7 @@ RESUMABLE_KEYS: tuple[str, ...] = (
     # train.*: only the length. The LR schedule spans train.max_steps, so a resume that changes it
     # continues on the schedule of the new length (OpenRLHF does the same).
     "train.max_steps",
+    "train.num_episodes",
     # ray.*: where the cluster is and how generous it is. Not ray.policy / ray.critic (their
     # num_actors is the data-parallel size the ZeRO optimizer state was partitioned for), nor
     # ray.ref / ray.reward_model / ray.colocate (the actor layout is kept as one decision).
@@ -143,6 +144,7 @@ RESUMABLE_KEYS: tuple[str, ...] = (
     "ckpt.save_steps",
     "ckpt.max_ckpt_num",
     "ckpt.save_hf_model",
+    "ckpt.hf_output_dir",
     "ckpt.load_checkpoint",
     # eval.*: evaluation never feeds training, and training's sampling seeds derive from rollout.seed
     # and the step, not from a stream that evaluation advances.

@@ -313,7 +313,8 @@ class Tracker:
     Arguments: `output_dir` (created), `total_steps` and `start_step` (the bar's total and
     starting point; `start_step > 0` resumes, see the module docstring), `progress_bar`,
     `tensorboard` / `wandb` (backends, each needs its `rl-launch[...]` extra), `wandb_project`
-    (default "rl-launch"), `run_name` and `config` (passed to `wandb.init`), and `headline`: the
+    (default "rl-launch"), `wandb_entity`, `wandb_group`, `run_name` and `config` (passed to
+    `wandb.init`), `tensorboard_dir` (None: `<output_dir>/tensorboard`), and `headline`: the
     metric keys of a loop other than ppo's (e.g. ("sft/loss",)); they then lead the summary, make
     its console rows, the progress-bar postfix (with time/step) and the panels of curves.png.
     Use as a context manager or call `close()` (idempotent) at the end.
@@ -332,6 +333,9 @@ class Tracker:
         run_name: str | None = None,
         config: Mapping[str, Any] | None = None,
         headline: Sequence[str] | None = None,
+        tensorboard_dir: str | os.PathLike[str] | None = None,
+        wandb_entity: str | None = None,
+        wandb_group: str | None = None,
     ) -> None:
         total_steps = _check_int("Tracker: total_steps", total_steps, 0)
         start_step = _check_int("Tracker: start_step", start_step, 0)
@@ -384,10 +388,13 @@ class Tracker:
         self._postfix = {key: "" for key, _, _, _ in self._postfix_spec}  # fixes the order of the postfix
         try:
             if summary_writer_class is not None:
-                self._tensorboard = summary_writer_class(str(self.output_dir / TENSORBOARD_DIR))
+                events = self.output_dir / TENSORBOARD_DIR if tensorboard_dir is None else tensorboard_dir
+                self._tensorboard = summary_writer_class(str(events))
             if wandb_module is not None:
                 self._wandb_run = wandb_module.init(
                     project=wandb_project or "rl-launch",
+                    entity=wandb_entity,
+                    group=wandb_group,
                     name=run_name,
                     config=dict(config or {}),
                     dir=str(self.output_dir),
@@ -412,6 +419,9 @@ class Tracker:
             run_name=log.run_name,
             config=msgspec.to_builtins(config),
             headline=headline,
+            tensorboard_dir=log.tensorboard_dir,
+            wandb_entity=log.wandb_entity,
+            wandb_group=log.wandb_group,
         )
 
     def _truncate_lines(self, start_step: int, path: pathlib.Path | None = None) -> None:

@@ -20,7 +20,7 @@ the optimizer uses for its (s+1)-th update: warmup never starts from a zero lear
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import msgspec
@@ -38,6 +38,7 @@ __all__ = [
     "build_scheduler",
     "deepspeed_config",
     "lr_factor",
+    "merge_deepspeed_config",
     "prefix_sharing_on",
     "torch_dtype",
     "warmup_steps",
@@ -137,6 +138,9 @@ class DeepSpeedConfig(msgspec.Struct, frozen=True, kw_only=True):
     """ZeRO-3: parameters kept gathered at once, in elements."""
     zero3_prefetch_bucket_size: int = 50_000_000
     """ZeRO-3: parameters prefetched ahead of use, in elements."""
+    extra: dict[str, Any] = msgspec.field(default_factory=dict)
+    """DeepSpeed config keys merged last into `deepspeed_config`'s dict, nested dicts key by key
+    (`{"zero_optimization": {"overlap_comm": True}}`); DeepSpeed checks them at initialize."""
 
     def __post_init__(self) -> None:
         owner = type(self).__name__
@@ -247,7 +251,23 @@ def deepspeed_config(
         config["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16}
     if train:
         config["gradient_clipping"] = optim.grad_clip if optim is not None else 0.0
-    return config
+    return merge_deepspeed_config(config, ds.extra)
+
+
+def merge_deepspeed_config(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
+    """`base` with `extra` merged in: a dict value merges into the dict under the same key, any
+    other value replaces it. Neither argument is modified.
+
+        merge_deepspeed_config({"zero_optimization": {"stage": 2}}, {"zero_optimization": {"overlap_comm": True}})
+        == {"zero_optimization": {"stage": 2, "overlap_comm": True}}
+    """
+    merged = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
+            merged[key] = merge_deepspeed_config(dict(merged[key]), value)
+        else:
+            merged[key] = value
+    return merged
 
 
 def build_optimizer(

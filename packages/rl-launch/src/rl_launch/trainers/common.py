@@ -41,8 +41,9 @@ def pair_tokens(pair: Any) -> int:
 
 
 def build_learner(learner_class: type, config: Any, model_path: str, total_steps: int, *, value: bool) -> Any:
-    """A trained learner of `model_path`: causal LM, or (`value`) a reward model with a score head."""
-    from rl_learner import load_causal_lm, load_value_model
+    """A trained learner of `model_path`: causal LM, or (`value`) a reward model with a score head;
+    with LoRA adapters when `model.lora_rank` > 0."""
+    from rl_learner import apply_lora, load_causal_lm, load_value_model
 
     from .loop import learner_options, model_options
 
@@ -52,6 +53,8 @@ def build_learner(learner_class: type, config: Any, model_path: str, total_steps
         model = load_value_model(model_path, head_seed=config.train.seed, **options)
     else:
         model = load_causal_lm(model_path, **options)
+    if settings.lora is not None:  # sft only (the config refuses LoRA elsewhere); export_hf merges it
+        model = apply_lora(model, settings.lora)
     return learner_class(
         model, deepspeed=settings.deepspeed, optimizer=settings.optimizer, total_steps=total_steps
     )

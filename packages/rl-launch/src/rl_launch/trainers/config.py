@@ -8,7 +8,7 @@ preset under the file and the flags.
 
 These trainers run in the driver process (torch.distributed world size 1, DeepSpeed on that one
 rank), so there is no `ray` section; options of the shared sections that they cannot honour
-(a critic, a separate reward model, LoRA, PPO epochs) are refused with the reason.
+(a critic, a separate reward model, PPO epochs; LoRA in rm and dpo) are refused with the reason.
 """
 
 from __future__ import annotations
@@ -54,6 +54,10 @@ class SupervisedTrainConfig(TrainConfig):
     gradients accumulate over the micro-batches of a step."""
     actor_learning_rate: Positive = 5e-6
     """Peak learning rate of the trained model."""
+    epochs: PositiveInt | None = None
+    """Passes over the data (OpenRLHF's max_epochs): when given, train.max_steps becomes
+    ⌈epochs × rows / train_batch_size⌉, set once the dataset is loaded (the start-up line says
+    how many); None: train.max_steps as given."""
 
 
 class SFTLogConfig(LogConfig):
@@ -158,11 +162,13 @@ class _SupervisedRoot(_Section):
         for field in ("critic_pretrain", "reward_pretrain"):
             if getattr(self.model, field) is not None:
                 _fail(f"model.{field}", getattr(self.model, field), f"does not apply to rl-launch {command}")
-        if self.model.lora_rank:
+        if self.model.lora_rank and command != "sft":
             _fail(
-                "model.lora_rank", self.model.lora_rank, f"must be 0: rl-launch {command} trains all weights"
+                "model.lora_rank",
+                self.model.lora_rank,
+                f"must be 0: rl-launch {command} trains all weights (LoRA is sft's and ppo's)",
             )
-        for field in ("max_epochs", "critic_learning_rate"):
+        for field in ("max_epochs", "critic_learning_rate", "num_episodes"):
             if getattr(self.train, field) != getattr(_DEFAULT_TRAIN, field):
                 _fail(f"train.{field}", getattr(self.train, field), f"does not apply to rl-launch {command}")
 

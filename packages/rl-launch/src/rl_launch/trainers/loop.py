@@ -4,7 +4,7 @@
               learner(s) in one DeepSpeed process (torch.distributed world size 1)
     resume    the run's own checkpoint, when `--ckpt.load_checkpoint true` finds one
     loop      batch of step s -> micro-batches by token budget -> one optimizer step -> log
-    finish    checkpoint, HF export to <log.output_dir>/final, summary and curves
+    finish    checkpoint, HF export to ckpt.hf_output_dir (<log.output_dir>/final), summary and curves
 
 Batches. Step s (1-based) takes the items at global positions (s − 1)·B ... s·B − 1 of an endless
 stream made of passes over the data, pass k in the order `randperm(count)` seeded by
@@ -25,11 +25,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..config import ConfigError
+from ..config import ConfigError, hf_output_dir
 from ..learner_settings import LearnerSettings, learner_dtype, learner_settings, model_load_options
 from ..tracking import PhaseTimer, StartupLines, Tracker, print_outputs, quiet_third_party_output
 
-__all__ = ["Task", "batch_positions", "run_task"]
+__all__ = ["Task", "batch_positions", "run_task", "steps_of_epochs"]
 
 
 @dataclass(frozen=True)
@@ -95,6 +95,17 @@ def _micro_batches(items: Sequence[Any], lengths: Callable[[Any], int], budget: 
     return [[items[i] for i in group] for group in group_by_tokens([lengths(item) for item in items], budget)]
 
 
+def steps_of_epochs(config: Any, rows: int) -> Any:
+    """`config` with train.max_steps = ⌈epochs × rows / train_batch_size⌉: passes over the data
+    (OpenRLHF's max_epochs of sft / rm / dpo), once the dataset's size is known."""
+    import math
+
+    import msgspec
+
+    steps = max(1, math.ceil(config.train.epochs * rows / config.train.train_batch_size))
+    return msgspec.structs.replace(config, train=msgspec.structs.replace(config.train, max_steps=steps))
+
+
 def run_task(task: Task, config: Any) -> int:
     """Run one supervised command with a resolved config; the process exit code (0 on success)."""
     import torch
@@ -131,6 +142,12 @@ def run_task(task: Task, config: Any) -> int:
         if len(dataset) == 0:
             raise PreflightError(f"data.dataset: {data_path}: no usable row ({dataset.stats.summary()})")
         console.say(f"data: {len(dataset)} rows from {data_path} ({dataset.stats.summary()})")
+        if config.train.epochs is not None:
+            config = steps_of_epochs(config, len(dataset))
+            console.say(
+                f"train.epochs {config.train.epochs}: train.max_steps {config.train.max_steps} "
+                f"({len(dataset)} rows, {config.train.train_batch_size} per step)"
+            )
         torch.manual_seed(config.train.seed)
         learner, train_step = task.build(config, model_path, config.train.max_steps)
         console.say(
@@ -174,7 +191,7 @@ def run_task(task: Task, config: Any) -> int:
                     | {"time/step": elapsed, "throughput/tokens_per_s": tokens / elapsed},
                 )
             if config.ckpt.save_hf_model:
-                final = output_dir / "final"
+                final = hf_output_dir(config)
                 export_hf(learner.engine, final, tokenizer=tokenizer)
             summary = tracker.close()
         print_outputs(output_dir, summary, plan.ckpt_root, final=final)
