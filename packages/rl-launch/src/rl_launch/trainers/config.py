@@ -162,9 +162,11 @@ class _SupervisedRoot(_Section):
             _fail(
                 "model.lora_rank", self.model.lora_rank, f"must be 0: rl-launch {command} trains all weights"
             )
-        for field in ("max_epochs", "critic_learning_rate"):
+        for field in ("max_epochs", "critic_learning_rate", "ema_beta", "critic_warmup_steps"):
             if getattr(self.train, field) != getattr(_DEFAULT_TRAIN, field):
                 _fail(f"train.{field}", getattr(self.train, field), f"does not apply to rl-launch {command}")
+        if self.ckpt.best_metric_key is not None:
+            _fail("ckpt.best_metric_key", self.ckpt.best_metric_key, f"does not apply to rl-launch {command}")
 
 
 class SFTConfig(_SupervisedRoot):
