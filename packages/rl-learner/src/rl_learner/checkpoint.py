@@ -702,9 +702,9 @@ def _rotate(root: Path, *, keep: Path, keep_last: int | None, keep_tags: set[str
             shutil.rmtree(folder, ignore_errors=True)
     if keep_last is None:
         return
-    complete = [info for info in list_checkpoints(root) if info.tag not in keep_tags]
+    complete = list_checkpoints(root)
     for info in complete[: max(0, len(complete) - keep_last)]:
-        if Path(info.path).resolve() != keep.resolve():
+        if info.tag not in keep_tags and Path(info.path).resolve() != keep.resolve():
             _remove_tree(Path(info.path))
 
 
