@@ -98,6 +98,7 @@ class Roles:
         self.plugins = plugins
         self.groups: dict[str, ActorGroup] = {}
         self.engines: ActorGroup | None = None
+        self.device = "cpu"  # "cuda" or "cpu", resolved from the cluster by `start`
         self.placement: dict[str, Any] = {}
         self.kv_cache_bytes: list[int | None] = []
         self.engine_gpus: list[list[str]] = []
