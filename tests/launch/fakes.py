@@ -244,6 +244,7 @@ class ToyLearner:
         self.updates = 0
         self.trained: list[dict[str, Any]] = []  # one entry per train_step: groups and loss
         self.offloaded = False
+        self.saves: list[dict[str, Any]] = []  # one entry per save: step, keep_last, keep_tags
 
     def _per_token(self, parts: list, value: float) -> list[torch.Tensor]:
         return [torch.full(part.input_ids.shape, value) * part.action_mask for part in parts]
@@ -298,8 +299,9 @@ class ToyLearner:
         self.offloaded = False
         return True
 
-    def save(self, root: str, step: int, state: Any, keep_last: int) -> str:
+    def save(self, root: str, step: int, state: Any, keep_last: int, keep_tags: tuple[str, ...] = ()) -> str:
         path = os.path.join(root, f"global_step{step}")
+        self.saves.append({"step": step, "keep_last": keep_last, "keep_tags": tuple(keep_tags)})
         # as on disk: the state comes back as JSON (`rl_learner.load_checkpoint`)
         self.checkpoints[(root, f"global_step{step}", self.rank)] = (msgspec.json.encode(state), self.updates)
         return path

@@ -409,6 +409,8 @@ SAME_NAMES = {
     "data.prompt_split",
     "eval.split",
     "data.input_template",
+    "train.ema_beta",
+    "ckpt.best_metric_key",
 }
 
 
@@ -724,3 +726,30 @@ def test_async_colocate_all_colocates_the_learners_only_as_openrlhf():
     assert argv == ["--rollout.async_train", "true", "--ray.colocate", "policy_ref"]
     assert "only the DeepSpeed models" in notes[1]
     assert "ignored" in notes[2]
+
+
+def test_ema_best_checkpoint_warmup_and_offload_flags_become_options():
+    argv, notes = expand_aliases(
+        [
+            *("--train.enable_ema", "--critic.freezing_steps", "5", "--ref.offload", "--reward.offload"),
+            *("--ckpt.best_metric_key", "eval/pass@1"),
+        ]
+    )
+    assert argv == [
+        *("--train.ema_beta", "0.992", "--train.critic_warmup_steps", "5"),
+        *("--ray.ref.offload", "true", "--ray.reward_model.offload", "true"),
+        *("--ckpt.best_metric_key", "eval/pass@1"),  # rl-launch's own option: untouched
+    ]
+    assert len(notes) == 4
+    # --train.ema_beta is rl-launch's option too: it passes through and sets the beta
+    argv, notes = expand_aliases(["--train.enable_ema", "--train.ema_beta", "0.99"])
+    assert argv == ["--train.ema_beta", "0.99"]
+    assert notes == ["--train.enable_ema → dropped: --train.ema_beta, given too, turns the EMA on here"]
+    assert expand_aliases(["--critic.freezing_steps", "-1"])[0] == ["--train.critic_warmup_steps", "0"]
+    argv, notes = expand_aliases(["--ckpt.best_metric_key", "none"])
+    assert argv == []
+    assert "no best checkpoint" in notes[0]
+    for flag in ("train.enable_ema", "train.ema_beta", "ckpt.best_metric_key", "critic.freezing_steps"):
+        assert flag not in UNSUPPORTED
+    assert "ref.offload" not in UNSUPPORTED
+    assert "reward.offload" not in UNSUPPORTED

@@ -32,6 +32,7 @@ from rl_learner.checkpoint import (
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
+    load_checkpoint_tensors,
     save_checkpoint,
     verify_checkpoint,
 )
@@ -177,6 +178,33 @@ def test_saving_an_older_step_again_keeps_the_newest_saves(engines, tmp_path):
     save_checkpoint(tmp_path, 1, engines, state(1), keep_last=2)
     assert [info.tag for info in list_checkpoints(tmp_path)] == ["step_00000003", "step_00000001"]
     assert latest_checkpoint(tmp_path) == tmp_path / "step_00000001"
+
+
+def test_rotation_never_deletes_a_kept_tag_beside_the_newest(engines, tmp_path):
+    for step in range(1, 6):
+        save_checkpoint(tmp_path, step, engines, state(step), keep_last=2, keep_tags=(2,))
+    assert [info.tag for info in list_checkpoints(tmp_path)] == [
+        "step_00000002",
+        "step_00000004",
+        "step_00000005",
+    ]
+    save_checkpoint(tmp_path, 6, engines, state(6), keep_last=2, keep_tags=("step_00000005",))
+    # a kept tag among the newest is one of them: nothing more is kept
+    assert [info.tag for info in list_checkpoints(tmp_path)] == ["step_00000005", "step_00000006"]
+
+
+def test_tensor_sets_are_saved_in_the_manifest_and_read_back(engines, tmp_path):
+    ema = {"a.weight": torch.arange(6.0).reshape(2, 3), "b": torch.tensor([0.5])}
+    save_checkpoint(tmp_path, 1, engines, state(1), tensors={"ema": ema})
+    save_checkpoint(tmp_path, 2, engines, state(2))
+    manifest = verify_checkpoint(tmp_path / "step_00000001")
+    assert "tensors/ema.safetensors" in [entry.path for entry in manifest.files]
+    loaded = load_checkpoint_tensors(tmp_path, "ema", tag=1)
+    assert loaded.keys() == ema.keys()
+    assert all(torch.equal(loaded[k], ema[k]) for k in ema)
+    assert load_checkpoint_tensors(tmp_path, "ema") is None  # the latest (step 2) has none
+    with pytest.raises(ValueError, match="tensors: name 'a/b'"):
+        save_checkpoint(tmp_path, 3, engines, state(3), tensors={"a/b": ema})
 
 
 def test_save_rejects_bad_arguments_naming_them(engines, tmp_path):
@@ -343,6 +371,24 @@ def test_export_of_a_trained_policy_loads_as_causal_lm_with_its_tokenizer(engine
     ids = input_ids(7)
     assert torch.equal(eval_logits(loaded, ids), eval_logits(engines["policy"].module, ids))
     assert AutoTokenizer.from_pretrained(tmp_path / "hf").get_vocab() == tokenizer.get_vocab()
+
+
+def test_export_writes_the_ema_of_the_weights_in_place_of_the_models_own(engines, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from rl_learner import WeightEMA
+
+    policy = engines["policy"]
+    ema = WeightEMA(policy, 0.5)
+    before = {name: p.detach().clone() for name, p in policy.module.named_parameters()}
+    train_step(engines, seed=10)
+    ema.update(policy)
+    export_hf(policy, tmp_path / "ema", replace=ema.export_names(policy))
+    loaded = dict(AutoModelForCausalLM.from_pretrained(tmp_path / "ema").named_parameters())
+    for name, p in policy.module.named_parameters():
+        expected = 0.5 * before[name] + 0.5 * p.detach()
+        assert torch.allclose(loaded[name], expected, atol=1e-6), name
+    assert any(not torch.equal(before[n], p) for n, p in policy.module.named_parameters())
 
 
 def test_export_of_a_value_model_loads_as_sequence_classification(engines, tmp_path):

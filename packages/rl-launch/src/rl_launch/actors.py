@@ -43,6 +43,8 @@ class LearnerSpec(msgspec.Struct, frozen=True, kw_only=True):
     lora: LoraOptions | None = None
     seed: int = 42
     on_non_finite: str = "skip"
+    ema_beta: float | None = None
+    """The policy only: keep a `rl_learner.WeightEMA` of its weights with this decay (train.ema_beta)."""
     log_dir: str | None = None
     """Folder of the actor's output file (`<role>-<rank>.log`); None: Ray's own handling."""
     plugins: tuple[PluginRef, ...] = ()
@@ -113,6 +115,7 @@ class LearnerWorker:
         import_plugins(spec.plugins)
         self.spec, self.rank, self.world_size = spec, rank, world_size
         self.learner = None
+        self.ema = None
         self.sender = None
         self._store = None
         self._sync_holds: list[Any] = []
@@ -175,6 +178,10 @@ class LearnerWorker:
             total_steps=spec.total_steps,
             on_non_finite=spec.on_non_finite,
         )
+        if spec.ema_beta is not None:
+            from rl_learner import WeightEMA
+
+            self.ema = WeightEMA(self.learner.engine, spec.ema_beta)
         return True
 
     def logprobs(self, parts: list, temperature: float) -> list:
@@ -188,8 +195,12 @@ class LearnerWorker:
         return self.learner.scores(parts)
 
     def train_step(self, parts: list, loss: Any) -> dict[str, float]:
-        """One optimizer step (policy or critic: `loss` is a PolicyLossConfig or ValueLossConfig)."""
-        return self.learner.train_step(parts, loss)
+        """One optimizer step (policy or critic: `loss` is a PolicyLossConfig or ValueLossConfig);
+        the EMA of the weights follows every applied step (a skipped one changed nothing)."""
+        metrics = self.learner.train_step(parts, loss)
+        if self.ema is not None and not metrics.get("skipped"):
+            self.ema.update(self.learner.engine)
+        return metrics
 
     def sync_layout(self, dtype: str) -> Any:
         """The `WeightSyncMeta` the engines must accept: names, shapes and `dtype` of every tensor."""
@@ -249,17 +260,37 @@ class LearnerWorker:
         """Free what the last send keeps for the engines (`WeightSender.release`)."""
         self.sender.release()
 
-    def save(self, root: str, step: int, state: Any, keep_last: int) -> str:
+    def save(self, root: str, step: int, state: Any, keep_last: int, keep_tags: tuple[str, ...] = ()) -> str:
+        """A checkpoint of this role (the EMA too, when there is one); rotation keeps the newest
+        `keep_last` and the tags in `keep_tags` (the best checkpoint)."""
         from rl_learner import save_checkpoint
 
+        tensors = {"ema": self.ema.state_dict()} if self.ema is not None else None
         return str(
-            save_checkpoint(root, step, {self.spec.role: self.learner.engine}, state, keep_last=keep_last)
+            save_checkpoint(
+                root,
+                step,
+                {self.spec.role: self.learner.engine},
+                state,
+                keep_last=keep_last,
+                keep_tags=tuple(keep_tags),
+                tensors=tensors,
+            )
         )
 
     def load(self, root: str, tag: str) -> Any:
-        from rl_learner import load_checkpoint
+        from rl_learner import load_checkpoint, load_checkpoint_tensors
 
-        return load_checkpoint(root, {self.spec.role: self.learner.engine}, tag=tag)
+        state = load_checkpoint(root, {self.spec.role: self.learner.engine}, tag=tag)
+        if self.ema is not None:
+            saved = load_checkpoint_tensors(root, "ema", tag=tag)
+            if saved is None:
+                raise RuntimeError(
+                    f"checkpoint {root}/{tag} holds no EMA of the policy, but train.ema_beta is set "
+                    "(the run that wrote it kept none)"
+                )
+            self.ema.load_state_dict(saved if self.rank == 0 else {}, updates=self.learner.step)
+        return state
 
     def export(self, path: str, tokenizer_path: str) -> str:
         from transformers import AutoTokenizer
@@ -268,6 +299,17 @@ class LearnerWorker:
 
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
         return str(export_hf(self.learner.engine, path, tokenizer=tokenizer))
+
+    def export_ema(self, path: str, tokenizer_path: str) -> str:
+        """The EMA of the policy's weights as an HF folder (the model's own weights elsewhere:
+        buffers, and anything that does not train)."""
+        from transformers import AutoTokenizer
+
+        from rl_learner import export_hf
+
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+        replace = self.ema.export_names(self.learner.engine)
+        return str(export_hf(self.learner.engine, path, tokenizer=tokenizer, replace=replace))
 
     def close(self) -> None:
         if self.sender is not None:

@@ -415,6 +415,29 @@ def _remote_url(values: tuple[str, ...], context: Context) -> Pairs:
     return [("reward.remote_url", url)]
 
 
+_OPENRLHF_EMA_BETA = "0.992"  # OpenRLHF's --train.ema_beta default, the beta of a bare --train.enable_ema
+
+
+def _enable_ema(values: tuple[str, ...], context: Context) -> Pairs | str:
+    if "train.ema_beta" in context.given:  # rl-launch's own option, passed through: it turns the EMA on
+        return "--train.ema_beta, given too, turns the EMA on here"
+    return [("train.ema_beta", _OPENRLHF_EMA_BETA)]
+
+
+def _freezing_steps(values: tuple[str, ...], context: Context) -> Pairs:
+    steps = _int(values[0])
+    if steps < -1:
+        raise ValueError(f"{values[0]!r} is not -1 (off) or a number of steps >= 0")
+    return [("train.critic_warmup_steps", str(max(steps, 0)))]
+
+
+def _best_metric_key(values: tuple[str, ...], context: Context) -> Pairs | str:
+    key = values[0].strip()
+    if key.lower() in ("", "none"):
+        return "no best checkpoint, as without the flag (rl-launch does not pick a pass@1 metric by itself)"
+    return [("ckpt.best_metric_key", key)]
+
+
 def _wandb_key(values: tuple[str, ...], context: Context) -> Pairs:
     # The value is an API key or True (use the stored login); a key is never echoed back.
     if values[0].strip().lower() in ("true", "1"):
@@ -874,6 +897,38 @@ ALIASES: tuple[Alias, ...] = (
         convert=_dropped("set by DeepSpeed's launcher; rl-launch starts its own ranks"),
         commands=TRAINERS,
     ),
+    _alias(
+        "ref.offload",
+        "ray.ref.offload",
+        nargs=0,
+        remark="ZeRO-3 on GPUs, as in OpenRLHF; elsewhere a no-op said at start-up",
+    ),
+    _alias(
+        "reward.offload",
+        "ray.reward_model.offload",
+        nargs=0,
+        remark="ZeRO-3 on GPUs, as in OpenRLHF; elsewhere a no-op said at start-up",
+    ),
+    # Training.
+    _alias(
+        "train.enable_ema",
+        "train.ema_beta",
+        nargs=0,
+        convert=_enable_ema,
+        remark="beta 0.992 unless --train.ema_beta; the EMA goes to <log.output_dir>/final_ema, "
+        "final stays the policy (OpenRLHF exports the EMA in its place)",
+    ),
+    _alias(
+        "train.ema_beta",
+        "train.ema_beta",
+        remark="rl-launch's own option: it turns the EMA on by itself (OpenRLHF also needs --train.enable_ema)",
+    ),
+    _alias(
+        "critic.freezing_steps",
+        "train.critic_warmup_steps",
+        convert=_freezing_steps,
+        remark="-1 (OpenRLHF's off) becomes 0",
+    ),
     # Ray placement.
     *(
         _alias(
@@ -920,6 +975,12 @@ ALIASES: tuple[Alias, ...] = (
     _alias("ckpt.save_hf", "ckpt.save_hf_model", nargs=0, convert=_save_hf, commands=TRAINERS),
     _alias("ckpt.load_enable", "ckpt.load_checkpoint", nargs=0, commands=TRAINERS),
     _alias("ckpt.max_num", "ckpt.max_ckpt_num", commands=TRAINERS),
+    _alias(
+        "ckpt.best_metric_key",
+        "ckpt.best_metric_key",
+        convert=_best_metric_key,
+        remark="rl-launch's metric names (eval/pass@1, reward/mean); none or empty: off",
+    ),
     _alias(
         "logger.wandb.key",
         "log.use_wandb",
@@ -972,9 +1033,6 @@ UNSUPPORTED: Mapping[str, str] = {
     "model.aux_loss_coef": (
         "there is no MoE load-balancing loss term (an open issue adds it, for ppo's actor first)"
     ),
-    "ref.offload": "the reference model is not offloaded to CPU",
-    "reward.offload": "the reward model is not offloaded to CPU",
-    "critic.freezing_steps": "the policy is not frozen while the critic warms up",
     "critic.save_value_network": "the critic is kept in checkpoints only, not exported",
     **{
         f"{entity}.muon.{part}": _NO_MUON
@@ -1011,8 +1069,6 @@ UNSUPPORTED: Mapping[str, str] = {
         "in-flight requests is an open issue of the scale work); --rollout.async_train overlaps whole steps"
     ),
     "train.full_determinism_enable": "there is no full-determinism mode",
-    "train.enable_ema": "there is no EMA copy of the policy",
-    "train.ema_beta": "there is no EMA copy of the policy",
     # Algorithm and reward.
     "algo.advantage.no_std_norm": (
         "there is no mean-only whitening here; without the std division use --algo.advantage.estimator "
@@ -1022,7 +1078,6 @@ UNSUPPORTED: Mapping[str, str] = {
     # Checkpoints and logging.
     "ckpt.disable_ds": "checkpoints are always DeepSpeed states",
     "ckpt.max_mem": "checkpoints are limited by count only: --ckpt.max_ckpt_num",
-    "ckpt.best_metric_key": "there is no best-checkpoint tracking",
 }
 """OpenRLHF 0.11 flags with no counterpart here (no dashes) -> why; refused by every command that
 has no `ALIASES` entry for the flag."""

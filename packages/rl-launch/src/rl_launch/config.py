@@ -566,6 +566,14 @@ class TrainConfig(_Section):
     true`; DeepSpeed itself checks them when the learners start."""
     seed: int = 42
     """Seed of data order and model initialisation."""
+    ema_beta: Annotated[float, Meta(gt=0, lt=1)] | None = None
+    """Keep an exponential moving average of the policy's weights, ema <- beta * ema + (1 - beta) *
+    policy after every optimizer step (from the initial weights; OpenRLHF's enable_ema uses 0.992),
+    kept in fp32 on the host of policy rank 0, saved in checkpoints and exported to
+    <log.output_dir>/final_ema at the end. None: no EMA."""
+    critic_warmup_steps: NonNegativeInt = 0
+    """Train only the critic in the first this many steps: the policy does not update and its weights
+    are not synced (OpenRLHF's critic.freezing_steps). Needs a critic (algo.advantage.estimator gae)."""
 
 
 class ResourceConfig(_Section):
@@ -575,6 +583,10 @@ class ResourceConfig(_Section):
     """GPUs per actor on a GPU cluster (ignored in CPU mode)."""
     num_cpus_per_actor: NonNegative = 1.0
     """CPUs per actor (Ray's logical CPUs)."""
+    offload: bool = False
+    """ray.ref and ray.reward_model only: keep the frozen model's parameters in CPU memory between
+    uses (DeepSpeed ZeRO-3 offload_param, OpenRLHF's ref.offload / reward.offload). Takes effect with
+    train.zero_stage 3 on GPUs; elsewhere accepted as a no-op, said on the start-up line."""
 
 
 class RayConfig(_Section):
@@ -604,6 +616,16 @@ class RayConfig(_Section):
     startup_timeout_s: Positive = 600.0
     """Seconds actors may take to start (model loading, engine start-up) before the run fails."""
 
+    def __post_init__(self) -> None:
+        for role, hint in (("policy", "train.adam_offload"), ("critic", "train.adam_offload")):
+            if getattr(self, role).offload:
+                _fail(
+                    f"ray.{role}.offload",
+                    True,
+                    f"applies to the frozen models only (ray.ref, ray.reward_model); for a trained role "
+                    f"offload the optimizer state with {hint}",
+                )
+
 
 class CheckpointConfig(_Section):
     path: str | None = None
@@ -620,10 +642,18 @@ class CheckpointConfig(_Section):
     """Export the final policy as an HF folder (`ckpt.hf_output_dir`)."""
     hf_output_dir: str | None = None
     """Folder of that HF export (OpenRLHF's ckpt.output_dir); None: `<log.output_dir>/final`."""
+    best_metric_key: str | None = None
+    """Also keep the checkpoint of the step with the highest value of this logged metric (higher is
+    better), e.g. eval/pass@1 or reward/mean: saved at that step and never rotated away, in
+    addition to the newest max_ckpt_num; named on the console and in the summary. Steps that do
+    not log the metric (evaluation every eval.eval_steps) and the step-0 evaluation of the starting
+    policy are not candidates. None: no best checkpoint."""
 
     def __post_init__(self) -> None:
         if self.save_steps == 0 or self.save_steps < -1:
             _fail("ckpt.save_steps", self.save_steps, "must be -1 (at the end only) or >= 1")
+        if self.best_metric_key is not None and not self.best_metric_key.strip():
+            _fail("ckpt.best_metric_key", self.best_metric_key, "must name a logged metric, e.g. eval/pass@1")
 
 
 class EvalConfig(_Section):
@@ -747,6 +777,19 @@ class PPOConfig(_Section):
                 True,
                 "cannot be combined with ray.colocate all: the hybrid engine puts the engines to sleep "
                 "while the learners train, so nothing can generate ahead (use ray.colocate none or a pair)",
+            )
+        if self.train.critic_warmup_steps and not self.needs_critic:
+            _fail(
+                "train.critic_warmup_steps",
+                self.train.critic_warmup_steps,
+                f"needs a critic, and algo.advantage.estimator {self.algo.advantage.estimator} uses none "
+                "(gae does); leave it 0",
+            )
+        if self.train.ema_beta is not None and self.model.lora_rank:
+            _fail(
+                "train.ema_beta",
+                self.train.ema_beta,
+                "needs model.lora_rank 0: the EMA averages full weights, not LoRA adapters",
             )
 
     @property

@@ -8,6 +8,7 @@ sft` / `rm` / `dpo` (`trainers.loop`) build their DeepSpeed learners from the sa
     settings  = learner_settings(model, train, dtype=dtype, lr=...) DeepSpeedConfig (with
                                                                     train.deepspeed_config merged
                                                                     last), OptimizerConfig, LoRA
+    frozen    = settings.frozen(offload=..., use_gpus=...)         a reference / reward model's DeepSpeedConfig
     options   = model_load_options(settings.deepspeed, settings.optimizer, world_size=...)
     model     = load_causal_lm(path, **options)                     (or load_value_model)
 
@@ -25,7 +26,13 @@ if TYPE_CHECKING:
 
     from .config import ModelConfig, TrainConfig
 
-__all__ = ["LearnerSettings", "learner_dtype", "learner_settings", "model_load_options"]
+__all__ = [
+    "LearnerSettings",
+    "frozen_offload",
+    "learner_dtype",
+    "learner_settings",
+    "model_load_options",
+]
 
 
 def learner_dtype(dtype: str, *, use_gpus: bool) -> str:
@@ -50,6 +57,34 @@ class LearnerSettings:
         import msgspec
 
         return msgspec.structs.replace(self.deepspeed, offload_optimizer=False)
+
+    def frozen(self, *, offload: bool, use_gpus: bool) -> DeepSpeedConfig:
+        """`inference` for a reference or reward model, its parameters offloaded to CPU memory
+        (DeepSpeed's ZeRO-3 `offload_param`) when `offload` (ray.ref.offload,
+        ray.reward_model.offload) asks and `frozen_offload` says it applies."""
+        import msgspec
+
+        applied, _ = frozen_offload(offload, zero_stage=self.deepspeed.zero_stage, use_gpus=use_gpus)
+        return msgspec.structs.replace(self.inference, offload_params=applied)
+
+
+def frozen_offload(offload: bool, *, zero_stage: int, use_gpus: bool) -> tuple[bool, str]:
+    """Whether a frozen model's parameter offload is applied, and why (for the start-up line).
+
+    As in OpenRLHF, where DeepSpeed ignores offload_param below ZeRO-3: it takes effect with
+    train.zero_stage 3 on GPUs. On CPU the parameters already live in host memory (and DeepSpeed's
+    pinned offload buffers need CUDA), so the option is accepted and changes nothing.
+    """
+    if not offload:
+        return False, "not asked"
+    if not use_gpus:
+        return False, "a no-op on CPU: the parameters already live in host memory"
+    if zero_stage != 3:
+        return (
+            False,
+            f"a no-op with train.zero_stage {zero_stage}: DeepSpeed offloads parameters under ZeRO-3 only",
+        )
+    return True, "parameters offloaded to CPU memory (ZeRO-3 offload_param)"
 
 
 def learner_settings(model: ModelConfig, train: TrainConfig, *, dtype: str, lr: float) -> LearnerSettings:

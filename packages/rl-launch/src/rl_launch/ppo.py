@@ -6,8 +6,10 @@ One step, top to bottom (`PPOTrainer.fit`):
     experience old / reference log-probs, values, reward-model scores (roles.py); KL, token
                rewards, advantages and returns from the chosen components    (algorithm.py)
     training   critic and policy, `train.max_epochs` epochs of `train.train_batch_size` samples
+               (the critic alone in the first `train.critic_warmup_steps` steps)
     sync       the policy's new weights go to every engine (bucketed broadcast, checksums)
-    eval / checkpoint / log
+    eval / checkpoint / log   (a new best `ckpt.best_metric_key` value saves a checkpoint kept
+               beside the newest `ckpt.max_ckpt_num`)
 
 Every algorithmic choice is a component found by name with its options verbatim
 (components.py); this file only orders the calls.
@@ -15,9 +17,11 @@ Every algorithmic choice is a component found by name with its options verbatim
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import torch
@@ -68,6 +72,7 @@ class PPOTrainer:
         self.version = 0
         self.health = HealthMonitor(config)
         self.tokenizer = tokenizer  # decodes the `log.completions` rows
+        self.best: dict[str, Any] | None = None  # ckpt.best_metric_key: {"metric", "value", "step"}
 
     def make_experience(self, records: list[Trajectory]) -> tuple[ExperienceBatch, dict[str, float]]:
         """The learners' forwards (all roles at once), then the advantages of the chosen estimator."""
@@ -120,6 +125,8 @@ class PPOTrainer:
         generator = torch.Generator().manual_seed(cfg.train.seed * 1_000_003 + step)
         policy = policy_loss_config(cfg, kl_coef=float(self.kl.value))
         losses = {"critic": value_loss_config(cfg, policy), "policy": policy}
+        if self.policy_frozen(step):  # critic warm-up: the critic alone trains
+            del losses["policy"]
         history: dict[str, list[float]] = {}
         for _ in range(cfg.train.max_epochs):
             order = torch.randperm(count, generator=generator) if size < count else torch.arange(count)
@@ -131,6 +138,39 @@ class PPOTrainer:
                         name = f"health/{key}" if key.startswith("logprob_mismatch") else f"{role}/{key}"
                         history.setdefault(name, []).append(value)
         return {key: sum(values) / len(values) for key, values in history.items()}
+
+    def policy_frozen(self, step: int) -> bool:
+        """Whether `step` is one of the first `train.critic_warmup_steps`, in which only the critic
+        trains: the policy's weights do not change, so they are not synced either."""
+        return step <= self.config.train.critic_warmup_steps
+
+    def new_best(self, step: int, metrics: dict[str, float]) -> bool:
+        """Whether this step's `ckpt.best_metric_key` beats every earlier step's (higher is better,
+        a tie keeps the earlier step); then it becomes `self.best`. False without the option, when
+        the step did not log the metric, or when its value is not finite."""
+        key = self.config.ckpt.best_metric_key
+        value = metrics.get(key) if key is not None else None
+        if value is None or not math.isfinite(float(value)):
+            return False
+        if self.best is not None and float(value) <= self.best["value"]:
+            return False
+        self.best = {"metric": key, "value": float(value), "step": step}
+        return True
+
+    def best_path(self) -> Path | None:
+        """The policy's best checkpoint folder (`ckpt.best_metric_key`), None before there is one."""
+        from rl_learner.checkpoint import checkpoint_tag
+
+        if self.best is None:
+            return None
+        return Path(self.run_plan.ckpt_root) / "policy" / checkpoint_tag(self.best["step"])
+
+    def describe_best(self) -> str | None:
+        """ "<folder> (<metric> = <value> at step <n>)", None before there is a best checkpoint."""
+        if self.best is None:
+            return None
+        best = self.best
+        return f"{self.best_path()} ({best['metric']} = {best['value']:g} at step {best['step']})"
 
     def sync(self, *, settle: bool = False) -> dict[str, float]:
         """The weights go to the engines as the next version. `settle`: also wait for the receipts
@@ -146,6 +186,8 @@ class PPOTrainer:
         return metrics
 
     def save(self, step: int, consumed: int) -> None:
+        from rl_learner.checkpoint import checkpoint_tag
+
         from .runs import checkpoint_extra
 
         state = TrainingState(
@@ -157,10 +199,12 @@ class PPOTrainer:
                 "next_group_id": self.rollouts.next_group_id,
                 "in_flight": self.rollouts.in_flight(),
                 "kl_coef": float(self.kl.value),
+                **({"best_checkpoint": self.best} if self.best is not None else {}),
                 **checkpoint_extra(self.run_plan),
             },
         )
-        self.roles.save(str(self.run_plan.ckpt_root), step, state)
+        keep = (checkpoint_tag(self.best["step"]),) if self.best is not None else ()
+        self.roles.save(str(self.run_plan.ckpt_root), step, state, keep_tags=keep)
 
     def resume(self) -> TrainingState:
         """Load the checkpoint the run plan chose (one this run wrote), or a fresh state."""
@@ -169,6 +213,9 @@ class PPOTrainer:
             return TrainingState(step=0)
         state = self.roles.load(plan.checkpoints)
         self.kl.value = float(state.extra.get("kl_coef", self.kl.value))
+        best = state.extra.get("best_checkpoint")
+        if best is not None and best.get("metric") == self.config.ckpt.best_metric_key:
+            self.best = best  # under another ckpt.best_metric_key the search starts again
         self.version = state.policy_version
         self.version -= 1  # `sync` counts up: the engines get the restored weights as their version
         self.sync()
@@ -205,7 +252,10 @@ class PPOTrainer:
                     self.roles.wake_engines()
             last = step == cfg.train.max_steps
             with timer.phase("sync"):
-                metrics |= self.sync(settle=last)
+                if not self.policy_frozen(step):
+                    metrics |= self.sync(settle=last)
+                elif last:  # nothing to send; async mode still compares the receipts it waits for
+                    metrics |= self.roles.settle_sync()
             if self.roles.hybrid:  # then the learners' states leave the GPU for the generation
                 with timer.phase("offload"):
                     self.roles.offload_learners()
@@ -213,7 +263,10 @@ class PPOTrainer:
                 with timer.phase("eval"):
                     metrics |= self.rollouts.evaluate(self.eval_data)
             consumed += len(records)
-            if last or (cfg.ckpt.save_steps > 0 and step % cfg.ckpt.save_steps == 0):
+            best = self.new_best(step, metrics)
+            if best:
+                tracker.message(f"new best checkpoint: {self.describe_best()}")
+            if last or best or (cfg.ckpt.save_steps > 0 and step % cfg.ckpt.save_steps == 0):
                 with timer.phase("checkpoint"):
                     self.save(step, consumed)
             elapsed = time.perf_counter() - began
@@ -226,6 +279,16 @@ class PPOTrainer:
             tracker.log(step, metrics)
             for warning in self.health.check(step, metrics):  # raises HealthError to stop the run
                 tracker.message(warning)
+
+    def best_line(self) -> str | None:
+        """The closing line of `ckpt.best_metric_key`: the best checkpoint, or that the metric was
+        never logged; None without the option."""
+        key = self.config.ckpt.best_metric_key
+        if key is None:
+            return None
+        if self.best is None:
+            return f"best checkpoint: none, {key} was never logged (ckpt.best_metric_key)"
+        return f"best checkpoint: {self.describe_best()}"
 
 
 def steps_of_episodes(config: PPOConfig, prompts: int) -> PPOConfig:
@@ -314,7 +377,15 @@ def run(config: PPOConfig) -> int:
             if config.ckpt.save_hf_model:
                 final = hf_output_dir(config)
                 roles.export(str(final), inputs.model_path)
+                if config.train.ema_beta is not None:
+                    roles.export_ema(str(output_dir / "final_ema"), inputs.model_path)
+            best = trainer.best_line()
+            if best is not None:
+                tracker.message(best)
             summary = tracker.close()
+        if best is not None:
+            with open(Path(summary.metrics_path).parent / "summary.txt", "a") as handle:
+                handle.write(best + "\n")
         print_outputs(output_dir, summary, plan.ckpt_root, final=final, log_dir=log_dir)
         return 0
     except (ConfigError, PreflightError, ClusterError, RunFolderError) as error:

@@ -28,7 +28,7 @@ from .algorithm import learners_share_prefix
 from .cluster import ClusterError, cluster_has_gpus, place_roles, plan_roles
 from .components import executor_name
 from .config import PPOConfig
-from .learner_settings import learner_dtype, learner_settings
+from .learner_settings import frozen_offload, learner_dtype, learner_settings
 from .rendezvous import local_ranks
 
 __all__ = ["TRAINED_ROLES", "Roles"]
@@ -98,6 +98,7 @@ class Roles:
         self.plugins = plugins
         self.groups: dict[str, ActorGroup] = {}
         self.engines: ActorGroup | None = None
+        self.device = "cpu"  # "cuda" or "cpu", resolved from the cluster by `start`
         self.placement: dict[str, Any] = {}
         self.kv_cache_bytes: list[int | None] = []
         self.engine_gpus: list[list[str]] = []
@@ -174,7 +175,8 @@ class Roles:
         cfg, dtype = self.config, self.dtype
         actor = learner_settings(cfg.model, cfg.train, dtype=dtype, lr=cfg.train.actor_learning_rate)
         critic = learner_settings(cfg.model, cfg.train, dtype=dtype, lr=cfg.train.critic_learning_rate)
-        ds, inference = actor.deepspeed, actor.inference
+        ds = actor.deepspeed
+        use_gpus = self.device == "cuda"
         common = {"dtype": dtype, "seed": cfg.train.seed}
         return {
             "policy": LearnerSpec(
@@ -184,9 +186,15 @@ class Roles:
                 lora=actor.lora,
                 optimizer=actor.optimizer,
                 total_steps=total_steps,
+                ema_beta=cfg.train.ema_beta,
                 **common,
             ),
-            "ref": LearnerSpec(role="ref", model_path=inputs.model_path, deepspeed=inference, **common),
+            "ref": LearnerSpec(
+                role="ref",
+                model_path=inputs.model_path,
+                deepspeed=actor.frozen(offload=cfg.ray.ref.offload, use_gpus=use_gpus),
+                **common,
+            ),
             "critic": LearnerSpec(
                 role="critic",
                 model_path=inputs.critic_path,
@@ -196,7 +204,10 @@ class Roles:
                 **common,
             ),
             "reward_model": LearnerSpec(
-                role="reward_model", model_path=inputs.reward_model_path or "", deepspeed=inference, **common
+                role="reward_model",
+                model_path=inputs.reward_model_path or "",
+                deepspeed=actor.frozen(offload=cfg.ray.reward_model.offload, use_gpus=use_gpus),
+                **common,
             ),
         }
 
@@ -519,11 +530,13 @@ class Roles:
     def trained(self) -> list[str]:
         return [role for role in TRAINED_ROLES if role in self.groups]
 
-    def save(self, root: str, step: int, state: Any) -> None:
+    def save(self, root: str, step: int, state: Any, *, keep_tags: tuple[str, ...] = ()) -> None:
+        """A checkpoint of every trained role at `step`; rotation keeps the newest ckpt.max_ckpt_num
+        and the checkpoints tagged `keep_tags` (the best one)."""
         with self._learner_states():
             for role in self.trained():
                 self.groups[role].call(
-                    "save", os.path.join(root, role), step, state, self.config.ckpt.max_ckpt_num
+                    "save", os.path.join(root, role), step, state, self.config.ckpt.max_ckpt_num, keep_tags
                 )
 
     def load(self, checkpoints: dict[str, Any]) -> Any:
@@ -539,6 +552,22 @@ class Roles:
         with self._learner_states():
             self.groups["policy"].call("export", path, tokenizer_path)
 
+    def export_ema(self, path: str, tokenizer_path: str) -> None:
+        """The EMA of the policy's weights (train.ema_beta) as an HF folder."""
+        with self._learner_states():
+            self.groups["policy"].call("export_ema", path, tokenizer_path)
+
+    def describe_offload(self) -> str | None:
+        """The start-up line of ray.ref.offload / ray.reward_model.offload (None when neither is
+        set): applied, or why it is a no-op here."""
+        cfg = self.config
+        lines = []
+        for role, section in (("ref", cfg.ray.ref), ("reward_model", cfg.ray.reward_model)):
+            if section.offload and role in self.groups:
+                _, why = frozen_offload(True, zero_stage=cfg.train.zero_stage, use_gpus=self.device == "cuda")
+                lines.append(f"ray.{role}.offload: {why}")
+        return "; ".join(lines) or None
+
     def describe(self) -> str:
         """One start-up line: the actors of every role and the engines' KV cache."""
         roles = ", ".join(f"{role} x{len(group)}" for role, group in self.groups.items())
@@ -547,7 +576,9 @@ class Roles:
         if sizes:
             line += f" (KV cache {max(sizes) / 2**20:.0f} MiB each)"
         hybrid = self.describe_hybrid()
-        return line if hybrid is None else f"{line}; {hybrid}"
+        line = line if hybrid is None else f"{line}; {hybrid}"
+        offload = self.describe_offload()
+        return line if offload is None else f"{line}; {offload}"
 
     def shutdown(self) -> None:
         import ray

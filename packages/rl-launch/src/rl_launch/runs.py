@@ -139,6 +139,9 @@ RESUMABLE_KEYS: tuple[str, ...] = (
     "ray.startup_timeout_s",
     "ray.engine_num_cpus",
     "ray.device",
+    # Where a frozen model's parameters wait between uses: memory, not content.
+    "ray.ref.offload",
+    "ray.reward_model.offload",
     # ckpt.*: how often and how many to keep, and the resume switch itself. Not ckpt.path: a typo there
     # would restart a run at step 0 over its own metrics.
     "ckpt.save_steps",
@@ -146,6 +149,8 @@ RESUMABLE_KEYS: tuple[str, ...] = (
     "ckpt.save_hf_model",
     "ckpt.hf_output_dir",
     "ckpt.load_checkpoint",
+    # Which checkpoint is also kept; under a new key the best is searched for again from the resume.
+    "ckpt.best_metric_key",
     # eval.*: evaluation never feeds training, and training's sampling seeds derive from rollout.seed
     # and the step, not from a stream that evaluation advances.
     "eval",

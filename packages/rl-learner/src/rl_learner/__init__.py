@@ -14,6 +14,8 @@
 - Supervised learners (`rl_learner.supervised`): `SFTLearner`, `RewardModelLearner` and
   `DPOLearner` (sigmoid DPO, cDPO, IPO) on `pack_sequences` / `pack_pairs` micro-batches.
 - Checkpoints (`rl_learner.checkpoint`): atomic, rotated, verified on resume; HF export.
+- `WeightEMA` (`rl_learner.ema`): an exponential moving average of the trained weights on the host,
+  saved in checkpoints and exported like the model.
 
 `import rl_learner` stays light: DeepSpeed, transformers and peft load where they are used.
 """
@@ -26,9 +28,11 @@ from .checkpoint import (
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
+    load_checkpoint_tensors,
     save_checkpoint,
 )
 from .config import DeepSpeedConfig, OptimizerConfig, build_optimizer, build_scheduler, deepspeed_config
+from .ema import WeightEMA, ema_update
 from .learner import Learner, NonFiniteError, PolicyLearner, PolicyLossConfig, ValueLearner, ValueLossConfig
 from .lora import LoraOptions, apply_lora
 from .models import load_causal_lm, load_value_model, packed_logprobs, packed_scores, packed_values
@@ -66,18 +70,21 @@ __all__ = [
     "TrainingState",
     "ValueLearner",
     "ValueLossConfig",
+    "WeightEMA",
     "WeightSender",
     "__version__",
     "apply_lora",
     "build_optimizer",
     "build_scheduler",
     "deepspeed_config",
+    "ema_update",
     "export_hf",
     "group_by_tokens",
     "latest_checkpoint",
     "list_checkpoints",
     "load_causal_lm",
     "load_checkpoint",
+    "load_checkpoint_tensors",
     "load_value_model",
     "make_sender",
     "pack_pairs",

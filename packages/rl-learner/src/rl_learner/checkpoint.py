@@ -17,13 +17,15 @@ Layout of a checkpoint root:
         rng/rank_00000.json         RNG states of rank 0 (one file per rank)
         policy/...                  engines["policy"].save_checkpoint(folder, tag="policy")
         critic/...
+        tensors/ema.safetensors     optional named tensor sets (`tensors=`), written by rank 0
       .tmp-step_00000006/           a save in progress, or one that crashed: never loaded
 
 Saving (every rank calls `save_checkpoint`): all ranks write into `.tmp-<tag>`; after a
 barrier each rank hashes a share of the files (file i goes to rank i mod world_size) and
 fsyncs them; rank 0 merges the shares into `manifest.json`, fsyncs, renames the folder to
 `<tag>` with `os.replace` (atomic on POSIX), replaces the `latest` pointer atomically, and
-deletes the oldest complete checkpoints beyond `keep_last` plus the leftovers of crashed saves.
+deletes the oldest complete checkpoints beyond `keep_last` (except those named in `keep_tags`:
+a best checkpoint) plus the leftovers of crashed saves.
 A crash at any point leaves the previous complete checkpoint and `latest` intact. All ranks
 must see the same folder (a shared file system on several nodes).
 
@@ -84,6 +86,7 @@ __all__ = [
     "latest_checkpoint",
     "list_checkpoints",
     "load_checkpoint",
+    "load_checkpoint_tensors",
     "save_checkpoint",
     "verify_checkpoint",
 ]
@@ -95,12 +98,13 @@ MANIFEST_NAME = "manifest.json"
 STATE_NAME = "training_state.json"
 LATEST_NAME = "latest"
 RNG_FOLDER = "rng"
+TENSORS_FOLDER = "tensors"
 TMP_PREFIX = ".tmp-"
 # Folders of earlier saves on their way out (rotation, a tag saved twice); always safe to delete.
 TRASH_PREFIX = ".trash-"
 _PARTS_FOLDER = ".manifest-parts"
 _TAG_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
-_RESERVED_TAGS = frozenset({LATEST_NAME, RNG_FOLDER, MANIFEST_NAME, STATE_NAME})
+_RESERVED_TAGS = frozenset({LATEST_NAME, RNG_FOLDER, TENSORS_FOLDER, MANIFEST_NAME, STATE_NAME})
 _HASH_CHUNK = 1 << 22
 
 
@@ -556,7 +560,9 @@ def save_checkpoint(
     state: TrainingState,
     *,
     keep_last: int | None = None,
+    keep_tags: tuple[str, ...] = (),
     save_rng: bool = True,
+    tensors: Mapping[str, Mapping[str, torch.Tensor]] | None = None,
 ) -> Path:
     """Save every engine and the training state as one checkpoint `root/<tag>`, atomically.
 
@@ -572,7 +578,12 @@ def save_checkpoint(
         state: the `TrainingState`; its `data_state` and `extra` must be JSON-able.
         keep_last: keep this many newest complete checkpoints (>= 1) and delete older ones;
             None keeps all. The checkpoint just written is never deleted.
+        keep_tags: tags (or int steps) of checkpoints that rotation never deletes, on top of the
+            newest `keep_last` (a run's best checkpoint).
         save_rng: save this rank's RNG states (restored by `load_checkpoint`).
+        tensors: name -> {tensor name -> tensor}, written by rank 0 as
+            `tensors/<name>.safetensors` (state kept outside the engines, e.g. an EMA of the
+            weights; read back with `load_checkpoint_tensors`). Other ranks' values are ignored.
 
     Returns:
         The checkpoint folder `root/<tag>`.
@@ -589,6 +600,12 @@ def save_checkpoint(
         isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1
     ):
         raise ValueError(f"keep_last: expected an integer >= 1 or None, got {keep_last!r}")
+    protected = {checkpoint_tag(kept) for kept in keep_tags}
+    for name in tensors or {}:
+        if not isinstance(name, str) or not _TAG_PATTERN.fullmatch(name):
+            raise ValueError(
+                f"tensors: name {name!r} is not usable as a file name; use letters, digits, '.', '_', '-'"
+            )
     try:
         state_bytes = msgspec.json.encode(msgspec.to_builtins(state))
     except (TypeError, msgspec.EncodeError) as error:
@@ -612,6 +629,15 @@ def save_checkpoint(
         _write_atomic(temporary / _rng_file(rank), msgspec.json.encode(_capture_rng()))
     if rank == 0:
         _write_atomic(temporary / STATE_NAME, state_bytes)
+        if tensors:
+            from safetensors.torch import save_file
+
+            (temporary / TENSORS_FOLDER).mkdir()
+            for name, named in tensors.items():
+                save_file(
+                    {key: value.detach().contiguous().cpu() for key, value in named.items()},
+                    str(temporary / TENSORS_FOLDER / f"{name}.safetensors"),
+                )
     _barrier()
 
     # Each rank hashes and fsyncs its share of the files.
@@ -663,13 +689,14 @@ def save_checkpoint(
         os.replace(temporary, final)
         _fsync_dir(root)
         _write_atomic(root / LATEST_NAME, f"{tag}\n".encode())
-        _rotate(root, keep=final, keep_last=keep_last)
+        _rotate(root, keep=final, keep_last=keep_last, keep_tags=protected)
     _barrier()
     return final
 
 
-def _rotate(root: Path, *, keep: Path, keep_last: int | None) -> None:
-    """Delete complete checkpoints beyond the newest `keep_last` (never `keep`) and dead folders."""
+def _rotate(root: Path, *, keep: Path, keep_last: int | None, keep_tags: set[str] = frozenset()) -> None:
+    """Delete complete checkpoints beyond the newest `keep_last` (never `keep` nor a tag in
+    `keep_tags`) and dead folders."""
     for folder in root.iterdir():
         if folder.is_dir() and folder.name.startswith((TMP_PREFIX, TRASH_PREFIX)):
             shutil.rmtree(folder, ignore_errors=True)
@@ -677,7 +704,7 @@ def _rotate(root: Path, *, keep: Path, keep_last: int | None) -> None:
         return
     complete = list_checkpoints(root)
     for info in complete[: max(0, len(complete) - keep_last)]:
-        if Path(info.path).resolve() != keep.resolve():
+        if info.tag not in keep_tags and Path(info.path).resolve() != keep.resolve():
             _remove_tree(Path(info.path))
 
 
@@ -769,6 +796,19 @@ def load_checkpoint(
     return state
 
 
+def load_checkpoint_tensors(
+    path: str | os.PathLike[str], name: str, *, tag: str | int | None = None
+) -> dict[str, torch.Tensor] | None:
+    """The tensor set `name` saved with `save_checkpoint(..., tensors={name: ...})` (on CPU), or
+    None when the checkpoint has none. `path` and `tag` as in `load_checkpoint`, which verifies
+    the file with the rest of the checkpoint (safetensors: no code runs on reading)."""
+    from safetensors.torch import load_file
+
+    _, folder = _resolve(Path(path), None if tag is None else str(checkpoint_tag(tag)))
+    file = folder / TENSORS_FOLDER / f"{name}.safetensors"
+    return load_file(str(file)) if file.is_file() else None
+
+
 def _check_compatible(folder: Path, manifest: Manifest, engines: Mapping[str, Any]) -> None:
     if set(engines) != set(manifest.engines):
         raise CheckpointError(
@@ -816,13 +856,17 @@ def _gathered(parameters: list[torch.nn.Parameter]) -> Iterator[None]:
         yield
 
 
-def _full_state_dict(model: torch.nn.Module, *, keep: bool) -> dict[str, torch.Tensor]:
+def _full_state_dict(
+    model: torch.nn.Module, *, keep: bool, replace: Mapping[str, torch.Tensor] | None = None
+) -> dict[str, torch.Tensor]:
     """The model's persistent state with full (ZeRO-3-gathered) tensors and LoRA merged, on CPU.
 
     Collective under ZeRO-3: every rank walks the tensors (`rl_learner.lora.merged_tensors`, the
     walker weight sync uses) and gathers each one's parameters in turn; only where `keep` are
     copies made. Names are the plain model's (peft's `base_layer` and adapter weights folded away,
-    LoRA and DoRA merged); tied parameters map to one tensor.
+    LoRA and DoRA merged); tied parameters map to one tensor. A name in `replace` takes that
+    tensor instead of the model's (still gathered in turn, so that every rank runs the same
+    collectives).
     """
     output: dict[str, torch.Tensor] = {}
     copies: dict[int, torch.Tensor] = {}
@@ -830,7 +874,10 @@ def _full_state_dict(model: torch.nn.Module, *, keep: bool) -> dict[str, torch.T
         with _gathered(tensor.params()):
             if not keep:
                 continue
-            if tensor.adapters():
+            if replace is not None and tensor.name in replace:
+                value = replace[tensor.name]
+                output[tensor.name] = value.detach().to("cpu", tensor.param.dtype, copy=True)
+            elif tensor.adapters():
                 output[tensor.name] = tensor.value().detach().to("cpu", copy=True)
             else:
                 if id(tensor.param) not in copies:
@@ -845,6 +892,7 @@ def export_hf(
     *,
     tokenizer: Any = None,
     max_shard_size: int | str = "5GB",
+    replace: Mapping[str, torch.Tensor] | None = None,
 ) -> Path:
     """Write a Hugging Face folder (safetensors, config, tokenizer) of a model, atomically.
 
@@ -860,6 +908,8 @@ def export_hf(
         path: the output folder.
         tokenizer: saved into the folder too when given (anything with `save_pretrained`).
         max_shard_size: passed to `save_pretrained`.
+        replace: tensor name -> full tensor written instead of the model's own, in the model's
+            dtype (read on rank 0 only): e.g. `WeightEMA.export_names`, an EMA of the weights.
 
     Returns:
         `path`.
@@ -886,7 +936,7 @@ def export_hf(
     rank = _rank()
     failed: BaseException | None = None
     try:
-        state = _full_state_dict(base, keep=rank == 0)
+        state = _full_state_dict(base, keep=rank == 0, replace=replace)
         if rank == 0:
             temporary = path.with_name(f"{TMP_PREFIX}{path.name}")
             if temporary.exists():

@@ -168,9 +168,17 @@ class _SupervisedRoot(_Section):
                 self.model.lora_rank,
                 f"must be 0: rl-launch {command} trains all weights (LoRA is sft's and ppo's)",
             )
-        for field in ("max_epochs", "critic_learning_rate", "num_episodes"):
+        for field in (
+            "max_epochs",
+            "critic_learning_rate",
+            "num_episodes",
+            "ema_beta",
+            "critic_warmup_steps",
+        ):
             if getattr(self.train, field) != getattr(_DEFAULT_TRAIN, field):
                 _fail(f"train.{field}", getattr(self.train, field), f"does not apply to rl-launch {command}")
+        if self.ckpt.best_metric_key is not None:
+            _fail("ckpt.best_metric_key", self.ckpt.best_metric_key, f"does not apply to rl-launch {command}")
 
 
 class SFTConfig(_SupervisedRoot):
