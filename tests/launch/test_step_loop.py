@@ -149,6 +149,56 @@ def test_dynamic_filtering_stops_with_a_diagnosis_when_no_group_survives():
     assert len(training_calls(run)) == 4  # rollout.max_sampling_rounds
 
 
+def test_oversampling_draws_generate_batch_size_prompts_per_round_and_drops_the_surplus():
+    settings = {
+        "rollout.dynamic_filtering": "true",
+        "rollout.generate_batch_size": 4,
+        "train.max_steps": 2,
+    }
+    # every group half right (mean 0.5): all accepted, so one round of 4 prompts fills a batch of 2
+    run = fake_run(config(**settings), shuffle=False)
+    run.fit()
+    calls = training_calls(run)
+    assert [call["indices"] for call in calls] == [[0, 1, 2, 3], [4, 5, 6, 7]]  # one round per step
+    step_1 = run.tracker.logged[0][1]
+    assert (step_1["filter/groups_seen"], step_1["filter/groups_kept"], step_1["filter/groups_surplus"]) == (
+        4.0,
+        2.0,
+        2.0,
+    )
+    trained = [step["groups"] for step in run.learners["policy"][0].trained]
+    assert trained == [[0, 1], [4, 5]]  # the first accepted groups in stream order; 2, 3 dropped
+
+
+def test_oversampling_keeps_the_groups_accepted_before_drawing_replacements():
+    def reward(prompt, sample):  # only prompts 1, 5, 9, ... have a mixed group; the others all right
+        return 1.0 if prompt.index % 4 != 1 else float(sample % 2)
+
+    settings = {
+        "rollout.dynamic_filtering": "true",
+        "rollout.generate_batch_size": 4,
+        "train.max_steps": 1,
+    }
+    run = fake_run(config(**settings), reward=reward, shuffle=False)
+    run.fit()
+    assert [call["indices"] for call in training_calls(run)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert run.learners["policy"][0].trained[0]["groups"] == [1, 5]  # round 1's group survived round 2
+    step_1 = run.tracker.logged[0][1]
+    assert (step_1["filter/groups_seen"], step_1["filter/groups_surplus"]) == (8.0, 0.0)
+
+
+def test_generate_batch_size_below_the_batch_or_without_filtering_is_refused():
+    from rl_launch.config import ConfigError
+
+    with pytest.raises(
+        ConfigError, match=r"rollout\.generate_batch_size.*must be >= rollout\.rollout_batch_size"
+    ):
+        config(**{"rollout.dynamic_filtering": "true", "rollout.generate_batch_size": 1})
+    with pytest.raises(ConfigError, match=r"rollout\.generate_batch_size.*needs rollout\.dynamic_filtering"):
+        config(**{"rollout.generate_batch_size": 4})
+    assert config(**{"rollout.generate_batch_size": 2}).rollout.prompts_per_round == 2
+
+
 @pytest.mark.parametrize("depth", [1, 2])
 def test_async_records_are_depth_versions_behind_in_steady_state(depth):
     steps = 5

@@ -259,7 +259,7 @@ class RolloutConfig(_Section):
     gpu_memory_utilization: Fraction = 0.6
     """Fraction of a GPU's memory vLLM may take (on GPUs; on CPU the KV cache follows max_num_seqs)."""
     max_num_seqs: PositiveInt | None = None
-    """Sequences one engine runs at once (vLLM's max_num_seqs); None: one step's share, prompts per
+    """Sequences one engine runs at once (vLLM's max_num_seqs); None: one sampling round's share, prompts per
     engine x n_samples_per_prompt. On CPU the engine sizes its KV cache for that many sequences."""
     weight_sync: str = "auto"
     """How the policy's weights reach the engines after each step (rl_launch.components.weight_sync.SYNC_STRATEGIES,
@@ -298,6 +298,13 @@ class RolloutConfig(_Section):
     """(low, high): groups with low < mean reward < high are kept."""
     max_sampling_rounds: PositiveInt = 4
     """Rounds of sampling one step may take to fill its batch under dynamic filtering."""
+    generate_batch_size: PositiveInt | None = None
+    """Prompts per sampling round (OpenRLHF's vllm_generate_batch_size; oversampling): each round
+    of a step, and each round dynamic filtering adds, samples this many prompts; the accepted
+    groups fill the step's rollout_batch_size in stream order and the surplus accepted groups are
+    dropped (counted in filter/groups_surplus). None: rollout_batch_size. A value above
+    rollout_batch_size needs rollout.dynamic_filtering (without it the surplus would be generated
+    only to be dropped)."""
     seed: int = 1234
     """Base seed of the sampler; each step and prompt derive their own from it."""
 
@@ -307,6 +314,21 @@ class RolloutConfig(_Section):
         low, high = self.dynamic_filtering_reward_range
         if not low < high:
             _fail("rollout.dynamic_filtering_reward_range", (low, high), "must have low < high")
+        if self.generate_batch_size is not None:
+            if self.generate_batch_size < self.rollout_batch_size:
+                _fail(
+                    "rollout.generate_batch_size",
+                    self.generate_batch_size,
+                    f"must be >= rollout.rollout_batch_size ({self.rollout_batch_size}): a round samples "
+                    "at least one step's prompts",
+                )
+            if self.generate_batch_size > self.rollout_batch_size and not self.dynamic_filtering:
+                _fail(
+                    "rollout.generate_batch_size",
+                    self.generate_batch_size,
+                    f"above rollout.rollout_batch_size ({self.rollout_batch_size}) needs rollout.dynamic_filtering "
+                    "true: the groups beyond the batch are dropped, so without filtering they are wasted",
+                )
         if not self.async_train:
             if self.async_depth != 1:
                 _fail("rollout.async_depth", self.async_depth, "needs rollout.async_train true")
@@ -319,6 +341,11 @@ class RolloutConfig(_Section):
                 f"must be >= rollout.async_depth ({self.async_depth}): every record of an async run is "
                 "async_depth versions behind, so all of them would be dropped",
             )
+
+    @property
+    def prompts_per_round(self) -> int:
+        """Prompts one sampling round draws: generate_batch_size, else rollout_batch_size."""
+        return self.generate_batch_size or self.rollout_batch_size
 
 
 class RewardConfig(_Section):

@@ -289,7 +289,7 @@ def run(config: PPOConfig) -> int:
         from rl_data.datasets import PromptLoader
 
         loader = PromptLoader(
-            train_data, batch_size=config.rollout.rollout_batch_size, seed=config.train.seed, shuffle=True
+            train_data, batch_size=config.rollout.prompts_per_round, seed=config.train.seed, shuffle=True
         )
         rollouts = Rollouts(config, roles.engines, loader)
         trainer = PPOTrainer(config, roles, rollouts, eval_data, plan, tokenizer=tokenizer)
