@@ -360,3 +360,48 @@ def test_a_step_logs_rewards_lengths_training_sync_timing_and_version():
     assert logged_step == 1
     assert len(rows) == 1
     assert rows[0]["group_id"] == 0
+
+
+def test_reward_normalisation_logs_running_statistics_and_resumes_them_exactly():
+    def reward(prompt, sample):  # a different reward per prompt and sample: the statistics move
+        return float(prompt.index * 3 + sample)
+
+    settings = {"reward.normalize": "true", "ckpt.save_steps": 2, "train.max_steps": 4}
+    whole = fake_run(config(**settings), reward=reward, ckpt_root="/a/checkpoints", shuffle=False)
+    whole.fit()
+    logged = [metrics for _, metrics in whole.tracker.logged]
+    # step 1: prompts 0, 1 x samples 0, 1 -> rewards 0, 1, 3, 4: mean 2, population std sqrt(2.5)
+    assert logged[0]["reward/running_mean"] == 2.0
+    assert logged[0]["reward/running_std"] == pytest.approx(2.5**0.5)
+    assert logged[0]["reward/mean"] == 2.0  # reward/mean stays the raw reward's
+    assert logged[1]["reward/running_mean"] == 5.0  # prompts 0-3: rewards 0, 1, 3, 4, 6, 7, 9, 10
+
+    first = fake_run(config(**settings), reward=reward, ckpt_root="/b/checkpoints", shuffle=False)
+    original_log = first.tracker.log
+
+    def log_then_die(step, metrics):
+        original_log(step, metrics)
+        if step == 2:
+            raise _Killed
+
+    first.tracker.log = log_then_die
+    with pytest.raises(_Killed):
+        first.fit()
+    resumed = fake_run(
+        config(**settings),
+        reward=reward,
+        ckpt_root="/b/checkpoints",
+        resume_from={"policy": Path("/b/checkpoints/policy/global_step2")},
+        checkpoints=first.checkpoints,
+        shuffle=False,
+    )
+    resumed.fit(resumed.trainer.resume())
+    for key in ("reward/running_mean", "reward/running_std"):
+        assert [m[key] for _, m in resumed.tracker.logged] == [m[key] for m in logged[2:]]
+
+
+def test_without_reward_normalisation_nothing_is_logged_or_saved():
+    run = fake_run(config(**{"train.max_steps": 1}))
+    run.fit()
+    assert "reward/running_mean" not in run.tracker.logged[0][1]
+    assert run.trainer.reward_moments is None

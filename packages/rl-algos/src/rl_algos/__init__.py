@@ -44,6 +44,7 @@ from .rewards import (
     stop_properly_penalty,
     token_level_rewards,
 )
+from .running import RunningMoments, merge_moments
 from .supervised import distillation_loss, prm_loss, sft_loss
 
 __all__ = [
@@ -64,6 +65,7 @@ __all__ = [
     "AdaptiveKLController",
     "FixedKLController",
     "Registry",
+    "RunningMoments",
     "StraightThroughKL",
     "UnknownNameError",
     "__version__",
@@ -88,6 +90,7 @@ __all__ = [
     "masked_mean_var",
     "masked_sum",
     "masked_whiten",
+    "merge_moments",
     "mismatch_metrics",
     "overlong_penalty",
     "policy_objective",

@@ -389,6 +389,11 @@ class RewardConfig(_Section):
     """Responses cut at rollout.generate_max_len get r·c (0 <= c <= 1) or the reward c (c < 0); None: off."""
     clip: Positive | None = 10.0
     """Clip outcome rewards to [-clip, clip] before advantages; None: no clipping."""
+    normalize: bool = False
+    """Normalise the reward r (every source and the reward model's score, summed) by running
+    statistics of all rewards seen so far, this step's included: r ← (r − μ) / max(σ, 1e-8), before
+    the shaping options and the clip (rl_algos.RunningMoments). μ and σ are logged
+    (reward/running_mean, reward/running_std) and kept in checkpoints."""
 
     @property
     def urls(self) -> list[str]:

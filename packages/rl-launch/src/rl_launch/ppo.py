@@ -50,7 +50,7 @@ class PPOTrainer:
     def __init__(
         self, config: PPOConfig, roles: Roles, rollouts: Rollouts, eval_data, run_plan, tokenizer=None
     ) -> None:
-        from rl_algos import AdaptiveKLController, FixedKLController
+        from rl_algos import AdaptiveKLController, FixedKLController, RunningMoments
 
         kl = config.algo.kl
         self.config, self.roles, self.rollouts, self.eval_data, self.run_plan = (
@@ -66,6 +66,8 @@ class PPOTrainer:
             else FixedKLController(kl.init_kl_coef)
         )
         self.version = 0
+        # reward.normalize: running statistics of the rewards (kept in checkpoints); None when off
+        self.reward_moments = RunningMoments() if config.reward.normalize else None
         self.health = HealthMonitor(config)
         self.tokenizer = tokenizer  # decodes the `log.completions` rows
 
@@ -82,7 +84,12 @@ class PPOTrainer:
             metrics["reward/model_mean"] = float(scores.mean())
             rewards = rewards + scores
         truncated = torch.tensor([reason == "length" for reason in batch.finish_reasons], dtype=torch.bool)
-        shaped, shaping = shape_rewards(self.config, rewards, batch.response_lengths, truncated)
+        normalized = rewards
+        if self.reward_moments is not None:
+            normalized = self.reward_moments.normalize(rewards)
+            metrics["reward/running_mean"] = self.reward_moments.mean
+            metrics["reward/running_std"] = self.reward_moments.std
+        shaped, shaping = shape_rewards(self.config, normalized, batch.response_lengths, truncated)
         metrics |= shaping
         baseline = None
         if self.rollouts.greedy_baseline:
@@ -157,6 +164,11 @@ class PPOTrainer:
                 "next_group_id": self.rollouts.next_group_id,
                 "in_flight": self.rollouts.in_flight(),
                 "kl_coef": float(self.kl.value),
+                **(
+                    {"reward_moments": self.reward_moments.state_dict()}
+                    if self.reward_moments is not None
+                    else {}
+                ),
                 **checkpoint_extra(self.run_plan),
             },
         )
@@ -169,6 +181,8 @@ class PPOTrainer:
             return TrainingState(step=0)
         state = self.roles.load(plan.checkpoints)
         self.kl.value = float(state.extra.get("kl_coef", self.kl.value))
+        if self.reward_moments is not None and "reward_moments" in state.extra:
+            self.reward_moments.load_state_dict(state.extra["reward_moments"])
         self.version = state.policy_version
         self.version -= 1  # `sync` counts up: the engines get the restored weights as their version
         self.sync()
