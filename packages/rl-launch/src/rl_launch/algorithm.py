@@ -82,6 +82,7 @@ def policy_loss_config(config: PPOConfig, *, kl_coef: float) -> PolicyLossConfig
         kl_estimator=kl.loss_estimator,
         kl_options=dict(kl.loss_options),
         entropy_coef=policy.entropy_coef,
+        aux_loss_coef=policy.aux_loss_coef,
         correction=correction,
         correction_options=correction_options,
         temperature=config.rollout.temperature,

@@ -529,6 +529,11 @@ class PolicyConfig(_Section):
     """Loss aggregation: token-mean, seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm."""
     entropy_coef: NonNegative = 0.0
     """Entropy bonus coefficient (entropy_loss_coef)."""
+    aux_loss_coef: NonNegative = 0.0
+    """Coefficient c of the mixture-of-experts router load-balancing loss (Switch Transformer's,
+    rl_algos.load_balancing_loss over the routers' logits of each micro-batch's packed tokens):
+    the policy loss gets + c·L_aux, logged as policy/aux_loss (L_aux) and policy/loss_aux (the
+    term). 0: off. Needs an MoE policy (Mixtral, Qwen2-MoE, ...); a dense one is refused."""
     correction: str = "auto"
     """Rollout/learner mismatch correction by name (rl_algos.CORRECTIONS, plus any a plugin
     registers): tis (alias truncate), icepop, mask, seq-mask (kept sequences at weight 1),
