@@ -366,7 +366,7 @@ def test_reward_normalisation_logs_running_statistics_and_resumes_them_exactly()
     def reward(prompt, sample):  # a different reward per prompt and sample: the statistics move
         return float(prompt.index * 3 + sample)
 
-    settings = {"reward.normalize": "true", "ckpt.save_steps": 2, "train.max_steps": 4}
+    settings = {"reward.normalize": "running", "ckpt.save_steps": 2, "train.max_steps": 4}
     whole = fake_run(config(**settings), reward=reward, ckpt_root="/a/checkpoints", shuffle=False)
     whole.fit()
     logged = [metrics for _, metrics in whole.tracker.logged]
@@ -405,3 +405,39 @@ def test_without_reward_normalisation_nothing_is_logged_or_saved():
     run.fit()
     assert "reward/running_mean" not in run.tracker.logged[0][1]
     assert run.trainer.reward_moments is None
+
+
+def test_reward_normalisation_model_scales_only_the_reward_models_score(tmp_path):
+    import json
+
+    from rl_launch.algorithm import score_normalization
+    from tests.launch.fakes import FakeGroup, ToyLearner
+
+    (tmp_path / "config.json").write_text(json.dumps({"mean": 0.25, "std": 0.5}))
+    assert score_normalization(tmp_path) == (0.25, 0.5)
+    (tmp_path / "config.json").write_text(json.dumps({"mean": 0.25}))
+    assert score_normalization(tmp_path) is None  # no std: the scores stay raw
+
+    def reward(prompt, sample):
+        return float(sample)  # the function's part: 0 or 1
+
+    settings = {"train.max_steps": 1, "reward.clip": "null"}
+    raw = fake_run(config(**settings), reward=reward)
+    run = fake_run(config(**settings), reward=reward)
+    for each in (raw, run):  # a reward model scoring 0.5 for every sample
+        each.roles.groups["reward_model"] = FakeGroup(
+            "reward_model", [ToyLearner("reward_model", 0, each.wire, {})], each.log
+        )
+    run.trainer.score_normalization = (0.25, 0.5)
+    raw.fit()
+    run.fit()
+    assert raw.tracker.logged[0][1]["reward/mean"] == 0.5 + 0.5  # mean function reward + score
+    assert run.tracker.logged[0][1]["reward/mean"] == 0.5 + (0.5 - 0.25) / 0.5
+    assert run.tracker.logged[0][1]["reward/model_mean"] == 0.5  # logged raw
+
+
+def test_reward_normalisation_model_needs_a_reward_model():
+    from rl_launch.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"reward\.normalize.*needs model\.reward_pretrain"):
+        config(**{"reward.normalize": "model"})

@@ -389,11 +389,15 @@ class RewardConfig(_Section):
     """Responses cut at rollout.generate_max_len get r·c (0 <= c <= 1) or the reward c (c < 0); None: off."""
     clip: Positive | None = 10.0
     """Clip outcome rewards to [-clip, clip] before advantages; None: no clipping."""
-    normalize: bool = False
-    """Normalise the reward r (every source and the reward model's score, summed) by running
-    statistics of all rewards seen so far, this step's included: r ← (r − μ) / max(σ, 1e-8), before
-    the shaping options and the clip (rl_algos.RunningMoments). μ and σ are logged
-    (reward/running_mean, reward/running_std) and kept in checkpoints."""
+    normalize: Literal["none", "running", "model"] = "none"
+    """Reward normalisation, before the shaping options and the clip:
+    running: the reward r (every source and the reward model's score, summed) by running
+    statistics of all rewards seen so far, this step's included: r ← (r − μ) / max(σ, 1e-8)
+    (rl_algos.RunningMoments); μ, σ are logged (reward/running_mean, reward/running_std) and kept
+    in checkpoints. model: the reward model's score s only, by the fixed mean and std in its
+    config.json (as its reward-model training wrote them; OpenRLHF's reward.normalize_enable):
+    s ← (s − mean) / std; needs model.reward_pretrain, and a config without a usable mean and std
+    leaves s raw (said at start). none: off."""
 
     @property
     def urls(self) -> list[str]:
@@ -757,6 +761,13 @@ class PPOConfig(_Section):
                 "train.train_batch_size",
                 size,
                 f"must divide rollout.rollout_batch_size x rollout.n_samples_per_prompt = {samples}",
+            )
+        if self.reward.normalize == "model" and self.model.reward_pretrain is None:
+            _fail(
+                "reward.normalize",
+                "model",
+                "needs model.reward_pretrain: it normalises the reward model's score by the mean and std "
+                "in the model's config.json (use running to normalise rewards without a reward model)",
             )
         if self.ray.colocate == "all" and self.rollout.async_train:
             _fail(

@@ -31,6 +31,7 @@ from .algorithm import (
     policy_loss_config,
     reward_metrics,
     score_batch,
+    score_normalization,
     shape_rewards,
     value_loss_config,
 )
@@ -48,7 +49,14 @@ class PPOTrainer:
     """The step loop over started roles and engines."""
 
     def __init__(
-        self, config: PPOConfig, roles: Roles, rollouts: Rollouts, eval_data, run_plan, tokenizer=None
+        self,
+        config: PPOConfig,
+        roles: Roles,
+        rollouts: Rollouts,
+        eval_data,
+        run_plan,
+        tokenizer=None,
+        score_normalization: tuple[float, float] | None = None,
     ) -> None:
         from rl_algos import AdaptiveKLController, FixedKLController, RunningMoments
 
@@ -67,7 +75,9 @@ class PPOTrainer:
         )
         self.version = 0
         # reward.normalize: running statistics of the rewards (kept in checkpoints); None when off
-        self.reward_moments = RunningMoments() if config.reward.normalize else None
+        self.reward_moments = RunningMoments() if config.reward.normalize == "running" else None
+        # reward.normalize model: the reward model's (mean, std) from its config.json
+        self.score_normalization = score_normalization
         self.health = HealthMonitor(config)
         self.tokenizer = tokenizer  # decodes the `log.completions` rows
 
@@ -82,6 +92,9 @@ class PPOTrainer:
         rewards, metrics = batch.rewards.clone(), reward_metrics(records)
         if scores is not None:
             metrics["reward/model_mean"] = float(scores.mean())
+            if self.score_normalization is not None:
+                mean, std = self.score_normalization
+                scores = (scores - mean) / std
             rewards = rewards + scores
         truncated = torch.tensor([reason == "length" for reason in batch.finish_reasons], dtype=torch.bool)
         normalized = rewards
@@ -306,7 +319,18 @@ def run(config: PPOConfig) -> int:
             train_data, batch_size=config.rollout.prompts_per_round, seed=config.train.seed, shuffle=True
         )
         rollouts = Rollouts(config, roles.engines, loader)
-        trainer = PPOTrainer(config, roles, rollouts, eval_data, plan, tokenizer=tokenizer)
+        normalization = None
+        if config.reward.normalize == "model":
+            normalization = score_normalization(inputs.reward_model_path)
+            console.say(
+                f"reward.normalize model: scores ← (s − {normalization[0]:g}) / {normalization[1]:g}"
+                if normalization is not None
+                else f"reward.normalize model: {inputs.reward_model_path}/config.json has no usable mean "
+                "and std; the reward model's scores stay raw"
+            )
+        trainer = PPOTrainer(
+            config, roles, rollouts, eval_data, plan, tokenizer=tokenizer, score_normalization=normalization
+        )
         state = trainer.resume()
         with Tracker.for_run(config, start_step=state.step) as tracker:
             trainer.fit(tracker, state)
