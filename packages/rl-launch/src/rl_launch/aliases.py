@@ -170,6 +170,15 @@ def _lambd(values: tuple[str, ...], context: Context) -> Pairs | str:
     return [("algo.advantage.options.lam", values[0])]
 
 
+def _reward_normalize(values: tuple[str, ...], context: Context) -> Pairs | str:
+    # OpenRLHF applies the mean and std of the reward model's config.json to that model's score;
+    # rewards of a function or a server are never normalised there.
+    del values
+    if "reward.model_name_or_path" not in context.given:
+        return "OpenRLHF normalises only a reward model's score, and no --reward.model_name_or_path is given"
+    return [("reward.normalize", "model")]
+
+
 _EPSILON_LOW = "algo.policy.options.epsilon_low"
 _EPSILON_HIGH = "algo.policy.options.epsilon_high"
 
@@ -325,6 +334,12 @@ ALIASES: tuple[Alias, ...] = (
     # Rollout.
     _alias("rollout.batch_size", "rollout.rollout_batch_size"),
     _alias("rollout.max_new_tokens", "rollout.generate_max_len"),
+    _alias(
+        "rollout.vllm_generate_batch_size",
+        "rollout.generate_batch_size",
+        remark="prompts per sampling round; the surplus accepted groups are dropped here (OpenRLHF keeps them "
+        "for its next steps), so a value above the batch needs dynamic filtering",
+    ),
     _alias("vllm.num_engines", "rollout.num_engines"),
     _alias("vllm.tensor_parallel_size", "rollout.tensor_parallel_size"),
     _alias("vllm.gpu_memory_utilization", "rollout.gpu_memory_utilization"),
@@ -350,6 +365,13 @@ ALIASES: tuple[Alias, ...] = (
     _alias("reward.overlong_buffer_len", "reward.overlong_buffer_len"),
     _alias("reward.overlong_penalty_factor", "reward.overlong_penalty_factor"),
     _alias("reward.stop_properly_penalty_coef", "reward.stop_properly_penalty_coef"),
+    _alias(
+        "reward.normalize_enable",
+        "reward.normalize",
+        nargs=0,
+        convert=_reward_normalize,
+        remark="the reward model's score by its config.json's mean and std; dropped without a reward model",
+    ),
     # Advantage estimator (`--algo.advantage.estimator` is the same name here).
     _alias(
         "algo.advantage.gamma",
@@ -386,6 +408,7 @@ ALIASES: tuple[Alias, ...] = (
     _alias("actor.eps_clip_low_high", _EPSILON_LOW, _EPSILON_HIGH, nargs=2),
     _alias("actor.dual_clip", "algo.policy.options.dual_clip"),
     _alias("actor.entropy_coef", "algo.policy.entropy_coef"),
+    _alias("actor.aux_loss_coef", "algo.policy.aux_loss_coef", remark="the policy's MoE load-balancing loss"),
     _alias(
         _IS_ENABLE,
         "algo.policy.correction",
@@ -465,7 +488,10 @@ ALIASES: tuple[Alias, ...] = (
 
 _TOKEN_BUDGET = "micro-batches are packed to a token budget here: --train.micro_batch_tokens"
 _NO_VISION = "vision-language models are not supported"
-_NO_MUON = "the optimizer is AdamW"
+_NO_MUON = (
+    "the optimizer is AdamW: Muon is not implemented in rl-learner (DeepSpeed's own Muon optimizer is not "
+    "wired into its optimizer settings)"
+)
 
 UNSUPPORTED: Mapping[str, str] = {
     # Models and DeepSpeed.
@@ -482,11 +508,13 @@ UNSUPPORTED: Mapping[str, str] = {
     "ds.ring_attn_head_stride": "ring attention (sequence parallelism) is not supported",
     "ds.experts_implementation": "the MoE expert kernel is not an option here",
     "ds.use_liger_kernel": "Liger kernels are not supported",
-    "ds.load_in_4bit": "4-bit (QLoRA) loading is not supported",
+    "ds.load_in_4bit": (
+        "4-bit (QLoRA) loading is not implemented: the learners load full-precision weights, and the "
+        "bitsandbytes package that 4-bit loading needs is not a dependency of rl-learner"
+    ),
     "ds.lora.dropout": "LoRA dropout is not an option here (--model.lora_rank, --model.lora_alpha are)",
     "actor.gradient_checkpointing_reentrant": "the reentrant variant of gradient checkpointing is not an option here",
     "actor.freeze_visual_encoder": _NO_VISION,
-    "actor.aux_loss_coef": "there is no MoE load-balancing loss term",
     "ref.offload": "the reference model is not offloaded to CPU",
     "reward.offload": "the reward model is not offloaded to CPU",
     "critic.freezing_steps": "the policy is not frozen while the critic warms up",
@@ -512,7 +540,6 @@ UNSUPPORTED: Mapping[str, str] = {
     "rollout.micro_batch_size": _TOKEN_BUDGET,
     "train.micro_batch_size": _TOKEN_BUDGET,
     "rollout.max_tokens_per_gpu": "one token budget serves every learner forward: --train.micro_batch_tokens (--train.max_tokens_per_gpu)",
-    "rollout.vllm_generate_batch_size": "each engine takes its share of the step's prompts at once (--rollout.max_num_seqs bounds it)",
     "train.num_episodes": "the length of training is --train.max_steps (one rollout batch per step)",
     "train.partial_rollout_enable": "partial rollouts are not supported (--rollout.async_train overlaps whole steps)",
     "train.full_determinism_enable": "there is no full-determinism mode",
@@ -523,7 +550,6 @@ UNSUPPORTED: Mapping[str, str] = {
         "there is no mean-only whitening here; without the std division use --algo.advantage.estimator "
         "dr_grpo (instead of group_norm), or turn whitening off with --algo.advantage.options.whiten false"
     ),
-    "reward.normalize_enable": "rewards are not normalised by running statistics",
     # Checkpoints and logging.
     "ckpt.output_dir": "the final HF model goes to <log.output_dir>/final: give --log.output_dir",
     "ckpt.save_hf": "only the final policy is exported as an HF model (--ckpt.save_hf_model); checkpoints are DeepSpeed states",
