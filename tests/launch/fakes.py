@@ -418,7 +418,7 @@ def fake_run(
     roles.engine_sync_sizes = [1] * engines
     data = list(prompts if prompts is not None else toy_prompts(4 * config.rollout.rollout_batch_size))
     loader = PromptLoader(
-        data, batch_size=config.rollout.rollout_batch_size, seed=config.train.seed, shuffle=shuffle
+        data, batch_size=config.rollout.prompts_per_round, seed=config.train.seed, shuffle=shuffle
     )
     rollouts = Rollouts(config, roles.engines, loader)
     plan = RunPlan(

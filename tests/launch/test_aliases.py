@@ -294,14 +294,34 @@ def test_wandb_key_true_turns_wandb_on_and_a_key_is_refused_without_echoing_it()
     assert "secret-api-key-123" not in str(error.value)
 
 
+def test_reward_normalize_enable_normalises_the_reward_models_score_and_is_dropped_without_one():
+    argv, notes = expand_aliases(["--reward.model_name_or_path", "rm", "--reward.normalize_enable"])
+    assert argv == ["--model.reward_pretrain", "rm", "--reward.normalize", "model"]
+    argv, notes = expand_aliases(["--reward.normalize_enable"])
+    assert argv == []
+    assert notes[0].startswith("--reward.normalize_enable → dropped: OpenRLHF normalises only a reward model")
+
+
+def test_oversampling_and_the_moe_aux_loss_are_renames():
+    argv, _ = expand_aliases(["--rollout.vllm_generate_batch_size", "64", "--actor.aux_loss_coef", "0.001"])
+    assert argv == ["--rollout.generate_batch_size", "64", "--algo.policy.aux_loss_coef", "0.001"]
+    for flag in ("reward.normalize_enable", "rollout.vllm_generate_batch_size", "actor.aux_loss_coef"):
+        assert flag not in UNSUPPORTED
+
+
+def test_muon_is_refused_for_what_is_missing():
+    with pytest.raises(ValueError, match=r"--actor\.muon\.lr .*Muon is not implemented in rl-learner"):
+        expand_aliases(["--actor.muon.lr", "0.02"])
+
+
 # ------------------------------------------------------------------------ refused and untouched
 
 
 def test_unsupported_flag_names_the_flag_and_the_reason():
     with pytest.raises(
-        ValueError, match=r"^--actor\.aux_loss_coef \(OpenRLHF\) is not supported by rl-launch: "
+        ValueError, match=r"^--ds\.load_in_4bit \(OpenRLHF\) is not supported by rl-launch: .*bitsandbytes"
     ):
-        expand_aliases(["--actor.aux_loss_coef", "0.001"])
+        expand_aliases(["--ds.load_in_4bit"])
     with pytest.raises(ValueError, match=r"--vllm\.sync_with_ray .*--rollout\.weight_sync \(broadcast"):
         expand_aliases(["--vllm.sync_with_ray"])
 

@@ -64,6 +64,12 @@ def test_the_loss_section_reaches_the_learner_verbatim(loss, options):
     assert (learner.name, learner.options) == (loss, options)
 
 
+def test_the_moe_aux_loss_coefficient_reaches_the_learner_and_is_off_by_default():
+    assert policy_loss_config(config(), kl_coef=0.0).aux_loss_coef == 0.0
+    assert policy_loss_config(config(algo__policy__aux_loss_coef="0.001"), kl_coef=0.0).aux_loss_coef == 0.001
+    refused(r"algo\.policy\.aux_loss_coef", algo__policy__aux_loss_coef="-1")
+
+
 @pytest.mark.parametrize("loss", ["gspo", "gmpo", "cispo", "sapo", "reinforce"])
 def test_a_loss_without_options_runs_with_its_own_defaults(loss):
     # Nothing of another component (PPO's 0.2) is passed: GSPO keeps 3e-4 / 4e-4, GMPO 0.4, ...

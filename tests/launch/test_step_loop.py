@@ -149,6 +149,56 @@ def test_dynamic_filtering_stops_with_a_diagnosis_when_no_group_survives():
     assert len(training_calls(run)) == 4  # rollout.max_sampling_rounds
 
 
+def test_oversampling_draws_generate_batch_size_prompts_per_round_and_drops_the_surplus():
+    settings = {
+        "rollout.dynamic_filtering": "true",
+        "rollout.generate_batch_size": 4,
+        "train.max_steps": 2,
+    }
+    # every group half right (mean 0.5): all accepted, so one round of 4 prompts fills a batch of 2
+    run = fake_run(config(**settings), shuffle=False)
+    run.fit()
+    calls = training_calls(run)
+    assert [call["indices"] for call in calls] == [[0, 1, 2, 3], [4, 5, 6, 7]]  # one round per step
+    step_1 = run.tracker.logged[0][1]
+    assert (step_1["filter/groups_seen"], step_1["filter/groups_kept"], step_1["filter/groups_surplus"]) == (
+        4.0,
+        2.0,
+        2.0,
+    )
+    trained = [step["groups"] for step in run.learners["policy"][0].trained]
+    assert trained == [[0, 1], [4, 5]]  # the first accepted groups in stream order; 2, 3 dropped
+
+
+def test_oversampling_keeps_the_groups_accepted_before_drawing_replacements():
+    def reward(prompt, sample):  # only prompts 1, 5, 9, ... have a mixed group; the others all right
+        return 1.0 if prompt.index % 4 != 1 else float(sample % 2)
+
+    settings = {
+        "rollout.dynamic_filtering": "true",
+        "rollout.generate_batch_size": 4,
+        "train.max_steps": 1,
+    }
+    run = fake_run(config(**settings), reward=reward, shuffle=False)
+    run.fit()
+    assert [call["indices"] for call in training_calls(run)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert run.learners["policy"][0].trained[0]["groups"] == [1, 5]  # round 1's group survived round 2
+    step_1 = run.tracker.logged[0][1]
+    assert (step_1["filter/groups_seen"], step_1["filter/groups_surplus"]) == (8.0, 0.0)
+
+
+def test_generate_batch_size_below_the_batch_or_without_filtering_is_refused():
+    from rl_launch.config import ConfigError
+
+    with pytest.raises(
+        ConfigError, match=r"rollout\.generate_batch_size.*must be >= rollout\.rollout_batch_size"
+    ):
+        config(**{"rollout.dynamic_filtering": "true", "rollout.generate_batch_size": 1})
+    with pytest.raises(ConfigError, match=r"rollout\.generate_batch_size.*needs rollout\.dynamic_filtering"):
+        config(**{"rollout.generate_batch_size": 4})
+    assert config(**{"rollout.generate_batch_size": 2}).rollout.prompts_per_round == 2
+
+
 @pytest.mark.parametrize("depth", [1, 2])
 def test_async_records_are_depth_versions_behind_in_steady_state(depth):
     steps = 5
@@ -330,3 +380,84 @@ def test_num_episodes_become_steps_once_the_prompts_are_loaded():
     )
     settings = learner_settings(config.model, config.train, dtype="fp32", lr=1e-6)
     assert settings.deepspeed.extra == {"zero_optimization": {"overlap_comm": True}}
+
+
+def test_reward_normalisation_logs_running_statistics_and_resumes_them_exactly():
+    def reward(prompt, sample):  # a different reward per prompt and sample: the statistics move
+        return float(prompt.index * 3 + sample)
+
+    settings = {"reward.normalize": "running", "ckpt.save_steps": 2, "train.max_steps": 4}
+    whole = fake_run(config(**settings), reward=reward, ckpt_root="/a/checkpoints", shuffle=False)
+    whole.fit()
+    logged = [metrics for _, metrics in whole.tracker.logged]
+    # step 1: prompts 0, 1 x samples 0, 1 -> rewards 0, 1, 3, 4: mean 2, population std sqrt(2.5)
+    assert logged[0]["reward/running_mean"] == 2.0
+    assert logged[0]["reward/running_std"] == pytest.approx(2.5**0.5)
+    assert logged[0]["reward/mean"] == 2.0  # reward/mean stays the raw reward's
+    assert logged[1]["reward/running_mean"] == 5.0  # prompts 0-3: rewards 0, 1, 3, 4, 6, 7, 9, 10
+
+    first = fake_run(config(**settings), reward=reward, ckpt_root="/b/checkpoints", shuffle=False)
+    original_log = first.tracker.log
+
+    def log_then_die(step, metrics):
+        original_log(step, metrics)
+        if step == 2:
+            raise _Killed
+
+    first.tracker.log = log_then_die
+    with pytest.raises(_Killed):
+        first.fit()
+    resumed = fake_run(
+        config(**settings),
+        reward=reward,
+        ckpt_root="/b/checkpoints",
+        resume_from={"policy": Path("/b/checkpoints/policy/global_step2")},
+        checkpoints=first.checkpoints,
+        shuffle=False,
+    )
+    resumed.fit(resumed.trainer.resume())
+    for key in ("reward/running_mean", "reward/running_std"):
+        assert [m[key] for _, m in resumed.tracker.logged] == [m[key] for m in logged[2:]]
+
+
+def test_without_reward_normalisation_nothing_is_logged_or_saved():
+    run = fake_run(config(**{"train.max_steps": 1}))
+    run.fit()
+    assert "reward/running_mean" not in run.tracker.logged[0][1]
+    assert run.trainer.reward_moments is None
+
+
+def test_reward_normalisation_model_scales_only_the_reward_models_score(tmp_path):
+    import json
+
+    from rl_launch.algorithm import score_normalization
+    from tests.launch.fakes import FakeGroup, ToyLearner
+
+    (tmp_path / "config.json").write_text(json.dumps({"mean": 0.25, "std": 0.5}))
+    assert score_normalization(tmp_path) == (0.25, 0.5)
+    (tmp_path / "config.json").write_text(json.dumps({"mean": 0.25}))
+    assert score_normalization(tmp_path) is None  # no std: the scores stay raw
+
+    def reward(prompt, sample):
+        return float(sample)  # the function's part: 0 or 1
+
+    settings = {"train.max_steps": 1, "reward.clip": "null"}
+    raw = fake_run(config(**settings), reward=reward)
+    run = fake_run(config(**settings), reward=reward)
+    for each in (raw, run):  # a reward model scoring 0.5 for every sample
+        each.roles.groups["reward_model"] = FakeGroup(
+            "reward_model", [ToyLearner("reward_model", 0, each.wire, {})], each.log
+        )
+    run.trainer.score_normalization = (0.25, 0.5)
+    raw.fit()
+    run.fit()
+    assert raw.tracker.logged[0][1]["reward/mean"] == 0.5 + 0.5  # mean function reward + score
+    assert run.tracker.logged[0][1]["reward/mean"] == 0.5 + (0.5 - 0.25) / 0.5
+    assert run.tracker.logged[0][1]["reward/model_mean"] == 0.5  # logged raw
+
+
+def test_reward_normalisation_model_needs_a_reward_model():
+    from rl_launch.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"reward\.normalize.*needs model\.reward_pretrain"):
+        config(**{"reward.normalize": "model"})

@@ -32,6 +32,7 @@ from .group import CENTRES, GROUP_NORM_PRESETS, SCALES, SINGLETON_POLICIES, grou
 from .kl import KL_ESTIMATORS, AdaptiveKLController, FixedKLController, StraightThroughKL, kl_penalty
 from .logprobs import default_chunk_size, entropy_from_logits, logprobs_from_logits
 from .masked import last_action_index, masked_mean, masked_mean_var, masked_sum, masked_whiten
+from .moe import load_balancing_loss
 from .objective import policy_objective
 from .policy_losses import POLICY_LOSSES, value_loss
 from .preference import dpo_loss, kto_loss, reward_model_loss
@@ -44,6 +45,7 @@ from .rewards import (
     stop_properly_penalty,
     token_level_rewards,
 )
+from .running import RunningMoments, merge_moments
 from .supervised import distillation_loss, prm_loss, sft_loss
 
 __all__ = [
@@ -65,6 +67,7 @@ __all__ = [
     "AdaptiveKLController",
     "FixedKLController",
     "Registry",
+    "RunningMoments",
     "StraightThroughKL",
     "UnknownNameError",
     "__version__",
@@ -83,12 +86,14 @@ __all__ = [
     "kl_penalty",
     "kto_loss",
     "last_action_index",
+    "load_balancing_loss",
     "logprobs_from_logits",
     "loss_normalizer",
     "masked_mean",
     "masked_mean_var",
     "masked_sum",
     "masked_whiten",
+    "merge_moments",
     "mismatch_metrics",
     "overlong_penalty",
     "policy_objective",

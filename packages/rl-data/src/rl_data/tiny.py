@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-ARCHITECTURES: tuple[str, ...] = ("qwen2", "llama")
+ARCHITECTURES: tuple[str, ...] = ("qwen2", "llama", "qwen2_moe")
 
 SPECIAL_TOKENS: tuple[str, ...] = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 # Plain added tokens (not special): they stay in decoded text, like Qwen3's reasoning markers.
@@ -178,11 +178,12 @@ def build_tiny_model(
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
 ) -> Any:
-    """A randomly initialised causal LM (Qwen2 or Llama) whose vocabulary fits `tokenizer`.
+    """A randomly initialised causal LM (Qwen2, Llama, or Qwen2-MoE: 4 experts, top-2, with a
+    router aux loss) whose vocabulary fits `tokenizer`.
 
     Initialisation is reproducible: the same `seed` gives bit-identical weights.
     """
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen2MoeConfig
 
     if architecture not in ARCHITECTURES:
         raise ValueError(f"architecture: {architecture!r} is not one of {ARCHITECTURES}")
@@ -204,7 +205,18 @@ def build_tiny_model(
         pad_token_id=tokenizer.pad_token_id,
         rms_norm_eps=1e-6,
     )
-    config = Qwen2Config(**common) if architecture == "qwen2" else LlamaConfig(**common)
+    if architecture == "qwen2_moe":
+        # 4 experts, 2 per token, one shared expert: the smallest model with a router aux loss
+        config = Qwen2MoeConfig(
+            **common,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=intermediate_size // 4,
+            shared_expert_intermediate_size=intermediate_size // 4,
+            decoder_sparse_step=1,
+        )
+    else:
+        config = Qwen2Config(**common) if architecture == "qwen2" else LlamaConfig(**common)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)

@@ -9,7 +9,11 @@ the learners minimise. No Ray here; `rl_launch.ppo` calls these between the acto
 
 from __future__ import annotations
 
+import json
+import math
+import os
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,6 +37,7 @@ __all__ = [
     "policy_loss_config",
     "reward_metrics",
     "score_batch",
+    "score_normalization",
     "shape_rewards",
     "value_loss_config",
 ]
@@ -82,6 +87,7 @@ def policy_loss_config(config: PPOConfig, *, kl_coef: float) -> PolicyLossConfig
         kl_estimator=kl.loss_estimator,
         kl_options=dict(kl.loss_options),
         entropy_coef=policy.entropy_coef,
+        aux_loss_coef=policy.aux_loss_coef,
         correction=correction,
         correction_options=correction_options,
         temperature=config.rollout.temperature,
@@ -152,6 +158,22 @@ def score_batch(
     metrics["advantages/mean"] = _masked_mean(advantages, mask)
     metrics["advantages/abs_mean"] = _masked_mean(advantages.abs(), mask)
     return metrics
+
+
+def score_normalization(model_path: str | os.PathLike[str]) -> tuple[float, float] | None:
+    """(mean, std) of a reward model's scores as its config.json records them (`mean`, `std`: a
+    reward-model trainer writes them from its evaluation set), for reward.normalize model:
+    s ← (s − mean) / std. None when the config has no finite mean and std > 0."""
+    path = Path(model_path) / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise ValueError(f"reward.normalize model: cannot read {path}: {error}") from None
+    mean, std = config.get("mean"), config.get("std")
+    numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (mean, std))
+    if not numbers or not (math.isfinite(mean) and math.isfinite(std) and std > 0):
+        return None
+    return float(mean), float(std)
 
 
 def shape_rewards(

@@ -235,6 +235,15 @@ def _unbiased_gradient(values: tuple[str, ...], context: Context) -> Pairs | str
     ]
 
 
+def _reward_normalize(values: tuple[str, ...], context: Context) -> Pairs | str:
+    # OpenRLHF applies the mean and std of the reward model's config.json to that model's score;
+    # rewards of a function or a server are never normalised there.
+    del values
+    if "reward.model_name_or_path" not in context.given:
+        return "OpenRLHF normalises only a reward model's score, and no --reward.model_name_or_path is given"
+    return [("reward.normalize", "model")]
+
+
 _EPSILON_LOW = "algo.policy.options.epsilon_low"
 _EPSILON_HIGH = "algo.policy.options.epsilon_high"
 
@@ -664,6 +673,12 @@ ALIASES: tuple[Alias, ...] = (
     # Rollout.
     _alias("rollout.batch_size", "rollout.rollout_batch_size"),
     _alias("rollout.max_new_tokens", "rollout.generate_max_len"),
+    _alias(
+        "rollout.vllm_generate_batch_size",
+        "rollout.generate_batch_size",
+        remark="prompts per sampling round; the surplus accepted groups are dropped here (OpenRLHF keeps them "
+        "for its next steps), so a value above the batch needs dynamic filtering",
+    ),
     _alias("vllm.num_engines", "rollout.num_engines"),
     _alias("vllm.tensor_parallel_size", "rollout.tensor_parallel_size"),
     _alias("vllm.gpu_memory_utilization", "rollout.gpu_memory_utilization"),
@@ -722,6 +737,13 @@ ALIASES: tuple[Alias, ...] = (
         commands=("serve-rm",),
         remark="(r − mean) / std with the statistics stored in the reward model's config",
     ),
+    _alias(
+        "reward.normalize_enable",
+        "reward.normalize",
+        nargs=0,
+        convert=_reward_normalize,
+        remark="the reward model's score by its config.json's mean and std; dropped without a reward model",
+    ),
     # Advantage estimator (`--algo.advantage.estimator` is the same name here).
     _alias(
         "algo.advantage.estimator",
@@ -773,6 +795,7 @@ ALIASES: tuple[Alias, ...] = (
     _alias("actor.eps_clip_low_high", _EPSILON_LOW, _EPSILON_HIGH, nargs=2),
     _alias("actor.dual_clip", "algo.policy.options.dual_clip"),
     _alias("actor.entropy_coef", "algo.policy.entropy_coef"),
+    _alias("actor.aux_loss_coef", "algo.policy.aux_loss_coef", remark="the policy's MoE load-balancing loss"),
     *(
         _alias(
             flag,
@@ -1009,7 +1032,10 @@ _NO_VISION = (
     "vision-language models are not supported yet (images in records: an open issue of the agents "
     "and VLM work)"
 )
-_NO_MUON = "the optimizer is AdamW"
+_NO_MUON = (
+    "the optimizer is AdamW: Muon is not implemented in rl-learner (DeepSpeed's own Muon optimizer is not "
+    "wired into its optimizer settings)"
+)
 _SEQUENCE_PARALLEL = (
     "ring attention (sequence parallelism) is not supported yet: a micro-batch spanning an SP × DP "
     "group is an open issue of the scale work"
@@ -1025,11 +1051,13 @@ UNSUPPORTED: Mapping[str, str] = {
     "ds.ring_attn_head_stride": _SEQUENCE_PARALLEL,
     "ds.experts_implementation": "the MoE expert kernel is not an option here (transformers picks it)",
     "ds.use_liger_kernel": "Liger kernels are not supported",
-    "ds.load_in_4bit": "4-bit (QLoRA) loading is not supported",
+    "ds.load_in_4bit": (
+        "4-bit (QLoRA) loading is not implemented: the learners load full-precision weights, and the "
+        "bitsandbytes package that 4-bit loading needs is not a dependency of rl-learner"
+    ),
     "actor.gradient_checkpointing_reentrant": "the reentrant variant of gradient checkpointing is not an option here",
     "model.gradient_checkpointing_reentrant": "the reentrant variant of gradient checkpointing is not an option here",
     "actor.freeze_visual_encoder": _NO_VISION,
-    "actor.aux_loss_coef": "there is no MoE load-balancing loss term",
     "model.aux_loss_coef": (
         "there is no MoE load-balancing loss term (an open issue adds it, for ppo's actor first)"
     ),
@@ -1063,7 +1091,6 @@ UNSUPPORTED: Mapping[str, str] = {
     "data.dataset_split": "sft, rm and dpo read a local file or a save_to_disk folder, which has no splits",
     "data.multiturn": "sft trains one response per row; there is no compacted multi-turn format",
     # Rollout and training.
-    "rollout.vllm_generate_batch_size": "each engine takes its share of the step's prompts at once (--rollout.max_num_seqs bounds it)",
     "train.partial_rollout_enable": (
         "partial rollouts are not supported yet (engines pausing for a weight sync and resuming "
         "in-flight requests is an open issue of the scale work); --rollout.async_train overlaps whole steps"
@@ -1074,7 +1101,6 @@ UNSUPPORTED: Mapping[str, str] = {
         "there is no mean-only whitening here; without the std division use --algo.advantage.estimator "
         "dr_grpo (instead of group_norm), or turn whitening off with --algo.advantage.options.whiten false"
     ),
-    "reward.normalize_enable": "rewards are not normalised by running statistics",
     # Checkpoints and logging.
     "ckpt.disable_ds": "checkpoints are always DeepSpeed states",
     "ckpt.max_mem": "checkpoints are limited by count only: --ckpt.max_ckpt_num",

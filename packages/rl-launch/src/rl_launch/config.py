@@ -263,7 +263,7 @@ class RolloutConfig(_Section):
     gpu_memory_utilization: Fraction = 0.6
     """Fraction of a GPU's memory vLLM may take (on GPUs; on CPU the KV cache follows max_num_seqs)."""
     max_num_seqs: PositiveInt | None = None
-    """Sequences one engine runs at once (vLLM's max_num_seqs); None: one step's share, prompts per
+    """Sequences one engine runs at once (vLLM's max_num_seqs); None: one sampling round's share, prompts per
     engine x n_samples_per_prompt. On CPU the engine sizes its KV cache for that many sequences."""
     weight_sync: str = "auto"
     """How the policy's weights reach the engines after each step (rl_launch.components.weight_sync.SYNC_STRATEGIES,
@@ -302,6 +302,13 @@ class RolloutConfig(_Section):
     """(low, high): groups with low < mean reward < high are kept."""
     max_sampling_rounds: PositiveInt = 4
     """Rounds of sampling one step may take to fill its batch under dynamic filtering."""
+    generate_batch_size: PositiveInt | None = None
+    """Prompts per sampling round (OpenRLHF's vllm_generate_batch_size; oversampling): each round
+    of a step, and each round dynamic filtering adds, samples this many prompts; the accepted
+    groups fill the step's rollout_batch_size in stream order and the surplus accepted groups are
+    dropped (counted in filter/groups_surplus). None: rollout_batch_size. A value above
+    rollout_batch_size needs rollout.dynamic_filtering (without it the surplus would be generated
+    only to be dropped)."""
     seed: int = 1234
     """Base seed of the sampler; each step and prompt derive their own from it."""
 
@@ -311,6 +318,21 @@ class RolloutConfig(_Section):
         low, high = self.dynamic_filtering_reward_range
         if not low < high:
             _fail("rollout.dynamic_filtering_reward_range", (low, high), "must have low < high")
+        if self.generate_batch_size is not None:
+            if self.generate_batch_size < self.rollout_batch_size:
+                _fail(
+                    "rollout.generate_batch_size",
+                    self.generate_batch_size,
+                    f"must be >= rollout.rollout_batch_size ({self.rollout_batch_size}): a round samples "
+                    "at least one step's prompts",
+                )
+            if self.generate_batch_size > self.rollout_batch_size and not self.dynamic_filtering:
+                _fail(
+                    "rollout.generate_batch_size",
+                    self.generate_batch_size,
+                    f"above rollout.rollout_batch_size ({self.rollout_batch_size}) needs rollout.dynamic_filtering "
+                    "true: the groups beyond the batch are dropped, so without filtering they are wasted",
+                )
         if not self.async_train:
             if self.async_depth != 1:
                 _fail("rollout.async_depth", self.async_depth, "needs rollout.async_train true")
@@ -323,6 +345,11 @@ class RolloutConfig(_Section):
                 f"must be >= rollout.async_depth ({self.async_depth}): every record of an async run is "
                 "async_depth versions behind, so all of them would be dropped",
             )
+
+    @property
+    def prompts_per_round(self) -> int:
+        """Prompts one sampling round draws: generate_batch_size, else rollout_batch_size."""
+        return self.generate_batch_size or self.rollout_batch_size
 
 
 class RewardConfig(_Section):
@@ -366,6 +393,15 @@ class RewardConfig(_Section):
     """Responses cut at rollout.generate_max_len get r·c (0 <= c <= 1) or the reward c (c < 0); None: off."""
     clip: Positive | None = 10.0
     """Clip outcome rewards to [-clip, clip] before advantages; None: no clipping."""
+    normalize: Literal["none", "running", "model"] = "none"
+    """Reward normalisation, before the shaping options and the clip:
+    running: the reward r (every source and the reward model's score, summed) by running
+    statistics of all rewards seen so far, this step's included: r ← (r − μ) / max(σ, 1e-8)
+    (rl_algos.RunningMoments); μ, σ are logged (reward/running_mean, reward/running_std) and kept
+    in checkpoints. model: the reward model's score s only, by the fixed mean and std in its
+    config.json (as its reward-model training wrote them; OpenRLHF's reward.normalize_enable):
+    s ← (s − mean) / std; needs model.reward_pretrain, and a config without a usable mean and std
+    leaves s raw (said at start). none: off."""
 
     @property
     def urls(self) -> list[str]:
@@ -501,6 +537,11 @@ class PolicyConfig(_Section):
     """Loss aggregation: token-mean, seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm."""
     entropy_coef: NonNegative = 0.0
     """Entropy bonus coefficient (entropy_loss_coef)."""
+    aux_loss_coef: NonNegative = 0.0
+    """Coefficient c of the mixture-of-experts router load-balancing loss (Switch Transformer's,
+    rl_algos.load_balancing_loss over the routers' logits of each micro-batch's packed tokens):
+    the policy loss gets + c·L_aux, logged as policy/aux_loss (L_aux) and policy/loss_aux (the
+    term). 0: off. Needs an MoE policy (Mixtral, Qwen2-MoE, ...); a dense one is refused."""
     correction: str = "auto"
     """Rollout/learner mismatch correction by name (rl_algos.CORRECTIONS, plus any a plugin
     registers): tis (alias truncate), icepop, mask, seq-mask (kept sequences at weight 1),
@@ -770,6 +811,13 @@ class PPOConfig(_Section):
                 "train.train_batch_size",
                 size,
                 f"must divide rollout.rollout_batch_size x rollout.n_samples_per_prompt = {samples}",
+            )
+        if self.reward.normalize == "model" and self.model.reward_pretrain is None:
+            _fail(
+                "reward.normalize",
+                "model",
+                "needs model.reward_pretrain: it normalises the reward model's score by the mean and std "
+                "in the model's config.json (use running to normalise rewards without a reward model)",
             )
         if self.ray.colocate == "all" and self.rollout.async_train:
             _fail(

@@ -35,6 +35,7 @@ from .algorithm import (
     policy_loss_config,
     reward_metrics,
     score_batch,
+    score_normalization,
     shape_rewards,
     value_loss_config,
 )
@@ -52,9 +53,16 @@ class PPOTrainer:
     """The step loop over started roles and engines."""
 
     def __init__(
-        self, config: PPOConfig, roles: Roles, rollouts: Rollouts, eval_data, run_plan, tokenizer=None
+        self,
+        config: PPOConfig,
+        roles: Roles,
+        rollouts: Rollouts,
+        eval_data,
+        run_plan,
+        tokenizer=None,
+        score_normalization: tuple[float, float] | None = None,
     ) -> None:
-        from rl_algos import AdaptiveKLController, FixedKLController
+        from rl_algos import AdaptiveKLController, FixedKLController, RunningMoments
 
         kl = config.algo.kl
         self.config, self.roles, self.rollouts, self.eval_data, self.run_plan = (
@@ -70,6 +78,10 @@ class PPOTrainer:
             else FixedKLController(kl.init_kl_coef)
         )
         self.version = 0
+        # reward.normalize: running statistics of the rewards (kept in checkpoints); None when off
+        self.reward_moments = RunningMoments() if config.reward.normalize == "running" else None
+        # reward.normalize model: the reward model's (mean, std) from its config.json
+        self.score_normalization = score_normalization
         self.health = HealthMonitor(config)
         self.tokenizer = tokenizer  # decodes the `log.completions` rows
         self.best: dict[str, Any] | None = None  # ckpt.best_metric_key: {"metric", "value", "step"}
@@ -85,9 +97,17 @@ class PPOTrainer:
         rewards, metrics = batch.rewards.clone(), reward_metrics(records)
         if scores is not None:
             metrics["reward/model_mean"] = float(scores.mean())
+            if self.score_normalization is not None:
+                mean, std = self.score_normalization
+                scores = (scores - mean) / std
             rewards = rewards + scores
         truncated = torch.tensor([reason == "length" for reason in batch.finish_reasons], dtype=torch.bool)
-        shaped, shaping = shape_rewards(self.config, rewards, batch.response_lengths, truncated)
+        normalized = rewards
+        if self.reward_moments is not None:
+            normalized = self.reward_moments.normalize(rewards)
+            metrics["reward/running_mean"] = self.reward_moments.mean
+            metrics["reward/running_std"] = self.reward_moments.std
+        shaped, shaping = shape_rewards(self.config, normalized, batch.response_lengths, truncated)
         metrics |= shaping
         baseline = None
         if self.rollouts.greedy_baseline:
@@ -200,6 +220,11 @@ class PPOTrainer:
                 "in_flight": self.rollouts.in_flight(),
                 "kl_coef": float(self.kl.value),
                 **({"best_checkpoint": self.best} if self.best is not None else {}),
+                **(
+                    {"reward_moments": self.reward_moments.state_dict()}
+                    if self.reward_moments is not None
+                    else {}
+                ),
                 **checkpoint_extra(self.run_plan),
             },
         )
@@ -216,6 +241,8 @@ class PPOTrainer:
         best = state.extra.get("best_checkpoint")
         if best is not None and best.get("metric") == self.config.ckpt.best_metric_key:
             self.best = best  # under another ckpt.best_metric_key the search starts again
+        if self.reward_moments is not None and "reward_moments" in state.extra:
+            self.reward_moments.load_state_dict(state.extra["reward_moments"])
         self.version = state.policy_version
         self.version -= 1  # `sync` counts up: the engines get the restored weights as their version
         self.sync()
@@ -366,10 +393,21 @@ def run(config: PPOConfig) -> int:
         from rl_data.datasets import PromptLoader
 
         loader = PromptLoader(
-            train_data, batch_size=config.rollout.rollout_batch_size, seed=config.train.seed, shuffle=True
+            train_data, batch_size=config.rollout.prompts_per_round, seed=config.train.seed, shuffle=True
         )
         rollouts = Rollouts(config, roles.engines, loader)
-        trainer = PPOTrainer(config, roles, rollouts, eval_data, plan, tokenizer=tokenizer)
+        normalization = None
+        if config.reward.normalize == "model":
+            normalization = score_normalization(inputs.reward_model_path)
+            console.say(
+                f"reward.normalize model: scores ← (s − {normalization[0]:g}) / {normalization[1]:g}"
+                if normalization is not None
+                else f"reward.normalize model: {inputs.reward_model_path}/config.json has no usable mean "
+                "and std; the reward model's scores stay raw"
+            )
+        trainer = PPOTrainer(
+            config, roles, rollouts, eval_data, plan, tokenizer=tokenizer, score_normalization=normalization
+        )
         state = trainer.resume()
         with Tracker.for_run(config, start_step=state.step) as tracker:
             trainer.fit(tracker, state)

@@ -244,10 +244,11 @@ def load_prompts(config: PPOConfig, inputs: Resolved, tokenizer: Any) -> tuple[P
     if data.max_samples is not None:
         part_ids, rows = part_ids[: data.max_samples], rows[: data.max_samples]
     train = Prompts(train_parts, part_ids, rows, probabilities=data.prompt_probs)
-    if len(train) < config.rollout.rollout_batch_size:
+    if len(train) < config.rollout.prompts_per_round:
+        name = "generate_batch_size" if config.rollout.generate_batch_size else "rollout_batch_size"
         raise PreflightError(
-            f"data.prompt_data: {len(train)} prompts, fewer than rollout.rollout_batch_size "
-            f"= {config.rollout.rollout_batch_size}"
+            f"data.prompt_data: {len(train)} prompts, fewer than rollout.{name} "
+            f"= {config.rollout.prompts_per_round}"
         )
     evaluation = None
     if inputs.eval_data is not None and config.eval.eval_steps != -1:

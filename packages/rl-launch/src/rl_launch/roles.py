@@ -233,7 +233,7 @@ class Roles:
             tensor_parallel_size=r.tensor_parallel_size,
             gpu_memory_utilization=r.gpu_memory_utilization,
             max_num_seqs=r.max_num_seqs
-            or math.ceil(r.rollout_batch_size / r.num_engines) * r.n_samples_per_prompt,
+            or math.ceil(r.prompts_per_round / r.num_engines) * r.n_samples_per_prompt,
             enforce_eager=r.enforce_eager or not use_gpus,
             reward_function=inputs.reward_function,
             reward=cfg.reward,

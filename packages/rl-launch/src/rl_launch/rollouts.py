@@ -14,8 +14,13 @@ again on the restored weights, with the same seeds and group ids, so a resumed r
 prompts an uninterrupted one would.
 
 With dynamic filtering, groups whose mean reward is outside the range are dropped and more
-prompts are sampled (at most `max_sampling_rounds`). Group ids count up across the run
-(evaluation does not consume them), so they are unique keys.
+prompts are sampled (at most `max_sampling_rounds`). Every round draws `rollout.prompts_per_round`
+prompts (`rollout.generate_batch_size`, oversampling; else rollout_batch_size). The groups a
+round accepts are kept while later rounds draw more (never dropped for a replacement); the step
+takes the first rollout_batch_size accepted groups in stream order and drops the rest
+(filter/groups_surplus). OpenRLHF instead keeps the surplus in a buffer for its next steps
+(async only); here each step's records come from its own rounds, so a checkpoint needs no buffer.
+Group ids count up across the run (evaluation does not consume them), so they are unique keys.
 """
 
 from __future__ import annotations
@@ -237,8 +242,13 @@ class Rollouts:
                 f"dynamic filtering kept no group in {r.max_sampling_rounds} rounds (every group's mean reward "
                 f"was outside {r.dynamic_filtering_reward_range}); widen rollout.dynamic_filtering_reward_range"
             )
+        surplus = max(len(kept) - r.rollout_batch_size, 0)
         kept = kept[: r.rollout_batch_size]
-        metrics |= {"filter/groups_seen": float(seen), "filter/groups_kept": float(len(kept))}
+        metrics |= {
+            "filter/groups_seen": float(seen),
+            "filter/groups_kept": float(len(kept)),
+            "filter/groups_surplus": float(surplus),
+        }
         records = [record for group in kept for record in group]
         return records, metrics | rollout_metrics(records)
 

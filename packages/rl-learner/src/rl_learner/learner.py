@@ -34,6 +34,7 @@ learner before calling the optimizer.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import math
@@ -52,6 +53,7 @@ from rl_algos import (
     POLICY_LOSSES,
     aggregate_loss,
     kl_penalty,
+    load_balancing_loss,
     loss_normalizer,
     policy_objective,
     value_loss,
@@ -61,6 +63,7 @@ from rl_data.transport import free_port
 
 from .config import DeepSpeedConfig, OptimizerConfig, build_optimizer, build_scheduler, deepspeed_config
 from .models import (
+    RouterCapture,
     packed_logprobs,
     packed_model_inputs,
     packed_scores,
@@ -137,6 +140,11 @@ class PolicyLossConfig(msgspec.Struct, frozen=True, kw_only=True):
     (its training forward differs from an inference one). Needs `rollout_logprobs`: the step
     reports logprob_mismatch_mean / _max (|old − rollout|), the check a separate forward gave."""
 
+    aux_loss_coef: float = 0.0
+    """c of the mixture-of-experts load-balancing term (`rl_algos.load_balancing_loss` of the
+    routers' logits over each micro-batch's tokens): loss += c · Σ_j (A_j / A) · L_aux,j, A_j the
+    action tokens of micro-batch j and A the step's; 0 turns it off. Needs an MoE policy."""
+
     def __post_init__(self) -> None:
         owner = type(self).__name__
         if self.name not in POLICY_LOSSES:
@@ -147,6 +155,7 @@ class PolicyLossConfig(msgspec.Struct, frozen=True, kw_only=True):
         if self.horizon is not None and (not isinstance(self.horizon, int) or self.horizon < 1):
             raise ValueError(f"{owner}.horizon: {self.horizon!r} is not an integer >= 1")
         _non_negative(owner, "kl_coef", self.kl_coef)
+        _non_negative(owner, "aux_loss_coef", self.aux_loss_coef)
         if self.kl_estimator not in KL_ESTIMATORS:
             raise ValueError(
                 f"{owner}.kl_estimator: {self.kl_estimator!r} is not one of {sorted(KL_ESTIMATORS)}"
@@ -692,7 +701,8 @@ class PolicyLearner(Learner):
         Returns metrics, equal on every rank: loss (the full-batch loss), loss_policy, loss_kl,
         loss_entropy, the policy loss's own metrics (ppo_kl, clip_fraction, ...) as token-weighted
         means, entropy (mean over action tokens), kl (mean k-estimate, when kl_coef > 0),
-        mismatch metrics (with a correction), grad_norm, lr (of this update), tokens, sequences,
+        mismatch metrics (with a correction), aux_loss (the MoE load-balancing loss, token-weighted
+        mean over micro-batches) and loss_aux (its term c·L_aux in loss) when aux_loss_coef > 0, grad_norm, lr (of this update), tokens, sequences,
         shared_tokens_frac (of the micro-batches' tokens, those the model did not run because
         their prefix was shared), skipped (0 or 1).
         """
@@ -731,16 +741,24 @@ class PolicyLearner(Learner):
             )
             return total, {**objective_metrics, **metrics}
 
+        routers = None
+        if loss.aux_loss_coef > 0:
+            routers = RouterCapture(self.engine)
+            # A: the step's action tokens, the weight of each micro-batch's aux loss (all ranks)
+            local = sum(float(batch.num_actions) for batch in micro_batches)
+            step_actions = max(float(self._agree(torch.tensor([local], dtype=torch.float64))[0]), 1.0)
+
         def forward_loss(batch: ExperienceBatch, normalizer: torch.Tensor):
             # the objective reads action tokens only: no LM head / log-softmax at the others
-            logprobs, entropy = packed_logprobs(
-                self.engine,
-                batch,
-                temperature=loss.temperature,
-                with_entropy=True,
-                only_actions=True,
-                share_prefix=self.ds.shares_prefix,
-            )
+            with routers if routers is not None else contextlib.nullcontext():
+                logprobs, entropy = packed_logprobs(
+                    self.engine,
+                    batch,
+                    temperature=loss.temperature,
+                    with_entropy=True,
+                    only_actions=True,
+                    share_prefix=self.ds.shares_prefix,
+                )
             view = batch.response_view
             ref = view(batch.ref_logprobs) if loss.kl_coef > 0 else None
             rollout = view(batch.rollout_logprobs) if loss.correction != "none" else None
@@ -760,6 +778,13 @@ class PolicyLearner(Learner):
                 gap = (old - view(batch.rollout_logprobs)).abs()
                 metrics["logprob_mismatch_mean"] = _token_mean(gap, mask)
                 metrics["logprob_mismatch_max"] = torch.where(mask, gap, 0.0).max()
+            if routers is not None:
+                aux = load_balancing_loss(routers.logits, routers.top_k)
+                term = loss.aux_loss_coef * aux * (batch.num_actions / step_actions)
+                total = total + term.to(total.dtype)
+                metrics["aux_loss"] = aux.detach()
+                metrics["loss_aux"] = term.detach()
+                metrics["loss"] = metrics["loss"] + term.detach()  # the full loss, as minimised
             return total, metrics
 
         def dummy_loss():
@@ -779,6 +804,8 @@ class PolicyLearner(Learner):
                 )
             if loss.old_logprobs_from_forward:  # the same metric keys on every rank
                 metrics |= dict.fromkeys(("logprob_mismatch_mean", "logprob_mismatch_max"), 0.0)
+            if routers is not None:
+                metrics |= dict.fromkeys(("aux_loss", "loss_aux"), 0.0)
             return logits.float().sum() * 0.0, {k: torch.zeros(()) for k in metrics}
 
         return self._train_step(

@@ -77,6 +77,7 @@ from .config import ATTN_IMPLEMENTATIONS
 __all__ = [
     "PACKED_ATTENTION_MAX_WASTE",
     "LengthBuckets",
+    "RouterCapture",
     "SharedPrefix",
     "length_buckets",
     "load_causal_lm",
@@ -747,6 +748,55 @@ class _ScoreCapture:
 
     def __exit__(self, *exc: object) -> None:
         self._handle.remove()
+
+
+class RouterCapture:
+    """Forward hooks on a mixture-of-experts model's routers: the router logits of every MoE
+    layer during a forward, one [T, E] tensor per layer, in layer order (`logits`; cleared on entry).
+
+    The routers are the modules transformers records as `router_logits` (`_can_record_outputs`
+    of Mixtral, Qwen2-MoE, Qwen3-MoE, ...). Hooks instead of `output_router_logits=True`: that
+    makes the model compute its own aux loss with the forward's `attention_mask`, and a packed
+    forward's is a placeholder. In a packed row every token is real, so the T rows are exactly
+    the batch's tokens (the compressed row's under prefix sharing: a shared prompt counts once).
+
+    Raises ValueError for a model without such routers (a dense model).
+    """
+
+    def __init__(self, model: Any) -> None:
+        module = unwrap_model(model)
+        base = module.get_base_model() if hasattr(module, "get_base_model") else module
+        recorder = getattr(base, "_can_record_outputs", None) or {}
+        spec = recorder.get("router_logits")
+        target = getattr(spec, "target_class", None)
+        self.index = int(getattr(spec, "index", 0) or 0)
+        routers = [m for m in base.modules() if target is not None and isinstance(m, target)]
+        if not routers:
+            raise ValueError(
+                f"{type(base).__name__} has no mixture-of-experts router whose logits transformers records "
+                "(router_logits); the load-balancing loss needs an MoE model such as Mixtral or Qwen2-MoE"
+            )
+        config = getattr(base, "config", None)
+        self.top_k = int(getattr(config, "num_experts_per_tok", 0) or 0)
+        if self.top_k < 1:
+            raise ValueError(f"{type(base).__name__}'s config has no num_experts_per_tok >= 1")
+        self.logits: list[torch.Tensor] = []
+        self._routers = routers
+        self._handles: list[Any] = []
+
+    def _keep(self, _module: torch.nn.Module, _inputs: Any, output: Any) -> None:
+        logits = output[self.index] if isinstance(output, (tuple, list)) else output
+        self.logits.append(logits.reshape(-1, logits.shape[-1]))
+
+    def __enter__(self) -> RouterCapture:
+        self.logits = []
+        self._handles = [router.register_forward_hook(self._keep) for router in self._routers]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
 
 
 def _per_position_scores(model: Any, batch: ExperienceBatch, share_prefix: bool = False) -> torch.Tensor:
