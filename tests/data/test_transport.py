@@ -152,10 +152,10 @@ def test_layout_fingerprint_sees_names_shapes_and_dtypes_but_not_checksums():
 
 def test_spec_checks_name_the_field_and_the_allowed_values():
     meta = worker.layout()
-    with pytest.raises(
-        ValueError, match=r"transport: 'tcp' is not one of \('broadcast', 'ipc', 'file', 'shm'\)"
-    ):
+    # every registered transport is named (a test plugin may have registered one more in this process)
+    with pytest.raises(ValueError, match=r"transport: 'tcp' is not one of \(") as refused:
         WeightSyncSpec(transport="tcp", layout=meta)
+    assert all(f"'{name}'" in str(refused.value) for name in ("broadcast", "ipc", "file", "shm"))
     with pytest.raises(ValueError, match=r"backend: 'mpi' is not one of"):
         WeightSyncSpec(transport="broadcast", layout=meta, port=1234, backend="mpi")
     with pytest.raises(ValueError, match="file transport needs a directory"):
