@@ -369,7 +369,6 @@ def test_every_flag_is_listed_once_per_command():
         assert len(flags) == len(set(flags)), command
     # a refused flag is accepted only where a command has it with a meaning (serve_rm's normalisation)
     assert {alias.flag for alias in ALIASES} & set(UNSUPPORTED) == {
-        "reward.normalize_enable",
         "eval.dataset",
         "eval.split",
         "data.input_template",

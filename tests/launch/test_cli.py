@@ -166,7 +166,7 @@ def test_the_files_preset_is_used_and_the_flag_overrides_it(capsys, tmp_path):
     [
         (
             ["--algo.advantage.estimator", "bogus"],
-            "algo.advantage.estimator: 'bogus' is not one of dr_grpo, gae, ",
+            "algo.advantage.estimator: 'bogus' is not one of dr_grpo, flash_reinforce, gae, ",
         ),
         (
             ["--algo.advantage.estimatr", "grpo"],

@@ -1235,9 +1235,12 @@ def expand_aliases(argv: Sequence[str], command: str = "ppo") -> tuple[list[str]
         index += 1
 
     options = _own_options(argv[:stop], flags)
+    given = {o.alias.flag: o.values for o in occurrences}
     context = Context(
-        {o.alias.flag: o.values for o in occurrences},
-        options.get("algo.advantage.estimator"),
+        given,
+        # the estimator flag has the same name here; it is an alias (for group_norm with the KL in
+        # the reward) where the command has it, else one of the command's own options
+        given.get("algo.advantage.estimator", (options.get("algo.advantage.estimator"),))[0],
         command=command,
         options=options,
     )
