@@ -606,6 +606,11 @@ class CheckpointConfig(_Section):
     that already holds one, and a run loads only checkpoints it wrote."""
     save_hf_model: bool = True
     """Export the final policy as an HF folder `<log.output_dir>/final`."""
+    preemption_timeout_s: Positive = 60.0
+    """On SIGTERM or Ctrl-C the run finishes (or abandons) the step in flight, saves a checkpoint of
+    the last finished step and exits (143 / 130); past this many seconds it stops without saving.
+    Keep it under the cluster's grace period (SLURM KillWait, Kubernetes
+    terminationGracePeriodSeconds). A second signal stops at once."""
 
     def __post_init__(self) -> None:
         if self.save_steps == 0 or self.save_steps < -1:

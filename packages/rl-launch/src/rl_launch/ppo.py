@@ -15,6 +15,7 @@ Every algorithmic choice is a component found by name with its options verbatim
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from pathlib import Path
@@ -37,6 +38,7 @@ from .algorithm import (
 from .components import check_components, describe_components
 from .config import ConfigError, PPOConfig
 from .health import HealthError, HealthMonitor
+from .preemption import Preempted, PreemptionGuard
 from .roles import Roles
 from .rollouts import Rollouts, completion_rows
 from .tracking import PhaseTimer, StartupLines, Tracker, print_outputs, quiet_third_party_output
@@ -145,10 +147,11 @@ class PPOTrainer:
                 metrics["sync/unsettled_versions"] = late["sync/unsettled_versions"]
         return metrics
 
-    def save(self, step: int, consumed: int) -> None:
+    def training_state(self, step: int, consumed: int) -> TrainingState:
+        """What a checkpoint of `step` holds besides the learners' states (driver side, cheap)."""
         from .runs import checkpoint_extra
 
-        state = TrainingState(
+        return TrainingState(
             step=step,
             consumed_samples=consumed,
             policy_version=self.version,
@@ -160,7 +163,22 @@ class PPOTrainer:
                 **checkpoint_extra(self.run_plan),
             },
         )
+
+    def save(self, step: int, consumed: int, state: TrainingState | None = None) -> None:
+        """Checkpoint every trained role at `step`; `state`: the driver's state as it was at the
+        end of that step (`training_state`), when the loop has moved on since (a preemption)."""
+        state = state if state is not None else self.training_state(step, consumed)
         self.roles.save(str(self.run_plan.ckpt_root), step, state)
+
+    def stop_for_signal(
+        self, preemption: PreemptionGuard, step: int, saved_step: int, state: TrainingState
+    ) -> Preempted:
+        """Save the last finished `step` (`state` as it ended) unless it is saved; the exception
+        that ends the run (`rl_launch.preemption`)."""
+        if step > saved_step:
+            self.save(step, state.consumed_samples, state)
+            saved_step = step
+        return preemption.preempted(step, saved=step > 0 and saved_step == step)
 
     def resume(self) -> TrainingState:
         """Load the checkpoint the run plan chose (one this run wrote), or a fresh state."""
@@ -179,25 +197,38 @@ class PPOTrainer:
         )
         return state
 
-    def fit(self, tracker: Tracker, start: TrainingState) -> None:
+    def fit(self, tracker: Tracker, start: TrainingState, preemption: PreemptionGuard | None = None) -> None:
+        """The steps after `start`. With a `preemption` guard, a signal ends the loop with
+        `Preempted` after the last finished step is saved (abandoning generation or the
+        experience forwards of the step in flight, finishing its training and sync)."""
         cfg = self.config
         timer = PhaseTimer()
         consumed = start.consumed_samples
+        saved_step = start.step  # the newest checkpoint on disk (a resumed run's own)
+        abandonable = preemption.abandonable if preemption is not None else contextlib.nullcontext
         self.roles.to_generation()  # hybrid engine: the learners' states leave the GPU, engines awake
         if start.step == 0 and self.eval_data is not None:
             tracker.log(0, self.rollouts.evaluate(self.eval_data))  # the starting policy
         for step in range(start.step + 1, cfg.train.max_steps + 1):
             timer.reset()
             began = time.perf_counter()
-            with timer.phase("generation"):
-                records, metrics = self.rollouts.generate(step, self.version)
-            if cfg.log.completions:
-                tracker.log_completions(step, completion_rows(records[: cfg.log.completions], self.tokenizer))
-            if self.roles.hybrid:  # ray.colocate all: engines sleep, learners reload their states
-                with timer.phase("sleep"):
-                    self.roles.to_training()
-            with timer.phase("experience"):
-                batch, experience = self.make_experience(records)
+            finished = self.training_state(step - 1, consumed)  # what a preemption now would save
+            try:
+                with abandonable(), timer.phase("generation"):
+                    records, metrics = self.rollouts.generate(step, self.version)
+                if cfg.log.completions:
+                    tracker.log_completions(
+                        step, completion_rows(records[: cfg.log.completions], self.tokenizer)
+                    )
+                if self.roles.hybrid:  # ray.colocate all: engines sleep, learners reload their states
+                    with timer.phase("sleep"):
+                        self.roles.to_training()
+                with abandonable(), timer.phase("experience"):
+                    batch, experience = self.make_experience(records)
+            except KeyboardInterrupt:
+                if preemption is None or not preemption.requested or preemption.forced:
+                    raise
+                raise self.stop_for_signal(preemption, step - 1, saved_step, finished) from None
             with timer.phase("training"):
                 metrics |= experience | self.train(batch, step)
             if self.roles.hybrid:  # the engines wake for the sync, read from the learners' GPU
@@ -216,6 +247,7 @@ class PPOTrainer:
             if last or (cfg.ckpt.save_steps > 0 and step % cfg.ckpt.save_steps == 0):
                 with timer.phase("checkpoint"):
                     self.save(step, consumed)
+                saved_step = step
             elapsed = time.perf_counter() - began
             metrics |= timer.metrics() | {
                 "time/step": elapsed,
@@ -226,6 +258,8 @@ class PPOTrainer:
             tracker.log(step, metrics)
             for warning in self.health.check(step, metrics):  # raises HealthError to stop the run
                 tracker.message(warning)
+            if preemption is not None and preemption.requested and step < cfg.train.max_steps:
+                raise self.stop_for_signal(preemption, step, saved_step, self.training_state(step, consumed))
 
 
 def run(config: PPOConfig) -> int:
@@ -238,7 +272,7 @@ def run(config: PPOConfig) -> int:
     from .prompts import describe_data, load_prompts
     from .runs import RunFolderError, open_run_folder
 
-    started_ray, roles = False, None
+    started_ray, roles, guard = False, None, None
     console = StartupLines("rl-launch ppo")
     output_dir = Path(config.log.output_dir)
     try:
@@ -276,6 +310,8 @@ def run(config: PPOConfig) -> int:
             )
         )
         started_ray = start_ray(config, temp_dir=config.ray.temp_dir)
+        # after ray.init, which sets a SIGTERM handler of its own
+        guard = PreemptionGuard("rl-launch ppo", config.ckpt.preemption_timeout_s).install()
         console.say(
             f"ray: {'local cluster on 127.0.0.1' if started_ray else 'joined ' + str(config.ray.address)}"
         )
@@ -295,7 +331,13 @@ def run(config: PPOConfig) -> int:
         trainer = PPOTrainer(config, roles, rollouts, eval_data, plan, tokenizer=tokenizer)
         state = trainer.resume()
         with Tracker.for_run(config, start_step=state.step) as tracker:
-            trainer.fit(tracker, state)
+            try:
+                trainer.fit(tracker, state, preemption=guard)
+            except Preempted as stop:
+                summary = tracker.close(exit_code=stop.exit_code)
+                print_outputs(output_dir, summary, plan.ckpt_root, log_dir=log_dir)
+                print(f"rl-launch ppo: {stop}", file=sys.stderr)
+                return stop.exit_code
             final = None
             if config.ckpt.save_hf_model:
                 final = output_dir / "final"
@@ -310,6 +352,9 @@ def run(config: PPOConfig) -> int:
         print(f"rl-launch ppo: stopped: {error}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
+        if guard is not None and guard.requested:
+            print(f"rl-launch ppo: {guard.signal_name}: stopped without saving", file=sys.stderr)
+            return guard.exit_code
         return 130
     except ray.exceptions.RayError as error:
         cause = getattr(error, "cause", None) or error
@@ -320,3 +365,5 @@ def run(config: PPOConfig) -> int:
             roles.shutdown()
         if started_ray and ray.is_initialized():
             ray.shutdown()
+        if guard is not None:
+            guard.finish()

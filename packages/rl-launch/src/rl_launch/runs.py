@@ -144,6 +144,7 @@ RESUMABLE_KEYS: tuple[str, ...] = (
     "ckpt.max_ckpt_num",
     "ckpt.save_hf_model",
     "ckpt.load_checkpoint",
+    "ckpt.preemption_timeout_s",
     # eval.*: evaluation never feeds training, and training's sampling seeds derive from rollout.seed
     # and the step, not from a stream that evaluation advances.
     "eval",
