@@ -486,6 +486,13 @@ class RolloutWorker:
     def policy_version(self) -> int:
         return self.engine.policy_version
 
+    def helpers(self) -> Any:
+        """This actor's process, its engine's helper processes (vLLM's engine core and workers)
+        and the shared memory they map: what the driver sweeps should the actor die unclosed."""
+        from .leftovers import HelperProcesses
+
+        return HelperProcesses.of_this_process()
+
     def close(self) -> None:
         close = getattr(self.engine, "close", None)
         if close is not None:
