@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import os
+import socket
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -96,6 +97,7 @@ def send_output_to(log_dir: str | None, name: str) -> None:
     os.dup2(descriptor, 1)
     os.dup2(descriptor, 2)
     os.close(descriptor)
+    print(f"{name}: pid {os.getpid()} on {socket.gethostname()}", flush=True)  # for a diagnosis
 
 
 class LearnerWorker:

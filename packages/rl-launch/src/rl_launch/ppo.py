@@ -37,6 +37,7 @@ from .algorithm import (
 )
 from .components import check_components, describe_components
 from .config import ConfigError, PPOConfig
+from .diagnosis import describe_actor_failure, is_actor_failure
 from .health import HealthError, HealthMonitor
 from .preemption import Preempted, PreemptionGuard
 from .roles import Roles
@@ -70,6 +71,8 @@ class PPOTrainer:
         self.version = 0
         self.health = HealthMonitor(config)
         self.tokenizer = tokenizer  # decodes the `log.completions` rows
+        self.saved_after_failure: int | None = None  # an actor failed: the step saved then
+        self.save_failure: str | None = None
 
     def make_experience(self, records: list[Trajectory]) -> tuple[ExperienceBatch, dict[str, float]]:
         """The learners' forwards (all roles at once), then the advantages of the chosen estimator."""
@@ -170,6 +173,16 @@ class PPOTrainer:
         state = state if state is not None else self.training_state(step, consumed)
         self.roles.save(str(self.run_plan.ckpt_root), step, state)
 
+    def save_after_failure(self, step: int, state: TrainingState) -> None:
+        """Try to checkpoint the last finished `step` after an actor failed; `saved_after_failure`
+        says which step was saved, `save_failure` why it could not be (for the diagnosis)."""
+        try:
+            self.save(step, state.consumed_samples, state)
+        except Exception as error:  # a learner died too
+            self.save_failure = f"{type(error).__name__}: {str(error).strip()[:300]}"
+        else:
+            self.saved_after_failure = step
+
     def stop_for_signal(
         self, preemption: PreemptionGuard, step: int, saved_step: int, state: TrainingState
     ) -> Preempted:
@@ -229,6 +242,10 @@ class PPOTrainer:
                 if preemption is None or not preemption.requested or preemption.forced:
                     raise
                 raise self.stop_for_signal(preemption, step - 1, saved_step, finished) from None
+            except Exception as error:  # an engine died or failed: the learners may still save
+                if is_actor_failure(error) and step - 1 > saved_step:
+                    self.save_after_failure(step - 1, finished)
+                raise
             with timer.phase("training"):
                 metrics |= experience | self.train(batch, step)
             if self.roles.hybrid:  # the engines wake for the sync, read from the learners' GPU
@@ -272,7 +289,7 @@ def run(config: PPOConfig) -> int:
     from .prompts import describe_data, load_prompts
     from .runs import RunFolderError, open_run_folder
 
-    started_ray, roles, guard = False, None, None
+    started_ray, roles, guard, trainer, log_dir = False, None, None, None, None
     console = StartupLines("rl-launch ppo")
     output_dir = Path(config.log.output_dir)
     try:
@@ -357,8 +374,7 @@ def run(config: PPOConfig) -> int:
             return guard.exit_code
         return 130
     except ray.exceptions.RayError as error:
-        cause = getattr(error, "cause", None) or error
-        print(f"rl-launch ppo: error in a Ray actor: {type(cause).__name__}: {cause}", file=sys.stderr)
+        print(f"rl-launch ppo: error: {_diagnosis(error, roles, trainer, log_dir)}", file=sys.stderr)
         return 1
     finally:
         if roles is not None and ray.is_initialized():
@@ -367,3 +383,17 @@ def run(config: PPOConfig) -> int:
             ray.shutdown()
         if guard is not None:
             guard.finish()
+
+
+def _diagnosis(
+    error: BaseException, roles: Roles | None, trainer: PPOTrainer | None, log_dir: str | None
+) -> str:
+    """Which actor failed, where its log is, why, and what the run saved before it stopped."""
+    names = roles.actor_names() if roles is not None else {}
+    _, text = describe_actor_failure(error, names, log_dir)
+    if trainer is not None and trainer.saved_after_failure is not None:
+        step = trainer.saved_after_failure
+        text += f"\n  checkpoint of step {step} saved: --ckpt.load_checkpoint true continues from it"
+    elif trainer is not None and trainer.save_failure is not None:
+        text += f"\n  the last finished step could not be saved: {trainer.save_failure}"
+    return text

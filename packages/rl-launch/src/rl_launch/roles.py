@@ -551,6 +551,15 @@ class Roles:
         hybrid = self.describe_hybrid()
         return line if hybrid is None else f"{line}; {hybrid}"
 
+    def actor_names(self) -> dict[str, str]:
+        """Actor id (hex) -> the name its log file has ("policy-0", "engine-1"), for diagnoses."""
+        names = {}
+        for role, group in [*self.groups.items(), *([("engine", self.engines)] if self.engines else [])]:
+            for rank, actor in enumerate(group.actors):
+                with contextlib.suppress(AttributeError):  # the in-process fakes have no actor ids
+                    names[actor._actor_id.hex()] = f"{role}-{rank}"
+        return names
+
     def shutdown(self) -> None:
         import ray
         from ray.util.placement_group import remove_placement_group
