@@ -651,6 +651,10 @@ class HealthConfig(_Section):
     logprob_mismatch_stop: Positive | None = None
     """Stop the run when that mismatch exceeds this (a broken weight sync, a dtype or kernel
     mismatch); None: never stop for it."""
+    engine_stall_warn_s: Positive | None = 120.0
+    """Print a console line when the engines have not answered a generation call for this many
+    seconds (and again every as many), naming the engines and the last line of their logs (a
+    reward server retrying, a stuck engine); None: never."""
 
 
 class LogConfig(_Section):

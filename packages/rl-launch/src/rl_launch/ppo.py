@@ -345,6 +345,7 @@ def run(config: PPOConfig) -> int:
             train_data, batch_size=config.rollout.rollout_batch_size, seed=config.train.seed, shuffle=True
         )
         rollouts = Rollouts(config, roles.engines, loader)
+        rollouts.log_dir, rollouts.notify = log_dir, console.warn
         trainer = PPOTrainer(config, roles, rollouts, eval_data, plan, tokenizer=tokenizer)
         state = trainer.resume()
         with Tracker.for_run(config, start_step=state.step) as tracker:
