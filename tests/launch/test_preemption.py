@@ -236,3 +236,49 @@ def _start():
     from rl_learner import TrainingState
 
     return TrainingState(step=0)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_run_preempted_again_and_again_ends_where_an_uninterrupted_one_does(seed):
+    """Chaos on the fakes: SIGTERM at a random generation or train step, resume, repeat."""
+    import random
+
+    settings = {"train.max_steps": 6, "ckpt.max_ckpt_num": 100}
+    whole = fake_run(config(**settings), ckpt_root="/a/checkpoints")
+    whole.fit()
+    rng = random.Random(seed)
+    store: dict = {}
+    logged: dict[int, dict] = {}
+    trained: list = []
+    saved, preemptions = 0, 0
+    while saved < 6:
+        resume = {"policy": Path(f"/b/checkpoints/policy/global_step{saved}")} if saved else None
+        run = fake_run(config(**settings), ckpt_root="/b/checkpoints", resume_from=resume, checkpoints=store)
+        start = run.trainer.resume() if saved else _start()
+        remaining = 6 - saved
+        if preemptions < 4 and remaining > 1:
+            if rng.random() < 0.5:
+                _signal_on_generate(run, call=rng.randint(1, remaining))
+            else:
+                _signal_on_train_step(run, update=rng.randint(1, remaining))
+        try:
+            with _guard() as guard:
+                run.trainer.fit(run.tracker, start, preemption=guard)
+            saved = 6
+        except Preempted as stop:
+            preemptions += 1
+            saved = max(saved, stop.step)
+        for step, metrics in run.tracker.logged:
+            logged[step] = metrics
+        trained += run.learners["policy"][0].trained
+    assert preemptions >= 1
+
+    def steady(metrics):
+        return {key: value for key, value in metrics.items() if not key.startswith(("time/", "throughput/"))}
+
+    assert sorted(logged) == list(range(1, 7))
+    assert [steady(logged[step]) for step in range(1, 7)] == [
+        steady(metrics) for _, metrics in whole.tracker.logged
+    ]
+    # no update is lost or repeated: a preemption abandons a step only before it trains
+    assert trained == whole.learners["policy"][0].trained
