@@ -91,3 +91,44 @@ def kill_once_written(args: list[str], env: dict[str, str], marker: pathlib.Path
     os.killpg(process.pid, signal.SIGKILL)  # the driver and the local Ray it started
     process.wait()
     kill_processes(list(ray_processes(ray_dir)))  # Ray daemons outside the process group, if any
+
+
+def signal_after_step(
+    command: str,
+    args: list[str],
+    env: dict[str, str],
+    run_dir: pathlib.Path,
+    step: int,
+    signum: int = signal.SIGTERM,
+    *,
+    timeout: float = 600,
+) -> tuple[subprocess.CompletedProcess, float]:
+    """Start `rl-launch <command> <args>`, send `signum` to it (the driver only, as a cluster does)
+    once `run_dir/metrics.jsonl` holds step `step`, wait for it to exit; (the completed process,
+    seconds from the signal to the exit). Fails if the run ends before that step."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "rl_launch.cli", command, *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    metrics, deadline = run_dir / "metrics.jsonl", time.monotonic() + timeout
+    try:
+        while not (metrics.exists() and any(line["step"] >= step for line in read_metrics(run_dir))):
+            if process.poll() is not None:
+                out, err = process.communicate()
+                raise AssertionError(f"the run ended before step {step}: {err[-4000:]}")
+            assert time.monotonic() < deadline, f"step {step} did not appear within {timeout} s"
+            time.sleep(0.05)
+        sent = time.monotonic()
+        process.send_signal(signum)
+        out, err = process.communicate(timeout=timeout)
+        return subprocess.CompletedProcess(
+            process.args, process.returncode, out, err
+        ), time.monotonic() - sent
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()

@@ -7,6 +7,7 @@ run `_worker_checkpoint.py` in fresh processes, killed in the middle of a save a
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -217,6 +218,42 @@ def test_save_rejects_bad_arguments_naming_them(engines, tmp_path):
     with pytest.raises(TypeError, match=r"engines\['policy'\]: expected a DeepSpeedEngine, got Linear"):
         save_checkpoint(tmp_path, 1, {"policy": torch.nn.Linear(2, 2)}, state(1))
     assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(
+    "full",
+    [
+        OSError(errno.ENOSPC, "No space left on device"),
+        RuntimeError("[enforce fail] No space left on device"),
+    ],
+    ids=["oserror", "torch-writer"],
+)
+def test_a_save_onto_a_full_disk_keeps_the_previous_checkpoint_and_names_the_space(
+    engines, tmp_path, monkeypatch, full
+):
+    save_checkpoint(tmp_path, 1, engines, state(1))
+    size = sum(path.stat().st_size for path in (tmp_path / "step_00000001").rglob("*") if path.is_file())
+    policy = engines["policy"]
+    original = policy.save_checkpoint
+
+    def save_until_full(folder, **kwargs):
+        original(folder, **kwargs)
+        raise full
+
+    monkeypatch.setattr(policy, "save_checkpoint", save_until_full)
+    with pytest.raises(CheckpointError) as raised:
+        save_checkpoint(tmp_path, 2, engines, state(2))
+    message = str(raised.value)
+    assert (
+        f"checkpoint {tmp_path / '.tmp-step_00000002'}: no space left on the device of {tmp_path}" in message
+    )
+    assert f"a checkpoint takes {size / 2**30:.2f} GiB (the last one, step_00000001)" in message
+    assert "GiB are free" in message
+    assert f"the previous checkpoint {tmp_path / 'step_00000001'} is intact" in message
+    assert raised.value.previous == "step_00000001"
+    assert sorted(os.listdir(tmp_path)) == ["latest", "step_00000001"]  # the partial save is gone
+    assert latest_checkpoint(tmp_path) == tmp_path / "step_00000001"
+    verify_checkpoint(tmp_path / "step_00000001")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import os
+import socket
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -98,6 +99,7 @@ def send_output_to(log_dir: str | None, name: str) -> None:
     os.dup2(descriptor, 1)
     os.dup2(descriptor, 2)
     os.close(descriptor)
+    print(f"{name}: pid {os.getpid()} on {socket.gethostname()}", flush=True)  # for a diagnosis
 
 
 class LearnerWorker:
@@ -527,6 +529,13 @@ class RolloutWorker:
 
     def policy_version(self) -> int:
         return self.engine.policy_version
+
+    def helpers(self) -> Any:
+        """This actor's process, its engine's helper processes (vLLM's engine core and workers)
+        and the shared memory they map: what the driver sweeps should the actor die unclosed."""
+        from .leftovers import HelperProcesses
+
+        return HelperProcesses.of_this_process()
 
     def close(self) -> None:
         close = getattr(self.engine, "close", None)

@@ -12,7 +12,8 @@ preset's settings (`rl_launch.presets.preset_settings`; the preset is `--preset`
 component options (`algo.advantage.options`, `algo.policy.options`, ...) can hold.
 
 Exit codes: the run's own code; 0 after `--help` or `--print-config`; 2 for a bad command line
-or configuration (and no subcommand); 130 when interrupted (Ctrl-C).
+or configuration (and no subcommand); 130 when interrupted (Ctrl-C), 143 on SIGTERM: a run then
+saves its last finished step first (`rl_launch.preemption`).
 """
 
 from __future__ import annotations

@@ -689,6 +689,11 @@ class CheckpointConfig(_Section):
     addition to the newest max_ckpt_num; named on the console and in the summary. Steps that do
     not log the metric (evaluation every eval.eval_steps) and the step-0 evaluation of the starting
     policy are not candidates. None: no best checkpoint."""
+    preemption_timeout_s: Positive = 60.0
+    """On SIGTERM or Ctrl-C the run finishes (or abandons) the step in flight, saves a checkpoint of
+    the last finished step and exits (143 / 130); past this many seconds it stops without saving.
+    Keep it under the cluster's grace period (SLURM KillWait, Kubernetes
+    terminationGracePeriodSeconds). A second signal stops at once."""
 
     def __post_init__(self) -> None:
         if self.save_steps == 0 or self.save_steps < -1:
@@ -731,6 +736,10 @@ class HealthConfig(_Section):
     logprob_mismatch_stop: Positive | None = None
     """Stop the run when that mismatch exceeds this (a broken weight sync, a dtype or kernel
     mismatch); None: never stop for it."""
+    engine_stall_warn_s: Positive | None = 120.0
+    """Print a console line when the engines have not answered a generation call for this many
+    seconds (and again every as many), naming the engines and the last line of their logs (a
+    reward server retrying, a stuck engine); None: never."""
 
 
 class LogConfig(_Section):

@@ -17,6 +17,7 @@ Every algorithmic choice is a component found by name with its options verbatim
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 import time
@@ -41,7 +42,9 @@ from .algorithm import (
 )
 from .components import check_components, describe_components
 from .config import ConfigError, PPOConfig, hf_output_dir
+from .diagnosis import describe_actor_failure, is_actor_failure
 from .health import HealthError, HealthMonitor
+from .preemption import Preempted, PreemptionGuard
 from .roles import Roles
 from .rollouts import Rollouts, completion_rows
 from .tracking import PhaseTimer, StartupLines, Tracker, print_outputs, quiet_third_party_output
@@ -85,6 +88,8 @@ class PPOTrainer:
         self.health = HealthMonitor(config)
         self.tokenizer = tokenizer  # decodes the `log.completions` rows
         self.best: dict[str, Any] | None = None  # ckpt.best_metric_key: {"metric", "value", "step"}
+        self.saved_after_failure: int | None = None  # an actor failed: the step saved then
+        self.save_failure: str | None = None
 
     def make_experience(self, records: list[Trajectory]) -> tuple[ExperienceBatch, dict[str, float]]:
         """The learners' forwards (all roles at once), then the advantages of the chosen estimator."""
@@ -205,12 +210,11 @@ class PPOTrainer:
                 metrics["sync/unsettled_versions"] = late["sync/unsettled_versions"]
         return metrics
 
-    def save(self, step: int, consumed: int) -> None:
-        from rl_learner.checkpoint import checkpoint_tag
-
+    def training_state(self, step: int, consumed: int) -> TrainingState:
+        """What a checkpoint of `step` holds besides the learners' states (driver side, cheap)."""
         from .runs import checkpoint_extra
 
-        state = TrainingState(
+        return TrainingState(
             step=step,
             consumed_samples=consumed,
             policy_version=self.version,
@@ -228,8 +232,36 @@ class PPOTrainer:
                 **checkpoint_extra(self.run_plan),
             },
         )
+
+    def save(self, step: int, consumed: int, state: TrainingState | None = None) -> None:
+        """Checkpoint every trained role at `step` (the best checkpoint is kept from rotation);
+        `state`: the driver's state as it was at the end of that step (`training_state`), when the
+        loop has moved on since (a preemption)."""
+        from rl_learner.checkpoint import checkpoint_tag
+
+        state = state if state is not None else self.training_state(step, consumed)
         keep = (checkpoint_tag(self.best["step"]),) if self.best is not None else ()
         self.roles.save(str(self.run_plan.ckpt_root), step, state, keep_tags=keep)
+
+    def save_after_failure(self, step: int, state: TrainingState) -> None:
+        """Try to checkpoint the last finished `step` after an actor failed; `saved_after_failure`
+        says which step was saved, `save_failure` why it could not be (for the diagnosis)."""
+        try:
+            self.save(step, state.consumed_samples, state)
+        except Exception as error:  # a learner died too
+            self.save_failure = f"{type(error).__name__}: {str(error).strip()[:300]}"
+        else:
+            self.saved_after_failure = step
+
+    def stop_for_signal(
+        self, preemption: PreemptionGuard, step: int, saved_step: int, state: TrainingState
+    ) -> Preempted:
+        """Save the last finished `step` (`state` as it ended) unless it is saved; the exception
+        that ends the run (`rl_launch.preemption`)."""
+        if step > saved_step:
+            self.save(step, state.consumed_samples, state)
+            saved_step = step
+        return preemption.preempted(step, saved=step > 0 and saved_step == step)
 
     def resume(self) -> TrainingState:
         """Load the checkpoint the run plan chose (one this run wrote), or a fresh state."""
@@ -253,25 +285,42 @@ class PPOTrainer:
         )
         return state
 
-    def fit(self, tracker: Tracker, start: TrainingState) -> None:
+    def fit(self, tracker: Tracker, start: TrainingState, preemption: PreemptionGuard | None = None) -> None:
+        """The steps after `start`. With a `preemption` guard, a signal ends the loop with
+        `Preempted` after the last finished step is saved (abandoning generation or the
+        experience forwards of the step in flight, finishing its training and sync)."""
         cfg = self.config
         timer = PhaseTimer()
         consumed = start.consumed_samples
+        saved_step = start.step  # the newest checkpoint on disk (a resumed run's own)
+        abandonable = preemption.abandonable if preemption is not None else contextlib.nullcontext
         self.roles.to_generation()  # hybrid engine: the learners' states leave the GPU, engines awake
         if start.step == 0 and self.eval_data is not None:
             tracker.log(0, self.rollouts.evaluate(self.eval_data))  # the starting policy
         for step in range(start.step + 1, cfg.train.max_steps + 1):
             timer.reset()
             began = time.perf_counter()
-            with timer.phase("generation"):
-                records, metrics = self.rollouts.generate(step, self.version)
-            if cfg.log.completions:
-                tracker.log_completions(step, completion_rows(records[: cfg.log.completions], self.tokenizer))
-            if self.roles.hybrid:  # ray.colocate all: engines sleep, learners reload their states
-                with timer.phase("sleep"):
-                    self.roles.to_training()
-            with timer.phase("experience"):
-                batch, experience = self.make_experience(records)
+            finished = self.training_state(step - 1, consumed)  # what a preemption now would save
+            try:
+                with abandonable(), timer.phase("generation"):
+                    records, metrics = self.rollouts.generate(step, self.version)
+                if cfg.log.completions:
+                    tracker.log_completions(
+                        step, completion_rows(records[: cfg.log.completions], self.tokenizer)
+                    )
+                if self.roles.hybrid:  # ray.colocate all: engines sleep, learners reload their states
+                    with timer.phase("sleep"):
+                        self.roles.to_training()
+                with abandonable(), timer.phase("experience"):
+                    batch, experience = self.make_experience(records)
+            except KeyboardInterrupt:
+                if preemption is None or not preemption.requested or preemption.forced:
+                    raise
+                raise self.stop_for_signal(preemption, step - 1, saved_step, finished) from None
+            except Exception as error:  # an engine died or failed: the learners may still save
+                if is_actor_failure(error) and step - 1 > saved_step:
+                    self.save_after_failure(step - 1, finished)
+                raise
             with timer.phase("training"):
                 metrics |= experience | self.train(batch, step)
             if self.roles.hybrid:  # the engines wake for the sync, read from the learners' GPU
@@ -296,6 +345,7 @@ class PPOTrainer:
             if last or best or (cfg.ckpt.save_steps > 0 and step % cfg.ckpt.save_steps == 0):
                 with timer.phase("checkpoint"):
                     self.save(step, consumed)
+                saved_step = step
             elapsed = time.perf_counter() - began
             metrics |= timer.metrics() | {
                 "time/step": elapsed,
@@ -306,6 +356,8 @@ class PPOTrainer:
             tracker.log(step, metrics)
             for warning in self.health.check(step, metrics):  # raises HealthError to stop the run
                 tracker.message(warning)
+            if preemption is not None and preemption.requested and step < cfg.train.max_steps:
+                raise self.stop_for_signal(preemption, step, saved_step, self.training_state(step, consumed))
 
     def best_line(self) -> str | None:
         """The closing line of `ckpt.best_metric_key`: the best checkpoint, or that the metric was
@@ -336,7 +388,7 @@ def run(config: PPOConfig) -> int:
     from .prompts import describe_data, load_prompts
     from .runs import RunFolderError, open_run_folder
 
-    started_ray, roles = False, None
+    started_ray, roles, guard, trainer, log_dir = False, None, None, None, None
     console = StartupLines("rl-launch ppo")
     output_dir = Path(config.log.output_dir)
     try:
@@ -380,6 +432,8 @@ def run(config: PPOConfig) -> int:
             )
         )
         started_ray = start_ray(config, temp_dir=config.ray.temp_dir)
+        # after ray.init, which sets a SIGTERM handler of its own
+        guard = PreemptionGuard("rl-launch ppo", config.ckpt.preemption_timeout_s).install()
         console.say(
             f"ray: {'local cluster on 127.0.0.1' if started_ray else 'joined ' + str(config.ray.address)}"
         )
@@ -396,6 +450,7 @@ def run(config: PPOConfig) -> int:
             train_data, batch_size=config.rollout.prompts_per_round, seed=config.train.seed, shuffle=True
         )
         rollouts = Rollouts(config, roles.engines, loader)
+        rollouts.log_dir, rollouts.notify = log_dir, console.warn
         normalization = None
         if config.reward.normalize == "model":
             normalization = score_normalization(inputs.reward_model_path)
@@ -410,7 +465,13 @@ def run(config: PPOConfig) -> int:
         )
         state = trainer.resume()
         with Tracker.for_run(config, start_step=state.step) as tracker:
-            trainer.fit(tracker, state)
+            try:
+                trainer.fit(tracker, state, preemption=guard)
+            except Preempted as stop:
+                summary = tracker.close(exit_code=stop.exit_code)
+                print_outputs(output_dir, summary, plan.ckpt_root, log_dir=log_dir)
+                print(f"rl-launch ppo: {stop}", file=sys.stderr)
+                return stop.exit_code
             final = None
             if config.ckpt.save_hf_model:
                 final = hf_output_dir(config)
@@ -433,13 +494,31 @@ def run(config: PPOConfig) -> int:
         print(f"rl-launch ppo: stopped: {error}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
+        if guard is not None and guard.requested:
+            print(f"rl-launch ppo: {guard.signal_name}: stopped without saving", file=sys.stderr)
+            return guard.exit_code
         return 130
     except ray.exceptions.RayError as error:
-        cause = getattr(error, "cause", None) or error
-        print(f"rl-launch ppo: error in a Ray actor: {type(cause).__name__}: {cause}", file=sys.stderr)
+        print(f"rl-launch ppo: error: {_diagnosis(error, roles, trainer, log_dir)}", file=sys.stderr)
         return 1
     finally:
         if roles is not None and ray.is_initialized():
             roles.shutdown()
         if started_ray and ray.is_initialized():
             ray.shutdown()
+        if guard is not None:
+            guard.finish()
+
+
+def _diagnosis(
+    error: BaseException, roles: Roles | None, trainer: PPOTrainer | None, log_dir: str | None
+) -> str:
+    """Which actor failed, where its log is, why, and what the run saved before it stopped."""
+    names = roles.actor_names() if roles is not None else {}
+    _, text = describe_actor_failure(error, names, log_dir)
+    if trainer is not None and trainer.saved_after_failure is not None:
+        step = trainer.saved_after_failure
+        text += f"\n  checkpoint of step {step} saved: --ckpt.load_checkpoint true continues from it"
+    elif trainer is not None and trainer.save_failure is not None:
+        text += f"\n  the last finished step could not be saved: {trainer.save_failure}"
+    return text

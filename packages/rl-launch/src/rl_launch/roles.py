@@ -105,6 +105,7 @@ class Roles:
         self.policy_locations: list[tuple[str, list[str]]] = []
         self.engines_asleep = False
         self.learners_offloaded = False
+        self.engine_helpers: list[Any] = []  # rl_launch.leftovers.HelperProcesses per engine
         self._receipts: list[tuple[Any, list]] = []  # async mode: syncs whose receipts are not compared yet
 
     # ------------------------------------------------------------------------------------------
@@ -168,6 +169,7 @@ class Roles:
         self.kv_cache_bytes = [kv for _, kv, _, _ in engines]
         self.engine_nodes = [node for _, _, node, _ in engines]
         self.engine_gpus = [gpus for _, _, _, gpus in engines]
+        self.engine_helpers = ray.get(self.engines.submit("helpers"))  # swept at shutdown
         self.policy_node = located["policy"][0][0]
         self.policy_locations = [tuple(location) for location in self.groups["policy"].call("location")]
 
@@ -580,16 +582,33 @@ class Roles:
         offload = self.describe_offload()
         return line if offload is None else f"{line}; {offload}"
 
+    def actor_names(self) -> dict[str, str]:
+        """Actor id (hex) -> the name its log file has ("policy-0", "engine-1"), for diagnoses."""
+        names = {}
+        for role, group in [*self.groups.items(), *([("engine", self.engines)] if self.engines else [])]:
+            for rank, actor in enumerate(group.actors):
+                with contextlib.suppress(AttributeError):  # the in-process fakes have no actor ids
+                    names[actor._actor_id.hex()] = f"{role}-{rank}"
+        return names
+
     def shutdown(self) -> None:
         import ray
         from ray.util.placement_group import remove_placement_group
 
+        from .leftovers import sweep
+
+        closing = []
         if "policy" in self.groups:  # the sender removes its shared-memory folder (shm sync)
-            with contextlib.suppress(Exception):
-                ray.get(self.groups["policy"].submit("close"), timeout=30)
+            closing += self.groups["policy"].submit("close")
+        if self.engines is not None:  # vLLM's own shutdown: its engine core, workers and ring buffers
+            closing += self.engines.submit("close")
+        with contextlib.suppress(Exception):  # an actor that died or hangs: swept below
+            ray.wait(closing, num_returns=len(closing), timeout=30)
         for group in [*self.groups.values(), *([self.engines] if self.engines is not None else [])]:
             with contextlib.suppress(Exception):  # an actor that already died
                 group.kill()
+        with contextlib.suppress(Exception):  # what a killed engine left: only its own processes and segments
+            sweep(self.engine_helpers)
         for placement in self.placement.values():
             with contextlib.suppress(Exception):
                 remove_placement_group(placement)

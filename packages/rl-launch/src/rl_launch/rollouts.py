@@ -26,8 +26,9 @@ Group ids count up across the run (evaluation does not consume them), so they ar
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -151,6 +152,10 @@ class Rollouts:
         self.batches: Iterator[list[PromptSample]] = iter(loader)
         self.next_group_id = 0
         self.pending: dict[int, InFlight] = {}  # async mode: later steps' generations, by step
+        # a generation call that stalls past health.engine_stall_warn_s: a line to `notify`
+        self.notify: Callable[[str], None] | None = None
+        self.log_dir: str | None = None
+        self._engine_of: dict[int, int] = {}  # id(future) -> engine index, while it is pending
         # ReMax: the reward of a greedy answer to each prompt is the baseline of its samples
         self.greedy_baseline = estimator_needs(config.algo.advantage.estimator).greedy_baseline
 
@@ -203,14 +208,44 @@ class Rollouts:
             if chunk:
                 greedy = self.greedy_baseline and for_training
                 futures.append(actor.generate.remote(encode(chunk), sampling, self.next_group_id, greedy))
+                self._engine_of[id(futures[-1])] = index
                 self.next_group_id += len(chunk)
         return futures
 
-    @staticmethod
-    def collect(futures: list) -> list[Trajectory]:
+    def collect(self, futures: list) -> list[Trajectory]:
+        """The records of generation `futures`; a line to `notify` every
+        `health.engine_stall_warn_s` seconds they keep the driver waiting."""
         import ray
 
-        return [record for payload in ray.get(futures) for record in decode(payload, list[Trajectory])]
+        every = self.config.health.engine_stall_warn_s
+        if every is not None and self.notify is not None:
+            waited, pending = 0.0, list(futures)
+            while pending:
+                _, pending = ray.wait(pending, num_returns=len(pending), timeout=every)
+                if pending:
+                    waited += every
+                    self.notify(self.stall_line(pending, waited))
+        try:
+            return [record for payload in ray.get(futures) for record in decode(payload, list[Trajectory])]
+        finally:
+            for future in futures:
+                self._engine_of.pop(id(future), None)
+
+    def stall_line(self, pending: list, waited: float) -> str:
+        """ "generation has waited 120 s on engine-0 ...; the last line of its log: ..." """
+        from .diagnosis import log_tail
+
+        engines = sorted({self._engine_of.get(id(future), -1) for future in pending})
+        names = ", ".join(f"engine-{index}" if index >= 0 else "an engine" for index in engines)
+        line = (
+            f"warning: generation has waited {waited:g} s on {names} "
+            f"(health.engine_stall_warn_s = {self.config.health.engine_stall_warn_s:g})"
+        )
+        if self.log_dir is not None and engines and engines[0] >= 0:
+            path = Path(self.log_dir).resolve() / f"engine-{engines[0]}.log"
+            last = log_tail(path, 1)
+            line += f"; last line of {path}: {last[0] if last else '(empty)'}"
+        return line
 
     def generate(self, step: int, version: int) -> tuple[list[Trajectory], dict[str, float]]:
         """The records of step `step` for the learner at policy version `version` (DAPO-filtered

@@ -151,6 +151,7 @@ RESUMABLE_KEYS: tuple[str, ...] = (
     "ckpt.load_checkpoint",
     # Which checkpoint is also kept; under a new key the best is searched for again from the resume.
     "ckpt.best_metric_key",
+    "ckpt.preemption_timeout_s",
     # eval.*: evaluation never feeds training, and training's sampling seeds derive from rollout.seed
     # and the step, not from a stream that evaluation advances.
     "eval",

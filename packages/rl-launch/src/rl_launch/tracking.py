@@ -103,6 +103,10 @@ class StartupLines:
         )
         self._since = now
 
+    def warn(self, text: str) -> None:
+        """A line on stderr at any time of the run (`prefix: text`), e.g. a stalled dependency."""
+        print(f"{self.prefix}: {text}", file=sys.stderr, flush=True)
+
 
 def quiet_third_party_output() -> None:
     """Turn off the progress bars and INFO chatter of transformers and datasets in this process

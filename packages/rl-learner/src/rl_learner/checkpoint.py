@@ -57,6 +57,7 @@ does; the live adapters are left untouched).
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import logging
 import os
@@ -615,83 +616,140 @@ def save_checkpoint(
     rank, world = _rank(), _world_size()
     temporary = root / f"{TMP_PREFIX}{tag}"
     final = root / tag
-    if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        if temporary.exists():  # a crashed save of the same tag
-            shutil.rmtree(temporary)
-        (temporary / RNG_FOLDER).mkdir(parents=True)
-        (temporary / _PARTS_FOLDER).mkdir()
-    _barrier()
+    with _disk_full_explained(root, temporary):
+        if rank == 0:
+            root.mkdir(parents=True, exist_ok=True)
+            if temporary.exists():  # a crashed save of the same tag
+                shutil.rmtree(temporary)
+            (temporary / RNG_FOLDER).mkdir(parents=True)
+            (temporary / _PARTS_FOLDER).mkdir()
+        _barrier()
 
-    for name, engine in engines.items():
-        engine.save_checkpoint(str(temporary), tag=name, client_state={}, save_latest=False)
-    if save_rng:
-        _write_atomic(temporary / _rng_file(rank), msgspec.json.encode(_capture_rng()))
-    if rank == 0:
-        _write_atomic(temporary / STATE_NAME, state_bytes)
-        if tensors:
-            from safetensors.torch import save_file
+        for name, engine in engines.items():
+            engine.save_checkpoint(str(temporary), tag=name, client_state={}, save_latest=False)
+        if save_rng:
+            _write_atomic(temporary / _rng_file(rank), msgspec.json.encode(_capture_rng()))
+        if rank == 0:
+            _write_atomic(temporary / STATE_NAME, state_bytes)
+            if tensors:
+                from safetensors.torch import save_file
 
-            (temporary / TENSORS_FOLDER).mkdir()
-            for name, named in tensors.items():
-                save_file(
-                    {key: value.detach().contiguous().cpu() for key, value in named.items()},
-                    str(temporary / TENSORS_FOLDER / f"{name}.safetensors"),
+                (temporary / TENSORS_FOLDER).mkdir()
+                for name, named in tensors.items():
+                    save_file(
+                        {key: value.detach().contiguous().cpu() for key, value in named.items()},
+                        str(temporary / TENSORS_FOLDER / f"{name}.safetensors"),
+                    )
+        _barrier()
+
+        # Each rank hashes and fsyncs its share of the files.
+        files = [f for f in _relative_files(temporary) if not f.startswith(_PARTS_FOLDER + "/")]
+        share = []
+        for index, relative in enumerate(files):
+            if index % world == rank:
+                path = temporary / relative
+                _fsync_file(path)
+                share.append(ManifestFile(path=relative, size=path.stat().st_size, sha256=_sha256(path)))
+        _write_atomic(temporary / _PARTS_FOLDER / f"rank_{rank:05d}.json", msgspec.json.encode(share))
+        _barrier()
+
+        if rank == 0:
+            entries: list[ManifestFile] = []
+            for part in range(world):
+                entries += msgspec.json.decode(
+                    (temporary / _PARTS_FOLDER / f"rank_{part:05d}.json").read_bytes(),
+                    type=list[ManifestFile],
                 )
-    _barrier()
-
-    # Each rank hashes and fsyncs its share of the files.
-    files = [f for f in _relative_files(temporary) if not f.startswith(_PARTS_FOLDER + "/")]
-    share = []
-    for index, relative in enumerate(files):
-        if index % world == rank:
-            path = temporary / relative
-            _fsync_file(path)
-            share.append(ManifestFile(path=relative, size=path.stat().st_size, sha256=_sha256(path)))
-    _write_atomic(temporary / _PARTS_FOLDER / f"rank_{rank:05d}.json", msgspec.json.encode(share))
-    _barrier()
-
-    if rank == 0:
-        entries: list[ManifestFile] = []
-        for part in range(world):
-            entries += msgspec.json.decode(
-                (temporary / _PARTS_FOLDER / f"rank_{part:05d}.json").read_bytes(), type=list[ManifestFile]
-            )
-        shutil.rmtree(temporary / _PARTS_FOLDER)
-        listed = {entry.path for entry in entries}
-        if listed != set(files):
-            raise CheckpointError(
-                f"checkpoint {temporary}: the ranks saw different files ({sorted(listed ^ set(files))[:5]}); "
-                "is the root on a file system that every rank shares?",
-                folder=temporary,
-            )
-        previous = list_checkpoints(root)
-        manifest = Manifest(
-            format=CHECKPOINT_FORMAT,
-            tag=tag,
-            step=int(state.step),
-            sequence=max((info.sequence for info in previous), default=0) + 1,
-            saved_at=time.time(),
-            world_size=world,
-            engines={
-                name: EngineInfo(
-                    zero_stage=int(engine.zero_optimization_stage()), dp_world_size=_dp_world_size(engine)
+            shutil.rmtree(temporary / _PARTS_FOLDER)
+            listed = {entry.path for entry in entries}
+            if listed != set(files):
+                raise CheckpointError(
+                    f"checkpoint {temporary}: the ranks saw different files ({sorted(listed ^ set(files))[:5]}); "
+                    "is the root on a file system that every rank shares?",
+                    folder=temporary,
                 )
-                for name, engine in engines.items()
-            },
-            files=sorted(entries, key=lambda entry: entry.path),
-        )
-        _write_atomic(temporary / MANIFEST_NAME, msgspec.json.format(msgspec.json.encode(manifest)))
-        for directory, _, _ in os.walk(temporary):
-            _fsync_dir(Path(directory))
-        if final.exists():
-            _remove_tree(final)
-        os.replace(temporary, final)
-        _fsync_dir(root)
-        _write_atomic(root / LATEST_NAME, f"{tag}\n".encode())
-        _rotate(root, keep=final, keep_last=keep_last, keep_tags=protected)
+            previous = list_checkpoints(root)
+            manifest = Manifest(
+                format=CHECKPOINT_FORMAT,
+                tag=tag,
+                step=int(state.step),
+                sequence=max((info.sequence for info in previous), default=0) + 1,
+                saved_at=time.time(),
+                world_size=world,
+                engines={
+                    name: EngineInfo(
+                        zero_stage=int(engine.zero_optimization_stage()), dp_world_size=_dp_world_size(engine)
+                    )
+                    for name, engine in engines.items()
+                },
+                files=sorted(entries, key=lambda entry: entry.path),
+            )
+            _write_atomic(temporary / MANIFEST_NAME, msgspec.json.format(msgspec.json.encode(manifest)))
+            for directory, _, _ in os.walk(temporary):
+                _fsync_dir(Path(directory))
+            if final.exists():
+                _remove_tree(final)
+            os.replace(temporary, final)
+            _fsync_dir(root)
+            _write_atomic(root / LATEST_NAME, f"{tag}\n".encode())
+            _rotate(root, keep=final, keep_last=keep_last, keep_tags=protected)
     _barrier()
     return final
+
+
+def _tree_bytes(folder: Path) -> int:
+    total = 0
+    for directory, _, names in os.walk(folder):
+        for name in names:
+            with contextlib.suppress(OSError):
+                total += (Path(directory) / name).stat().st_size
+    return total
+
+
+def _is_disk_full(error: BaseException) -> bool:
+    if isinstance(error, OSError):
+        return error.errno in (errno.ENOSPC, errno.EDQUOT)
+    # torch.save (DeepSpeed's writer) reports a full disk as a RuntimeError from its C++ writer
+    return isinstance(error, RuntimeError) and "No space left on device" in str(error)
+
+
+@contextlib.contextmanager
+def _disk_full_explained(root: Path, temporary: Path) -> Iterator[None]:
+    """A save that runs out of space: the partial folder is removed (the previous checkpoint and
+    `latest` are untouched) and a `CheckpointError` names the folder, the free space and the
+    space a checkpoint takes (the newest complete one's size, else what was written so far)."""
+    try:
+        yield
+    except (OSError, RuntimeError) as error:
+        if not _is_disk_full(error):
+            raise
+        written = _tree_bytes(temporary)
+        if _rank() == 0:
+            shutil.rmtree(temporary, ignore_errors=True)
+        previous = list_checkpoints(root) if root.is_dir() else []
+        needed = _tree_bytes(Path(previous[-1].path)) if previous else 0
+        try:
+            free = shutil.disk_usage(root).free
+        except OSError:
+            free = -1
+        gib = 2**30
+        need = (
+            f"a checkpoint takes {needed / gib:.2f} GiB (the last one, {previous[-1].tag})"
+            if needed
+            else f"this one had written {written / gib:.2f} GiB when the disk filled"
+        )
+        fallback = (
+            f"; the previous checkpoint {previous[-1].path} is intact and `latest` still names it"
+            if previous
+            else ""
+        )
+        raise CheckpointError(
+            f"checkpoint {temporary}: no space left on the device of {root} ({error}): {need}, "
+            f"{max(free, 0) / gib:.2f} GiB are free. Free space, lower ckpt.max_ckpt_num or move "
+            f"ckpt.path{fallback}",
+            folder=temporary,
+            previous=previous[-1].tag if previous else None,
+        ) from error
 
 
 def _rotate(root: Path, *, keep: Path, keep_last: int | None, keep_tags: set[str] = frozenset()) -> None:

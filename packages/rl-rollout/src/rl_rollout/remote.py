@@ -279,7 +279,10 @@ class RemoteRewardClient:
                 pause = min(
                     self.backoff_s * 2**attempt, self.max_backoff_s, max(0.0, deadline - time.monotonic())
                 )
-                logger.info("%s; retrying in %.2f s", last_error, pause)
+                # one line per event, with the URL and the attempt (the engine's log in rl-launch)
+                logger.warning(
+                    "%s; retry %d of %d in %.2f s", last_error, attempt + 1, self.max_retries, pause
+                )
                 time.sleep(pause)
         if time.monotonic() >= deadline:
             raise RemoteRewardError(

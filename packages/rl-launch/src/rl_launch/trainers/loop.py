@@ -27,6 +27,7 @@ from typing import Any
 
 from ..config import ConfigError, hf_output_dir
 from ..learner_settings import LearnerSettings, learner_dtype, learner_settings, model_load_options
+from ..preemption import PreemptionGuard
 from ..tracking import PhaseTimer, StartupLines, Tracker, print_outputs, quiet_third_party_output
 
 __all__ = ["Task", "batch_positions", "run_task", "steps_of_epochs"]
@@ -120,6 +121,7 @@ def run_task(task: Task, config: Any) -> int:
     name = f"rl-launch {task.command}"
     console = StartupLines(name)
     output_dir = Path(config.log.output_dir)
+    guard = None
     try:
         quiet_third_party_output()
         model_path, data_path = config.model.pretrain, config.data.dataset
@@ -161,9 +163,25 @@ def run_task(task: Task, config: Any) -> int:
 
         timer = PhaseTimer()
         final = None
-        with Tracker.for_run(config, start_step=start, headline=task.headline) as tracker:
+        guard = PreemptionGuard(name, config.ckpt.preemption_timeout_s)
+        saved_step = start
+        with guard, Tracker.for_run(config, start_step=start, headline=task.headline) as tracker:
             batch = config.train.train_batch_size
+
+            def save(step: int) -> None:
+                state = TrainingState(step=step, consumed_samples=step * batch, extra=checkpoint_extra(plan))
+                save_checkpoint(
+                    plan.ckpt_root / task.role,
+                    step,
+                    {task.role: learner.engine},
+                    state,
+                    keep_last=config.ckpt.max_ckpt_num,
+                )
+
             for step in range(start + 1, config.train.max_steps + 1):
+                if guard.requested:  # before the first step: nothing new to save
+                    stop = guard.preempted(step - 1, saved=saved_step == step - 1 > 0)
+                    return _preempted(name, stop, tracker, plan)
                 timer.reset()
                 began = time.perf_counter()
                 items = [dataset[i] for i in batch_positions(step, batch, len(dataset), config.train.seed)]
@@ -172,16 +190,8 @@ def run_task(task: Task, config: Any) -> int:
                 last = step == config.train.max_steps
                 if last or (config.ckpt.save_steps > 0 and step % config.ckpt.save_steps == 0):
                     with timer.phase("checkpoint"):
-                        state = TrainingState(
-                            step=step, consumed_samples=step * batch, extra=checkpoint_extra(plan)
-                        )
-                        save_checkpoint(
-                            plan.ckpt_root / task.role,
-                            step,
-                            {task.role: learner.engine},
-                            state,
-                            keep_last=config.ckpt.max_ckpt_num,
-                        )
+                        save(step)
+                    saved_step = step
                 elapsed = time.perf_counter() - began
                 tokens = metrics.pop("tokens", 0.0)
                 tracker.log(
@@ -190,6 +200,10 @@ def run_task(task: Task, config: Any) -> int:
                     | timer.metrics()
                     | {"time/step": elapsed, "throughput/tokens_per_s": tokens / elapsed},
                 )
+                if guard.requested and not last:  # SIGTERM / Ctrl-C: the step is done, save it
+                    if saved_step < step:
+                        save(step)
+                    return _preempted(name, guard.preempted(step, saved=True), tracker, plan)
             if config.ckpt.save_hf_model:
                 final = hf_output_dir(config)
                 export_hf(learner.engine, final, tokenizer=tokenizer)
@@ -200,4 +214,15 @@ def run_task(task: Task, config: Any) -> int:
         print(f"{name}: error: {error}", file=sys.stderr)
         return 2 if isinstance(error, (ConfigError, RunFolderError)) else 1
     except KeyboardInterrupt:
+        if guard is not None and guard.requested:
+            print(f"{name}: {guard.signal_name}: stopped without saving", file=sys.stderr)
+            return guard.exit_code
         return 130
+
+
+def _preempted(name: str, stop: Any, tracker: Tracker, plan: Any) -> int:
+    """Close the tracker of a run stopped by a signal (summary, curves); its exit code."""
+    summary = tracker.close(exit_code=stop.exit_code)
+    print_outputs(plan.output_dir, summary, plan.ckpt_root)
+    print(f"{name}: {stop}", file=sys.stderr)
+    return stop.exit_code

@@ -1,0 +1,102 @@
+"""The sweep of what a killed engine actor left (`rl_launch.leftovers`): its helper processes and
+their /dev/shm segments, and nothing else.
+
+A child process stands in for the actor: it creates a /dev/shm segment, starts a grandchild that
+maps it (vLLM's engine core holding its ring buffer), records `HelperProcesses`, and is then
+SIGKILLed, as `ray.kill` does. The vLLM case itself is in test_leftovers_vllm.py.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from rl_launch.leftovers import HelperProcesses, shared_memory_mapped_by, sweep
+
+pytestmark = pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="needs /dev/shm")
+
+_ACTOR = r"""
+import mmap, os, subprocess, sys, time, msgspec
+from rl_launch.leftovers import HelperProcesses
+name = sys.argv[1]
+fd = os.open("/dev/shm/" + name, os.O_CREAT | os.O_RDWR, 0o600)
+os.ftruncate(fd, 4096)
+held = mmap.mmap(fd, 4096)
+child = subprocess.Popen([sys.executable, "-c",
+    "import mmap, os, time; fd = os.open('/dev/shm/%s', os.O_RDWR); m = mmap.mmap(fd, 4096); "
+    "print('mapped', flush=True); time.sleep(600)" % name], stdout=subprocess.PIPE, text=True)
+assert child.stdout.readline().strip() == "mapped"
+print(msgspec.json.encode(HelperProcesses.of_this_process()).decode(), flush=True)
+time.sleep(600)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.fixture
+def segment_name():
+    name = f"rlt-{uuid.uuid4().hex[:8]}"
+    yield name
+    Path("/dev/shm", name).unlink(missing_ok=True)
+
+
+def test_the_sweep_kills_a_killed_actors_helpers_and_removes_only_its_segments(segment_name):
+    actor = subprocess.Popen(
+        [sys.executable, "-c", _ACTOR, segment_name], stdout=subprocess.PIPE, text=True, env=os.environ
+    )
+    helpers = msgspec.json.decode(actor.stdout.readline(), type=HelperProcesses)
+    pids = [pid for pid, _ in helpers.processes]
+    assert pids[0] == actor.pid
+    assert len(pids) == 2
+    assert segment_name in helpers.segments
+    assert segment_name in shared_memory_mapped_by([pids[1]])
+
+    actor.send_signal(signal.SIGKILL)  # the grandchild lives on, orphaned, holding the segment
+    actor.wait()
+    assert _alive(pids[1])
+    assert Path("/dev/shm", segment_name).exists()
+
+    done = sweep([helpers])
+    assert f"removed /dev/shm/{segment_name}" in done
+    assert not Path("/dev/shm", segment_name).exists()
+    assert not _alive(pids[1])
+
+
+def test_the_sweep_leaves_other_hosts_recycled_pids_and_segments_in_use_alone(segment_name):
+    path = Path("/dev/shm", segment_name)
+    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+    os.ftruncate(fd, 4096)
+    held = mmap.mmap(fd, 4096)  # this process still uses it
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        own = HelperProcesses.of_this_process().host
+        recycled = HelperProcesses(host=own, processes=((sleeper.pid, 1),), segments=(segment_name,))
+        elsewhere = HelperProcesses(
+            host=own + "-other", processes=((sleeper.pid, 0),), segments=(segment_name,)
+        )
+        assert sweep([recycled, elsewhere]) == []
+        assert path.exists()
+        assert sleeper.poll() is None
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+        held.close()
+        os.close(fd)
+    time.sleep(0.05)
+    assert json.dumps(sweep([])) == "[]"
