@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import array
 import asyncio
+import concurrent.futures
 import hashlib
 import itertools
 import os
@@ -48,6 +49,10 @@ from rl_data.transport import IpcPayload, WeightSyncSpec
 
 from ..protocol import Engine, EngineError, Generation, SamplingParams, check_prompts
 from .vllm_extension import decode_reports
+
+_RPC_MARGIN_S = 60.0
+"""How much longer than a weight sync's own timeout (`WeightSyncSpec.timeout_s`) the engine waits
+for its workers: they raise first, and a dead worker or engine core still ends the wait."""
 
 __all__ = ["EXTENSION", "VLLMEngine", "cpu_kv_cache_bytes", "prompt_seed", "to_vllm_sampling_params"]
 
@@ -230,6 +235,7 @@ class VLLMEngine(Engine):
             raise EngineError(f"VLLMEngine: vLLM could not start model {str(model)!r}: {error}") from error
         config = self._engine.vllm_config.parallel_config
         self._sync_world_size = config.tensor_parallel_size * config.pipeline_parallel_size
+        self._sync_timeout_s: float | None = None  # set by init_weight_sync
 
     @staticmethod
     def option_names() -> frozenset[str]:
@@ -251,11 +257,20 @@ class VLLMEngine(Engine):
         # Built inside the loop so that its output handler task belongs to this loop.
         return AsyncLLM.from_engine_args(args)
 
-    def _run(self, coroutine: Coroutine[Any, Any, Any]) -> Any:
-        """Run `coroutine` on the engine's loop and wait for its result (from any other thread)."""
+    def _run(self, coroutine: Coroutine[Any, Any, Any], timeout_s: float | None = None) -> Any:
+        """Run `coroutine` on the engine's loop and wait for its result (from any other thread), at
+        most `timeout_s` seconds (EngineError after that; None: no bound)."""
         if threading.current_thread() is self._thread:
             raise RuntimeError("VLLMEngine: blocking call from the engine's own event loop")
-        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+        future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+        try:
+            return future.result(timeout_s)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise EngineError(
+                f"VLLMEngine: no answer from vLLM within {timeout_s:g} s (a dead engine core or worker, "
+                "or a weight-sync peer that never joined)"
+            ) from None
 
     def _live(self):
         if self._engine is None:
@@ -363,15 +378,16 @@ class VLLMEngine(Engine):
 
     # --- weight sync ---------------------------------------------------------------------------
 
-    def collective_rpc(self, method: str, args: tuple = ()) -> list[Any]:
-        """Call `method` (a `WeightSyncExtension` or vLLM worker method) on every worker; their results."""
-        return self._run(self._live().collective_rpc(method, args=args))
+    def collective_rpc(self, method: str, args: tuple = (), timeout_s: float | None = None) -> list[Any]:
+        """Call `method` (a `WeightSyncExtension` or vLLM worker method) on every worker; their
+        results. `timeout_s` bounds the wait (None: no bound)."""
+        return self._run(self._live().collective_rpc(method, args=args), timeout_s)
 
-    def _worker_call(self, method: str, args: tuple) -> list[Any]:
+    def _worker_call(self, method: str, args: tuple, timeout_s: float | None = None) -> list[Any]:
         # vLLM re-raises a worker's exception as a plain Exception carrying its message (the
         # type is lost on the way): report it as an EngineError naming the call.
         try:
-            return self.collective_rpc(method, args)
+            return self.collective_rpc(method, args, timeout_s)
         except EngineError:
             raise
         except Exception as error:
@@ -395,7 +411,9 @@ class VLLMEngine(Engine):
                 f"VLLMEngine.init_weight_sync: ranks {rank}..{rank + self._sync_world_size - 1} do not fit "
                 f"in the group's world_size {spec.world_size}"
             )
-        self._worker_call("init_weight_sync", (encode(spec), rank))
+        # the workers give up after spec.timeout_s; the margin lets their own error arrive first
+        self._worker_call("init_weight_sync", (encode(spec), rank), spec.timeout_s + _RPC_MARGIN_S)
+        self._sync_timeout_s = spec.timeout_s + _RPC_MARGIN_S
 
     def receive_weights(self, version: int, payload: IpcPayload | None = None) -> WeightSyncReport:
         """Receive and apply one sync on every worker, reset the prefix cache, set policy_version.
@@ -406,7 +424,9 @@ class VLLMEngine(Engine):
         """
         self._check_awake("receive_weights")
         payload_bytes = encode(payload) if payload is not None else None
-        reports = decode_reports(self._worker_call("receive_weights", (int(version), payload_bytes)))
+        reports = decode_reports(
+            self._worker_call("receive_weights", (int(version), payload_bytes), self._sync_timeout_s)
+        )
         if any(report.checksums != reports[0].checksums for report in reports):
             raise EngineError(
                 f"VLLMEngine.receive_weights: the workers received different buckets for version {version}"
