@@ -412,7 +412,12 @@ def test_hybrid_engine_ppo_script_flags_train_two_steps_on_cpu(places, ray_temp,
         one_gpu.get(value, value) if index and flags[index - 1].endswith(GPU_COUNTS) else value
         for index, value in enumerate(flags)
     ]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(
+        "".join(json.dumps({"context_messages": f"{n} + 1 =", "label": str(n + 1)}) + "\n" for n in range(8))
+    )
     sizes = [
+        "--data.prompt_dataset", str(prompts),
         "--rollout.batch_size", "4", "--rollout.n_samples_per_prompt", "2", "--train.batch_size", "8",
         "--data.max_len", "96", "--rollout.max_new_tokens", "8", "--ds.param_dtype", "fp32",
         "--train.max_steps", "2", "--rollout.engine", "hf", "--ray.temp_dir", ray_dir,

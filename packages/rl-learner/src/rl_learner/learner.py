@@ -223,10 +223,20 @@ def _ensure_distributed() -> None:
 
     if dist.is_initialized():
         return
-    if "RANK" not in os.environ:  # a single process started without a launcher
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
     backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if "RANK" not in os.environ:
+        # A single process started without a launcher: a world of one on a free local port, given
+        # directly rather than through RANK / MASTER_PORT in os.environ, which child processes
+        # would inherit and then try to listen on the same port.
+        deepspeed.init_distributed(
+            dist_backend=backend,
+            auto_mpi_discovery=False,
+            verbose=False,
+            init_method=f"tcp://127.0.0.1:{free_port()}",
+            rank=0,
+            world_size=1,
+        )
+        return
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
 
 
