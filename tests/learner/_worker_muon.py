@@ -136,7 +136,8 @@ def run(stage: int, model: torch.nn.Module, data: list, grads: dict[str, torch.T
             expected = expected_adamw(start, grads[name]).double()
             extra = {}
         error = float((delta - expected).norm() / expected.norm().clamp_min(1e-30))
-        report["params"][name] = {"muon": muon, "relative_error": error, **extra}
+        largest = float((delta - expected).abs().max())
+        report["params"][name] = {"muon": muon, "relative_error": error, "max_abs_error": largest, **extra}
     return report
 
 

@@ -44,6 +44,9 @@ def test_muon_is_deepspeeds_optimizer_section_with_both_learning_rates():
             "torch_adam": True,
         },
     }
+    assert "reduce_scatter" not in config["zero_optimization"]
+    zero3 = deepspeed_config(DeepSpeedConfig(zero_stage=3), optim, world_size=1)["zero_optimization"]
+    assert zero3["reduce_scatter"] is False  # DeepSpeed's ZeRO-3 Muon refuses reduce-scatter
     offload = deepspeed_config(DeepSpeedConfig(zero_stage=2, offload_optimizer=True), optim, world_size=1)
     assert "torch_adam" not in offload["optimizer"]["params"]  # DeepSpeedCPUAdam for the AdamW half
     assert "optimizer" not in deepspeed_config(DeepSpeedConfig(), OptimizerConfig(), world_size=1)
@@ -101,10 +104,12 @@ def test_one_muon_step_orthogonalises_the_matrices_and_adamw_steps_the_rest(resu
     assert any("embed" in name for name in rest)
     assert any(name.endswith("bias") for name in rest)
     for name, p in matrices.items():
-        # DeepSpeed's Newton–Schulz runs in fp16 or bf16 on CPU: close to the float64 reference
-        assert p["relative_error"] < 0.05, (name, p)
+        # DeepSpeed's Newton–Schulz runs in fp32 or (where the CPU has it) fp16: close to float64's
+        assert p["relative_error"] < 0.01, (name, p)
         # the gradient's singular values spread widely; the update's are all near 1
         assert p["gradient_singular_ratio"] > 3.0, (name, p)
         assert 0.5 < p["singular_min"] <= p["singular_max"] < 1.3, (name, p)
     for name, p in rest.items():
-        assert p["relative_error"] < 1e-4, (name, p)
+        # AdamW's first step moves each entry by about lr (1e-3) · sign(g); the k_proj biases, whose
+        # gradient is zero up to rounding, differ most (packed vs per-sequence forwards)
+        assert p["max_abs_error"] < 5e-5, (name, p)

@@ -29,7 +29,7 @@ only where it means the same thing here; conversions stay within that meaning:
   for whichever side the run uses);
 - flags that combine into one option (`--train.colocate_*` → `--ray.colocate`;
   `--actor.num_nodes` × `--actor.num_gpus_per_node` → `--ray.policy.num_actors`);
-- flags whose meaning is what rl-launch always does (`--ds.packing_samples`, `--actor.optim adam`):
+- flags whose meaning is what rl-launch always does (`--ds.packing_samples`, `--actor.adam.eps 1e-8`):
   accepted and dropped, with a note; another value than rl-launch's is refused;
 - flags OpenRLHF itself ignores in the run at hand (`--algo.advantage.gamma` with `group_norm`,
   which OpenRLHF runs with gamma 1): dropped, with a note saying why;
@@ -411,11 +411,17 @@ def _shared(option: str, target: str) -> Convert:
 def _optimizer(target: str) -> Convert:
     """`--actor.optim` / `--critic.optim` / `--optim`: OpenRLHF's adam (AdamW) or muon, to `target`."""
 
-    def convert(values: tuple[str, ...], context: Context) -> Pairs:
+    def convert(values: tuple[str, ...], context: Context) -> Pairs | tuple[Pairs, str]:
         names = {"adam": "adamw", "muon": "muon"}
         if values[0] not in names:
             raise ValueError(f"OpenRLHF's choices are adam and muon, got {values[0]!r}")
-        return [(target, names[values[0]])]
+        pairs = [(target, names[values[0]])]
+        if values[0] == "muon":
+            return pairs, (
+                "under ZeRO 1-3 DeepSpeed clips Muon's orthogonalised update, not the gradient "
+                "(--train.max_norm 0 turns clipping off)"
+            )
+        return pairs
 
     return convert
 
@@ -423,7 +429,7 @@ def _optimizer(target: str) -> Convert:
 # DeepSpeed 0.19's Muon calls its update with 5 Newton–Schulz steps and Nesterov momentum, the
 # function's defaults; its optimizer config has no key for either (OpenRLHF keeps the flags as
 # placeholders and warns when they differ).
-_MUON_FIXED = "DeepSpeed's Muon runs a fixed {} and takes no setting for it"
+_MUON_FIXED = "DeepSpeed's Muon always uses {}; its optimizer config has no setting for it"
 
 
 def _reward_clip(values: tuple[str, ...], context: Context) -> Pairs:

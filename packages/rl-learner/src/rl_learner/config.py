@@ -283,6 +283,9 @@ def deepspeed_config(
         config["gradient_clipping"] = optim.grad_clip if optim is not None else 0.0
         if optim is not None and optim.name == "muon":
             config["optimizer"] = muon_optimizer_section(optim, ds)
+            if stage == 3:
+                # DeepSpeed's ZeRO-3 orthogonalises whole gradients: it refuses reduce-scatter
+                zero["reduce_scatter"] = False
     return merge_deepspeed_config(config, ds.extra)
 
 
