@@ -11,7 +11,9 @@ the task scores used for logging and dynamic filtering (they default to the rewa
 
 OpenRLHF reward files work unchanged: `load_reward_function("reward.py")` imports the file and
 wraps its `reward_func(queries, prompts, labels)`, which may return a dict with "rewards"
-(required), "scores" and "extra_logs", or (older files) a bare tensor / list of rewards.
+(required), "scores" and "extra_logs", or (older files) a bare tensor / list of rewards. A file
+that imports a module this environment lacks (OpenRLHF's math example imports `openrlhf.utils`'s
+grader) fails with an ImportError naming the module and what to install.
 
 Outputs are checked: a wrong number of values, a non-numeric value, NaN or ±inf raises
 `RewardError` naming the function (or file) and the sample index; with `on_error="fallback"`
@@ -361,7 +363,7 @@ def load_python_file(path: str | Path, kind: str) -> Any:
     return module
 
 
-MISSING_IMPORT_HINTS: dict[str, str] = {
+_MISSING_IMPORT_HINTS: dict[str, str] = {
     "openrlhf": (
         "OpenRLHF's own helpers: rl_rollout stands in only for openrlhf.utils.agent (the base classes "
         "of agent files). Install OpenRLHF where the rollout runs (pip install openrlhf), or score "
@@ -380,7 +382,7 @@ def _missing_import(error: BaseException) -> str | None:
     if not isinstance(error, ImportError) or not error.name:
         return None
     top = error.name.partition(".")[0]
-    hint = MISSING_IMPORT_HINTS.get(top)
+    hint = _MISSING_IMPORT_HINTS.get(top)
     if isinstance(error, ModuleNotFoundError):
         what = f"imports {error.name!r}, which is not installed"
     elif top == "openrlhf":  # `from openrlhf.utils import x` where only the stand-in is there
