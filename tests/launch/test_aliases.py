@@ -251,11 +251,11 @@ def test_unbiased_gradient_carries_openrlhfs_weight_cap_of_ten():
 
 
 def test_flags_meaning_what_rl_launch_always_does_are_dropped_and_others_refused():
-    argv, notes = expand_aliases(["--ds.packing_samples", "--actor.optim", "adam"])
+    argv, notes = expand_aliases(["--ds.packing_samples", "--actor.adam.eps", "1e-8"])
     assert argv == []
     assert [note.partition(" → ")[2].partition(":")[0] for note in notes] == ["dropped"] * 2
-    with pytest.raises(ValueError, match=r"--actor\.optim .*AdamW"):
-        expand_aliases(["--actor.optim", "muon"])
+    with pytest.raises(ValueError, match=r"--actor\.adam\.eps .*epsilon is 1e-8"):
+        expand_aliases(["--actor.adam.eps", "1e-6"])
 
 
 def test_the_async_queue_size_is_the_async_depth():
@@ -309,9 +309,46 @@ def test_oversampling_and_the_moe_aux_loss_are_renames():
         assert flag not in UNSUPPORTED
 
 
-def test_muon_is_refused_for_what_is_missing():
-    with pytest.raises(ValueError, match=r"--actor\.muon\.lr .*Muon is not implemented in rl-learner"):
-        expand_aliases(["--actor.muon.lr", "0.02"])
+def test_optim_and_muon_flags_are_each_roles_optimizer_options():
+    argv, notes = expand_aliases(
+        [
+            "--actor.optim",
+            "muon",
+            "--actor.muon.lr",
+            "0.01",
+            "--critic.optim",
+            "adam",
+            "--actor.muon.momentum",
+            "0.9",
+        ]
+    )
+    assert argv == [
+        *("--train.actor_optimizer", "muon", "--train.actor_muon_learning_rate", "0.01"),
+        *("--train.critic_optimizer", "adamw", "--train.muon_momentum", "0.9"),
+    ]
+    assert notes[0].startswith(
+        "--actor.optim muon → --train.actor_optimizer muon: under ZeRO 1-3 DeepSpeed clips"
+    )
+    with pytest.raises(ValueError, match=r"--actor\.optim .*OpenRLHF's choices are adam and muon, got 'sgd'"):
+        expand_aliases(["--actor.optim", "sgd"])
+    with pytest.raises(ValueError, match=r"differ; rl-launch has one --train\.muon_momentum"):
+        expand_aliases(["--actor.muon.momentum", "0.9", "--critic.muon.momentum", "0.95"])
+    argv, _ = expand_aliases(["--optim", "muon", "--muon.lr", "0.03", "--muon.momentum", "0.9"], "sft")
+    assert argv == [
+        *("--train.actor_optimizer", "muon", "--train.actor_muon_learning_rate", "0.03"),
+        *("--train.muon_momentum", "0.9"),
+    ]
+
+
+def test_muon_newton_schulz_steps_and_nesterov_are_deepspeeds_fixed_ones():
+    argv, notes = expand_aliases(["--actor.muon.ns_steps", "5", "--critic.muon.nesterov"])
+    assert argv == []
+    assert all("DeepSpeed's Muon always uses" in note for note in notes)
+    with pytest.raises(ValueError, match=r"--actor\.muon\.ns_steps .*rl-launch always uses 5"):
+        expand_aliases(["--actor.muon.ns_steps", "3"])
+    for command, flag in (("ppo", "--actor.muon.no_nesterov"), ("dpo", "--muon.no_nesterov")):
+        with pytest.raises(ValueError, match=r"no_nesterov .*always uses Nesterov momentum"):
+            expand_aliases([flag], command)
 
 
 # ------------------------------------------------------------------------ refused and untouched

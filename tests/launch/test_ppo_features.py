@@ -237,3 +237,32 @@ def test_ema_is_refused_with_lora_and_in_the_supervised_trainers():
     for key, value in (("train.ema_beta", "0.99"), ("ckpt.best_metric_key", "eval/pass@1")):
         with pytest.raises(ConfigError, match=f"{key}: .* does not apply to rl-launch sft"):
             load_config(SFTConfig, overrides={"preset": "arithmetic", key: value})
+
+
+# ----------------------------------------------------------------------------------------------
+# Optimizer per trained role (AdamW or DeepSpeed's Muon)
+
+
+def test_each_trained_role_gets_its_own_optimizer_and_learning_rates():
+    from rl_learner import deepspeed_config
+
+    _, specs = _specs(
+        "cpu",
+        **{
+            "algo.advantage.estimator": "gae",
+            "train.actor_optimizer": "muon",
+            "train.actor_muon_learning_rate": 0.01,
+            "train.actor_learning_rate": 2e-6,
+            "train.muon_momentum": 0.9,
+            "train.max_norm": 0,
+        },
+    )
+    policy, critic = specs["policy"].optimizer, specs["critic"].optimizer
+    assert (policy.name, policy.muon_lr, policy.lr, policy.muon_momentum) == ("muon", 0.01, 2e-6, 0.9)
+    assert (critic.name, critic.lr) == ("adamw", 9e-6)
+    section = deepspeed_config(specs["policy"].deepspeed, policy, world_size=1)
+    assert section["gradient_clipping"] == 0  # train.max_norm 0: no clipping
+    assert (section["optimizer"]["params"]["muon_lr"], section["optimizer"]["params"]["adam_lr"]) == (
+        0.01,
+        2e-6,
+    )

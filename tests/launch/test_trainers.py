@@ -66,11 +66,26 @@ def test_dotted_options_reach_the_loss_and_data_sections():
         ("dpo", {"model.lora_rank": "8"}, "model.lora_rank"),
         ("sft", {"model.critic_pretrain": "x"}, "does not apply to rl-launch sft"),
         ("rm", {"train.max_epochs": "2"}, "train.max_epochs"),
+        ("sft", {"train.critic_optimizer": "muon"}, "train.critic_optimizer: 'muon' does not apply"),
     ],
 )
 def test_bad_options_name_the_dotted_field(command, overrides, message):
     with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
         resolve_config(command, None, overrides)
+
+
+def test_the_trained_model_uses_the_actor_optimizer_settings():
+    from rl_launch.trainers.loop import learner_options
+
+    config = resolve_config(
+        "dpo", None, {"train.actor_optimizer": "muon", "train.actor_muon_learning_rate": "0.01"}
+    )
+    optimizer = learner_options(config).optimizer
+    assert (optimizer.name, optimizer.muon_lr, optimizer.lr) == (
+        "muon",
+        0.01,
+        config.train.actor_learning_rate,
+    )
 
 
 def test_cli_print_config_and_bad_option_exit_codes(capsys):

@@ -9,6 +9,7 @@ end-to-end tests run the real `HFEngine` on the tiny checkpoint.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import pathlib
 import sys
 
@@ -147,6 +148,44 @@ def test_agent_file_loads_unchanged_without_leaving_a_fake_openrlhf():
     assert cls.__name__ == "AgentInstance"
     assert "openrlhf" not in sys.modules
     assert "openrlhf.utils.agent" not in sys.modules
+
+
+@pytest.mark.skipif(importlib.util.find_spec("gem") is not None, reason="gem is installed here")
+def test_agent_file_needing_an_environment_library_names_the_package_to_install(tmp_path):
+    # the shape of OpenRLHF's GEM example: an environment library imported next to the agent base
+    agent = tmp_path / "agent_gem_like.py"
+    agent.write_text(
+        "import gem\n"
+        "from openrlhf.utils.agent import AgentInstanceBase, MultiTurnAgentExecutor\n\n"
+        "class AgentInstance(AgentInstanceBase):\n"
+        "    async def __init__(self, *args, **kwargs):\n"
+        "        self.env = gem.make('game:GuessTheNumber-v0')\n\n"
+        "    async def step(self, states, **kwargs):\n"
+        "        return {}\n"
+    )
+    with pytest.raises(
+        ImportError,
+        match=r"agent_gem_like\.py' failed to import: it imports 'gem', which is not "
+        r"installed: GEM, .*pip install gem-llm",
+    ):
+        load_agent_class(agent)
+    assert "openrlhf" not in sys.modules
+
+
+@pytest.mark.skipif(importlib.util.find_spec("openrlhf") is not None, reason="openrlhf is installed here")
+def test_agent_file_importing_more_of_openrlhf_than_the_stand_in_says_so(tmp_path):
+    agent = tmp_path / "agent_grader.py"
+    agent.write_text(
+        "from openrlhf.utils import grade_answer\n"
+        "from openrlhf.utils.agent import AgentInstanceBase\n\n"
+        "class AgentInstance(AgentInstanceBase):\n"
+        "    async def step(self, states, **kwargs):\n"
+        "        return {}\n"
+    )
+    with pytest.raises(
+        ImportError, match=r"imports from 'openrlhf\.utils' what its stand-in lacks .*grade_answer"
+    ):
+        load_agent_class(agent)
 
 
 def test_agent_file_errors_name_the_file(tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import math
 import pathlib
@@ -59,6 +60,23 @@ def test_reward_file_errors_name_the_file_and_what_is_missing(tmp_path):
     broken.write_text("import not_a_module_anywhere\n")
     with pytest.raises(ImportError, match=r"broken\.py' failed to import.*not_a_module_anywhere"):
         load_reward_function(broken)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("openrlhf") is not None, reason="openrlhf is installed here")
+def test_reward_file_importing_openrlhf_helpers_names_the_package_and_what_to_do(tmp_path):
+    # the import shape of OpenRLHF's math example: helpers from openrlhf.utils at the top
+    graded = tmp_path / "graded_reward.py"
+    graded.write_text(
+        "from openrlhf.utils import extract_boxed_answer\n\n"
+        "def reward_func(queries, prompts, labels, **kwargs):\n"
+        "    return [float(extract_boxed_answer(q) == l) for q, l in zip(queries, labels)]\n"
+    )
+    with pytest.raises(ImportError) as error:
+        load_reward_function(graded)
+    message = str(error.value)
+    assert "graded_reward.py' failed to import: it imports 'openrlhf', which is not installed" in message
+    assert "pip install openrlhf" in message
+    assert "--reward.function numeric" in message
 
 
 @pytest.mark.parametrize(

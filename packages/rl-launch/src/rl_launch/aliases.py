@@ -29,7 +29,7 @@ only where it means the same thing here; conversions stay within that meaning:
   for whichever side the run uses);
 - flags that combine into one option (`--train.colocate_*` → `--ray.colocate`;
   `--actor.num_nodes` × `--actor.num_gpus_per_node` → `--ray.policy.num_actors`);
-- flags whose meaning is what rl-launch always does (`--ds.packing_samples`, `--actor.optim adam`):
+- flags whose meaning is what rl-launch always does (`--ds.packing_samples`, `--actor.adam.eps 1e-8`):
   accepted and dropped, with a note; another value than rl-launch's is refused;
 - flags OpenRLHF itself ignores in the run at hand (`--algo.advantage.gamma` with `group_norm`,
   which OpenRLHF runs with gamma 1): dropped, with a note saying why;
@@ -406,6 +406,30 @@ def _shared(option: str, target: str) -> Convert:
         return [(target, ",".join(values))]
 
     return convert
+
+
+def _optimizer(target: str) -> Convert:
+    """`--actor.optim` / `--critic.optim` / `--optim`: OpenRLHF's adam (AdamW) or muon, to `target`."""
+
+    def convert(values: tuple[str, ...], context: Context) -> Pairs | tuple[Pairs, str]:
+        names = {"adam": "adamw", "muon": "muon"}
+        if values[0] not in names:
+            raise ValueError(f"OpenRLHF's choices are adam and muon, got {values[0]!r}")
+        pairs = [(target, names[values[0]])]
+        if values[0] == "muon":
+            return pairs, (
+                "under ZeRO 1-3 DeepSpeed clips Muon's orthogonalised update, not the gradient "
+                "(--train.max_norm 0 turns clipping off)"
+            )
+        return pairs
+
+    return convert
+
+
+# DeepSpeed 0.19's Muon calls its update with 5 Newton–Schulz steps and Nesterov momentum, the
+# function's defaults; its optimizer config has no key for either (OpenRLHF keeps the flags as
+# placeholders and warns when they differ).
+_MUON_FIXED = "DeepSpeed's Muon always uses {}; its optimizer config has no setting for it"
 
 
 def _reward_clip(values: tuple[str, ...], context: Context) -> Pairs:
@@ -874,7 +898,6 @@ ALIASES: tuple[Alias, ...] = (
     *(
         _alias(f"{entity}.{option}", convert=_always(reason, value=value))
         for option, value, reason in (
-            ("optim", "adam", "the optimizer is AdamW"),
             ("adam.eps", "1e-8", "AdamW's epsilon is 1e-8"),
             ("lr_scheduler", "cosine_with_min_lr", "the schedule is cosine, with warmup and a floor"),
         )
@@ -883,11 +906,50 @@ ALIASES: tuple[Alias, ...] = (
     *(
         _alias(option, convert=_always(reason, value=value), commands=SUPERVISED)
         for option, value, reason in (
-            ("optim", "adam", "the optimizer is AdamW"),
             ("adam.eps", "1e-8", "AdamW's epsilon is 1e-8"),
             ("lr_scheduler", "cosine_with_min_lr", "the schedule is cosine, with warmup and a floor"),
         )
     ),
+    # Muon (DeepSpeed's), per role as in OpenRLHF; sft / rm / dpo's flags are the trained model's.
+    *(
+        alias
+        for prefix, role, commands in (
+            ("actor.", "actor", PPO),
+            ("critic.", "critic", PPO),
+            ("", "actor", SUPERVISED),
+        )
+        for alias in (
+            _alias(
+                f"{prefix}optim",
+                f"train.{role}_optimizer",
+                convert=_optimizer(f"train.{role}_optimizer"),
+                commands=commands,
+                remark="adam → adamw; muon: DeepSpeed's Muon on the hidden matrices, AdamW on the rest",
+            ),
+            _alias(f"{prefix}muon.lr", f"train.{role}_muon_learning_rate", commands=commands),
+            _alias(
+                f"{prefix}muon.ns_steps",
+                convert=_always(_MUON_FIXED.format("5 Newton–Schulz steps"), value="5"),
+                commands=commands,
+            ),
+            _alias(
+                f"{prefix}muon.nesterov",
+                nargs=0,
+                convert=_always(_MUON_FIXED.format("Nesterov momentum")),
+                commands=commands,
+            ),
+        )
+    ),
+    *(
+        _alias(
+            f"{entity}.muon.momentum",
+            "train.muon_momentum",
+            convert=_shared("muon.momentum", "train.muon_momentum"),
+            remark="one value for both roles",
+        )
+        for entity in ("actor", "critic")
+    ),
+    _alias("muon.momentum", "train.muon_momentum", commands=SUPERVISED),
     _alias("ds.zero_stage", "train.zero_stage", commands=TRAINERS),
     _alias("ds.adam_offload", "train.adam_offload", nargs=0, commands=TRAINERS),
     _alias(
@@ -1032,9 +1094,9 @@ _NO_VISION = (
     "vision-language models are not supported yet (images in records: an open issue of the agents "
     "and VLM work)"
 )
-_NO_MUON = (
-    "the optimizer is AdamW: Muon is not implemented in rl-learner (DeepSpeed's own Muon optimizer is not "
-    "wired into its optimizer settings)"
+_NO_NESTEROV = (
+    "DeepSpeed's Muon always uses Nesterov momentum: its update runs with nesterov=True and its "
+    "optimizer config has no key to turn it off"
 )
 _SEQUENCE_PARALLEL = (
     "ring attention (sequence parallelism) is not supported yet: a micro-batch spanning an SP × DP "
@@ -1062,15 +1124,7 @@ UNSUPPORTED: Mapping[str, str] = {
         "there is no MoE load-balancing loss term (an open issue adds it, for ppo's actor first)"
     ),
     "critic.save_value_network": "the critic is kept in checkpoints only, not exported",
-    **{
-        f"{entity}.muon.{part}": _NO_MUON
-        for entity in ("actor", "critic")
-        for part in ("lr", "momentum", "ns_steps", "nesterov", "no_nesterov")
-    },
-    **{
-        f"muon.{part}": f"{_NO_MUON} (an open issue adds Muon, for ppo's actor and critic first)"
-        for part in ("lr", "momentum", "ns_steps", "nesterov", "no_nesterov")
-    },
+    **{f"{prefix}muon.no_nesterov": _NO_NESTEROV for prefix in ("actor.", "critic.", "")},
     "model.pretrain_mode_enable": "sft trains the response tokens of prompt / response rows; there is no whole-text (pretraining) loss",
     "model.compute_fp32_loss_enable": "not an option here: the reward model's loss is computed from its scores as they come",
     "use_ms": "models and datasets are not fetched from ModelScope",

@@ -591,12 +591,27 @@ class TrainConfig(_Section):
     """Fraction of the optimizer steps spent warming the learning rate up."""
     min_lr_ratio: UnitInterval = 0.1
     """Cosine schedule floor, as a fraction of the peak learning rate."""
+    actor_optimizer: Literal["adamw", "muon"] = "adamw"
+    """Policy optimizer: adamw, or muon: DeepSpeed's Muon (momentum orthogonalised by Newton–Schulz)
+    on the hidden weight matrices at train.actor_muon_learning_rate, and AdamW at
+    train.actor_learning_rate on the embeddings, LM head, norms and biases (OpenRLHF's
+    actor.optim). Under ZeRO 1-3 DeepSpeed clips Muon's orthogonalised update, not the gradient:
+    train.max_norm 0 turns clipping off (`rl_learner.OptimizerConfig.name`)."""
+    critic_optimizer: Literal["adamw", "muon"] = "adamw"
+    """Critic optimizer, as train.actor_optimizer; its Muon matrices train at
+    train.critic_muon_learning_rate, the rest at train.critic_learning_rate."""
+    actor_muon_learning_rate: Positive = 0.02
+    """Policy learning rate of the Muon matrices (train.actor_optimizer muon)."""
+    critic_muon_learning_rate: Positive = 0.02
+    """Critic learning rate of the Muon matrices (train.critic_optimizer muon)."""
+    muon_momentum: Annotated[float, Meta(ge=0, lt=1)] = 0.95
+    """Momentum of the Muon matrices (Nesterov; 5 Newton–Schulz steps, both fixed by DeepSpeed)."""
     adam_betas: tuple[float, float] = (0.9, 0.95)
     """AdamW betas."""
     weight_decay: NonNegative = 0.0
-    """AdamW weight decay."""
-    max_norm: Positive = 1.0
-    """Gradient clipping norm."""
+    """AdamW weight decay (with muon: of both halves)."""
+    max_norm: NonNegative = 1.0
+    """Gradient clipping norm; 0: no clipping."""
     zero_stage: Literal[0, 1, 2, 3] = 2
     """DeepSpeed ZeRO stage of the policy and critic."""
     adam_offload: bool = False

@@ -5,9 +5,10 @@ sft` / `rm` / `dpo` (`trainers.loop`) build their DeepSpeed learners from the sa
 (`config.ModelConfig`, `config.TrainConfig` or its subclass), so they read them here:
 
     dtype     = learner_dtype(model.dtype, use_gpus=...)            "auto": bf16 on GPUs, fp32 on CPU
-    settings  = learner_settings(model, train, dtype=dtype, lr=...) DeepSpeedConfig (with
-                                                                    train.deepspeed_config merged
-                                                                    last), OptimizerConfig, LoRA
+    settings  = learner_settings(model, train, dtype=dtype,         DeepSpeedConfig (with
+                    **role_optimizer(train, "actor"))               train.deepspeed_config merged
+                                                                    last), OptimizerConfig (AdamW
+                                                                    or Muon, the role's lr), LoRA
     frozen    = settings.frozen(offload=..., use_gpus=...)         a reference / reward model's DeepSpeedConfig
     options   = model_load_options(settings.deepspeed, settings.optimizer, world_size=...)
     model     = load_causal_lm(path, **options)                     (or load_value_model)
@@ -32,6 +33,7 @@ __all__ = [
     "learner_dtype",
     "learner_settings",
     "model_load_options",
+    "role_optimizer",
 ]
 
 
@@ -87,11 +89,21 @@ def frozen_offload(offload: bool, *, zero_stage: int, use_gpus: bool) -> tuple[b
     return True, "parameters offloaded to CPU memory (ZeRO-3 offload_param)"
 
 
-def learner_settings(model: ModelConfig, train: TrainConfig, *, dtype: str, lr: float) -> LearnerSettings:
+def learner_settings(
+    model: ModelConfig,
+    train: TrainConfig,
+    *,
+    dtype: str,
+    lr: float,
+    optimizer: str = "adamw",
+    muon_lr: float = 0.02,
+) -> LearnerSettings:
     """The learner settings of the `model` and `train` sections, with resolved `dtype` and peak `lr`.
 
-    `lr` is passed because a run has one per trained role (`train.actor_learning_rate`,
-    `train.critic_learning_rate`); everything else comes from the sections as they are.
+    `lr`, `optimizer` and `muon_lr` are passed because a run has one of each per trained role
+    (`train.actor_learning_rate`, `train.actor_optimizer`, `train.actor_muon_learning_rate`
+    and the critic's; `role_optimizer` reads them); everything else comes from the sections as
+    they are.
     """
     from rl_learner import DeepSpeedConfig, LoraOptions, OptimizerConfig
 
@@ -105,8 +117,11 @@ def learner_settings(model: ModelConfig, train: TrainConfig, *, dtype: str, lr: 
         micro_batch_tokens=train.micro_batch_tokens,
         extra=dict(train.deepspeed_config),
     )
-    optimizer = OptimizerConfig(
+    optim = OptimizerConfig(
+        name=optimizer,
         lr=lr,
+        muon_lr=muon_lr,
+        muon_momentum=train.muon_momentum,
         betas=train.adam_betas,
         weight_decay=train.weight_decay,
         warmup_ratio=train.lr_warmup_ratio,
@@ -122,7 +137,18 @@ def learner_settings(model: ModelConfig, train: TrainConfig, *, dtype: str, lr: 
             dropout=model.lora_dropout,
             target_modules="all-linear" if targets == ["all-linear"] else list(targets),
         )
-    return LearnerSettings(deepspeed=deepspeed, optimizer=optimizer, lora=lora)
+    return LearnerSettings(deepspeed=deepspeed, optimizer=optim, lora=lora)
+
+
+def role_optimizer(train: TrainConfig, role: str) -> dict[str, Any]:
+    """`learner_settings`' per-role keywords for `role` "actor" or "critic": lr, optimizer, muon_lr."""
+    if role not in ("actor", "critic"):
+        raise ValueError(f"role: {role!r} is not 'actor' or 'critic'")
+    return {
+        "lr": getattr(train, f"{role}_learning_rate"),
+        "optimizer": getattr(train, f"{role}_optimizer"),
+        "muon_lr": getattr(train, f"{role}_muon_learning_rate"),
+    }
 
 
 def model_load_options(

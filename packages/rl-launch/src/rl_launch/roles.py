@@ -28,7 +28,7 @@ from .algorithm import learners_share_prefix
 from .cluster import ClusterError, cluster_has_gpus, place_roles, plan_roles
 from .components import executor_name
 from .config import PPOConfig
-from .learner_settings import frozen_offload, learner_dtype, learner_settings
+from .learner_settings import frozen_offload, learner_dtype, learner_settings, role_optimizer
 from .rendezvous import local_ranks
 
 __all__ = ["TRAINED_ROLES", "Roles"]
@@ -175,8 +175,8 @@ class Roles:
 
     def _learner_specs(self, inputs: Any, total_steps: int) -> dict[str, LearnerSpec]:
         cfg, dtype = self.config, self.dtype
-        actor = learner_settings(cfg.model, cfg.train, dtype=dtype, lr=cfg.train.actor_learning_rate)
-        critic = learner_settings(cfg.model, cfg.train, dtype=dtype, lr=cfg.train.critic_learning_rate)
+        actor = learner_settings(cfg.model, cfg.train, dtype=dtype, **role_optimizer(cfg.train, "actor"))
+        critic = learner_settings(cfg.model, cfg.train, dtype=dtype, **role_optimizer(cfg.train, "critic"))
         ds = actor.deepspeed
         use_gpus = self.device == "cuda"
         common = {"dtype": dtype, "seed": cfg.train.seed}

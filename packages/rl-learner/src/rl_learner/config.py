@@ -7,6 +7,20 @@ ValueError naming the field, the value and what is allowed.
 Defaults follow OpenRLHF: AdamW with betas (0.9, 0.95), a cosine schedule with 3% linear
 warmup down to 0.1·lr, gradient clipping at 1.0, ZeRO stage 2, bf16.
 
+Two optimizers (`OptimizerConfig.name`): "adamw", a client optimizer from `build_optimizer`, and
+"muon", DeepSpeed's own Muon (`"optimizer": {"type": "Muon"}` in `deepspeed_config`'s dict; the
+engine builds it). DeepSpeed marks each parameter when the engine starts: a matrix (≥ 2-D) whose
+name holds neither "embed" nor "lm_head" is Muon's, every other parameter (embeddings, the LM
+head, norms, biases) goes to an auxiliary AdamW. For a Muon matrix W with gradient G and momentum
+buffer M (β = muon_momentum; 5 Newton–Schulz steps and Nesterov momentum, fixed in DeepSpeed):
+
+    M ← β·M + (1 − β)·G,   U = (1 − β)·G + β·M                     (Nesterov)
+    W ← W·(1 − η·λ) − η · NS₅(U) · √max(1, rows / cols)           η = muon_lr × schedule factor
+
+where NS₅(U) ≈ U·(UᵀU)^(-1/2), the nearest semi-orthogonal matrix (singular values near 1, a
+quintic Newton–Schulz iteration on U / ‖U‖_F). The AdamW half uses lr, betas, eps; both halves
+use weight_decay λ and the same schedule factor.
+
 The learning-rate curve of `build_scheduler` over `total_steps` optimizer steps, with
 W = ⌈warmup_ratio·total_steps⌉ warmup steps and r = min_lr_ratio:
 
@@ -29,6 +43,7 @@ import torch
 __all__ = [
     "ATTN_IMPLEMENTATIONS",
     "DTYPES",
+    "OPTIMIZERS",
     "PREFIX_SHARING_ATTENTION",
     "SCHEDULERS",
     "ZERO_STAGES",
@@ -39,12 +54,14 @@ __all__ = [
     "deepspeed_config",
     "lr_factor",
     "merge_deepspeed_config",
+    "muon_optimizer_section",
     "prefix_sharing_on",
     "torch_dtype",
     "warmup_steps",
 ]
 
 SCHEDULERS: tuple[str, ...] = ("cosine", "constant")
+OPTIMIZERS: tuple[str, ...] = ("adamw", "muon")
 DTYPES: tuple[str, ...] = ("bf16", "fp16", "fp32")
 ZERO_STAGES: tuple[int, ...] = (0, 1, 2, 3)
 ATTN_IMPLEMENTATIONS: tuple[str, ...] = ("sdpa", "eager", "flash_attention_2")
@@ -75,10 +92,20 @@ def _number(
 
 
 class OptimizerConfig(msgspec.Struct, frozen=True, kw_only=True):
-    """AdamW and its learning-rate schedule."""
+    """AdamW or Muon (module docstring) and the learning-rate schedule."""
 
+    name: str = "adamw"
+    """"adamw", or "muon": DeepSpeed's Muon on the hidden matrices, AdamW (lr, betas, eps) on
+    the rest. With ZeRO 1-3 DeepSpeed orthogonalises before it measures the gradient norm, so
+    grad_clip then clips the Newton–Schulz update (norm ≈ √Σ min(rows, cols) over the matrices),
+    which shrinks Muon's step; grad_clip 0 turns clipping off. ZeRO-0 clips the gradient itself."""
     lr: float = 1e-6
-    """Peak learning rate (after warmup). OpenRLHF: 1e-6 for actors, 9e-6 for critics."""
+    """Peak learning rate (after warmup) of AdamW (with "muon": of its AdamW half). OpenRLHF: 1e-6
+    for actors, 9e-6 for critics."""
+    muon_lr: float = 0.02
+    """"muon" only: peak learning rate of the Muon matrices, in units of spectral norm per update."""
+    muon_momentum: float = 0.95
+    """"muon" only: momentum β of the Muon matrices, in [0, 1)."""
     betas: tuple[float, float] = (0.9, 0.95)
     """AdamW (β1, β2), each in [0, 1)."""
     eps: float = 1e-8
@@ -96,7 +123,10 @@ class OptimizerConfig(msgspec.Struct, frozen=True, kw_only=True):
 
     def __post_init__(self) -> None:
         owner = type(self).__name__
+        _choice(owner, "name", self.name, OPTIMIZERS)
         _number(owner, "lr", self.lr, low=0.0, open_low=True)
+        _number(owner, "muon_lr", self.muon_lr, low=0.0, open_low=True)
+        _number(owner, "muon_momentum", self.muon_momentum, low=0.0, high=1.0, open_high=True)
         if len(self.betas) != 2:
             raise ValueError(f"{owner}.betas: {self.betas!r} must have 2 entries (beta1, beta2)")
         for index, beta in enumerate(self.betas):
@@ -251,7 +281,33 @@ def deepspeed_config(
         config["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16}
     if train:
         config["gradient_clipping"] = optim.grad_clip if optim is not None else 0.0
+        if optim is not None and optim.name == "muon":
+            config["optimizer"] = muon_optimizer_section(optim, ds)
+            if stage == 3:
+                # DeepSpeed's ZeRO-3 orthogonalises whole gradients: it refuses reduce-scatter
+                zero["reduce_scatter"] = False
     return merge_deepspeed_config(config, ds.extra)
+
+
+def muon_optimizer_section(optim: OptimizerConfig, ds: DeepSpeedConfig) -> dict[str, Any]:
+    """The `"optimizer"` entry of a DeepSpeed config that runs DeepSpeed's Muon with `optim`'s settings.
+
+    DeepSpeed gives `muon_lr` to the Muon matrices and `adam_lr` to the AdamW half, the shared
+    `weight_decay` to both. Its AdamW half is torch's AdamW (`torch_adam`), as `build_optimizer`'s
+    on CPU, or DeepSpeedCPUAdam with optimizer offload.
+    """
+    params: dict[str, Any] = {
+        "lr": optim.muon_lr,
+        "muon_lr": optim.muon_lr,
+        "adam_lr": optim.lr,
+        "momentum": optim.muon_momentum,
+        "betas": list(optim.betas),
+        "eps": optim.eps,
+        "weight_decay": optim.weight_decay,
+    }
+    if not ds.offload_optimizer:
+        params["torch_adam"] = True
+    return {"type": "Muon", "params": params}
 
 
 def merge_deepspeed_config(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
@@ -277,13 +333,19 @@ def build_optimizer(
     *,
     device: torch.device | str = "cpu",
 ) -> torch.optim.Optimizer:
-    """The client optimizer handed to `deepspeed.initialize`.
+    """The client optimizer handed to `deepspeed.initialize` (AdamW; "muon" is built by DeepSpeed
+    from `deepspeed_config`'s "optimizer" section and refused here).
 
     - optimizer offload → `deepspeed.ops.adam.DeepSpeedCPUAdam` (adamw_mode);
     - CUDA without offload → `deepspeed.ops.adam.FusedAdam` where its kernel builds, else
       `torch.optim.AdamW(fused=True)`;
     - CPU without offload → plain `torch.optim.AdamW` (no DeepSpeed op build).
     """
+    if optim.name != "adamw":
+        raise ValueError(
+            f"build_optimizer: OptimizerConfig.name {optim.name!r} is built by DeepSpeed from the "
+            "config's optimizer section (deepspeed_config), not as a client optimizer"
+        )
     params = list(params)
     kwargs = dict(lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps, weight_decay=optim.weight_decay)
     if ds.offload_optimizer:

@@ -292,7 +292,7 @@ class Learner:
     Args:
       model: a transformers model (see `rl_learner.models`), possibly with LoRA adapters.
       deepspeed: ZeRO stage, dtype, offload options.
-      optimizer: AdamW and schedule options; None builds an inference-only engine (ZeRO-3 stays
+      optimizer: AdamW or Muon and schedule options; None builds an inference-only engine (ZeRO-3 stays
         sharded, other stages run as plain data parallel).
       total_steps: optimizer steps of the run, for the LR schedule.
       on_non_finite: "skip" or "raise" (module docstring).
@@ -340,11 +340,21 @@ class Learner:
             trainable = [p for p in model.parameters() if p.requires_grad]
             if not trainable:
                 raise ValueError("model has no trainable parameters (requires_grad is False everywhere)")
-            client = build_optimizer(trainable, optimizer, deepspeed, device=self.device)
-            scheduler = build_scheduler(client, optimizer, total_steps)
-            engine, *_ = deepspeed_lib.initialize(
-                model=model, optimizer=client, lr_scheduler=scheduler, config=self.deepspeed_config
-            )
+            if optimizer.name == "muon":
+                # DeepSpeed builds its Muon from the config's optimizer section and tags every
+                # parameter of `model` (use_muon) on the way; the schedule wraps what it built.
+                engine, *_ = deepspeed_lib.initialize(
+                    model=model,
+                    model_parameters=trainable,
+                    lr_scheduler=lambda built: build_scheduler(built, optimizer, total_steps),
+                    config=self.deepspeed_config,
+                )
+            else:
+                client = build_optimizer(trainable, optimizer, deepspeed, device=self.device)
+                scheduler = build_scheduler(client, optimizer, total_steps)
+                engine, *_ = deepspeed_lib.initialize(
+                    model=model, optimizer=client, lr_scheduler=scheduler, config=self.deepspeed_config
+                )
         self.engine = engine
 
     @property
@@ -364,7 +374,7 @@ class Learner:
 
     @property
     def lr(self) -> float:
-        """Learning rate of the next update."""
+        """Learning rate of the next update (with Muon: of the Muon matrices, DeepSpeed's first group)."""
         return float(self.engine.optimizer.param_groups[0]["lr"]) if self.trainable else 0.0
 
     # ----------------------------------------------------------------- hybrid engine: GPU memory

@@ -11,7 +11,9 @@ the task scores used for logging and dynamic filtering (they default to the rewa
 
 OpenRLHF reward files work unchanged: `load_reward_function("reward.py")` imports the file and
 wraps its `reward_func(queries, prompts, labels)`, which may return a dict with "rewards"
-(required), "scores" and "extra_logs", or (older files) a bare tensor / list of rewards.
+(required), "scores" and "extra_logs", or (older files) a bare tensor / list of rewards. A file
+that imports a module this environment lacks (OpenRLHF's math example imports `openrlhf.utils`'s
+grader) fails with an ImportError naming the module and what to install.
 
 Outputs are checked: a wrong number of values, a non-numeric value, NaN or ±inf raises
 `RewardError` naming the function (or file) and the sample index; with `on_error="fallback"`
@@ -354,8 +356,40 @@ def load_python_file(path: str | Path, kind: str) -> Any:
         spec.loader.exec_module(module)
     except Exception as error:
         sys.modules.pop(module_name, None)
+        missing = _missing_import(error)
+        if missing is not None:
+            raise ImportError(f"{kind} file {str(file)!r} failed to import: it {missing}") from error
         raise ImportError(f"{kind} file {str(file)!r} failed to import: {error!r}") from error
     return module
+
+
+_MISSING_IMPORT_HINTS: dict[str, str] = {
+    "openrlhf": (
+        "OpenRLHF's own helpers: rl_rollout stands in only for openrlhf.utils.agent (the base classes "
+        "of agent files). Install OpenRLHF where the rollout runs (pip install openrlhf), or score "
+        "with a built-in reward (rl-launch --reward.function numeric: the \\boxed{} / #### / last number "
+        "of the response against the label)"
+    ),
+    "gem": "GEM, the agent environment library: pip install gem-llm (its import name is gem)",
+}
+"""Top-level module -> what it is and how to get it, for the files OpenRLHF's examples import
+from; `load_python_file` names it when a user file's import of it fails."""
+
+
+def _missing_import(error: BaseException) -> str | None:
+    """For a failed import of a module the environment lacks (or a name the openrlhf stand-in
+    lacks): what the file imports, what is missing and what to install; else None."""
+    if not isinstance(error, ImportError) or not error.name:
+        return None
+    top = error.name.partition(".")[0]
+    hint = _MISSING_IMPORT_HINTS.get(top)
+    if isinstance(error, ModuleNotFoundError):
+        what = f"imports {error.name!r}, which is not installed"
+    elif top == "openrlhf":  # `from openrlhf.utils import x` where only the stand-in is there
+        what = f"imports from {error.name!r} what its stand-in lacks ({error})"
+    else:
+        return None
+    return f"{what}: {hint}" if hint else f"{what}: install the package that provides {top!r}"
 
 
 def load_reward_function(

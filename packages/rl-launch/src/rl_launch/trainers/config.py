@@ -171,6 +171,8 @@ class _SupervisedRoot(_Section):
         for field in (
             "max_epochs",
             "critic_learning_rate",
+            "critic_optimizer",
+            "critic_muon_learning_rate",
             "num_episodes",
             "ema_beta",
             "critic_warmup_steps",

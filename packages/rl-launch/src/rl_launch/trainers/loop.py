@@ -26,7 +26,13 @@ from pathlib import Path
 from typing import Any
 
 from ..config import ConfigError, hf_output_dir
-from ..learner_settings import LearnerSettings, learner_dtype, learner_settings, model_load_options
+from ..learner_settings import (
+    LearnerSettings,
+    learner_dtype,
+    learner_settings,
+    model_load_options,
+    role_optimizer,
+)
 from ..preemption import PreemptionGuard
 from ..tracking import PhaseTimer, StartupLines, Tracker, print_outputs, quiet_third_party_output
 
@@ -79,9 +85,10 @@ def resolve_dtype(config: Any) -> str:
 
 
 def learner_options(config: Any) -> LearnerSettings:
-    """The trained learner's settings (`learner_settings`) at `train.actor_learning_rate`."""
+    """The trained learner's settings (`learner_settings`) with the actor's optimizer settings
+    (`train.actor_learning_rate`, `train.actor_optimizer`, `train.actor_muon_learning_rate`)."""
     return learner_settings(
-        config.model, config.train, dtype=resolve_dtype(config), lr=config.train.actor_learning_rate
+        config.model, config.train, dtype=resolve_dtype(config), **role_optimizer(config.train, "actor")
     )
 
 
