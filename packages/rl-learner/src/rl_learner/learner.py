@@ -227,7 +227,9 @@ def _ensure_distributed() -> None:
     if "RANK" not in os.environ:
         # A single process started without a launcher: a world of one on a free local port, given
         # directly rather than through RANK / MASTER_PORT in os.environ, which child processes
-        # would inherit and then try to listen on the same port.
+        # would inherit and then try to listen on the same port. DeepSpeed's engine reads
+        # LOCAL_RANK from the environment; 0 is right for a world of one and harmless to inherit.
+        os.environ.setdefault("LOCAL_RANK", "0")
         deepspeed.init_distributed(
             dist_backend=backend,
             auto_mpi_discovery=False,
