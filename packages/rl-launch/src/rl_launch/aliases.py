@@ -1121,7 +1121,8 @@ UNSUPPORTED: Mapping[str, str] = {
     "model.gradient_checkpointing_reentrant": "the reentrant variant of gradient checkpointing is not an option here",
     "actor.freeze_visual_encoder": _NO_VISION,
     "model.aux_loss_coef": (
-        "there is no MoE load-balancing loss term (an open issue adds it, for ppo's actor first)"
+        "sft, rm and dpo have no MoE load-balancing loss term yet; rl-launch ppo's policy has one "
+        "(--actor.aux_loss_coef → --algo.policy.aux_loss_coef)"
     ),
     "critic.save_value_network": "the critic is kept in checkpoints only, not exported",
     **{f"{prefix}muon.no_nesterov": _NO_NESTEROV for prefix in ("actor.", "critic.", "")},
