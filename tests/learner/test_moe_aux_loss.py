@@ -5,7 +5,6 @@ the pure function's golden values are in the first tests."""
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import subprocess
 import sys
@@ -14,7 +13,7 @@ import pytest
 import torch
 
 from rl_algos import load_balancing_loss
-from rl_data.transport import free_port
+from tests.learner.single_rank import single_rank_env
 
 WORKER = pathlib.Path(__file__).resolve().parent / "_worker_moe_aux.py"
 COEF = 0.5
@@ -80,16 +79,7 @@ def test_a_dense_model_has_no_router_to_capture(tokenizer):
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("moe_aux")
-    env = {
-        **os.environ,
-        "RANK": "0",
-        "WORLD_SIZE": "1",
-        "LOCAL_RANK": "0",
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(free_port()),
-        "DS_ACCELERATOR": "cpu",
-        "OMP_NUM_THREADS": "1",
-    }
+    env = single_rank_env()
     done = subprocess.run(
         [sys.executable, str(WORKER), str(out)], env=env, capture_output=True, text=True, timeout=600
     )

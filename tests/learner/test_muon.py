@@ -8,7 +8,6 @@ with the Muon update (a reference Newton–Schulz of the plain-torch gradient) o
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import subprocess
 import sys
@@ -16,13 +15,13 @@ import sys
 import pytest
 import torch
 
-from rl_data.sync.broadcast import free_port
 from rl_learner.config import (
     DeepSpeedConfig,
     OptimizerConfig,
     build_optimizer,
     deepspeed_config,
 )
+from tests.learner.single_rank import single_rank_env
 
 WORKER = pathlib.Path(__file__).resolve().parent / "_worker_muon.py"
 STAGES = (0, 1, 2, 3)
@@ -67,16 +66,7 @@ def test_muon_options_are_checked_and_build_optimizer_leaves_muon_to_deepspeed()
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
     folder = tmp_path_factory.mktemp("muon")
-    env = {
-        **os.environ,
-        "RANK": "0",
-        "WORLD_SIZE": "1",
-        "LOCAL_RANK": "0",
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(free_port()),
-        "DS_ACCELERATOR": "cpu",
-        "OMP_NUM_THREADS": "1",
-    }
+    env = single_rank_env()
     done = subprocess.run(
         [sys.executable, str(WORKER), str(folder), *map(str, STAGES)],
         env=env,

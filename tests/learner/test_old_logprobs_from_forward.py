@@ -5,14 +5,13 @@ skips that forward then). Real DeepSpeed on CPU, one rank, in a subprocess."""
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import subprocess
 import sys
 
 import pytest
 
-from rl_data.transport import free_port
+from tests.learner.single_rank import single_rank_env
 
 WORKER = pathlib.Path(__file__).resolve().parent / "_worker_old_from_forward.py"
 
@@ -23,16 +22,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("old_from_forward")
-    env = {
-        **os.environ,
-        "RANK": "0",
-        "WORLD_SIZE": "1",
-        "LOCAL_RANK": "0",
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(free_port()),
-        "DS_ACCELERATOR": "cpu",
-        "OMP_NUM_THREADS": "1",
-    }
+    env = single_rank_env()
     done = subprocess.run(
         [sys.executable, str(WORKER), str(out)], env=env, capture_output=True, text=True, timeout=600
     )

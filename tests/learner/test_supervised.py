@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import pathlib
 import subprocess
 import sys
@@ -19,8 +18,8 @@ import pytest
 import torch
 
 from rl_data.datasets import PreferencePair
-from rl_data.transport import free_port
 from rl_learner import DPOLossConfig, group_by_tokens, pack_pairs, pack_sequences, sequence_logprobs
+from tests.learner.single_rank import single_rank_env
 
 WORKER = pathlib.Path(__file__).resolve().parent / "_worker_supervised.py"
 
@@ -88,16 +87,7 @@ def test_dpo_loss_config_names_the_bad_option():
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
     folder = tmp_path_factory.mktemp("supervised")
-    env = {
-        **os.environ,
-        "RANK": "0",
-        "WORLD_SIZE": "1",
-        "LOCAL_RANK": "0",
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(free_port()),
-        "DS_ACCELERATOR": "cpu",
-        "OMP_NUM_THREADS": "1",
-    }
+    env = single_rank_env()
     done = subprocess.run(
         [sys.executable, str(WORKER), str(folder)], env=env, capture_output=True, text=True, timeout=900
     )
