@@ -327,6 +327,11 @@ class RecordingTracker:
         self.logged: list[tuple[int, dict[str, float]]] = []
         self.completions: list[tuple[int, list]] = []
         self.messages: list[str] = []
+        self.restored: list[tuple[int, dict]] = []
+
+    def restore_step(self, step: int, metrics: dict | None) -> None:
+        if metrics:
+            self.restored.append((step, dict(metrics)))
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         self.logged.append((step, dict(metrics)))

@@ -263,6 +263,41 @@ class _Killed(Exception):
     pass
 
 
+def test_a_run_killed_between_a_checkpoint_and_its_metrics_line_gets_the_line_back_on_resume():
+    """The checkpoint of a step is written before the step's metrics line; it keeps the line, and
+    the resumed run writes it (all but the step's timings) when the kill came between the two."""
+    settings = {"ckpt.save_steps": 2, "train.max_steps": 3}
+    whole = fake_run(config(**settings), ckpt_root="/a/checkpoints")
+    whole.fit()
+    first = fake_run(config(**settings), ckpt_root="/b/checkpoints")
+    original_log = first.tracker.log
+
+    def die_before_step_2s_line(step, metrics):
+        if step == 2:
+            raise _Killed
+        original_log(step, metrics)
+
+    first.tracker.log = die_before_step_2s_line
+    with pytest.raises(_Killed):
+        first.fit()
+    assert first.tracker.steps() == [1]
+
+    resumed = fake_run(
+        config(**settings),
+        ckpt_root="/b/checkpoints",
+        resume_from={"policy": Path("/b/checkpoints/policy/global_step2")},
+        checkpoints=first.checkpoints,
+    )
+    resumed.fit(resumed.trainer.resume())
+    ((step, line),) = resumed.tracker.restored
+    assert step == 2
+    logged = dict(whole.tracker.logged)[2]
+    assert line == {key: value for key, value in logged.items() if key in line}
+    assert {key.split("/")[0] for key in set(logged) - set(line)} == {"time", "throughput"}
+    assert line["policy_version"] == 2.0
+    assert resumed.tracker.steps() == [3]
+
+
 def test_a_resumed_async_run_trains_on_the_prompts_an_uninterrupted_one_would():
     settings = {"rollout.async_train": "true", "ckpt.save_steps": 2, "train.max_steps": 4}
     whole = fake_run(config(**settings), ckpt_root="/a/checkpoints")

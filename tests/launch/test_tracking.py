@@ -67,6 +67,25 @@ def test_resume_keeps_lines_up_to_start_step_and_drops_a_torn_last_line(tmp_path
     assert not list(tmp_path.glob(".metrics.jsonl.*")), "the temporary file is renamed, not left behind"
 
 
+def test_restore_step_writes_the_checkpoints_line_only_where_the_file_lacks_it(tmp_path):
+    from rl_launch.tracking import step_metrics
+
+    kept = step_metrics({"reward/mean": 0.25, "count": 3, "kl": float("nan")})
+    assert kept == {"reward/mean": 0.25, "count": 3, "kl": None}
+    write_lines(tmp_path / "metrics.jsonl", [{"step": 1, "time": 1.0, "reward/mean": 0.1}])
+    with Tracker(tmp_path, total_steps=4, start_step=2, progress_bar=False) as tracker:
+        tracker.restore_step(2, kept)  # killed after step 2's checkpoint, before its line
+        tracker.log(3, {"reward/mean": 0.5})
+    records = [strict_json(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["reward/mean"]) for r in records] == [(1, 0.1), (2, 0.25), (3, 0.5)]
+    assert records[1]["kl"] is None and records[1]["count"] == 3
+
+    with Tracker(tmp_path, total_steps=4, start_step=3, progress_bar=False) as tracker:
+        tracker.restore_step(3, {"reward/mean": 9.0})  # the file has step 3: kept as it is
+    records = [strict_json(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["reward/mean"]) for r in records] == [(1, 0.1), (2, 0.25), (3, 0.5)]
+
+
 def test_resume_drops_a_torn_last_line_even_when_all_steps_are_kept(tmp_path):
     write_lines(tmp_path / "metrics.jsonl", [{"step": 1, "time": 1.0, "a": 1}], torn_tail='{"step": 2, "ti')
     Tracker(tmp_path, total_steps=4, start_step=4, progress_bar=False).close()

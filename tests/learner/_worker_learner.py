@@ -232,6 +232,10 @@ def main() -> None:
     if rank == 0:
         save_file(critic_state, str(out_dir / "critic.safetensors"))
     (out_dir / f"metrics_rank{rank}.json").write_text(json.dumps(results))
+    # Leave together: rank 0 holds the rendezvous store, and a rank still talking to it when rank 0
+    # exits aborts ("terminate called without an active exception", exit -6).
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

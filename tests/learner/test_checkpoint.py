@@ -48,19 +48,18 @@ WORKER_TIMEOUT_S = 600
 
 @pytest.fixture(scope="module")
 def process_group():
-    """A single-rank gloo group (DeepSpeed also wants LOCAL_RANK set whenever it builds an engine)."""
-    created = not torch.distributed.is_initialized()
+    """A single-rank gloo group (DeepSpeed also wants LOCAL_RANK set whenever it builds an engine).
+
+    The group is left in place afterwards, as rl_learner leaves its own: DeepSpeed caches group
+    handles (``deepspeed.utils.groups``), so a later in-process learner in this pytest worker would
+    broadcast over a destroyed group ("Group ... is not registered")."""
+    if not torch.distributed.is_initialized():
+        torch.distributed.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+        )
     with pytest.MonkeyPatch.context() as patch:
-        if created:
-            patch.setenv("RANK", "0")
-            patch.setenv("WORLD_SIZE", "1")
-            patch.setenv("MASTER_ADDR", "127.0.0.1")
-            patch.setenv("MASTER_PORT", str(free_port()))
-            torch.distributed.init_process_group("gloo", rank=0, world_size=1)
         patch.setenv("LOCAL_RANK", os.environ.get("LOCAL_RANK", "0"))
         yield
-    if created:
-        torch.distributed.destroy_process_group()
 
 
 def build_engine(model: torch.nn.Module, stage: int = 2):

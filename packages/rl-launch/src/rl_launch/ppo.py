@@ -21,6 +21,7 @@ import contextlib
 import math
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +48,7 @@ from .health import HealthError, HealthMonitor
 from .preemption import Preempted, PreemptionGuard
 from .roles import Roles
 from .rollouts import Rollouts, completion_rows
-from .tracking import PhaseTimer, StartupLines, Tracker, print_outputs, quiet_third_party_output
+from .tracking import PhaseTimer, StartupLines, Tracker, print_outputs, quiet_third_party_output, step_metrics
 
 __all__ = ["PPOTrainer", "run", "steps_of_episodes"]
 
@@ -210,8 +211,11 @@ class PPOTrainer:
                 metrics["sync/unsettled_versions"] = late["sync/unsettled_versions"]
         return metrics
 
-    def training_state(self, step: int, consumed: int) -> TrainingState:
-        """What a checkpoint of `step` holds besides the learners' states (driver side, cheap)."""
+    def training_state(
+        self, step: int, consumed: int, metrics: Mapping[str, float] | None = None
+    ) -> TrainingState:
+        """What a checkpoint of `step` holds besides the learners' states (driver side, cheap);
+        `metrics`: the step's metrics line when it is not written yet (`Tracker.restore_step`)."""
         from .runs import checkpoint_extra
 
         return TrainingState(
@@ -230,16 +234,23 @@ class PPOTrainer:
                     else {}
                 ),
                 **checkpoint_extra(self.run_plan),
+                **({"step_metrics": step_metrics(metrics)} if metrics else {}),
             },
         )
 
-    def save(self, step: int, consumed: int, state: TrainingState | None = None) -> None:
+    def save(
+        self,
+        step: int,
+        consumed: int,
+        state: TrainingState | None = None,
+        metrics: Mapping[str, float] | None = None,
+    ) -> None:
         """Checkpoint every trained role at `step` (the best checkpoint is kept from rotation);
         `state`: the driver's state as it was at the end of that step (`training_state`), when the
         loop has moved on since (a preemption)."""
         from rl_learner.checkpoint import checkpoint_tag
 
-        state = state if state is not None else self.training_state(step, consumed)
+        state = state if state is not None else self.training_state(step, consumed, metrics)
         keep = (checkpoint_tag(self.best["step"]),) if self.best is not None else ()
         self.roles.save(str(self.run_plan.ckpt_root), step, state, keep_tags=keep)
 
@@ -293,6 +304,7 @@ class PPOTrainer:
         timer = PhaseTimer()
         consumed = start.consumed_samples
         saved_step = start.step  # the newest checkpoint on disk (a resumed run's own)
+        tracker.restore_step(start.step, start.extra.get("step_metrics"))  # killed before its line
         abandonable = preemption.abandonable if preemption is not None else contextlib.nullcontext
         self.roles.to_generation()  # hybrid engine: the learners' states leave the GPU, engines awake
         if start.step == 0 and self.eval_data is not None:
@@ -342,16 +354,16 @@ class PPOTrainer:
             best = self.new_best(step, metrics)
             if best:
                 tracker.message(f"new best checkpoint: {self.describe_best()}")
+            metrics["policy_version"] = float(self.version)
             if last or best or (cfg.ckpt.save_steps > 0 and step % cfg.ckpt.save_steps == 0):
                 with timer.phase("checkpoint"):
-                    self.save(step, consumed)
+                    self.save(step, consumed, metrics=metrics)
                 saved_step = step
             elapsed = time.perf_counter() - began
             metrics |= timer.metrics() | {
                 "time/step": elapsed,
                 "throughput/samples_per_s": len(records) / elapsed,
                 "throughput/tokens_per_s": float(batch.sequence_lengths.sum()) / elapsed,
-                "policy_version": float(self.version),
             }
             tracker.log(step, metrics)
             for warning in self.health.check(step, metrics):  # raises HealthError to stop the run

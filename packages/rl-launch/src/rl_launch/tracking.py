@@ -26,7 +26,9 @@ Where the metrics go:
 Resume. A run restarted from the checkpoint of step k passes `start_step=k`: the metrics file
 keeps only the lines with step <= k (the killed run may have logged steps after its last
 checkpoint, which the resumed run logs again) and loses a torn last line (the kill came in the
-middle of a write). The file is rewritten atomically (temporary file, then `os.replace`).
+middle of a write). The file is rewritten atomically (temporary file, then `os.replace`). A step's
+checkpoint is written before its line, so a checkpoint keeps the line (`step_metrics`) and
+`Tracker.restore_step` writes it when the kill came between the two.
 
 Summary. `Tracker.close` reads the whole metrics file back, so a resumed run is summarised over
 all its steps, and writes `summary.txt` (per metric: first, last, min, max and mean of the finite
@@ -228,6 +230,18 @@ def _read_records(path: pathlib.Path) -> list[dict[str, Any]]:
     return records
 
 
+def step_metrics(metrics: Mapping[str, Any]) -> dict[str, float | int | None]:
+    """A step's metrics as plain JSON numbers (non-finite as None), to keep in the step's
+    checkpoint for `Tracker.restore_step`."""
+    plain: dict[str, float | int | None] = {}
+    for key, value in metrics.items():
+        if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+            plain[key] = int(value)
+        elif isinstance(value, numbers.Real):
+            plain[key] = float(value) if math.isfinite(float(value)) else None
+    return plain
+
+
 def _as_float(value: Any) -> float:
     return math.nan if value is None else float(value)
 
@@ -368,8 +382,10 @@ class Tracker:
         self._wandb_run = None
         self._completions: Any = None
 
+        self._kept_last_step: int | None = None  # on resume: the last step the metrics file kept
         if start_step > 0 and self.metrics_path.exists():
-            self._truncate_lines(start_step)
+            kept = self._truncate_lines(start_step)
+            self._kept_last_step = kept[-1]["step"] if kept else None
             self._file = open(self.metrics_path, "ab")  # noqa: SIM115 (open for the tracker's lifetime)
         else:
             self._file = open(self.metrics_path, "wb")  # noqa: SIM115
@@ -428,7 +444,7 @@ class Tracker:
             wandb_group=log.wandb_group,
         )
 
-    def _truncate_lines(self, start_step: int, path: pathlib.Path | None = None) -> None:
+    def _truncate_lines(self, start_step: int, path: pathlib.Path | None = None) -> list[dict[str, Any]]:
         path = path or self.metrics_path
         records = _read_records(path)
         kept = [record for record in records if record["step"] <= start_step]
@@ -440,6 +456,18 @@ class Tracker:
             temporary.flush()
             os.fsync(temporary.fileno())
         os.replace(temporary.name, path)
+        return kept
+
+    def restore_step(self, step: int, metrics: Mapping[str, float | int | None] | None) -> None:
+        """On resume from the checkpoint of `step` (= `start_step`): write the line of `step` that
+        the checkpoint kept (`metrics`, as `step_metrics` returns it) when the metrics file lacks
+        it, i.e. the process was killed after the checkpoint was written and before its line was."""
+        if not metrics or step != self.start_step or step <= 0 or self.last_step is not None:
+            return
+        if self._kept_last_step is not None and self._kept_last_step >= step:
+            return
+        self._file.write(msgspec.json.encode({"step": step, "time": time.time(), **metrics}) + b"\n")
+        self._file.flush()
 
     def log_completions(self, step: int, rows: Sequence[Mapping[str, Any]]) -> None:
         """Append `{"step": step, **row}` per row to `output_dir/completions.jsonl` (flushed); on

@@ -222,6 +222,9 @@ def _ensure_distributed() -> None:
     import deepspeed
 
     if dist.is_initialized():
+        if dist.get_world_size() == 1:
+            # DeepSpeed's engine reads LOCAL_RANK from the environment even for a group the caller made.
+            os.environ.setdefault("LOCAL_RANK", "0")
         return
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if "RANK" not in os.environ:

@@ -34,7 +34,14 @@ from ..learner_settings import (
     role_optimizer,
 )
 from ..preemption import PreemptionGuard
-from ..tracking import PhaseTimer, StartupLines, Tracker, print_outputs, quiet_third_party_output
+from ..tracking import (
+    PhaseTimer,
+    StartupLines,
+    Tracker,
+    print_outputs,
+    quiet_third_party_output,
+    step_metrics,
+)
 
 __all__ = ["Task", "batch_positions", "run_task", "steps_of_epochs"]
 
@@ -163,20 +170,23 @@ def run_task(task: Task, config: Any) -> int:
             f"learner: DeepSpeed ZeRO-{config.train.zero_stage} {resolve_dtype(config)} in this process "
             f"on {learner.device}, world size 1"
         )
-        start = 0
+        resumed = TrainingState(step=0)
         if plan.resume:
             folder = plan.checkpoints[task.role]
-            start = load_checkpoint(folder.parent, {task.role: learner.engine}, tag=folder.name).step
+            resumed = load_checkpoint(folder.parent, {task.role: learner.engine}, tag=folder.name)
+        start = resumed.step
 
         timer = PhaseTimer()
         final = None
         guard = PreemptionGuard(name, config.ckpt.preemption_timeout_s)
         saved_step = start
         with guard, Tracker.for_run(config, start_step=start, headline=task.headline) as tracker:
+            tracker.restore_step(start, resumed.extra.get("step_metrics"))
             batch = config.train.train_batch_size
 
-            def save(step: int) -> None:
-                state = TrainingState(step=step, consumed_samples=step * batch, extra=checkpoint_extra(plan))
+            def save(step: int, metrics: dict[str, float] | None = None) -> None:
+                extra = checkpoint_extra(plan) | ({"step_metrics": step_metrics(metrics)} if metrics else {})
+                state = TrainingState(step=step, consumed_samples=step * batch, extra=extra)
                 save_checkpoint(
                     plan.ckpt_root / task.role,
                     step,
@@ -194,16 +204,17 @@ def run_task(task: Task, config: Any) -> int:
                 items = [dataset[i] for i in batch_positions(step, batch, len(dataset), config.train.seed)]
                 with timer.phase("training"):
                     metrics = train_step(_micro_batches(items, task.lengths, config.train.micro_batch_tokens))
+                tokens = metrics.pop("tokens", 0.0)
+                metrics = {f"{task.command}/{key}": value for key, value in metrics.items()}
                 last = step == config.train.max_steps
                 if last or (config.ckpt.save_steps > 0 and step % config.ckpt.save_steps == 0):
                     with timer.phase("checkpoint"):
-                        save(step)
+                        save(step, metrics)
                     saved_step = step
                 elapsed = time.perf_counter() - began
-                tokens = metrics.pop("tokens", 0.0)
                 tracker.log(
                     step,
-                    {f"{task.command}/{key}": value for key, value in metrics.items()}
+                    metrics
                     | timer.metrics()
                     | {"time/step": elapsed, "throughput/tokens_per_s": tokens / elapsed},
                 )
