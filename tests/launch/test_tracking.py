@@ -78,7 +78,8 @@ def test_restore_step_writes_the_checkpoints_line_only_where_the_file_lacks_it(t
         tracker.log(3, {"reward/mean": 0.5})
     records = [strict_json(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [(r["step"], r["reward/mean"]) for r in records] == [(1, 0.1), (2, 0.25), (3, 0.5)]
-    assert records[1]["kl"] is None and records[1]["count"] == 3
+    assert records[1]["kl"] is None
+    assert records[1]["count"] == 3
 
     with Tracker(tmp_path, total_steps=4, start_step=3, progress_bar=False) as tracker:
         tracker.restore_step(3, {"reward/mean": 9.0})  # the file has step 3: kept as it is
