@@ -111,7 +111,7 @@ class NetnsCluster:
         for pid in self.processes():  # not `ray stop`: it would stop every Ray on the machine
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGTERM)
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 5  # Ray's idle workers may ignore SIGTERM: then SIGKILL
         while self.processes() and time.monotonic() < deadline:
             time.sleep(0.5)
         kill_processes(list(self.processes()))
