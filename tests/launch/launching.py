@@ -144,13 +144,20 @@ def comparable(line: dict) -> dict:
     return {key: value for key, value in line.items() if key != "time" and not key.startswith(TIMING_KEYS)}
 
 
-def actor_pid(run_dir: pathlib.Path, name: str) -> int:
-    """The pid an actor wrote as the first line of its log ("policy-0: pid 4321 on host")."""
+def actor_pids(run_dir: pathlib.Path, name: str) -> list[int]:
+    """The pids an actor wrote into its log, one line per start ("policy-0: pid 4321 on host"),
+    oldest first (a resumed run appends to the same log)."""
     import re
 
-    found = re.search(rf"^{re.escape(name)}: pid (\d+)", (run_dir / "logs" / f"{name}.log").read_text(), re.M)
-    assert found, f"no '{name}: pid N' line in {run_dir / 'logs' / f'{name}.log'}"
-    return int(found.group(1))
+    path = run_dir / "logs" / f"{name}.log"
+    found = [int(pid) for pid in re.findall(rf"^{re.escape(name)}: pid (\d+)", path.read_text(), re.M)]
+    assert found, f"no '{name}: pid N' line in {path}"
+    return found
+
+
+def actor_pid(run_dir: pathlib.Path, name: str) -> int:
+    """The pid of the actor's latest start (`actor_pids`)."""
+    return actor_pids(run_dir, name)[-1]
 
 
 def interrupt_after_step(
