@@ -120,13 +120,10 @@ def broadcast_sync(roles: Any, layout: Any) -> tuple[Any, str]:
 
 def _sweep_shm_folder(spec: Any) -> None:
     """The run's /dev/shm folder when its sender died without removing it: only this folder, only
-    when its owner file names a process of this host that is gone (`remove_stale_directories`)."""
-    from pathlib import Path
+    when its owner file names a process of this host that is gone (`rl_data.sync.shm.remove_if_stale`)."""
+    from rl_data.sync.shm import remove_if_stale
 
-    from rl_data.sync.shm import remove_stale_directories
-
-    folder = Path(spec.directory)
-    remove_stale_directories(folder.parent, prefix=folder.name)
+    remove_if_stale(spec.directory)
 
 
 @SYNC_STRATEGIES.register("shm", sweep=_sweep_shm_folder)
