@@ -21,6 +21,10 @@ from __future__ import annotations
 import os
 import random
 import re
+import shutil
+import subprocess
+import sys
+import tempfile
 import time
 
 import pytest
@@ -29,6 +33,7 @@ from tests.launch.launching import (
     actor_pids,
     comparable,
     interrupt_after_step,
+    kill_processes,
     launch,
     ray_processes,
     read_metrics,
@@ -89,21 +94,10 @@ def _left_running(ray_dir: str, pids: set[int], timeout_s: float = 15.0) -> dict
         time.sleep(0.2)
 
 
-def test_a_run_stopped_at_random_and_resumed_each_time_logs_what_an_uninterrupted_run_logs(
-    tiny_checkpoint, ray_temp, tmp_path
-):
-    seed = int(os.environ.get("RL_CHAOS_SEED", random.randrange(2**31)))
-    rng = random.Random(seed)
-    ray_dir, env = ray_temp
-    prompts = write_sum_prompts(tmp_path / "train.jsonl", 64)
-    began = time.monotonic()
-
-    reference = launch(_args(tiny_checkpoint, prompts, tmp_path / "reference", ray_dir), env)
-    assert reference.returncode == 0, reference.stderr[-4000:]
-    expected = [comparable(line) for line in read_metrics(tmp_path / "reference")]
-    assert [line["step"] for line in expected] == list(range(1, STEPS + 1))
-
-    run_dir = tmp_path / "run"
+def _stop_and_resume(rng, tiny_checkpoint, prompts, run_dir, ray_dir, env, seed) -> tuple[list, set, set]:
+    """Start the run, stop one of its processes at random (every kind of `KILLS` once, shuffled),
+    resume, until every kind was stopped; checks each stop's exit and leftovers. (what happened,
+    the runs' /dev/shm folders, the actors' pids)."""
     args = _args(tiny_checkpoint, prompts, run_dir, ray_dir)
     kinds = list(KILLS)
     rng.shuffle(kinds)
@@ -131,6 +125,52 @@ def test_a_run_stopped_at_random_and_resumed_each_time_logs_what_an_uninterrupte
         assert not _left_running(ray_dir, pids), context
         assert not [folder for folder in folders if os.path.exists(folder)], context
 
+    return history, folders, pids
+
+
+def test_a_run_stopped_at_random_and_resumed_each_time_logs_what_an_uninterrupted_run_logs(
+    tiny_checkpoint, ray_temp, tmp_path
+):
+    seed = int(os.environ.get("RL_CHAOS_SEED", random.randrange(2**31)))
+    rng = random.Random(seed)
+    ray_dir, env = ray_temp
+    prompts = write_sum_prompts(tmp_path / "train.jsonl", 64)
+    began = time.monotonic()
+
+    # the uninterrupted run, beside the stopped ones: Ray's start-up and shutdown are partly waits
+    reference_dir, reference_ray = tmp_path / "reference", tempfile.mkdtemp(prefix="rlt-", dir="/tmp")
+    reference_out, reference_err = tmp_path / "reference.out", tmp_path / "reference.err"
+    reference = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "rl_launch.cli",
+            "ppo",
+            *_args(tiny_checkpoint, prompts, reference_dir, reference_ray),
+        ],
+        env=env,
+        stdout=reference_out.open("w"),
+        stderr=reference_err.open("w"),
+    )
+    try:
+        history, folders, pids = _stop_and_resume(
+            rng, tiny_checkpoint, prompts, tmp_path / "run", ray_dir, env, seed
+        )
+        reference.wait(timeout=600)
+    finally:
+        if reference.poll() is None:
+            reference.kill()
+            reference.wait()
+        left = ray_processes(reference_ray)
+        kill_processes(list(left))
+        shutil.rmtree(reference_ray, ignore_errors=True)
+    assert reference.returncode == 0, reference_err.read_text()[-4000:]
+    assert not left, f"the uninterrupted run's Ray processes outlived it: {left}"
+    expected = [comparable(line) for line in read_metrics(reference_dir)]
+    assert [line["step"] for line in expected] == list(range(1, STEPS + 1))
+
+    run_dir = tmp_path / "run"
+    args = _args(tiny_checkpoint, prompts, run_dir, ray_dir)
     final = launch([*args, "--ckpt.load_checkpoint", "true"], env)
     context = f"seed {seed} (RL_CHAOS_SEED); {'; '.join(history)}\n{final.stderr[-3000:]}"
     assert final.returncode == 0, context
@@ -138,7 +178,7 @@ def test_a_run_stopped_at_random_and_resumed_each_time_logs_what_an_uninterrupte
     assert [line["step"] for line in logged] == list(range(1, STEPS + 1)), context
     for line, reference_line in zip(logged, expected, strict=True):
         assert line == reference_line, f"step {line['step']}: {context}"
-    folders |= set(re.findall(r"shared memory \((\S+)\)", final.stdout + reference.stdout))
+    folders |= set(re.findall(r"shared memory \((\S+)\)", final.stdout + reference_out.read_text()))
     pids |= {pid for name in ("engine-0", "policy-0") for pid in actor_pids(tmp_path / "reference", name)}
     assert not _left_running(ray_dir, pids), context
     assert not [folder for folder in folders if os.path.exists(folder)], context
