@@ -132,3 +132,78 @@ def signal_after_step(
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
+
+
+# Metrics that measure time, or depend on it, differ between any two runs.
+TIMING_KEYS = ("time/", "throughput/", "sync/seconds")
+
+
+def comparable(line: dict) -> dict:
+    """A metrics line without its wall-clock time and timing keys (`TIMING_KEYS`): what two runs
+    of the same arguments log alike."""
+    return {key: value for key, value in line.items() if key != "time" and not key.startswith(TIMING_KEYS)}
+
+
+def actor_pids(run_dir: pathlib.Path, name: str) -> list[int]:
+    """The pids an actor wrote into its log, one line per start ("policy-0: pid 4321 on host"),
+    oldest first (a resumed run appends to the same log)."""
+    import re
+
+    path = run_dir / "logs" / f"{name}.log"
+    found = [int(pid) for pid in re.findall(rf"^{re.escape(name)}: pid (\d+)", path.read_text(), re.M)]
+    assert found, f"no '{name}: pid N' line in {path}"
+    return found
+
+
+def actor_pid(run_dir: pathlib.Path, name: str) -> int:
+    """The pid of the actor's latest start (`actor_pids`)."""
+    return actor_pids(run_dir, name)[-1]
+
+
+def interrupt_after_step(
+    args: list[str],
+    env: dict[str, str],
+    run_dir: pathlib.Path,
+    step: int,
+    target: str,
+    *,
+    delay_s: float = 0.0,
+    timeout: float = 600,
+) -> tuple[subprocess.CompletedProcess, float | None]:
+    """Start `rl-launch ppo <args>`; once `run_dir/metrics.jsonl` holds step `step` and `delay_s`
+    more seconds passed, stop `target`: "driver" (SIGTERM to the driver, as a cluster preempts a
+    job) or an actor's name ("engine-0", "policy-0": SIGKILL to its process, as the OOM killer
+    does). Waits for the run to exit; (the completed process, seconds from the signal to the
+    exit, None when the run had ended before the signal). Fails if the run ends before `step`."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "rl_launch.cli", "ppo", *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    metrics, deadline, sent = run_dir / "metrics.jsonl", time.monotonic() + timeout, None
+    try:
+        while not (metrics.exists() and any(line["step"] >= step for line in read_metrics(run_dir))):
+            if process.poll() is not None:
+                out, err = process.communicate()
+                raise AssertionError(
+                    f"the run ended (exit {process.returncode}) before step {step}: {err[-4000:]}"
+                )
+            assert time.monotonic() < deadline, f"step {step} did not appear within {timeout} s"
+            time.sleep(0.02)
+        time.sleep(delay_s)
+        if process.poll() is None:
+            sent = time.monotonic()
+            if target == "driver":
+                process.send_signal(signal.SIGTERM)
+            else:
+                os.kill(actor_pid(run_dir, target), signal.SIGKILL)
+        out, err = process.communicate(timeout=timeout)
+        seconds = time.monotonic() - sent if sent is not None else None
+        return subprocess.CompletedProcess(process.args, process.returncode, out, err), seconds
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from ray import exceptions as ray_exceptions
 
-from rl_launch.diagnosis import describe_actor_failure, is_actor_failure, log_tail
+from rl_launch.diagnosis import death_cause, describe_actor_failure, is_actor_failure, log_tail
 from tests.launch.fakes import fake_run, use_fake_ray
 from tests.launch.test_step_loop import config
 
@@ -66,3 +66,104 @@ def test_an_engine_failing_in_generation_leaves_a_checkpoint_of_the_last_finishe
     assert run.trainer.saved_after_failure == 2
     assert sorted(tag for _, tag, _ in run.checkpoints) == ["global_step2"]
     assert run.tracker.steps() == [1, 2]
+
+
+def _dead(actor_id: str) -> BaseException:
+    return ray_exceptions.RayActorError(
+        actor_id=actor_id,
+        error_msg=_DIED.replace(
+            "killed by SIGKILL",
+            "Worker unexpectedly exits with a connection error code 2. "
+            "End of file. Some common causes include: (1) the process was killed",
+        ),
+    )
+
+
+@pytest.mark.parametrize(
+    ("log", "why"),
+    [
+        ("policy-0: pid 1 on host\nstep\n", "no error in its log, as SIGKILL ends one"),
+        ("policy-0: pid 1 on host\nFatal Python error: Segmentation fault\n\nThread 0x1:\n  File x\n",
+         "it crashed (Fatal Python error: Segmentation fault"),
+        ("policy-0: pid 1 on host\nTraceback (most recent call last):\n  File x\nMemoryError\n",
+         "an uncaught exception ended its process"),
+    ],
+)  # fmt: skip
+def test_why_a_dead_actor_ended_is_read_from_its_log_not_from_rays_guesses(tmp_path, log, why):
+    (tmp_path / "policy-0.log").write_text(log)
+    error = _dead("abc123")
+    assert why in death_cause(error, {"abc123": "policy-0"}, tmp_path)
+    _, text = describe_actor_failure(error, {"abc123": "policy-0"}, tmp_path)
+    assert "End of file." in text.splitlines()[0]
+    assert "Some common causes" not in text
+    assert death_cause(error, {}, tmp_path) is None  # an actor of unknown name: no log to read
+    assert death_cause(error, {"abc123": "policy-0"}, None) is None
+    failed = ray_exceptions.RayTaskError("receive", "Traceback ...", RuntimeError("x"))
+    assert death_cause(failed, {"abc123": "policy-0"}, tmp_path) is None  # raised, did not die
+
+
+def _fail_generation_with(run, error: BaseException, call: int) -> None:
+    engine = run.engines[0]
+    original = engine.generate
+
+    def generate(*args, **kwargs):
+        if len(engine.generated) == call:
+            raise error
+        return original(*args, **kwargs)
+
+    engine.generate = generate
+
+
+def test_a_dead_policy_learner_is_not_asked_to_save_and_the_resume_point_is_the_last_checkpoint(
+    monkeypatch, tmp_path
+):
+    from rl_launch import runs
+
+    use_fake_ray(monkeypatch)
+    monkeypatch.setattr(sys.modules["ray"], "exceptions", ray_exceptions, raising=False)
+    run = fake_run(config(**{"train.max_steps": 4}), ckpt_root=tmp_path / "checkpoints")
+    monkeypatch.setattr(run.roles, "actor_names", lambda: {"pol": "policy-0", "eng": "engine-0"})
+    # a checkpoint of step 1 on disk, from an earlier start of the run
+    chosen = runs.SelectedCheckpoint(
+        step=1, folders={"policy": tmp_path / "checkpoints/policy/step_00000001"}
+    )
+    monkeypatch.setattr(runs, "select_checkpoint", lambda *args, **kwargs: chosen)
+    _fail_generation_with(run, _dead("pol"), call=2)  # the loop hears of the death in step 3
+    with pytest.raises(ray_exceptions.RayActorError) as raised:
+        run.fit()
+    assert run.checkpoints == {}  # step 2 was not saved: the toy learner would have, a dead one cannot
+    assert run.trainer.lost_state == "policy-0"
+    assert run.trainer.saved_after_failure is None
+    assert run.trainer.after_failure(raised.value) == [
+        "the policy's trained state was in policy-0's process: nothing newer can be saved",
+        f"the last checkpoint on disk stays valid: step 1 ({chosen.folders['policy']}); "
+        "--ckpt.load_checkpoint true continues from it",
+    ]
+
+
+def test_a_dead_engine_leaves_the_learners_saving_and_the_diagnosis_names_that_step(monkeypatch, tmp_path):
+    use_fake_ray(monkeypatch)
+    monkeypatch.setattr(sys.modules["ray"], "exceptions", ray_exceptions, raising=False)
+    run = fake_run(config(**{"train.max_steps": 4}), ckpt_root=tmp_path / "checkpoints")
+    monkeypatch.setattr(run.roles, "actor_names", lambda: {"pol": "policy-0", "eng": "engine-0"})
+    _fail_generation_with(run, _dead("eng"), call=2)
+    with pytest.raises(ray_exceptions.RayActorError) as raised:
+        run.fit()
+    assert run.trainer.lost_state is None
+    assert run.trainer.after_failure(raised.value) == [
+        "checkpoint of step 2 saved: --ckpt.load_checkpoint true continues from it"
+    ]
+
+
+def test_without_a_checkpoint_on_disk_the_diagnosis_says_a_run_starts_from_step_0(monkeypatch, tmp_path):
+    use_fake_ray(monkeypatch)
+    monkeypatch.setattr(sys.modules["ray"], "exceptions", ray_exceptions, raising=False)
+    run = fake_run(config(**{"train.max_steps": 4}), ckpt_root=tmp_path / "checkpoints")
+    monkeypatch.setattr(run.roles, "actor_names", lambda: {"pol": "policy-0"})
+    _fail_generation_with(run, _dead("pol"), call=2)
+    with pytest.raises(ray_exceptions.RayActorError) as raised:
+        run.fit()
+    assert run.checkpoints == {}
+    assert run.trainer.after_failure(raised.value)[-1] == (
+        f"no checkpoint in {tmp_path / 'checkpoints'}: a new run starts from step 0 (ckpt.save_steps)"
+    )

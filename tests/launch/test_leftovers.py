@@ -100,3 +100,29 @@ def test_the_sweep_leaves_other_hosts_recycled_pids_and_segments_in_use_alone(se
         os.close(fd)
     time.sleep(0.05)
     assert json.dumps(sweep([])) == "[]"
+
+
+def test_the_shm_sync_sweep_removes_the_folder_of_a_killed_policy_and_nothing_else(tmp_path):
+    import socket
+    import types
+
+    from rl_launch.components.weight_sync import SYNC_STRATEGIES
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    folders = {}
+    for name, pid in (
+        ("rl-weights-run", dead.pid),
+        ("rl-weights-run-2", dead.pid),
+        ("rl-weights-live", os.getpid()),
+    ):
+        folders[name] = tmp_path / name
+        folders[name].mkdir()
+        (folders[name] / "owner").write_text(f"{socket.gethostname()} {pid}")
+    sweep_folder = SYNC_STRATEGIES["shm"].sweep
+    for name in ("rl-weights-run", "rl-weights-live"):
+        sweep_folder(types.SimpleNamespace(transport="shm", directory=str(folders[name])))  # a WeightSyncSpec
+    assert not folders["rl-weights-run"].exists()  # its sender is gone
+    assert folders["rl-weights-live"].exists()  # a live sender's (it removes its own at close)
+    assert folders["rl-weights-run-2"].exists()  # another run's: not this run's to sweep
+    assert SYNC_STRATEGIES["broadcast"].sweep is None

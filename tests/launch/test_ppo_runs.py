@@ -19,6 +19,7 @@ import tempfile
 import pytest
 
 from tests.launch.launching import (
+    comparable,
     kill_once_written,
     launch,
     launcher_env,
@@ -28,9 +29,6 @@ from tests.launch.launching import (
 )
 
 pytestmark = pytest.mark.slow
-
-# Metrics that measure time, or depend on it, differ between any two runs.
-_TIMING = ("time/", "throughput/", "sync/seconds")
 
 
 @pytest.fixture(scope="module")
@@ -60,10 +58,6 @@ def _ppo_args(checkpoint, prompts, run_dir, ray_dir) -> list[str]:
         "--log.progress_bar", "false",
         "--ray.temp_dir", ray_dir,
     ]  # fmt: skip
-
-
-def _comparable(line: dict) -> dict:
-    return {key: value for key, value in line.items() if key != "time" and not key.startswith(_TIMING)}
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +118,7 @@ def test_a_run_killed_after_a_checkpoint_resumes_with_the_same_metrics(
 ):
     ray_dir = tempfile.mkdtemp(prefix="rlt-", dir="/tmp")
     env = launcher_env()
-    reference = {line["step"]: _comparable(line) for line in read_metrics(ppo_run[0])}
+    reference = {line["step"]: comparable(line) for line in read_metrics(ppo_run[0])}
     run_dir = tmp_path / "run"
     args = _ppo_args(tiny_checkpoint, prompts, run_dir, ray_dir)
     latest = run_dir / "checkpoints" / "critic" / "latest"  # the critic saves after the policy
@@ -169,5 +163,5 @@ def test_a_run_killed_after_a_checkpoint_resumes_with_the_same_metrics(
         # requests (timing), so that gap is compared at the learners' own tolerance.
         gaps = {key for key in expected if key.startswith("health/logprob_mismatch")}
         assert {k: line[k] for k in gaps} == pytest.approx({k: expected[k] for k in gaps}, abs=1e-5)
-        rest = {k: v for k, v in _comparable(line).items() if k not in gaps}
+        rest = {k: v for k, v in comparable(line).items() if k not in gaps}
         assert rest == pytest.approx({k: v for k, v in expected.items() if k not in gaps}, rel=1e-5, abs=1e-7)

@@ -6,9 +6,14 @@ the actor's id, and puts the traceback where the actor's output goes, which with
 `log.actor_output file` is `<output_dir>/logs/<role>-<rank>.log`, not the console. The driver
 knows each actor's id and name (`Roles.actor_names`), so `describe_actor_failure` can say:
 
-    engine-0 died (pid 4321, 10.0.0.5): The actor died unexpectedly ... killed by SIGKILL
-      its log: /runs/ppo/logs/engine-0.log, last lines:
+    policy-0 died: The actor died unexpectedly ... pid: 4321 ip: 10.0.0.5 ... End of file.
+      its log: /runs/ppo/logs/policy-0.log, last lines:
         ...
+
+and `death_cause` says why it died. Ray cannot tell a SIGKILL from another abrupt end (the
+worker's connection just closes), so it reads the actor's log: Ray's workers enable
+`faulthandler`, which writes "Fatal Python error: Segmentation fault" (or Aborted, Bus error)
+there on a crash, and an uncaught exception leaves its traceback there.
 
 `is_actor_failure` tells such errors apart without importing Ray (the in-process fakes of the
 tests replace it).
@@ -20,9 +25,12 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
-__all__ = ["describe_actor_failure", "is_actor_failure", "log_tail"]
+__all__ = ["death_cause", "describe_actor_failure", "failed_actor_name", "is_actor_failure", "log_tail"]
 
 _SKIPPED_LINES = ("actor_id:", "namespace:", "class_name:", "name:")
+# Ray's guesses after "Worker unexpectedly exits": `death_cause` says what the log shows instead
+_RAY_GUESSES = " Some common causes include:"
+_FATAL = "Fatal Python error:"
 
 
 def is_actor_failure(error: BaseException) -> bool:
@@ -56,7 +64,38 @@ def _reason(error: BaseException) -> str:
         for line in message.splitlines()
         if line.strip() and not line.strip().startswith(_SKIPPED_LINES)
     ]
-    return " ".join(kept)
+    return " ".join(kept).split(_RAY_GUESSES)[0]
+
+
+def _died(error: BaseException) -> bool:
+    return "RayActorError" in {cls.__name__ for cls in type(error).__mro__}
+
+
+def failed_actor_name(error: BaseException, names: Mapping[str, str]) -> str | None:
+    """The name ("engine-0", "policy-1") of the actor `error` reports, None when not one of `names`
+    (actor id in hex -> name, `Roles.actor_names`)."""
+    actor_id = getattr(error, "actor_id", None)
+    return names.get(actor_id) if isinstance(actor_id, str) else None
+
+
+def death_cause(error: BaseException, names: Mapping[str, str], log_dir: str | Path | None) -> str | None:
+    """Why a dead actor's process ended, from the last lines of its log: a crash that
+    `faulthandler` wrote ("Fatal Python error: Segmentation fault"), an uncaught exception (a
+    traceback), or else an end with no word in the log, as a SIGKILL gives (the OOM killer).
+    None when `error` is not a dead actor's (`RayActorError`) or its log is not known."""
+    name = failed_actor_name(error, names)
+    if not _died(error) or name is None or log_dir is None:
+        return None
+    log_lines = log_tail(Path(log_dir) / f"{name}.log", 400)
+    fatal = [line.strip() for line in log_lines if line.strip().startswith(_FATAL)]
+    if fatal:
+        return f"it crashed ({fatal[-1]}; the stack is in its log)"
+    if any(line.startswith("Traceback (most recent call last)") for line in log_lines):
+        return "an uncaught exception ended its process (the traceback is in its log)"
+    return (
+        "its process ended with no error in its log, as SIGKILL ends one (the kernel's OOM killer, "
+        "kill -9); `dmesg | grep -i oom` tells an OOM kill apart"
+    )
 
 
 def describe_actor_failure(
@@ -70,9 +109,8 @@ def describe_actor_failure(
         log_dir: the actors' log folder (`<output_dir>/logs`), None when they log to the console.
         tail: how many of the log's last lines to show.
     """
-    actor_id = getattr(error, "actor_id", None)
-    name = names.get(actor_id) if isinstance(actor_id, str) else None
-    died = "RayActorError" in {cls.__name__ for cls in type(error).__mro__}
+    name = failed_actor_name(error, names)
+    died = _died(error)
     where = ", ".join(
         str(part)
         for part in (

@@ -43,7 +43,7 @@ from .algorithm import (
 )
 from .components import check_components, describe_components
 from .config import ConfigError, PPOConfig, hf_output_dir
-from .diagnosis import describe_actor_failure, is_actor_failure
+from .diagnosis import death_cause, describe_actor_failure, failed_actor_name, is_actor_failure
 from .health import HealthError, HealthMonitor
 from .preemption import Preempted, PreemptionGuard
 from .roles import Roles
@@ -91,6 +91,7 @@ class PPOTrainer:
         self.best: dict[str, Any] | None = None  # ckpt.best_metric_key: {"metric", "value", "step"}
         self.saved_after_failure: int | None = None  # an actor failed: the step saved then
         self.save_failure: str | None = None
+        self.lost_state: str | None = None  # a trained role's actor died: its name ("policy-0")
 
     def make_experience(self, records: list[Trajectory]) -> tuple[ExperienceBatch, dict[str, float]]:
         """The learners' forwards (all roles at once), then the advantages of the chosen estimator."""
@@ -254,15 +255,55 @@ class PPOTrainer:
         keep = (checkpoint_tag(self.best["step"]),) if self.best is not None else ()
         self.roles.save(str(self.run_plan.ckpt_root), step, state, keep_tags=keep)
 
-    def save_after_failure(self, step: int, state: TrainingState) -> None:
-        """Try to checkpoint the last finished `step` after an actor failed; `saved_after_failure`
-        says which step was saved, `save_failure` why it could not be (for the diagnosis)."""
+    def save_after_failure(self, step: int, state: TrainingState, error: BaseException) -> None:
+        """Try to checkpoint the last finished `step` after an actor failed (`error`);
+        `saved_after_failure` says which step was saved, `save_failure` why it could not be, and
+        `lost_state` names the failed actor when it held a trained role's state (a policy or
+        critic rank): that state is gone with it, so nothing is tried (the diagnosis says so)."""
+        name = failed_actor_name(error, self.roles.actor_names())
+        if name is not None and name.rsplit("-", 1)[0] in self.roles.trained():
+            self.lost_state = name
+            return
         try:
             self.save(step, state.consumed_samples, state)
-        except Exception as error:  # a learner died too
-            self.save_failure = f"{type(error).__name__}: {str(error).strip()[:300]}"
+        except Exception as failure:  # a learner died too
+            self.save_failure = f"{type(failure).__name__}: {str(failure).strip()[:300]}"
         else:
             self.saved_after_failure = step
+
+    def after_failure(self, error: BaseException) -> list[str]:
+        """The diagnosis's closing lines after an actor failed (`error`): the step saved then, or
+        why nothing newer could be saved (a trained role's state died with its actor), and the
+        checkpoint on disk a resume continues from (checkpoints are written atomically: the last
+        complete one stays valid whatever died while the next was written)."""
+        from .runs import select_checkpoint
+
+        if self.saved_after_failure is not None:
+            step = self.saved_after_failure
+            return [f"checkpoint of step {step} saved: --ckpt.load_checkpoint true continues from it"]
+        name = self.lost_state or failed_actor_name(error, self.roles.actor_names())
+        lines = []
+        if name is not None and name.rsplit("-", 1)[0] in self.roles.trained():
+            role = name.rsplit("-", 1)[0]
+            lines.append(f"the {role}'s trained state was in {name}'s process: nothing newer can be saved")
+        elif self.save_failure is not None:
+            lines.append(f"the last finished step could not be saved: {self.save_failure}")
+        plan = self.run_plan
+        try:
+            chosen = select_checkpoint(
+                plan.ckpt_root, self.roles.trained(), run_id=plan.run_id, fingerprint=plan.fingerprint
+            )
+        except Exception as failure:  # a folder the resume would refuse: it says why then
+            return [*lines, f"the checkpoints in {plan.ckpt_root} cannot be resumed: {failure}"]
+        if chosen is None:
+            lines.append(f"no checkpoint in {plan.ckpt_root}: a new run starts from step 0 (ckpt.save_steps)")
+        else:
+            folder = chosen.folders["policy"]
+            lines.append(
+                f"the last checkpoint on disk stays valid: step {chosen.step} ({folder}); "
+                "--ckpt.load_checkpoint true continues from it"
+            )
+        return lines
 
     def stop_for_signal(
         self, preemption: PreemptionGuard, step: int, saved_step: int, state: TrainingState
@@ -331,7 +372,7 @@ class PPOTrainer:
                 raise self.stop_for_signal(preemption, step - 1, saved_step, finished) from None
             except Exception as error:  # an engine died or failed: the learners may still save
                 if is_actor_failure(error) and step - 1 > saved_step:
-                    self.save_after_failure(step - 1, finished)
+                    self.save_after_failure(step - 1, finished, error)
                 raise
             with timer.phase("training"):
                 metrics |= experience | self.train(batch, step)
@@ -528,9 +569,8 @@ def _diagnosis(
     """Which actor failed, where its log is, why, and what the run saved before it stopped."""
     names = roles.actor_names() if roles is not None else {}
     _, text = describe_actor_failure(error, names, log_dir)
-    if trainer is not None and trainer.saved_after_failure is not None:
-        step = trainer.saved_after_failure
-        text += f"\n  checkpoint of step {step} saved: --ckpt.load_checkpoint true continues from it"
-    elif trainer is not None and trainer.save_failure is not None:
-        text += f"\n  the last finished step could not be saved: {trainer.save_failure}"
-    return text
+    cause = death_cause(error, names, log_dir)
+    lines = [text, *([f"  why: {cause}"] if cause is not None else [])]
+    if trainer is not None:
+        lines += [f"  {line}" for line in trainer.after_failure(error)]
+    return "\n".join(lines)

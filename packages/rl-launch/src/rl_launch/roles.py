@@ -107,6 +107,7 @@ class Roles:
         self.learners_offloaded = False
         self.engine_helpers: list[Any] = []  # rl_launch.leftovers.HelperProcesses per engine
         self._receipts: list[tuple[Any, list]] = []  # async mode: syncs whose receipts are not compared yet
+        self.sync_spec: Any = None  # the WeightSyncSpec both sides joined (`init_weight_sync`)
 
     # ------------------------------------------------------------------------------------------
     # Start-up
@@ -299,6 +300,7 @@ class Roles:
             return "none (the engines keep the weights they started with; the run is off-policy after step 1)"
         layout = self.groups["policy"].call("sync_layout", self.dtype)[0]
         spec, description = SYNC_STRATEGIES[strategy].start(self, layout)
+        self.sync_spec = spec
         offsets = [1 + sum(self.engine_sync_sizes[:i]) for i in range(len(self.engine_sync_sizes))]
         futures = self.groups["policy"].submit("init_sync", spec)
         futures += self.engines.submit("init_sync", per_rank=[(spec, offset) for offset in offsets])
@@ -595,6 +597,7 @@ class Roles:
         import ray
         from ray.util.placement_group import remove_placement_group
 
+        from .components.weight_sync import SYNC_STRATEGIES
         from .leftovers import sweep
 
         closing = []
@@ -609,6 +612,10 @@ class Roles:
                 group.kill()
         with contextlib.suppress(Exception):  # what a killed engine left: only its own processes and segments
             sweep(self.engine_helpers)
+        strategy = SYNC_STRATEGIES.get(self.sync_spec.transport) if self.sync_spec is not None else None
+        if strategy is not None and strategy.sweep is not None:
+            with contextlib.suppress(Exception):  # what a killed policy rank left (shm: its folder)
+                strategy.sweep(self.sync_spec)
         for placement in self.placement.values():
             with contextlib.suppress(Exception):
                 remove_placement_group(placement)

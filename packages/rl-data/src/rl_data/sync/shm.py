@@ -55,8 +55,8 @@ behind; versions must increase from one send to the next for that ordering to ho
 
 Cleanup: `ShmPublisher.close()` removes the folder, and so does interpreter exit (a finalizer).
 A sender killed outright (SIGKILL, OOM) leaves it behind: `remove_stale_directories(root)`
-removes the folders whose owner process on this host is gone, and `shm_directory()` runs it
-before naming a new folder. A receiver waiting on a bucket of a killed sender times out. The
+removes the folders whose owner process on this host is gone (`remove_if_stale(folder)`: one
+folder), and `shm_directory()` runs it before naming a new folder. A receiver waiting on a bucket of a killed sender times out. The
 memory itself returns to the system once the last receiver has unmapped it (`ShmReader.close()`).
 """
 
@@ -101,6 +101,7 @@ __all__ = [
     "WeightSyncTimeout",
     "header_bytes",
     "page_checksum",
+    "remove_if_stale",
     "remove_stale_directories",
     "shm_directory",
     "slot_offsets",
@@ -236,14 +237,18 @@ def remove_stale_directories(
     left alone. Returns the removed paths. `root` defaults to /dev/shm.
     """
     root_path = pathlib.Path(root if root is not None else _default_root())
-    removed = []
-    host = socket.gethostname()
-    for folder in root_path.glob(f"{prefix}*"):
-        owner = _owner_of(folder)
-        if folder.is_dir() and owner is not None and owner[0] == host and not _alive(owner[1]):
-            shutil.rmtree(folder, ignore_errors=True)
-            removed.append(str(folder))
-    return removed
+    return [str(folder) for folder in root_path.glob(f"{prefix}*") if remove_if_stale(folder)]
+
+
+def remove_if_stale(folder: str | os.PathLike) -> bool:
+    """Remove one shm folder if its owner (the sender that wrote it) is dead: its owner file names
+    this host and a process id that no longer exists. Whether it was removed."""
+    path = pathlib.Path(folder)
+    owner = _owner_of(path)
+    if path.is_dir() and owner is not None and owner[0] == socket.gethostname() and not _alive(owner[1]):
+        shutil.rmtree(path, ignore_errors=True)
+        return True
+    return False
 
 
 def shm_directory(root: str | os.PathLike | None = None, prefix: str = DEFAULT_PREFIX) -> str:

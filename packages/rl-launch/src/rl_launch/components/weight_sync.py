@@ -10,6 +10,7 @@ step's sync never names a transport:
 | `start`            | `start(roles, layout) -> (WeightSyncSpec, description)`, in the driver once the actors are up: the rendezvous | all |
 | `sender_first`     | the receivers start only once the sender returned (a reader does not wait for the data) | file |
 | `per_rank_payload` | every policy rank sends; each engine receives the payload of the policy rank on its GPU, then the ranks `release` | ipc |
+| `sweep`            | `sweep(spec)`, in the driver after the actors are gone: removes what a killed sender left (its `close` never ran) | shm |
 
 "none" needs no strategy; "auto" is `choose_weight_sync` of the placement
 (`rl_launch.roles.Roles.sync_placement`). A plugin (`--plugin`, imported in the driver and every
@@ -56,12 +57,15 @@ class SyncStrategy:
     the driver waits for the sender before the receivers start (their reads do not wait for the
     data). per_rank_payload: every policy rank returns a payload with its report, each engine
     receives the one of the policy rank on its GPU (`Roles.engine_policy_ranks`), and the ranks
-    then `release_sync`.
+    then `release_sync`. sweep: `sweep(spec)` removes what a sender killed outright (SIGKILL, OOM)
+    left behind, called by the driver at shutdown after the actors are gone; it must leave alone
+    what a live process still uses (another run's, or a sender that closed normally).
     """
 
     start: Start
     sender_first: bool = False
     per_rank_payload: bool = False
+    sweep: Callable[[Any], None] | None = None
 
 
 SYNC_STRATEGIES = ComponentRegistry("weight-sync strategy", SyncStrategy, builder="start")
@@ -114,7 +118,15 @@ def broadcast_sync(roles: Any, layout: Any) -> tuple[Any, str]:
     return spec, f"bucketed broadcast ({backend}) from {host}:{port}"
 
 
-@SYNC_STRATEGIES.register("shm")
+def _sweep_shm_folder(spec: Any) -> None:
+    """The run's /dev/shm folder when its sender died without removing it: only this folder, only
+    when its owner file names a process of this host that is gone (`rl_data.sync.shm.remove_if_stale`)."""
+    from rl_data.sync.shm import remove_if_stale
+
+    remove_if_stale(spec.directory)
+
+
+@SYNC_STRATEGIES.register("shm", sweep=_sweep_shm_folder)
 def shm_sync(roles: Any, layout: Any) -> tuple[Any, str]:
     """One copy through a /dev/shm folder made on the node of policy rank 0, which every engine must
     share (`rl_data.shm`): zero-copy views for the engines' loaders."""

@@ -1,0 +1,185 @@
+"""Chaos: `rl-launch ppo` stopped again and again at random moments, resumed each time, ends where
+an uninterrupted run of the same arguments ends.
+
+A harness driven by a seeded `random.Random` (its seed is in every failure message; set
+RL_CHAOS_SEED to replay one) runs GRPO for `STEPS` steps in sync mode (HF engine, a checkpoint
+every step, fixed seeds) and, a random moment after a random step, stops one process of the run:
+the driver with SIGTERM (a cluster's preemption), the engine actor or the policy learner with
+SIGKILL (the OOM killer); every kind once, in a shuffled order. It resumes with
+`--ckpt.load_checkpoint true` after each stop until a start runs to the end. Then:
+
+- metrics.jsonl holds every step once, in order, each line equal to the uninterrupted run's in
+  every key but the timing ones, exactly (sync mode on CPU with fixed seeds is deterministic, and
+  a resume restores the loader, the group ids, the KL coefficient and the learners' RNG);
+- every stop ended the run within a bound with its kind's exit code (143 for SIGTERM, 1 for a dead
+  actor) and left nothing: no Ray process of its temp folder, no actor process, no /dev/shm folder
+  of its weight sync (a killed policy's folder is swept at shutdown).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+
+from tests.launch.launching import (
+    actor_pids,
+    comparable,
+    interrupt_after_step,
+    kill_processes,
+    launch,
+    ray_processes,
+    read_metrics,
+    write_sum_prompts,
+)
+
+pytestmark = pytest.mark.slow
+
+STEPS = 8
+KILLS = ("driver", "engine-0", "policy-0")  # SIGTERM to the driver, SIGKILL to an actor's process
+EXIT_CODES = {"driver": 143, "engine-0": 1, "policy-0": 1}
+MAX_DELAY_S = 0.2  # the kill lands this long at most after the step's line (a step takes ~0.25 s)
+
+
+def _args(tiny_checkpoint, prompts, run_dir, ray_dir) -> list[str]:
+    return [
+        "--preset", "none",
+        "--model.pretrain", str(tiny_checkpoint),
+        "--data.prompt_data", str(prompts),
+        "--reward.function", "numeric",
+        "--rollout.engine", "hf",
+        "--rollout.n_samples_per_prompt", "2",
+        "--rollout.rollout_batch_size", "2",
+        "--rollout.generate_max_len", "4",
+        "--algo.advantage.estimator", "grpo",
+        "--train.max_steps", str(STEPS),
+        "--ckpt.save_steps", "1",
+        "--ckpt.save_hf_model", "false",
+        "--ckpt.preemption_timeout_s", "60",
+        "--log.output_dir", str(run_dir),
+        "--log.progress_bar", "false",
+        "--ray.temp_dir", ray_dir,
+    ]  # fmt: skip
+
+
+def _saved_step(run_dir) -> int:
+    """The step of the policy's newest complete checkpoint, 0 before the first."""
+    latest = run_dir / "checkpoints" / "policy" / "latest"
+    return int(latest.read_text().strip().removeprefix("step_")) if latest.exists() else 0
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            state = stat.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _left_running(ray_dir: str, pids: set[int], timeout_s: float = 15.0) -> dict[int, str]:
+    """The run's processes still alive after `timeout_s` (Ray's daemons exit just after the driver)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = ray_processes(ray_dir) | {pid: "actor" for pid in pids if _alive(pid)}
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.2)
+
+
+def _stop_and_resume(rng, tiny_checkpoint, prompts, run_dir, ray_dir, env, seed) -> tuple[list, set, set]:
+    """Start the run, stop one of its processes at random (every kind of `KILLS` once, shuffled),
+    resume, until every kind was stopped; checks each stop's exit and leftovers. (what happened,
+    the runs' /dev/shm folders, the actors' pids)."""
+    args = _args(tiny_checkpoint, prompts, run_dir, ray_dir)
+    kinds = list(KILLS)
+    rng.shuffle(kinds)
+    history: list[str] = []  # what happened, for the failure messages
+    folders: set[str] = set()  # the runs' /dev/shm folders (weight sync)
+    pids: set[int] = set()
+    for index, target in enumerate(kinds):
+        done = _saved_step(run_dir)
+        # a random step after the last saved one, leaving two steps for each stop still to come
+        after = max(done + 1, min(done + rng.randint(1, 2), STEPS - 2 * (len(kinds) - index)))
+        delay = rng.uniform(0.0, MAX_DELAY_S)
+        resume = ["--ckpt.load_checkpoint", "true"] if index else []
+        stopped, seconds = interrupt_after_step([*args, *resume], env, run_dir, after, target, delay_s=delay)
+        history.append(
+            f"{target} stopped {delay:.2f} s after step {after} (saved before: {done}): exit "
+            f"{stopped.returncode} in {seconds if seconds is None else round(seconds, 1)} s, "
+            f"saved now: {_saved_step(run_dir)}"
+        )
+        context = f"seed {seed} (RL_CHAOS_SEED); {'; '.join(history)}\n{stopped.stderr[-3000:]}"
+        assert seconds is not None, f"the run ended before the stop: {context}"
+        assert stopped.returncode == EXIT_CODES[target], context
+        assert seconds < 60, context
+        folders |= set(re.findall(r"shared memory \((\S+)\)", stopped.stdout))
+        pids |= {pid for name in ("engine-0", "policy-0") for pid in actor_pids(run_dir, name)}
+        assert not _left_running(ray_dir, pids), context
+        assert not [folder for folder in folders if os.path.exists(folder)], context
+
+    return history, folders, pids
+
+
+def test_a_run_stopped_at_random_and_resumed_each_time_logs_what_an_uninterrupted_run_logs(
+    tiny_checkpoint, ray_temp, tmp_path
+):
+    seed = int(os.environ.get("RL_CHAOS_SEED", random.randrange(2**31)))
+    rng = random.Random(seed)
+    ray_dir, env = ray_temp
+    prompts = write_sum_prompts(tmp_path / "train.jsonl", 64)
+    began = time.monotonic()
+
+    # the uninterrupted run, beside the stopped ones: Ray's start-up and shutdown are partly waits
+    reference_dir, reference_ray = tmp_path / "reference", tempfile.mkdtemp(prefix="rlt-", dir="/tmp")
+    reference_out, reference_err = tmp_path / "reference.out", tmp_path / "reference.err"
+    reference = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "rl_launch.cli",
+            "ppo",
+            *_args(tiny_checkpoint, prompts, reference_dir, reference_ray),
+        ],
+        env=env,
+        stdout=reference_out.open("w"),
+        stderr=reference_err.open("w"),
+    )
+    try:
+        history, folders, pids = _stop_and_resume(
+            rng, tiny_checkpoint, prompts, tmp_path / "run", ray_dir, env, seed
+        )
+        reference.wait(timeout=600)
+    finally:
+        if reference.poll() is None:
+            reference.kill()
+            reference.wait()
+        left = ray_processes(reference_ray)
+        kill_processes(list(left))
+        shutil.rmtree(reference_ray, ignore_errors=True)
+    assert reference.returncode == 0, reference_err.read_text()[-4000:]
+    assert not left, f"the uninterrupted run's Ray processes outlived it: {left}"
+    expected = [comparable(line) for line in read_metrics(reference_dir)]
+    assert [line["step"] for line in expected] == list(range(1, STEPS + 1))
+
+    run_dir = tmp_path / "run"
+    args = _args(tiny_checkpoint, prompts, run_dir, ray_dir)
+    final = launch([*args, "--ckpt.load_checkpoint", "true"], env)
+    context = f"seed {seed} (RL_CHAOS_SEED); {'; '.join(history)}\n{final.stderr[-3000:]}"
+    assert final.returncode == 0, context
+    logged = [comparable(line) for line in read_metrics(run_dir)]
+    assert [line["step"] for line in logged] == list(range(1, STEPS + 1)), context
+    for line, reference_line in zip(logged, expected, strict=True):
+        assert line == reference_line, f"step {line['step']}: {context}"
+    folders |= set(re.findall(r"shared memory \((\S+)\)", final.stdout + reference_out.read_text()))
+    pids |= {pid for name in ("engine-0", "policy-0") for pid in actor_pids(tmp_path / "reference", name)}
+    assert not _left_running(ray_dir, pids), context
+    assert not [folder for folder in folders if os.path.exists(folder)], context
+    print(f"chaos seed {seed}: {'; '.join(history)}; {time.monotonic() - began:.0f} s in all")
