@@ -41,12 +41,12 @@ os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get
 # last keeps one worker busy while the other idles. Longest first, then the other files with slow
 # tests, then the fast ones (which fill the gaps) lets both workers finish together.
 LONGEST_FILES = (
-    "launch/test_ppo_runs.py",  # ~220 s
+    "launch/test_chaos.py",  # ~180 s
     "launch/test_preset_run.py",  # ~95 s
     "learner/test_learner.py",  # ~80 s
     "launch/test_multinode.py",  # ~78 s
     "launch/test_ppo_variants.py",  # ~76 s
-    "launch/test_preemption_e2e.py",  # ~75 s
+    "launch/test_ppo_runs.py",  # ~75 s
     "launch/test_lora_run.py",  # ~60 s
     "launch/test_http_engine_run.py",  # ~59 s
     "launch/test_openrlhf_scripts.py",  # ~55 s

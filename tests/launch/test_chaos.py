@@ -2,10 +2,13 @@
 an uninterrupted run of the same arguments ends.
 
 A harness driven by a seeded `random.Random` (its seed is in every failure message; set
-RL_CHAOS_SEED to replay one) runs GRPO for `STEPS` steps in sync mode (HF engine, a checkpoint
-every step, fixed seeds) and, a random moment after a random step, stops one process of the run:
+RL_CHAOS_SEED to replay one) runs GRPO for `STEPS` steps in sync mode (HF engine, fixed seeds, no
+checkpoint cadence: `ckpt.save_steps -1`, so every checkpoint is one a stop wrote or the last
+step's) and, a random moment after a random step, stops one process of the run:
 the driver with SIGTERM (a cluster's preemption), the engine actor or the policy learner with
-SIGKILL (the OOM killer); every kind once, in a shuffled order. It resumes with
+SIGKILL (the OOM killer); every kind once, in a shuffled order. A SIGTERM saves the last finished
+step; a dead engine lets the learners save it; a dead policy leaves the last checkpoint on disk
+(or none: the resume starts again from step 0). It resumes with
 `--ckpt.load_checkpoint true` after each stop until a start runs to the end. Then:
 
 - metrics.jsonl holds every step once, in order, each line equal to the uninterrupted run's in
@@ -60,7 +63,7 @@ def _args(tiny_checkpoint, prompts, run_dir, ray_dir) -> list[str]:
         "--rollout.generate_max_len", "4",
         "--algo.advantage.estimator", "grpo",
         "--train.max_steps", str(STEPS),
-        "--ckpt.save_steps", "1",
+        "--ckpt.save_steps", "-1",
         "--ckpt.save_hf_model", "false",
         "--ckpt.preemption_timeout_s", "60",
         "--log.output_dir", str(run_dir),
@@ -106,8 +109,11 @@ def _stop_and_resume(rng, tiny_checkpoint, prompts, run_dir, ray_dir, env, seed)
     pids: set[int] = set()
     for index, target in enumerate(kinds):
         done = _saved_step(run_dir)
+        # Lines after the checkpoint (a dead policy saves nothing) stay in the file until the resumed
+        # run's tracker drops them: the stop waits for a step beyond every line already there.
+        logged = max((line["step"] for line in read_metrics(run_dir)), default=0) if index else 0
         # a random step after the last saved one, leaving two steps for each stop still to come
-        after = max(done + 1, min(done + rng.randint(1, 2), STEPS - 2 * (len(kinds) - index)))
+        after = max(logged + 1, done + 1, min(done + rng.randint(1, 2), STEPS - 2 * (len(kinds) - index)))
         delay = rng.uniform(0.0, MAX_DELAY_S)
         resume = ["--ckpt.load_checkpoint", "true"] if index else []
         stopped, seconds = interrupt_after_step([*args, *resume], env, run_dir, after, target, delay_s=delay)
@@ -120,6 +126,12 @@ def _stop_and_resume(rng, tiny_checkpoint, prompts, run_dir, ray_dir, env, seed)
         assert seconds is not None, f"the run ended before the stop: {context}"
         assert stopped.returncode == EXIT_CODES[target], context
         assert seconds < 60, context
+        if target == "driver":  # a preemption: the last finished step saved, the summary written
+            saved = _saved_step(run_dir)
+            assert [line["step"] for line in read_metrics(run_dir)] == list(range(1, saved + 1)), context
+            assert f"stopped after step {saved} (checkpoint of step {saved} saved" in stopped.stderr, context
+            assert "summary of" in stopped.stdout, context
+            assert (run_dir / "summary.txt").is_file(), context
         folders |= set(re.findall(r"shared memory \((\S+)\)", stopped.stdout))
         pids |= {pid for name in ("engine-0", "policy-0") for pid in actor_pids(run_dir, name)}
         assert not _left_running(ray_dir, pids), context
@@ -182,4 +194,8 @@ def test_a_run_stopped_at_random_and_resumed_each_time_logs_what_an_uninterrupte
     pids |= {pid for name in ("engine-0", "policy-0") for pid in actor_pids(tmp_path / "reference", name)}
     assert not _left_running(ray_dir, pids), context
     assert not [folder for folder in folders if os.path.exists(folder)], context
+    again = launch(args, env)  # without --ckpt.load_checkpoint: refused before Ray starts
+    assert again.returncode == 2, again.stderr[-2000:]
+    assert "already holds a run" in again.stderr
+    assert "--ckpt.load_checkpoint true" in again.stderr
     print(f"chaos seed {seed}: {'; '.join(history)}; {time.monotonic() - began:.0f} s in all")

@@ -3,10 +3,10 @@
 - PPO with a critic (GAE), a reference model (KL in the reward), a reward model next to the rule
   reward and ZeRO-3 completes its steps,
   with learner log-probs equal to the engine's and every weight sync verified by checksums.
-- The same run killed with SIGKILL after a checkpoint resumes (`--ckpt.load_checkpoint true`) and
-  logs the same metrics as the uninterrupted run for every step after the checkpoint (CPU, fixed
-  seeds); started again without the flag, with a changed algorithm setting, or from another
-  folder pointing at its checkpoints, it refuses before Ray starts.
+
+A run stopped and resumed (SIGTERM, a dead engine, a dead learner) is tests/launch/test_chaos.py;
+a driver killed with SIGKILL after a checkpoint, test_async_resume.py; which folders and changed
+settings a resume refuses, test_runs.py.
 
 The async and ReMax runs are in test_ppo_variants.py.
 """
@@ -19,8 +19,6 @@ import tempfile
 import pytest
 
 from tests.launch.launching import (
-    comparable,
-    kill_once_written,
     launch,
     launcher_env,
     ray_processes,
@@ -111,57 +109,3 @@ def test_a_local_run_writes_no_ray_token_into_the_home_folder(ppo_run):
     home = run_dir.parent / "home"
     assert home.is_dir()
     assert not (home / ".ray").exists()
-
-
-def test_a_run_killed_after_a_checkpoint_resumes_with_the_same_metrics(
-    ppo_run, tiny_checkpoint, prompts, tmp_path
-):
-    ray_dir = tempfile.mkdtemp(prefix="rlt-", dir="/tmp")
-    env = launcher_env()
-    reference = {line["step"]: comparable(line) for line in read_metrics(ppo_run[0])}
-    run_dir = tmp_path / "run"
-    args = _ppo_args(tiny_checkpoint, prompts, run_dir, ray_dir)
-    latest = run_dir / "checkpoints" / "critic" / "latest"  # the critic saves after the policy
-    kill_once_written(args, env, latest, ray_dir)
-    saved = int(latest.read_text().strip().removeprefix("step_"))
-    assert saved < 5
-
-    # Each of these stops before Ray starts: a fresh run never overwrites the folder, a resume
-    # keeps the algorithm, and a run loads only checkpoints it wrote.
-    again = launch(args, env)
-    assert again.returncode == 2, again.stderr[-2000:]
-    assert "already holds a run" in again.stderr
-    assert "--ckpt.load_checkpoint true" in again.stderr
-    changed = launch([*args, "--ckpt.load_checkpoint", "true", "--train.actor_learning_rate", "2e-4"], env)
-    assert changed.returncode == 2, changed.stderr[-2000:]
-    assert "train.actor_learning_rate: 0.0001 -> 0.0002" in changed.stderr
-    foreign = launch(
-        [
-            *args,
-            "--ckpt.load_checkpoint",
-            "true",
-            "--log.output_dir",
-            str(tmp_path / "other"),
-            "--ckpt.path",
-            str(run_dir / "checkpoints"),
-        ],
-        env,
-    )
-    assert foreign.returncode == 2, foreign.stderr[-2000:]
-    assert str(run_dir / "checkpoints") in foreign.stderr
-    assert not (tmp_path / "other" / "metrics.jsonl").exists()
-
-    resumed = launch([*args, "--ckpt.load_checkpoint", "true"], env)
-    assert resumed.returncode == 0, resumed.stderr[-4000:]
-    assert f"from step {saved}: {run_dir / 'checkpoints'}" in resumed.stdout + resumed.stderr
-    metrics = read_metrics(run_dir)
-    assert [line["step"] for line in metrics] == [1, 2, 3, 4, 5]  # lines after the checkpoint replaced
-    for line in metrics[saved:]:
-        expected = reference[line["step"]]
-        # The gap between the learner's and the engine's log-probs is float32 rounding (~1e-6): the
-        # engine's own log-probs move by an ulp with how its scheduler happened to batch the
-        # requests (timing), so that gap is compared at the learners' own tolerance.
-        gaps = {key for key in expected if key.startswith("health/logprob_mismatch")}
-        assert {k: line[k] for k in gaps} == pytest.approx({k: expected[k] for k in gaps}, abs=1e-5)
-        rest = {k: v for k, v in comparable(line).items() if k not in gaps}
-        assert rest == pytest.approx({k: v for k, v in expected.items() if k not in gaps}, rel=1e-5, abs=1e-7)
