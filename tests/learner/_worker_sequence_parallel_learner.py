@@ -1,12 +1,13 @@
 """One rank of a learner run with sequence parallelism, started by tests/learner/test_sequence_parallel.py.
 
-    python _worker_sequence_parallel_learner.py OUT_DIR STAGE SP        (WORLD_SIZE = SP here: dp = 1)
+    python _worker_sequence_parallel_learner.py OUT_DIR STAGES SP      (WORLD_SIZE = SP here: dp = 1)
 
-A PolicyLearner and a ValueLearner (float32, ZeRO STAGE, `sequence_parallel_size` SP) each compute
-inference results and take NUM_STEPS train steps on the same micro-batches on every rank (two
-halves of a batch with a sequence longer than a rank's share, plus an empty one). Rank 0 writes
-OUT_DIR/policy.safetensors, critic.safetensors (the gathered weights after training) and
-metrics.json; the test compares SP = 2 with a one-rank SP = 1 run.
+For each ZeRO stage in STAGES (comma-separated, one after the other in this process), a
+PolicyLearner and a ValueLearner (float32, `sequence_parallel_size` SP) each compute inference
+results and take NUM_STEPS train steps on the same micro-batches on every rank (two halves of a
+batch with a sequence longer than a rank's share, plus an empty one). Rank 0 writes
+OUT_DIR/zero{stage}/policy.safetensors, critic.safetensors (the gathered weights after training)
+and metrics.json; the test compares SP = 2 with a one-rank SP = 1 run.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from rl_data import ExperienceBatch
 from rl_data.tiny import build_tiny_tokenizer
 
 
-def main() -> None:
+def run(out: pathlib.Path, stage: int, sp: int) -> None:
     from safetensors.torch import save_file
 
     from rl_learner import (
@@ -49,8 +50,6 @@ def main() -> None:
         ValueLossConfig,
     )
 
-    out = pathlib.Path(sys.argv[1])
-    stage, sp = int(sys.argv[2]), int(sys.argv[3])
     rank = int(os.environ["RANK"])
     tokenizer = build_tiny_tokenizer()
     ds = DeepSpeedConfig(zero_stage=stage, dtype="fp32", sequence_parallel_size=sp)
@@ -88,6 +87,15 @@ def main() -> None:
     if rank == 0:
         save_file(state, str(out / "critic.safetensors"))
         (out / "metrics.json").write_text(json.dumps(results))
+
+
+def main() -> None:
+    out = pathlib.Path(sys.argv[1])
+    stages, sp = [int(stage) for stage in sys.argv[2].split(",")], int(sys.argv[3])
+    for stage in stages:
+        folder = out / f"zero{stage}"
+        folder.mkdir(exist_ok=True)
+        run(folder, stage, sp)
     import torch.distributed as dist
 
     dist.barrier()

@@ -111,14 +111,15 @@ SP_STAGES = (0, 2, 3)
 
 @pytest.fixture(scope="module")
 def learner_runs(tmp_path_factory) -> dict[str, pathlib.Path]:
-    """The one-rank reference (ZeRO-0, SP 1) and SP = 2 × DP = 1 under each ZeRO stage, all at once."""
-    folders = {"reference": tmp_path_factory.mktemp("sp1_zero0")}
-    started = start_ranks(LEARNER_WORKER, folders["reference"], 1, "0", "1")
-    for stage in SP_STAGES:
-        folders[f"zero{stage}"] = tmp_path_factory.mktemp(f"sp2_zero{stage}")
-        started += start_ranks(LEARNER_WORKER, folders[f"zero{stage}"], 2, str(stage), "2")
+    """The one-rank reference (ZeRO-0, SP 1) beside SP = 2 × DP = 1 under each ZeRO stage in turn."""
+    reference, split = tmp_path_factory.mktemp("sp1"), tmp_path_factory.mktemp("sp2")
+    started = start_ranks(LEARNER_WORKER, reference, 1, "0", "1")
+    started += start_ranks(LEARNER_WORKER, split, 2, ",".join(map(str, SP_STAGES)), "2")
     wait_ranks(started)
-    return folders
+    return {
+        "reference": reference / "zero0",
+        **{f"zero{stage}": split / f"zero{stage}" for stage in SP_STAGES},
+    }
 
 
 def _load(folder: pathlib.Path) -> tuple[dict, dict, dict]:
