@@ -126,6 +126,11 @@ def main() -> None:
     )
     results["policy/odd_length"] = policy_case(tiny_policy(tokenizer), odd, weights[: odd.num_tokens], group)
     results["odd_num_tokens"] = odd.num_tokens
+    # gradient checkpointing re-runs each layer, its all-to-alls included, in the backward pass
+    checkpointed = tiny_policy(tokenizer)
+    checkpointed.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    checkpointed.train()
+    results["policy/gradient_checkpointing"] = policy_case(checkpointed, batch, weights, group)
     empty = ExperienceBatch.empty(with_rollout_logprobs=True)
     results["policy/empty"] = policy_case(tiny_policy(tokenizer), empty, weights[:0], group)
     try:

@@ -90,7 +90,7 @@ def test_the_batch_has_a_sequence_longer_than_a_ranks_share(diffs):
 @pytest.mark.parametrize("rank", [0, 1])
 def test_sequence_parallel_outputs_and_gradients_equal_the_unsplit_forward(diffs, rank):
     cases = {key: value for key, value in diffs[rank].items() if key.startswith(("policy/", "critic/"))}
-    assert len(cases) == 14  # 2 attentions × (4 policy + 2 critic) + odd length + empty
+    assert len(cases) == 15  # 2 attentions × (4 policy + 2 critic) + odd length + checkpointing + empty
     for key, case in cases.items():
         for quantity in ("logprobs", "entropy", "values", "scores"):
             if quantity in case:
