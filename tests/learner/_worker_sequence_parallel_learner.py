@@ -75,6 +75,12 @@ def run(out: pathlib.Path, stage: int, sp: int) -> None:
     state = gathered_state(policy)
     if rank == 0:
         save_file(state, str(out / "policy.safetensors"))
+    if sp > 1 and stage == 0:  # the ranks of a group given different micro-batches: refused on every rank
+        try:
+            policy.logprobs([halves[rank % 2]])
+            results["mismatch_error"] = "no error"
+        except ValueError as error:
+            results["mismatch_error"] = str(error)
     del policy
 
     critic = ValueLearner(tiny_critic(tokenizer), deepspeed=ds, optimizer=optim, total_steps=TOTAL_STEPS)

@@ -152,3 +152,8 @@ def test_learners_with_sequence_parallel_train_like_one_rank(learner_runs, stage
         assert ours.keys() == theirs.keys()
         for name in theirs:
             torch.testing.assert_close(ours[name], theirs[name], rtol=0, atol=TOLERANCE, msg=name)
+
+
+def test_ranks_of_a_group_given_different_micro_batches_are_refused(learner_runs):
+    metrics = json.loads((learner_runs["zero0"] / "metrics.json").read_text())
+    assert "rank 0's sequence-parallel group were given different micro-batches" in metrics["mismatch_error"]

@@ -512,10 +512,12 @@ class Learner:
         return [batch.to(self.device) for batch in micro_batches]
 
     def _check_group_batches(self, batches: Sequence[ExperienceBatch]) -> None:
-        """ValueError on every rank of an SP group whose ranks were not given the same micro-batches
-        (count, tokens, token ids): they would split different rows, or wait for each other forever."""
+        """ValueError on every rank when the ranks of some SP group were not given the same
+        micro-batches (count, tokens, token ids): they would split different rows, or wait for each
+        other forever. The group compares fingerprints; one world all-reduce then tells every rank."""
         if self.sequence_parallel is None:
             return
+        group = self.sequence_parallel.group
         fingerprint = torch.tensor(
             [
                 len(batches),
@@ -524,21 +526,23 @@ class Learner:
             ],
             dtype=torch.float64,
         )
-        size = torch.tensor([fingerprint.numel()], dtype=torch.float64)
-        sizes = [size.clone(), -size]
-        for tensor in sizes:
-            dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.sequence_parallel.group)
+        sizes = torch.tensor([fingerprint.numel(), -fingerprint.numel()], dtype=torch.float64)
+        dist.all_reduce(sizes, op=dist.ReduceOp.MAX, group=group)
         same = bool(sizes[0] == -sizes[1])
         if same:
-            extremes = [fingerprint.clone(), -fingerprint]
-            for tensor in extremes:
-                dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.sequence_parallel.group)
-            same = bool(torch.equal(extremes[0], -extremes[1]))
-        if not same:
+            extremes = torch.cat([fingerprint, -fingerprint])
+            dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
+            same = bool(torch.equal(extremes[: fingerprint.numel()], -extremes[fingerprint.numel() :]))
+        # world_size − rank: the maximum names the first rank whose group disagrees
+        mismatched = torch.tensor([0.0 if same else float(self.world_size - self.rank)], dtype=torch.float64)
+        dist.all_reduce(mismatched, op=dist.ReduceOp.MAX)
+        if mismatched.item():
+            rank = self.world_size - int(mismatched.item())
             raise ValueError(
-                f"micro_batches: the {self.sequence_parallel.size} ranks of rank {self.rank}'s sequence-parallel "
-                "group were given different micro-batches; every rank of a group must get the same ones "
-                "(plan micro-batches over world_size / sequence_parallel_size data-parallel groups)"
+                f"micro_batches: the {self.sequence_parallel.size} ranks of rank {rank}'s sequence-parallel "
+                f"group were given different micro-batches (this is rank {self.rank}); every rank of a group "
+                "must get the same ones (plan micro-batches over world_size / sequence_parallel_size "
+                "data-parallel groups)"
             )
 
     @torch.no_grad()
