@@ -47,6 +47,7 @@ LONGEST_FILES = (
     "launch/test_multinode.py",  # ~78 s
     "launch/test_ppo_variants.py",  # ~76 s
     "launch/test_ppo_runs.py",  # ~75 s
+    "learner/test_sequence_parallel.py",  # ~65 s
     "launch/test_lora_run.py",  # ~60 s
     "launch/test_http_engine_run.py",  # ~59 s
     "launch/test_openrlhf_scripts.py",  # ~55 s
@@ -56,6 +57,7 @@ LONGEST_FILES = (
     "rollout/test_http_engine.py",  # ~50 s
     "rollout/test_vllm_engine.py",  # ~50 s
     "launch/test_every_component.py",  # ~45 s
+    "launch/test_sequence_parallel_run.py",  # ~45 s
     "learner/test_checkpoint.py",  # ~45 s
 )
 

@@ -404,11 +404,14 @@ def test_every_flag_is_listed_once_per_command():
     for command in COMMANDS:
         flags = [alias.flag for alias in ALIASES if command in alias.commands]
         assert len(flags) == len(set(flags)), command
-    # a refused flag is accepted only where a command has it with a meaning (serve_rm's normalisation)
+    # a refused flag is accepted only where a command has it with a meaning (serve_rm's normalisation,
+    # ppo's sequence parallelism)
     assert {alias.flag for alias in ALIASES} & set(UNSUPPORTED) == {
         "eval.dataset",
         "eval.split",
         "data.input_template",
+        "ds.ring_attn_size",
+        "ds.ring_attn_head_stride",
     }
 
 

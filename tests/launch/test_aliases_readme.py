@@ -27,6 +27,8 @@ def test_rendered_table_has_a_row_per_flag_and_meaning_with_its_status():
     assert any(row.startswith("| `--data.max_len` | serve-rm | `--max_len` |") for row in rows)
     statuses = {row.rsplit("|", 2)[-2].strip() for row in rows}
     assert statuses == {"same name", "renamed", "translated", "accepted, dropped with a note", "refused"}
-    ring = next(row for row in rows if row.startswith("| `--ds.ring_attn_size`"))
-    assert ring.endswith("| refused |")
-    assert "open issue" in ring
+    ring = [row for row in rows if row.startswith("| `--ds.ring_attn_size`")]
+    assert ring[0].startswith("| `--ds.ring_attn_size` | ppo | `--model.sequence_parallel_size`")
+    assert ring[0].endswith("| translated |")
+    assert ring[1].endswith("| refused |")
+    assert "sft, rm, dpo and serve-rm" in ring[1]

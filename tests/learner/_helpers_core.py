@@ -15,6 +15,30 @@ def experience(num_sequences: int = 8, *, seed: int = 0, vocab: int = 400) -> Ex
     """A fixed batch of random trajectories of different lengths (ids in [3, vocab): no pad id, inside
     the tiny vocabulary). Sequences 4g..4g+3 are group g: one prompt, four responses (so the
     learners run each prompt once, `rl_learner.models.shared_prefix`, while the references don't)."""
+    return build_experience(_records(num_sequences, seed=seed, vocab=vocab))
+
+
+def experience_with_a_long_sequence(
+    long_response: int = 60, *, seed: int = 5, vocab: int = 400
+) -> ExperienceBatch:
+    """`experience(6)`'s trajectories (groups of four samples sharing a prompt) plus a seventh with a
+    `long_response`-token response, longer than half the packed row: under sequence parallelism
+    with two ranks it spans both ranks' slices."""
+    records = _records(6, seed=seed, vocab=vocab)
+    generator = torch.Generator().manual_seed(seed + 1)
+    records.append(
+        Trajectory(
+            prompt_ids=torch.randint(3, vocab, (3,), generator=generator),
+            response_ids=torch.randint(3, vocab, (long_response,), generator=generator),
+            rollout_logprobs=-torch.rand(long_response, generator=generator) * 4,
+            reward=1.0,
+            group_id=99,
+        )
+    )
+    return build_experience(records)
+
+
+def _records(num_sequences: int, *, seed: int, vocab: int) -> list[Trajectory]:
     generator = torch.Generator().manual_seed(seed)
     records = []
     prompts: dict[int, torch.Tensor] = {}
@@ -36,7 +60,7 @@ def experience(num_sequences: int = 8, *, seed: int = 0, vocab: int = 400) -> Ex
                 group_id=index // 4,
             )
         )
-    return build_experience(records)
+    return records
 
 
 def fill_policy_slots(batch: ExperienceBatch, logprobs: torch.Tensor, *, seed: int = 1) -> ExperienceBatch:

@@ -50,6 +50,14 @@ def test_defaults_follow_openrlhf():
             r"offload_optimizer: True needs zero_stage >= 1",
         ),
         (lambda: DeepSpeedConfig(micro_batch_tokens=0), r"micro_batch_tokens: 0 is not an integer >= 1"),
+        (
+            lambda: DeepSpeedConfig(sequence_parallel_size=0),
+            r"sequence_parallel_size: 0 is not an integer >= 1",
+        ),
+        (
+            lambda: DeepSpeedConfig(sequence_parallel_size=2, attn_implementation="flash_attention_2"),
+            r"sequence_parallel_size: 2 needs attn_implementation sdpa or eager, got 'flash_attention_2'",
+        ),
         (lambda: OptimizerConfig(lr=0.0), r"OptimizerConfig.lr: 0.0 is not a finite number in \(0"),
         (
             lambda: OptimizerConfig(betas=(0.9, 1.0)),

@@ -650,6 +650,23 @@ ALIASES: tuple[Alias, ...] = (
     _alias("ds.param_dtype", "model.dtype", commands=TRAINERS),
     _alias("ds.param_dtype", "dtype", commands=("serve-rm",)),
     _alias("ds.attn_implementation", "model.attn_implementation", commands=TRAINERS),
+    _alias(
+        "ds.ring_attn_size",
+        "model.sequence_parallel_size",
+        remark="Ulysses, an all-to-all over heads, instead of ring attention: the same split of each micro-batch",
+        note=(
+            "sequence parallelism here is Ulysses (two all-to-alls around the packed attention) rather "
+            "than ring attention: each of the N ranks of a group holds 1/N of every micro-batch, exactly; "
+            "the query and key-value head counts must divide by N"
+        ),
+    ),
+    _alias(
+        "ds.ring_attn_head_stride",
+        convert=_dropped(
+            "ignored: it tunes ring attention's head chunks; Ulysses sequence parallelism "
+            "(--model.sequence_parallel_size) exchanges all heads in one all-to-all"
+        ),
+    ),
     _alias("ds.attn_implementation", "attn_implementation", commands=("serve-rm",)),
     _alias("actor.gradient_checkpointing_enable", "model.gradient_checkpointing", nargs=0),
     _alias(
@@ -1099,8 +1116,8 @@ _NO_NESTEROV = (
     "optimizer config has no key to turn it off"
 )
 _SEQUENCE_PARALLEL = (
-    "ring attention (sequence parallelism) is not supported yet: a micro-batch spanning an SP × DP "
-    "group is an open issue of the scale work"
+    "sequence parallelism is rl-launch ppo's only so far (--ds.ring_attn_size → "
+    "--model.sequence_parallel_size); sft, rm, dpo and serve-rm do not have it yet"
 )
 
 UNSUPPORTED: Mapping[str, str] = {

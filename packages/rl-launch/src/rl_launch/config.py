@@ -100,6 +100,13 @@ class ModelConfig(_Section):
     with sdpa and eager, off with flash_attention_2 (which cannot share; true is refused)."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass (less memory, ~30% more compute)."""
+    sequence_parallel_size: PositiveInt = 1
+    """Ranks that share each packed micro-batch along its tokens (Ulysses sequence parallelism,
+    rl_learner.sequence_parallel; OpenRLHF's ds.ring_attn_size): each holds 1/N of the tokens, so a
+    sequence N times as long fits the same memory per rank. The learner roles' ray.*.num_actors
+    must be multiples of it (N × data-parallel groups); train.micro_batch_tokens stays the budget
+    of one rank, a group's micro-batch holds up to N × that. Needs sdpa or eager attention and
+    query and key-value head counts that divide by N. ppo only. 1: off."""
     lora_rank: NonNegativeInt = 0
     """LoRA rank of the policy; 0 trains all weights."""
     lora_alpha: PositiveInt = 16
@@ -110,6 +117,13 @@ class ModelConfig(_Section):
     """Modules LoRA adapts (peft names), or "all-linear"."""
 
     def __post_init__(self) -> None:
+        if self.sequence_parallel_size > 1 and self.attn_implementation == "flash_attention_2":
+            _fail(
+                "model.sequence_parallel_size",
+                self.sequence_parallel_size,
+                "needs model.attn_implementation sdpa or eager: sequence parallelism runs the packed, "
+                "length-bucketed attention (flash_attention_2 is not supported with it yet)",
+            )
         if self.share_prefix and self.attn_implementation == "flash_attention_2":
             _fail(
                 "model.share_prefix",
@@ -857,6 +871,30 @@ class PPOConfig(_Section):
                 f"needs a critic, and algo.advantage.estimator {self.algo.advantage.estimator} uses none "
                 "(gae does); leave it 0",
             )
+        sp = self.model.sequence_parallel_size
+        if sp > 1:
+            used = {
+                "policy": True,
+                "critic": self.needs_critic,
+                "ref": self.needs_reference,
+                "reward_model": self.model.reward_pretrain is not None,
+            }
+            for role in (role for role, needed in used.items() if needed):
+                actors = getattr(self.ray, role).num_actors
+                if actors % sp:
+                    _fail(
+                        f"ray.{role}.num_actors",
+                        actors,
+                        f"must be a multiple of model.sequence_parallel_size {sp}: the ranks of a learner "
+                        "form groups of that many, each sharing its micro-batches",
+                    )
+            if self.algo.policy.aux_loss_coef > 0:
+                _fail(
+                    "algo.policy.aux_loss_coef",
+                    self.algo.policy.aux_loss_coef,
+                    f"must be 0 with model.sequence_parallel_size {sp}: each rank's routers see only its "
+                    "slice of the tokens",
+                )
         if self.train.ema_beta is not None and self.model.lora_rank:
             _fail(
                 "train.ema_beta",

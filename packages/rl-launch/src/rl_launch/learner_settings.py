@@ -115,6 +115,7 @@ def learner_settings(
         attn_implementation=model.attn_implementation,
         share_prefix=model.share_prefix,
         micro_batch_tokens=train.micro_batch_tokens,
+        sequence_parallel_size=model.sequence_parallel_size,
         extra=dict(train.deepspeed_config),
     )
     optim = OptimizerConfig(

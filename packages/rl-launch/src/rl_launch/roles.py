@@ -313,15 +313,20 @@ class Roles:
     def split(self, batch: ExperienceBatch, role: str) -> list[list[ExperienceBatch]]:
         """`batch` planned over the ranks of `role`: each rank's micro-batches (dynamic batching).
 
-        When the learners run shared prompts once, a group's samples stay in one micro-batch."""
+        When the learners run shared prompts once, a group's samples stay in one micro-batch. With
+        model.sequence_parallel_size sp > 1 the plan is made for the role's ranks / sp groups, each
+        micro-batch holds up to sp × train.micro_batch_tokens tokens (sp ranks share it, each
+        holding ≤ micro_batch_tokens of them, rounded up to a multiple of sp), and every rank of a
+        group gets its group's micro-batches (ranks g·sp .. g·sp + sp − 1 form group g)."""
         ranks = len(self.groups[role])
+        sp = self.config.model.sequence_parallel_size
         plan = plan_micro_batches(
             batch.sequence_lengths.tolist(),
-            max_tokens=self.config.train.micro_batch_tokens,
-            num_ranks=ranks,
+            max_tokens=self.config.train.micro_batch_tokens * sp,
+            num_ranks=ranks // sp,
             groups=batch.group_ids.tolist() if learners_share_prefix(self.config) else None,
         )
-        return [micro_batches(batch, plan, rank) for rank in range(ranks)]
+        return [micro_batches(batch, plan, rank // sp) for rank in range(ranks)]
 
     def forwards(
         self, batch: ExperienceBatch, *, old_logprobs: bool, temperature: float
@@ -572,6 +577,18 @@ class Roles:
                 lines.append(f"ray.{role}.offload: {why}")
         return "; ".join(lines) or None
 
+    def describe_sequence_parallel(self) -> str | None:
+        """The start-up words of model.sequence_parallel_size (None when it is 1)."""
+        cfg = self.config
+        sp = cfg.model.sequence_parallel_size
+        if sp == 1:
+            return None
+        groups = ", ".join(f"{role} {len(group) // sp}" for role, group in self.groups.items())
+        return (
+            f"sequence parallel: {sp} ranks share each micro-batch (Ulysses; data-parallel groups: {groups}); "
+            f"a micro-batch holds up to {sp} x {cfg.train.micro_batch_tokens} tokens"
+        )
+
     def describe(self) -> str:
         """One start-up line: the actors of every role and the engines' KV cache."""
         roles = ", ".join(f"{role} x{len(group)}" for role, group in self.groups.items())
@@ -579,6 +596,8 @@ class Roles:
         sizes = {size for size in self.kv_cache_bytes if size is not None}
         if sizes:
             line += f" (KV cache {max(sizes) / 2**20:.0f} MiB each)"
+        parallel = self.describe_sequence_parallel()
+        line = line if parallel is None else f"{line}; {parallel}"
         hybrid = self.describe_hybrid()
         line = line if hybrid is None else f"{line}; {hybrid}"
         offload = self.describe_offload()

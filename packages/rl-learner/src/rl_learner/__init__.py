@@ -8,6 +8,8 @@
   Every loss is normalised by the global count of the whole optimizer step (all micro-batches,
   all ranks), so the update does not depend on how the batch is split. Non-finite values never
   reach the weights.
+- Sequence parallelism (`rl_learner.sequence_parallel`, `DeepSpeedConfig.sequence_parallel_size`):
+  Ulysses all-to-alls let a group of ranks share each packed micro-batch along its tokens.
 - Weight sync, sender side (`rl_learner.sync`): bucketed broadcast, CUDA IPC, shared memory or
   files, through `rl_data.sync`, one sender per transport (`rl_learner.senders`, found by name in
   `SENDERS`); ZeRO-3 gathered per bucket, LoRA merged on the fly, cast to the engine's dtype.

@@ -162,6 +162,12 @@ class DeepSpeedConfig(msgspec.Struct, frozen=True, kw_only=True):
     refused with it)."""
     micro_batch_tokens: int = 16384
     """Token budget of one packed micro-batch (sequences are packed, never padded), ≥ 1."""
+    sequence_parallel_size: int = 1
+    """sp: ranks that share each packed micro-batch along its tokens (Ulysses,
+    `rl_learner.sequence_parallel`), ≥ 1; 1 turns it off. The learner's ranks form groups of sp
+    consecutive ranks (world size a multiple of sp), every rank of a group gets the same
+    micro-batches, and each runs 1/sp of the tokens. The model's query and key-value head counts
+    must divide by sp; attention must be sdpa or eager."""
     reduce_bucket_size: int = 500_000_000
     """ZeRO gradient reduce bucket, in elements."""
     zero3_max_live_parameters: int = 1_000_000_000
@@ -188,7 +194,14 @@ class DeepSpeedConfig(msgspec.Struct, frozen=True, kw_only=True):
                 f"{' or '.join(PREFIX_SHARING_ATTENTION)}, got {self.attn_implementation!r} "
                 "(its kernel finds sequences from position ids); set share_prefix False or None"
             )
+        if self.sequence_parallel_size != 1 and self.attn_implementation not in PREFIX_SHARING_ATTENTION:
+            raise ValueError(
+                f"{owner}.sequence_parallel_size: {self.sequence_parallel_size!r} needs attn_implementation "
+                f"{' or '.join(PREFIX_SHARING_ATTENTION)}, got {self.attn_implementation!r} (sequence "
+                "parallelism runs the packed, length-bucketed attention)"
+            )
         for field in (
+            "sequence_parallel_size",
             "micro_batch_tokens",
             "reduce_bucket_size",
             "zero3_max_live_parameters",

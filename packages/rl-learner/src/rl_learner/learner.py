@@ -22,6 +22,15 @@ Every rank must pass the same number of micro-batches (ZeRO's collectives run in
 `rl_data.plan_micro_batches` plan guarantees it); an empty micro-batch runs a one-token dummy
 forward/backward whose loss is exactly 0.
 
+Sequence parallelism (`DeepSpeedConfig.sequence_parallel_size` = sp > 1; `rl_learner.sequence_parallel`).
+The world's ranks form groups of sp consecutive ranks; every rank of a group is given the same
+micro-batches (checked) and runs 1/sp of each packed row, and every rank of the group ends with
+the full per-token log-probs / values and the same loss L_j. Each rank's backward gives the part
+of ∇L_j that flows through its tokens, so the sum over the group is ∇L_j, and the rule above
+still holds with world_size = sp × dp: DeepSpeed averages over all ranks, the factor world_size
+turns the average into that sum. Only the first rank of a group adds to the counts (`StepCounts`)
+and the metrics, so n_global counts each micro-batch once.
+
 Non-finite values. Before any forward the inputs (advantages, old/reference/rollout log-probs,
 values, returns) are checked; each loss is checked after its forward; the gradient norm is
 checked before the update. All ranks agree through an all-reduce. With `on_non_finite="skip"`
@@ -71,6 +80,7 @@ from .models import (
     shared_prefix,
     unwrap_model,
 )
+from .sequence_parallel import SequenceParallelGroup, check_heads, new_sequence_parallel_group
 
 __all__ = [
     "ON_NON_FINITE",
@@ -328,6 +338,7 @@ class Learner:
         _ensure_distributed()
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
+        self.sequence_parallel = self._sequence_parallel_group(model, deepspeed.sequence_parallel_size)
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self.device = torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
         self.ds = deepspeed
@@ -361,6 +372,32 @@ class Learner:
                     model=model, optimizer=client, lr_scheduler=scheduler, config=self.deepspeed_config
                 )
         self.engine = engine
+
+    supports_sequence_parallel: bool = True
+    """Whether this learner's steps run a micro-batch split over a sequence-parallel group."""
+
+    def _sequence_parallel_group(self, model: torch.nn.Module, size: int) -> SequenceParallelGroup | None:
+        """This rank's SP group (`new_sequence_parallel_group`), after checking the model can be split."""
+        if size == 1:
+            return None
+        owner = type(self).__name__
+        if not self.supports_sequence_parallel:
+            raise ValueError(
+                f"{owner}: DeepSpeedConfig.sequence_parallel_size {size} is not supported here; use 1"
+            )
+        config = getattr(unwrap_model(model), "config", None)
+        heads = getattr(config, "num_attention_heads", None)
+        if heads is None:
+            raise ValueError(f"{owner}: sequence parallelism needs a model config with num_attention_heads")
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        check_heads(heads, kv_heads, size, owner=type(unwrap_model(model)).__name__)
+        return new_sequence_parallel_group(size)
+
+    @property
+    def counts_for_group(self) -> bool:
+        """Whether this rank adds its micro-batches to the step's counts and metrics: the first
+        rank of its SP group (the group's ranks hold the same micro-batches), every rank without SP."""
+        return self.sequence_parallel is None or self.sequence_parallel.rank == 0
 
     @property
     def module(self) -> torch.nn.Module:
@@ -474,14 +511,50 @@ class Learner:
                 raise TypeError(f"micro_batches[{index}] is a {type(batch).__name__}, not an ExperienceBatch")
         return [batch.to(self.device) for batch in micro_batches]
 
+    def _check_group_batches(self, batches: Sequence[ExperienceBatch]) -> None:
+        """ValueError on every rank when the ranks of some SP group were not given the same
+        micro-batches (count, tokens, token ids): they would split different rows, or wait for each
+        other forever. The group compares fingerprints; one world all-reduce then tells every rank."""
+        if self.sequence_parallel is None:
+            return
+        group = self.sequence_parallel.group
+        fingerprint = torch.tensor(
+            [
+                len(batches),
+                *(float(b.num_tokens) for b in batches),
+                *(float(b.input_ids.double().sum()) for b in batches),
+            ],
+            dtype=torch.float64,
+        )
+        sizes = torch.tensor([fingerprint.numel(), -fingerprint.numel()], dtype=torch.float64)
+        dist.all_reduce(sizes, op=dist.ReduceOp.MAX, group=group)
+        same = bool(sizes[0] == -sizes[1])
+        if same:
+            extremes = torch.cat([fingerprint, -fingerprint])
+            dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
+            same = bool(torch.equal(extremes[: fingerprint.numel()], -extremes[fingerprint.numel() :]))
+        # world_size − rank: the maximum names the first rank whose group disagrees
+        mismatched = torch.tensor([0.0 if same else float(self.world_size - self.rank)], dtype=torch.float64)
+        dist.all_reduce(mismatched, op=dist.ReduceOp.MAX)
+        if mismatched.item():
+            rank = self.world_size - int(mismatched.item())
+            raise ValueError(
+                f"micro_batches: the {self.sequence_parallel.size} ranks of rank {rank}'s sequence-parallel "
+                f"group were given different micro-batches (this is rank {self.rank}); every rank of a group "
+                "must get the same ones (plan micro-batches over world_size / sequence_parallel_size "
+                "data-parallel groups)"
+            )
+
     @torch.no_grad()
     def _inference(
         self, micro_batches: Sequence[ExperienceBatch], run: Callable[[ExperienceBatch], Any]
     ) -> list:
         was_training = self.engine.training
         self.engine.eval()
+        batches = self._batches(micro_batches)
+        self._check_group_batches(batches)
         try:
-            return [run(batch) for batch in self._batches(micro_batches)]
+            return [run(batch) for batch in batches]
         finally:
             self.engine.train(was_training)
 
@@ -549,6 +622,7 @@ class Learner:
             raise ValueError(
                 "micro_batches is empty; every rank needs at least one (possibly empty) micro-batch"
             )
+        self._check_group_batches(batches)
         missing = [f"missing {name}" for name in inputs]
         names = [*inputs, "loss", "gradient norm", *missing]
 
@@ -568,6 +642,8 @@ class Learner:
                     problem = (index, name)
             if problem is not None and problem[1] in missing:
                 break
+            if not self.counts_for_group:
+                continue
             mask = batch.response_action_mask()
             local.normalizer += float(loss_normalizer(mask, mode))
             local.action_tokens += batch.num_actions
@@ -619,8 +695,9 @@ class Learner:
                 weight = float(batch.num_actions)
             if problem is None and not bool(torch.isfinite(loss.detach())):
                 problem = (index, "loss")
+            share = 1.0 if self.counts_for_group else 0.0  # an SP group's metrics count once
             for key, value in metrics.items():
-                value = float(value)
+                value = float(value) * share
                 if key.endswith("_max"):
                     maxima[key] = max(maxima.get(key, -math.inf), value if weight else -math.inf)
                 elif key.startswith("loss"):
@@ -708,6 +785,7 @@ class PolicyLearner(Learner):
                 with_entropy=with_entropy,
                 only_actions=only_actions,
                 share_prefix=self.ds.shares_prefix,
+                sequence_parallel=self.sequence_parallel,
             )
             return tuple(t.float() for t in out) if with_entropy else out.float()
 
@@ -768,6 +846,12 @@ class PolicyLearner(Learner):
 
         routers = None
         if loss.aux_loss_coef > 0:
+            if self.sequence_parallel is not None:
+                raise ValueError(
+                    "PolicyLossConfig.aux_loss_coef: the MoE load-balancing loss is not supported with "
+                    f"sequence_parallel_size {self.sequence_parallel.size} (each rank's routers see only its "
+                    "slice of the tokens); set aux_loss_coef 0 or sequence_parallel_size 1"
+                )
             routers = RouterCapture(self.engine)
             # A: the step's action tokens, the weight of each micro-batch's aux loss (all ranks)
             local = sum(float(batch.num_actions) for batch in micro_batches)
@@ -783,6 +867,7 @@ class PolicyLearner(Learner):
                     with_entropy=True,
                     only_actions=True,
                     share_prefix=self.ds.shares_prefix,
+                    sequence_parallel=self.sequence_parallel,
                 )
             view = batch.response_view
             ref = view(batch.ref_logprobs) if loss.kl_coef > 0 else None
@@ -813,7 +898,9 @@ class PolicyLearner(Learner):
             return total, metrics
 
         def dummy_loss():
-            inputs_ = packed_model_inputs(self.engine, ExperienceBatch.empty())
+            inputs_ = packed_model_inputs(
+                self.engine, ExperienceBatch.empty(), sequence_parallel=self.sequence_parallel
+            )
             logits = self.engine(**inputs_).logits
             zero = torch.zeros(1, 1, device=self.device)
             with torch.no_grad():
@@ -879,14 +966,24 @@ class ValueLearner(Learner):
         """Values [N_i] (float32, no grad): values[t] = V(tokens before t), 0 at sequence starts."""
         return self._inference(
             micro_batches,
-            lambda batch: packed_values(self.engine, batch, share_prefix=self.ds.shares_prefix).float(),
+            lambda batch: packed_values(
+                self.engine,
+                batch,
+                share_prefix=self.ds.shares_prefix,
+                sequence_parallel=self.sequence_parallel,
+            ).float(),
         )
 
     def scores(self, micro_batches: Sequence[ExperienceBatch]) -> list[torch.Tensor]:
         """Reward-model scores [S_i] (float32, no grad): the score head at each sequence's last token."""
         return self._inference(
             micro_batches,
-            lambda batch: packed_scores(self.engine, batch, share_prefix=self.ds.shares_prefix).float(),
+            lambda batch: packed_scores(
+                self.engine,
+                batch,
+                share_prefix=self.ds.shares_prefix,
+                sequence_parallel=self.sequence_parallel,
+            ).float(),
         )
 
     def train_step(self, micro_batches: Sequence[ExperienceBatch], loss: ValueLossConfig) -> dict[str, float]:
@@ -905,7 +1002,12 @@ class ValueLearner(Learner):
 
         def forward_loss(batch: ExperienceBatch, normalizer: torch.Tensor):
             view = batch.response_view
-            values = packed_values(self.engine, batch, share_prefix=self.ds.shares_prefix)
+            values = packed_values(
+                self.engine,
+                batch,
+                share_prefix=self.ds.shares_prefix,
+                sequence_parallel=self.sequence_parallel,
+            )
             return terms(
                 view(values),
                 view(batch.values),
@@ -915,7 +1017,9 @@ class ValueLearner(Learner):
             )
 
         def dummy_loss():
-            values = packed_values(self.engine, ExperienceBatch.empty())
+            values = packed_values(
+                self.engine, ExperienceBatch.empty(), sequence_parallel=self.sequence_parallel
+            )
             zero = torch.zeros(1, 1, device=self.device)
             with torch.no_grad():
                 _, metrics = terms(

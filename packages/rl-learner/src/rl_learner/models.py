@@ -58,6 +58,7 @@ wrapping one: calling through the engine is what lets ZeRO run its hooks.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import itertools
 import json
@@ -73,6 +74,7 @@ from rl_algos import entropy_from_logits, logprobs_from_logits
 from rl_data import ExperienceBatch
 
 from .config import ATTN_IMPLEMENTATIONS
+from .sequence_parallel import SequenceParallelGroup, sum_over_group, ulysses_attention
 
 __all__ = [
     "PACKED_ATTENTION_MAX_WASTE",
@@ -490,6 +492,7 @@ def packed_attention_forward(
     *,
     base: str,
     packed_length_buckets: LengthBuckets | None = None,
+    packed_sequence_parallel: SequenceParallelGroup | None = None,
     sliding_window: int | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -503,6 +506,9 @@ def packed_attention_forward(
       base: "sdpa" or "eager", the stock kernel run on each bucket.
       packed_length_buckets: from `length_buckets(cu_seqlens)`. When None this is exactly the
         stock `base` implementation, with the given mask.
+      packed_sequence_parallel: the rank's sequence-parallel group, or None. With it, query, key
+        and value hold this rank's n tokens of the padded row, the buckets cover all N_pad
+        tokens, and the output is this rank's [1, n, H, D] (`rl_learner.sequence_parallel`).
       sliding_window, kwargs: as the stock kernels take them (scaling, dropout, soft-capping...).
 
     Returns:
@@ -511,6 +517,19 @@ def packed_attention_forward(
     """
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+    if packed_sequence_parallel is not None:
+        return ulysses_attention(
+            functools.partial(packed_attention_forward, base=base),
+            module,
+            query,
+            key,
+            value,
+            packed_sequence_parallel,
+            attention_mask=attention_mask,
+            packed_length_buckets=packed_length_buckets,
+            sliding_window=sliding_window,
+            **kwargs,
+        )
     kernel = ALL_ATTENTION_FUNCTIONS["sdpa"] if base == "sdpa" else _eager_kernel(module)
     buckets = packed_length_buckets
     if buckets is None:
@@ -550,8 +569,6 @@ def _register_packed_attention() -> None:
     global _registered
     if _registered:
         return
-    import functools
-
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
@@ -586,7 +603,11 @@ def _packed_implementation(module: torch.nn.Module) -> str:
 
 
 def packed_model_inputs(
-    model: Any, batch: ExperienceBatch, *, sharing: SharedPrefix | None = None
+    model: Any,
+    batch: ExperienceBatch,
+    *,
+    sharing: SharedPrefix | None = None,
+    sequence_parallel: SequenceParallelGroup | None = None,
 ) -> dict[str, Any]:
     """Keyword arguments of a packed forward: input_ids, position_ids [1, N], and for sdpa/eager the buckets.
 
@@ -598,7 +619,10 @@ def packed_model_inputs(
     multiplied by 0 by the caller. With `sharing` (`shared_prefix(batch)`; sdpa and eager only)
     the row is the compressed one: input_ids, position_ids [1, Nc] and buckets that read each
     sequence's tokens from it; outputs at compressed token c belong to the row's tokens t with
-    `sharing.own[t] == c`.
+    `sharing.own[t] == c`. With `sequence_parallel` (sdpa and eager only) the row (N or Nc
+    tokens, R) is padded to R_pad = sp·⌈R / sp⌉ with one extra sequence of token 0, input_ids
+    and position_ids are this rank's slice [1, R_pad / sp] (`SequenceParallelGroup.local_range`),
+    the buckets cover the padded row, and `packed_sequence_parallel` carries the group to attention.
     """
     module = unwrap_model(model)
     implementation = _packed_implementation(module)
@@ -607,6 +631,11 @@ def packed_model_inputs(
         raise ValueError(
             f"shared prefixes need sdpa or eager attention; {type(module).__name__} runs {implementation!r}, "
             "whose kernel finds sequences from position ids (run it with share_prefix=False)"
+        )
+    if sequence_parallel is not None and implementation not in _BASE_IMPLEMENTATIONS:
+        raise ValueError(
+            f"sequence parallelism needs sdpa or eager attention; {type(module).__name__} runs "
+            f"{implementation!r} (run it with sequence_parallel_size 1, or attn_implementation sdpa)"
         )
     if batch.num_tokens == 0:
         input_ids = torch.zeros(1, dtype=torch.int64, device=device)
@@ -620,6 +649,14 @@ def packed_model_inputs(
     if sharing is not None:
         keep = sharing.keep.to(device)
         input_ids, position_ids = input_ids[keep], position_ids[keep]
+    padding = 0
+    if sequence_parallel is not None:
+        row = input_ids.numel()
+        padding = sequence_parallel.padded_length(row) - row
+        start, end = sequence_parallel.local_range(row)
+        filler = torch.arange(padding, dtype=torch.int64, device=device)
+        input_ids = torch.cat([input_ids, torch.zeros_like(filler)])[start:end]
+        position_ids = torch.cat([position_ids, filler])[start:end]
     inputs: dict[str, Any] = {
         "input_ids": input_ids[None],
         "position_ids": position_ids[None],
@@ -629,9 +666,25 @@ def packed_model_inputs(
         buckets = length_buckets(cu_seqlens)
         if sharing is not None:
             buckets = sharing.buckets(buckets)
+        if padding:
+            buckets = _with_padding(buckets, padding)
         inputs["attention_mask"] = torch.zeros((1, 1, 0, 0), dtype=torch.bool, device=device)
         inputs["packed_length_buckets"] = buckets.to(device)
+    if sequence_parallel is not None:
+        inputs["packed_sequence_parallel"] = sequence_parallel
     return inputs
+
+
+def _with_padding(buckets: LengthBuckets, padding: int) -> LengthBuckets:
+    """`buckets` of a row of R tokens plus a last bucket for `padding` tokens R..R+padding−1 (one sequence)."""
+    row = buckets.num_tokens
+    slots = sum(gather.numel() for gather in buckets.gathers)
+    extra = torch.arange(row, row + padding, dtype=torch.int64, device=buckets.order.device)
+    return LengthBuckets(
+        (*buckets.gathers, extra[None]),
+        torch.cat([buckets.order, extra - row + slots]),
+        row + padding,
+    )
 
 
 def _sharing(batch: ExperienceBatch, share_prefix: bool) -> SharedPrefix | None:
@@ -660,6 +713,7 @@ def packed_logprobs(
     with_entropy: bool = False,
     only_actions: bool = False,
     share_prefix: bool = False,
+    sequence_parallel: SequenceParallelGroup | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Token log-probs (and entropies) of a causal LM over a packed batch.
 
@@ -669,6 +723,10 @@ def packed_logprobs(
     (for a 152k vocabulary, 16k tokens of float32 logits are 10 GB). Values at other tokens are 0.
     With `share_prefix`, sequences that start with the same prompt run it once (module
     docstring; sdpa / eager attention and a model that takes `logits_to_keep`): the same values.
+    With `sequence_parallel`, every rank of the group passes the same batch, runs its slice of
+    the row (`rl_learner.sequence_parallel`) and gets the full [N] results: a token's log-prob is
+    computed on the rank that holds the position before it (its label read from the full row),
+    and the ranks' parts are summed over the group.
 
     Returns:
       logprobs [N] (float32; float64 for a float64 model), value at t = log π(x_t | x_<t), 0 at
@@ -684,6 +742,10 @@ def packed_logprobs(
             "does not (run it with share_prefix=False: DeepSpeedConfig.share_prefix, rl-launch's model.share_prefix)"
         )
     sharing = _sharing(batch, share_prefix)
+    if sequence_parallel is not None:
+        return _sequence_parallel_logprobs(
+            model, batch, sharing, sequence_parallel, temperature, with_entropy, only_actions
+        )
     inputs = packed_model_inputs(model, batch, sharing=sharing)
     device = inputs["input_ids"].device
     keep = targets = None
@@ -718,6 +780,52 @@ def packed_logprobs(
         return logprobs
     entropy = _shift_to_tokens(entropy_from_logits(logits, temperature=temperature), batch.position_ids)
     return logprobs, entropy
+
+
+def _sequence_parallel_logprobs(
+    model: Any,
+    batch: ExperienceBatch,
+    sharing: SharedPrefix | None,
+    group: SequenceParallelGroup,
+    temperature: float,
+    with_entropy: bool,
+    only_actions: bool,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """`packed_logprobs` on this rank's slice of the row: the K target tokens (action tokens, or
+    every token but a sequence's first) whose preceding position lies in the slice are computed
+    here, written into [K] zeros and summed over the group."""
+    inputs = packed_model_inputs(model, batch, sharing=sharing, sequence_parallel=group)
+    device = inputs["input_ids"].device
+    row = batch.num_tokens if sharing is None else sharing.keep.numel()
+    start, end = group.local_range(max(row, 1))
+    positions = batch.position_ids.to(device)
+    wanted = positions > 0
+    if only_actions:
+        wanted = wanted & batch.action_mask.to(device)
+    targets = torch.nonzero(wanted, as_tuple=True)[0]
+    before = _logits_before(targets, sharing)  # positions in the (compressed) row
+    here = torch.nonzero((before >= start) & (before < end), as_tuple=True)[0]
+    local = before[here] - start
+    if _accepts_logits_to_keep(model):
+        inputs["logits_to_keep"] = local
+        logits = model(**inputs).logits[0]
+    else:
+        logits = model(**inputs).logits[0][local]
+    labels = batch.input_ids.to(device)[targets[here]]
+    count = targets.numel()
+
+    def spread(selected: torch.Tensor) -> torch.Tensor:
+        """[K_local] values of this rank's targets → [N] over the row (0 elsewhere), summed over the group."""
+        gathered = sum_over_group(selected.new_zeros(count).index_put((here,), selected), group)
+        full = gathered.new_zeros(batch.num_tokens).index_put((targets,), gathered)
+        if batch.num_tokens == 0:  # connected to the dummy forward, as without SP
+            full = full + logits.sum() * 0.0
+        return full
+
+    logprobs = spread(logprobs_from_logits(logits, labels, temperature=temperature))
+    if not with_entropy:
+        return logprobs
+    return logprobs, spread(entropy_from_logits(logits, temperature=temperature))
 
 
 def _accepts_logits_to_keep(model: Any) -> bool:
@@ -799,39 +907,65 @@ class RouterCapture:
         self._handles = []
 
 
-def _per_position_scores(model: Any, batch: ExperienceBatch, share_prefix: bool = False) -> torch.Tensor:
-    """[N] output of the score head at every position (one dummy position for an empty batch)."""
+def _per_position_scores(
+    model: Any,
+    batch: ExperienceBatch,
+    share_prefix: bool = False,
+    sequence_parallel: SequenceParallelGroup | None = None,
+) -> torch.Tensor:
+    """[N] output of the score head at every position (one dummy position for an empty batch).
+
+    With `sequence_parallel` each rank scores its slice of the padded row; the slices are put in
+    place in a zero row and summed over the group, and the padding is dropped."""
     module = unwrap_model(model)
     sharing = _sharing(batch, share_prefix)
     with _ScoreCapture(module) as capture:
-        model(**packed_model_inputs(model, batch, sharing=sharing))
+        model(**packed_model_inputs(model, batch, sharing=sharing, sequence_parallel=sequence_parallel))
     assert capture.output is not None
     scores = capture.output[0, :, 0]
+    if sequence_parallel is not None:
+        row = max(batch.num_tokens if sharing is None else sharing.keep.numel(), 1)
+        start, end = sequence_parallel.local_range(row)
+        padded = sequence_parallel.padded_length(row)
+        placed = torch.cat([scores.new_zeros(start), scores, scores.new_zeros(padded - end)])
+        scores = sum_over_group(placed, sequence_parallel)[:row]
     if sharing is not None:
         scores = scores[sharing.own.to(scores.device)]
     return scores.double() if scores.dtype == torch.float64 else scores.float()
 
 
-def packed_values(value_model: Any, batch: ExperienceBatch, *, share_prefix: bool = False) -> torch.Tensor:
+def packed_values(
+    value_model: Any,
+    batch: ExperienceBatch,
+    *,
+    share_prefix: bool = False,
+    sequence_parallel: SequenceParallelGroup | None = None,
+) -> torch.Tensor:
     """Critic values [N]: values[t] = score(h_{t−1}) = V(x_<t), 0 at each sequence's first token.
 
-    float32 (float64 for a float64 model); gradients flow when grad mode is on. `share_prefix`:
-    as in `packed_logprobs`, the same values.
+    float32 (float64 for a float64 model); gradients flow when grad mode is on. `share_prefix`,
+    `sequence_parallel`: as in `packed_logprobs`, the same values.
     """
-    scores = _per_position_scores(value_model, batch, share_prefix)
+    scores = _per_position_scores(value_model, batch, share_prefix, sequence_parallel)
     if batch.num_tokens == 0:
         return scores[:0] + scores.sum() * 0.0
     return _shift_to_tokens(scores[:-1], batch.position_ids)
 
 
-def packed_scores(reward_model: Any, batch: ExperienceBatch, *, share_prefix: bool = False) -> torch.Tensor:
+def packed_scores(
+    reward_model: Any,
+    batch: ExperienceBatch,
+    *,
+    share_prefix: bool = False,
+    sequence_parallel: SequenceParallelGroup | None = None,
+) -> torch.Tensor:
     """Reward-model scores [S]: the score head at the last token of each sequence.
 
     Equal to HF's `AutoModelForSequenceClassification` forward on the same sequences, right-padded,
-    when no sequence ends with the pad token (HF reads the last non-pad token). `share_prefix`:
-    as in `packed_logprobs`, the same scores.
+    when no sequence ends with the pad token (HF reads the last non-pad token). `share_prefix`,
+    `sequence_parallel`: as in `packed_logprobs`, the same scores.
     """
-    scores = _per_position_scores(reward_model, batch, share_prefix)
+    scores = _per_position_scores(reward_model, batch, share_prefix, sequence_parallel)
     if batch.num_sequences == 0:
         return scores[:0] + scores.sum() * 0.0
     last = batch.cu_seqlens[1:].to(device=scores.device, dtype=torch.int64) - 1

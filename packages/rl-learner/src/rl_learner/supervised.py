@@ -190,6 +190,8 @@ class _PairMetrics:
 class SFTLearner(PolicyLearner):
     """A causal LM trained on demonstrations (micro-batches from `pack_sequences`)."""
 
+    supports_sequence_parallel = False
+
     def sft_step(
         self, micro_batches: Sequence[ExperienceBatch], *, aggregation: str = "token-mean"
     ) -> dict[str, float]:
@@ -274,6 +276,8 @@ _DPO_METRICS = (
 class DPOLearner(PolicyLearner):
     """The policy of DPO / cDPO / IPO; its frozen reference is a `PolicyLearner(optimizer=None)`."""
 
+    supports_sequence_parallel = False
+
     def dpo_step(self, micro_batches: Sequence[ExperienceBatch], loss: DPOLossConfig) -> dict[str, float]:
         """One optimizer step of the DPO loss over pair micro-batches (`pack_pairs`).
 
@@ -334,6 +338,8 @@ _RM_METRICS = ("accuracy", "chosen_reward", "rejected_reward", "reward_margin")
 
 class RewardModelLearner(ValueLearner):
     """A reward model (`load_value_model`: causal-LM backbone + scalar `score` head) trained on pairs."""
+
+    supports_sequence_parallel = False
 
     def reward_step(
         self, micro_batches: Sequence[ExperienceBatch], *, use_margin: bool = False

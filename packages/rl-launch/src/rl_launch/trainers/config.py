@@ -162,6 +162,12 @@ class _SupervisedRoot(_Section):
         for field in ("critic_pretrain", "reward_pretrain"):
             if getattr(self.model, field) is not None:
                 _fail(f"model.{field}", getattr(self.model, field), f"does not apply to rl-launch {command}")
+        if self.model.sequence_parallel_size != 1:
+            _fail(
+                "model.sequence_parallel_size",
+                self.model.sequence_parallel_size,
+                f"must be 1: rl-launch {command}'s learners have no sequence parallelism yet (ppo's have)",
+            )
         if self.model.lora_rank and command != "sft":
             _fail(
                 "model.lora_rank",

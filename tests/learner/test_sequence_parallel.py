@@ -1,0 +1,159 @@
+"""Ulysses sequence parallelism (`rl_learner.sequence_parallel`): with two gloo ranks sharing each
+packed micro-batch, log-probs, entropies, values, scores and every parameter gradient equal the
+unsplit forward's to float32 rounding (`_worker_sequence_parallel.py`), and a PolicyLearner /
+ValueLearner with `sequence_parallel_size` 2 under ZeRO 0, 2 and 3 trains to the same loss, gradient
+norm and weights as one rank without it (`_worker_sequence_parallel_learner.py`). Ranks run in
+subprocesses."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from rl_data.transport import free_port
+
+pytestmark = pytest.mark.slow  # DeepSpeed / gloo worker processes
+
+HERE = pathlib.Path(__file__).resolve().parent
+TOLERANCE = 1e-5  # float32; gradients: relative to the largest gradient element when that exceeds 1
+
+
+def run_ranks(
+    worker: pathlib.Path, folder: pathlib.Path, world: int, *args: str, timeout: float = 600
+) -> None:
+    """Start `world` gloo ranks of `worker` (RANK/WORLD_SIZE/MASTER_* set), wait, fail with their logs."""
+    wait_ranks(start_ranks(worker, folder, world, *args), timeout)
+
+
+def start_ranks(worker: pathlib.Path, folder: pathlib.Path, world: int, *args: str) -> list:
+    """Start `world` gloo ranks of `worker` writing into `folder`: [(process, log file, folder)]."""
+    port = free_port()
+    started = []
+    for rank in range(world):
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "LOCAL_RANK": str(rank),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "DS_ACCELERATOR": "cpu",
+            "OMP_NUM_THREADS": "1",
+        }
+        log = open(folder / f"log{rank}.txt", "w")  # noqa: SIM115 (closed below)
+        command = [sys.executable, str(worker), str(folder), *args]
+        started.append(
+            (subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT), log, folder)
+        )
+    return started
+
+
+def wait_ranks(started: list, timeout: float = 900) -> None:
+    """Wait for `start_ranks`' processes; fail with every folder's logs when one did not exit 0."""
+    codes = []
+    for process, log, _ in started:
+        try:
+            codes.append(process.wait(timeout=timeout))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            codes.append("timeout")
+        log.close()
+    if any(code != 0 for code in codes):
+        folders = sorted({folder for _, _, folder in started})
+        logs = "\n".join(
+            f"--- {folder.name}/{p.name}\n{p.read_text()[-4000:]}"
+            for folder in folders
+            for p in sorted(folder.glob("log*.txt"))
+        )
+        pytest.fail(f"worker ranks exited with {codes}\n{logs}")
+
+
+@pytest.fixture(scope="module")
+def diffs(tmp_path_factory) -> list[dict]:
+    folder = tmp_path_factory.mktemp("sequence_parallel")
+    run_ranks(HERE / "_worker_sequence_parallel.py", folder, 2)
+    return [json.loads((folder / f"diffs{rank}.json").read_text()) for rank in range(2)]
+
+
+def test_the_batch_has_a_sequence_longer_than_a_ranks_share(diffs):
+    start, end = diffs[0]["local_range"]
+    assert diffs[0]["longest"] > end - start
+    assert diffs[0]["odd_num_tokens"] % 2 == 1  # the padded case is covered too
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_sequence_parallel_outputs_and_gradients_equal_the_unsplit_forward(diffs, rank):
+    cases = {key: value for key, value in diffs[rank].items() if key.startswith(("policy/", "critic/"))}
+    assert len(cases) == 15  # 2 attentions × (4 policy + 2 critic) + odd length + checkpointing + empty
+    for key, case in cases.items():
+        for quantity in ("logprobs", "entropy", "values", "scores"):
+            if quantity in case:
+                assert case[quantity] <= TOLERANCE, (key, quantity, case[quantity])
+        assert case["gradients"] <= TOLERANCE * max(1.0, case["gradient_scale"]), (key, case)
+    assert diffs[rank]["policy/sdpa/share=False/only_actions=False"]["nonzero_logprobs"] > 0
+
+
+def test_heads_that_do_not_divide_by_sp_are_refused_by_name(diffs):
+    assert "num_key_value_heads = 2, which is not divisible by 4" in diffs[0]["heads_error"]
+
+
+# ----------------------------------------------------------------------------- learners
+
+LEARNER_WORKER = HERE / "_worker_sequence_parallel_learner.py"
+SP_STAGES = (0, 2, 3)
+
+
+@pytest.fixture(scope="module")
+def learner_runs(tmp_path_factory) -> dict[str, pathlib.Path]:
+    """The one-rank reference (ZeRO-0, SP 1) beside SP = 2 × DP = 1 under each ZeRO stage in turn."""
+    reference, split = tmp_path_factory.mktemp("sp1"), tmp_path_factory.mktemp("sp2")
+    started = start_ranks(LEARNER_WORKER, reference, 1, "0", "1")
+    started += start_ranks(LEARNER_WORKER, split, 2, ",".join(map(str, SP_STAGES)), "2")
+    wait_ranks(started)
+    return {
+        "reference": reference / "zero0",
+        **{f"zero{stage}": split / f"zero{stage}" for stage in SP_STAGES},
+    }
+
+
+def _load(folder: pathlib.Path) -> tuple[dict, dict, dict]:
+    from safetensors.torch import load_file
+
+    metrics = json.loads((folder / "metrics.json").read_text())
+    return (
+        metrics,
+        load_file(str(folder / "policy.safetensors")),
+        load_file(str(folder / "critic.safetensors")),
+    )
+
+
+@pytest.mark.parametrize("stage", SP_STAGES)
+def test_learners_with_sequence_parallel_train_like_one_rank(learner_runs, stage):
+    reference, ref_policy, ref_critic = _load(learner_runs["reference"])
+    split, policy, critic = _load(learner_runs[f"zero{stage}"])
+    for key in ("logprobs", "entropy", "logprobs_after", "values"):
+        torch.testing.assert_close(
+            torch.tensor(split[key]), torch.tensor(reference[key]), rtol=0, atol=TOLERANCE
+        )
+    for role in ("policy_metrics", "critic_metrics"):
+        for ours, theirs in zip(split[role], reference[role], strict=True):
+            assert ours.keys() == theirs.keys()
+            for key, value in theirs.items():
+                # a clip fraction counts tokens: one value at its clip boundary may flip (1/82 tokens)
+                atol = 0.02 if key.endswith("clip_fraction") else TOLERANCE
+                assert ours[key] == pytest.approx(value, rel=TOLERANCE, abs=atol), (role, key)
+    for ours, theirs in ((policy, ref_policy), (critic, ref_critic)):
+        assert ours.keys() == theirs.keys()
+        for name in theirs:
+            torch.testing.assert_close(ours[name], theirs[name], rtol=0, atol=TOLERANCE, msg=name)
+
+
+def test_ranks_of_a_group_given_different_micro_batches_are_refused(learner_runs):
+    metrics = json.loads((learner_runs["zero0"] / "metrics.json").read_text())
+    assert "rank 0's sequence-parallel group were given different micro-batches" in metrics["mismatch_error"]
