@@ -19,6 +19,13 @@ from _helpers_core import experience, tiny_critic
 pytest.importorskip("peft")
 
 
+@pytest.fixture(autouse=True)
+def _seeded():
+    """The tiny models and peft's adapter init draw from the global RNG: each test starts from the
+    same state whichever tests ran before it in this process."""
+    torch.manual_seed(0)
+
+
 def _snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: p.detach().clone() for name, p in model.named_parameters()}
 
