@@ -496,3 +496,8 @@ def test_reward_normalisation_model_needs_a_reward_model():
 
     with pytest.raises(ConfigError, match=r"reward\.normalize.*needs model\.reward_pretrain"):
         config(**{"reward.normalize": "model"})
+
+
+def test_rollout_ignore_eos_reaches_the_training_sampling():
+    assert fake_run(config(**{"rollout.ignore_eos": "true"})).rollouts.sampling(2).ignore_eos
+    assert not fake_run(config()).rollouts.sampling(0).ignore_eos  # off by default

