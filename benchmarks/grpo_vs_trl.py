@@ -75,10 +75,10 @@ WINDOW = 3  # steps in the moving mean of the reward
 # Workloads: the run settings each sets unless the command line names them (None: the preset's).
 WORKLOADS: dict[str, dict[str, Any]] = {
     # the arithmetic preset's shape: 32 prompts x 8, <= 6 new tokens (answers of ~4 tokens)
-    "demo": {"ignore_eos": False},
-    # generation-heavy: every answer exactly 256 new tokens on both sides (ours: rollout.ignore_eos;
-    # TRL: min_new_tokens = max_completion_length), 8 prompts x 8 per step
-    "long": {"steps": 6, "prompts": 8, "n": 8, "max_new_tokens": 256, "ignore_eos": True},
+    "demo": {"fixed_length": False},
+    # generation-heavy: every answer exactly 256 new tokens on both sides (EOS suppressed before:
+    # ours rollout.min_new_tokens, TRL generation_kwargs min_new_tokens), 8 prompts x 8 per step
+    "long": {"steps": 5, "prompts": 8, "n": 8, "max_new_tokens": 256, "fixed_length": True},
 }
 PHASES = ("generation", "experience", "training", "sync")
 
@@ -107,7 +107,7 @@ def our_overrides(args: argparse.Namespace, output_dir: str, ray_dir: str, prese
         "rollout.n_samples_per_prompt": str(args.n),
         "rollout.rollout_batch_size": str(args.prompts),
         "rollout.generate_max_len": str(args.max_new_tokens),
-        "rollout.ignore_eos": "true" if args.ignore_eos else "false",
+        "rollout.min_new_tokens": str(args.max_new_tokens if args.fixed_length else 0),
         "rollout.temperature": "1.0",
         "rollout.top_p": "1.0",
         "rollout.top_k": "-1",
@@ -365,8 +365,8 @@ def run_trl(spec: dict[str, Any]) -> dict[str, Any]:
         dataloader_num_workers=0,
         remove_unused_columns=False,
         log_completions=False,
-        # fixed-length answers: EOS is suppressed until max_completion_length (ours: ignore_eos)
-        generation_kwargs={"min_new_tokens": spec["max_new_tokens"]} if spec["ignore_eos"] else None,
+        # fixed-length answers: EOS is suppressed until max_completion_length (ours: the same)
+        generation_kwargs={"min_new_tokens": spec["max_new_tokens"]} if spec["fixed_length"] else None,
     )
     model = AutoModelForCausalLM.from_pretrained(spec["model_path"], dtype=torch.float32)
     phase("config, model load")
@@ -580,7 +580,7 @@ def main() -> None:
     }.items():
         if getattr(args, name) is None:
             setattr(args, name, WORKLOADS[args.workload].get(name, tuned[section][key]))
-    args.ignore_eos = WORKLOADS[args.workload]["ignore_eos"]
+    args.fixed_length = WORKLOADS[args.workload]["fixed_length"]
     for name in ("steps", "n", "prompts", "max_new_tokens"):
         if (getattr(args, name) < 2 and name in ("steps", "n")) or getattr(args, name) < 1:
             parser.error(
@@ -603,7 +603,7 @@ def main() -> None:
         samples_per_step = args.prompts * args.n
         print(
             f"workload {args.workload}: {args.steps} steps x {args.prompts} prompts x n={args.n} = "
-            f"{samples_per_step} samples/step, {'exactly' if args.ignore_eos else '<='} {args.max_new_tokens} new "
+            f"{samples_per_step} samples/step, {'exactly' if args.fixed_length else '<='} {args.max_new_tokens} new "
             f"tokens, temperature 1.0, lr {config.train.actor_learning_rate:g} (constant), fp32, seed {args.seed}, "
             f"{os.cpu_count()} CPUs, load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}"
         )
@@ -618,7 +618,7 @@ def main() -> None:
             "n": args.n,
             "prompts": args.prompts,
             "max_new_tokens": args.max_new_tokens,
-            "ignore_eos": args.ignore_eos,
+            "fixed_length": args.fixed_length,
             "temperature": config.rollout.temperature,
             "top_p": config.rollout.top_p,
             "lr": config.train.actor_learning_rate,

@@ -6,8 +6,8 @@ for that work on this machine is the sum of three bare parts doing the same work
 process, each timed after a warm-up round:
 
 - generation: `vllm.LLM.generate` of the same prompts (the preset's first `prompts` training
-  prompts, as token ids) x n, the same sampling (temperature 1, `max_new_tokens`, `ignore_eos`
-  at the long workload, log-probs of the sampled tokens), the engine started as ours starts it
+  prompts, as token ids) x n, the same sampling (temperature 1, `max_new_tokens`, `min_tokens`
+  = max_new_tokens at the long workload, log-probs of the sampled tokens), the engine started as ours starts it
   (fp32, prefix caching, whole prefills, `max_num_seqs` = the step's samples);
 - training: a bare torch forward + backward + AdamW step of the same model on the sequences
   that bare generation produced (prompt + response, right-padded into one [samples, max len]
@@ -81,7 +81,7 @@ def bare_parts(spec: dict[str, Any]) -> dict[str, Any]:
             temperature=1.0,
             top_p=1.0,
             max_tokens=spec["max_new_tokens"],
-            ignore_eos=spec["ignore_eos"],
+            min_tokens=spec["max_new_tokens"] if spec["fixed_length"] else 0,
             logprobs=0,
             detokenize=False,
             seed=spec["seed"] + round_,
@@ -187,7 +187,7 @@ def measure(args: argparse.Namespace, workload: str, preset: Any, scratch: str) 
     run_args.prompts = shape.get("prompts", tuned["rollout"]["rollout_batch_size"])
     run_args.max_new_tokens = shape.get("max_new_tokens", tuned["rollout"]["generate_max_len"])
     run_args.lr = tuned["train"]["actor_learning_rate"]
-    run_args.ignore_eos = shape["ignore_eos"]
+    run_args.fixed_length = shape["fixed_length"]
     config = resolve_ppo_config(
         None, grpo_vs_trl.our_overrides(run_args, os.path.join(scratch, "x"), "/tmp/unused", preset)
     )
@@ -201,7 +201,7 @@ def measure(args: argparse.Namespace, workload: str, preset: Any, scratch: str) 
         "prompts": run_args.prompts,
         "n": run_args.n,
         "max_new_tokens": run_args.max_new_tokens,
-        "ignore_eos": run_args.ignore_eos,
+        "fixed_length": run_args.fixed_length,
         "temperature": config.rollout.temperature,
         "lr": config.train.actor_learning_rate,
         "betas": list(config.train.adam_betas),
@@ -212,7 +212,7 @@ def measure(args: argparse.Namespace, workload: str, preset: Any, scratch: str) 
     }
     print(
         f"\n## workload {workload}: {run_args.prompts} prompts x n={run_args.n}, "
-        f"{'exactly' if run_args.ignore_eos else '<='} {run_args.max_new_tokens} new tokens"
+        f"{'exactly' if run_args.fixed_length else '<='} {run_args.max_new_tokens} new tokens"
     )
     ratios = []
     for repeat in range(1, args.repeats + 1):
