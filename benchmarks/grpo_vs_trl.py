@@ -32,11 +32,20 @@ processes (Ray actors), TRL in one. Neither side runs a separate old-log-prob fo
 update per batch: both use the training forward's detached log-probs). Our learner is DeepSpeed
 (ZeRO as the preset sets it, one rank); TRL's is the HF Trainer (accelerate).
 
+Workloads (`--workload`): `demo` (the default) is the preset's shape above; `long` makes
+generation dominate: 8 prompts x 8 samples, every answer exactly 256 new tokens on both sides
+(EOS and stop tokens suppressed before: ours `rollout.min_new_tokens 256`, TRL
+`generation_kwargs={"min_new_tokens": 256}`, the same logits rule), 5 steps. Targets (issue 30):
+at `long` steady >= 5x TRL and end to end >= 2x.
+
 Reported: samples/s (steady state = samples / sum of step times, steps 2..N and all steps; end
 to end = samples / the subprocess's wall time, start-up and shutdown included), the ours/TRL
-ratio (the target is >= 3x), the time until the moving mean of the per-step mean reward over
+ratio, the time until the moving mean of the per-step mean reward over
 3 steps first reaches `--threshold` (training time = sum of step times so far; wall time since
-the subprocess started), and our per-phase split of the step time. Our last step also saves a
+the subprocess started), our per-phase split of the step time, and each side's start-up from
+launch to the first step, per phase (ours: the launcher's console lines, `StartupLines`, as
+they arrive; TRL: marks printed by the TRL subprocess), with the first step and the shutdown.
+Every run prints the load average (the machine may be shared). Our last step also saves a
 checkpoint (the launcher always saves at the end); its `time/checkpoint` is taken out of the
 step time and stays in the end-to-end time. Preset building (SFT warm start) is done once,
 before either side runs, and counted in neither.
@@ -45,7 +54,7 @@ Defaults: the preset's run settings (`rl_launch.presets.arithmetic.SETTINGS`: st
 step, n, max new tokens, learning rate), with a constant learning rate on both sides. With
 `--repeats R` both sides run R times, alternating, and the spread of the ratios is printed.
 
-    python benchmarks/grpo_vs_trl.py [--repeats 3] [--steps 16 --n 8 --prompts 32 --max-new-tokens 6 --lr 5e-4]
+    python benchmarks/grpo_vs_trl.py [--workload demo|long] [--repeats 3] [--steps 16 --n 8 --prompts 32 --max-new-tokens 6 --lr 5e-4]
 """
 
 from __future__ import annotations

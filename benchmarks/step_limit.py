@@ -265,6 +265,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--preset-root", default=None)
     parser.add_argument("--timeout", type=float, default=1800.0)
+    parser.add_argument(
+        "--ours-option", action="append", default=[], metavar="KEY=VALUE", help="extra dotted option of ours"
+    )
     parser.add_argument("--variant", help=argparse.SUPPRESS)
     parser.add_argument("--spec", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -281,7 +284,7 @@ def main() -> None:
     args.preset_root = args.preset_root or os.path.join(
         os.path.expanduser("~"), ".cache", "rl-launch", "presets"
     )
-    args.ours_option, args.only = [], None
+    args.only = None
     preset = build_preset(args.preset_root, seed=args.seed)
     workloads = tuple(grpo_vs_trl.WORKLOADS) if args.workload == "both" else (args.workload,)
     results = {}
