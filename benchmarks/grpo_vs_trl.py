@@ -207,6 +207,12 @@ def run_stamped(command: list[str], env: dict[str, str], timeout: float, log_pat
 STARTUP_LINE = re.compile(r"^rl-launch ppo: (?P<text>.*) \((?P<seconds>[0-9.]+) s\)$")
 
 
+def short_label(text: str, width: int = 24) -> str:
+    """A console line's head as a phase name: the text before its first colon, at most `width` characters."""
+    head = text.split(":", 1)[0]
+    return head if len(head) <= width else head[: width - 3] + "..."
+
+
 def our_startup(lines: list[tuple[float, str]]) -> list[tuple[str, float]]:
     """Our start-up phases from the launcher's console (`StartupLines`: `rl-launch ppo: text (x s)`,
     each phase's own seconds): [("python + imports + config", s), (phase text, s), ...]; the first
@@ -218,7 +224,7 @@ def our_startup(lines: list[tuple[float, str]]) -> list[tuple[str, float]]:
             seconds = float(match["seconds"])
             if not phases:
                 phases.append(("python, imports, config", at - seconds))
-            phases.append((match["text"], seconds))
+            phases.append((short_label(match["text"]), seconds))
     return phases
 
 
