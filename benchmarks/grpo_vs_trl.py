@@ -291,6 +291,8 @@ def run_trl(spec: dict[str, Any]) -> dict[str, Any]:
         print(f"PHASE {name}", flush=True)
 
     phase("python, imports")
+    if spec.get("torch_threads"):
+        torch.set_num_threads(spec["torch_threads"])
     torch.manual_seed(spec["seed"])
     tokenizer = AutoTokenizer.from_pretrained(spec["model_path"])
     prompts = PromptDataset(
@@ -565,6 +567,13 @@ def main() -> None:
         "--ours-option", action="append", default=[], metavar="KEY=VALUE", help="extra dotted option of ours"
     )
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds each side may take")
+    parser.add_argument(
+        "--trl-threads",
+        type=int,
+        default=None,
+        help="torch threads of the TRL process (default torch's: one per core). On a busy machine 1 "
+        "avoids OpenMP's wait for a descheduled second thread; our learner runs with Ray's 1",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the scratch folder (logs, metrics)")
     parser.add_argument("--variant", help=argparse.SUPPRESS)  # internal: the TRL side
     parser.add_argument("--spec", help=argparse.SUPPRESS)
@@ -634,6 +643,7 @@ def main() -> None:
             "prompts": args.prompts,
             "max_new_tokens": args.max_new_tokens,
             "fixed_length": args.fixed_length,
+            "torch_threads": args.trl_threads,
             "temperature": config.rollout.temperature,
             "top_p": config.rollout.top_p,
             "lr": config.train.actor_learning_rate,
