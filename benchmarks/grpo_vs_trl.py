@@ -654,6 +654,11 @@ def main() -> None:
             "seed": args.seed,
             "output_dir": os.path.join(scratch, "trl"),
         }
+        if os.getloadavg()[0] > (os.cpu_count() or 1) and args.trl_threads is None:
+            print(
+                "note: the load average is above the core count: TRL's torch threads will wait on each other "
+                "(measured: 8x slower at the demo shape); --trl-threads 1 compares like with like"
+            )
         ratios: dict[str, list[float]] = {"steady": [], "end_to_end": [], "to_first_step": []}
         for repeat in range(1, args.repeats + 1):
             if args.repeats > 1:
