@@ -41,7 +41,7 @@ os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get
 # last keeps one worker busy while the other idles. Longest first, then the other files with slow
 # tests, then the fast ones (which fill the gaps) lets both workers finish together.
 LONGEST_FILES = (
-    "launch/test_chaos.py",  # ~180 s
+    "launch/test_chaos.py",  # ~85 s quiet, ~180 s beside the other worker
     "launch/test_preset_run.py",  # ~95 s
     "learner/test_learner.py",  # ~80 s
     "launch/test_multinode.py",  # ~78 s

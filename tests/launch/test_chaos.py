@@ -15,8 +15,9 @@ step; a dead engine lets the learners save it; a dead policy leaves the last che
   every key but the timing ones, exactly (sync mode on CPU with fixed seeds is deterministic, and
   a resume restores the loader, the group ids, the KL coefficient and the learners' RNG);
 - every stop ended the run within a bound with its kind's exit code (143 for SIGTERM, 1 for a dead
-  actor) and left nothing: no Ray process of its temp folder, no actor process, no /dev/shm folder
-  of its weight sync (a killed policy's folder is swept at shutdown).
+  actor); a dead actor's diagnosis named it, why, its log and the checkpoint a resume continues
+  from; and the stop left nothing: no Ray process of its temp folder, no actor process, no
+  /dev/shm folder of its weight sync (a killed policy's folder is swept at shutdown).
 """
 
 from __future__ import annotations
@@ -45,10 +46,10 @@ from tests.launch.launching import (
 
 pytestmark = pytest.mark.slow
 
-STEPS = 8
+STEPS = 12
 KILLS = ("driver", "engine-0", "policy-0")  # SIGTERM to the driver, SIGKILL to an actor's process
 EXIT_CODES = {"driver": 143, "engine-0": 1, "policy-0": 1}
-MAX_DELAY_S = 0.2  # the kill lands this long at most after the step's line (a step takes ~0.25 s)
+MAX_DELAY_S = 0.05  # the kill lands this long at most after the step's line (a step: 0.04-0.25 s)
 
 
 def _args(tiny_checkpoint, prompts, run_dir, ray_dir) -> list[str]:
@@ -97,6 +98,32 @@ def _left_running(ray_dir: str, pids: set[int], timeout_s: float = 15.0) -> dict
         time.sleep(0.2)
 
 
+def _check_diagnosis(err: str, target: str, run_dir, context: str) -> None:
+    """What the console says when `target` (engine-0 or policy-0) was killed with SIGKILL."""
+    log = (run_dir / "logs" / f"{target}.log").resolve()
+    assert re.search(rf"{target} died: .*pid: \d+", err), context
+    assert f"its log: {log}" in err, context
+    step = _saved_step(run_dir)
+    folder = run_dir.resolve() / "checkpoints" / "policy" / f"step_{step:08d}"
+    on_disk = (
+        f"the last checkpoint on disk stays valid: step {step} ({folder}); "
+        "--ckpt.load_checkpoint true continues from it"
+        if step
+        else "a new run starts from step 0"
+    )
+    if target == "policy-0":
+        assert "why: its process ended with no error in its log, as SIGKILL ends one" in err, context
+        assert f"its log: {log}, last lines:\n    " in err, context
+        assert "the policy's trained state was in policy-0's process: nothing newer can be saved" in err
+        assert on_disk in err, context
+        return
+    saved = re.search(r"checkpoint of step (\d+) saved", err)
+    if saved:  # the engine died while generating: the learners saved the last finished step
+        assert step == int(saved.group(1)), context
+    else:  # it died in the weight sync: the learners had trained on, nothing older to save
+        assert on_disk in err, context
+
+
 def _stop_and_resume(rng, tiny_checkpoint, prompts, run_dir, ray_dir, env, seed) -> tuple[list, set, set]:
     """Start the run, stop one of its processes at random (every kind of `KILLS` once, shuffled),
     resume, until every kind was stopped; checks each stop's exit and leftovers. (what happened,
@@ -112,8 +139,8 @@ def _stop_and_resume(rng, tiny_checkpoint, prompts, run_dir, ray_dir, env, seed)
         # Lines after the checkpoint (a dead policy saves nothing) stay in the file until the resumed
         # run's tracker drops them: the stop waits for a step beyond every line already there.
         logged = max((line["step"] for line in read_metrics(run_dir)), default=0) if index else 0
-        # a random step after the last saved one, leaving two steps for each stop still to come
-        after = max(logged + 1, done + 1, min(done + rng.randint(1, 2), STEPS - 2 * (len(kinds) - index)))
+        # a random step after the last saved one, leaving three steps for each stop still to come
+        after = max(logged + 1, done + 1, min(done + rng.randint(1, 2), STEPS - 3 * (len(kinds) - index)))
         delay = rng.uniform(0.0, MAX_DELAY_S)
         resume = ["--ckpt.load_checkpoint", "true"] if index else []
         stopped, seconds = interrupt_after_step([*args, *resume], env, run_dir, after, target, delay_s=delay)
@@ -126,6 +153,8 @@ def _stop_and_resume(rng, tiny_checkpoint, prompts, run_dir, ray_dir, env, seed)
         assert seconds is not None, f"the run ended before the stop: {context}"
         assert stopped.returncode == EXIT_CODES[target], context
         assert seconds < 60, context
+        if target != "driver":  # a dead actor: named, with why, its log and where a resume starts
+            _check_diagnosis(stopped.stderr, target, run_dir, context)
         if target == "driver":  # a preemption: the last finished step saved, the summary written
             saved = _saved_step(run_dir)
             assert [line["step"] for line in read_metrics(run_dir)] == list(range(1, saved + 1)), context
