@@ -14,13 +14,13 @@ import itertools
 import json
 import os
 import pathlib
-import subprocess
 import sys
 
 import pytest
 import torch
 
 from rl_algos import POLICY_LOSSES, aggregate_loss, kl_penalty, rollout_correction, value_loss
+from tests.learner.single_rank import start_ranks, wait_ranks
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
@@ -37,8 +37,6 @@ from _helpers_core import (
     tiny_policy,
 )
 from _worker_learner import POLICY_LOSS
-
-from rl_data.transport import free_port
 
 WORKER = pathlib.Path(__file__).resolve().parent / "_worker_learner.py"
 
@@ -71,47 +69,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[int, int], path
     for stage, world, dtype, checks in RUNS:
         folder = tmp_path_factory.mktemp(f"zero{stage}_world{world}")
         folders[stage, world] = folder
-        port = free_port()
-        for rank in range(world):
-            env = {
-                **os.environ,
-                "RANK": str(rank),
-                "WORLD_SIZE": str(world),
-                "LOCAL_RANK": str(rank),
-                "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(port),
-                "DS_ACCELERATOR": "cpu",
-                "OMP_NUM_THREADS": "1",
-            }
-            command = [
-                sys.executable,
-                str(WORKER),
-                str(folder),
-                str(stage),
-                dtype,
-                *(["--checks"] if checks else []),
-            ]
-            log = open(folder / f"log{rank}.txt", "w")  # noqa: SIM115 (closed below)
-            started.append(
-                (subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT), log, folder)
-            )
-    failures = []
-    for process, log, folder in started:
-        try:
-            code = process.wait(timeout=900)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            code = "timeout"
-        log.close()
-        if code != 0:
-            failures.append(f"{folder.name}: exit {code}")
-    if failures:
-        logs = "\n".join(
-            f"--- {p.parent.name}/{p.name}\n" + p.read_text()[-3000:]
-            for folder in folders.values()
-            for p in sorted(folder.glob("log*.txt"))
-        )
-        pytest.fail(f"worker runs failed: {failures}\n{logs}")
+        started += start_ranks(WORKER, folder, world, str(stage), dtype, *(["--checks"] if checks else []))
+    wait_ranks(started)
     return folders
 
 

@@ -8,15 +8,12 @@ subprocesses."""
 from __future__ import annotations
 
 import json
-import os
 import pathlib
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from rl_data.transport import free_port
+from tests.learner.single_rank import start_ranks, wait_ranks
 
 pytestmark = pytest.mark.slow  # DeepSpeed / gloo worker processes
 
@@ -29,49 +26,6 @@ def run_ranks(
 ) -> None:
     """Start `world` gloo ranks of `worker` (RANK/WORLD_SIZE/MASTER_* set), wait, fail with their logs."""
     wait_ranks(start_ranks(worker, folder, world, *args), timeout)
-
-
-def start_ranks(worker: pathlib.Path, folder: pathlib.Path, world: int, *args: str) -> list:
-    """Start `world` gloo ranks of `worker` writing into `folder`: [(process, log file, folder)]."""
-    port = free_port()
-    started = []
-    for rank in range(world):
-        env = {
-            **os.environ,
-            "RANK": str(rank),
-            "WORLD_SIZE": str(world),
-            "LOCAL_RANK": str(rank),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "DS_ACCELERATOR": "cpu",
-            "OMP_NUM_THREADS": "1",
-        }
-        log = open(folder / f"log{rank}.txt", "w")  # noqa: SIM115 (closed below)
-        command = [sys.executable, str(worker), str(folder), *args]
-        started.append(
-            (subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT), log, folder)
-        )
-    return started
-
-
-def wait_ranks(started: list, timeout: float = 900) -> None:
-    """Wait for `start_ranks`' processes; fail with every folder's logs when one did not exit 0."""
-    codes = []
-    for process, log, _ in started:
-        try:
-            codes.append(process.wait(timeout=timeout))
-        except subprocess.TimeoutExpired:
-            process.kill()
-            codes.append("timeout")
-        log.close()
-    if any(code != 0 for code in codes):
-        folders = sorted({folder for _, _, folder in started})
-        logs = "\n".join(
-            f"--- {folder.name}/{p.name}\n{p.read_text()[-4000:]}"
-            for folder in folders
-            for p in sorted(folder.glob("log*.txt"))
-        )
-        pytest.fail(f"worker ranks exited with {codes}\n{logs}")
 
 
 @pytest.fixture(scope="module")
