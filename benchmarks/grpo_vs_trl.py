@@ -275,6 +275,21 @@ def run_ours(args: argparse.Namespace, scratch: str, preset: Any) -> dict[str, A
 # TRL (runs in its own process: `--variant trl --spec FILE`)
 
 
+def prompt_dataset(spec: dict[str, Any], tokenizer: Any) -> Any:
+    """The preset's training prompts as both sides render them (`rl_data.datasets.PromptDataset`
+    with the options in `spec`)."""
+    from rl_data.datasets import PromptDataset
+
+    return PromptDataset(
+        spec["train_path"],
+        tokenizer,
+        input_key=spec["input_key"],
+        label_key=spec["label_key"],
+        apply_chat_template=spec["apply_chat_template"],
+        max_length=spec["prompt_max_len"],
+    )
+
+
 def run_trl(spec: dict[str, Any]) -> dict[str, Any]:
     """Train with `trl.GRPOTrainer` on CPU; per-step seconds and mean rewards."""
     started_unix = time.time()
@@ -283,7 +298,6 @@ def run_trl(spec: dict[str, Any]) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from rl_data.datasets import PromptDataset
     from rl_launch.presets.arithmetic import arithmetic_reward
     from rl_rollout import BatchedReward
 
@@ -295,14 +309,7 @@ def run_trl(spec: dict[str, Any]) -> dict[str, Any]:
         torch.set_num_threads(spec["torch_threads"])
     torch.manual_seed(spec["seed"])
     tokenizer = AutoTokenizer.from_pretrained(spec["model_path"])
-    prompts = PromptDataset(
-        spec["train_path"],
-        tokenizer,
-        input_key=spec["input_key"],
-        label_key=spec["label_key"],
-        apply_chat_template=spec["apply_chat_template"],
-        max_length=spec["prompt_max_len"],
-    )
+    prompts = prompt_dataset(spec, tokenizer)
     samples = [prompts[i] for i in range(len(prompts))]
     # TRL tokenises plain-text prompts with the tokenizer's default special tokens: check that this
     # gives the ids our engine is prompted with.

@@ -48,17 +48,8 @@ def bare_parts(spec: dict[str, Any]) -> dict[str, Any]:
     from vllm import LLM
     from vllm import SamplingParams as VllmSamplingParams
 
-    from rl_data.datasets import PromptDataset
-
     tokenizer = AutoTokenizer.from_pretrained(spec["model_path"])
-    dataset = PromptDataset(
-        spec["train_path"],
-        tokenizer,
-        input_key=spec["input_key"],
-        label_key=spec["label_key"],
-        apply_chat_template=spec["apply_chat_template"],
-        max_length=spec["prompt_max_len"],
-    )
+    dataset = grpo_vs_trl.prompt_dataset(spec, tokenizer)
     prompts = [dataset[i].prompt_ids.tolist() for i in range(spec["prompts"])]
     samples = spec["prompts"] * spec["n"]
     llm = LLM(
