@@ -63,6 +63,18 @@ def newton_schulz(matrix: torch.Tensor, steps: int = 5) -> torch.Tensor:
     return x.T if tall else x
 
 
+def newton_schulz_dtype() -> str:
+    """The precision of DeepSpeed's Newton–Schulz on this accelerator: it runs in a 16-bit type
+    where the accelerator reports one (a CPU with AVX512-FP16 / AMX reports fp16 and bf16), else
+    in float32. The CPU accelerator's answer depends on the machine, so the test's bound does."""
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    if accelerator.is_fp16_supported():
+        return "float16"
+    return "bfloat16" if accelerator.is_bf16_supported() else "float32"
+
+
 def samples(generator: torch.Generator) -> list[tuple[torch.Tensor, torch.Tensor]]:
     out = []
     for _ in range(6):
@@ -112,7 +124,13 @@ def run(stage: int, model: torch.nn.Module, data: list, grads: dict[str, torch.T
     params = dict(learner.module.named_parameters())
     with deepspeed.zero.GatheredParameters(list(params.values()), enabled=stage == 3):
         after = {name: p.detach().clone() for name, p in params.items()}
-    report: dict = {"basic_optimizer": basic, "lr": lr, "skipped": metrics["skipped"], "params": {}}
+    report: dict = {
+        "basic_optimizer": basic,
+        "lr": lr,
+        "skipped": metrics["skipped"],
+        "newton_schulz_dtype": newton_schulz_dtype(),
+        "params": {},
+    }
     for name, start in before.items():
         delta = after[name].double() - start.double()
         muon = start.dim() >= 2 and "embed" not in name and "lm_head" not in name

@@ -25,6 +25,9 @@ from tests.learner.single_rank import single_rank_env
 
 WORKER = pathlib.Path(__file__).resolve().parent / "_worker_muon.py"
 STAGES = (0, 1, 2, 3)
+# Largest relative error of a Muon update against the float64 Newton–Schulz, by the precision
+# DeepSpeed ran it in (`_worker_muon.newton_schulz_dtype`).
+NEWTON_SCHULZ_ERROR = {"float32": 0.01, "float16": 0.06, "bfloat16": 0.12}
 
 
 def test_muon_is_deepspeeds_optimizer_section_with_both_learning_rates():
@@ -93,9 +96,12 @@ def test_one_muon_step_orthogonalises_the_matrices_and_adamw_steps_the_rest(resu
     assert rest
     assert any("embed" in name for name in rest)
     assert any(name.endswith("bias") for name in rest)
+    # DeepSpeed's Newton–Schulz runs in float32, or in a 16-bit type where the accelerator has
+    # one: within these of the float64 reference (0.028-0.033 measured in fp16 on a Sapphire
+    # Rapids CPU); a learning rate or aspect-ratio scale 10 % off is 0.1 off
+    bound = NEWTON_SCHULZ_ERROR[run["newton_schulz_dtype"]]
     for name, p in matrices.items():
-        # DeepSpeed's Newton–Schulz runs in fp32 or (where the CPU has it) fp16: close to float64's
-        assert p["relative_error"] < 0.01, (name, p)
+        assert p["relative_error"] < bound, (name, p)
         # the gradient's singular values spread widely; the update's are all near 1
         assert p["gradient_singular_ratio"] > 3.0, (name, p)
         assert 0.5 < p["singular_min"] <= p["singular_max"] < 1.3, (name, p)
