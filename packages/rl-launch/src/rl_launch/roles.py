@@ -317,13 +317,16 @@ class Roles:
         model.sequence_parallel_size sp > 1 the plan is made for the role's ranks / sp groups, each
         micro-batch holds up to sp × train.micro_batch_tokens tokens (sp ranks share it, each
         holding ≤ micro_batch_tokens of them, rounded up to a multiple of sp), and every rank of a
-        group gets its group's micro-batches (ranks g·sp .. g·sp + sp − 1 form group g)."""
+        group gets its group's micro-batches (ranks g·sp .. g·sp + sp − 1 form group g). A sequence
+        longer than that budget (a long rollout) is trained in a micro-batch of its own
+        (`on_too_long="alone"`), never dropped: it needs the memory of its own length."""
         ranks = len(self.groups[role])
         sp = self.config.model.sequence_parallel_size
         plan = plan_micro_batches(
             batch.sequence_lengths.tolist(),
             max_tokens=self.config.train.micro_batch_tokens * sp,
             num_ranks=ranks // sp,
+            on_too_long="alone",
             groups=batch.group_ids.tolist() if learners_share_prefix(self.config) else None,
         )
         return [micro_batches(batch, plan, rank // sp) for rank in range(ranks)]
