@@ -11,6 +11,7 @@ import pytest
 from rl_launch.config import PPOConfig
 from rl_launch.options import load_config
 from rl_launch.preflight import PreflightError, Resolved, check_context, model_context
+from rl_launch.roles import Roles
 
 
 def _model(tmp_path, name: str, config: dict, tokenizer: dict | None = None) -> str:
@@ -181,3 +182,43 @@ def test_an_engine_max_model_len_cuts_responses_and_must_leave_room_for_one(tmp_
         PreflightError, match=r"max_model_len: 1024 leaves no room for a response to a prompt"
     ):
         check_context(no_room, _inputs(model))
+
+
+def test_the_start_up_line_says_the_engines_context_and_how_many_sequences_their_cache_holds():
+    roles = Roles(_config())
+    roles.engine_contexts = [{"max_model_len": 17408, "kv_cache_tokens": 34816}] * 2
+    roles.kv_cache_bytes = [272 * 2**20, 272 * 2**20]
+    assert roles.describe_engine_context() == (
+        "max_model_len 17408; KV cache 272 MiB each; 34816 tokens: 2.00 sequences of 17408 tokens at once"
+    )
+    roles.engine_contexts = [{"max_model_len": 17408, "kv_cache_tokens": None}]  # hf: no paged cache
+    roles.kv_cache_bytes = [None]
+    assert roles.describe_engine_context() == "max_model_len 17408"
+
+
+def test_a_kv_cache_too_small_for_one_sequence_is_refused_before_the_engines_start(tmp_path):
+    # 2 (K, V) x 2 layers x 2 KV heads x 32 dims x 4 bytes (fp32) = 1 KiB per token
+    model = _model(
+        tmp_path,
+        "m",
+        {
+            "max_position_embeddings": 32768,
+            "hidden_size": 128,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "num_hidden_layers": 2,
+        },
+    )
+    options = {"model__dtype": "fp32", "rollout__generate_max_len": "16384"}  # 17408 tokens
+    fits = _config(**options, rollout__engine_options__kv_cache_memory_bytes=str(17408 * 1024))
+    assert check_context(fits, _inputs(model)) is None
+    small = _config(**options, rollout__engine_options__kv_cache_memory_bytes=str(16 * 2**20))
+    with pytest.raises(PreflightError) as error:
+        check_context(small, _inputs(model))
+    assert str(error.value) == (
+        "rollout.engine_options.kv_cache_memory_bytes = 16777216 bytes (16.0 MiB) holds 16384 tokens at 1024 "
+        "bytes per token, fewer than one sequence of max_model_len 17408 tokens (at least 17825792 bytes, "
+        "17.0 MiB); raise it, or lower data.prompt_max_len + rollout.generate_max_len"
+    )
+    hf = _config(**options, rollout__engine="hf", rollout__engine_options__max_batch_size="2")
+    assert check_context(hf, _inputs(model)) is None  # no such option there

@@ -268,6 +268,39 @@ def model_context(model: str) -> tuple[int, str] | None:
     return length, source
 
 
+_TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "auto": "auto"}
+
+
+def _check_kv_cache(config: PPOConfig, inputs: Resolved, longest: int, length_options: str) -> None:
+    """A vllm engine given rollout.engine_options.kv_cache_memory_bytes must hold one sequence of
+    `longest` tokens (vLLM refuses to start otherwise, from inside its engine-core process)."""
+    rollout = config.rollout
+    size = rollout.engine_options.get("kv_cache_memory_bytes")
+    if rollout.engine != "vllm" or size is None:
+        return
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        raise PreflightError(
+            f"rollout.engine_options.kv_cache_memory_bytes: {size!r} is not a number of bytes >= 1"
+        )
+    from rl_rollout.engines.vllm import check_kv_cache_bytes, kv_cache_bytes_per_token
+
+    per_token = kv_cache_bytes_per_token(  # a lower bound: dtype auto may be 2-byte
+        inputs.model_path,
+        dtype=_TORCH_DTYPES[config.model.dtype],
+        kv_cache_dtype=str(rollout.engine_options.get("kv_cache_dtype", "auto")),
+        auto_bytes=2,
+    )
+    try:
+        check_kv_cache_bytes(
+            size,
+            per_token=per_token,
+            max_model_len=longest,
+            where="rollout.engine_options.kv_cache_memory_bytes",
+        )
+    except ValueError as error:
+        raise PreflightError(f"{error}; raise it, or lower {length_options}") from None
+
+
 def check_context(config: PPOConfig, inputs: Resolved) -> str | None:
     """Refuse a run whose longest sequence cannot fit its models (PreflightError naming the options
     and the model's limit); a start-up line when the context needs a word, else None.
@@ -328,6 +361,14 @@ def check_context(config: PPOConfig, inputs: Resolved) -> str | None:
             "or use a model with a longer context (e.g. RoPE scaling in its config.json); "
             f"{_ALLOW_LONG}=1 goes past the model's context at your own risk"
         )
+    _check_kv_cache(
+        config,
+        inputs,
+        longest,
+        "data.prompt_max_len + rollout.generate_max_len"
+        if engine_length is None
+        else "rollout.engine_options.max_model_len",
+    )
     if engine_length is not None and engine_length < needed:
         notes.insert(
             0,
