@@ -172,7 +172,9 @@ def check_plan(plan, lengths, *, max_tokens, num_ranks, min_micro_batches=1, gro
     assert len(plan.ranks) == num_ranks
     planned = [i for batches in plan.ranks for batch in batches for i in batch]
     assert sorted(planned + plan.skipped) == list(range(len(lengths)))
-    assert all(lengths[i] > max_tokens for i in plan.skipped)
+    assert all(lengths[i] > max_tokens for i in plan.skipped + plan.oversized)
+    assert not set(plan.skipped) & set(plan.oversized)
+    assert set(plan.oversized) <= set(planned)
     counts = {len(batches) for batches in plan.ranks}
     assert len(counts) == 1
     steps = counts.pop()
@@ -181,7 +183,10 @@ def check_plan(plan, lengths, *, max_tokens, num_ranks, min_micro_batches=1, gro
     for rank, batches in enumerate(plan.ranks):
         tokens = [sum(lengths[i] for i in batch) for batch in batches]
         assert tokens == plan.micro_batch_tokens[rank]
-        assert all(t <= max_tokens for t in tokens)
+        # over the budget only as the one sequence of its micro-batch (on_too_long="alone")
+        assert all(
+            t <= max_tokens or (len(b) == 1 and b[0] in plan.oversized) for t, b in zip(tokens, batches)
+        )
         assert tokens == sorted(tokens, reverse=True)
         sequences = sum(len(batch) for batch in batches)
         rank_empty = sum(not batch for batch in batches)
@@ -314,6 +319,57 @@ def test_too_long_sequences_are_skipped_and_listed():
     assert plan.num_tokens == 7
 
 
+def test_too_long_sequences_get_a_micro_batch_each_and_are_balanced_over_the_ranks():
+    lengths = [3, 40, 4, 50, 2, 5]
+    plan = plan_micro_batches(lengths, max_tokens=10, on_too_long="alone", num_ranks=2)
+    check_plan(plan, lengths, max_tokens=10, num_ranks=2)
+    assert plan.oversized == [1, 3]
+    assert plan.skipped == []
+    assert plan.num_tokens == sum(lengths)
+    # one long sequence per rank, first (the largest micro-batch), the short ones after it
+    assert sorted(batches[0] for batches in plan.ranks) == [[1], [3]]
+    assert plan.num_micro_batches == 2
+    assert plan.num_empty_micro_batches == 0
+
+
+def test_a_too_long_sequence_of_a_group_leaves_the_group_for_a_micro_batch_of_its_own():
+    plan = plan_micro_batches([4, 30, 4, 3], max_tokens=10, on_too_long="alone", groups=[7, 7, 7, 1])
+    check_plan(plan, [4, 30, 4, 3], max_tokens=10, num_ranks=1, grouped=True)
+    assert plan.ranks[0] == [[1], [0, 2], [3]]
+
+
+@given(
+    lengths=st.lists(st.integers(min_value=0, max_value=120), max_size=40),
+    max_tokens=st.integers(min_value=1, max_value=100),
+    num_ranks=st.integers(min_value=1, max_value=4),
+    min_micro_batches=st.integers(min_value=1, max_value=3),
+    grouped=st.booleans(),
+)
+@settings(max_examples=200, deadline=None)
+def test_plan_properties_with_too_long_sequences_alone(
+    lengths, max_tokens, num_ranks, min_micro_batches, grouped
+):
+    groups = [i // 3 for i in range(len(lengths))] if grouped else None
+    plan = plan_micro_batches(
+        lengths,
+        max_tokens=max_tokens,
+        num_ranks=num_ranks,
+        on_too_long="alone",
+        min_micro_batches=min_micro_batches,
+        groups=groups,
+    )
+    check_plan(
+        plan,
+        lengths,
+        max_tokens=max_tokens,
+        num_ranks=num_ranks,
+        min_micro_batches=min_micro_batches,
+        grouped=grouped,
+    )
+    assert plan.skipped == []
+    assert plan.oversized == [i for i, length in enumerate(lengths) if length > max_tokens]
+
+
 def test_more_ranks_than_sequences_gives_empty_micro_batches_counted():
     plan = plan_micro_batches([5, 3], max_tokens=10, num_ranks=4)
     check_plan(plan, [5, 3], max_tokens=10, num_ranks=4)
@@ -363,7 +419,9 @@ def test_plan_of_a_long_tail_is_balanced_and_wastes_little_in_lockstep():
 
 
 def test_plan_argument_errors_name_the_allowed_values():
-    with pytest.raises(ValueError, match=r"on_too_long must be one of \('error', 'skip'\), got 'drop'"):
+    with pytest.raises(
+        ValueError, match=r"on_too_long must be one of \('error', 'skip', 'alone'\), got 'drop'"
+    ):
         plan_micro_batches([1], max_tokens=4, on_too_long="drop")
     with pytest.raises(ValueError, match=r"partition must be one of \('karmarkar_karp', 'greedy'\)"):
         plan_micro_batches([1], max_tokens=4, partition="random")

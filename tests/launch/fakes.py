@@ -162,8 +162,8 @@ class ToyEngine:
         self.corrupt = False  # receive reports a checksum that differs from the one sent
         self.asleep = False
 
-    def ready(self) -> tuple[int, None, str, list[str]]:
-        return 1, None, "node-0", []
+    def ready(self) -> tuple[int, None, str, list[str], dict]:
+        return 1, None, "node-0", [], {"max_model_len": None, "kv_cache_tokens": None}
 
     def generate(
         self, samples: bytes, sampling: Any, first_group_id: int, greedy_baseline: bool = False

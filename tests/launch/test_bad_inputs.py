@@ -1,7 +1,7 @@
 """Bad input stops a run early: a clear message naming the option, a non-zero exit, no Ray left behind.
 
-A missing dataset, a model folder that is not there and a reward server that is down are caught
-before Ray starts (the run's Ray temp folder stays empty); a request for more GPUs than the
+A missing dataset, a model folder that is not there, a reward server that is down and sequences
+longer than the model's context are caught before Ray starts (the run's Ray temp folder stays empty); a request for more GPUs than the
 cluster has is caught after Ray starts but before any actor does, and Ray goes down with the run.
 """
 
@@ -55,8 +55,13 @@ def _args(checkpoint, prompts, ray_dir, tmp_path, *extra: str) -> list[str]:
             "model.pretrain: model folder '/nonexistent/model' does not exist",
         ),
         (("--reward.function", "/nonexistent/reward.py"), "reward.function:"),
+        (
+            ("--rollout.generate_max_len", "4096"),  # the tiny model's context is 2048
+            "data.prompt_max_len (1024) + rollout.generate_max_len (4096) = 5120 tokens is more than the "
+            "context of model.pretrain",
+        ),
     ],
-    ids=["missing-dataset", "missing-model", "missing-reward-file"],
+    ids=["missing-dataset", "missing-model", "missing-reward-file", "longer-than-the-context"],
 )
 def test_a_missing_input_stops_the_run_before_ray_starts(
     extra, message, tiny_checkpoint, prompts, ray_temp, tmp_path

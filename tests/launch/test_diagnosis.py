@@ -87,6 +87,18 @@ def _dead(actor_id: str) -> BaseException:
          "it crashed (Fatal Python error: Segmentation fault"),
         ("policy-0: pid 1 on host\nTraceback (most recent call last):\n  File x\nMemoryError\n",
          "an uncaught exception ended its process"),
+        ("policy-0: pid 1 on host\nTraceback (most recent call last):\n  File x\n"
+         "ValueError: To serve at least one request with the model's max seq len (17408), (1.06 GiB KV cache "
+         "is needed, which is larger than the available KV cache memory (0.5 GiB). Based on the available "
+         "memory, the estimated maximum model length is 8192. Try increasing `gpu_memory_utilization` (which "
+         "also controls CPU memory on the CPU backend) or decreasing `max_model_len` when initializing the "
+         "engine.\nRuntimeError: Engine core initialization failed. See root cause above.\n",
+         "the engine's KV cache cannot hold one sequence of its max_model_len (data.prompt_max_len + "
+         "rollout.generate_max_len) tokens (vLLM: To serve at least one request with the model's max seq len "
+         "(17408), (1.06 GiB KV cache is needed, which is larger than the available KV cache memory (0.5 GiB). "
+         "Based on the available memory, the estimated maximum model length is 8192): raise "
+         "rollout.gpu_memory_utilization or rollout.tensor_parallel_size, give "
+         "rollout.engine_options.kv_cache_memory_bytes, or lower data.prompt_max_len / rollout.generate_max_len"),
     ],
 )  # fmt: skip
 def test_why_a_dead_actor_ended_is_read_from_its_log_not_from_rays_guesses(tmp_path, log, why):

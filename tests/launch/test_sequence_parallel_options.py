@@ -162,8 +162,15 @@ def test_the_ranks_of_an_sp_group_get_the_same_micro_batches_of_up_to_sp_times_t
     assert all(part.num_tokens <= 2 * budget for rank in parts for part in rank)
     groups = [sorted(i for part in parts[rank] for i in part.indices.tolist()) for rank in (0, 2)]
     assert sorted(groups[0] + groups[1]) == list(range(batch.num_sequences))
-    with pytest.raises(ValueError, match="longer than max_tokens = 40"):
-        _roles(1, 2, budget).split(batch, "policy")
+    # one rank alone: the 63-token sequence is over its budget and gets a micro-batch of its own
+    parts = _roles(1, 2, budget).split(batch, "policy")
+    longest = int(batch.sequence_lengths.argmax())
+    alone = [part for rank in parts for part in rank if longest in part.indices.tolist()]
+    assert [part.indices.tolist() for part in alone] == [[longest]]
+    assert all(part.num_tokens <= budget for rank in parts for part in rank if part is not alone[0])
+    assert sorted(i for rank in parts for part in rank for i in part.indices.tolist()) == list(
+        range(batch.num_sequences)
+    )
 
 
 def test_the_start_up_line_says_the_sequence_parallel_size():

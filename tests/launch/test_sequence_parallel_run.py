@@ -1,5 +1,11 @@
 """End to end through Ray and DeepSpeed on CPU: `rl-launch ppo` with model.sequence_parallel_size 2
-(two policy ranks sharing every micro-batch) trains like the same run on one policy rank."""
+(two policy ranks sharing every micro-batch) trains like the same run on one policy rank.
+
+Both runs are long-context runs: a tiny model with a 32k context, rollout.generate_max_len 16384
+(the engine's max_model_len is data.prompt_max_len + that), rollout.min_new_tokens 2048, and a
+token budget (train.micro_batch_tokens 1024, x 2 under SP) below every sequence's length, so each
+sequence trains in a micro-batch of its own. Long responses cost generation time (the HF engine
+decodes ~2.5k steps a run step), so the batch is 2 prompts x 4 samples."""
 
 from __future__ import annotations
 
@@ -19,6 +25,21 @@ def reward_func(queries, prompts, labels):
 _TIMING = ("time", "time/", "throughput/", "sync/seconds", "sync/gigabytes")
 
 
+CONTEXT = 32768
+MIN_RESPONSE = 2048
+BUDGET = 1024  # train.micro_batch_tokens: below every sequence of these runs
+
+
+@pytest.fixture(scope="module")
+def long_context_checkpoint(tmp_path_factory):
+    """The tiny model with max_position_embeddings (and its tokenizer's model_max_length) 32768."""
+    from rl_data.tiny import build_tiny_checkpoint
+
+    return build_tiny_checkpoint(
+        tmp_path_factory.mktemp("tiny") / "qwen2-32k", max_position_embeddings=CONTEXT
+    )
+
+
 def _args(checkpoint, prompts, reward, run_dir, ray_dir, *extra: str) -> list[str]:
     return [
         "--preset", "none",
@@ -27,8 +48,10 @@ def _args(checkpoint, prompts, reward, run_dir, ray_dir, *extra: str) -> list[st
         "--reward.function", str(reward),
         "--rollout.engine", "hf",
         "--rollout.n_samples_per_prompt", "4",
-        "--rollout.rollout_batch_size", "4",
-        "--rollout.generate_max_len", "12",
+        "--rollout.rollout_batch_size", "2",
+        "--rollout.generate_max_len", "16384",
+        "--rollout.min_new_tokens", str(MIN_RESPONSE),
+        "--train.micro_batch_tokens", str(BUDGET),
         "--algo.advantage.estimator", "grpo",
         "--train.max_steps", "2",
         "--train.zero_stage", "0",
@@ -41,7 +64,9 @@ def _args(checkpoint, prompts, reward, run_dir, ray_dir, *extra: str) -> list[st
     ]  # fmt: skip
 
 
-def test_sequence_parallel_two_ranks_train_like_one_rank(tiny_checkpoint, ray_temp, tmp_path):
+def test_sequence_parallel_two_ranks_train_long_rollouts_like_one_rank(
+    long_context_checkpoint, ray_temp, tmp_path
+):
     ray_dir, env = ray_temp
     prompts = write_sum_prompts(tmp_path / "train.jsonl", 16)
     reward = tmp_path / "reward.py"
@@ -52,14 +77,22 @@ def test_sequence_parallel_two_ranks_train_like_one_rank(tiny_checkpoint, ray_te
         ("sp2", ("--model.sequence_parallel_size", "2", "--ray.policy.num_actors", "2")),
     ):
         run_dir = tmp_path / name
-        result = launch(_args(tiny_checkpoint, prompts, reward, run_dir, f"{ray_dir}/{name}", *extra), env)
+        args = _args(long_context_checkpoint, prompts, reward, run_dir, f"{ray_dir}/{name}", *extra)
+        result = launch(args, env)
         assert result.returncode == 0, result.stderr[-4000:]
         runs[name] = (read_metrics(run_dir), result.stdout + result.stderr)
-    assert "sequence parallel: 2 ranks share each micro-batch" in runs["sp2"][1]
+    words = "sequence parallel: 2 ranks share each micro-batch (Ulysses; data-parallel groups: policy 1)"
+    assert f"{words}; a micro-batch holds up to 2 x {BUDGET} tokens" in runs["sp2"][1]
     assert "sequence parallel" not in runs["one"][1]
+    for _, console in runs.values():  # the engine's context: data.prompt_max_len 1024 + 16384
+        assert "hf engine x1 (max_model_len 17408)" in console
     one, sp2 = runs["one"][0], runs["sp2"][0]
     assert [line["step"] for line in sp2] == [1, 2]
-    assert all(line["policy/grad_norm"] > 0 for line in one)  # the runs train
+    # every response is long, so every prompt + response is over both budgets (alone in its
+    # micro-batch), and the runs train on them
+    assert MIN_RESPONSE >= 2 * BUDGET
+    assert all(line["response_length/mean"] >= MIN_RESPONSE for line in one)
+    assert all(line["policy/grad_norm"] > 0 for line in one)
     for ours, theirs in zip(sp2, one, strict=True):
         keys = {key for key in theirs if not key.startswith(_TIMING)}
         assert keys == {key for key in ours if not key.startswith(_TIMING)}

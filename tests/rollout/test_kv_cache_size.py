@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from rl_rollout.engines.vllm import CPU_KV_CACHE_FLOOR, cpu_kv_cache_bytes
+from rl_rollout.engines.vllm import CPU_KV_CACHE_FLOOR, check_kv_cache_bytes, cpu_kv_cache_bytes
 
 
 @pytest.fixture(scope="module")
@@ -45,3 +45,26 @@ def test_the_size_is_sequences_times_whole_blocks_times_bytes_per_token(model_di
         512 * 256 * per_token // 2
     )
     assert cpu_kv_cache_bytes(model_dir, max_num_seqs=64, max_model_len=None) == 64 * 2048 * per_token
+
+
+def test_a_long_context_is_capped_by_the_machine_but_always_holds_one_full_sequence(model_dir):
+    per_token = 2 * 2 * 2 * 32 * 4
+    one = 32768 * per_token  # 32 MiB: one sequence of 32768 tokens
+    # 256 full sequences would take 8 GiB: capped at half of a 4 GiB machine
+    assert (
+        cpu_kv_cache_bytes(model_dir, max_num_seqs=256, max_model_len=32768, memory_bytes=4 * 2**30)
+        == 2 * 2**30
+    )
+    # never less than one full-length sequence, whatever the machine
+    assert (
+        cpu_kv_cache_bytes(model_dir, max_num_seqs=256, max_model_len=131072, memory_bytes=2**20) == 4 * one
+    )
+
+
+def test_a_cache_smaller_than_one_sequence_is_refused_naming_the_sizes():
+    check_kv_cache_bytes(2048 * 1024, per_token=1024, max_model_len=2048)  # exactly one sequence
+    with pytest.raises(
+        ValueError,
+        match=r"^kv_cache_memory_bytes = 1048576 bytes \(1.0 MiB\) holds 1024 tokens at 1024 bytes per token, fewer than one sequence of max_model_len 2048 tokens \(at least 2097152 bytes, 2.0 MiB\)$",
+    ):
+        check_kv_cache_bytes(2**20, per_token=1024, max_model_len=2048)

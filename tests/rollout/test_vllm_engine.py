@@ -293,3 +293,23 @@ def test_seeded_requests_beyond_one_scheduler_step_of_prompt_tokens_all_complete
     assert (
         vllm_engine.generate(prompts[:3], params) == first[:3]
     )  # seeded: a prompt's samples do not depend on the batch
+
+
+def test_the_engine_reports_its_context_and_how_many_tokens_its_kv_cache_holds(vllm_engine):
+    from rl_rollout.engines.vllm import kv_cache_bytes_per_token
+
+    assert vllm_engine.max_model_len == 256
+    per_token = kv_cache_bytes_per_token(vllm_engine._live().model_config.model, dtype="float32")
+    tokens = vllm_engine.kv_cache_tokens
+    assert 256 <= tokens <= vllm_engine.kv_cache_bytes // per_token  # vLLM's own count, within our size
+
+
+def test_a_kv_cache_smaller_than_one_sequence_is_refused_before_vllm_starts(tiny_checkpoint, monkeypatch):
+    from rl_rollout.engines.vllm import VLLMEngine
+
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    # 1 KiB per token (fp32): 1 MiB holds 1024 tokens, half a 2048-token sequence
+    with pytest.raises(
+        EngineError, match=r"kv_cache_memory_bytes = 1048576 bytes \(1.0 MiB\) holds 1024 tokens"
+    ):
+        VLLMEngine(tiny_checkpoint, dtype="float32", max_model_len=2048, kv_cache_memory_bytes=2**20)

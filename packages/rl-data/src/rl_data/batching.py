@@ -54,7 +54,7 @@ __all__ = [
     "plan_micro_batches",
 ]
 
-ON_TOO_LONG: tuple[str, ...] = ("error", "skip")
+ON_TOO_LONG: tuple[str, ...] = ("error", "skip", "alone")
 PARTITION_METHODS: tuple[str, ...] = ("karmarkar_karp", "greedy")
 
 # Tries of the micro-batch count search that move up by at least 1 before the step doubles.
@@ -278,7 +278,10 @@ class MicroBatchPlan(msgspec.Struct, kw_only=True, frozen=True):
                             r. Every rank has the same number M of micro-batches, ordered by
                             decreasing token count, so micro-step j has similar sizes on every rank.
         skipped:            indices left out because they are longer than `max_tokens`.
-        max_tokens:         token budget of one micro-batch.
+        oversized:          indices longer than `max_tokens` that were kept, each alone in a
+                            micro-batch of its own (`on_too_long="alone"`).
+        max_tokens:         token budget of one micro-batch (exceeded only by a micro-batch that
+                            holds one `oversized` sequence).
         micro_batch_tokens: micro_batch_tokens[r][j] = tokens of micro-batch j on rank r.
         tokens_per_rank:    total tokens of each rank.
         balance:            max / mean of `tokens_per_rank` (1.0 is perfect; 1.0 when all are 0).
@@ -297,6 +300,7 @@ class MicroBatchPlan(msgspec.Struct, kw_only=True, frozen=True):
     balance: float
     lockstep_waste: float
     num_empty_micro_batches: int
+    oversized: list[int] = msgspec.field(default_factory=list)
 
     @property
     def num_ranks(self) -> int:
@@ -320,6 +324,7 @@ class MicroBatchPlan(msgspec.Struct, kw_only=True, frozen=True):
         *,
         max_tokens: int,
         skipped: Sequence[int] = (),
+        oversized: Sequence[int] = (),
     ) -> MicroBatchPlan:
         """A plan from a given assignment, with its statistics computed from `lengths`.
 
@@ -346,6 +351,7 @@ class MicroBatchPlan(msgspec.Struct, kw_only=True, frozen=True):
             balance=max(per_rank) / mean if mean > 0 else 1.0,
             lockstep_waste=1.0 - total / lockstep if lockstep > 0 else 0.0,
             num_empty_micro_batches=sum(not batch for batches in ranks for batch in batches),
+            oversized=sorted(int(i) for i in oversized),
         )
 
 
@@ -455,24 +461,32 @@ def _plan(
     min_micro_batches: int,
     partition: Callable[[list, int], tuple[list, list]],
     equal_count_ranks: bool,
+    alone: frozenset[int] = frozenset(),
 ) -> list[list[list[int]]]:
-    """rank → micro-batch → global sequence indices, not yet ordered."""
+    """rank → micro-batch → global item indices, not yet ordered. The items of `alone` (longer
+    than `max_tokens`) are balanced over the ranks with the others and get a micro-batch each."""
     kept_lengths = [lengths[i] for i in kept]
     if equal_count_ranks:
         rank_parts = _karmarkar_karp(kept_lengths, num_ranks, True)[0]
     else:
         rank_parts = partition(kept_lengths, num_ranks)[0]
     rank_items = [[kept[i] for i in part] for part in rank_parts]
-    rank_lengths = [[lengths[i] for i in items] for items in rank_items]
+    singles = [[[i] for i in items if i in alone] for items in rank_items]
+    rest_items = [[i for i in items if i not in alone] for items in rank_items]
+    rest_lengths = [[lengths[i] for i in items] for items in rest_items]
     local = [
-        _split_rank(local_lengths, max_tokens, min_micro_batches, partition) for local_lengths in rank_lengths
+        _split_rank(local_lengths, max_tokens, max(1, min_micro_batches - len(own)), partition)
+        for local_lengths, own in zip(rest_lengths, singles)
     ]
-    target = max(min_micro_batches, max(len(parts) for parts in local))
+    target = max(min_micro_batches, max(len(parts) + len(own) for parts, own in zip(local, singles)))
     local = [
-        _refine_to(local_lengths, parts, target, max_tokens, partition)
-        for local_lengths, parts in zip(rank_lengths, local)
+        _refine_to(local_lengths, parts, target - len(own), max_tokens, partition)
+        for local_lengths, parts, own in zip(rest_lengths, local, singles)
     ]
-    return [[[items[i] for i in part] for part in parts] for items, parts in zip(rank_items, local)]
+    return [
+        own + [[items[i] for i in part] for part in parts]
+        for items, parts, own in zip(rest_items, local, singles)
+    ]
 
 
 def _order(ranks: list[list[list[int]]], lengths: list[int]) -> list[list[list[int]]]:
@@ -497,8 +511,10 @@ def plan_micro_batches(
 ) -> MicroBatchPlan:
     """Assign sequences to data-parallel ranks and token-budgeted micro-batches, balanced by tokens.
 
-    1. Sequences longer than `max_tokens` raise (`on_too_long="error"`) or are left out and
-       listed in `plan.skipped` (`"skip"`).
+    1. Sequences longer than `max_tokens` raise (`on_too_long="error"`), are left out and
+       listed in `plan.skipped` (`"skip"`), or each get a micro-batch of their own, listed in
+       `plan.oversized` (`"alone"`: a long rollout is still trained, in a micro-batch over the
+       budget; it is placed on the ranks like any other sequence, so the ranks stay balanced).
     2. The rest are partitioned over `num_ranks` ranks, balancing total tokens.
     3. Each rank's sequences are partitioned into the fewest m balanced micro-batches whose
        token counts all fit `max_tokens` (m from ⌈tokens / max_tokens⌉ upwards).
@@ -523,14 +539,15 @@ def plan_micro_batches(
       max_tokens: token budget of one micro-batch, ≥ 1.
       num_ranks: data-parallel world size R ≥ 1 (may exceed n: those ranks get empty
         micro-batches only).
-      on_too_long: one of "error", "skip".
+      on_too_long: one of "error", "skip", "alone".
       min_micro_batches: M is at least this (e.g. a fixed number of gradient-accumulation steps).
       partition: "karmarkar_karp" (default) or "greedy" (LPT, for comparison).
       groups: [n] group id of every sequence, or None (every sequence on its own).
 
     Returns:
       A `MicroBatchPlan`; every index 0..n−1 appears exactly once in `plan.ranks` or in
-      `plan.skipped`. Deterministic for given arguments.
+      `plan.skipped`. Every micro-batch holds at most `max_tokens` tokens, or exactly one
+      sequence of `plan.oversized`. Deterministic for given arguments.
     """
     max_tokens = check_integer("max_tokens", max_tokens, 1)
     num_ranks = check_integer("num_ranks", num_ranks, 1)
@@ -540,33 +557,43 @@ def plan_micro_batches(
     if partition not in PARTITION_METHODS:
         raise ValueError(f"partition must be one of {PARTITION_METHODS}, got {partition!r}")
     values = _as_weights("lengths", lengths, integer=True)
-    skipped = [index for index, length in enumerate(values) if length > max_tokens]
-    if skipped and on_too_long == "error":
-        index = skipped[0]
+    too_long = [index for index, length in enumerate(values) if length > max_tokens]
+    if too_long and on_too_long == "error":
+        index = too_long[0]
         raise ValueError(
             f"lengths[{index}] = {values[index]} tokens is longer than max_tokens = {max_tokens} "
-            f"({len(skipped)} sequence(s) too long in all); raise max_tokens, truncate the sequence, "
-            "or pass on_too_long='skip' to leave such sequences out"
+            f"({len(too_long)} sequence(s) too long in all); raise max_tokens, truncate the sequence, "
+            "or pass on_too_long='alone' (a micro-batch of its own) or 'skip' (left out)"
         )
-    too_long = set(skipped)
-    kept = [index for index in range(len(values)) if index not in too_long]
+    skipped = too_long if on_too_long == "skip" else []
+    oversized = too_long if on_too_long == "alone" else []
+    long_ones = set(too_long)
+    kept = [index for index in range(len(values)) if index not in long_ones]
     options = {
         "max_tokens": max_tokens,
         "num_ranks": num_ranks,
         "min_micro_batches": min_micro_batches,
         "partition": _PARTITIONERS[partition],
     }
-    units = _group_units(values, kept, groups, max_tokens)
+    units = _group_units(values, kept, groups, max_tokens) + [[index] for index in oversized]
+    alone = frozenset(range(len(units) - len(oversized), len(units)))
     weights = [sum(values[i] for i in unit) for unit in units]
 
     def assign(equal_count_ranks: bool) -> list[list[list[int]]]:
-        placed = _plan(weights, list(range(len(units))), equal_count_ranks=equal_count_ranks, **options)
+        placed = _plan(
+            weights, list(range(len(units))), equal_count_ranks=equal_count_ranks, alone=alone, **options
+        )
         expanded = [[sorted(i for u in micro for i in units[u]) for micro in rank] for rank in placed]
         return _order(expanded, values)
 
-    plan = MicroBatchPlan.from_assignment(assign(False), values, max_tokens=max_tokens, skipped=skipped)
+    def finish(ranks: list[list[list[int]]]) -> MicroBatchPlan:
+        return MicroBatchPlan.from_assignment(
+            ranks, values, max_tokens=max_tokens, skipped=skipped, oversized=oversized
+        )
+
+    plan = finish(assign(False))
     if plan.num_empty_micro_batches and len(units) >= num_ranks * plan.num_micro_batches:
-        other = MicroBatchPlan.from_assignment(assign(True), values, max_tokens=max_tokens, skipped=skipped)
+        other = finish(assign(True))
         if other.num_empty_micro_batches < plan.num_empty_micro_batches:
             plan = other
     return plan

@@ -262,7 +262,11 @@ def build_tiny_checkpoint(
         )
     if path.exists() and any(path.iterdir()) and not marker.is_file() and not overwrite:
         raise FileExistsError(f"{path} exists and is not a tiny checkpoint folder; pass overwrite=True")
-    tokenizer = build_tiny_tokenizer(vocab_size=vocab_size, chat_template=chat_template)
+    # the tokenizer's model_max_length follows the model's context (vLLM reads the smaller of the two)
+    context = int(model_kwargs.get("max_position_embeddings", 2048))
+    tokenizer = build_tiny_tokenizer(
+        vocab_size=vocab_size, chat_template=chat_template, model_max_length=context
+    )
     model = build_tiny_model(tokenizer, architecture=architecture, seed=seed, **model_kwargs)
     path.mkdir(parents=True, exist_ok=True)
     tokenizer.save_pretrained(path)

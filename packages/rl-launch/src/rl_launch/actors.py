@@ -447,9 +447,10 @@ class RolloutWorker:
         self.receives_weights = ENGINES[spec.kind].receives_weights
         self.engine = ENGINES[spec.kind].build(spec, **spec.options)
 
-    def ready(self) -> tuple[int, int | None, str]:
+    def ready(self) -> tuple[int, int | None, str, list[str], dict[str, int | None]]:
         """(weight-sync ranks this engine takes, its KV-cache bytes or None where vLLM sizes it,
-        the Ray node it runs on, the GPU ids Ray gave it)."""
+        the Ray node it runs on, the GPU ids Ray gave it, its context: {"max_model_len",
+        "kv_cache_tokens"} as the engine has them, None where it does not say)."""
         import ray
 
         node = ray.get_runtime_context().get_node_id()
@@ -457,7 +458,11 @@ class RolloutWorker:
         # x PP workers, `sync_world_size`; transformers: itself); one that receives nothing, none.
         sync_ranks = getattr(self.engine, "sync_world_size", 1) if self.receives_weights else 0
         gpus = [str(gpu) for gpu in ray.get_gpu_ids()]
-        return sync_ranks, getattr(self.engine, "kv_cache_bytes", None), node, gpus
+        context = {
+            "max_model_len": getattr(self.engine, "max_model_len", None),
+            "kv_cache_tokens": getattr(self.engine, "kv_cache_tokens", None),
+        }
+        return sync_ranks, getattr(self.engine, "kv_cache_bytes", None), node, gpus, context
 
     def generate(
         self, samples: bytes, sampling: Any, first_group_id: int, greedy_baseline: bool = False

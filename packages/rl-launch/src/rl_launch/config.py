@@ -190,7 +190,8 @@ class DataConfig(_Section):
     """System message put before each conversation by the chat template (a row's own system
     message wins); None: none."""
     prompt_max_len: PositiveInt = 1024
-    """Longest prompt in tokens; longer prompts are dropped and counted on the start-up line."""
+    """Longest prompt in tokens; longer prompts are dropped and counted on the start-up line. This +
+    rollout.generate_max_len must fit the model's context (checked at start)."""
     skip_bad_rows: bool = False
     """Leave out rows with a missing, empty or malformed prompt or a missing label, counted on the
     start-up line; false: such a row stops the run, naming the file, the row and the key."""
@@ -245,7 +246,8 @@ class RolloutConfig(_Section):
     rollout_batch_size: PositiveInt = 32
     """Prompts per training step."""
     generate_max_len: PositiveInt = 1024
-    """Most new tokens per response."""
+    """Most new tokens per response. data.prompt_max_len + this is the engines' max_model_len and must
+    fit the model's context (checked at start)."""
     temperature: Positive = 1.0
     """Sampling temperature (the learners compute log-probs at the same temperature)."""
     top_p: Fraction = 1.0
@@ -282,7 +284,9 @@ class RolloutConfig(_Section):
     """Fraction of a GPU's memory vLLM may take (on GPUs; on CPU the KV cache follows max_num_seqs)."""
     max_num_seqs: PositiveInt | None = None
     """Sequences one engine runs at once (vLLM's max_num_seqs); None: one sampling round's share, prompts per
-    engine x n_samples_per_prompt. On CPU the engine sizes its KV cache for that many sequences."""
+    engine x n_samples_per_prompt. On CPU the engine sizes its KV cache for that many sequences of
+    data.prompt_max_len + generate_max_len tokens (at most half the machine's memory, at least one
+    sequence); the start-up line says how many fit at once."""
     weight_sync: str = "auto"
     """How the policy's weights reach the engines after each step (rl_launch.components.weight_sync.SYNC_STRATEGIES,
     plus any a plugin registers): broadcast (a process group of
@@ -606,7 +610,8 @@ class TrainConfig(_Section):
     train_batch_size: PositiveInt | None = None
     """Samples per optimizer step; None: the whole rollout batch (one optimizer step per epoch)."""
     micro_batch_tokens: PositiveInt = 16384
-    """Token budget of one packed micro-batch on one rank (dynamic batching)."""
+    """Token budget of one packed micro-batch on one rank (dynamic batching; x model.sequence_parallel_size
+    per SP group). A longer sequence is trained in a micro-batch of its own."""
     actor_learning_rate: Positive = 1e-6
     """Policy learning rate."""
     critic_learning_rate: Positive = 9e-6

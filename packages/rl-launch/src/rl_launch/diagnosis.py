@@ -31,6 +31,18 @@ _SKIPPED_LINES = ("actor_id:", "namespace:", "class_name:", "name:")
 # Ray's guesses after "Worker unexpectedly exits": `death_cause` says what the log shows instead
 _RAY_GUESSES = " Some common causes include:"
 _FATAL = "Fatal Python error:"
+# What vLLM's engine core writes when its KV cache cannot hold one sequence of max_model_len tokens
+# (`vllm.v1.core.kv_cache_utils`); the driver only sees "Engine core initialization failed".
+_KV_CACHE_TOO_SMALL = (
+    "KV cache is needed, which is larger than the available",
+    "No available memory for the cache",
+)
+_KV_CACHE_ADVICE = (
+    "the engine's KV cache cannot hold one sequence of its max_model_len (data.prompt_max_len + "
+    "rollout.generate_max_len) tokens (vLLM: {said}): raise rollout.gpu_memory_utilization or "
+    "rollout.tensor_parallel_size, give rollout.engine_options.kv_cache_memory_bytes, or lower "
+    "data.prompt_max_len / rollout.generate_max_len"
+)
 
 
 def is_actor_failure(error: BaseException) -> bool:
@@ -80,7 +92,8 @@ def failed_actor_name(error: BaseException, names: Mapping[str, str]) -> str | N
 
 def death_cause(error: BaseException, names: Mapping[str, str], log_dir: str | Path | None) -> str | None:
     """Why a dead actor's process ended, from the last lines of its log: a crash that
-    `faulthandler` wrote ("Fatal Python error: Segmentation fault"), an uncaught exception (a
+    `faulthandler` wrote ("Fatal Python error: Segmentation fault"), a vLLM engine whose KV cache
+    cannot hold one sequence (what to change, in rl-launch's options), an uncaught exception (a
     traceback), or else an end with no word in the log, as a SIGKILL gives (the OOM killer).
     None when `error` is not a dead actor's (`RayActorError`) or its log is not known."""
     name = failed_actor_name(error, names)
@@ -90,6 +103,10 @@ def death_cause(error: BaseException, names: Mapping[str, str], log_dir: str | P
     fatal = [line.strip() for line in log_lines if line.strip().startswith(_FATAL)]
     if fatal:
         return f"it crashed ({fatal[-1]}; the stack is in its log)"
+    too_small = [line.strip() for line in log_lines if any(words in line for words in _KV_CACHE_TOO_SMALL)]
+    if too_small:
+        said = too_small[-1].split(" Try increasing")[0].split(" See https")[0].removeprefix("ValueError: ")
+        return _KV_CACHE_ADVICE.format(said=said.rstrip("."))
     if any(line.startswith("Traceback (most recent call last)") for line in log_lines):
         return "an uncaught exception ended its process (the traceback is in its log)"
     return (

@@ -437,7 +437,7 @@ def run(config: PPOConfig) -> int:
 
     from .cluster import ClusterError, start_ray
     from .plugins import import_plugins, resolve_plugins
-    from .preflight import PreflightError, resolve_inputs
+    from .preflight import PreflightError, check_context, resolve_inputs
     from .prompts import describe_data, load_prompts
     from .runs import RunFolderError, open_run_folder
 
@@ -457,6 +457,9 @@ def run(config: PPOConfig) -> int:
             preset = prepare_preset(config.preset, config.preset_root, seed=0)
             console.say(f"preset {config.preset}: model and prompts in {Path(preset.model_path).parent}")
         inputs = resolve_inputs(config, preset)
+        context_note = check_context(config, inputs)
+        if context_note is not None:
+            console.say(context_note)
         plan = open_run_folder(
             config, roles=["policy", "critic"] if config.needs_critic else ["policy"], say=console.say
         )

@@ -1,4 +1,5 @@
-"""Checks that run before anything slow starts: paths, datasets, reward sources, the preset.
+"""Checks that run before anything slow starts: paths, datasets, reward sources, the preset, and
+whether the longest sequence of the run fits the context of its models.
 
 Each check fails with a `PreflightError` naming the option and what was wrong, so a run with a
 missing dataset file, a model folder that is not there or a reward server that is down stops in
@@ -19,7 +20,15 @@ import msgspec
 from .components import REWARDS
 from .config import PPOConfig, data_sources
 
-__all__ = ["PreflightError", "Resolved", "check_model_path", "check_reward_server", "resolve_inputs"]
+__all__ = [
+    "PreflightError",
+    "Resolved",
+    "check_context",
+    "check_model_path",
+    "check_reward_server",
+    "model_context",
+    "resolve_inputs",
+]
 
 # A hub id: "name" or "org/name" of letters, digits, ".", "-" and "_".
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
@@ -154,3 +163,216 @@ def resolve_inputs(config: PPOConfig, preset: Any | None) -> Resolved:
         reward_function=reward_function,
         apply_chat_template=config.data.apply_chat_template,
     )
+
+
+# --------------------------------------------------------------------------------------------
+# The context: do prompt_max_len + generate_max_len fit the models?
+
+# config.json keys that bound a model's positions (vLLM's list; the smallest one found counts)
+_LENGTH_KEYS = (
+    "max_position_embeddings",
+    "n_positions",
+    "max_seq_len",
+    "seq_length",
+    "model_max_length",
+    "max_target_positions",
+    "max_sequence_length",
+    "max_seq_length",
+    "seq_len",
+)
+# RoPE types whose max_position_embeddings already counts the scaling (vLLM does not multiply them)
+_SCALED_ROPE_TYPES = ("su", "longrope", "llama3", "yarn", "deepseek_yarn", "deepseek_llama_scaling")
+_ALLOW_LONG = "VLLM_ALLOW_LONG_MAX_MODEL_LEN"
+
+
+def _read_json(model: str, name: str) -> dict[str, Any] | None:
+    """`name` of a local model folder or a cached / downloadable hub model; None when absent."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        file = path / name
+    else:
+        from transformers.utils import cached_file
+
+        try:
+            found = cached_file(model, name, _raise_exceptions_for_missing_entries=False)
+        except OSError:
+            return None
+        if found is None:
+            return None
+        file = Path(found)
+    if not file.is_file():
+        return None
+    import json
+
+    try:
+        loaded = json.loads(file.read_text())
+    except (OSError, ValueError):
+        return None
+    return loaded if isinstance(loaded, dict) else None
+
+
+def _rope_sections(config: dict[str, Any]) -> list[dict[str, Any]]:
+    """The RoPE settings of a config: `rope_scaling` (transformers < 5) or `rope_parameters`,
+    which may hold one dict per layer type ({"full_attention": {...}, "sliding_attention": {...}})."""
+    sections = []
+    for key in ("rope_scaling", "rope_parameters"):
+        value = config.get(key)
+        if isinstance(value, dict):
+            nested = [item for item in value.values() if isinstance(item, dict)]
+            sections += nested or [value]
+    return sections
+
+
+def model_context(model: str) -> tuple[int, str] | None:
+    """The longest sequence (prompt + response tokens) `model` takes, and where that comes from;
+    None when its config.json names no length.
+
+    The rule vLLM applies before it starts (`vllm.config.model._get_and_verify_max_len`), so a
+    run is refused here rather than by the engine minutes later:
+
+        context = min(config.json length keys (`max_position_embeddings`, `n_positions`, ...;
+                      `model_max_length` when present), tokenizer_config.json `model_max_length`)
+                  × RoPE `factor` (linear / dynamic scaling; YaRN, LongRoPE and Llama-3 scaling
+                    already count it in max_position_embeddings)
+
+    A multimodal model's `text_config` is read. Gemma 3's context is already scaled.
+    """
+    config = _read_json(model, "config.json")
+    if config is None:
+        return None
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    length, source = None, None
+    for key in _LENGTH_KEYS:
+        value = text.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and (length is None or value < length):
+            length, source = value, f"{key} {value} in its config.json"
+    if isinstance(text.get("model_max_length"), int):
+        length, source = (
+            text["model_max_length"],
+            f"model_max_length {text['model_max_length']} in its config.json",
+        )
+    tokenizer = _read_json(model, "tokenizer_config.json") or {}
+    bound = tokenizer.get("model_max_length")
+    if isinstance(bound, (int, float)) and not isinstance(bound, bool) and (length is None or bound < length):
+        length, source = int(bound), f"model_max_length {int(bound)} in its tokenizer_config.json"
+    if length is None:
+        return None
+    if "gemma3" not in str(text.get("model_type", config.get("model_type", ""))):
+        factor = 1.0
+        for rope in _rope_sections(text):
+            kind = rope.get("rope_type", rope.get("type"))
+            if kind not in _SCALED_ROPE_TYPES and isinstance(rope.get("factor"), (int, float)):
+                factor = float(rope["factor"])
+        if factor != 1.0:
+            length, source = int(length * factor), f"{source}, x RoPE scaling factor {factor:g}"
+    return length, source
+
+
+_TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "auto": "auto"}
+
+
+def _check_kv_cache(config: PPOConfig, inputs: Resolved, longest: int, length_options: str) -> None:
+    """A vllm engine given rollout.engine_options.kv_cache_memory_bytes must hold one sequence of
+    `longest` tokens (vLLM refuses to start otherwise, from inside its engine-core process)."""
+    rollout = config.rollout
+    size = rollout.engine_options.get("kv_cache_memory_bytes")
+    if rollout.engine != "vllm" or size is None:
+        return
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        raise PreflightError(
+            f"rollout.engine_options.kv_cache_memory_bytes: {size!r} is not a number of bytes >= 1"
+        )
+    from rl_rollout.engines.vllm import check_kv_cache_bytes, kv_cache_bytes_per_token
+
+    per_token = kv_cache_bytes_per_token(  # a lower bound: dtype auto may be 2-byte
+        inputs.model_path,
+        dtype=_TORCH_DTYPES[config.model.dtype],
+        kv_cache_dtype=str(rollout.engine_options.get("kv_cache_dtype", "auto")),
+        auto_bytes=2,
+    )
+    try:
+        check_kv_cache_bytes(
+            size,
+            per_token=per_token,
+            max_model_len=longest,
+            where="rollout.engine_options.kv_cache_memory_bytes",
+        )
+    except ValueError as error:
+        raise PreflightError(f"{error}; raise it, or lower {length_options}") from None
+
+
+def check_context(config: PPOConfig, inputs: Resolved) -> str | None:
+    """Refuse a run whose longest sequence cannot fit its models (PreflightError naming the options
+    and the model's limit); a start-up line when the context needs a word, else None.
+
+    The longest sequence is data.prompt_max_len + rollout.generate_max_len tokens, the context
+    the engines are started with (`max_model_len`), unless rollout.engine_options.max_model_len
+    sets another: responses are then cut where prompt + response reaches it (finish reason
+    length). It must fit the context (`model_context`) of the policy and of the critic and
+    reward model the run uses, which see the same sequences. With VLLM_ALLOW_LONG_MAX_MODEL_LEN
+    set (vLLM's own way past its check) the run goes on and says so.
+    """
+    data, rollout = config.data, config.rollout
+    needed = data.prompt_max_len + rollout.generate_max_len
+    sum_text = (
+        f"data.prompt_max_len ({data.prompt_max_len}) + rollout.generate_max_len "
+        f"({rollout.generate_max_len}) = {needed} tokens"
+    )
+    engine_length = rollout.engine_options.get("max_model_len")
+    if engine_length is not None:
+        if not isinstance(engine_length, int) or isinstance(engine_length, bool):
+            raise PreflightError(
+                f"rollout.engine_options.max_model_len: {engine_length!r} is not an integer number of tokens"
+            )
+        if engine_length <= data.prompt_max_len:
+            raise PreflightError(
+                f"rollout.engine_options.max_model_len: {engine_length} leaves no room for a response to a "
+                f"prompt of data.prompt_max_len ({data.prompt_max_len}) tokens; leave it unset (the engines "
+                f"then hold {sum_text}) or make it larger than data.prompt_max_len"
+            )
+        longest, what = engine_length, f"rollout.engine_options.max_model_len ({engine_length} tokens)"
+    else:
+        longest, what = needed, sum_text
+    models = [("model.pretrain", inputs.model_path)]
+    if config.needs_critic and inputs.critic_path != inputs.model_path:
+        models.append(("model.critic_pretrain", inputs.critic_path))
+    if inputs.reward_model_path is not None:
+        models.append(("model.reward_pretrain", inputs.reward_model_path))
+    allowed = os.environ.get(_ALLOW_LONG, "0") not in ("", "0", "false", "False")
+    notes = []
+    for option, path in models:
+        context = model_context(path)
+        if context is None or longest <= context[0]:
+            continue
+        length, source = context
+        if allowed:
+            notes.append(
+                f"{option} {path}'s context is {length} ({source}); {_ALLOW_LONG} is set, so it goes on"
+            )
+            continue
+        if engine_length is not None:
+            fix = f"lower rollout.engine_options.max_model_len to at most {length}"
+        elif length > data.prompt_max_len:
+            fix = f"lower rollout.generate_max_len to at most {length - data.prompt_max_len} (or data.prompt_max_len)"
+        else:
+            fix = "lower data.prompt_max_len and rollout.generate_max_len"
+        raise PreflightError(
+            f"{what} is more than the context of {option} {path}: {length} tokens ({source}); {fix}, "
+            "or use a model with a longer context (e.g. RoPE scaling in its config.json); "
+            f"{_ALLOW_LONG}=1 goes past the model's context at your own risk"
+        )
+    _check_kv_cache(
+        config,
+        inputs,
+        longest,
+        "data.prompt_max_len + rollout.generate_max_len"
+        if engine_length is None
+        else "rollout.engine_options.max_model_len",
+    )
+    if engine_length is not None and engine_length < needed:
+        notes.insert(
+            0,
+            f"rollout.engine_options.max_model_len {engine_length}: responses are cut where prompt + "
+            f"response reach it (finish reason length), before {sum_text}",
+        )
+    return "; ".join(notes) or None

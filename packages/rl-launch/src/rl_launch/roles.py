@@ -101,6 +101,7 @@ class Roles:
         self.device = "cpu"  # "cuda" or "cpu", resolved from the cluster by `start`
         self.placement: dict[str, Any] = {}
         self.kv_cache_bytes: list[int | None] = []
+        self.engine_contexts: list[dict[str, int | None]] = []  # max_model_len, kv_cache_tokens
         self.engine_gpus: list[list[str]] = []
         self.policy_locations: list[tuple[str, list[str]]] = []
         self.engines_asleep = False
@@ -166,10 +167,11 @@ class Roles:
             )
         _wait_started(futures + engine_ready, timeout_s)
         engines = ray.get(engine_ready)
-        self.engine_sync_sizes = [size for size, _, _, _ in engines]
-        self.kv_cache_bytes = [kv for _, kv, _, _ in engines]
-        self.engine_nodes = [node for _, _, node, _ in engines]
-        self.engine_gpus = [gpus for _, _, _, gpus in engines]
+        self.engine_sync_sizes = [size for size, _, _, _, _ in engines]
+        self.kv_cache_bytes = [kv for _, kv, _, _, _ in engines]
+        self.engine_nodes = [node for _, _, node, _, _ in engines]
+        self.engine_gpus = [gpus for _, _, _, gpus, _ in engines]
+        self.engine_contexts = [context for _, _, _, _, context in engines]
         self.engine_helpers = ray.get(self.engines.submit("helpers"))  # swept at shutdown
         self.policy_node = located["policy"][0][0]
         self.policy_locations = [tuple(location) for location in self.groups["policy"].call("location")]
@@ -317,13 +319,16 @@ class Roles:
         model.sequence_parallel_size sp > 1 the plan is made for the role's ranks / sp groups, each
         micro-batch holds up to sp × train.micro_batch_tokens tokens (sp ranks share it, each
         holding ≤ micro_batch_tokens of them, rounded up to a multiple of sp), and every rank of a
-        group gets its group's micro-batches (ranks g·sp .. g·sp + sp − 1 form group g)."""
+        group gets its group's micro-batches (ranks g·sp .. g·sp + sp − 1 form group g). A sequence
+        longer than that budget (a long rollout) is trained in a micro-batch of its own
+        (`on_too_long="alone"`), never dropped: it needs the memory of its own length."""
         ranks = len(self.groups[role])
         sp = self.config.model.sequence_parallel_size
         plan = plan_micro_batches(
             batch.sequence_lengths.tolist(),
             max_tokens=self.config.train.micro_batch_tokens * sp,
             num_ranks=ranks // sp,
+            on_too_long="alone",
             groups=batch.group_ids.tolist() if learners_share_prefix(self.config) else None,
         )
         return [micro_batches(batch, plan, rank // sp) for rank in range(ranks)]
@@ -589,13 +594,31 @@ class Roles:
             f"a micro-batch holds up to {sp} x {cfg.train.micro_batch_tokens} tokens"
         )
 
+    def describe_engine_context(self) -> str | None:
+        """The engines' context and KV cache in words (None when they say nothing): the longest
+        sequence they take (`max_model_len`), the cache's size and how many sequences of that
+        length it holds at once (fewer than max_num_seqs: the others wait for room)."""
+        lengths = {c.get("max_model_len") for c in self.engine_contexts} - {None}
+        tokens = [c.get("kv_cache_tokens") for c in self.engine_contexts if c.get("kv_cache_tokens")]
+        sizes = {size for size in self.kv_cache_bytes if size is not None}
+        words = []
+        if lengths:
+            words.append(f"max_model_len {'/'.join(str(n) for n in sorted(lengths))}")
+        if sizes:
+            words.append(f"KV cache {max(sizes) / 2**20:.0f} MiB each")
+        if tokens and len(lengths) == 1:
+            (length,) = lengths
+            fewest = min(tokens)
+            words.append(f"{fewest} tokens: {fewest / length:.2f} sequences of {length} tokens at once")
+        return "; ".join(words) or None
+
     def describe(self) -> str:
-        """One start-up line: the actors of every role and the engines' KV cache."""
+        """One start-up line: the actors of every role and the engines' context and KV cache."""
         roles = ", ".join(f"{role} x{len(group)}" for role, group in self.groups.items())
         line = f"actors ready: {roles}, {self.config.rollout.engine} engine x{len(self.engines)}"
-        sizes = {size for size in self.kv_cache_bytes if size is not None}
-        if sizes:
-            line += f" (KV cache {max(sizes) / 2**20:.0f} MiB each)"
+        context = self.describe_engine_context()
+        if context is not None:
+            line += f" ({context})"
         parallel = self.describe_sequence_parallel()
         line = line if parallel is None else f"{line}; {parallel}"
         hybrid = self.describe_hybrid()

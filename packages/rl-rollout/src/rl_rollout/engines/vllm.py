@@ -54,7 +54,15 @@ _RPC_MARGIN_S = 60.0
 """How much longer than a weight sync's own timeout (`WeightSyncSpec.timeout_s`) the engine waits
 for its workers: they raise first, and a dead worker or engine core still ends the wait."""
 
-__all__ = ["EXTENSION", "VLLMEngine", "cpu_kv_cache_bytes", "prompt_seed", "to_vllm_sampling_params"]
+__all__ = [
+    "EXTENSION",
+    "VLLMEngine",
+    "check_kv_cache_bytes",
+    "cpu_kv_cache_bytes",
+    "kv_cache_bytes_per_token",
+    "prompt_seed",
+    "to_vllm_sampling_params",
+]
 
 EXTENSION = "rl_rollout.engines.vllm_extension.WeightSyncExtension"
 
@@ -80,32 +88,87 @@ def prompt_seed(seed: int | None, prompt: Sequence[int]) -> int | None:
 
 CPU_KV_CACHE_FLOOR = 64 * 2**20
 """Smallest KV cache `cpu_kv_cache_bytes` asks for (64 MiB): room for vLLM's warm-up batch."""
-_BYTES_PER_ELEMENT = {"float32": 4, "float16": 2, "bfloat16": 2}
+CPU_KV_CACHE_RAM_SHARE = 0.5
+"""Largest share of the machine's memory `cpu_kv_cache_bytes` asks for, unless one sequence needs more."""
+_BYTES_PER_ELEMENT = {"float32": 4, "float16": 2, "bfloat16": 2, "fp32": 4, "fp16": 2, "bf16": 2}
+_BLOCK = 256  # the largest cache block vLLM's CPU backends use
 
 
-def cpu_kv_cache_bytes(
-    model: str | os.PathLike[str], *, max_num_seqs: int, max_model_len: int | None, dtype: str = "auto"
+def kv_cache_bytes_per_token(
+    model: str | os.PathLike[str], *, dtype: str = "auto", kv_cache_dtype: str = "auto", auto_bytes: int = 4
 ) -> int:
-    """KV-cache bytes that hold `max_num_seqs` sequences of `max_model_len` tokens at once.
+    """KV-cache bytes one token takes in every layer: 2 (K, V) · layers · kv_heads · head_dim · element bytes.
 
-        bytes = max(floor, 2 · layers · kv_heads · head_dim · element bytes · S · ⌈L / 256⌉·256)
-
-    (K and V for every layer; L rounded up to whole cache blocks of the largest block size vLLM's
-    CPU backends use). On CPU, vLLM otherwise reserves `gpu_memory_utilization` of the machine's
-    RAM (60 % here: 14 GiB of 24 for a model of a few MB), which a second run cannot get.
-    `dtype` "auto" counts 4 bytes per element (the largest, never too small).
+    The element is `kv_cache_dtype`'s (vLLM's option: fp8 kinds are 1 byte) or else `dtype`'s;
+    "auto" counts `auto_bytes`: 4 (the largest) to size a cache that is never too small, 2 (the
+    smallest) for a bound below which a cache is surely too small.
     """
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(model)
     config = getattr(config, "text_config", None) or config
-    length = max_model_len or int(config.max_position_embeddings)
     heads = int(config.num_attention_heads)
     kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
     head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
-    per_token = 2 * int(config.num_hidden_layers) * kv_heads * head_dim * _BYTES_PER_ELEMENT.get(dtype, 4)
-    blocks = -(-length // 256) * 256
-    return max(CPU_KV_CACHE_FLOOR, per_token * max_num_seqs * blocks)
+    element = 1 if str(kv_cache_dtype).startswith("fp8") else _BYTES_PER_ELEMENT.get(dtype, auto_bytes)
+    return 2 * int(config.num_hidden_layers) * kv_heads * head_dim * element
+
+
+def _machine_memory_bytes() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def cpu_kv_cache_bytes(
+    model: str | os.PathLike[str],
+    *,
+    max_num_seqs: int,
+    max_model_len: int | None,
+    dtype: str = "auto",
+    memory_bytes: int | None = None,
+) -> int:
+    """KV-cache bytes that hold `max_num_seqs` sequences of `max_model_len` tokens at once.
+
+        one = bytes per token · ⌈L / 256⌉·256          (one sequence, in whole cache blocks)
+        bytes = max(floor, one, min(S · one, share · memory))
+
+    (`kv_cache_bytes_per_token`; L rounded up to whole blocks of the largest block size vLLM's CPU
+    backends use). On CPU, vLLM otherwise reserves `gpu_memory_utilization` of the machine's RAM
+    (60 % here: 14 GiB of 24 for a model of a few MB), which a second run cannot get. With long
+    contexts S full-length sequences may not fit the machine: the size is then capped at
+    `CPU_KV_CACHE_RAM_SHARE` of `memory_bytes` (None: the machine's physical memory), never below
+    one full-length sequence; vLLM runs fewer sequences at once (the rest wait). `dtype` "auto"
+    counts 4 bytes per element (the largest, never too small).
+    """
+    from transformers import AutoConfig
+
+    if max_model_len is None:
+        config = AutoConfig.from_pretrained(model)
+        max_model_len = int((getattr(config, "text_config", None) or config).max_position_embeddings)
+    one = kv_cache_bytes_per_token(model, dtype=dtype) * -(-max_model_len // _BLOCK) * _BLOCK
+    wanted = one * max_num_seqs
+    memory = memory_bytes if memory_bytes is not None else _machine_memory_bytes()
+    if memory is not None:
+        wanted = min(wanted, int(CPU_KV_CACHE_RAM_SHARE * memory))
+    return max(CPU_KV_CACHE_FLOOR, one, wanted)
+
+
+def check_kv_cache_bytes(
+    kv_cache_bytes: int, *, per_token: int, max_model_len: int, where: str = "kv_cache_memory_bytes"
+) -> None:
+    """Raise ValueError when `kv_cache_bytes` cannot hold one sequence of `max_model_len` tokens at
+    `per_token` bytes each (`kv_cache_bytes_per_token`): vLLM would refuse to start, with an error
+    that names its own options from inside its engine-core process."""
+    tokens = kv_cache_bytes // max(per_token, 1)
+    if tokens < max_model_len:
+        needed = per_token * max_model_len
+        raise ValueError(
+            f"{where} = {kv_cache_bytes} bytes ({kv_cache_bytes / 2**20:.1f} MiB) holds {tokens} tokens at "
+            f"{per_token} bytes per token, fewer than one sequence of max_model_len {max_model_len} tokens "
+            f"(at least {needed} bytes, {needed / 2**20:.1f} MiB)"
+        )
 
 
 def to_vllm_sampling_params(params: SamplingParams, prompt: Sequence[int], max_model_len: int):
@@ -156,7 +219,9 @@ class VLLMEngine(Engine):
         VLLM_CPU_KVCACHE_SPACE), the KV cache is sized for `max_num_seqs` (default 256)
         sequences of `max_model_len` tokens by `cpu_kv_cache_bytes`, not from
         `gpu_memory_utilization` (which on CPU means a fraction of the machine's RAM);
-        `kv_cache_bytes` tells the figure (None where vLLM sizes it).
+        `kv_cache_bytes` tells the figure (None where vLLM sizes it), `kv_cache_tokens` how many
+        tokens it holds. A `kv_cache_memory_bytes` (or VLLM_CPU_KVCACHE_SPACE) too small for one
+        sequence of `max_model_len` tokens is refused before vLLM starts.
 
     Raises EngineError if vLLM cannot start; the cause is chained.
     """
@@ -201,8 +266,21 @@ class VLLMEngine(Engine):
                     dtype=dtype,
                 )
         self.kv_cache_bytes: int | None = engine_kwargs.get("kv_cache_memory_bytes")
+        where = "kv_cache_memory_bytes"
         if on_cpu and os.environ.get("VLLM_CPU_KVCACHE_SPACE"):  # vLLM's own setting wins (GiB)
             self.kv_cache_bytes = int(os.environ["VLLM_CPU_KVCACHE_SPACE"]) * 2**30
+            where = "VLLM_CPU_KVCACHE_SPACE"
+        if self.kv_cache_bytes is not None and max_model_len is not None:
+            # a cache too small for one sequence: say so here, before vLLM's engine core starts
+            per_token = kv_cache_bytes_per_token(
+                model, dtype=dtype, kv_cache_dtype=engine_kwargs.get("kv_cache_dtype", "auto"), auto_bytes=2
+            )
+            try:
+                check_kv_cache_bytes(
+                    self.kv_cache_bytes, per_token=per_token, max_model_len=max_model_len, where=where
+                )
+            except ValueError as error:
+                raise EngineError(f"VLLMEngine: {error}; raise it or lower max_model_len") from None
         if enable_sleep_mode is None:
             enable_sleep_mode = not on_cpu
         self._sleep_enabled = bool(enable_sleep_mode) and not on_cpu
@@ -283,6 +361,16 @@ class VLLMEngine(Engine):
     def max_model_len(self) -> int:
         """Context length: prompt plus response tokens."""
         return int(self._live().model_config.max_model_len)
+
+    @property
+    def kv_cache_tokens(self) -> int | None:
+        """Tokens the KV cache holds (all sequences together), as vLLM sized it at start-up; None
+        when vLLM did not say. kv_cache_tokens / max_model_len full-length sequences run at once."""
+        cache = self._live().vllm_config.cache_config
+        tokens = getattr(cache, "kv_cache_size_tokens", None)
+        if tokens is None and cache.num_gpu_blocks:
+            tokens = int(cache.num_gpu_blocks) * int(cache.block_size)
+        return None if tokens is None else int(tokens)
 
     @property
     def sync_world_size(self) -> int:
