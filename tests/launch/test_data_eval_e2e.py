@@ -1,12 +1,16 @@
 """End to end through Ray, a transformers engine and DeepSpeed: two prompt files mixed 0.75/0.25, an input
 template, a dropped prompt on the start-up line, and evaluation of two datasets with 4 samples per
-prompt logging pass@4, mean@4 and per-dataset metrics before training and at the end."""
+prompt logging pass@4, mean@4 and per-dataset metrics before training and at the end.
+
+The same run keeps an EMA of the policy (`--train.ema_beta`), saves it in each checkpoint and
+exports it to <log.output_dir>/final_ema: one start-up for both features."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
+import torch
 
 from tests.launch.launching import launch, read_metrics
 
@@ -28,8 +32,14 @@ def _sums(name, count):
     return [{"prompt": f"{name}: what is {i} + {i}?", "label": str(2 * i)} for i in range(count)]
 
 
-def test_mixed_prompts_and_pass_at_k_evaluation_per_dataset(tiny_checkpoint, ray_temp, tmp_path):
-    ray_dir, env = ray_temp
+BETA = 0.5
+
+
+@pytest.fixture(scope="module")
+def run(tiny_checkpoint, module_ray_temp, tmp_path_factory):
+    """The run's folder and its completed process."""
+    ray_dir, env = module_ray_temp
+    tmp_path = tmp_path_factory.mktemp("data_eval_ema")
     arithmetic = _write(
         tmp_path / "arithmetic.jsonl", [*_sums("add", 8), {"prompt": "many words " * 100, "label": "0"}]
     )
@@ -56,8 +66,10 @@ def test_mixed_prompts_and_pass_at_k_evaluation_per_dataset(tiny_checkpoint, ray
         "--rollout.rollout_batch_size", "4",
         "--rollout.generate_max_len", "8",
         "--train.max_steps", "2",
-        "--train.actor_learning_rate", "1e-4",
-        "--ckpt.save_hf_model", "false",
+        "--train.zero_stage", "0",
+        "--train.actor_learning_rate", "1e-3",
+        "--train.ema_beta", str(BETA),
+        "--ckpt.save_steps", "1",
         "--log.output_dir", str(run_dir),
         "--log.progress_bar", "false",
         "--ray.temp_dir", ray_dir,
@@ -65,6 +77,11 @@ def test_mixed_prompts_and_pass_at_k_evaluation_per_dataset(tiny_checkpoint, ray
     ]  # fmt: skip
     result = launch(args, env)
     assert result.returncode == 0, result.stderr[-4000:]
+    return run_dir, result
+
+
+def test_mixed_prompts_and_pass_at_k_evaluation_per_dataset(run):
+    run_dir, result = run
     # the start-up line: the mixture per dataset and the dropped over-long prompt
     startup = next(line for line in result.stdout.splitlines() if "training prompts" in line)
     assert "+ 8 algebra, mixed 0.75/0.25; dropped 1: arithmetic too_long 1)" in startup, startup
@@ -84,3 +101,32 @@ def test_mixed_prompts_and_pass_at_k_evaluation_per_dataset(tiny_checkpoint, ray
             assert line[f"eval/{name}"] == pytest.approx(combined)
         # with 0/1 rewards, mean@4 (share of correct answers) is the mean reward
         assert line["eval/mean@4"] == pytest.approx(line["eval/reward/mean"])
+
+
+def test_the_exported_ema_is_the_beta_average_of_the_checkpointed_ema_and_the_final_policy(
+    run, tiny_checkpoint
+):
+    from safetensors.torch import load_file
+
+    from rl_learner import load_checkpoint_tensors
+
+    run_dir, _ = run
+    initial = load_file(str(tiny_checkpoint / "model.safetensors"))
+    final = load_file(str(run_dir / "final" / "model.safetensors"))
+    exported = load_file(str(run_dir / "final_ema" / "model.safetensors"))
+    after_step_1 = load_checkpoint_tensors(run_dir / "checkpoints" / "policy", "ema", tag=1)
+    after_step_2 = load_checkpoint_tensors(run_dir / "checkpoints" / "policy", "ema", tag=2)
+    assert after_step_1 is not None
+    assert sorted(after_step_2) == sorted(after_step_1)
+    moved = 0
+    for name, step_1 in after_step_1.items():
+        # EMA_2 = β·EMA_1 + (1 − β)·θ_2, with θ_2 the exported final policy
+        expected = BETA * step_1 + (1 - BETA) * final[name].float()
+        assert torch.allclose(exported[name].float(), expected, atol=1e-6), name
+        assert torch.equal(after_step_2[name], exported[name].float()), name
+        moved += int(not torch.equal(final[name], initial[name]))
+        if not torch.equal(final[name], initial[name]):
+            # the average lies strictly between the initial model and the final policy
+            assert not torch.equal(exported[name], final[name]), name
+            assert not torch.equal(exported[name], initial[name]), name
+    assert moved > 0  # the policy trained

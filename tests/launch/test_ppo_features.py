@@ -1,6 +1,6 @@
 """OpenRLHF features of `rl-launch ppo` on the in-process fakes: critic warm-up, the best checkpoint,
 frozen-model offload; the EMA's options (its math: tests/learner/test_ema.py; a run:
-test_ema_run.py)."""
+test_data_eval_e2e.py)."""
 
 from __future__ import annotations
 
