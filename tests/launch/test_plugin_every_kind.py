@@ -1,7 +1,9 @@
 """A plugin of every component kind (tests/launch/plugin_every_kind.py) is listed by
 `rl-launch components` and runs through a real `rl-launch ppo`, with no change to the packages:
 an estimator that takes `values` gets a critic, a plugin engine, executor, rollout correction and
-weight-sync transport each do their part of the step."""
+weight-sync transport each do their part of the step. The same run takes a second plugin given
+as a file path (tests/launch/plugin_example.py), whose policy loss trains the policy, and every
+process imports each plugin once."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import pytest
 from tests.launch.launching import launch, read_metrics
 
 PLUGIN = pathlib.Path(__file__).with_name("plugin_every_kind.py")
+EXAMPLE = pathlib.Path(__file__).with_name("plugin_example.py")
 
 CHOICES = [
     "--algo.advantage.estimator", "plugin_td",
@@ -95,7 +98,9 @@ def test_a_run_uses_a_plugin_component_of_every_kind(tiny_checkpoint, ray_temp, 
         "--data.prompt_data", str(prompts),
         "--reward.function", "numeric",
         "--plugin", os.path.relpath(PLUGIN),
+        "--plugin", os.path.relpath(EXAMPLE),  # a .py path, relative to the driver's working directory
         *CHOICES,
+        "--algo.policy.loss", "plugin_pg",
         "--rollout.n_samples_per_prompt", "4",
         "--rollout.rollout_batch_size", "4",
         "--rollout.generate_max_len", "8",
@@ -112,6 +117,7 @@ def test_a_run_uses_a_plugin_component_of_every_kind(tiny_checkpoint, ray_temp, 
     assert [line["step"] for line in metrics] == [1, 2]
     for line in metrics:
         assert math.isfinite(line["policy/loss"])
+        assert "policy/ratio_mean" in line  # plugin_example's loss's own metric, computed in the actor
         assert line["policy/skipped"] == 0
         assert math.isfinite(line["critic/loss"])  # plugin_td takes values: a critic was started and trained
         assert line["rollout/agent/plugin_tag"] == 2.0  # the executor's option arrived verbatim
@@ -121,3 +127,10 @@ def test_a_run_uses_a_plugin_component_of_every_kind(tiny_checkpoint, ray_temp, 
     engine_log = (run_dir / "logs" / "engine-0.log").read_text()
     assert "plugin_every_kind: engine built" in engine_log
     assert "plugin_every_kind: executor built" in engine_log
+    # imported in the driver and in each actor (the policy learner, the engine), once per process
+    for name, output in [
+        ("driver", result.stdout),
+        *[(name, (run_dir / "logs" / f"{name}.log").read_text()) for name in ("policy-0", "engine-0")],
+    ]:
+        assert "plugin_example: imported (execution 1 in pid" in output, name
+        assert "(execution 2 in pid" not in output, name

@@ -6,15 +6,14 @@
 - Errors start with `plugins[<i>]: <spec>:` and say what went wrong: not found as a module
   (importable from where), no such file, or the exception the plugin raised and its line.
 - Refs resolved in one working directory import in a fresh process with another one (an actor).
-- End to end: `rl-launch ppo --plugin tests/launch/plugin_example.py` trains with the plugin's
-  estimator and loss, and every actor imported the plugin once.
+- End to end (in test_plugin_every_kind.py, one run for every plugin): `rl-launch ppo --plugin
+  tests/launch/plugin_example.py` trains with the plugin's loss, and every actor imported the
+  plugin once.
 """
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import pathlib
 import subprocess
 import sys
@@ -26,7 +25,6 @@ import pytest
 import torch
 
 from rl_algos import ADVANTAGE_ESTIMATORS, POLICY_LOSSES, aggregate_loss, compute_advantages
-from rl_launch.config import PPOConfig
 from rl_launch.plugins import (
     FILE_MODULE_PREFIX,
     PluginError,
@@ -34,7 +32,6 @@ from rl_launch.plugins import (
     import_plugins,
     resolve_plugins,
 )
-from tests.launch.launching import launch, read_metrics
 
 EXAMPLE = pathlib.Path(__file__).with_name("plugin_example.py")
 
@@ -266,65 +263,3 @@ def test_an_actor_that_cannot_find_the_plugin_file_names_the_process(isolated, t
 
 
 # ----------------------------------------------------------------------------- end to end
-
-
-_REWARD_FILE = """
-def reward_func(queries, prompts, labels):
-    # 1 when the response length is even: the groups mix 0s and 1s, so the advantages are not all 0
-    return [float((len(query) - len(prompt)) % 2 == 0) for query, prompt in zip(queries, prompts)]
-"""
-
-_HAS_PLUGINS_OPTION = "plugins" in {field.name for field in msgspec.structs.fields(PPOConfig)}
-
-
-@pytest.fixture(scope="module")
-def prompts(tmp_path_factory):
-    path = tmp_path_factory.mktemp("prompts") / "train.jsonl"
-    path.write_text(
-        "".join(json.dumps({"prompt": f"What is {i} + 1?", "label": str(i + 1)}) + "\n" for i in range(16))
-    )
-    return path
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(not _HAS_PLUGINS_OPTION, reason="PPOConfig has no `plugins` option (--plugin) yet")
-def test_a_run_trains_with_the_estimator_and_loss_of_a_plugin_file(
-    tiny_checkpoint, prompts, ray_temp, tmp_path
-):
-    ray_dir, env = ray_temp
-    run_dir = tmp_path / "run"
-    reward_file = tmp_path / "reward.py"
-    reward_file.write_text(_REWARD_FILE)
-    args = [
-        "--preset", "none",
-        "--model.pretrain", str(tiny_checkpoint),
-        "--data.prompt_data", str(prompts),
-        "--reward.function", str(reward_file),
-        "--plugin", os.path.relpath(EXAMPLE),  # relative to the driver's working directory
-        "--algo.advantage.estimator", "plugin_centered",
-        "--algo.policy.loss", "plugin_pg",
-        "--rollout.n_samples_per_prompt", "4",
-        "--rollout.rollout_batch_size", "4",
-        "--rollout.generate_max_len", "8",
-        "--train.max_steps", "2",
-        "--ckpt.save_hf_model", "false",
-        "--log.output_dir", str(run_dir),
-        "--log.progress_bar", "false",
-        "--ray.temp_dir", ray_dir,
-        "--rollout.engine", "hf",  # transformers generation: starts in a second, vLLM in ~25 s
-    ]  # fmt: skip
-    result = launch(args, env)
-    assert result.returncode == 0, result.stderr[-4000:]
-    metrics = read_metrics(run_dir)
-    assert [line["step"] for line in metrics] == [1, 2]
-    for line in metrics:
-        assert math.isfinite(line["policy/loss"])
-        assert "policy/ratio_mean" in line  # the plugin loss's own metric, computed in the actor
-        assert line["policy/skipped"] == 0
-    # imported in the driver and in each actor (the policy learner, the engine), once per process
-    for name, output in [
-        ("driver", result.stdout),
-        *[(name, (run_dir / "logs" / f"{name}.log").read_text()) for name in ("policy-0", "engine-0")],
-    ]:
-        assert "plugin_example: imported (execution 1 in pid" in output, name
-        assert "(execution 2 in pid" not in output, name
