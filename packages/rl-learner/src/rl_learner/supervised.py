@@ -190,8 +190,6 @@ class _PairMetrics:
 class SFTLearner(PolicyLearner):
     """A causal LM trained on demonstrations (micro-batches from `pack_sequences`)."""
 
-    supports_sequence_parallel = False
-
     def sft_step(
         self, micro_batches: Sequence[ExperienceBatch], *, aggregation: str = "token-mean"
     ) -> dict[str, float]:
@@ -206,7 +204,11 @@ class SFTLearner(PolicyLearner):
 
         def forward_loss(batch: ExperienceBatch, normalizer: torch.Tensor):
             logprobs = packed_logprobs(
-                self.engine, batch, only_actions=True, share_prefix=self.ds.shares_prefix
+                self.engine,
+                batch,
+                only_actions=True,
+                share_prefix=self.ds.shares_prefix,
+                sequence_parallel=self.sequence_parallel,
             )
             view, mask = batch.response_view(logprobs), batch.response_action_mask()
             if aggregation == "token-mean":
@@ -218,7 +220,10 @@ class SFTLearner(PolicyLearner):
             return total, {"loss": total.detach(), "nll": nll}
 
         def dummy_loss():
-            logits = self.engine(**packed_model_inputs(self.engine, ExperienceBatch.empty())).logits
+            inputs = packed_model_inputs(
+                self.engine, ExperienceBatch.empty(), sequence_parallel=self.sequence_parallel
+            )
+            logits = self.engine(**inputs).logits
             return logits.float().sum() * 0.0, {"loss": torch.zeros(()), "nll": torch.zeros(())}
 
         return self._train_step(
@@ -276,8 +281,6 @@ _DPO_METRICS = (
 class DPOLearner(PolicyLearner):
     """The policy of DPO / cDPO / IPO; its frozen reference is a `PolicyLearner(optimizer=None)`."""
 
-    supports_sequence_parallel = False
-
     def dpo_step(self, micro_batches: Sequence[ExperienceBatch], loss: DPOLossConfig) -> dict[str, float]:
         """One optimizer step of the DPO loss over pair micro-batches (`pack_pairs`).
 
@@ -296,7 +299,11 @@ class DPOLearner(PolicyLearner):
         def forward_loss(batch: ExperienceBatch, normalizer: torch.Tensor):
             pairs = _pair_count(batch)
             logprobs = packed_logprobs(
-                self.engine, batch, only_actions=True, share_prefix=self.ds.shares_prefix
+                self.engine,
+                batch,
+                only_actions=True,
+                share_prefix=self.ds.shares_prefix,
+                sequence_parallel=self.sequence_parallel,
             )
             policy = sequence_logprobs(batch, logprobs)
             reference = sequence_logprobs(batch, batch.ref_logprobs.to(policy.dtype))
@@ -313,11 +320,15 @@ class DPOLearner(PolicyLearner):
             with torch.no_grad():
                 metrics["chosen_logps"] = policy[:pairs].float().mean()
                 metrics["rejected_logps"] = policy[pairs:].float().mean()
-            pair_metrics.add(metrics, pairs)
+            if self.counts_for_group:  # an SP group's ranks hold the same pairs: count them once
+                pair_metrics.add(metrics, pairs)
             return total, {"loss": total.detach()}
 
         def dummy_loss():
-            logits = self.engine(**packed_model_inputs(self.engine, ExperienceBatch.empty())).logits
+            inputs = packed_model_inputs(
+                self.engine, ExperienceBatch.empty(), sequence_parallel=self.sequence_parallel
+            )
+            logits = self.engine(**inputs).logits
             return logits.float().sum() * 0.0, {"loss": torch.zeros(())}
 
         out = self._train_step(
@@ -339,8 +350,6 @@ _RM_METRICS = ("accuracy", "chosen_reward", "rejected_reward", "reward_margin")
 class RewardModelLearner(ValueLearner):
     """A reward model (`load_value_model`: causal-LM backbone + scalar `score` head) trained on pairs."""
 
-    supports_sequence_parallel = False
-
     def reward_step(
         self, micro_batches: Sequence[ExperienceBatch], *, use_margin: bool = False
     ) -> dict[str, float]:
@@ -356,15 +365,23 @@ class RewardModelLearner(ValueLearner):
 
         def forward_loss(batch: ExperienceBatch, normalizer: torch.Tensor):
             pairs = _pair_count(batch)
-            scores = packed_scores(self.engine, batch, share_prefix=self.ds.shares_prefix)
+            scores = packed_scores(
+                self.engine,
+                batch,
+                share_prefix=self.ds.shares_prefix,
+                sequence_parallel=self.sequence_parallel,
+            )
             margin = batch.rewards[:pairs].to(scores.device) if use_margin else None
             losses, metrics = reward_model_loss(scores[:pairs], scores[pairs:], margin=margin)
             total = losses.sum() / (normalizer / 2)
-            pair_metrics.add(metrics, pairs)
+            if self.counts_for_group:  # an SP group's ranks hold the same pairs: count them once
+                pair_metrics.add(metrics, pairs)
             return total, {"loss": total.detach()}
 
         def dummy_loss():
-            scores = packed_scores(self.engine, ExperienceBatch.empty())
+            scores = packed_scores(
+                self.engine, ExperienceBatch.empty(), sequence_parallel=self.sequence_parallel
+            )
             return scores.sum() * 0.0, {"loss": torch.zeros(())}
 
         out = self._train_step(
