@@ -23,6 +23,12 @@ both sides of a pair in one micro-batch and each side has at least one response 
 
 Pair metrics (accuracy, margins) are means over the step's pairs: each micro-batch adds its
 sums, reduced over ranks once after the update, then divided by the global pair count.
+
+Sequence parallelism (`DeepSpeedConfig.sequence_parallel_size` > 1, `rl_learner.sequence_parallel`):
+as in the RL learners, the ranks of a group share each micro-batch, every rank gets the full
+per-token log-probs (or per-position scores) and computes the same loss from them, so the NLL, the
+summed response log-probs and the last-token scores are exact; counts and pair metrics come from
+the group's first rank only.
 """
 
 from __future__ import annotations
