@@ -103,9 +103,12 @@ def test_supervised_commands_refuse_sequence_parallelism(capsys):
         "--model.sequence_parallel_size",
         "2",
     ]
-    assert "model.sequence_parallel_size: 2 must be 1: rl-launch sft's learners" in _error(
-        capsys, *args, command="sft"
+    message = _error(capsys, *args, command="sft")
+    assert (
+        "model.sequence_parallel_size: 2 must be 1: rl-launch sft runs its learner in the driver" in message
     )
+    assert "as one rank" in message
+    assert "SFTLearner, RewardModelLearner and DPOLearner support it" in message
 
 
 def test_openrlhf_ring_attn_size_becomes_sequence_parallel_size_with_a_note(capsys):
@@ -130,7 +133,9 @@ def test_openrlhf_ring_attn_size_stays_refused_by_sft(capsys):
         "--ds.ring_attn_size",
         "2",
     ]
-    assert "sequence parallelism is rl-launch ppo's only" in _error(capsys, *args, command="sft")
+    message = _error(capsys, *args, command="sft")
+    assert "run their model in the driver process as one rank" in message
+    assert "--ds.ring_attn_size as --model.sequence_parallel_size" in message
 
 
 def _roles(sp: int, ranks: int, budget: int) -> Roles:

@@ -2,8 +2,10 @@
 packed micro-batch, log-probs, entropies, values, scores and every parameter gradient equal the
 unsplit forward's to float32 rounding (`_worker_sequence_parallel.py`), and a PolicyLearner /
 ValueLearner with `sequence_parallel_size` 2 under ZeRO 0, 2 and 3 trains to the same loss, gradient
-norm and weights as one rank without it (`_worker_sequence_parallel_learner.py`). Ranks run in
-subprocesses."""
+norm and weights as one rank without it, its reference (PolicyLearner without optimizer) and reward
+model (ValueLearner without optimizer) give the same log-probs and scores, and the supervised
+learners (SFT, DPO, reward model; ZeRO-0) give the same values, loss, metrics and every parameter
+gradient (`_worker_sequence_parallel_learner.py`). Ranks run in subprocesses."""
 
 from __future__ import annotations
 
@@ -91,7 +93,7 @@ def _load(folder: pathlib.Path) -> tuple[dict, dict, dict]:
 def test_learners_with_sequence_parallel_train_like_one_rank(learner_runs, stage):
     reference, ref_policy, ref_critic = _load(learner_runs["reference"])
     split, policy, critic = _load(learner_runs[f"zero{stage}"])
-    for key in ("logprobs", "entropy", "logprobs_after", "values"):
+    for key in ("logprobs", "entropy", "logprobs_after", "values", "reference_logprobs", "reward_scores"):
         torch.testing.assert_close(
             torch.tensor(split[key]), torch.tensor(reference[key]), rtol=0, atol=TOLERANCE
         )
@@ -108,6 +110,66 @@ def test_learners_with_sequence_parallel_train_like_one_rank(learner_runs, stage
             torch.testing.assert_close(ours[name], theirs[name], rtol=0, atol=TOLERANCE, msg=name)
 
 
+def _assert_gradients_close(ours: dict, theirs: dict, prefix: str) -> None:
+    """Every gradient under `prefix` within TOLERANCE × max(1, the largest element of the reference's)."""
+    names = sorted(name for name in theirs if name.startswith(prefix))
+    assert names
+    assert names == sorted(name for name in ours if name.startswith(prefix))
+    scale = max(float(theirs[name].abs().max()) for name in names)
+    assert scale > 0
+    for name in names:
+        torch.testing.assert_close(
+            ours[name], theirs[name], rtol=0, atol=TOLERANCE * max(1.0, scale), msg=name
+        )
+
+
+def test_learner_gradients_with_sequence_parallel_equal_one_ranks(learner_runs):
+    """ZeRO-0: what the optimizer receives in each step, DeepSpeed's all-reduce over the group included."""
+    from safetensors.torch import load_file
+
+    reference = load_file(str(learner_runs["reference"] / "grads.safetensors"))
+    split = load_file(str(learner_runs["zero0"] / "grads.safetensors"))
+    steps = len(json.loads((learner_runs["reference"] / "metrics.json").read_text())["policy_metrics"])
+    for role in ("policy", "critic"):
+        for step in range(steps):
+            _assert_gradients_close(split, reference, f"{role}/{step}/")
+
+
 def test_ranks_of_a_group_given_different_micro_batches_are_refused(learner_runs):
     metrics = json.loads((learner_runs["zero0"] / "metrics.json").read_text())
     assert "rank 0's sequence-parallel group were given different micro-batches" in metrics["mismatch_error"]
+
+
+# ----------------------------------------------------------------------------- supervised learners
+
+SUPERVISED = ("sft", "dpo", "rm")
+
+
+def _supervised(folder: pathlib.Path) -> tuple[dict, dict]:
+    from safetensors.torch import load_file
+
+    return (
+        json.loads((folder / "supervised.json").read_text()),
+        load_file(str(folder / "supervised_grads.safetensors")),
+    )
+
+
+def test_the_supervised_micro_batches_have_a_sequence_longer_than_a_ranks_share(learner_runs):
+    split, _ = _supervised(learner_runs["zero0"])
+    for kind in ("sft", "pairs"):
+        assert split[f"{kind}_longest"] > split[f"{kind}_num_tokens"] / 2, kind
+
+
+@pytest.mark.parametrize("kind", SUPERVISED)
+def test_supervised_learners_with_sequence_parallel_equal_one_rank(learner_runs, kind):
+    reference, reference_grads = _supervised(learner_runs["reference"])
+    split, split_grads = _supervised(learner_runs["zero0"])
+    # per-token log-probs (SFT; DPO: the reference's, then the policy's) or per-sequence scores (RM)
+    for ours, theirs in zip(split[kind]["values"], reference[kind]["values"], strict=True):
+        torch.testing.assert_close(torch.tensor(ours), torch.tensor(theirs), rtol=0, atol=TOLERANCE)
+    assert any(len(values) for values in reference[kind]["values"])
+    ours, theirs = split[kind]["metrics"], reference[kind]["metrics"]
+    assert ours.keys() == theirs.keys()
+    for key, value in theirs.items():  # loss, pairs, accuracy, margins, grad_norm, tokens...
+        assert ours[key] == pytest.approx(value, rel=TOLERANCE, abs=TOLERANCE), (kind, key)
+    _assert_gradients_close(split_grads, reference_grads, f"{kind}/")

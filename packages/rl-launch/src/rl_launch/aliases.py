@@ -1116,8 +1116,10 @@ _NO_NESTEROV = (
     "optimizer config has no key to turn it off"
 )
 _SEQUENCE_PARALLEL = (
-    "sequence parallelism is rl-launch ppo's only so far (--ds.ring_attn_size → "
-    "--model.sequence_parallel_size); sft, rm, dpo and serve-rm do not have it yet"
+    "sft, rm, dpo and serve-rm run their model in the driver process as one rank, and sequence "
+    "parallelism splits a micro-batch over several ranks (rl_learner's supervised learners support it; "
+    "these commands get it with multi-rank Ray learner groups, issue 28); rl-launch ppo takes "
+    "--ds.ring_attn_size as --model.sequence_parallel_size"
 )
 
 UNSUPPORTED: Mapping[str, str] = {

@@ -373,18 +373,11 @@ class Learner:
                 )
         self.engine = engine
 
-    supports_sequence_parallel: bool = True
-    """Whether this learner's steps run a micro-batch split over a sequence-parallel group."""
-
     def _sequence_parallel_group(self, model: torch.nn.Module, size: int) -> SequenceParallelGroup | None:
         """This rank's SP group (`new_sequence_parallel_group`), after checking the model can be split."""
         if size == 1:
             return None
         owner = type(self).__name__
-        if not self.supports_sequence_parallel:
-            raise ValueError(
-                f"{owner}: DeepSpeedConfig.sequence_parallel_size {size} is not supported here; use 1"
-            )
         config = getattr(unwrap_model(model), "config", None)
         heads = getattr(config, "num_attention_heads", None)
         if heads is None:

@@ -23,6 +23,12 @@ both sides of a pair in one micro-batch and each side has at least one response 
 
 Pair metrics (accuracy, margins) are means over the step's pairs: each micro-batch adds its
 sums, reduced over ranks once after the update, then divided by the global pair count.
+
+Sequence parallelism (`DeepSpeedConfig.sequence_parallel_size` > 1, `rl_learner.sequence_parallel`):
+as in the RL learners, the ranks of a group share each micro-batch, every rank gets the full
+per-token log-probs (or per-position scores) and computes the same loss from them, so the NLL, the
+summed response log-probs and the last-token scores are exact; counts and pair metrics come from
+the group's first rank only.
 """
 
 from __future__ import annotations
@@ -190,8 +196,6 @@ class _PairMetrics:
 class SFTLearner(PolicyLearner):
     """A causal LM trained on demonstrations (micro-batches from `pack_sequences`)."""
 
-    supports_sequence_parallel = False
-
     def sft_step(
         self, micro_batches: Sequence[ExperienceBatch], *, aggregation: str = "token-mean"
     ) -> dict[str, float]:
@@ -206,7 +210,11 @@ class SFTLearner(PolicyLearner):
 
         def forward_loss(batch: ExperienceBatch, normalizer: torch.Tensor):
             logprobs = packed_logprobs(
-                self.engine, batch, only_actions=True, share_prefix=self.ds.shares_prefix
+                self.engine,
+                batch,
+                only_actions=True,
+                share_prefix=self.ds.shares_prefix,
+                sequence_parallel=self.sequence_parallel,
             )
             view, mask = batch.response_view(logprobs), batch.response_action_mask()
             if aggregation == "token-mean":
@@ -218,7 +226,10 @@ class SFTLearner(PolicyLearner):
             return total, {"loss": total.detach(), "nll": nll}
 
         def dummy_loss():
-            logits = self.engine(**packed_model_inputs(self.engine, ExperienceBatch.empty())).logits
+            inputs = packed_model_inputs(
+                self.engine, ExperienceBatch.empty(), sequence_parallel=self.sequence_parallel
+            )
+            logits = self.engine(**inputs).logits
             return logits.float().sum() * 0.0, {"loss": torch.zeros(()), "nll": torch.zeros(())}
 
         return self._train_step(
@@ -276,8 +287,6 @@ _DPO_METRICS = (
 class DPOLearner(PolicyLearner):
     """The policy of DPO / cDPO / IPO; its frozen reference is a `PolicyLearner(optimizer=None)`."""
 
-    supports_sequence_parallel = False
-
     def dpo_step(self, micro_batches: Sequence[ExperienceBatch], loss: DPOLossConfig) -> dict[str, float]:
         """One optimizer step of the DPO loss over pair micro-batches (`pack_pairs`).
 
@@ -296,7 +305,11 @@ class DPOLearner(PolicyLearner):
         def forward_loss(batch: ExperienceBatch, normalizer: torch.Tensor):
             pairs = _pair_count(batch)
             logprobs = packed_logprobs(
-                self.engine, batch, only_actions=True, share_prefix=self.ds.shares_prefix
+                self.engine,
+                batch,
+                only_actions=True,
+                share_prefix=self.ds.shares_prefix,
+                sequence_parallel=self.sequence_parallel,
             )
             policy = sequence_logprobs(batch, logprobs)
             reference = sequence_logprobs(batch, batch.ref_logprobs.to(policy.dtype))
@@ -313,11 +326,15 @@ class DPOLearner(PolicyLearner):
             with torch.no_grad():
                 metrics["chosen_logps"] = policy[:pairs].float().mean()
                 metrics["rejected_logps"] = policy[pairs:].float().mean()
-            pair_metrics.add(metrics, pairs)
+            if self.counts_for_group:  # an SP group's ranks hold the same pairs: count them once
+                pair_metrics.add(metrics, pairs)
             return total, {"loss": total.detach()}
 
         def dummy_loss():
-            logits = self.engine(**packed_model_inputs(self.engine, ExperienceBatch.empty())).logits
+            inputs = packed_model_inputs(
+                self.engine, ExperienceBatch.empty(), sequence_parallel=self.sequence_parallel
+            )
+            logits = self.engine(**inputs).logits
             return logits.float().sum() * 0.0, {"loss": torch.zeros(())}
 
         out = self._train_step(
@@ -339,8 +356,6 @@ _RM_METRICS = ("accuracy", "chosen_reward", "rejected_reward", "reward_margin")
 class RewardModelLearner(ValueLearner):
     """A reward model (`load_value_model`: causal-LM backbone + scalar `score` head) trained on pairs."""
 
-    supports_sequence_parallel = False
-
     def reward_step(
         self, micro_batches: Sequence[ExperienceBatch], *, use_margin: bool = False
     ) -> dict[str, float]:
@@ -356,15 +371,23 @@ class RewardModelLearner(ValueLearner):
 
         def forward_loss(batch: ExperienceBatch, normalizer: torch.Tensor):
             pairs = _pair_count(batch)
-            scores = packed_scores(self.engine, batch, share_prefix=self.ds.shares_prefix)
+            scores = packed_scores(
+                self.engine,
+                batch,
+                share_prefix=self.ds.shares_prefix,
+                sequence_parallel=self.sequence_parallel,
+            )
             margin = batch.rewards[:pairs].to(scores.device) if use_margin else None
             losses, metrics = reward_model_loss(scores[:pairs], scores[pairs:], margin=margin)
             total = losses.sum() / (normalizer / 2)
-            pair_metrics.add(metrics, pairs)
+            if self.counts_for_group:  # an SP group's ranks hold the same pairs: count them once
+                pair_metrics.add(metrics, pairs)
             return total, {"loss": total.detach()}
 
         def dummy_loss():
-            scores = packed_scores(self.engine, ExperienceBatch.empty())
+            scores = packed_scores(
+                self.engine, ExperienceBatch.empty(), sequence_parallel=self.sequence_parallel
+            )
             return scores.sum() * 0.0, {"loss": torch.zeros(())}
 
         out = self._train_step(

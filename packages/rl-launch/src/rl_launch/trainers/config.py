@@ -166,7 +166,10 @@ class _SupervisedRoot(_Section):
             _fail(
                 "model.sequence_parallel_size",
                 self.model.sequence_parallel_size,
-                f"must be 1: rl-launch {command}'s learners have no sequence parallelism yet (ppo's have)",
+                f"must be 1: rl-launch {command} runs its learner in the driver process as one rank, and "
+                "sequence parallelism splits each micro-batch over several ranks. rl_learner's SFTLearner, "
+                "RewardModelLearner and DPOLearner support it (DeepSpeedConfig.sequence_parallel_size); "
+                f"{command} gets it with multi-rank Ray learner groups (issue 28); rl-launch ppo has it",
             )
         if self.model.lora_rank and command != "sft":
             _fail(
