@@ -19,9 +19,11 @@ saves its last finished step first (`rl_launch.preemption`).
 from __future__ import annotations
 
 import argparse
+import atexit
+import os
 import sys
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NoReturn
 
 import msgspec
 
@@ -38,7 +40,7 @@ from .options import (
     split_mapping_entries,
 )
 
-__all__ = ["build_main_parser", "main", "resolve_ppo_config"]
+__all__ = ["build_main_parser", "console_main", "main", "resolve_ppo_config"]
 
 PROG = "rl-launch"
 
@@ -228,7 +230,8 @@ def _list_components(parser: argparse.ArgumentParser, args: argparse.Namespace) 
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the `rl-launch` console script; returns the exit code.
+    """The command line: parse `argv`, run the command, return its exit code (`console_main` is the
+    console script that calls it).
 
     `--help` exits through argparse (SystemExit 0), as do argparse's own usage errors (2).
     """
@@ -291,5 +294,22 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def console_main() -> NoReturn:
+    """The `rl-launch` console script and `python -m rl_launch.cli`: `main`, then the process ends.
+
+    Once a command has returned, what outlives the process is released (a run's local Ray is shut
+    down and its actors are gone, its files are closed): the exit handlers run (`atexit`: logging,
+    file locks, Ray, multiprocessing), and then the process ends without Python's teardown of its
+    heap. With torch, transformers, datasets and Ray loaded that teardown is a garbage collection
+    of 1.7-1.8 s on 2 cores, for memory the operating system frees at once. `--help`, a usage error
+    and an exception end the process as usual.
+    """
+    code = main()
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    console_main()

@@ -524,10 +524,12 @@ def run(config: PPOConfig) -> int:
             try:
                 trainer.fit(tracker, state, preemption=guard)
             except Preempted as stop:
+                roles.close_engines()  # runs while the outputs are written
                 summary = tracker.close(exit_code=stop.exit_code)
                 print_outputs(output_dir, summary, plan.ckpt_root, log_dir=log_dir)
                 print(f"rl-launch ppo: {stop}", file=sys.stderr)
                 return stop.exit_code
+            roles.close_engines()  # vLLM's shutdown takes seconds: it runs while the outputs are written
             final = None
             if config.ckpt.save_hf_model:
                 final = hf_output_dir(config)

@@ -108,6 +108,7 @@ class Roles:
         self.learners_offloaded = False
         self.engine_helpers: list[Any] = []  # rl_launch.leftovers.HelperProcesses per engine
         self._receipts: list[tuple[Any, list]] = []  # async mode: syncs whose receipts are not compared yet
+        self._engines_closing: list | None = None  # the engines' `close` calls (`close_engines`)
         self.sync_spec: Any = None  # the WeightSyncSpec both sides joined (`init_weight_sync`)
 
     # ------------------------------------------------------------------------------------------
@@ -635,6 +636,13 @@ class Roles:
                     names[actor._actor_id.hex()] = f"{role}-{rank}"
         return names
 
+    def close_engines(self) -> None:
+        """Start the engines' own shutdown without waiting (vLLM's takes seconds: its worker and
+        engine core exit, its ring buffers go), so that it runs while the driver writes the run's
+        last outputs; `shutdown` waits for it. No engine call may follow."""
+        if self.engines is not None and self._engines_closing is None:
+            self._engines_closing = self.engines.submit("close")
+
     def shutdown(self) -> None:
         import ray
         from ray.util.placement_group import remove_placement_group
@@ -645,8 +653,8 @@ class Roles:
         closing = []
         if "policy" in self.groups:  # the sender removes its shared-memory folder (shm sync)
             closing += self.groups["policy"].submit("close")
-        if self.engines is not None:  # vLLM's own shutdown: its engine core, workers and ring buffers
-            closing += self.engines.submit("close")
+        self.close_engines()  # vLLM's own shutdown: its engine core, workers and ring buffers
+        closing += self._engines_closing or []
         with contextlib.suppress(Exception):  # an actor that died or hangs: swept below
             ray.wait(closing, num_returns=len(closing), timeout=30)
         for group in [*self.groups.values(), *([self.engines] if self.engines is not None else [])]:
