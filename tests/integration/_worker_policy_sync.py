@@ -1,11 +1,13 @@
-"""The learner side of tests/integration/test_rollout_learn_sync.py, one real DeepSpeed rank (ZeRO-3, CPU).
+"""The learner side of the whole-loop test in tests/rollout/test_vllm_engine.py
+(`test_vllm_rollout_trains_a_zero3_learner_whose_weights_come_back_to_the_engine`), one real
+DeepSpeed rank (ZeRO-3, CPU).
 
-    python _worker_policy_sync.py CHECKPOINT RECORDS SPEC OUT_DIR
+    python _worker_policy_sync.py CHECKPOINT RECORDS SPEC OUT_DIR VERSION
 
 Reads the rollout records (rl_data wire format) and the weight-sync spec, then:
 1. computes the policy's log-probs of the sampled responses (they must match the engine's);
 2. GRPO advantages, one PPO train step on the whole batch (4 micro-batches);
-3. sends the new weights to the engine with the spec's sender (ZeRO-3 gathered per bucket);
+3. sends the new weights to the engine as VERSION with the spec's sender (ZeRO-3 gathered per bucket);
 4. exports the trained policy as an HF folder, for the test to compare the engine against.
 Writes OUT_DIR/result.json (log-prob mismatch, train metrics, the sender's report).
 """
@@ -45,7 +47,7 @@ def main() -> None:
     }.items():
         os.environ.setdefault(name, value)
     os.environ.setdefault("MASTER_PORT", str(free_port()))
-    checkpoint, records_path, spec_path, out = sys.argv[1:5]
+    checkpoint, records_path, spec_path, out, version = sys.argv[1:6]
     out_dir = pathlib.Path(out)
     records = decode(pathlib.Path(records_path).read_bytes(), list[Trajectory])
     spec = decode(pathlib.Path(spec_path).read_bytes(), WeightSyncSpec)
@@ -79,7 +81,7 @@ def main() -> None:
     metrics = learner.train_step(parts, PolicyLossConfig(name="ppo"))
 
     sender = make_sender(spec, learner.engine)
-    report = sender.send(version=1)
+    report = sender.send(version=int(version))
     sender.close()
     export_hf(learner.engine, out_dir / "trained")
     (out_dir / "result.json").write_text(

@@ -7,12 +7,15 @@ DeepSpeed engines (gloo, CPU, fp32) for `--steps` steps, saving a checkpoint eve
 attention dropout, NumPy's picks a length and Python's the row order.
 
 `--crash-at-save N` kills the process (SIGKILL) in the middle of the save at step N, after the
-engines' files are written but before the manifest, leaving a partial `.tmp-*` folder.
+engines' files are written but before the manifest, leaving a partial `.tmp-*` folder. Before
+that save it writes its result as an uninterrupted run of N steps would (the save changes no
+weight and draws no random number): the reference the resumed run must equal.
 `--resume` loads the latest checkpoint (or `--resume-tag`) and continues from its step (`--no-restore-rng`:
 without the saved RNG states, a control that must diverge).
 
 Each rank writes `<out>.rank<r>.json`: the losses per step (float.hex), a SHA-256 of the final
-weights of each engine, the step it started from and the checkpoint root's listing.
+weights of each engine, the step it started from and the checkpoint root's listing (a crashing
+run: as they were before the fatal save).
 """
 
 from __future__ import annotations
@@ -66,6 +69,20 @@ def weights_digest(engine) -> str:
     return digest.hexdigest()
 
 
+def write_result(args: argparse.Namespace, start: int, losses: dict, engines: dict) -> None:
+    """`<out>.rank<r>.json` (the module docstring); on every rank (ZeRO-3 gathers the weights)."""
+    from rl_learner.checkpoint import list_checkpoints
+
+    result = {
+        "start": start,
+        "losses": losses,
+        "weights": {name: weights_digest(engine) for name, engine in engines.items()},
+        "checkpoints": [info.tag for info in list_checkpoints(args.root)],
+        "root_entries": sorted(os.listdir(args.root)),
+    }
+    Path(f"{args.out}.rank{torch.distributed.get_rank()}.json").write_text(json.dumps(result, indent=1))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)
@@ -85,7 +102,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     from rl_data.datasets import PromptLoader
-    from rl_learner.checkpoint import TrainingState, list_checkpoints, load_checkpoint, save_checkpoint
+    from rl_learner.checkpoint import TrainingState, load_checkpoint, save_checkpoint
 
     deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
@@ -141,6 +158,7 @@ def main() -> None:
 
         if step % args.save_every == 0:
             if step == args.crash_at_save:
+                write_result(args, start, losses, engines)
                 save_critic = engines["critic"].save_checkpoint
 
                 def save_then_die(*a, _save=save_critic, **k):
@@ -157,14 +175,7 @@ def main() -> None:
             )
             save_checkpoint(args.root, step, engines, state, keep_last=args.keep_last)
 
-    result = {
-        "start": start,
-        "losses": losses,
-        "weights": {name: weights_digest(engine) for name, engine in engines.items()},
-        "checkpoints": [info.tag for info in list_checkpoints(args.root)],
-        "root_entries": sorted(os.listdir(args.root)),
-    }
-    Path(f"{args.out}.rank{rank}.json").write_text(json.dumps(result, indent=1))
+    write_result(args, start, losses, engines)
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 

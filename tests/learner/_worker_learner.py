@@ -1,16 +1,20 @@
 """One rank of a real DeepSpeed-on-CPU learner run (gloo), started by tests/learner/test_learner.py.
 
-    python _worker_learner.py OUT_DIR STAGE DTYPE [--checks]      (DTYPE: float64 or float32)
+    python _worker_learner.py FOLDER RUN [RUN ...]
+        RUN: STAGE,DTYPE or STAGE,DTYPE,checks (DTYPE: float64 or float32)
 
 Environment: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT, DS_ACCELERATOR=cpu.
 
-Writes into OUT_DIR (rank 0 for shared results, every rank for per-rank ones):
+The runs go one after the other in this process: one world pays its interpreter, import and
+DeepSpeed start-up once, not once per configuration; every run builds its own engines from the
+seeded tiny models. Each run writes into OUT_DIR = FOLDER/zero<STAGE> (rank 0 for shared
+results, every rank for per-rank ones):
   policy.safetensors   policy parameters after NUM_STEPS train steps on the fixed batch, split
                        over WORLD_SIZE ranks × (4 / WORLD_SIZE) micro-batches, plus one empty
                        micro-batch on every rank;
   critic.safetensors   the same for a critic (clipped value loss);
   metrics.json         train-step metrics, inference results and the checks below.
-With --checks also: non-finite inputs on rank WORLD_SIZE − 1 (skip leaves everything bit-identical,
+With `checks` also: non-finite inputs on rank WORLD_SIZE − 1 (skip leaves everything bit-identical,
 raise names micro-batch/rank/quantity), a non-finite loss from finite inputs, and the loss going
 down over several steps on a fixed batch.
 """
@@ -79,7 +83,8 @@ def optimizer_fingerprint(learner) -> list[float]:
     return out
 
 
-def main() -> None:
+def run(out_dir: pathlib.Path, stage: int, dtype: torch.dtype, checks: bool) -> None:
+    """One configuration, written into `out_dir` (the module docstring)."""
     from safetensors.torch import save_file
 
     from rl_learner.config import DeepSpeedConfig, OptimizerConfig
@@ -91,10 +96,7 @@ def main() -> None:
         ValueLossConfig,
     )
 
-    out_dir = pathlib.Path(sys.argv[1])
-    stage = int(sys.argv[2])
-    dtype = {"float64": torch.float64, "float32": torch.float32}[sys.argv[3]]
-    checks = "--checks" in sys.argv
+    out_dir.mkdir(exist_ok=True)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     results: dict = {"rank": rank, "world_size": world}
 
@@ -232,6 +234,14 @@ def main() -> None:
     if rank == 0:
         save_file(critic_state, str(out_dir / "critic.safetensors"))
     (out_dir / f"metrics_rank{rank}.json").write_text(json.dumps(results))
+
+
+def main() -> None:
+    folder = pathlib.Path(sys.argv[1])
+    for spec in sys.argv[2:]:
+        stage, dtype, *checks = spec.split(",")
+        dtypes = {"float64": torch.float64, "float32": torch.float32}
+        run(folder / f"zero{stage}", int(stage), dtypes[dtype], checks == ["checks"])
     # Leave together: rank 0 holds the rendezvous store, and a rank still talking to it when rank 0
     # exits aborts ("terminate called without an active exception", exit -6).
     torch.distributed.barrier()

@@ -1,8 +1,9 @@
-"""One rank of a two-rank gloo world, started by tests/learner/test_sequence_parallel.py.
+"""One rank of a two-rank gloo world for tests/learner/test_sequence_parallel.py.
 
     python _worker_sequence_parallel.py OUT_DIR
 
-Runs the packed forward and backward of the tiny Qwen2 policy (log-probs, entropy) and critic
+(the test runs `diffs` inside `_worker_sequence_parallel_learner.py --diffs`, whose two-rank world
+it shares). Runs the packed forward and backward of the tiny Qwen2 policy (log-probs, entropy) and critic
 (values, scores) once whole on every rank (SP = 1) and once split over the two ranks (SP = 2,
 `rl_learner.sequence_parallel`), and writes the largest absolute differences of the outputs and
 of every parameter gradient (the SP gradients summed over the group) to OUT_DIR/diffs{rank}.json.
@@ -90,9 +91,8 @@ def critic_case(model, batch, weights, group, **options) -> dict:
     }
 
 
-def main() -> None:
-    out = pathlib.Path(sys.argv[1])
-    dist.init_process_group("gloo")
+def diffs(out: pathlib.Path) -> None:
+    """The comparisons of the module docstring, in this process's (two-rank) default group."""
     rank = dist.get_rank()
     group = new_sequence_parallel_group(2)
     tokenizer = build_tiny_tokenizer()
@@ -139,6 +139,11 @@ def main() -> None:
     except ValueError as error:
         results["heads_error"] = str(error)
     (out / f"diffs{rank}.json").write_text(json.dumps(results, indent=1))
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    diffs(pathlib.Path(sys.argv[1]))
     dist.barrier()
     dist.destroy_process_group()
 

@@ -1,6 +1,9 @@
 """One rank of a learner run with sequence parallelism, started by tests/learner/test_sequence_parallel.py.
 
-    python _worker_sequence_parallel_learner.py OUT_DIR STAGES SP      (WORLD_SIZE = SP here: dp = 1)
+    python _worker_sequence_parallel_learner.py OUT_DIR STAGES SP [--diffs]   (WORLD_SIZE = SP: dp = 1)
+
+With --diffs (SP = 2) the ranks first run `_worker_sequence_parallel.diffs` (OUT_DIR/diffs{rank}.json):
+one two-rank world for both, its start-up paid once.
 
 For each ZeRO stage in STAGES (comma-separated, one after the other in this process), a
 PolicyLearner and a ValueLearner (float32, `sequence_parallel_size` SP) each compute inference
@@ -252,16 +255,21 @@ def run_supervised(out: pathlib.Path, sp: int) -> None:
 
 
 def main() -> None:
+    import torch.distributed as dist
+
     out = pathlib.Path(sys.argv[1])
     stages, sp = [int(stage) for stage in sys.argv[2].split(",")], int(sys.argv[3])
+    if "--diffs" in sys.argv[4:]:
+        from _worker_sequence_parallel import diffs
+
+        dist.init_process_group("gloo")  # the learners' DeepSpeed start-up adopts this group
+        diffs(out)
     for stage in stages:
         folder = out / f"zero{stage}"
         folder.mkdir(exist_ok=True)
         run(folder, stage, sp)
         if stage == 0:
             run_supervised(folder, sp)
-    import torch.distributed as dist
-
     dist.barrier()
     dist.destroy_process_group()
 

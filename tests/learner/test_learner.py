@@ -1,11 +1,12 @@
 """Real DeepSpeed-on-CPU learner runs (gloo), one or two processes, against a plain-torch full-batch step.
 
-Each configuration runs `_worker_learner.py` once per rank; the worker trains a policy and a
-critic for NUM_STEPS steps over its share of a fixed batch (micro-batches from
-`rl_data.plan_micro_batches`, plus one empty micro-batch per rank) and writes the parameters
-and metrics. The reference here trains an identical model with torch AdamW on the whole batch
-at once (no micro-batches, no ranks, the aggregation's own normaliser): the global-normaliser
-contract says every split must give the same weights.
+Each world size runs `_worker_learner.py` once per rank, and that world runs its configurations
+one after the other (one interpreter and DeepSpeed start-up per rank, not per configuration); per
+configuration the worker trains a policy and a critic for NUM_STEPS steps over its share of a
+fixed batch (micro-batches from `rl_data.plan_micro_batches`, plus one empty micro-batch per
+rank) and writes the parameters and metrics. The reference here trains an identical model with
+torch AdamW on the whole batch at once (no micro-batches, no ranks, the aggregation's own
+normaliser): the global-normaliser contract says every split must give the same weights.
 """
 
 from __future__ import annotations
@@ -65,13 +66,17 @@ WEIGHTS = {"rtol": 1e-5, "atol": 2e-5}
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[int, int], pathlib.Path]:
-    """Start every configuration's ranks at once; wait; return their output folders."""
+    """Start one world per world size, both at once, each running its configurations in turn by
+    stage; wait; return every configuration's output folder."""
     started = []
     folders = {}
-    for stage, world, dtype, checks in RUNS:
-        folder = tmp_path_factory.mktemp(f"zero{stage}_world{world}")
-        folders[stage, world] = folder
-        started += start_ranks(WORKER, folder, world, str(stage), dtype, *(["--checks"] if checks else []))
+    for world in sorted({world for _, world, _, _ in RUNS}):
+        folder = tmp_path_factory.mktemp(f"world{world}")
+        mine = sorted((run for run in RUNS if run[1] == world), key=lambda run: run[0])
+        for stage, _, _, _ in mine:
+            folders[stage, world] = folder / f"zero{stage}"
+        specs = [f"{stage},{dtype}" + (",checks" if checks else "") for stage, _, dtype, checks in mine]
+        started += start_ranks(WORKER, folder, world, *specs)
     wait_ranks(started)
     return folders
 

@@ -5,7 +5,9 @@ ValueLearner with `sequence_parallel_size` 2 under ZeRO 0, 2 and 3 trains to the
 norm and weights as one rank without it, its reference (PolicyLearner without optimizer) and reward
 model (ValueLearner without optimizer) give the same log-probs and scores, and the supervised
 learners (SFT, DPO, reward model; ZeRO-0) give the same values, loss, metrics and every parameter
-gradient (`_worker_sequence_parallel_learner.py`). Ranks run in subprocesses."""
+gradient (`_worker_sequence_parallel_learner.py`). Ranks run in subprocesses: the SP = 2 learner
+world runs the unsplit-forward comparisons first (one two-rank world for both), beside the
+one-rank reference."""
 
 from __future__ import annotations
 
@@ -23,17 +25,9 @@ HERE = pathlib.Path(__file__).resolve().parent
 TOLERANCE = 1e-5  # float32; gradients: relative to the largest gradient element when that exceeds 1
 
 
-def run_ranks(
-    worker: pathlib.Path, folder: pathlib.Path, world: int, *args: str, timeout: float = 600
-) -> None:
-    """Start `world` gloo ranks of `worker` (RANK/WORLD_SIZE/MASTER_* set), wait, fail with their logs."""
-    wait_ranks(start_ranks(worker, folder, world, *args), timeout)
-
-
 @pytest.fixture(scope="module")
-def diffs(tmp_path_factory) -> list[dict]:
-    folder = tmp_path_factory.mktemp("sequence_parallel")
-    run_ranks(HERE / "_worker_sequence_parallel.py", folder, 2)
+def diffs(learner_runs) -> list[dict]:
+    folder = learner_runs["zero0"].parent  # `learner_runs`' SP = 2 world wrote them first
     return [json.loads((folder / f"diffs{rank}.json").read_text()) for rank in range(2)]
 
 
@@ -67,10 +61,11 @@ SP_STAGES = (0, 2, 3)
 
 @pytest.fixture(scope="module")
 def learner_runs(tmp_path_factory) -> dict[str, pathlib.Path]:
-    """The one-rank reference (ZeRO-0, SP 1) beside SP = 2 × DP = 1 under each ZeRO stage in turn."""
+    """The one-rank reference (ZeRO-0, SP 1) beside SP = 2 × DP = 1 under each ZeRO stage in turn
+    (after the unsplit-forward comparisons of `diffs`)."""
     reference, split = tmp_path_factory.mktemp("sp1"), tmp_path_factory.mktemp("sp2")
     started = start_ranks(LEARNER_WORKER, reference, 1, "0", "1")
-    started += start_ranks(LEARNER_WORKER, split, 2, ",".join(map(str, SP_STAGES)), "2")
+    started += start_ranks(LEARNER_WORKER, split, 2, ",".join(map(str, SP_STAGES)), "2", "--diffs")
     wait_ranks(started)
     return {
         "reference": reference / "zero0",

