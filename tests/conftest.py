@@ -40,7 +40,8 @@ os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get
 
 
 # The files that take longest (seconds of one worker's time in a full run on 2 cores), run first:
-# `--dist=loadfile` hands whole files to the workers in collection order, so a long file collected
+# `--dist=loadfile` hands whole files to the workers in collection order (with
+# `--no-loadscope-reorder`, pyproject.toml), so a long file collected
 # last keeps one worker busy while the other idles. Longest first, then the other files with slow
 # tests, then the fast ones (which fill the gaps) lets both workers finish together.
 LONGEST_FILES = (
