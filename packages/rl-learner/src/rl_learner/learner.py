@@ -784,6 +784,15 @@ class PolicyLearner(Learner):
 
         return self._inference(micro_batches, run)
 
+    def _empty_batch_logits(self) -> torch.Tensor:
+        """The model's logits for an empty micro-batch: a rank with fewer micro-batches than the
+        others runs this so that its forward and backward still join ZeRO's and the SP group's
+        collectives (the caller multiplies by 0 to get a loss with no gradient)."""
+        inputs = packed_model_inputs(
+            self.engine, ExperienceBatch.empty(), sequence_parallel=self.sequence_parallel
+        )
+        return self.engine(**inputs).logits
+
     def train_step(
         self, micro_batches: Sequence[ExperienceBatch], loss: PolicyLossConfig
     ) -> dict[str, float]:
@@ -891,10 +900,7 @@ class PolicyLearner(Learner):
             return total, metrics
 
         def dummy_loss():
-            inputs_ = packed_model_inputs(
-                self.engine, ExperienceBatch.empty(), sequence_parallel=self.sequence_parallel
-            )
-            logits = self.engine(**inputs_).logits
+            logits = self._empty_batch_logits()
             zero = torch.zeros(1, 1, device=self.device)
             with torch.no_grad():
                 _, metrics = terms(

@@ -45,7 +45,7 @@ from rl_data import ExperienceBatch
 from rl_data.packing import cu_seqlens_from_lengths, position_ids_from_cu_seqlens
 
 from .learner import PolicyLearner, ValueLearner
-from .models import packed_logprobs, packed_model_inputs, packed_scores
+from .models import packed_logprobs, packed_scores
 
 __all__ = [
     "SFT_AGGREGATIONS",
@@ -226,10 +226,7 @@ class SFTLearner(PolicyLearner):
             return total, {"loss": total.detach(), "nll": nll}
 
         def dummy_loss():
-            inputs = packed_model_inputs(
-                self.engine, ExperienceBatch.empty(), sequence_parallel=self.sequence_parallel
-            )
-            logits = self.engine(**inputs).logits
+            logits = self._empty_batch_logits()
             return logits.float().sum() * 0.0, {"loss": torch.zeros(()), "nll": torch.zeros(())}
 
         return self._train_step(
@@ -331,10 +328,7 @@ class DPOLearner(PolicyLearner):
             return total, {"loss": total.detach()}
 
         def dummy_loss():
-            inputs = packed_model_inputs(
-                self.engine, ExperienceBatch.empty(), sequence_parallel=self.sequence_parallel
-            )
-            logits = self.engine(**inputs).logits
+            logits = self._empty_batch_logits()
             return logits.float().sum() * 0.0, {"loss": torch.zeros(())}
 
         out = self._train_step(
