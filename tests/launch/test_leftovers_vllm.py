@@ -1,6 +1,7 @@
 """vLLM's shared memory (`/dev/shm/psm_*`, `sem.mp-*`) and engine-core processes after its
 process dies: `close()` leaves nothing; a SIGKILLed one leaves them, and the launcher's sweep
-(`rl_launch.leftovers`) removes exactly what that engine recorded.
+(`rl_launch.leftovers`) removes exactly what that engine recorded. The engine runs vLLM's engine
+core in a process of its own (`in_process=False`): in one process there is nothing to leave.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import os, sys, msgspec
 from rl_launch.leftovers import HelperProcesses
 from rl_rollout.engines.vllm import VLLMEngine
 if __name__ == "__main__":
-    engine = VLLMEngine(sys.argv[1], max_model_len=64, enforce_eager=True)
+    engine = VLLMEngine(sys.argv[1], max_model_len=64, enforce_eager=True, in_process=False)
     print("HELPERS " + msgspec.json.encode(HelperProcesses.of_this_process()).decode(), flush=True)
     if sys.argv[2] == "close":
         engine.close()

@@ -5,8 +5,8 @@ whole loop once (rollout -> a DeepSpeed ZeRO-3 learner process -> its weights ba
 One engine serves the whole module (a module-scoped fixture, closed at the end): a vLLM engine
 takes ~45 s to start on 2 cores and only one should run at a time (so the whole-loop test, which
 needs one too, lives here rather than in tests/integration). It runs inside the pytest
-process; `VLLMEngine.close()` shuts its engine-core process down, so later modules can start
-their own. Every test that changes the weights restores the checkpoint's weights (as a newer
+process, vLLM's engine core and model too (`in_process`, the default); `VLLMEngine.close()`
+shuts it down, so later modules can start their own. Every test that changes the weights restores the checkpoint's weights (as a newer
 version) before it returns, so the tests do not depend on their order.
 """
 
@@ -284,6 +284,42 @@ def test_init_weight_sync_checks_its_arguments(vllm_engine, tiny_checkpoint):
         vllm_engine.init_weight_sync(spec, 0)
     with pytest.raises(ValueError, match="do not fit in the group's world_size 2"):
         vllm_engine.init_weight_sync(spec, 2)
+
+
+def test_the_engine_runs_in_this_process_and_leaves_torch_threads_to_the_caller(vllm_engine):
+    import psutil
+
+    # no engine-core or worker process: every child of this process would be vLLM's
+    children = psutil.Process().children(recursive=True)
+    assert [child.cmdline() for child in children] == []
+    # vLLM's CPU worker replaces torch.set_num_threads process-wide; the engine gives it back
+    assert torch.set_num_threads.__module__ == "torch"
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1 if threads > 1 else 2)
+        assert torch.get_num_threads() == (1 if threads > 1 else 2)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_cancelling_agenerate_aborts_its_request_in_vllm(vllm_engine, test_prompts):
+    import asyncio
+
+    long = SamplingParams(temperature=1.0, max_new_tokens=200, ignore_eos=True, n=4)
+
+    async def cancel_after_first_step() -> None:
+        task = asyncio.ensure_future(vllm_engine.agenerate(test_prompts[0], long))
+        while not vllm_engine._call(lambda engine: engine.get_num_unfinished_requests()):
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(cancel_after_first_step())
+    # the abort reaches vLLM between two steps: nothing is left running, and the engine serves on
+    assert vllm_engine._call(lambda engine: engine.get_num_unfinished_requests()) == 0
+    assert vllm_engine._requests == {}
+    assert len(vllm_engine.generate([test_prompts[0]], GREEDY)[0][0].token_ids) == GREEDY.max_new_tokens
 
 
 def test_seeded_requests_beyond_one_scheduler_step_of_prompt_tokens_all_complete(vllm_engine):

