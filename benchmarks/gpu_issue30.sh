@@ -7,7 +7,8 @@
 # Steps, in order; each is time-boxed (`timeout`, and never past the script's deadline), each
 # runs whatever the previous one did, and the GPU processes a step leaves are killed after it:
 #   warm  (in the background from the start) DeepSpeed's FusedAdam, which builds just in time
-#         (nvcc, ~1 min) the first time a learner takes it: built once here, reused by b, c, d
+#         (nvcc, ~1 min) the first time a learner takes it: built once (the install call starts
+#         the build in its own session; this waits for it or builds), reused by b, c, d
 #   a     nvidia-smi, `import vllm, ray, deepspeed, trl, datasets, msgspec` with their versions
 #   b     pytest -m gpu: the gpu-marked tests
 #   c     pytest tests/rollout/test_vllm_engine.py: VLLMEngine on the official vLLM, on the GPU
@@ -23,7 +24,8 @@
 # batches only, captured in seconds; eager: rollout.enforce_eager; compiled: vLLM's default,
 # torch.compile + piecewise graphs, ~1 min more at start-up), D_TOKENS (512 new tokens per
 # answer, all of them: min_new_tokens), D_PROMPTS (8), D_N (8 samples per prompt), D_STEPS (5),
-# GPU_TESTS_STOP (--maxfail=3), GPU_TESTS_WORKERS (4 pytest-xdist workers for b); for a dry run
+# GPU_TESTS_STOP (--maxfail=3), GPU_TESTS_WORKERS (4 pytest-xdist workers for b), STEPS (abcd: the
+# steps to run, e.g. STEPS=ad); for a dry run
 # of this script on a CPU machine: PY (python3), SITE (/tmp/site), D_DEVICE (cuda), D_SIZE (0.5b).
 set -u
 
@@ -50,15 +52,18 @@ PY=${PY:-python3}
 say() { echo "$*" | tee -a "$SUMMARY"; }
 left() { echo $((DEADLINE - $(date +%s))); }
 
-cleanup() { # the GPU processes and Ray daemons a step left (nothing else of ours runs here)
+cleanup() { # the GPU processes, Ray daemons and vLLM engine cores a step left (a timed-out pytest
+  # leaves vLLM's engine core running: it is not in timeout's process group); nothing else runs here
   local pid cmd
   for pid in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null); do
-    cmd=$(tr '\0' ' ' < "/proc/$pid/cmdline" 2>/dev/null) || continue
+    cmd=$({ tr '\0' ' ' < "/proc/$pid/cmdline"; } 2>/dev/null) || continue
     case "$cmd" in *FusedAdamBuilder*) ;; *) kill -9 "$pid" 2>/dev/null ;; esac
   done
   for pid in $(ls /proc | grep -E '^[0-9]+$'); do
-    cmd=$(tr '\0' ' ' < "/proc/$pid/cmdline" 2>/dev/null) || continue
-    case "$cmd" in *"$SITE/ray/core/src/ray/"* | *"$SITE/ray/_private/"* | *"$SITE/ray/dashboard/"*) kill -9 "$pid" 2>/dev/null ;; esac
+    cmd=$({ tr '\0' ' ' < "/proc/$pid/cmdline"; } 2>/dev/null) || continue
+    case "$cmd" in
+      *"$SITE/ray/core/src/ray/"* | *"$SITE/ray/_private/"* | *"$SITE/ray/dashboard/"* | "VLLM::"*) kill -9 "$pid" 2>/dev/null ;;
+    esac
   done
   sleep 1
 }
@@ -67,6 +72,7 @@ cleanup() { # the GPU processes and Ray daemons a step left (nothing else of our
 step() {
   local name=$1 max=$2 log=$3 t s rc
   shift 3
+  case "${STEPS:-abcd}" in *"$name"*) ;; *) say "[$name] not run (STEPS=${STEPS})"; return ;; esac
   t=$(($(left) - 15))
   [ "$t" -lt "$max" ] || t=$max
   if [ "$t" -lt 20 ]; then
@@ -128,38 +134,62 @@ PYTEST=($PY -m pytest -o "addopts=" --import-mode=importlib --strict-markers -p 
 B=$OUT/b_gpu_tests.log
 mapfile -t GPU_FILES < <(grep -rl --include='test_*.py' 'mark\.gpu' tests | sort)
 echo "gpu-marked files: ${GPU_FILES[*]}" >> "$B"
-step b 120 "$B" "${PYTEST[@]}" -m gpu ${GPU_TESTS_STOP:---maxfail=3} -n "${GPU_TESTS_WORKERS:-4}" --dist loadfile "${GPU_FILES[@]}"
-tail -n 25 "$B" | grep -E 'passed|failed|error|FAILED|ERROR' | tail -n 12 | sed 's/^/  b: /' | tee -a "$SUMMARY"
+step b 150 "$B" "${PYTEST[@]}" -m gpu ${GPU_TESTS_STOP:---maxfail=3} -n "${GPU_TESTS_WORKERS:-4}" --dist loadfile "${GPU_FILES[@]}"
+tail -n 25 "$B" | grep -E 'passed|failed|skipped|error|FAILED|ERROR' | tail -n 12 | sed 's/^/  b: /' | tee -a "$SUMMARY"
 
 # c. the vLLM engine's tests on the official vLLM
 C=$OUT/c_vllm_engine.log
 step c 120 "$C" "${PYTEST[@]}" tests/rollout/test_vllm_engine.py
-tail -n 25 "$C" | grep -E 'passed|failed|error|FAILED|ERROR' | tail -n 12 | sed 's/^/  c: /' | tee -a "$SUMMARY"
+tail -n 25 "$C" | grep -E 'passed|failed|skipped|error|FAILED|ERROR' | tail -n 12 | sed 's/^/  c: /' | tee -a "$SUMMARY"
 
 # the warm-up should be long done; wait for it (bounded) so that d never builds FusedAdam itself
 wait "$WARM_PID" 2>/dev/null
+[ -f /tmp/torch_extensions/prebuild.log ] && { echo "-- the install call's prebuild:"; cat /tmp/torch_extensions/prebuild.log; } >> "$OUT/warm.log"
 say "warm: $(tail -n 2 "$OUT/warm.log" | tr '\n' ' ')"
 
 # d. the long workload on the GPU: ours against TRL
 D=$OUT/d_long.log
-case "${VLLM_MODE:-decode-graphs}" in
-  decode-graphs) ENGINE=(--ours-option 'rollout.engine_options.compilation_config={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}') ;;
-  eager) ENGINE=(--ours-option rollout.enforce_eager=true) ;;
-  compiled) ENGINE=() ;;
-  *) say "VLLM_MODE=${VLLM_MODE}: not one of decode-graphs, eager, compiled"; ENGINE=() ;;
-esac
 PRESETS=()
 [ -d /tmp/gpukit/presets ] && PRESETS=(--preset-root /tmp/gpukit/presets) # the carried build: no SFT here
-t=$(($(left) - 15))
-[ "$t" -gt 330 ] && t=330
-side=$(((t - 30) * 11 / 20)) # each side's limit inside the benchmark (ours starts Ray and vLLM: 55 %)
-step d 330 "$D" $PY "$BENCH" --workload long --device "${D_DEVICE:-cuda}" --model-size "${D_SIZE:-0.5b}" --seed 0 \
-  --max-new-tokens "${D_TOKENS:-512}" --prompts "${D_PROMPTS:-8}" --n "${D_N:-8}" --steps "${D_STEPS:-5}" \
-  --timeout "$side" --keep "${PRESETS[@]}" "${ENGINE[@]}"
-scratch=$(sed -n 's/^scratch folder: //p' "$D" | tail -1)
-if [ -n "$scratch" ]; then
-  cp "$(find "$scratch" -name ours.log | head -1)" "$OUT/d_ours.log" 2>/dev/null
-  cp "$scratch/trl.log" "$OUT/d_trl.log" 2>/dev/null
+
+run_d() { # $1 = VLLM_MODE
+  local engine=() t side
+  case "$1" in
+    decode-graphs) engine=(--ours-option 'rollout.engine_options.compilation_config={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}') ;;
+    eager) engine=(--ours-option rollout.enforce_eager=true) ;;
+    compiled) ;;
+    *) say "VLLM_MODE=$1: not one of decode-graphs, eager, compiled; vLLM's default (compiled) runs" ;;
+  esac
+  t=$(($(left) - 15))
+  [ "$t" -gt 330 ] && t=330
+  side=$(((t - 30) * 11 / 20)) # each side's limit inside the benchmark (ours starts Ray and vLLM: 55 %)
+  say "[d] VLLM_MODE=$1"
+  step d 330 "$D" $PY "$BENCH" --workload long --device "${D_DEVICE:-cuda}" --model-size "${D_SIZE:-0.5b}" --seed 0 \
+    --max-new-tokens "${D_TOKENS:-512}" --prompts "${D_PROMPTS:-8}" --n "${D_N:-8}" --steps "${D_STEPS:-5}" \
+    --timeout "$side" --keep "${PRESETS[@]}" "${engine[@]}"
+}
+
+collect_d() { # our side's console, metrics and actor logs (tails) into one file; TRL's console
+  local scratch f
+  scratch=$(sed -n 's/^scratch folder: //p' "$D" | tail -1)
+  [ -n "$scratch" ] && [ -d "$scratch" ] || return
+  {
+    for f in $(find "$scratch" -name ours.log -o -name metrics.jsonl -o -path '*/ours/logs/*.log' | sort); do
+      echo "===== $f (last 400 lines)"
+      tail -n 400 "$f"
+    done
+  } >> "$OUT/d_ours.log" 2>&1
+  [ -f "$scratch/trl.log" ] && { echo "===== $scratch/trl.log"; cat "$scratch/trl.log"; } >> "$OUT/d_trl.log"
+}
+
+MODE=${VLLM_MODE:-decode-graphs}
+run_d "$MODE"
+collect_d
+if [[ "${STEPS:-abcd}" == *d* ]] && ! grep -q '^ours done' "$D" && [ "$MODE" != eager ] && ! grep -q 'actors ready' "$OUT/d_ours.log" 2>/dev/null \
+  && [ "$(left)" -gt 240 ]; then
+  say "[d] ours failed before its actors were ready with VLLM_MODE=$MODE: once more with eager"
+  run_d eager
+  collect_d
 fi
 grep -E '^(model |workload |samples/s|mean step|wall seconds|start-up|mean response|ours, share|  ours |  TRL |  TRL/ours|step seconds|ours done|TRL done)' "$D" \
   | sed 's/^/  d: /' | tee -a "$SUMMARY"

@@ -177,6 +177,13 @@ print('imports ok in %.1f s:' % (time.time() - t), 'torch', torch.__version__, '
       '| datasets', datasets.__version__, '| msgspec', msgspec.__version__, '| transformers', transformers.__version__)
 "
 echo "KIT READY in \$(( \$(date +%s) - t0 )) s"
+# DeepSpeed's FusedAdam builds just in time (nvcc, ~1 min): start it now in its own session, so
+# that it runs on between this call and the next (gpu_issue30.sh waits for it; same settings)
+mkdir -p /tmp/torch_extensions
+TORCH_EXTENSIONS_DIR=/tmp/torch_extensions TORCH_CUDA_ARCH_LIST=9.0 DS_ACCELERATOR=cuda setsid nohup \\
+  python3 -c "from deepspeed.ops.op_builder import FusedAdamBuilder; FusedAdamBuilder().load(); print('FusedAdam ready')" \\
+  > /tmp/torch_extensions/prebuild.log 2>&1 < /dev/null &
+echo "FusedAdam build started in the background (/tmp/torch_extensions/prebuild.log)"
 EOF
 chmod +x "$CARRY/$lastx/install.sh"
 
@@ -209,7 +216,9 @@ total=${#calls[@]}
 {
   echo "# $total device calls for issue 30's GPU run ($(mib "$xbytes") of extras + the vLLM kit's $N parts)."
   echo "# Make calls 1..$((total - 1)) back to back (the machine keeps what they left only 30 s after each);"
-  echo "# call $total runs benchmarks/gpu_issue30.sh (< 9 min, bounded by its own deadline) and should follow at once."
+  echo "# call $total runs benchmarks/gpu_issue30.sh (< 9 min: it ends by its own deadline, BUDGET_S=530 s from its"
+  echo "# start) and should follow at once. With less device time left, prefix it with BUDGET_S=<seconds>: the steps"
+  echo "# shrink to fit (d, the benchmark, gets what a, b and c leave)."
   echo "# A call answering 'RESTART FROM part01' (exit 3) means the machine was replaced: start again at call 1."
   echo "# The checkout sends $(mib "$repo") with each call; sizes below include it (limit 64 MiB)."
   for i in $(seq 0 $((total - 1))); do
