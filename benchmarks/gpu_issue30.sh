@@ -1,0 +1,200 @@
+#!/usr/bin/env bash
+# gpu_issue30.sh - issue 30's checks on one GPU, in one device call of < 9 minutes.
+#
+# Runs on the GPU machine after the kit of benchmarks/gpu_issue30_carry.sh is installed into
+# /tmp/site (the calls in .vllm-carry/calls_all.txt), from the repository root:
+#   bash benchmarks/gpu_issue30.sh
+# Steps, in order; each is time-boxed (`timeout`, and never past the script's deadline), each
+# runs whatever the previous one did, and the GPU processes a step leaves are killed after it:
+#   warm  (in the background from the start) DeepSpeed's FusedAdam, which builds just in time
+#         (nvcc, ~1 min) the first time a learner takes it: built once (the install call starts
+#         the build in its own session; this waits for it or builds), reused by b, c, d
+#   a     nvidia-smi, `import vllm, ray, deepspeed, trl, datasets, msgspec` with their versions
+#   b     pytest -m gpu: the gpu-marked tests
+#   c     pytest tests/rollout/test_vllm_engine.py: VLLMEngine on the official vLLM, on the GPU
+#   d     benchmarks/grpo_vs_trl.py --workload long --device cuda --model-size 0.5b: ours
+#         (rl-launch ppo, vLLM and the DeepSpeed learner colocated on the GPU) against TRL's
+#         GRPOTrainer (HF generate on the GPU), the same model, prompts and reward
+# Everything is logged into $OUT (8 files, the most that come back): summary.txt, warm.log,
+# a_env.log, b_gpu_tests.log, c_vllm_engine.log, d_long.log, d_ours.log, d_trl.log; the summary
+# is printed at the end.
+#
+# Knobs (environment): BUDGET_S (530: seconds from the start to the deadline), VLLM_MODE (how
+# our vLLM engine runs: decode-graphs, the default: no torch.compile, full CUDA graphs for decode
+# batches only, captured in seconds; eager: rollout.enforce_eager; compiled: vLLM's default,
+# torch.compile + piecewise graphs, ~1 min more at start-up), D_TOKENS (512 new tokens per
+# answer, all of them: min_new_tokens), D_PROMPTS (8), D_N (8 samples per prompt), D_STEPS (5),
+# GPU_TESTS_STOP (--maxfail=3), GPU_TESTS_WORKERS (4 pytest-xdist workers for b), STEPS (abcd: the
+# steps to run, e.g. STEPS=ad); for a dry run
+# of this script on a CPU machine: PY (python3), SITE (/tmp/site), D_DEVICE (cuda), D_SIZE (0.5b).
+set -u
+
+START=$(date +%s)
+DEADLINE=$((START + ${BUDGET_S:-530}))
+OUT=${OUT:-/tmp/gpu_issue30_out}
+mkdir -p "$OUT"
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+BENCH=$HERE/grpo_vs_trl.py
+[ -d packages/rl-launch/src ] || { echo "run me from the repository root" >&2; exit 2; }
+ROOT=$(pwd)
+SUMMARY=$OUT/summary.txt
+: > "$SUMMARY"
+
+SITE=${SITE:-/tmp/site}
+export PYTHONPATH="$SITE:$ROOT:$ROOT/packages/rl-algos/src:$ROOT/packages/rl-data/src:$ROOT/packages/rl-rollout/src:$ROOT/packages/rl-learner/src:$ROOT/packages/rl-launch/src"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+export DS_ACCELERATOR=cuda VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 RAY_USAGE_STATS_ENABLED=0
+export TORCH_EXTENSIONS_DIR=/tmp/torch_extensions # DeepSpeed's JIT ops: one build for every step
+export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} # H100 / H200; the same flags everywhere, so one build
+export VLLM_USE_FLASHINFER_SAMPLER=0                     # FlashInfer's sampling kernels would JIT-compile (minutes)
+PY=${PY:-python3}
+
+say() { echo "$*" | tee -a "$SUMMARY"; }
+left() { echo $((DEADLINE - $(date +%s))); }
+
+cleanup() { # the GPU processes, Ray daemons and vLLM engine cores a step left (a timed-out pytest
+  # leaves vLLM's engine core running: it is not in timeout's process group); nothing else runs here
+  local pid cmd
+  for pid in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null); do
+    cmd=$({ tr '\0' ' ' < "/proc/$pid/cmdline"; } 2>/dev/null) || continue
+    case "$cmd" in *FusedAdamBuilder*) ;; *) kill -9 "$pid" 2>/dev/null ;; esac
+  done
+  for pid in $(ls /proc | grep -E '^[0-9]+$'); do
+    cmd=$({ tr '\0' ' ' < "/proc/$pid/cmdline"; } 2>/dev/null) || continue
+    case "$cmd" in
+      *"$SITE/ray/core/src/ray/"* | *"$SITE/ray/_private/"* | *"$SITE/ray/dashboard/"* | "VLLM::"*) kill -9 "$pid" 2>/dev/null ;;
+    esac
+  done
+  sleep 1
+}
+
+# step NAME MAX_SECONDS LOG COMMAND...: run with min(MAX, time left - 15 s); record rc and seconds
+step() {
+  local name=$1 max=$2 log=$3 t s rc
+  shift 3
+  case "${STEPS:-abcd}" in *"$name"*) ;; *) say "[$name] not run (STEPS=${STEPS})"; return ;; esac
+  t=$(($(left) - 15))
+  [ "$t" -lt "$max" ] || t=$max
+  if [ "$t" -lt 20 ]; then
+    say "[$name] SKIPPED: $(left) s left before the deadline"
+    return
+  fi
+  s=$(date +%s)
+  echo "== [$name] $* (timeout $t s)" >> "$log"
+  timeout -k 10 "$t" "$@" >> "$log" 2>&1
+  rc=$?
+  local took=$(($(date +%s) - s))
+  if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
+    say "[$name] TIMED OUT after $took s (limit $t s)"
+  else
+    say "[$name] rc=$rc in $took s"
+  fi
+  cleanup
+}
+
+say "gpu_issue30.sh at $(date -u +%FT%TZ); budget ${BUDGET_S:-530} s; VLLM_MODE=${VLLM_MODE:-decode-graphs}"
+
+# warm: DeepSpeed's FusedAdam, built once in the background while a and b start
+(
+  t=$(date +%s)
+  timeout 240 $PY -c "
+import time; t = time.time()
+from deepspeed.ops.op_builder import FusedAdamBuilder
+FusedAdamBuilder().load()
+print('FusedAdam built and loaded in %.1f s' % (time.time() - t))
+"
+  echo "rc=$? after $(($(date +%s) - t)) s"
+) > "$OUT/warm.log" 2>&1 &
+WARM_PID=$!
+
+# a. the environment
+A=$OUT/a_env.log
+{
+  nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv,noheader
+  nproc
+  free -g | head -2
+  df -h /tmp | tail -1
+  command -v nvcc && nvcc --version | tail -2
+} >> "$A" 2>&1
+say "gpu: $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | head -1)"
+step a 60 "$A" $PY -c "
+import time; t = time.time()
+import torch, vllm, ray, deepspeed, trl, datasets, msgspec, transformers
+print('imports %.1f s' % (time.time() - t))
+print('VERSIONS torch', torch.__version__, 'cuda', torch.version.cuda, '| vllm', vllm.__version__, '| ray', ray.__version__,
+      '| deepspeed', deepspeed.__version__, '| trl', trl.__version__, '| datasets', datasets.__version__,
+      '| msgspec', msgspec.__version__, '| transformers', transformers.__version__)
+print('GPU', torch.cuda.get_device_name(0), torch.cuda.get_device_capability(0), torch.cuda.mem_get_info())
+"
+grep -h '^VERSIONS\|^imports' "$A" | tee -a "$SUMMARY"
+
+# b. the gpu-marked tests, collected from the files that have any (addopts replaced: the
+# repository's need pytest-xdist >= 3.6)
+PYTEST=($PY -m pytest -o "addopts=" --import-mode=importlib --strict-markers -p no:cacheprovider -q -rfEs)
+B=$OUT/b_gpu_tests.log
+mapfile -t GPU_FILES < <(grep -rl --include='test_*.py' 'mark\.gpu' tests | sort)
+echo "gpu-marked files: ${GPU_FILES[*]}" >> "$B"
+step b 150 "$B" "${PYTEST[@]}" -m gpu ${GPU_TESTS_STOP:---maxfail=3} -n "${GPU_TESTS_WORKERS:-4}" --dist loadfile "${GPU_FILES[@]}"
+tail -n 25 "$B" | grep -E 'passed|failed|skipped|error|FAILED|ERROR' | tail -n 12 | sed 's/^/  b: /' | tee -a "$SUMMARY"
+
+# c. the vLLM engine's tests on the official vLLM
+C=$OUT/c_vllm_engine.log
+step c 120 "$C" "${PYTEST[@]}" tests/rollout/test_vllm_engine.py
+tail -n 25 "$C" | grep -E 'passed|failed|skipped|error|FAILED|ERROR' | tail -n 12 | sed 's/^/  c: /' | tee -a "$SUMMARY"
+
+# the warm-up should be long done; wait for it (bounded) so that d never builds FusedAdam itself
+wait "$WARM_PID" 2>/dev/null
+[ -f /tmp/torch_extensions/prebuild.log ] && { echo "-- the install call's prebuild:"; cat /tmp/torch_extensions/prebuild.log; } >> "$OUT/warm.log"
+say "warm: $(tail -n 2 "$OUT/warm.log" | tr '\n' ' ')"
+
+# d. the long workload on the GPU: ours against TRL
+D=$OUT/d_long.log
+PRESETS=()
+[ -d /tmp/gpukit/presets ] && PRESETS=(--preset-root /tmp/gpukit/presets) # the carried build: no SFT here
+
+run_d() { # $1 = VLLM_MODE
+  local engine=() t side
+  case "$1" in
+    decode-graphs) engine=(--ours-option 'rollout.engine_options.compilation_config={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}') ;;
+    eager) engine=(--ours-option rollout.enforce_eager=true) ;;
+    compiled) ;;
+    *) say "VLLM_MODE=$1: not one of decode-graphs, eager, compiled; vLLM's default (compiled) runs" ;;
+  esac
+  t=$(($(left) - 15))
+  [ "$t" -gt 330 ] && t=330
+  side=$(((t - 30) * 11 / 20)) # each side's limit inside the benchmark (ours starts Ray and vLLM: 55 %)
+  say "[d] VLLM_MODE=$1"
+  step d 330 "$D" $PY "$BENCH" --workload long --device "${D_DEVICE:-cuda}" --model-size "${D_SIZE:-0.5b}" --seed 0 \
+    --max-new-tokens "${D_TOKENS:-512}" --prompts "${D_PROMPTS:-8}" --n "${D_N:-8}" --steps "${D_STEPS:-5}" \
+    --timeout "$side" --keep "${PRESETS[@]}" "${engine[@]}"
+}
+
+collect_d() { # our side's console, metrics and actor logs (tails) into one file; TRL's console
+  local scratch f
+  scratch=$(sed -n 's/^scratch folder: //p' "$D" | tail -1)
+  [ -n "$scratch" ] && [ -d "$scratch" ] || return
+  {
+    for f in $(find "$scratch" -name ours.log -o -name metrics.jsonl -o -path '*/ours/logs/*.log' | sort); do
+      echo "===== $f (last 400 lines)"
+      tail -n 400 "$f"
+    done
+  } >> "$OUT/d_ours.log" 2>&1
+  [ -f "$scratch/trl.log" ] && { echo "===== $scratch/trl.log"; cat "$scratch/trl.log"; } >> "$OUT/d_trl.log"
+}
+
+MODE=${VLLM_MODE:-decode-graphs}
+run_d "$MODE"
+collect_d
+if [[ "${STEPS:-abcd}" == *d* ]] && ! grep -q '^ours done' "$D" && [ "$MODE" != eager ] && ! grep -q 'actors ready' "$OUT/d_ours.log" 2>/dev/null \
+  && [ "$(left)" -gt 240 ]; then
+  say "[d] ours failed before its actors were ready with VLLM_MODE=$MODE: once more with eager"
+  run_d eager
+  collect_d
+fi
+grep -E '^(model |workload |samples/s|mean step|wall seconds|start-up|mean response|ours, share|  ours |  TRL |  TRL/ours|step seconds|ours done|TRL done)' "$D" \
+  | sed 's/^/  d: /' | tee -a "$SUMMARY"
+grep -E 'Error|error:|Traceback' "$D" | tail -n 5 | sed 's/^/  d: /' | tee -a "$SUMMARY"
+
+say "total $(($(date +%s) - START)) s"
+echo "=== SUMMARY"
+cat "$SUMMARY"
