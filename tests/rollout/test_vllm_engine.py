@@ -37,7 +37,11 @@ pytestmark = pytest.mark.slow
 # vLLM (float32, its CPU kernels) against transformers on the same weights: the largest per-token
 # |log-prob difference| measured on the tiny model (4 prompts x 4 samples x 48 tokens, T in
 # {0, 0.7, 1, 1.3}) was 8.4e-7 against a float32 and 8.8e-7 against a float64 transformers model.
-FLOAT32_LOGPROB_ATOL = 1e-5
+# On a GPU vLLM's float32 kernels are looser: up to 1.1e-4 (greedy, against float64) and 3.7e-4
+# (after a weight update) on an H200 with vLLM 0.26; and a prompt's samples, seeded, keep their
+# tokens in another batch but not their log-probs' last bits.
+ON_GPU = torch.cuda.is_available()
+FLOAT32_LOGPROB_ATOL = 1e-3 if ON_GPU else 1e-5
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True)
 
 
@@ -155,7 +159,7 @@ def test_sampled_logprobs_are_log_softmax_of_temperature_scaled_logits(
         for sample in samples:
             assert max_logprob_error(model, prompt, sample, temperature=0.6) <= FLOAT32_LOGPROB_ATOL
             # and not the unscaled distribution: the learner would see a different policy
-            assert max_logprob_error(model, prompt, sample, temperature=1.0) > 100 * FLOAT32_LOGPROB_ATOL
+            assert max_logprob_error(model, prompt, sample, temperature=1.0) > 1e-2
 
 
 # --- weight sync ---------------------------------------------------------------------------------
@@ -329,9 +333,15 @@ def test_seeded_requests_beyond_one_scheduler_step_of_prompt_tokens_all_complete
     params = SamplingParams(n=2, temperature=1.0, max_new_tokens=3, seed=11)
     first = vllm_engine.generate(prompts, params)
     assert [len(samples) for samples in first] == [2] * len(prompts)
-    assert (
-        vllm_engine.generate(prompts[:3], params) == first[:3]
-    )  # seeded: a prompt's samples do not depend on the batch
+    again = vllm_engine.generate(prompts[:3], params)  # seeded: a prompt's samples do not depend on the batch
+    if not ON_GPU:
+        assert again == first[:3]
+    for samples, before in zip(again, first[:3], strict=True):
+        for sample, reference in zip(samples, before, strict=True):
+            assert sample.token_ids == reference.token_ids
+            assert (
+                max(abs(a - b) for a, b in zip(sample.logprobs, reference.logprobs)) <= FLOAT32_LOGPROB_ATOL
+            )
 
 
 def test_the_engine_reports_its_context_and_how_many_tokens_its_kv_cache_holds(vllm_engine):
