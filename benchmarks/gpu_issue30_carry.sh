@@ -190,8 +190,11 @@ chmod +x "$CARRY/$lastx/install.sh"
 # 5. sizes: every call's carry + the checkout must fit 64 MiB
 sz() { du -sb "$@" | awk '{s+=$1} END{print s+0}'; }
 mib() { awk -v b="$1" 'BEGIN{printf "%.2f MiB", b/1048576}'; }
-check() { # $1.. = the parts that must be there
-  printf 'm=0; for p in %s; do [ -s .vllm-carry/$p/chunk ] || { echo MISSING .vllm-carry/$p/chunk; m=1; }; done; du -sh .vllm-carry; [ $m = 0 ] || { echo "RESTART FROM part01: this machine lacks earlier parts"; exit 3; }' "$*"
+check() { # $1 = the parts this call carries; $2.. = the parts that must be there already. A
+  # call's carry replaces the last call's carried paths inside the checkout: each part is moved
+  # out to /tmp/kit (kept while the machine is), and the install call moves them back.
+  local mine=$1; shift
+  printf 'mkdir -p /tmp/kit && mv %s /tmp/kit/; m=0; for p in %s; do [ -s /tmp/kit/$p/chunk ] || { echo MISSING /tmp/kit/$p/chunk; m=1; }; done; du -sh /tmp/kit; [ $m = 0 ] || { echo "RESTART FROM part01: this machine lacks earlier parts"; exit 3; }' "$mine" "$*"
 }
 script='if [ -f benchmarks/gpu_issue30.sh ]; then bash benchmarks/gpu_issue30.sh; else bash /tmp/gpukit/gpukit/gpu_issue30.sh; fi'
 calls=()
@@ -201,16 +204,16 @@ have=()
 for k in $(seq 1 "$N"); do
   p=$(printf 'part%02d' "$k"); have+=("$p"); c=("$CARRY/$p")
   if [ "$k" = "$N" ] && [ "$first" -gt 0 ]; then have+=("extra01"); c+=("$CARRY/extra01"); fi
-  carries+=("${c[*]}"); calls+=("$(check "${have[@]}")"); timeouts+=(120)
+  carries+=("${c[*]}"); calls+=("$(check "${c[*]}" "${have[@]}")"); timeouts+=(120)
 done
 start=1; [ "$first" -gt 0 ] && start=2
 for k in $(seq "$start" "$M"); do
   p=$(printf 'extra%02d' "$k"); have+=("$p")
-  carries+=("$CARRY/$p"); calls+=("$(check "${have[@]}")"); timeouts+=(120)
+  carries+=("$CARRY/$p"); calls+=("$(check "$CARRY/$p" "${have[@]}")"); timeouts+=(120)
 done
 # the last transfer installs
 last=$((${#calls[@]} - 1))
-calls[last]="bash .vllm-carry/$lastx/install.sh"; timeouts[last]=420
+calls[last]="mkdir -p .vllm-carry && { mv /tmp/kit/* .vllm-carry/ 2>/dev/null; true; } && bash .vllm-carry/$lastx/install.sh"; timeouts[last]=420
 calls+=("$script"); carries+=(""); timeouts+=(600)
 total=${#calls[@]}
 {
