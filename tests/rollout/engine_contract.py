@@ -29,7 +29,8 @@ What the contract pins, for every engine:
   reference's argmax (up to near ties within 2 · logprob_atol);
 - token ids lie in the vocabulary; log-probs are finite, ≤ 0 and equal log softmax(z / T) of the
   reference forward pass at the sampled tokens (T = 1 when greedy) within `logprob_atol`;
-- seeded sampling is reproducible and different seeds / samples differ; `logprobs=False` gives None;
+- seeded sampling is reproducible and different seeds / samples differ; prompts that share a
+  seed draw independent samples (`prompt_seed`); `logprobs=False` gives None;
 - `max_new_tokens` ends with "length"; EOS and `stop_token_ids` end with "stop", the stop token
   kept as the last token; `ignore_eos` runs through EOS; `min_new_tokens` suppresses stop tokens;
 - stop strings cut the response after the token that completes the match (finish "stop");
@@ -231,6 +232,15 @@ class EngineContract:
         assert _ids(first) == _ids(second)
         other = engine.generate(prompts[:2], SamplingParams(temperature=1.0, n=2, max_new_tokens=16, seed=99))
         assert _ids(other) != _ids(first)
+
+    def test_prompts_that_share_a_seed_draw_independent_samples(self, engine, prompts):
+        # The tiny model is close to uniform over ~500 tokens: drawn with the same noise, two
+        # prompts' samples would agree at (nearly) every position; drawn independently, at ~1 in 500.
+        params = SamplingParams(temperature=1.0, n=2, max_new_tokens=16, seed=7, ignore_eos=True)
+        first, second = engine.generate(prompts[:2], params)
+        for j, (a, b) in enumerate(zip(first, second, strict=True)):
+            same = sum(x == y for x, y in zip(a.token_ids, b.token_ids))
+            assert same <= 4, f"sample {j}: {same} of 16 tokens equal across two prompts with seed 7"
 
     def test_samples_of_one_prompt_differ(self, engine, prompts):
         params = SamplingParams(temperature=1.0, n=4, max_new_tokens=16, seed=5, ignore_eos=True)

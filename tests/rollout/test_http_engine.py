@@ -17,7 +17,7 @@ import pytest
 
 from rl_data.transport import free_port
 from rl_rollout.engines.http import HTTPEngine
-from rl_rollout.protocol import EngineError, SamplingParams
+from rl_rollout.protocol import EngineError, SamplingParams, prompt_seed
 from tests.rollout.engine_contract import EngineContract
 from tests.rollout.vllm_server import vllm_server
 
@@ -159,7 +159,8 @@ def test_request_body_carries_the_sampling_params(fake):
     body = fake.script.seen[-1]
     assert (body["prompt"], body["model"]) == ([1, 2, 3], "tiny")
     assert body["max_tokens"] == 61  # cut to fit max_model_len 64
-    assert (body["n"], body["temperature"], body["top_p"], body["top_k"], body["seed"]) == (2, 0.5, 0.9, 7, 3)
+    assert (body["n"], body["temperature"], body["top_p"], body["top_k"]) == (2, 0.5, 0.9, 7)
+    assert body["seed"] == prompt_seed(3, [1, 2, 3])  # the prompt mixed in, as every engine does
     assert (body["min_tokens"], body["stop"], body["stop_token_ids"], body["ignore_eos"]) == (
         2,
         ["\n"],

@@ -23,7 +23,9 @@ sender compares. The engine then reports the new `policy_version`.
 from __future__ import annotations
 
 import abc
+import array
 import asyncio
+import hashlib
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -40,9 +42,28 @@ __all__ = [
     "Generation",
     "SamplingParams",
     "check_prompts",
+    "prompt_seed",
 ]
 
 FEATURES = ("weight_sync", "sleep", "prefix_cache", "async")
+
+
+def prompt_seed(seed: int | None, prompt: Sequence[int]) -> int | None:
+    """The seed a request's noise is drawn from: a 62-bit hash of (`seed`, the prompt's token
+    ids); None stays None. Every engine seeds a request with it (sample j of `n` with the
+    engine's own rule on top: vLLM's generator sequence, `HFEngine`'s `+ j`).
+
+    A generator seeded with the request's seed alone gives every prompt of a batch that shares
+    it the same noise, and near-uniform distributions the same samples: the samples of
+    different prompts would not be independent. Mixing in the prompt keeps a (seed, prompt) pair
+    reproducible, in a batch or alone.
+    """
+    if seed is None:
+        return None
+    digest = hashlib.blake2b(
+        str(int(seed)).encode() + b":" + array.array("q", prompt).tobytes(), digest_size=8
+    )
+    return int.from_bytes(digest.digest(), "little") >> 2
 
 
 class EngineError(RuntimeError):
@@ -58,7 +79,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     that end a response (the tokenizer's EOS always does unless `ignore_eos`); the stop token is
     part of the response. stop: strings that end a response, matched on the decoded text; the
     response is cut after the tokens that complete the match (engines that cannot do that keep
-    whole tokens). n: samples per prompt. seed: per-request seed (None: engine's generator).
+    whole tokens). n: samples per prompt. seed: per-request seed, mixed with the prompt
+    (`prompt_seed`), so prompts that share it draw independent samples (None: engine's generator).
     logprobs: return the sampled tokens' log-probs.
     """
 

@@ -16,8 +16,8 @@ Per token t of a row (logits z_t `[V]`, temperature T, T = 1 when greedy):
               ~ softmax(top_p(top_k(z_t / T)))                (sampling, the row's own torch.Generator)
 
 Why a hand-written loop instead of `model.generate`: each row samples from its own
-`torch.Generator`, seeded with `seed + j` for sample j of a request with a seed (vLLM's rule)
-and from the engine's generator otherwise. A row's draws therefore do not depend on the other
+`torch.Generator`, seeded with `prompt_seed(seed, prompt) + j` for sample j of a request with a
+seed (the prompt mixed in, as every engine does) and from the engine's generator otherwise. A row's draws therefore do not depend on the other
 rows of its batch; only floating-point differences in the logits (batch shape, padding) could
 change a draw, which needs a uniform to fall within ~1e-7 of a bucket edge.
 
@@ -54,7 +54,7 @@ from rl_data import WeightSyncReport
 from rl_data.errors import check_integer
 from rl_data.transport import IpcPayload, WeightSyncSpec
 
-from ..protocol import Engine, EngineError, Generation, SamplingParams, check_prompts
+from ..protocol import Engine, EngineError, Generation, SamplingParams, check_prompts, prompt_seed
 from ..weights import WeightReceiver
 
 __all__ = ["HFEngine"]
@@ -248,7 +248,7 @@ class HFEngine(Engine):
             if self._asleep:
                 raise EngineError(f"{self.name}.generate: the engine is asleep; call wake_up() first")
             rows = [(index, sample) for index in range(len(checked)) for sample in range(params.n)]
-            seeds = [self._row_seed(params, sample) for _, sample in rows]
+            seeds = [self._row_seed(params, checked[index], sample) for index, sample in rows]
             order = sorted(range(len(rows)), key=lambda row: len(checked[rows[row][0]]))
             results: list[Generation | None] = [None] * len(rows)
             for start in range(0, len(order), self.max_batch_size):
@@ -260,11 +260,11 @@ class HFEngine(Engine):
                     results[row] = generation
         return [results[index * params.n : (index + 1) * params.n] for index in range(len(checked))]
 
-    def _row_seed(self, params: SamplingParams, sample: int) -> int:
+    def _row_seed(self, params: SamplingParams, prompt: list[int], sample: int) -> int:
         if params.greedy:
             return 0
         if params.seed is not None:
-            return (params.seed + sample) % (1 << 63)
+            return (prompt_seed(params.seed, prompt) + sample) % (1 << 63)
         return int(torch.randint(0, 1 << 62, (1,), generator=self._rng))
 
     # --- the decoding loop --------------------------------------------------------------------------

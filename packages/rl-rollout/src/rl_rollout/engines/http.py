@@ -42,7 +42,7 @@ import msgspec
 
 from rl_data.errors import check_integer
 
-from ..protocol import Engine, EngineError, Generation, SamplingParams, check_prompts
+from ..protocol import Engine, EngineError, Generation, SamplingParams, check_prompts, prompt_seed
 
 __all__ = ["HTTPEngine", "wait_for_server"]
 
@@ -205,8 +205,8 @@ class HTTPEngine(Engine):
         }
         if params.top_k:
             body["top_k"] = params.top_k
-        if params.seed is not None:
-            body["seed"] = params.seed
+        if params.seed is not None:  # the prompt mixed in, as every engine does
+            body["seed"] = prompt_seed(params.seed, prompt)
         return body
 
     def _complete(self, index: int, prompt: list[int], params: SamplingParams) -> list[Generation]:

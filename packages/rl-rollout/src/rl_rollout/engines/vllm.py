@@ -39,11 +39,9 @@ may start processes with `spawn`).
 
 from __future__ import annotations
 
-import array
 import asyncio
 import concurrent.futures
 import gc
-import hashlib
 import itertools
 import os
 import queue
@@ -56,7 +54,7 @@ import msgspec
 from rl_data import WeightSyncReport, encode
 from rl_data.transport import IpcPayload, WeightSyncSpec
 
-from ..protocol import Engine, EngineError, Generation, SamplingParams, check_prompts
+from ..protocol import Engine, EngineError, Generation, SamplingParams, check_prompts, prompt_seed
 from .vllm_extension import decode_reports
 
 _RPC_MARGIN_S = 60.0
@@ -77,22 +75,6 @@ EXTENSION = "rl_rollout.engines.vllm_extension.WeightSyncExtension"
 
 # vLLM's finish reasons -> the protocol's; anything else (an engine error) counts as "abort".
 _FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
-
-
-def prompt_seed(seed: int | None, prompt: Sequence[int]) -> int | None:
-    """The vLLM seed of one request: a 62-bit hash of (`seed`, the prompt's token ids); None stays None.
-
-    vLLM draws a seeded request's noise from a generator seeded with the request's seed alone,
-    so one seed shared by a batch gives every prompt the same noise and near-uniform
-    distributions the same samples: the samples of different prompts would not be independent.
-    Mixing in the prompt keeps a (seed, prompt) pair reproducible, in a batch or alone.
-    """
-    if seed is None:
-        return None
-    digest = hashlib.blake2b(
-        str(int(seed)).encode() + b":" + array.array("q", prompt).tobytes(), digest_size=8
-    )
-    return int.from_bytes(digest.digest(), "little") >> 2
 
 
 CPU_KV_CACHE_FLOOR = 64 * 2**20
