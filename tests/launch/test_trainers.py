@@ -104,7 +104,7 @@ MORE = 4
 
 
 def _run(command: str, args: list[str]) -> subprocess.CompletedProcess:
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "2"}
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "HF_HUB_OFFLINE": "1"}
     return subprocess.run(
         [sys.executable, "-m", "rl_launch.cli", command, *args],
         env=env,
