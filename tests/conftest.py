@@ -57,24 +57,25 @@ os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get
 # `--no-loadscope-reorder`, pyproject.toml), so a long file collected
 # last keeps one worker busy while the other idles. Longest first, then the other files with slow
 # tests, then the fast ones (which fill the gaps) lets both workers finish together.
+# The seconds: the last full run's (before one OpenMP thread per process) where a file changed
+# since, scaled by what the change measured on its own.
 LONGEST_FILES = (
-    "launch/test_chaos.py",  # ~85 s quiet, ~180 s beside the other worker
-    "launch/test_preset_run.py",  # ~95 s
-    "launch/test_sequence_parallel_run.py",  # ~80 s (long-context responses since issue 25)
+    "launch/test_chaos.py",  # ~185 s beside the other worker (~85 s quiet)
+    "launch/test_sequence_parallel_run.py",  # ~160 s (long-context responses since issue 25; 80 s quiet)
+    "launch/test_preset_run.py",  # ~105 s (was 254 s with two OpenMP threads per process)
+    "launch/test_lora_run.py",  # ~90 s
+    "launch/test_ppo_runs.py",  # ~90 s
+    "launch/test_leftovers_vllm.py",  # ~85 s
+    "rollout/test_http_engine.py",  # ~90 s (its vllm serve, now eager, and the rl-launch ppo run on it)
+    "launch/test_every_component.py",  # ~80 s
     "launch/test_multinode.py",  # ~78 s
-    "launch/test_ppo_variants.py",  # ~76 s
-    "launch/test_ppo_runs.py",  # ~75 s
+    "launch/test_ppo_variants.py",  # ~70 s (the async run; ReMax moved into the component sweep)
     "rollout/test_vllm_engine.py",  # ~65 s (with the whole-loop vLLM -> ZeRO-3 -> vLLM test)
+    "launch/test_async_resume.py",  # ~63 s
     "learner/test_sequence_parallel.py",  # ~55 s
-    "launch/test_lora_run.py",  # ~60 s
-    "launch/test_http_engine_run.py",  # ~59 s
     "launch/test_openrlhf_scripts.py",  # ~55 s
     "launch/test_serve_rm.py",  # ~55 s
-    "launch/test_leftovers_vllm.py",  # ~53 s
-    "launch/test_async_resume.py",  # ~52 s
-    "rollout/test_http_engine.py",  # ~50 s
     "learner/test_learner.py",  # ~45 s (two DeepSpeed worlds)
-    "launch/test_every_component.py",  # ~45 s
     "learner/test_checkpoint.py",  # ~35 s
 )
 
