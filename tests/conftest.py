@@ -34,7 +34,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch
 
-torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # in case torch was imported earlier
+if os.environ["OMP_NUM_THREADS"].isdigit():  # in case torch was imported earlier
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 TEST_ENVIRONMENT = {
     "HF_HUB_OFFLINE": "1",
