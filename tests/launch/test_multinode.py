@@ -75,9 +75,6 @@ class NetnsCluster:
             _ip("netns", "exec", namespace, "ip", "link", "set", "lo", "up")
 
     def start_ray(self) -> None:
-        """`ray start` on every node: the head first, then the other nodes at once (each waits for
-        its own raylet to register; one after the other they waited in turn)."""
-        commands = []
         for node in range(1, NODES + 1):
             temp_dir = tempfile.mkdtemp(prefix=f"rlm{node}-", dir="/tmp")  # unix sockets: short paths
             self.temp_dirs.append(temp_dir)
@@ -92,25 +89,16 @@ class NetnsCluster:
                 command = [RAY, "start", "--head", "--port", str(GCS_PORT), "--include-dashboard", "false"]
             else:
                 command = [RAY, "start", "--address", f"{self.address(1)}:{GCS_PORT}"]
-            commands.append(self.in_node(node, [*command, *common]))
-        for group in (commands[:1], commands[1:]):
-            starts = [
-                subprocess.Popen(
-                    command, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-                )
-                for command in group
-            ]
-            failed = []
-            for command, start in zip(group, starts, strict=True):
-                try:
-                    out, err = start.communicate(timeout=180)
-                except subprocess.TimeoutExpired:
-                    start.kill()
-                    out, err = start.communicate()
-                if start.returncode != 0:
-                    failed.append(f"{' '.join(command[:5])} (exit {start.returncode}):\n{out}\n{err}")
-            if failed:
-                raise RuntimeError("ray start failed on " + "\n".join(failed))
+            started = subprocess.run(
+                self.in_node(node, [*command, *common]),
+                env=self.env,
+                capture_output=True,
+                text=True,
+                timeout=180,
+                check=False,
+            )
+            if started.returncode != 0:
+                raise RuntimeError(f"ray start on node {node} failed:\n{started.stdout}\n{started.stderr}")
 
     def processes(self) -> dict[int, str]:
         found = {}
