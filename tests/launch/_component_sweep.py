@@ -1,7 +1,8 @@
 """One training step of every advantage estimator and policy loss name, on one set of actors.
 
 Run by tests/launch/test_every_component.py as a script (it starts a local Ray in its own
-process): `python _component_sweep.py MODEL PROMPTS RAY_DIR OUT.json`. The actors (policy,
+process): `python _component_sweep.py MODEL PROMPTS REWARD RAY_DIR OUT.json` (REWARD: a reward
+function file or name). The actors (policy,
 critic, reference, a transformers engine) start once; each case builds its own config through the
 CLI's resolver and `check_components`, then runs the launcher's own step pieces: generation
 (`Rollouts`), experience (`PPOTrainer.make_experience`), training, weight sync. A case that
@@ -31,7 +32,7 @@ def case_overrides(kind: str, name: str) -> dict[str, str]:
     return overrides
 
 
-def main(model: str, prompts: str, ray_dir: str, out: str) -> None:
+def main(model: str, prompts: str, reward: str, ray_dir: str, out: str) -> None:
     from transformers import AutoTokenizer
 
     from rl_algos import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
@@ -48,7 +49,7 @@ def main(model: str, prompts: str, ray_dir: str, out: str) -> None:
     base = {
         "model.pretrain": model,
         "data.prompt_data": prompts,
-        "reward.function": "numeric",
+        "reward.function": reward,
         "rollout.n_samples_per_prompt": "2",
         "rollout.rollout_batch_size": "4",
         "rollout.generate_max_len": "4",
@@ -90,6 +91,8 @@ def main(model: str, prompts: str, ray_dir: str, out: str) -> None:
                     "sync_match": metrics["health/sync_checksum_match"],
                     "samples": len(records),
                     "baseline": metrics.get("reward/greedy_baseline_mean"),
+                    "advantages_abs_mean": metrics.get("advantages/abs_mean"),
+                    "skipped": metrics.get("policy/skipped"),
                 }
             except Exception:
                 results[f"{kind}:{name}"] = {"ok": False, "error": traceback.format_exc()[-3000:]}
@@ -104,4 +107,4 @@ def main(model: str, prompts: str, ray_dir: str, out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:5])
+    main(*sys.argv[1:6])

@@ -1,4 +1,5 @@
-"""Shared set-up of the launcher tests: a short Ray temp folder per run, checked for leftovers."""
+"""Shared set-up of the launcher tests: a short Ray temp folder per run, checked for leftovers; the
+logging state a CLI run in the test's own process changes, put back."""
 
 from __future__ import annotations
 
@@ -28,3 +29,24 @@ def ray_temp():
 def module_ray_temp():
     """`ray_temp` for a run that several tests of a module read (a module-scoped fixture's run)."""
     yield from _ray_temp()
+
+
+@pytest.fixture
+def in_process():
+    """For a test that calls the CLI's `main` in its own process: puts back the logging state of
+    transformers and datasets that a run turns down (`rl_launch.tracking.quiet_third_party_output`),
+    for the tests after it."""
+    import datasets
+    from transformers.utils import logging as transformers_logging
+
+    state = (
+        transformers_logging.get_verbosity(),
+        transformers_logging.is_progress_bar_enabled(),
+        datasets.logging.get_verbosity(),
+        datasets.is_progress_bar_enabled(),
+    )
+    yield
+    transformers_logging.set_verbosity(state[0])
+    (transformers_logging.enable_progress_bar if state[1] else transformers_logging.disable_progress_bar)()
+    datasets.logging.set_verbosity(state[2])
+    (datasets.enable_progress_bars if state[3] else datasets.disable_progress_bars)()

@@ -1,8 +1,13 @@
 """Bad input stops a run early: a clear message naming the option, a non-zero exit, no Ray left behind.
 
 A missing dataset, a model folder that is not there, a reward server that is down and sequences
-longer than the model's context are caught before Ray starts (the run's Ray temp folder stays empty); a request for more GPUs than the
-cluster has is caught after Ray starts but before any actor does, and Ray goes down with the run.
+longer than the model's context are caught before Ray starts (the run's Ray temp folder stays
+empty); a request for more GPUs than the cluster has is caught after Ray starts but before any
+actor does, and Ray goes down with the run.
+
+The checks before Ray run the CLI's `main` in the test's process (the message is what they pin;
+a process of its own costs seconds of imports each); the GPU request starts Ray, so it runs
+`rl-launch ppo` in a process of its own, whose Ray the `ray_temp` fixture checks.
 """
 
 from __future__ import annotations
@@ -11,12 +16,11 @@ import json
 import os
 
 import pytest
+import ray
 
 from rl_data.transport import free_port
+from rl_launch.cli import main
 from tests.launch.launching import launch
-
-# Every test starts `rl-launch ppo` in a process (seconds of imports); the last one starts Ray too.
-pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
@@ -30,6 +34,7 @@ def prompts(tmp_path_factory):
 
 def _args(checkpoint, prompts, ray_dir, tmp_path, *extra: str) -> list[str]:
     return [
+        "ppo",
         "--preset", "none",
         "--model.pretrain", str(checkpoint),
         "--data.prompt_data", str(prompts),
@@ -64,35 +69,34 @@ def _args(checkpoint, prompts, ray_dir, tmp_path, *extra: str) -> list[str]:
     ids=["missing-dataset", "missing-model", "missing-reward-file", "longer-than-the-context"],
 )
 def test_a_missing_input_stops_the_run_before_ray_starts(
-    extra, message, tiny_checkpoint, prompts, ray_temp, tmp_path
+    extra, message, tiny_checkpoint, prompts, ray_temp, tmp_path, capsys, in_process
 ):
-    ray_dir, env = ray_temp
-    result = launch(_args(tiny_checkpoint, prompts, ray_dir, tmp_path, *extra), env, timeout=120)
-    assert result.returncode != 0
-    assert message in result.stderr
-    assert "Traceback" not in result.stderr
+    ray_dir, _ = ray_temp
+    # an exception escaping main (a traceback in a process of its own) fails the test here
+    assert main(_args(tiny_checkpoint, prompts, ray_dir, tmp_path, *extra)) != 0
+    assert message in capsys.readouterr().err
+    assert not ray.is_initialized()
     assert os.listdir(ray_dir) == []  # nothing slow started
 
 
 def test_a_reward_server_that_is_down_stops_the_run_before_ray_starts(
-    tiny_checkpoint, prompts, ray_temp, tmp_path
+    tiny_checkpoint, prompts, ray_temp, tmp_path, capsys, in_process
 ):
-    ray_dir, env = ray_temp
+    ray_dir, _ = ray_temp
     url = f"http://127.0.0.1:{free_port()}/score"  # nobody listens there
-    result = launch(
-        _args(tiny_checkpoint, prompts, ray_dir, tmp_path, "--reward.remote_url", url), env, timeout=120
-    )
-    assert result.returncode != 0
-    assert f"reward.remote_url: cannot reach the reward server at {url}" in result.stderr
+    assert main(_args(tiny_checkpoint, prompts, ray_dir, tmp_path, "--reward.remote_url", url)) != 0
+    assert f"reward.remote_url: cannot reach the reward server at {url}" in capsys.readouterr().err
+    assert not ray.is_initialized()
     assert os.listdir(ray_dir) == []
 
 
+@pytest.mark.slow  # starts `rl-launch ppo` in a process (seconds of imports) and Ray
 def test_more_gpus_than_the_cluster_has_fails_before_any_actor_and_leaves_no_ray(
     tiny_checkpoint, prompts, ray_temp, tmp_path
 ):
     ray_dir, env = ray_temp  # the fixture fails the test if a Ray process of this run survives it
     extra = ("--ray.device", "cuda", "--ray.policy.num_actors", "2", "--rollout.num_engines", "2")
-    result = launch(_args(tiny_checkpoint, prompts, ray_dir, tmp_path, *extra), env, timeout=300)
+    result = launch(_args(tiny_checkpoint, prompts, ray_dir, tmp_path, *extra)[1:], env, timeout=300)
     assert result.returncode != 0
     assert (
         "the run needs 5 GPUs (policy: 2 x 1, critic: 1 x 1, engine: 2 x 1) but the Ray cluster has 0"

@@ -32,7 +32,9 @@ import tempfile
 import time
 
 import pytest
+import ray
 
+from rl_launch.cli import main
 from tests.launch.launching import (
     actor_pids,
     comparable,
@@ -170,7 +172,7 @@ def _stop_and_resume(rng, tiny_checkpoint, prompts, run_dir, ray_dir, env, seed)
 
 
 def test_a_run_stopped_at_random_and_resumed_each_time_logs_what_an_uninterrupted_run_logs(
-    tiny_checkpoint, ray_temp, tmp_path
+    tiny_checkpoint, ray_temp, tmp_path, capsys, in_process
 ):
     seed = int(os.environ.get("RL_CHAOS_SEED", random.randrange(2**31)))
     rng = random.Random(seed)
@@ -223,8 +225,11 @@ def test_a_run_stopped_at_random_and_resumed_each_time_logs_what_an_uninterrupte
     pids |= {pid for name in ("engine-0", "policy-0") for pid in actor_pids(tmp_path / "reference", name)}
     assert not _left_running(ray_dir, pids), context
     assert not [folder for folder in folders if os.path.exists(folder)], context
-    again = launch(args, env)  # without --ckpt.load_checkpoint: refused before Ray starts
-    assert again.returncode == 2, again.stderr[-2000:]
-    assert "already holds a run" in again.stderr
-    assert "--ckpt.load_checkpoint true" in again.stderr
+    capsys.readouterr()
+    # without --ckpt.load_checkpoint: refused before Ray starts (the CLI's main in this process)
+    assert main(["ppo", *args]) == 2
+    refusal = capsys.readouterr().err
+    assert "already holds a run" in refusal, refusal[-2000:]
+    assert "--ckpt.load_checkpoint true" in refusal, refusal[-2000:]
+    assert not ray.is_initialized()
     print(f"chaos seed {seed}: {'; '.join(history)}; {time.monotonic() - began:.0f} s in all")

@@ -1,6 +1,11 @@
 """Every advantage estimator and policy loss the config accepts runs one step end to end on CPU:
 real Ray, a transformers engine and DeepSpeed learners (policy, critic, reference), through the
-launcher's own step (tests/launch/_component_sweep.py starts the actors once for all names)."""
+launcher's own step (tests/launch/_component_sweep.py starts the actors once for all names).
+
+The reward depends on the response's length, so groups mix 0s and 1s and the advantages are not
+all 0: every loss trains on a real gradient. ReMax's step (the engines answer each prompt
+greedily too, and that answer's reward is the baseline) is checked here rather than in a run of
+its own; `rl-launch ppo` with ReMax runs in tests/launch/test_agents.py."""
 
 from __future__ import annotations
 
@@ -17,6 +22,12 @@ pytestmark = pytest.mark.slow
 
 SWEEP = pathlib.Path(__file__).with_name("_component_sweep.py")
 
+REWARD_FILE = """
+def reward_func(queries, prompts, labels):
+    # 1 when the response has a length divisible by 3: groups mix 0s and 1s, some are all 0 or all 1
+    return [float((len(query) - len(prompt)) % 3 == 0) for query, prompt in zip(queries, prompts)]
+"""
+
 
 @pytest.fixture(scope="module")
 def sweep(tiny_checkpoint, tmp_path_factory):
@@ -29,10 +40,12 @@ def sweep(tiny_checkpoint, tmp_path_factory):
     prompts.write_text(
         "".join(json.dumps({"prompt": f"What is {n} + 1?", "label": str(n + 1)}) + "\n" for n in range(16))
     )
+    reward = folder / "reward.py"
+    reward.write_text(REWARD_FILE)
     ray_dir = tempfile.mkdtemp(prefix="rlt-", dir="/tmp")
     out = folder / "results.json"
     result = subprocess.run(
-        [sys.executable, str(SWEEP), str(tiny_checkpoint), str(prompts), ray_dir, str(out)],
+        [sys.executable, str(SWEEP), str(tiny_checkpoint), str(prompts), str(reward), ray_dir, str(out)],
         env=launcher_env(),
         capture_output=True,
         text=True,
@@ -55,5 +68,7 @@ def test_one_step_of_every_estimator_and_loss(sweep, case):
     assert result["policy_loss"] is not None
     assert result["sync_match"] == 1.0
     assert result["samples"] == 8
-    if case == "estimator:remax":
-        assert result["baseline"] is not None  # the engines answered greedily for the baseline
+    assert result["skipped"] == 0
+    if case == "estimator:remax":  # the engines answered greedily; the reward of that is the baseline
+        assert 0.0 <= result["baseline"] <= 1.0  # a length-based reward, in {0, 1}
+        assert result["advantages_abs_mean"] > 0  # sampled rewards differ from the greedy one somewhere

@@ -8,7 +8,8 @@ A run stopped and resumed (SIGTERM, a dead engine, a dead learner) is tests/laun
 a driver killed with SIGKILL after a checkpoint, test_async_resume.py; which folders and changed
 settings a resume refuses, test_runs.py.
 
-The async and ReMax runs are in test_ppo_variants.py.
+The async run is in test_ppo_variants.py; ReMax in the component sweep (test_every_component.py)
+and the agent run (test_agents.py).
 """
 
 from __future__ import annotations

