@@ -8,9 +8,11 @@ import os
 import pathlib
 import random
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 
@@ -36,6 +38,19 @@ def ray_processes(temp_dir: str) -> dict[int, str]:
         if temp_dir in command and int(entry.name) != os.getpid():
             found[int(entry.name)] = command
     return found
+
+
+@contextlib.contextmanager
+def ray_temp_dir():
+    """(temp folder, env) for one run's local Ray; the folder is removed at the end, and an
+    AssertionError says so when a Ray process of that run outlived the block."""
+    temp_dir = tempfile.mkdtemp(prefix="rlt-", dir="/tmp")  # unix socket paths must stay short
+    try:
+        yield temp_dir, launcher_env()
+    finally:
+        leftovers = ray_processes(temp_dir)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+    assert not leftovers, f"Ray processes outlived the run: {leftovers}"
 
 
 def kill_processes(pids: list[int]) -> None:

@@ -9,15 +9,13 @@ contract class, on the `vllm serve` that class starts anyway: a server takes lon
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 
 import pytest
 
 from rl_launch.cli import resolve_ppo_config
 from rl_launch.components import check_components
 from rl_launch.config import ConfigError
-from tests.launch.launching import launch, launcher_env, ray_processes, read_metrics
+from tests.launch.launching import launch, ray_temp_dir, read_metrics
 
 BASE = {"model.pretrain": "m", "data.prompt_data": "d", "rollout.engine": "http"}
 
@@ -51,29 +49,24 @@ def check_a_run_samples_from(url: str, checkpoint, tmp_path) -> None:
         "".join(json.dumps({"prompt": f"What is {i} + 1?", "label": str(i + 1)}) + "\n" for i in range(8))
     )
     run_dir = tmp_path / "run"
-    ray_dir = tempfile.mkdtemp(prefix="rlt-", dir="/tmp")  # unix socket paths must stay short
-    args = [
-        "--model.pretrain", str(checkpoint),
-        "--data.prompt_data", str(prompts),
-        "--reward.function", "numeric",
-        "--rollout.engine", "http",
-        "--rollout.engine_options.base_url", url,
-        "--algo.advantage.estimator", "grpo",
-        "--algo.policy.correction", "tis",  # the sampler lags the learner from step 2 on
-        "--rollout.n_samples_per_prompt", "2",
-        "--rollout.rollout_batch_size", "4",
-        "--rollout.generate_max_len", "4",
-        "--train.max_steps", "2",
-        "--log.output_dir", str(run_dir),
-        "--log.progress_bar", "false",
-        "--ray.temp_dir", ray_dir,
-    ]  # fmt: skip
-    try:
-        result = launch(args, launcher_env())
-        leftovers = ray_processes(ray_dir)
-    finally:
-        shutil.rmtree(ray_dir, ignore_errors=True)
-    assert not leftovers, f"Ray processes outlived the run: {leftovers}"
+    with ray_temp_dir() as (ray_dir, env):  # fails when a Ray process of the run outlives it
+        args = [
+            "--model.pretrain", str(checkpoint),
+            "--data.prompt_data", str(prompts),
+            "--reward.function", "numeric",
+            "--rollout.engine", "http",
+            "--rollout.engine_options.base_url", url,
+            "--algo.advantage.estimator", "grpo",
+            "--algo.policy.correction", "tis",  # the sampler lags the learner from step 2 on
+            "--rollout.n_samples_per_prompt", "2",
+            "--rollout.rollout_batch_size", "4",
+            "--rollout.generate_max_len", "4",
+            "--train.max_steps", "2",
+            "--log.output_dir", str(run_dir),
+            "--log.progress_bar", "false",
+            "--ray.temp_dir", ray_dir,
+        ]  # fmt: skip
+        result = launch(args, env)
     assert result.returncode == 0, result.stderr[-4000:]
     assert (
         "weight sync: none (the engines keep the weights they started with" in result.stdout + result.stderr
