@@ -17,9 +17,10 @@ Per token t of a row (logits z_t `[V]`, temperature T, T = 1 when greedy):
 
 Why a hand-written loop instead of `model.generate`: each row samples from its own
 `torch.Generator`, seeded with `prompt_seed(seed, prompt) + j` for sample j of a request with a
-seed (the prompt mixed in, as every engine does) and from the engine's generator otherwise. A row's draws therefore do not depend on the other
-rows of its batch; only floating-point differences in the logits (batch shape, padding) could
-change a draw, which needs a uniform to fall within ~1e-7 of a bucket edge.
+seed (the prompt mixed in, as every engine does) and from the engine's generator otherwise. A
+row's draws therefore do not depend on the other rows of its batch; only floating-point
+differences in the logits (batch shape, padding) could change a draw, which needs a uniform to
+fall within ~1e-7 of a bucket edge.
 
 A row ends with "stop" on EOS (unless `ignore_eos`), on a `stop_token_ids` token (both kept as
 the last token) or when a stop string appears in its incrementally decoded text (the response

@@ -474,8 +474,7 @@ class VLLMEngine(Engine):
 
     def _submit(self, function: Callable[[Any], Any]) -> concurrent.futures.Future:
         """Queue `function(engine)` for the engine's thread; the future of its result."""
-        if self._engine is None:
-            raise EngineError("VLLMEngine: the engine is closed")
+        self._live()  # refuses a closed engine
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._commands.put((function, future))
         return future
