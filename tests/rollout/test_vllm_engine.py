@@ -18,12 +18,14 @@ import os
 import pathlib
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
 
 from rl_data import WeightSyncReport, compare_checksums, decode, encode, pack_bucket
 from rl_data.transport import WeightSyncSpec, free_port, write_buckets
+from rl_rollout.engines.vllm import COMPILE_PROBE_THREAD
 from rl_rollout.protocol import EngineError, SamplingParams
 from tests.rollout.engine_contract import EngineContract, reference_logprobs
 
@@ -299,7 +301,11 @@ def test_init_weight_sync_checks_its_arguments(vllm_engine, tiny_checkpoint):
 def test_the_engine_runs_in_this_process_and_leaves_torch_threads_to_the_caller(vllm_engine):
     import psutil
 
-    # no engine-core or worker process: no child of this process appeared with the engine
+    # no engine-core or worker process: no child of this process appeared with the engine (once
+    # the CPU compile probe, whose children live a second each, is done)
+    for thread in threading.enumerate():
+        if thread.name == COMPILE_PROBE_THREAD:
+            thread.join(timeout=120)
     children = psutil.Process().children(recursive=True)
     assert [child.cmdline() for child in children if child.pid not in CHILDREN_BEFORE_THE_ENGINE] == []
     # vLLM's CPU worker replaces torch.set_num_threads process-wide; the engine gives it back

@@ -192,6 +192,33 @@ def to_vllm_sampling_params(params: SamplingParams, prompt: Sequence[int], max_m
     )
 
 
+COMPILE_PROBE_THREAD = "VLLMEngine-compile-probe"
+
+
+def _start_cpu_compile_probe() -> threading.Thread:
+    """Run torch inductor's CPU probe on a thread of its own while the engine starts.
+
+    On CPU, vLLM's sampler torch.compiles a small kernel (the sampled token's rank) on the first
+    request that asks for log-probs. Before its first C++ kernel of a process, inductor checks
+    which vector instruction sets the compiler can build and load, one child Python per set:
+    2.5 of the 3.7 s the first request took on 2 cores. The thread mostly waits on those
+    children, so the engine's start-up (vLLM's imports, the model, the KV cache) runs beside it
+    at no measurable cost. Best effort: a torch without this probe skips it.
+    """
+
+    def probe() -> None:
+        try:
+            from torch._inductor import cpu_vec_isa
+
+            cpu_vec_isa.pick_vec_isa()
+        except Exception:  # a torch that probes otherwise (or not at all): the first request pays
+            pass
+
+    thread = threading.Thread(target=probe, name=COMPILE_PROBE_THREAD, daemon=True)
+    thread.start()
+    return thread
+
+
 class _Request(msgspec.Struct):
     """A request in flight on the engine's thread: the prompt's index (for errors) and the future
     that gets its final `vllm.RequestOutput`."""
@@ -304,6 +331,7 @@ class VLLMEngine(Engine):
 
         on_cpu = current_platform.is_cpu()
         if on_cpu:
+            _start_cpu_compile_probe()
             # vLLM's CPU generators have no offset: a seeded request whose prefill is split into
             # chunks (more prompt tokens in flight than max_num_batched_tokens) kills the engine
             # ("CPU Generator does not use offset"). Whole prefills avoid that.
