@@ -2,7 +2,8 @@
 
 A missing dataset, a model folder that is not there, a reward server that is down and sequences
 longer than the model's context are caught before Ray starts (the run's Ray temp folder stays
-empty); a request for more GPUs than the cluster has is caught after Ray starts but before any
+empty); a bad row is found while Ray starts (the prompts load beside it) and stops the run before
+any actor starts, Ray going down with it; a request for more GPUs than the cluster has is caught after Ray starts but before any
 actor does, and Ray goes down with the run.
 
 The checks before Ray run the CLI's `main` in the test's process (the message is what they pin;
@@ -88,6 +89,25 @@ def test_a_reward_server_that_is_down_stops_the_run_before_ray_starts(
     assert f"reward.remote_url: cannot reach the reward server at {url}" in capsys.readouterr().err
     assert not ray.is_initialized()
     assert os.listdir(ray_dir) == []
+
+
+def test_a_bad_row_stops_the_run_after_ray_starts_before_any_actor(
+    tiny_checkpoint, ray_temp, tmp_path, capsys, in_process
+):
+    # the prompts load on a thread while Ray starts: a bad row is reported once Ray is up, and
+    # Ray goes down with the run (the ray_temp fixture fails the test if a process of it survives)
+    assert not ray.is_initialized()  # Ray in this process is the run's own
+    ray_dir, _ = ray_temp
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(
+        json.dumps({"prompt": "What is 1 + 1?", "label": "2"}) + "\n" + json.dumps({"label": "3"}) + "\n"
+    )
+    assert main(_args(tiny_checkpoint, rows, ray_dir, tmp_path)) != 0
+    out, err = capsys.readouterr()
+    assert f"rl-launch ppo: error: data.prompt_data: {rows}, row 1, key 'prompt': missing or null" in err, err
+    assert "ray: local cluster on 127.0.0.1" in out  # Ray had started
+    assert "actors ready" not in out
+    assert not ray.is_initialized()
 
 
 @pytest.mark.slow  # starts `rl-launch ppo` in a process (seconds of imports) and Ray

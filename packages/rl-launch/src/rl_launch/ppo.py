@@ -17,9 +17,11 @@ Every algorithmic choice is a component found by name with its options verbatim
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import math
 import sys
+import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -431,6 +433,31 @@ def steps_of_episodes(config: PPOConfig, prompts: int) -> PPOConfig:
     return msgspec.structs.replace(config, train=msgspec.structs.replace(config.train, max_steps=steps))
 
 
+def _start_loading_data(config: PPOConfig, inputs: Any) -> concurrent.futures.Future:
+    """Load the tokenizer and the prompts on a thread of its own; the future of
+    (tokenizer, training prompts, evaluation prompts or None, seconds it took)."""
+    from .prompts import load_prompts
+
+    future: concurrent.futures.Future = concurrent.futures.Future()
+
+    def load() -> None:
+        began = time.perf_counter()
+        try:
+            if config.log.actor_output == "file":
+                quiet_third_party_output()
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(inputs.model_path)
+            train_data, eval_data = load_prompts(config, inputs, tokenizer)
+        except BaseException as error:
+            future.set_exception(error)
+        else:
+            future.set_result((tokenizer, train_data, eval_data, time.perf_counter() - began))
+
+    threading.Thread(target=load, name="rl-launch-data", daemon=True).start()
+    return future
+
+
 def run(config: PPOConfig) -> int:
     """Run `rl-launch ppo` with a resolved config; the process exit code (0 on success)."""
     import ray
@@ -438,7 +465,7 @@ def run(config: PPOConfig) -> int:
     from .cluster import ClusterError, start_ray
     from .plugins import import_plugins, resolve_plugins
     from .preflight import PreflightError, check_context, resolve_inputs
-    from .prompts import describe_data, load_prompts
+    from .prompts import describe_data
     from .runs import RunFolderError, open_run_folder
 
     started_ray, roles, guard, trainer, log_dir = False, None, None, None, None
@@ -448,8 +475,6 @@ def run(config: PPOConfig) -> int:
         plugins = resolve_plugins(config.plugins)
         import_plugins(plugins)
         check_components(config)
-        if config.log.actor_output == "file":
-            quiet_third_party_output()
         preset = None
         if config.preset != "none":
             from .presets import prepare_preset
@@ -463,11 +488,17 @@ def run(config: PPOConfig) -> int:
         plan = open_run_folder(
             config, roles=["policy", "critic"] if config.needs_critic else ["policy"], say=console.say
         )
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(inputs.model_path)
-        train_data, eval_data = load_prompts(config, inputs, tokenizer)
-        console.say(describe_data(train_data, eval_data))
+        # The tokenizer and the prompts load on a thread while Ray starts (mostly imports against
+        # Ray's processes starting); a bad row is raised here once Ray is up, before any actor.
+        data = _start_loading_data(config, inputs)
+        started_ray = start_ray(config, temp_dir=config.ray.temp_dir)
+        # after ray.init, which sets a SIGTERM handler of its own
+        guard = PreemptionGuard("rl-launch ppo", config.ckpt.preemption_timeout_s).install()
+        console.say(
+            f"ray: {'local cluster on 127.0.0.1' if started_ray else 'joined ' + str(config.ray.address)}"
+        )
+        tokenizer, train_data, eval_data, took = data.result()
+        console.say(f"{describe_data(train_data, eval_data)}, loaded while Ray started", took=took)
         if config.train.num_episodes is not None:
             config = steps_of_episodes(config, len(train_data))
             console.say(
@@ -486,12 +517,6 @@ def run(config: PPOConfig) -> int:
                 if learners_share_prefix(config)
                 else ""
             )
-        )
-        started_ray = start_ray(config, temp_dir=config.ray.temp_dir)
-        # after ray.init, which sets a SIGTERM handler of its own
-        guard = PreemptionGuard("rl-launch ppo", config.ckpt.preemption_timeout_s).install()
-        console.say(
-            f"ray: {'local cluster on 127.0.0.1' if started_ray else 'joined ' + str(config.ray.address)}"
         )
         samples = config.rollout.rollout_batch_size * config.rollout.n_samples_per_prompt
         steps_per_batch = config.train.max_epochs * (samples // (config.train.train_batch_size or samples))
