@@ -24,7 +24,7 @@
 # batches only, captured in seconds; eager: rollout.enforce_eager; compiled: vLLM's default,
 # torch.compile + piecewise graphs, ~1 min more at start-up), D_TOKENS (512 new tokens per
 # answer, all of them: min_new_tokens), D_PROMPTS (8), D_N (8 samples per prompt), D_STEPS (5),
-# GPU_TESTS_STOP (--maxfail=3), GPU_TESTS_WORKERS (4 pytest-xdist workers for b), STEPS (abcd: the
+# D_TRL_GENERATION (hf: TRL with HF generate; vllm: TRL's vLLM colocate mode), GPU_TESTS_STOP (--maxfail=3), GPU_TESTS_WORKERS (4 pytest-xdist workers for b), STEPS (abcd: the
 # steps to run, e.g. STEPS=ad); for a dry run
 # of this script on a CPU machine: PY (python3), SITE (/tmp/site), D_DEVICE (cuda), D_SIZE (0.5b).
 set -u
@@ -166,7 +166,7 @@ run_d() { # $1 = VLLM_MODE
   say "[d] VLLM_MODE=$1"
   step d 330 "$D" $PY "$BENCH" --workload long --device "${D_DEVICE:-cuda}" --model-size "${D_SIZE:-0.5b}" --seed 0 \
     --max-new-tokens "${D_TOKENS:-512}" --prompts "${D_PROMPTS:-8}" --n "${D_N:-8}" --steps "${D_STEPS:-5}" \
-    --timeout "$side" --keep "${PRESETS[@]}" "${engine[@]}"
+    --timeout "$side" --trl-generation "${D_TRL_GENERATION:-hf}" --keep "${PRESETS[@]}" "${engine[@]}"
 }
 
 collect_d() { # our side's console, metrics and actor logs (tails) into one file; TRL's console

