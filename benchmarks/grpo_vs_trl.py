@@ -171,10 +171,10 @@ def our_overrides(args: argparse.Namespace, output_dir: str, ray_dir: str, prese
     import rl_launch.presets
 
     use_preset = hasattr(rl_launch.presets, "preset_settings")
-    device = getattr(args, "device", "cpu")  # step_limit.py's arguments have no device, dtype or model
+    device = args.device
     overrides = {
         "preset": "arithmetic" if use_preset else "none",
-        "model.pretrain": getattr(args, "model_path", None) or preset.model_path,
+        "model.pretrain": args.model_path or preset.model_path,
         "data.prompt_data": preset.train_path,
         "data.apply_chat_template": "true" if preset.apply_chat_template else "false",
         "reward.function": "arithmetic",
@@ -200,7 +200,7 @@ def our_overrides(args: argparse.Namespace, output_dir: str, ray_dir: str, prese
         "train.lr_warmup_ratio": "0",
         "train.min_lr_ratio": "1.0",
         "train.weight_decay": "0",
-        "model.dtype": getattr(args, "dtype", None) or "fp32",
+        "model.dtype": args.dtype,
         "eval.eval_steps": "-1",
         "log.output_dir": output_dir,
         "log.progress_bar": "false",
@@ -312,9 +312,7 @@ def run_ours(args: argparse.Namespace, scratch: str, preset: Any) -> dict[str, A
     command = [sys.executable, "-m", "rl_launch.cli", "ppo"]
     for key, value in overrides.items():
         command += [f"--{key}", value]
-    env = dict(
-        os.environ, **environment(getattr(args, "device", "cpu")), RAY_AUTH_TOKEN=secrets.token_hex(16)
-    )
+    env = dict(os.environ, **environment(args.device), RAY_AUTH_TOKEN=secrets.token_hex(16))
     try:
         done = run_stamped(command, env, args.timeout, os.path.join(scratch, "ours.log"))
     finally:

@@ -179,6 +179,7 @@ def measure(args: argparse.Namespace, workload: str, preset: Any, scratch: str) 
     run_args.max_new_tokens = shape.get("max_new_tokens", tuned["rollout"]["generate_max_len"])
     run_args.lr = tuned["train"]["actor_learning_rate"]
     run_args.fixed_length = shape["fixed_length"]
+    run_args.device, run_args.dtype, run_args.model_path = "cpu", "fp32", None  # the bare parts' own
     config = resolve_ppo_config(
         None, grpo_vs_trl.our_overrides(run_args, os.path.join(scratch, "x"), "/tmp/unused", preset)
     )
