@@ -498,7 +498,8 @@ def run(config: PPOConfig) -> int:
             f"ray: {'local cluster on 127.0.0.1' if started_ray else 'joined ' + str(config.ray.address)}"
         )
         tokenizer, train_data, eval_data, took = data.result()
-        console.say(f"{describe_data(train_data, eval_data)}, loaded while Ray started", took=took)
+        # the line's own seconds: how long the data kept the run waiting once Ray was up
+        console.say(f"{describe_data(train_data, eval_data)}; loaded in {took:.1f} s while Ray started")
         if config.train.num_episodes is not None:
             config = steps_of_episodes(config, len(train_data))
             console.say(

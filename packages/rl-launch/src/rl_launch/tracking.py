@@ -98,12 +98,11 @@ class StartupLines:
         self.stream = stream
         self._since = time.perf_counter()
 
-    def say(self, text: str, *, took: float | None = None) -> None:
-        """Print `text` with the seconds since the last line, or `took` for a phase that ran beside
-        another one (on a thread of its own); the next line counts from now either way."""
+    def say(self, text: str) -> None:
         now = time.perf_counter()
-        seconds = now - self._since if took is None else took
-        print(f"{self.prefix}: {text} ({seconds:.1f} s)", file=self.stream or sys.stdout, flush=True)
+        print(
+            f"{self.prefix}: {text} ({now - self._since:.1f} s)", file=self.stream or sys.stdout, flush=True
+        )
         self._since = now
 
     def warn(self, text: str) -> None:
