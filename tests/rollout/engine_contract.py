@@ -480,7 +480,6 @@ class EngineContract:
             close()
         assert engine.policy_version == version
 
-
     # --- partial rollout ------------------------------------------------------------------------
 
     def test_supports_partial_rollout_as_declared(self, engine):
@@ -490,7 +489,9 @@ class EngineContract:
         self, engine, prompts, greedy_run, reference, tmp_path
     ):
         if not self.supports_partial_rollout:
-            pytest.skip(f"{type(engine).__name__} declares no partial rollout (supports('partial_rollout') is False)")
+            pytest.skip(
+                f"{type(engine).__name__} declares no partial rollout (supports('partial_rollout') is False)"
+            )
         import threading
         import time
 
@@ -516,7 +517,9 @@ class EngineContract:
                 old_version, new_version = engine.policy_version, engine.policy_version + 1
                 write(perturbed if new == "perturbed" else original, new_version)
                 result: list = []
-                thread = threading.Thread(target=lambda: result.append(engine.generate(prompts, params)))
+                thread = threading.Thread(
+                    target=lambda out=result: out.append(engine.generate(prompts, params))
+                )
                 thread.start()
                 time.sleep(seconds * (0.3 + 0.1 * attempt))
                 engine.receive_weights(new_version)

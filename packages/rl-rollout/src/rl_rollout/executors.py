@@ -353,7 +353,7 @@ def _loggable(value: Any) -> Any:
     return value
 
 
-def _token_versions(episode: "_Episode") -> list[int] | None:
+def _token_versions(episode: _Episode) -> list[int] | None:
     """An episode's per-token versions, None when every token is `policy_version`'s (or they do
     not line up with its tokens: an episode that failed before its first action)."""
     versions = episode.versions

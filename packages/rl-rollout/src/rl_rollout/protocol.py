@@ -165,7 +165,9 @@ class Generation(msgspec.Struct, kw_only=True):
                     f"Generation: {len(self.token_versions)} token versions for {len(self.token_ids)} tokens"
                 )
             if any(later < earlier for earlier, later in itertools.pairwise(self.token_versions)):
-                raise ValueError(f"Generation.token_versions: {self.token_versions} decrease along the response")
+                raise ValueError(
+                    f"Generation.token_versions: {self.token_versions} decrease along the response"
+                )
 
     def versions(self) -> list[int]:
         """The policy version of every token: `token_versions`, or `policy_version` repeated."""
