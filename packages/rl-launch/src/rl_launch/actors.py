@@ -585,7 +585,12 @@ class ActorGroup:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self.role = role
-        remote_class = ray.remote(actor_class)
+        # concurrency groups are a property of the actor class in Ray (not an .options() field)
+        remote_class = (
+            ray.remote(concurrency_groups=concurrency_groups)(actor_class)
+            if concurrency_groups
+            else ray.remote(actor_class)
+        )
         self.actors = [
             remote_class.options(
                 num_gpus=num_gpus,
@@ -595,7 +600,6 @@ class ActorGroup:
                     placement_group=placement_group, placement_group_bundle_index=rank
                 ),
                 runtime_env={"env_vars": env} if env else None,
-                **({"concurrency_groups": concurrency_groups} if concurrency_groups else {}),
             ).remote(*args)
             for rank, args in enumerate(args_per_rank)
         ]
