@@ -88,3 +88,40 @@ def test_data_error_names_the_location_and_survives_pickling_between_processes()
     copy = pickle.loads(pickle.dumps(error))  # our own object: how Ray and multiprocessing ship errors
     assert (str(copy), copy.row, copy.key, copy.source) == (str(error), 17, "prompt", "train.jsonl")
     assert str(DataError("bad", source="f.jsonl", line=3)) == "f.jsonl, line 3: bad"
+
+
+def test_token_versions_default_to_the_policy_version_and_round_trip_the_wire():
+    from rl_data import decode, encode
+
+    uniform = Trajectory(prompt_ids=[1], response_ids=[4, 5, 6], policy_version=3)
+    assert uniform.token_versions is None
+    assert uniform.versions().tolist() == [3, 3, 3]
+    mixed = Trajectory(prompt_ids=[1], response_ids=[4, 5, 6], policy_version=3, token_versions=[3, 4, 4])
+    assert mixed.versions().dtype == torch.int64
+    [back] = decode(encode([mixed]), list[Trajectory])
+    assert back.token_versions.tolist() == [3, 4, 4]
+
+
+def test_records_encoded_before_token_versions_decode_with_none():
+    import msgspec
+
+    from rl_data import decode, encode
+
+    older = msgspec.defstruct(
+        "Trajectory",
+        [("prompt_ids", torch.Tensor), ("response_ids", torch.Tensor), ("policy_version", int)],
+        kw_only=True,
+    )
+    sent = older(prompt_ids=torch.tensor([1]), response_ids=torch.tensor([2, 3]), policy_version=5)
+    [back] = decode(encode([sent]), list[Trajectory])
+    assert back.token_versions is None
+    assert back.versions().tolist() == [5, 5]
+
+
+@pytest.mark.parametrize(
+    ("versions", "message"),
+    [([3, 4], "length 2 does not match"), ([4, 3, 4], "non-decreasing"), ([2, 3, 3], "non-decreasing")],
+)
+def test_token_versions_that_go_back_or_predate_the_record_are_refused(versions, message):
+    with pytest.raises(ValueError, match=message):
+        Trajectory(prompt_ids=[1], response_ids=[4, 5, 6], policy_version=3, token_versions=versions)

@@ -46,6 +46,14 @@ What the contract pins, for every engine:
   weights (as the next version) afterwards, so the class-scoped engine serves the other tests
   unchanged whatever the order (with "shm" that third version reuses the first one's slot).
 
+- partial rollout (when `supports_partial_rollout`): a `receive_weights` from another thread while
+  a greedy `generate` runs lands between two decoding steps; every response still has all the
+  tokens its budget allowed, its versions are the old one up to a boundary and the new one after
+  it, the tokens before the boundary carry the old weights' log-probs (and argmaxes) and the
+  ones after the new weights' teacher-forced log-probs over prompt + every token before them
+  (the in-flight KV cache was recomputed, not mixed). Engines that lack it say so through
+  `supports("partial_rollout")`.
+
 Engines need a weight-sync receiver that accepts `init_weight_sync` more than once (each call
 replaces the previous receiver), because every weight test joins its own file transport.
 """
@@ -99,6 +107,7 @@ class EngineContract:
 
     logprob_atol: float = 1e-4
     supports_weight_sync: bool = False
+    supports_partial_rollout: bool = False
     weight_sync_transports: tuple[str, ...] = ("file", "shm")
     # rank the engine's receiver takes in the file transport (file transport ignores it, but engines check it)
     weight_sync_rank: int = 1
@@ -470,6 +479,88 @@ class EngineContract:
         finally:
             close()
         assert engine.policy_version == version
+
+    # --- partial rollout ------------------------------------------------------------------------
+
+    def test_supports_partial_rollout_as_declared(self, engine):
+        assert engine.supports("partial_rollout") is self.supports_partial_rollout
+
+    def test_weight_sync_mid_request_keeps_every_token_and_versions_each(
+        self, engine, prompts, greedy_run, reference, tmp_path
+    ):
+        if not self.supports_partial_rollout:
+            pytest.skip(
+                f"{type(engine).__name__} declares no partial rollout (supports('partial_rollout') is False)"
+            )
+        import threading
+        import time
+
+        original = {name: param.detach().float().clone() for name, param in reference.named_parameters()}
+        generator = torch.Generator().manual_seed(1)
+        perturbed = {
+            name: tensor + 0.05 * torch.randn(tensor.shape, generator=generator)
+            for name, tensor in original.items()
+        }
+        models = {"original": reference, "perturbed": copy.deepcopy(reference)}
+        models["perturbed"].load_state_dict({n: t.double() for n, t in perturbed.items()}, strict=False)
+        spec, write, close = _sender("file", _layout(reference), tmp_path)
+        engine.init_weight_sync(spec, self.weight_sync_rank)
+        budget = 64
+        params = SamplingParams(temperature=0.0, max_new_tokens=budget, ignore_eos=True)
+        started = time.perf_counter()
+        engine.generate(prompts, params)
+        seconds = time.perf_counter() - started  # how long a request runs: when to sync
+        held, boundaries = "original", []
+        try:
+            for attempt in range(4):  # a sync that lands before or after every request is retried
+                old, new = held, ("perturbed" if held == "original" else "original")
+                old_version, new_version = engine.policy_version, engine.policy_version + 1
+                write(perturbed if new == "perturbed" else original, new_version)
+                result: list = []
+                thread = threading.Thread(
+                    target=lambda out=result: out.append(engine.generate(prompts, params))
+                )
+                thread.start()
+                time.sleep(seconds * (0.3 + 0.1 * attempt))
+                engine.receive_weights(new_version)
+                held = new
+                thread.join(timeout=120)
+                assert result, "generate did not return"
+                boundaries = []
+                for index, (prompt, [generation]) in enumerate(zip(prompts, result[0])):
+                    where = f"attempt {attempt}, prompt {index}"
+                    assert len(generation.token_ids) == budget, f"{where}: tokens lost at the sync"
+                    versions = generation.versions()
+                    boundary = versions.count(old_version)
+                    assert versions == [old_version] * boundary + [new_version] * (budget - boundary), where
+                    assert generation.policy_version == versions[0], where
+                    assert (generation.token_versions is None) == (boundary in (0, budget)), where
+                    for name, part in ((old, slice(0, boundary)), (new, slice(boundary, budget))):
+                        expected, rows = reference_logprobs(models[name], prompt, generation.token_ids)
+                        got = torch.tensor(generation.logprobs, dtype=torch.float64)[part]
+                        error = (got - expected[part]).abs().max().item() if len(got) else 0.0
+                        assert error <= self.logprob_atol, (
+                            f"{where}: tokens {part.start}..{part.stop} are version {versions[part.start]}'s "
+                            f"but their log-probs differ from the {name} weights' by {error:.3g}"
+                        )
+                        gap = (rows.max(dim=-1).values - expected)[part]
+                        assert len(gap) == 0 or gap.max().item() <= 2 * self.logprob_atol, where
+                    if old == "original":  # before the sync: what the engine decodes without one
+                        known = min(boundary, len(greedy_run[index].token_ids))
+                        assert generation.token_ids[:known] == greedy_run[index].token_ids[:known], where
+                    boundaries.append(boundary)
+                if any(0 < boundary < budget for boundary in boundaries):
+                    break
+            assert any(0 < boundary < budget for boundary in boundaries), (
+                f"no sync landed mid-request in 4 attempts (boundaries {boundaries})"
+            )
+        finally:
+            if held != "original":
+                write(original, engine.policy_version + 1)
+                engine.receive_weights(engine.policy_version + 1)
+            close()
+        restored = [per_prompt[0] for per_prompt in engine.generate(prompts, params)]
+        assert [g.token_ids[:24] for g in restored] == [g.token_ids for g in greedy_run]
 
 
 def msgspec_replace(params: SamplingParams, **changes) -> SamplingParams:

@@ -483,3 +483,39 @@ def test_multi_turn_end_to_end_with_hf_engine_and_agent_file(hf_engine, tokenize
         off = [record.rollout_logprobs[t].item() for t in range(len(mask)) if not mask[t]]
         assert off == [0.0] * len(off)
         assert len(off) > 0
+
+
+class SyncingEngine(ScriptedEngine):
+    """A ScriptedEngine whose weights change mid-action: every call's first token is the current
+    version's, the rest the next one's (partial rollout), and the next call starts there."""
+
+    def _one(self, prompt, params):
+        generation = super()._one(prompt, params)
+        first, self.policy_version = self.policy_version, self.policy_version + 1
+        generation.policy_version = first
+        generation.token_versions = [first] + [first + 1] * (len(generation.token_ids) - 1)
+        return generation
+
+
+def test_records_carry_the_version_of_every_token_single_and_multi_turn(tokenizer, samples):
+    [record, *_] = SingleTurnExecutor(
+        SyncingEngine(tokenizer), NumericAnswerReward(), tokenizer, SamplingParams()
+    ).run(samples[:1])
+    assert record.policy_version == 7
+    assert record.token_versions.tolist() == [7] + [8] * (record.response_ids.numel() - 1)
+
+    executor = MultiTurnExecutor(
+        SyncingEngine(tokenizer),
+        tokenizer,
+        SamplingParams(max_new_tokens=32),
+        env=FIXTURES / "agent_openrlhf.py",
+    )
+    [episode, *_] = executor.run(samples[:1])
+    versions, mask = episode.token_versions.tolist(), episode.action_mask.tolist()
+    ranges = episode.extra["action_ranges"]
+    assert episode.policy_version == 7  # its first token's
+    for turn, (start, end) in enumerate(ranges):  # turn k: version 7 + k, then 8 + k
+        assert versions[start:end] == [7 + turn] + [8 + turn] * (end - start - 1), turn
+        if turn + 1 < len(ranges):  # the feedback after it: no action, the version before it
+            assert not any(mask[end : ranges[turn + 1][0]])
+            assert set(versions[end : ranges[turn + 1][0]]) == {8 + turn}

@@ -28,6 +28,7 @@ GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
 class TestHFEngine(EngineContract):
     logprob_atol = 2e-5
     supports_weight_sync = True
+    supports_partial_rollout = True
 
     @pytest.fixture(scope="class")
     @classmethod

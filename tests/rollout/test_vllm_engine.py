@@ -65,6 +65,7 @@ def vllm_engine(tiny_checkpoint):
 class TestVLLMEngineContract(EngineContract):
     logprob_atol = FLOAT32_LOGPROB_ATOL
     supports_weight_sync = True
+    supports_partial_rollout = True
 
     @pytest.fixture(scope="class")
     @classmethod

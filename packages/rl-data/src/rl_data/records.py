@@ -64,7 +64,13 @@ class Trajectory(msgspec.Struct, kw_only=True):
         score:            scalar task score for logging and filtering (e.g. accuracy); defaults
                           to `reward`.
         group_id:         prompt group: responses to the same prompt share it (GRPO, RLOO).
-        policy_version:   version of the weights that sampled it (async training, staleness).
+        policy_version:   version of the weights that sampled its first token (async training,
+                          staleness): the oldest weights that wrote any of it.
+        token_versions:   [R] int64, the policy version of each response token, when they differ
+                          (partial rollout: a weight sync landed mid-response; multi-turn turns
+                          sampled by different weights); non-decreasing, none below
+                          `policy_version`. None: every token is `policy_version`'s (records
+                          written before this field decode to None). `versions()` gives [R].
         finish_reason:    "stop" (EOS or stop string), "length" (hit a length limit) or "abort".
         label:            the prompt's reference answer or any JSON-like label, for rewards.
         extra:            free-form JSON-like metadata (turns, tool calls, environment logs).
@@ -78,6 +84,7 @@ class Trajectory(msgspec.Struct, kw_only=True):
     score: float | None = None
     group_id: int = 0
     policy_version: int = 0
+    token_versions: torch.Tensor | None = None
     finish_reason: FinishReason = "stop"
     label: Any = None
     extra: dict[str, Any] = msgspec.field(default_factory=dict)
@@ -95,7 +102,19 @@ class Trajectory(msgspec.Struct, kw_only=True):
             self.rollout_logprobs = as_1d_tensor(
                 self.rollout_logprobs, LOGPROB_DTYPE, field="rollout_logprobs", owner=owner
             )
-        for field in ("action_mask", "rollout_logprobs"):
+        if self.token_versions is not None:
+            self.token_versions = as_1d_tensor(
+                self.token_versions, TOKEN_DTYPE, field="token_versions", owner=owner
+            )
+            versions = self.token_versions
+            if versions.numel() and (
+                bool((versions[1:] < versions[:-1]).any()) or int(versions[0]) < self.policy_version
+            ):
+                raise ValueError(
+                    f"{owner}.token_versions: {versions.tolist()} must be non-decreasing and start at or "
+                    f"after policy_version {self.policy_version}"
+                )
+        for field in ("action_mask", "rollout_logprobs", "token_versions"):
             value = getattr(self, field)
             if value is not None and value.numel() != length:
                 raise ValueError(
@@ -107,6 +126,13 @@ class Trajectory(msgspec.Struct, kw_only=True):
         if self.score is None:
             self.score = self.reward
         self.score = float(self.score)
+
+    def versions(self) -> torch.Tensor:
+        """[R] int64: the policy version of every response token (`token_versions`, or
+        `policy_version` repeated)."""
+        if self.token_versions is not None:
+            return self.token_versions
+        return torch.full((self.response_ids.numel(),), self.policy_version, dtype=TOKEN_DTYPE)
 
     @property
     def num_tokens(self) -> int:

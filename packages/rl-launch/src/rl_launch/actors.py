@@ -81,6 +81,8 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
     """Folder of the actor's output file (`engine-<index>.log`); None: Ray's own handling."""
     plugins: tuple[PluginRef, ...] = ()
     """User modules (`--plugin`) imported before anything else, so their registrations exist here."""
+    partial_rollout: bool = False
+    """rollout.partial_rollout: weight syncs reach the engine while it generates (`RECEIVE_GROUP`)."""
 
 
 def send_output_to(log_dir: str | None, name: str) -> None:
@@ -431,8 +433,18 @@ def _numbers(value: Any) -> list[float]:
     return out
 
 
+RECEIVE_GROUP = "weight_sync"
+"""The Ray concurrency group a partial-rollout run calls `RolloutWorker.receive` in: its own thread,
+so a sync reaches the engine while a `generate` call runs (an actor otherwise serves its calls one
+at a time, and a sync would wait behind the generations queued before it)."""
+
+
 class RolloutWorker:
-    """One rollout engine with its tokenizer and reward function (Ray actor class)."""
+    """One rollout engine with its tokenizer and reward function (Ray actor class).
+
+    With `EngineSpec.partial_rollout` the actor is started with a concurrency group
+    `RECEIVE_GROUP` (`ActorGroup`'s `concurrency_groups`) and the driver calls `receive` in it.
+    """
 
     def __init__(self, spec: EngineSpec, index: int = 0) -> None:
         send_output_to(spec.log_dir, f"engine-{index}")
@@ -446,6 +458,12 @@ class RolloutWorker:
 
         self.receives_weights = ENGINES[spec.kind].receives_weights
         self.engine = ENGINES[spec.kind].build(spec, **spec.options)
+        if spec.partial_rollout and not self.engine.supports("partial_rollout"):
+            raise ValueError(
+                f"rollout.partial_rollout: rollout engine {spec.kind!r} ({self.engine.name}) cannot take a "
+                "weight sync while requests are in flight, with the options it was given (supports('partial_rollout') "
+                "is False); drop rollout.partial_rollout or use an engine that can"
+            )
 
     def ready(self) -> tuple[int, int | None, str, list[str], dict[str, int | None]]:
         """(weight-sync ranks this engine takes, its KV-cache bytes or None where vLLM sizes it,
@@ -561,12 +579,18 @@ class ActorGroup:
         num_gpus: float,
         num_cpus: float,
         env: dict[str, str] | None = None,
+        concurrency_groups: dict[str, int] | None = None,
     ) -> None:
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self.role = role
-        remote_class = ray.remote(actor_class)
+        # concurrency groups are a property of the actor class in Ray (not an .options() field)
+        remote_class = (
+            ray.remote(concurrency_groups=concurrency_groups)(actor_class)
+            if concurrency_groups
+            else ray.remote(actor_class)
+        )
         self.actors = [
             remote_class.options(
                 num_gpus=num_gpus,
@@ -583,10 +607,20 @@ class ActorGroup:
     def __len__(self) -> int:
         return len(self.actors)
 
-    def submit(self, method: str, *args: Any, per_rank: Sequence[tuple] | None = None) -> list:
-        """Call `method` on every actor without waiting: the same `args`, or `per_rank[i]` on actor i."""
+    def submit(
+        self,
+        method: str,
+        *args: Any,
+        per_rank: Sequence[tuple] | None = None,
+        concurrency_group: str | None = None,
+    ) -> list:
+        """Call `method` on every actor without waiting: the same `args`, or `per_rank[i]` on actor i;
+        in `concurrency_group` (one the actors were started with) when given."""
         calls = per_rank if per_rank is not None else [args] * len(self.actors)
-        return [getattr(actor, method).remote(*call) for actor, call in zip(self.actors, calls, strict=True)]
+        methods = [getattr(actor, method) for actor in self.actors]
+        if concurrency_group is not None:
+            methods = [bound.options(concurrency_group=concurrency_group) for bound in methods]
+        return [bound.remote(*call) for bound, call in zip(methods, calls, strict=True)]
 
     def call(self, method: str, *args: Any, per_rank: Sequence[tuple] | None = None) -> list:
         """`submit` and wait for every actor's result."""

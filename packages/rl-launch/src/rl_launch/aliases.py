@@ -745,6 +745,7 @@ ALIASES: tuple[Alias, ...] = (
     ),
     _alias("train.async_enable", "rollout.async_train", nargs=0),
     _alias("train.async_queue_size", "rollout.async_depth"),
+    _alias("train.partial_rollout_enable", "rollout.partial_rollout", nargs=0),
     _alias("algo.dynamic_filtering_enable", "rollout.dynamic_filtering", nargs=0),
     _alias(
         "train.agent_func_path",
@@ -1165,10 +1166,6 @@ UNSUPPORTED: Mapping[str, str] = {
     "data.dataset_split": "sft, rm and dpo read a local file or a save_to_disk folder, which has no splits",
     "data.multiturn": "sft trains one response per row; there is no compacted multi-turn format",
     # Rollout and training.
-    "train.partial_rollout_enable": (
-        "partial rollouts are not supported yet (engines pausing for a weight sync and resuming "
-        "in-flight requests is an open issue of the scale work); --rollout.async_train overlaps whole steps"
-    ),
     "train.full_determinism_enable": "there is no full-determinism mode",
     # Algorithm and reward.
     "algo.advantage.no_std_norm": (

@@ -313,6 +313,17 @@ class RolloutConfig(_Section):
     versions behind the policy that trains on it (an engine receives new weights after the
     generations queued before it). Checkpoints keep the
     prompts in flight, so a resumed run trains on the prompts an uninterrupted one would."""
+    partial_rollout: bool = False
+    """With async_train: a weight sync reaches the engines while the generations ahead are in
+    flight (OpenRLHF's --train.partial_rollout_enable): they pause between two decoding steps,
+    take the new weights and go on with the requests in flight (their KV cache recomputed under
+    the new weights), so no generated token is thrown away and no engine waits for its longest
+    sample before a sync. A response then mixes versions: `Trajectory.token_versions` says which
+    weights wrote each token, the rollout correction (algo.policy.correction, token
+    level: tis by default in async mode) weighs each token by its own sampler log-prob, and async/token_staleness_mean / _max are logged; a
+    record's policy_version (max_staleness, async/staleness_max) is its first token's. Needs
+    async_train (without it no generation is in flight during a sync, so there is nothing to
+    resume) and an engine that can (`supports("partial_rollout")`: vllm in-process, hf; not http)."""
     max_staleness: NonNegativeInt | None = None
     """With async_train: drop records whose policy version is more than this behind the learner's
     (counted in async/dropped_stale; async/staleness_max and health/policy_lag, the mean, are
@@ -366,6 +377,13 @@ class RolloutConfig(_Section):
                 _fail("rollout.async_depth", self.async_depth, "needs rollout.async_train true")
             if self.max_staleness is not None:
                 _fail("rollout.max_staleness", self.max_staleness, "needs rollout.async_train true")
+            if self.partial_rollout:
+                _fail(
+                    "rollout.partial_rollout",
+                    True,
+                    "needs rollout.async_train true: in synchronous mode no generation is in flight when "
+                    "the weights are synced, so there is nothing to pause and resume",
+                )
         elif self.max_staleness is not None and self.max_staleness < self.async_depth:
             _fail(
                 "rollout.max_staleness",

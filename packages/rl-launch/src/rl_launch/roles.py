@@ -23,7 +23,7 @@ import torch
 
 from rl_data import ExperienceBatch, compare_checksums, micro_batches, plan_micro_batches
 
-from .actors import ActorGroup, EngineSpec, LearnerSpec, LearnerWorker, RolloutWorker
+from .actors import RECEIVE_GROUP, ActorGroup, EngineSpec, LearnerSpec, LearnerWorker, RolloutWorker
 from .algorithm import learners_share_prefix
 from .cluster import ClusterError, cluster_has_gpus, place_roles, plan_roles
 from .components import executor_name
@@ -146,6 +146,7 @@ class Roles:
             placement_group=self.placement[engine.group],
             num_gpus=engine.num_gpus,
             num_cpus=engine.num_cpus,
+            concurrency_groups={RECEIVE_GROUP: 1} if cfg.rollout.partial_rollout else None,
             # vLLM logs every weight reload at INFO and WARNING; that would bury the progress bar.
             env={
                 "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "ERROR"),
@@ -245,6 +246,7 @@ class Roles:
             reward=cfg.reward,
             log_dir=log_dir,
             plugins=self.plugins,
+            partial_rollout=r.partial_rollout,
         )
 
     def engine_policy_ranks(self) -> list[int | None]:
@@ -391,13 +393,18 @@ class Roles:
         if self.engines_asleep:
             raise RuntimeError("Roles.sync_weights: the engines are asleep; call to_generation() first")
         strategy = SYNC_STRATEGIES[name]
+        # partial rollout: the engines take the weights now, between two decoding steps of the
+        # generations in flight, instead of after them
+        group = RECEIVE_GROUP if self.config.rollout.partial_rollout else None
 
         sent = self.groups["policy"].submit("sync", version)
         if strategy.per_rank_payload:
             shared = ray.get(sent)
             reports = [report for report, _ in shared]
             ranks = self.engine_policy_ranks()
-            received = self.engines.submit("receive", per_rank=[(version, shared[rank][1]) for rank in ranks])
+            received = self.engines.submit(
+                "receive", per_rank=[(version, shared[rank][1]) for rank in ranks], concurrency_group=group
+            )
             received = ray.get(received)
             ray.get(self.groups["policy"].submit("release_sync"))
             report = reports[0]
@@ -408,7 +415,7 @@ class Roles:
         else:
             if strategy.sender_first:  # a reader does not wait for the data: it must be sent first
                 ray.get(sent)
-            received = self.engines.submit("receive", version)
+            received = self.engines.submit("receive", version, concurrency_group=group)
             report = ray.get(sent)[0][0]
             if self.config.rollout.async_train:
                 self._receipts.append((report, received))

@@ -97,7 +97,8 @@ class InFlight:
 
 def completion_rows(records: list[Trajectory], tokenizer: Any) -> list[dict[str, Any]]:
     """`log.completions` rows: what a record was asked and answered, how it scored, where its
-    prompt came from (dataset source, row, index) and which policy version wrote it."""
+    prompt came from (dataset source, row, index) and which policy versions wrote it (its first
+    token's and its last token's: they differ when a weight sync landed mid-response)."""
     rows = []
     for record in records:
         rows.append(
@@ -111,6 +112,9 @@ def completion_rows(records: list[Trajectory], tokenizer: Any) -> list[dict[str,
                 "index": int(record.extra.get("sample_index", -1)),
                 "group_id": int(record.group_id),
                 "policy_version": int(record.policy_version),
+                "last_policy_version": int(record.versions()[-1])
+                if record.response_ids.numel()
+                else int(record.policy_version),
             }
         )
     return rows
@@ -121,17 +125,34 @@ def drop_stale(
 ) -> tuple[list[Trajectory], dict[str, float]]:
     """Keep the records at most `max_staleness` policy versions behind `version` (all when None).
 
-    staleness_i = version − record_i.policy_version. Metrics: async/staleness_max (over the
-    records generated), async/dropped_stale (#records dropped). Dropping nothing is the rule:
-    a steady async run is exactly async_depth behind and config requires max_staleness >= depth.
+    staleness_i = version − record_i.policy_version (its first token's version: the oldest
+    weights that wrote any of it). Metrics: async/staleness_max (over the records generated),
+    async/dropped_stale (#records dropped), and per action token t (partial rollout mixes
+    versions within a response; `Trajectory.versions()`): async/token_staleness_mean and
+    async/token_staleness_max of version − version_t over the records generated, and
+    async/mixed_version_records (#records whose tokens come from more than one version).
+    Dropping nothing is the rule: a steady async run is at most async_depth behind and config
+    requires max_staleness >= depth.
     """
     staleness = [version - record.policy_version for record in records]
     kept = records
     if max_staleness is not None:
         kept = [record for record, lag in zip(records, staleness) if lag <= max_staleness]
+    token_lags = [version - record.versions()[record.action_mask] for record in records]
+    actions = sum(int(lags.numel()) for lags in token_lags)
     metrics = {
         "async/staleness_max": float(max(staleness, default=0)),
         "async/dropped_stale": float(len(records) - len(kept)),
+        "async/token_staleness_mean": float(sum(int(lags.sum()) for lags in token_lags)) / max(actions, 1),
+        "async/token_staleness_max": float(
+            max((int(lags.max()) for lags in token_lags if lags.numel()), default=0)
+        ),
+        "async/mixed_version_records": float(
+            sum(
+                r.token_versions is not None and int(r.token_versions[0]) != int(r.token_versions[-1])
+                for r in records
+            )
+        ),
     }
     if records and not kept:
         raise RuntimeError(

@@ -200,6 +200,7 @@ class SingleTurnExecutor:
                     score=output.scores[position],
                     group_id=group,
                     policy_version=generation.policy_version,
+                    token_versions=generation.token_versions,
                     finish_reason=generation.finish_reason,
                     label=sample.label,
                     extra={**_sample_extra(sample), "reward_fallback": position in fallbacks},
@@ -352,6 +353,15 @@ def _loggable(value: Any) -> Any:
     return value
 
 
+def _token_versions(episode: _Episode) -> list[int] | None:
+    """An episode's per-token versions, None when every token is `policy_version`'s (or they do
+    not line up with its tokens: an episode that failed before its first action)."""
+    versions = episode.versions
+    if len(versions) != len(episode.response_ids) or all(v == episode.policy_version for v in versions):
+        return None
+    return versions
+
+
 class _Episode(msgspec.Struct, kw_only=True):
     prompt_ids: list[int]
     response_ids: list[int] = msgspec.field(default_factory=list)
@@ -363,6 +373,7 @@ class _Episode(msgspec.Struct, kw_only=True):
     turns: int = 0
     finish_reason: str = "length"
     policy_version: int = 0
+    versions: list[int] = msgspec.field(default_factory=list)  # per response token
     extra_logs: dict[str, Any] = msgspec.field(default_factory=dict)
 
 
@@ -500,7 +511,9 @@ class MultiTurnExecutor:
             else:
                 episode.logprobs = None
             episode.action_ranges.append((start, len(episode.response_ids)))
-            episode.policy_version = action.policy_version
+            if turn == 0:
+                episode.policy_version = action.policy_version
+            episode.versions.extend(action.versions())
             episode.turns = turn + 1
             action_text = self.tokenizer.decode(
                 action.token_ids, skip_special_tokens=self.action_skip_special_tokens
@@ -551,6 +564,8 @@ class MultiTurnExecutor:
     def _append_feedback(episode: _Episode, feedback_ids: list[int]) -> None:
         episode.response_ids.extend(feedback_ids)
         episode.mask.extend([False] * len(feedback_ids))
+        # an environment token is no action: it takes the version of the action before it
+        episode.versions.extend(episode.versions[-1:] * len(feedback_ids) if episode.versions else [])
         if episode.logprobs is not None:
             episode.logprobs.extend([0.0] * len(feedback_ids))
 
@@ -616,6 +631,7 @@ class MultiTurnExecutor:
                     score=score,
                     group_id=groups[position // self.sampling.n],
                     policy_version=episode.policy_version,
+                    token_versions=_token_versions(episode),
                     finish_reason=finish,
                     label=sample.label,
                     extra=extra,

@@ -18,6 +18,15 @@ Weight sync, receiving side: `init_weight_sync(spec, rank)` joins the transport 
 `rl_data.sync.WeightSyncSpec` describes (a process group, a folder, CUDA IPC, a plugin's);
 `receive_weights(...)` applies one sync and returns a `WeightSyncReport` whose checksums the
 sender compares. The engine then reports the new `policy_version`.
+
+Partial rollout (`supports("partial_rollout")`): a `receive_weights` called from another thread
+while a `generate` / `agenerate` is in flight takes effect between two decoding steps, and the
+requests in flight go on under the new weights instead of waiting or starting over: no token is
+thrown away. Each response then carries the version of every token (`Generation.token_versions`),
+its tokens before the sync written by the old weights (with their log-probs), the ones after by
+the new weights. Engines that have it recompute the in-flight requests' KV cache under the new
+weights (a prefill of prompt + tokens so far), so every log-prob is the one of the weights its
+version names; the request keeps its remaining token budget and its seeded sampler stream.
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ import abc
 import array
 import asyncio
 import hashlib
+import itertools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -45,7 +55,7 @@ __all__ = [
     "prompt_seed",
 ]
 
-FEATURES = ("weight_sync", "sleep", "prefix_cache", "async")
+FEATURES = ("weight_sync", "sleep", "prefix_cache", "async", "partial_rollout")
 
 
 def prompt_seed(seed: int | None, prompt: Sequence[int]) -> int | None:
@@ -130,12 +140,17 @@ class Generation(msgspec.Struct, kw_only=True):
 
     finish_reason is one of rl_data.FINISH_REASONS: "stop" (EOS, a stop token or a stop
     string), "length" (max_new_tokens or the context length reached) or "abort".
+    policy_version: the version of the weights that wrote its first token (the engine's version
+    when the request started, for an empty response). token_versions: `[len(token_ids)]` the
+    version of each token, when a weight sync landed while it was generated (partial rollout);
+    None when every token is `policy_version`'s (`versions()` gives the list either way).
     """
 
     token_ids: list[int]
     logprobs: list[float] | None
     finish_reason: str
     policy_version: int = 0
+    token_versions: list[int] | None = None
 
     def __post_init__(self) -> None:
         if self.finish_reason not in FINISH_REASONS:
@@ -144,6 +159,21 @@ class Generation(msgspec.Struct, kw_only=True):
             )
         if self.logprobs is not None and len(self.logprobs) != len(self.token_ids):
             raise ValueError(f"Generation: {len(self.logprobs)} log-probs for {len(self.token_ids)} tokens")
+        if self.token_versions is not None:
+            if len(self.token_versions) != len(self.token_ids):
+                raise ValueError(
+                    f"Generation: {len(self.token_versions)} token versions for {len(self.token_ids)} tokens"
+                )
+            if any(later < earlier for earlier, later in itertools.pairwise(self.token_versions)):
+                raise ValueError(
+                    f"Generation.token_versions: {self.token_versions} decrease along the response"
+                )
+
+    def versions(self) -> list[int]:
+        """The policy version of every token: `token_versions`, or `policy_version` repeated."""
+        if self.token_versions is not None:
+            return list(self.token_versions)
+        return [self.policy_version] * len(self.token_ids)
 
 
 def check_prompts(

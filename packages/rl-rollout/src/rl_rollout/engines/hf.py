@@ -33,6 +33,15 @@ named tensor into the model's `state_dict()` entry (dtype cast included). Tied w
 storage, so writing one name updates both; a name missing from the state dict is accepted only
 when the model declares it tied to another parameter.
 
+Partial rollout (`supports("partial_rollout")`): `generate` holds the engine's lock while it
+decodes, but between two forward passes it lets a `receive_weights` waiting on another thread
+in (a sync waits at most one decoding step). When the weights changed, the rows in flight are
+re-prefilled: their KV cache is rebuilt by one forward pass over prompt + tokens so far under the
+new weights, and decoding goes on from there. A row keeps its tokens, their log-probs (the old
+weights'), its remaining budget and its `torch.Generator` (the seeded stream goes on where it
+was); `Generation.token_versions` says which version wrote each token, and the log-probs after
+the sync are the new weights' teacher-forced ones (no KV of the old weights is ever attended to).
+
 Sleep (the hybrid engine's contract, on every device): `sleep` frees the engine's device memory (on
 CUDA the weights move to host memory and the cache is emptied; on CPU nothing needs to move) and
 `wake_up` restores it. While asleep, `generate` and `receive_weights` are refused with an
@@ -220,6 +229,10 @@ class HFEngine(Engine):
         self.batch_wait_s = float(batch_wait_s)
         self.policy_version = 0
         self._lock = threading.RLock()
+        # partial rollout: syncs waiting for the lock; the decoding loop lets them in between steps
+        self._syncs_waiting = 0
+        self._waiting_lock = threading.Lock()
+        self._synced = threading.Condition(self._lock)
         self._receiver: WeightReceiver | None = None
         self._asleep = False
         self._queue: queue.Queue[_Request | None] | None = None
@@ -233,7 +246,7 @@ class HFEngine(Engine):
 
     def supports(self, feature: str) -> bool:
         super().supports(feature)  # validates the name
-        return feature in ("weight_sync", "async", "sleep")
+        return feature in ("weight_sync", "async", "sleep", "partial_rollout")
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Generation]]:
         if not isinstance(params, SamplingParams):
@@ -274,14 +287,7 @@ class HFEngine(Engine):
     def _decode(self, prompts: list[list[int]], seeds: list[int], params: SamplingParams) -> list[Generation]:
         """Decode one batch of rows; returns one Generation per row, in order."""
         device, rows = self.device, len(prompts)
-        width = max(len(prompt) for prompt in prompts)
-        input_ids = torch.full((rows, width), self.pad_token_id, dtype=torch.long)
-        attention = torch.zeros((rows, width), dtype=torch.long)
-        for row, prompt in enumerate(prompts):
-            input_ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
-            attention[row, width - len(prompt) :] = 1
-        input_ids, attention = input_ids.to(device), attention.to(device)
-        positions = (attention.cumsum(-1) - 1).clamp(min=0)
+        input_ids, attention, positions = self._left_padded(prompts)
         limits = [min(params.max_new_tokens, self.max_model_len - len(prompt)) for prompt in prompts]
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
         suppress = torch.tensor(sorted(stop_ids), dtype=torch.long, device=device)
@@ -292,10 +298,20 @@ class HFEngine(Engine):
         temperature = params.temperature if not params.greedy else 1.0
         tokens_out: list[list[int]] = [[] for _ in prompts]
         logprobs_out: list[list[float]] = [[] for _ in prompts]
+        versions_out: list[list[int]] = [[] for _ in prompts]
         finish: list[str] = ["length"] * rows
         active = list(range(rows))  # original row of each batch row
         cache, step = None, 0
+        self._let_syncs_in()
+        version = self.policy_version
         while True:
+            self._let_syncs_in()
+            if self.policy_version != version:  # new weights: rebuild the rows' KV cache under them
+                version = self.policy_version
+                input_ids, attention, positions = self._left_padded(
+                    [prompts[row] + tokens_out[row] for row in active]
+                )
+                cache = None
             output = self.model(
                 input_ids=input_ids,
                 attention_mask=attention,
@@ -317,6 +333,7 @@ class HFEngine(Engine):
             keep: list[int] = []
             for position, (row, token) in enumerate(zip(active, tokens.tolist())):
                 tokens_out[row].append(token)
+                versions_out[row].append(version)
                 if params.logprobs:
                     logprobs_out[row].append(picked[position])
                 if token in stop_ids or (watchers is not None and watchers[row].push(token)):
@@ -340,10 +357,29 @@ class HFEngine(Engine):
                 token_ids=tokens_out[row],
                 logprobs=logprobs_out[row] if params.logprobs else None,
                 finish_reason=finish[row],
-                policy_version=self.policy_version,
+                policy_version=versions_out[row][0] if versions_out[row] else version,
+                token_versions=versions_out[row] if len(set(versions_out[row])) > 1 else None,
             )
             for row in range(rows)
         ]
+
+    def _left_padded(self, sequences: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(input_ids, attention_mask, position_ids) `[rows, width]` on the engine's device: the
+        sequences left-padded to the longest, positions counting real tokens only."""
+        width = max(len(sequence) for sequence in sequences)
+        input_ids = torch.full((len(sequences), width), self.pad_token_id, dtype=torch.long)
+        attention = torch.zeros((len(sequences), width), dtype=torch.long)
+        for row, sequence in enumerate(sequences):
+            input_ids[row, width - len(sequence) :] = torch.tensor(sequence, dtype=torch.long)
+            attention[row, width - len(sequence) :] = 1
+        input_ids, attention = input_ids.to(self.device), attention.to(self.device)
+        return input_ids, attention, (attention.cumsum(-1) - 1).clamp(min=0)
+
+    def _let_syncs_in(self) -> None:
+        """Between two decoding steps (the lock held): wait while `receive_weights` calls are
+        waiting for the lock, so that they run now (partial rollout)."""
+        while self._syncs_waiting:  # a receiver interrupted before it took the lock never notifies
+            self._synced.wait(timeout=0.5)
 
     @staticmethod
     def _sample(
@@ -445,19 +481,36 @@ class HFEngine(Engine):
             self._receiver = WeightReceiver(spec, rank, self._apply_weights, device=buffers)
 
     def receive_weights(self, version: int, payload: IpcPayload | None = None) -> WeightSyncReport:
-        """Receive one sync and copy it into the model; policy_version becomes `version` on success."""
-        with self._lock:
-            if self._receiver is None:
-                raise EngineError(f"{self.name}.receive_weights: call init_weight_sync(spec, rank) first")
-            if self._asleep:
-                raise EngineError(f"{self.name}.receive_weights: the engine is asleep; call wake_up() first")
-            self._state = self.model.state_dict()
-            try:
-                report = self._receiver.receive(version, payload)
-            finally:
-                self._state = None
-            self.policy_version = version
-            return report
+        """Receive one sync and copy it into the model; policy_version becomes `version` on success.
+
+        Called while a `generate` decodes on another thread, it runs at that loop's next step
+        (partial rollout: the rows in flight go on under the new weights, see the module docstring).
+        """
+        with self._waiting_lock:
+            self._syncs_waiting += 1
+        acquired = False
+        try:
+            acquired = self._lock.acquire()
+            return self._receive(version, payload)
+        finally:
+            with self._waiting_lock:
+                self._syncs_waiting -= 1
+            if acquired:
+                self._synced.notify_all()
+                self._lock.release()
+
+    def _receive(self, version: int, payload: IpcPayload | None) -> WeightSyncReport:
+        if self._receiver is None:
+            raise EngineError(f"{self.name}.receive_weights: call init_weight_sync(spec, rank) first")
+        if self._asleep:
+            raise EngineError(f"{self.name}.receive_weights: the engine is asleep; call wake_up() first")
+        self._state = self.model.state_dict()
+        try:
+            report = self._receiver.receive(version, payload)
+        finally:
+            self._state = None
+        self.policy_version = version
+        return report
 
     def _tied_names(self) -> set[str]:
         tied = getattr(self.model, "_tied_weights_keys", None) or ()

@@ -29,6 +29,21 @@ prefix cache is reset, so no cached prefix computed with old weights is served a
 with W workers (tensor x pipeline parallel) takes W consecutive receiver ranks, `rank`,
 `rank + 1`, ...: see `sync_world_size`.
 
+Partial rollout (`supports("partial_rollout")`, with the engine core in this process): a
+`receive_weights` from another thread while requests are in flight is one command between two
+engine steps: the workers load the new weights, `reset_prefix_cache(reset_running_requests=True)`
+preempts every running request, and vLLM's weight-version label becomes the new version. A
+preempted request is recomputed by vLLM's scheduler as it recomputes any preempted request: one
+prefill of its prompt + the tokens it has so far, under the new weights, then decoding goes on;
+it keeps its tokens, their log-probs, its remaining max_tokens and its seeded generator. So a
+response's tokens before the sync carry the old version and the old weights' log-probs, the ones
+after carry the new version and log-probs equal to the new weights' teacher-forced ones
+(nothing mixes old KV with new weights). The per-token versions come from vLLM's own
+weight-version spans (`CompletionOutput.weight_versions`, labelled by `set_weight_version`). The
+cost is one prefill per request in flight at each sync. With `in_process=False` the engine core
+runs steps of its own between the load, the reset and the relabel, so tokens could mix old KV
+and new weights: `supports("partial_rollout")` is False there.
+
 Sleep mode needs a GPU (vLLM's CPU worker ignores it): `supports("sleep")` is False on CPU. While
 asleep, `generate` and `receive_weights` are refused (wake before a weight sync), as `HFEngine` does.
 
@@ -241,6 +256,22 @@ def _settle(
         pass
 
 
+def _token_versions(completion: Any, version: int) -> tuple[int, list[int] | None]:
+    """(policy version of the first token, per-token versions or None when all are that one) of
+    a finished `CompletionOutput`, from vLLM's weight-version spans (labels: the str of our
+    versions); `version` (the engine's when the request started) where vLLM gives no span."""
+    spans = getattr(completion, "weight_versions", None) or []
+    count = len(completion.token_ids)
+    versions: list[int] = []
+    for span in spans:
+        label = int(span.version) if str(span.version).lstrip("-").isdigit() else version
+        versions += [label] * (span.end - span.start)
+    if len(versions) != count or not versions:  # no labels (or an empty response): the start's
+        return version, None
+    first = versions[0]
+    return first, None if versions[-1] == first else versions
+
+
 def _samples(output: Any, params: SamplingParams, version: int) -> list[Generation]:
     """One finished `vllm.RequestOutput` -> its `params.n` `Generation`s, in sample order."""
     samples = []
@@ -252,12 +283,14 @@ def _samples(output: Any, params: SamplingParams, version: int) -> list[Generati
                 float(entry[token].logprob)
                 for entry, token in zip(completion.logprobs, token_ids, strict=True)
             ]
+        first, token_versions = _token_versions(completion, version)
         samples.append(
             Generation(
                 token_ids=token_ids,
                 logprobs=logprobs,
                 finish_reason=_FINISH_REASONS.get(str(completion.finish_reason), "abort"),
-                policy_version=version,
+                policy_version=first,
+                token_versions=token_versions,
             )
         )
     if params.greedy and params.n > 1:  # one greedy response stands for all n
@@ -267,6 +300,7 @@ def _samples(output: Any, params: SamplingParams, version: int) -> list[Generati
                 first,
                 token_ids=list(first.token_ids),
                 logprobs=None if first.logprobs is None else list(first.logprobs),
+                token_versions=None if first.token_versions is None else list(first.token_versions),
             )
             for _ in range(params.n - 1)
         ]
@@ -364,6 +398,7 @@ class VLLMEngine(Engine):
         self._sleep_enabled = bool(enable_sleep_mode) and not on_cpu
         self._asleep = False
         self.policy_version = 0
+        self._in_process = in_process
         self._request_ids = itertools.count()
         self._engine = None
         args = EngineArgs(
@@ -464,6 +499,11 @@ class VLLMEngine(Engine):
         except BaseException as error:
             started.set_exception(error)
             return
+        try:  # the label of the tokens the starting weights write (`_token_versions`)
+            engine.set_weight_version(str(self.policy_version))
+        except BaseException as error:
+            started.set_exception(error)
+            return
         started.set_result(engine)
         while not self._stopping:
             busy = self._failure is None and engine.has_unfinished_requests()
@@ -550,9 +590,14 @@ class VLLMEngine(Engine):
         return self._sync_world_size
 
     def supports(self, feature: str) -> bool:
-        """weight_sync, prefix_cache and async always; sleep only where vLLM has it (GPUs)."""
+        """weight_sync, prefix_cache and async always; sleep only where vLLM has it (GPUs);
+        partial_rollout with the engine core in this process (`in_process=True`)."""
         super().supports(feature)
-        return feature != "sleep" or self._sleep_enabled
+        if feature == "sleep":
+            return self._sleep_enabled
+        if feature == "partial_rollout":
+            return self._in_process
+        return True
 
     def _start_requests(
         self, prompts: list[list[int]], params: SamplingParams
@@ -683,22 +728,36 @@ class VLLMEngine(Engine):
     def receive_weights(self, version: int, payload: IpcPayload | None = None) -> WeightSyncReport:
         """Receive and apply one sync on every worker, reset the prefix cache, set policy_version.
 
+        One command on the engine's thread, between two engine steps: the workers load the
+        weights, the running requests are preempted (they are recomputed under the new weights:
+        partial rollout, see the module docstring) and vLLM's weight-version label becomes
+        `version`, so no step runs between any two of these.
+
         Returns the first worker's report (all workers receive the same buckets; their checksums
         are checked against each other). Raises EngineError carrying the worker's WeightSyncError
         message on a layout or checksum mismatch (policy_version is then unchanged).
         """
         self._check_awake("receive_weights")
+        version = int(version)
         payload_bytes = encode(payload) if payload is not None else None
-        reports = decode_reports(
-            self._worker_call("receive_weights", (int(version), payload_bytes), self._sync_timeout_s)
-        )
-        if any(report.checksums != reports[0].checksums for report in reports):
-            raise EngineError(
-                f"VLLMEngine.receive_weights: the workers received different buckets for version {version}"
-            )
-        self.reset_prefix_cache()
-        self.policy_version = int(version)
-        return reports[0]
+
+        def apply(engine: Any) -> WeightSyncReport:
+            try:
+                results = engine.collective_rpc("receive_weights", args=(version, payload_bytes))
+            except Exception as error:  # the worker's error, its type possibly lost on the way
+                raise EngineError(f"VLLMEngine.receive_weights: a vLLM worker failed: {error}") from error
+            reports = decode_reports(results)
+            if any(report.checksums != reports[0].checksums for report in reports):
+                raise EngineError(
+                    f"VLLMEngine.receive_weights: the workers received different buckets for version {version}"
+                )
+            if not engine.reset_prefix_cache(reset_running_requests=True):
+                raise EngineError("VLLMEngine.receive_weights: vLLM could not reset its prefix cache")
+            engine.set_weight_version(str(version))
+            self.policy_version = version
+            return reports[0]
+
+        return self._call(apply, self._sync_timeout_s)
 
     def close_weight_sync(self) -> None:
         """Leave the weight-sync group on every worker."""
