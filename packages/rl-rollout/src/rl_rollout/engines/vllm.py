@@ -42,7 +42,9 @@ after carry the new version and log-probs equal to the new weights' teacher-forc
 weight-version spans (`CompletionOutput.weight_versions`, labelled by `set_weight_version`). The
 cost is one prefill per request in flight at each sync. With `in_process=False` the engine core
 runs steps of its own between the load, the reset and the relabel, so tokens could mix old KV
-and new weights: `supports("partial_rollout")` is False there.
+and new weights: `supports("partial_rollout")` is False there, and with a vLLM that has no
+weight-version labels (`LLMEngine.set_weight_version`, which vLLM 0.26 lacks: a request's tokens
+then all carry the version it started under).
 
 Sleep mode needs a GPU (vLLM's CPU worker ignores it): `supports("sleep")` is False on CPU. While
 asleep, `generate` and `receive_weights` are refused (wake before a weight sync), as `HFEngine` does.
@@ -399,6 +401,7 @@ class VLLMEngine(Engine):
         self._asleep = False
         self.policy_version = 0
         self._in_process = in_process
+        self._labels_versions = False  # whether vLLM labels tokens by weight version (set by _serve)
         self._request_ids = itertools.count()
         self._engine = None
         args = EngineArgs(
@@ -499,11 +502,16 @@ class VLLMEngine(Engine):
         except BaseException as error:
             started.set_exception(error)
             return
-        try:  # the label of the tokens the starting weights write (`_token_versions`)
-            engine.set_weight_version(str(self.policy_version))
-        except BaseException as error:
-            started.set_exception(error)
-            return
+        # vLLM labels the tokens each weight version writes (`_token_versions`) from its 0.3x
+        # releases on; without the label (0.26, say) versions are per request and there is no
+        # partial rollout (`supports`)
+        self._labels_versions = callable(getattr(engine, "set_weight_version", None))
+        if self._labels_versions:
+            try:
+                engine.set_weight_version(str(self.policy_version))
+            except BaseException as error:
+                started.set_exception(error)
+                return
         started.set_result(engine)
         while not self._stopping:
             busy = self._failure is None and engine.has_unfinished_requests()
@@ -591,12 +599,13 @@ class VLLMEngine(Engine):
 
     def supports(self, feature: str) -> bool:
         """weight_sync, prefix_cache and async always; sleep only where vLLM has it (GPUs);
-        partial_rollout with the engine core in this process (`in_process=True`)."""
+        partial_rollout with the engine core in this process (`in_process=True`) and a vLLM that
+        labels tokens by weight version (`LLMEngine.set_weight_version`; not in vLLM 0.26)."""
         super().supports(feature)
         if feature == "sleep":
             return self._sleep_enabled
         if feature == "partial_rollout":
-            return self._in_process
+            return self._in_process and self._labels_versions
         return True
 
     def _start_requests(
@@ -753,7 +762,8 @@ class VLLMEngine(Engine):
                 )
             if not engine.reset_prefix_cache(reset_running_requests=True):
                 raise EngineError("VLLMEngine.receive_weights: vLLM could not reset its prefix cache")
-            engine.set_weight_version(str(version))
+            if self._labels_versions:
+                engine.set_weight_version(str(version))
             self.policy_version = version
             return reports[0]
 
