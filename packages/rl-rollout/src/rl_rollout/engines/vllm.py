@@ -217,17 +217,22 @@ def _start_cpu_compile_probe() -> threading.Thread:
 
     On CPU, vLLM's sampler torch.compiles a small kernel (the sampled token's rank) on the first
     request that asks for log-probs. Before its first C++ kernel of a process, inductor checks
-    which vector instruction sets the compiler can build and load, one child Python per set:
-    2.5 of the 3.7 s the first request took on 2 cores. The thread mostly waits on those
-    children, so the engine's start-up (vLLM's imports, the model, the KV cache) runs beside it
-    at no measurable cost. Best effort: a torch without this probe skips it.
+    which vector instruction sets the compiler can build and load, one child Python per set
+    (2.5 of the 3.7 s the first request took on 2 cores), and it hashes torch's and triton's
+    files for its cache keys (0.8 s more). The thread mostly waits on those children and on file
+    reads, so the engine's start-up (vLLM's imports, the model, the KV cache) runs beside it at
+    no measurable cost. Best effort: a torch without these steps skips them.
     """
 
     def probe() -> None:
         try:
-            from torch._inductor import cpu_vec_isa
+            from torch._inductor import codecache, cpu_vec_isa
 
             cpu_vec_isa.pick_vec_isa()
+            # the keys of inductor's compile cache: hashes of torch's and triton's files (file
+            # reads and hashing, 0.8 s of the rest of the first request), cached per process
+            codecache.torch_key()
+            codecache.triton_key()
         except Exception:  # a torch that probes otherwise (or not at all): the first request pays
             pass
 
