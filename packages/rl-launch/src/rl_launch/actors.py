@@ -461,8 +461,10 @@ class RolloutWorker:
         if spec.partial_rollout and not self.engine.supports("partial_rollout"):
             raise ValueError(
                 f"rollout.partial_rollout: rollout engine {spec.kind!r} ({self.engine.name}) cannot take a "
-                "weight sync while requests are in flight, with the options it was given (supports('partial_rollout') "
-                "is False); drop rollout.partial_rollout or use an engine that can"
+                "weight sync while requests are in flight, with the options it was given or the library installed "
+                "(supports('partial_rollout') is False; vllm needs its engine core in the actor and a vLLM that labels "
+                "tokens by weight version, LLMEngine.set_weight_version: 0.32 has it, 0.26 does not); drop "
+                "rollout.partial_rollout or use an engine that can"
             )
 
     def ready(self) -> tuple[int, int | None, str, list[str], dict[str, int | None]]:
