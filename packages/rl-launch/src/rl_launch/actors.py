@@ -83,6 +83,8 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
     """User modules (`--plugin`) imported before anything else, so their registrations exist here."""
     partial_rollout: bool = False
     """rollout.partial_rollout: weight syncs reach the engine while it generates (`RECEIVE_GROUP`)."""
+    vllm_logging_level: str = "ERROR"
+    """VLLM_LOGGING_LEVEL in the actor, set before anything imports vLLM (the driver's, or ERROR)."""
 
 
 def send_output_to(log_dir: str | None, name: str) -> None:
@@ -447,6 +449,7 @@ class RolloutWorker:
     """
 
     def __init__(self, spec: EngineSpec, index: int = 0) -> None:
+        os.environ["VLLM_LOGGING_LEVEL"] = spec.vllm_logging_level  # read when vLLM is imported
         send_output_to(spec.log_dir, f"engine-{index}")
         import_plugins(spec.plugins)
         from transformers import AutoTokenizer

@@ -125,6 +125,21 @@ class Roles:
         layouts = {layout.role: layout for layout in plan_roles(cfg, use_gpus=use_gpus)}
         self.placement = place_roles(list(layouts.values()), timeout_s=cfg.ray.startup_timeout_s)
         timeout_s = cfg.ray.startup_timeout_s
+        # The engines first: theirs is the longest start (vLLM's imports, the model, the KV cache).
+        # No runtime environment of their own on a local cluster (`_header_variables`), so Ray can
+        # hand them a worker process it started ahead of time.
+        engine = layouts["engine"]
+        self.engines = ActorGroup(
+            "engine",
+            RolloutWorker,
+            [(self._engine_spec(inputs, use_gpus, log_dir), index) for index in range(engine.num_actors)],
+            placement_group=self.placement[engine.group],
+            num_gpus=engine.num_gpus,
+            num_cpus=engine.num_cpus,
+            concurrency_groups={RECEIVE_GROUP: 1} if cfg.rollout.partial_rollout else None,
+            env=_header_variables(cfg) or None,
+        )
+        engine_ready = self.engines.submit("ready")
         for role, spec in self._learner_specs(inputs, total_steps).items():
             if role not in layouts:
                 continue
@@ -138,22 +153,6 @@ class Roles:
                 num_gpus=layout.num_gpus,
                 num_cpus=layout.num_cpus,
             )
-        engine = layouts["engine"]
-        self.engines = ActorGroup(
-            "engine",
-            RolloutWorker,
-            [(self._engine_spec(inputs, use_gpus, log_dir), index) for index in range(engine.num_actors)],
-            placement_group=self.placement[engine.group],
-            num_gpus=engine.num_gpus,
-            num_cpus=engine.num_cpus,
-            concurrency_groups={RECEIVE_GROUP: 1} if cfg.rollout.partial_rollout else None,
-            # vLLM logs every weight reload at INFO and WARNING; that would bury the progress bar.
-            env={
-                "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "ERROR"),
-                **_header_variables(cfg),
-            },
-        )
-        engine_ready = self.engines.submit("ready")
         # Two phases (rl_launch.rendezvous): every learner says where it runs, rank 0 of each role
         # opens its rendezvous store there; then every rank joins at rank 0's address and loads
         # its model, while the engines start.
@@ -247,6 +246,8 @@ class Roles:
             log_dir=log_dir,
             plugins=self.plugins,
             partial_rollout=r.partial_rollout,
+            # vLLM logs every weight reload at INFO and WARNING; that would bury the progress bar.
+            vllm_logging_level=os.environ.get("VLLM_LOGGING_LEVEL", "ERROR"),
         )
 
     def engine_policy_ranks(self) -> list[int | None]:
