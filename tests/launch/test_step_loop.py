@@ -64,6 +64,7 @@ def test_a_step_generates_then_scores_then_trains_then_syncs_then_saves():
         "policy.train_step",
         "policy.sync",
         "engine.receive",
+        "engine.activity",  # the engines' idle time over the step, for its metrics line
         "policy.save",  # the last step always saves
         "critic.save",
     ]
@@ -359,7 +360,9 @@ def test_the_hybrid_engine_sleeps_for_training_and_learners_offload_for_generati
     assert run.log.methods() == [
         "policy.offload_states",
         *step,
+        "engine.activity",
         *step,
+        "engine.activity",
         "policy.reload_states",
         "policy.save",
         "policy.offload_states",

@@ -23,7 +23,16 @@ import torch
 
 from rl_data import ExperienceBatch, compare_checksums, micro_batches, plan_micro_batches
 
-from .actors import RECEIVE_GROUP, ActorGroup, EngineSpec, LearnerSpec, LearnerWorker, RolloutWorker
+from .actors import (
+    ACTIVITY_GROUP,
+    GENERATE_GROUP,
+    RECEIVE_GROUP,
+    ActorGroup,
+    EngineSpec,
+    LearnerSpec,
+    LearnerWorker,
+    RolloutWorker,
+)
 from .algorithm import learners_share_prefix
 from .cluster import ClusterError, cluster_has_gpus, place_roles, plan_roles
 from .components import executor_name
@@ -78,6 +87,21 @@ def _assemble_scores(
             if part.indices.numel():
                 scores[part.indices] = values.float().cpu()
     return scores
+
+
+def engine_concurrency_groups(config: PPOConfig) -> dict[str, int]:
+    """The Ray concurrency groups of the engines (`rl_launch.actors`): `activity` always (it answers
+    while the engine generates), `weight_sync` with partial rollout (a sync lands between two
+    decoding steps), `generate` with streaming, as many threads as one engine's share of the pool
+    ((async_depth + 1) x prompts_per_round groups) plus one round, so a draw beyond the pool
+    (dynamic filtering) does not queue."""
+    r = config.rollout
+    groups = {ACTIVITY_GROUP: 1}
+    if r.partial_rollout:
+        groups[RECEIVE_GROUP] = 1
+    if r.streaming:
+        groups[GENERATE_GROUP] = math.ceil((r.async_depth + 2) * r.prompts_per_round / r.num_engines)
+    return groups
 
 
 def _header_variables(config: PPOConfig) -> dict[str, str]:
@@ -146,7 +170,7 @@ class Roles:
             placement_group=self.placement[engine.group],
             num_gpus=engine.num_gpus,
             num_cpus=engine.num_cpus,
-            concurrency_groups={RECEIVE_GROUP: 1} if cfg.rollout.partial_rollout else None,
+            concurrency_groups=engine_concurrency_groups(cfg),
             # vLLM logs every weight reload at INFO and WARNING; that would bury the progress bar.
             env={
                 "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "ERROR"),
@@ -247,6 +271,7 @@ class Roles:
             log_dir=log_dir,
             plugins=self.plugins,
             partial_rollout=r.partial_rollout,
+            streaming=r.streaming,
         )
 
     def engine_policy_ranks(self) -> list[int | None]:
