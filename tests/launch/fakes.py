@@ -65,7 +65,9 @@ def _get(futures: Any, timeout: float | None = None) -> Any:
 
 def _wait(futures: Sequence[Done], num_returns: int = 1, timeout: float | None = None) -> tuple[list, list]:
     done = [future for future in futures if future.ready]
-    if timeout is None and len(done) < num_returns:  # a blocking wait: the oldest running calls finish
+    # A wait that may block (no timeout, or one > 0) lasts until the oldest calls still running
+    # have finished, as many as it needs; timeout=0 only looks.
+    if (timeout is None or timeout > 0) and len(done) < num_returns:
         for future in futures:
             if len(done) >= num_returns:
                 break

@@ -402,7 +402,7 @@ class Rollouts:
         at most max_staleness behind `version` (and inside the reward range under dynamic
         filtering); the pool topped up before and after. Metrics as `generate`'s, plus
         async/pool_groups (the pool when the step began to wait), async/dropped_stale_groups and
-        filter/rounds_added (rounds drawn because the pool ran dry)."""
+        async/rounds_added (rounds drawn because the pool ran dry: drops, filtering)."""
         import ray
 
         r, steps = self.config.rollout, self.config.train.max_steps
@@ -464,13 +464,10 @@ class Rollouts:
             "async/dropped_stale": float(stale_records),
             "async/dropped_stale_groups": float(stale_groups),
             "async/pool_groups": float(pool_size),
+            "async/rounds_added": float(rounds),
         }
         if r.dynamic_filtering:
-            metrics |= {
-                "filter/groups_seen": float(seen),
-                "filter/groups_kept": float(len(kept)),
-                "filter/rounds_added": float(rounds),
-            }
+            metrics |= {"filter/groups_seen": float(seen), "filter/groups_kept": float(len(kept))}
         return records, metrics | rollout_metrics(records)
 
     def evaluate(self, data: Any) -> dict[str, float]:
