@@ -190,9 +190,9 @@ def _check_streaming(run_dir, state: dict, saved: int) -> None:
     assert not before & set(pool)
     # after the resume: the pool's groups and newly drawn ones only
     assert all(group in pool or group >= drawn for group in after)
-    final = json.loads(
-        (run_dir / "checkpoints" / "policy" / f"step_{STEPS}" / "training_state.json").read_text()
-    )
+    policy = run_dir / "checkpoints" / "policy"
+    final = json.loads((policy / (policy / "latest").read_text().strip() / "training_state.json").read_text())
+    assert final["step"] == STEPS
     left = {entry["group_id"] for entry in final["extra"]["in_flight"]}
     assert set(pool) <= after | left  # every group of the pool was trained or is still in flight
     metrics = read_metrics(run_dir)
