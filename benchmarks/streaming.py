@@ -23,7 +23,8 @@ policy learner, through `rl-launch ppo` in a subprocess:
   (rollout.generate_batch_size = 2 x prompts: a pool of 4 x prompts groups).
 
 Reported per run (read from its metrics.jsonl): steady samples/s = samples of steps 2..N / the
-sum of their step times (less any checkpoint); the engine's idle fraction (rollout/engine_idle_fraction,
+sum of their step times (less any checkpoint), and response tokens/s the same way (the modes'
+policies drift to different lengths, so samples are not the same work); the engine's idle fraction (rollout/engine_idle_fraction,
 measured in the engine actor: time with no generate call in flight / wall time, steps 2..N); the
 staleness (health/policy_lag: mean policy versions between the sampler's first token and the
 learner, and async/token_staleness_mean per token); the mean response length; and the reward
@@ -182,6 +183,8 @@ def summarize(mode: str, rows: list[dict[str, Any]], samples: int) -> dict[str, 
     return {
         "mode": mode,
         "samples_per_s": samples * len(steady) / sum(seconds),
+        # the modes' policies drift to different lengths: the response tokens they produced per second too
+        "tokens_per_s": samples * sum(row["response_length/mean"] for row in steady) / sum(seconds),
         "step_s": statistics.median(seconds),
         "idle": mean("rollout/engine_idle_fraction"),
         "lag": mean("health/policy_lag"),
@@ -205,13 +208,13 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
         f"eos scale {args.eos_scale}, lr {args.lr}; steady = steps 2..{args.steps}"
     )
     header = (
-        f"{'mode':<12}{'samples/s':>10}{'step s':>8}{'idle':>7}{'lag':>6}{'tok lag':>8}{'max':>5}"
+        f"{'mode':<12}{'samples/s':>10}{'tokens/s':>9}{'step s':>8}{'idle':>7}{'lag':>6}{'tok lag':>8}{'max':>5}"
         f"{'len 1st':>8}{'len':>7}{'reward last':>12}  reward by quarter        load"
     )
     print(header)
     for result in results:
         print(
-            f"{result['mode']:<12}{result['samples_per_s']:>10.1f}{result['step_s']:>8.2f}{result['idle']:>7.2f}"
+            f"{result['mode']:<12}{result['samples_per_s']:>10.1f}{result['tokens_per_s']:>9.0f}{result['step_s']:>8.2f}{result['idle']:>7.2f}"
             f"{result['lag']:>6.2f}{result['token_lag']:>8.2f}{result['staleness_max']:>5.0f}"
             f"{result['length_first']:>8.1f}{result['length']:>7.1f}{result['reward_last']:>12.3f}  "
             f"{curve(result['rewards']):<24} {result['load']}"
@@ -220,12 +223,12 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
     for result in results:
         by_mode.setdefault(result["mode"], []).append(result)
     if "async" in by_mode:
-        base = [result["samples_per_s"] for result in by_mode["async"]]
         for mode, runs in by_mode.items():
             if mode == "async":
                 continue
-            ratios = [run["samples_per_s"] / reference for run, reference in zip(runs, base)]
-            print(f"{mode} / async samples/s, run by run: " + " ".join(f"{ratio:.2f}x" for ratio in ratios))
+            for key in ("samples_per_s", "tokens_per_s"):
+                ratios = [run[key] / reference[key] for run, reference in zip(runs, by_mode["async"])]
+                print(f"{mode} / async {key}, run by run: " + " ".join(f"{ratio:.2f}x" for ratio in ratios))
     for mode, runs in by_mode.items():
         last = [run["reward_last"] for run in runs]
         print(f"{mode}: reward over the last third {' '.join(f'{value:.3f}' for value in last)}"
@@ -257,7 +260,11 @@ def main() -> None:
     results = []
     for repeat in range(args.repeats):
         for mode in args.modes:
-            result = run_mode(args, mode, model, preset, scratch)
+            # repeat r runs every mode with seed + r (sampler and data order): the spread over the
+            # repeats is the noise a reward curve is compared within
+            result = run_mode(
+                argparse.Namespace(**{**vars(args), "seed": args.seed + repeat}), mode, model, preset, scratch
+            )
             results.append(result)
             print(
                 f"run {repeat + 1} {mode}: {result['samples_per_s']:.1f} samples/s, idle {result['idle']:.2f}, "

@@ -284,7 +284,7 @@ class RolloutConfig(_Section):
     """Fraction of a GPU's memory vLLM may take (on GPUs; on CPU the KV cache follows max_num_seqs)."""
     max_num_seqs: PositiveInt | None = None
     """Sequences one engine runs at once (vLLM's max_num_seqs); None: one sampling round's share, prompts per
-    engine x n_samples_per_prompt. On CPU the engine sizes its KV cache for that many sequences of
+    engine x n_samples_per_prompt (with streaming: the pool's share, (async_depth + 1) x a round's). On CPU the engine sizes its KV cache for that many sequences of
     data.prompt_max_len + generate_max_len tokens (at most half the machine's memory, at least one
     sequence); the start-up line says how many fit at once."""
     weight_sync: str = "auto"

@@ -104,6 +104,15 @@ def engine_concurrency_groups(config: PPOConfig) -> dict[str, int]:
     return groups
 
 
+def default_max_num_seqs(config: PPOConfig) -> int:
+    """Sequences one engine runs at once when rollout.max_num_seqs is not given: its share of what
+    is generated together, prompts x n_samples_per_prompt, the prompts being one sampling round
+    (prompts_per_round) or, with streaming, the pool ((async_depth + 1) x prompts_per_round)."""
+    r = config.rollout
+    prompts = (r.async_depth + 1) * r.prompts_per_round if r.streaming else r.prompts_per_round
+    return math.ceil(prompts / r.num_engines) * r.n_samples_per_prompt
+
+
 def _header_variables(config: PPOConfig) -> dict[str, str]:
     """The variables `reward.headers_env` names, for the engines' runtime environment on a joined
     cluster (`ray.address`), whose actors do not inherit the driver's environment. A local cluster's
@@ -263,8 +272,7 @@ class Roles:
             seed=r.seed,
             tensor_parallel_size=r.tensor_parallel_size,
             gpu_memory_utilization=r.gpu_memory_utilization,
-            max_num_seqs=r.max_num_seqs
-            or math.ceil(r.prompts_per_round / r.num_engines) * r.n_samples_per_prompt,
+            max_num_seqs=r.max_num_seqs or default_max_num_seqs(cfg),
             enforce_eager=r.enforce_eager or not use_gpus,
             reward_function=inputs.reward_function,
             reward=cfg.reward,

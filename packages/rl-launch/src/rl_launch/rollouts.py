@@ -27,8 +27,8 @@ keeps a pool of groups in flight (`StreamGroup`: one prompt, one `generate` call
 `GENERATE_GROUP`, on the engine with the fewest groups of the pool, sampler seed rollout.seed +
 group id), drawn from the prompt stream in rounds of prompts_per_round prompts until the pool
 holds (async_depth + 1) x prompts_per_round groups (fewer near the end: never more than the
-remaining steps can train). A step takes finished groups (`ray.wait`; among those finished,
-the oldest first) until it has rollout_batch_size of them, dropping those further behind than
+remaining steps can train). A step takes finished groups (`ray.wait` over the pool in stream
+order, which keeps that order) until it has rollout_batch_size of them, dropping those further behind than
 max_staleness and, under dynamic filtering, those outside the reward range; when the pool runs
 dry it draws another round (at most max_sampling_rounds − 1 per step). The groups it does not
 take stay in flight for the next steps, then the pool is topped up. A checkpoint keeps every
@@ -197,9 +197,8 @@ class Rollouts:
         self.batches: Iterator[list[PromptSample]] = iter(loader)
         self.next_group_id = 0
         self.pending: dict[int, InFlight] = {}  # async mode: later steps' generations, by step
-        self.pool: dict[
-            int, StreamGroup
-        ] = {}  # streaming: groups not yet trained, by group id (stream order)
+        # streaming: the groups not yet trained, by group id (in stream order)
+        self.pool: dict[int, StreamGroup] = {}
         # a generation call that stalls past health.engine_stall_warn_s: a line to `notify`
         self.notify: Callable[[str], None] | None = None
         self.log_dir: str | None = None
@@ -429,9 +428,13 @@ class Rollouts:
                     self.notify(self.stall_line(futures, waited))
                 continue
             finished = {id(future) for future in ready}
-            for group in [group for group in self.pool.values() if id(group.future) in finished]:
+            done = [group for group in self.pool.values() if id(group.future) in finished]
+            by_group: dict[int, list[Trajectory]] = {group.group_id: [] for group in done}
+            for record in self.collect([group.future for group in done]):  # one ray.get for them all
+                by_group[record.group_id].append(record)
+            for group in done:
                 del self.pool[group.group_id]
-                records = self.collect([group.future])
+                records = by_group[group.group_id]
                 taken += records
                 seen += 1
                 if r.max_staleness is not None and any(
