@@ -34,7 +34,7 @@ spread of the last-third reward over the repeats are printed. The load average i
 before and after every run (the machine may be shared).
 
     python benchmarks/streaming.py [--steps 24] [--prompts 16] [--n 4] [--max-new-tokens 512]
-        [--repeats 2] [--modes sync async stream] [--eos-scale 0.2] [--lr 5e-4]
+        [--repeats 2] [--modes sync async stream] [--eos-scale 0.2] [--lr 5e-4] [--option KEY=VALUE ...]
 """
 
 from __future__ import annotations
@@ -137,6 +137,9 @@ def overrides(
     }
     for key, value in MODES[mode].items():
         settings[key] = str(2 * args.prompts) if value == "2x" else value
+    for item in args.option:  # every mode alike: --option reward.overlong_buffer_len=448
+        key, _, value = item.partition("=")
+        settings[key.removeprefix("--")] = value
     return settings
 
 
@@ -247,6 +250,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--modes", nargs="+", choices=tuple(MODES), default=["sync", "async", "stream"])
     parser.add_argument("--timeout", type=float, default=900.0)
+    parser.add_argument("--option", action="append", default=[], help="KEY=VALUE for every mode's run")
     parser.add_argument("--scratch", default=None, help="folder for the runs (default: a temporary one)")
     args = parser.parse_args()
 
