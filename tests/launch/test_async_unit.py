@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 import torch
 
@@ -187,6 +188,10 @@ def test_streaming_accepts_oversampling_without_filtering_and_a_bound_below_the_
 
     # (depth 2 + 2) x 64 prompts per round over one engine: the pool and one round beyond it
     assert engine_concurrency_groups(config) == {"activity": 1, "generate": 256}
+    big = msgspec.structs.replace(
+        config, rollout=msgspec.structs.replace(config.rollout, generate_batch_size=1024)
+    )
+    assert engine_concurrency_groups(big)["generate"] == 512  # MAX_GENERATE_THREADS
 
 
 def test_openrlhf_oversampling_flag_says_what_happens_to_the_surplus_in_each_mode():

@@ -94,14 +94,21 @@ def engine_concurrency_groups(config: PPOConfig) -> dict[str, int]:
     while the engine generates), `weight_sync` with partial rollout (a sync lands between two
     decoding steps), `generate` with streaming, as many threads as one engine's share of the pool
     ((async_depth + 1) x prompts_per_round groups) plus one round, so a draw beyond the pool
-    (dynamic filtering) does not queue."""
+    (dynamic filtering) does not queue; at most `MAX_GENERATE_THREADS` (calls beyond them wait in
+    Ray's queue for a thread, so the engine then batches that many groups at once)."""
     r = config.rollout
     groups = {ACTIVITY_GROUP: 1}
     if r.partial_rollout:
         groups[RECEIVE_GROUP] = 1
     if r.streaming:
-        groups[GENERATE_GROUP] = math.ceil((r.async_depth + 2) * r.prompts_per_round / r.num_engines)
+        share = math.ceil((r.async_depth + 2) * r.prompts_per_round / r.num_engines)
+        groups[GENERATE_GROUP] = min(share, MAX_GENERATE_THREADS)
     return groups
+
+
+MAX_GENERATE_THREADS = 512
+"""The most generate calls (groups) one streaming engine actor runs at once: each waits on a
+thread of its own, and thousands of threads in one process cost more than the batch gains."""
 
 
 def default_max_num_seqs(config: PPOConfig) -> int:
