@@ -65,6 +65,16 @@ def _get(futures: Any, timeout: float | None = None) -> Any:
 
 def _wait(futures: Sequence[Done], num_returns: int = 1, timeout: float | None = None) -> tuple[list, list]:
     done = [future for future in futures if future.ready]
+    # A wait that may block (no timeout, or one > 0) lasts until the oldest calls still running
+    # have finished, as many as it needs; timeout=0 only looks.
+    if (timeout is None or timeout > 0) and len(done) < num_returns:
+        for future in futures:
+            if len(done) >= num_returns:
+                break
+            if not future.ready:
+                future.ready = True
+                done.append(future)
+        done = [future for future in futures if future.ready]
     return done[:num_returns], [future for future in futures if future not in done[:num_returns]]
 
 
@@ -103,6 +113,9 @@ class FakeGroup:
         self.role, self.workers, self.log = role, list(workers), log
         self.actors = [_Handle(self, rank) for rank in range(len(self.workers))]
         self.late: set[str] = set()  # methods whose results `ray.wait(timeout=0)` sees as not ready
+        # which generate calls a blocking `ray.wait` sees as still running (it then finishes the
+        # oldest of them): slow(rank, encoded samples) -> True for a long-tailed call
+        self.slow: Callable[[int, tuple], bool] | None = None
         self.killed = False
 
     def __len__(self) -> int:
@@ -110,16 +123,28 @@ class FakeGroup:
 
     def run(self, rank: int, method: str, args: tuple) -> Done:
         self.log.append((self.role, method, rank))
+        ready = method not in self.late and not (
+            method == "generate" and self.slow is not None and self.slow(rank, args)
+        )
         try:
-            return Done(getattr(self.workers[rank], method)(*args), ready=method not in self.late)
+            return Done(getattr(self.workers[rank], method)(*args), ready=ready)
         except Exception as error:  # re-raised by ray.get, as Ray does
             return Done(error=error)
 
-    def submit(self, method: str, *args: Any, per_rank: Sequence[tuple] | None = None) -> list[Done]:
+    def submit(
+        self,
+        method: str,
+        *args: Any,
+        per_rank: Sequence[tuple] | None = None,
+        concurrency_group: str | None = None,
+    ) -> list[Done]:
         calls = per_rank if per_rank is not None else [args] * len(self.workers)
         if len(calls) != len(self.workers):
             raise ValueError(f"FakeGroup {self.role}: {len(calls)} calls for {len(self.workers)} ranks")
         return [self.run(rank, method, tuple(call)) for rank, call in enumerate(calls)]
+
+    def submit_to(self, rank: int, method: str, *args: Any, concurrency_group: str | None = None) -> Done:
+        return self.run(rank, method, args)
 
     def call(self, method: str, *args: Any, per_rank: Sequence[tuple] | None = None) -> list:
         return _get(self.submit(method, *args, per_rank=per_rank))
@@ -230,6 +255,10 @@ class ToyEngine:
 
     def policy_version(self) -> int:
         return self.version
+
+    def activity(self) -> tuple[float, float]:
+        """(idle, wall) seconds: a toy engine is idle a quarter of every step."""
+        return 0.25, 1.0
 
     def close(self) -> None:
         pass

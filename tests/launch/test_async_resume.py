@@ -11,6 +11,13 @@ generates the steps ahead (its rows decoded one at a time and long enough that t
 always busy), so responses mix versions within one sample, every token counted in the per-token
 staleness, and the token-level rollout correction (tis, async mode's default) weighs them; the
 kill and resume keep the prompts exactly as in whole-step mode.
+
+The same run with `--rollout.streaming true` (and partial rollout, depth 1, rounds of 6 prompts
+for steps of 4: oversampling): a pool of 12 groups in flight, one generate call each, a step
+trains on the first 4 to finish and the rest stay in flight. Which step trains which group is
+up to the engine, but the checkpoint keeps every group not yet trained, so across the kill and
+the resume no prompt is lost and none is trained twice, and every group id still names its
+position in the sampler's stream.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ pytestmark = pytest.mark.slow
 
 PROMPTS, BATCH, N, STEPS, DEPTH, SEED = 64, 4, 2, 8, 2, 3
 PARTIAL_MAX_LEN = 48
+ROUND, STREAM_STALENESS = 6, 4  # streaming: prompts per round (> BATCH), staleness bound
 
 
 @pytest.fixture
@@ -41,10 +49,11 @@ def _completions(run_dir) -> dict[int, list[dict]]:
     return steps
 
 
-@pytest.mark.parametrize("partial", [False, True], ids=["whole_steps", "partial_rollout"])
+@pytest.mark.parametrize("mode", ["whole_steps", "partial_rollout", "streaming"])
 def test_an_async_run_killed_after_a_checkpoint_trains_on_the_prompts_of_an_uninterrupted_one(
-    tiny_checkpoint, prompts, ray_temp, tmp_path, partial
+    tiny_checkpoint, prompts, ray_temp, tmp_path, mode
 ):
+    partial = mode == "partial_rollout"
     ray_dir, env = ray_temp
     run_dir = tmp_path / "run"
     args = [
@@ -75,6 +84,14 @@ def test_an_async_run_killed_after_a_checkpoint_trains_on_the_prompts_of_an_unin
             "--rollout.generate_max_len", str(PARTIAL_MAX_LEN),
             "--rollout.engine_options.max_batch_size", "1",
         ]  # fmt: skip
+    if mode == "streaming":
+        args += [
+            "--rollout.streaming", "true",
+            "--rollout.partial_rollout", "true",
+            "--rollout.async_depth", "1",
+            "--rollout.max_staleness", str(STREAM_STALENESS),
+            "--rollout.generate_batch_size", str(ROUND),
+        ]  # fmt: skip
     latest = run_dir / "checkpoints" / "policy" / "latest"
     kill_once_written(args, env, latest, ray_dir)
     tag = latest.read_text().strip()
@@ -82,6 +99,11 @@ def test_an_async_run_killed_after_a_checkpoint_trains_on_the_prompts_of_an_unin
     assert saved < STEPS
     state = json.loads((run_dir / "checkpoints" / "policy" / tag / "training_state.json").read_text())
     in_flight = state["extra"]["in_flight"]
+    if mode == "streaming":
+        resumed = launch([*args, "--ckpt.load_checkpoint", "true"], env)
+        assert resumed.returncode == 0, resumed.stderr[-4000:]
+        _check_streaming(run_dir, state, saved)
+        return
     assert [entry["step"] for entry in in_flight] == list(range(saved + 1, min(saved + DEPTH, STEPS) + 1))
 
     resumed = launch([*args, "--ckpt.load_checkpoint", "true"], env)
@@ -141,3 +163,48 @@ def _check_partial_rollout(metrics: list[dict], completions: dict[int, list[dict
     assert mixed, "no sample mixed versions: no sync landed while the engine generated"
     assert sum(line["async/mixed_version_records"] for line in metrics) >= len(mixed)
     assert metrics[-1]["sync/unsettled_versions"] == 0.0
+
+
+def _check_streaming(run_dir, state: dict, saved: int) -> None:
+    """No prompt lost or trained twice across the kill; group ids name stream positions."""
+    stream = [index for batch in _sampler_batches(ROUND, 64) for index in batch]
+    pool = {entry["group_id"]: entry["indices"] for entry in state["extra"]["in_flight"]}
+    drawn = state["extra"]["next_group_id"]
+    assert pool
+    assert all(stream[group] == indices[0] for group, indices in pool.items())
+    completions = _completions(run_dir)
+    assert sorted(completions) == list(range(1, STEPS + 1))
+    trained: dict[int, int] = {}  # group id -> step
+    for step, rows in completions.items():
+        groups = {row["group_id"] for row in rows}
+        assert len(rows) == BATCH * N, step
+        assert len(groups) == BATCH, step
+        for group in groups:
+            assert group not in trained, (group, step, trained.get(group))  # never trained twice
+            trained[group] = step
+            assert {row["index"] for row in rows if row["group_id"] == group} == {stream[group]}
+    before = {group for group, step in trained.items() if step <= saved}
+    after = {group for group, step in trained.items() if step > saved}
+    # the checkpoint's prompts: each trained before it, or in its pool (none lost)
+    assert before | set(pool) == set(range(drawn))
+    assert not before & set(pool)
+    # after the resume: the pool's groups and newly drawn ones only
+    assert all(group in pool or group >= drawn for group in after)
+    policy = run_dir / "checkpoints" / "policy"
+    final = json.loads((policy / (policy / "latest").read_text().strip() / "training_state.json").read_text())
+    assert final["step"] == STEPS
+    left = {entry["group_id"] for entry in final["extra"]["in_flight"]}
+    assert set(pool) <= after | left  # every group of the pool was trained or is still in flight
+    metrics = read_metrics(run_dir)
+    assert [line["step"] for line in metrics] == list(range(1, STEPS + 1))
+    for line in metrics:
+        assert line["async/dropped_stale"] == 0.0
+        assert line["async/staleness_max"] <= STREAM_STALENESS
+        assert 0.0 <= line["rollout/engine_idle_fraction"] <= 1.0
+        assert line["async/pool_groups"] >= BATCH
+    assert metrics[-1]["sync/unsettled_versions"] == 0.0
+
+
+def _sampler_batches(batch_size: int, rounds: int) -> list[list[int]]:
+    batches = iter(ResumableSampler(PROMPTS, batch_size=batch_size, seed=SEED, shuffle=True))
+    return [next(batches) for _ in range(rounds)]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 import torch
 
@@ -149,3 +150,114 @@ def test_openrlhf_partial_rollout_flag_is_our_option():
 
     assert main(["ppo", "--preset", "arithmetic", "--train.async_enable", "--train.partial_rollout_enable",
                  "--print-config"]) == 0  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"rollout.streaming": "true"}, "rollout.streaming: True needs rollout.async_train true"),
+        (
+            {"rollout.async_train": "true", "rollout.streaming": "true", "rollout.max_staleness": "0"},
+            "rollout.max_staleness: 0 must be >= 1 with rollout.streaming",
+        ),
+        (
+            {"rollout.async_train": "true", "rollout.generate_batch_size": "64"},
+            r"needs rollout.dynamic_filtering true or rollout.streaming true",
+        ),
+    ],
+)
+def test_streaming_options_are_checked_by_name(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(PPOConfig, overrides={"preset": "arithmetic", **overrides})
+
+
+def test_streaming_accepts_oversampling_without_filtering_and_a_bound_below_the_depth():
+    config = load_config(
+        PPOConfig,
+        overrides={
+            "preset": "arithmetic",
+            "rollout.async_train": "true",
+            "rollout.async_depth": "2",
+            "rollout.streaming": "true",
+            "rollout.max_staleness": "1",
+            "rollout.generate_batch_size": "64",
+        },
+    )
+    assert (config.rollout.prompts_per_round, config.rollout.max_staleness) == (64, 1)
+    from rl_launch.roles import engine_concurrency_groups
+
+    # (depth 2 + 2) x 64 prompts per round over one engine: the pool and one round beyond it
+    assert engine_concurrency_groups(config) == {"activity": 1, "generate": 256}
+    big = msgspec.structs.replace(
+        config, rollout=msgspec.structs.replace(config.rollout, generate_batch_size=1024)
+    )
+    assert engine_concurrency_groups(big)["generate"] == 512  # MAX_GENERATE_THREADS
+
+
+def test_openrlhf_oversampling_flag_says_what_happens_to_the_surplus_in_each_mode():
+    from rl_launch.aliases import aliases_of
+
+    remark = aliases_of("ppo")["rollout.vllm_generate_batch_size"].remark
+    assert "with --rollout.streaming true the surplus groups stay in flight" in remark
+    assert "without streaming the surplus accepted groups are dropped" in remark
+
+
+def test_engine_idle_time_counts_only_the_time_with_no_generate_call_in_flight():
+    from rl_launch.actors import EngineActivity
+
+    now = [0.0]
+    activity = EngineActivity(clock=lambda: now[0])
+    now[0] = 1.0
+    activity.begin()  # idle 0 -> 1
+    now[0] = 2.0
+    activity.begin()  # two calls overlap: busy 1 -> 4
+    now[0] = 3.0
+    activity.end()
+    now[0] = 4.0
+    activity.end()
+    now[0] = 6.0  # idle 4 -> 6
+    assert activity.window() == (3.0, 6.0)
+    activity.begin()
+    now[0] = 8.0  # a window that ends while a call runs: busy throughout
+    assert activity.window() == (0.0, 2.0)
+    activity.end()
+    now[0] = 9.0
+    assert activity.window() == (1.0, 1.0)
+
+
+def test_a_sync_waits_for_the_generations_running_and_holds_back_new_ones():
+    import threading
+
+    from rl_launch.actors import _SyncGate
+
+    gate, order = _SyncGate(), []
+    running, sync_waiting = threading.Event(), threading.Event()
+
+    def generation(name: str, hold: threading.Event | None = None) -> None:
+        with gate.generation():
+            order.append(f"{name} starts")
+            running.set()
+            if hold is not None:
+                hold.wait(5)
+            order.append(f"{name} ends")
+
+    def sync() -> None:
+        sync_waiting.set()
+        with gate.sync():
+            order.append("sync")
+
+    release = threading.Event()
+    first = threading.Thread(target=generation, args=("first", release))
+    first.start()
+    running.wait(5)
+    syncing = threading.Thread(target=sync)
+    syncing.start()
+    sync_waiting.wait(5)
+    while not gate._waiting_syncs:  # the sync is queued behind the running generation
+        threading.Event().wait(0.001)
+    second = threading.Thread(target=generation, args=("second",))
+    second.start()
+    release.set()
+    for thread in (first, syncing, second):
+        thread.join(5)
+    assert order == ["first starts", "first ends", "sync", "second starts", "second ends"]

@@ -64,6 +64,7 @@ def test_a_step_generates_then_scores_then_trains_then_syncs_then_saves():
         "policy.train_step",
         "policy.sync",
         "engine.receive",
+        "engine.activity",  # the engines' idle time over the step, for its metrics line
         "policy.save",  # the last step always saves
         "critic.save",
     ]
@@ -359,7 +360,9 @@ def test_the_hybrid_engine_sleeps_for_training_and_learners_offload_for_generati
     assert run.log.methods() == [
         "policy.offload_states",
         *step,
+        "engine.activity",
         *step,
+        "engine.activity",
         "policy.reload_states",
         "policy.save",
         "policy.offload_states",
@@ -503,3 +506,148 @@ def test_rollout_min_new_tokens_reaches_the_training_sampling():
     assert fake_run(config()).rollouts.sampling(0).min_new_tokens == 0  # off by default
     with pytest.raises(ConfigError, match=r"rollout.min_new_tokens.*at most rollout.generate_max_len \(8\)"):
         config(**{"rollout.min_new_tokens": 9})
+
+
+# ----------------------------------------------------------------------------------------------
+# Streaming (rollout.streaming): a pool of groups, a step takes the first to finish
+
+
+def streaming(**overrides) -> PPOConfig:
+    """Streaming, 2 prompts x 2 samples per step, rounds of 4 prompts (oversampling): the pool
+    holds (depth 1 + 1) x 4 = 8 groups."""
+    settings = {
+        "rollout.async_train": "true",
+        "rollout.streaming": "true",
+        "rollout.generate_batch_size": 4,
+        "train.max_steps": 3,
+    }
+    return config(**{**settings, **overrides})
+
+
+def test_streaming_trains_the_first_groups_to_finish_and_keeps_the_rest_in_flight():
+    run = fake_run(streaming(), shuffle=False)  # group id g is prompt g
+    run.roles.engines.slow = lambda rank, args: args[2] in (0, 2)  # groups 0 and 2 run long
+    run.fit()
+    calls = training_calls(run)
+    # one call per group, each with its own seed: rollout.seed + group id
+    assert [(call["indices"], call["first_group_id"]) for call in calls] == [([g], g) for g in range(8)]
+    assert [call["seed"] for call in calls] == [1234 + g for g in range(8)]
+    trained = [step["groups"] for step in run.learners["policy"][0].trained]
+    assert trained == [[1, 3], [4, 5], [6, 7]]  # never waiting for 0 and 2
+    assert [entry["group_id"] for entry in run.rollouts.in_flight()] == [0, 2]
+    logged = [metrics for _, metrics in run.tracker.logged]
+    assert [metrics["async/pool_groups"] for metrics in logged] == [8.0, 6.0, 4.0]  # no top-up: 3 steps x 2
+    assert [metrics["async/staleness_max"] for metrics in logged] == [0.0, 1.0, 2.0]
+    assert all(metrics["rollout/engine_idle_fraction"] == 0.25 for metrics in logged)
+
+
+def test_streaming_draws_rounds_to_keep_the_pool_full_and_only_what_the_steps_can_train():
+    run = fake_run(streaming(**{"train.max_steps": 5}), shuffle=False)
+    run.fit()
+    logged = [metrics for _, metrics in run.tracker.logged]
+    # 8 at first; after each step of 2 the pool is topped up in rounds of 4 while below
+    # min(8, steps left x 2) (6 < 8 after step 1: one round, 10)
+    assert [metrics["async/pool_groups"] for metrics in logged] == [8.0, 10.0, 8.0, 6.0, 4.0]
+    assert len(training_calls(run)) == 12
+    trained = [step["groups"] for step in run.learners["policy"][0].trained]
+    assert trained == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]]
+
+
+def test_streaming_drops_the_groups_that_finish_too_stale_and_draws_when_the_pool_runs_dry():
+    run = fake_run(streaming(**{"rollout.max_staleness": 1}), shuffle=False)
+    run.roles.engines.slow = lambda rank, args: args[2] == 0
+    run.fit()
+    trained = [step["groups"] for step in run.learners["policy"][0].trained]
+    # step 3 trains at version 2: what is left of the first pool (0, 5, 6, 7, generated at
+    # version 0) is dropped, so the pool runs dry and a round of 4 is drawn at version 2
+    assert trained == [[1, 2], [3, 4], [8, 9]]
+    step_3 = run.tracker.logged[2][1]
+    assert (step_3["async/dropped_stale_groups"], step_3["async/dropped_stale"]) == (4.0, 8.0)
+    assert (step_3["async/rounds_added"], step_3["async/staleness_max"]) == (1.0, 2.0)
+
+
+def test_streaming_with_dynamic_filtering_waits_for_accepted_groups_and_draws_when_the_pool_is_dry():
+    def reward(prompt, sample):  # only prompts 3, 7, 11, ... have a mixed group
+        return 1.0 if prompt.index % 4 != 3 else float(sample % 2)
+
+    run = fake_run(
+        streaming(**{"rollout.dynamic_filtering": "true", "train.max_steps": 1}), reward=reward, shuffle=False
+    )
+    run.fit()
+    assert run.learners["policy"][0].trained[0]["groups"] == [3, 7]
+    step_1 = run.tracker.logged[0][1]
+    # one step: the pool is one round (what one step can train); its 4 groups give group 3, the
+    # pool runs dry and one more round gives group 7
+    assert (step_1["filter/groups_seen"], step_1["filter/groups_kept"], step_1["async/rounds_added"]) == (
+        8.0,
+        2.0,
+        1.0,
+    )
+    dry = fake_run(
+        streaming(
+            **{"rollout.dynamic_filtering": "true", "train.max_steps": 1, "rollout.max_sampling_rounds": 2}
+        ),
+        reward=lambda prompt, sample: 1.0,
+        shuffle=False,
+    )
+    with pytest.raises(
+        RuntimeError, match=r"streaming: step 1 kept no group of the 8 that finished \(1 rounds"
+    ):
+        dry.fit()
+
+
+def test_a_resumed_streaming_run_generates_the_groups_not_yet_trained_again_and_trains_the_same():
+    settings = {"ckpt.save_steps": 2, "train.max_steps": 4}
+    slow = lambda rank, args: args[2] % 5 == 0  # noqa: E731 - groups 0, 5, 10 run long
+    whole = fake_run(streaming(**settings), ckpt_root="/a/checkpoints")
+    whole.roles.engines.slow = slow
+    whole.fit()
+
+    first = fake_run(streaming(**settings), ckpt_root="/b/checkpoints")
+    first.roles.engines.slow = slow
+    original_log = first.tracker.log
+
+    def log_then_die(step, metrics):
+        original_log(step, metrics)
+        if step == 2:
+            raise _Killed
+
+    first.tracker.log = log_then_die
+    with pytest.raises(_Killed):
+        first.fit()
+    state = first.trainer.training_state(2, 0)
+    pool = state.extra["in_flight"]
+    assert [entry["group_id"] for entry in pool] == [0, 5, 6, 7]  # 0 and 5 still running
+    assert all(set(entry) == {"group_id", "indices"} and len(entry["indices"]) == 1 for entry in pool)
+
+    resumed = fake_run(
+        streaming(**settings),
+        ckpt_root="/b/checkpoints",
+        resume_from={"policy": Path("/b/checkpoints/policy/global_step2")},
+        checkpoints=first.checkpoints,
+    )
+    resumed.roles.engines.slow = slow
+    resumed.fit(resumed.trainer.resume())
+    again = training_calls(resumed)[: len(pool)]  # the pool, submitted again in stream order
+    assert [(call["first_group_id"], call["indices"]) for call in again] == [
+        (entry["group_id"], entry["indices"]) for entry in pool
+    ]
+    assert resumed.learners["policy"][0].trained == whole.learners["policy"][0].trained[2:]
+    trained = [g for step in first.learners["policy"][0].trained for g in step["groups"]]
+    trained += [g for step in resumed.learners["policy"][0].trained for g in step["groups"]]
+    assert len(trained) == len(set(trained))  # no group trained twice
+
+
+def test_a_whole_step_run_refuses_a_streaming_checkpoint():
+    settings = {"ckpt.save_steps": 1, "train.max_steps": 1}
+    first = fake_run(streaming(**settings), ckpt_root="/c/checkpoints")
+    first.fit()
+    whole_steps = {"rollout.dynamic_filtering": "true", "rollout.generate_batch_size": 4}  # the same loader
+    resumed = fake_run(
+        config(**{"rollout.async_train": "true", **whole_steps, **settings, "train.max_steps": 2}),
+        ckpt_root="/c/checkpoints",
+        resume_from={"policy": Path("/c/checkpoints/policy/global_step1")},
+        checkpoints=first.checkpoints,
+    )
+    with pytest.raises(ValueError, match=r"written with rollout\.streaming true.*--rollout\.streaming true"):
+        resumed.trainer.resume()

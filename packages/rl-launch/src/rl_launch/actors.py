@@ -27,7 +27,7 @@ from rl_learner import DeepSpeedConfig, LoraOptions, OptimizerConfig
 from .config import RewardConfig
 from .plugins import PluginRef, import_plugins
 
-__all__ = ["ActorGroup", "EngineSpec", "LearnerSpec", "LearnerWorker", "RolloutWorker"]
+__all__ = ["ActorGroup", "EngineActivity", "EngineSpec", "LearnerSpec", "LearnerWorker", "RolloutWorker"]
 
 LEARNER_ROLES = ("policy", "ref", "critic", "reward_model")
 
@@ -83,6 +83,8 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
     """User modules (`--plugin`) imported before anything else, so their registrations exist here."""
     partial_rollout: bool = False
     """rollout.partial_rollout: weight syncs reach the engine while it generates (`RECEIVE_GROUP`)."""
+    streaming: bool = False
+    """rollout.streaming: one `generate` call per group, several at once (`GENERATE_GROUP`)."""
     vllm_logging_level: str = "ERROR"
     """VLLM_LOGGING_LEVEL in the actor, set before anything imports vLLM (the driver's, or ERROR)."""
 
@@ -371,16 +373,22 @@ def build_reward(spec: EngineSpec) -> RewardSources:
 
 
 class _KeepExtraLogs:
-    """A reward source that remembers the `extra_logs` of its last call (`WeightedSumReward` keeps
-    only each source's rewards)."""
+    """A reward source that remembers the `extra_logs` of its last call on each thread
+    (`WeightedSumReward` keeps only each source's rewards; a streaming engine scores on many)."""
 
     def __init__(self, function: Any) -> None:
+        import threading
+
         self.function = function
-        self.extra_logs: dict[str, Any] = {}
+        self._local = threading.local()
+
+    @property
+    def extra_logs(self) -> dict[str, Any]:
+        return getattr(self._local, "extra_logs", {})
 
     def __call__(self, queries: Any, prompts: Any, labels: Any) -> Any:
         output = self.function(queries, prompts, labels)
-        self.extra_logs = output.extra_logs
+        self._local.extra_logs = output.extra_logs
         return output
 
 
@@ -392,21 +400,24 @@ class RewardSources:
     `record.extra["reward_logs"]` = {key: value} from the sources' `extra_logs`: a list of B numbers
     gives each record its own; a number, or a list of another length (one value per request),
     gives every record the mean. Values that are not numbers are left out. The driver averages
-    both over a step (`rl_launch.algorithm.reward_metrics`).
+    both over a step (`rl_launch.algorithm.reward_metrics`). The last call is remembered per
+    thread: a streaming engine runs several generate calls at once, each scores and annotates its own.
     """
 
     def __init__(self, combined: Any, sources: dict[str, _KeepExtraLogs]) -> None:
+        import threading
+
         self.combined = combined
         self.sources = sources
         self.name = combined.name
-        self.last: Any = None
+        self._local = threading.local()
 
     def __call__(self, queries: Any, prompts: Any, labels: Any) -> Any:
-        self.last = self.combined(queries, prompts, labels)
-        return self.last
+        self._local.last = self.combined(queries, prompts, labels)
+        return self._local.last
 
     def annotate(self, records: list) -> None:
-        last, self.last = self.last, None
+        last, self._local.last = getattr(self._local, "last", None), None
         size = len(records)
         # Only when one call scored exactly these records (an executor may score otherwise).
         if last is None or len(last.rewards) != size:
@@ -435,17 +446,119 @@ def _numbers(value: Any) -> list[float]:
     return out
 
 
+GENERATE_GROUP = "generate"
+"""The Ray concurrency group a streaming run calls `RolloutWorker.generate` in, one call per group
+(`rl_launch.rollouts`): its threads run many calls at once and the engine batches them (vLLM's
+scheduler takes requests from every thread; `HFEngine` decodes one call at a time)."""
+
+ACTIVITY_GROUP = "activity"
+"""The Ray concurrency group of `RolloutWorker.activity`: it answers while generations run."""
+
 RECEIVE_GROUP = "weight_sync"
 """The Ray concurrency group a partial-rollout run calls `RolloutWorker.receive` in: its own thread,
 so a sync reaches the engine while a `generate` call runs (an actor otherwise serves its calls one
 at a time, and a sync would wait behind the generations queued before it)."""
 
 
+class _SyncGate:
+    """Generations share the engine, a weight sync takes it alone (a readers-writer lock that
+    prefers the writer): `receive` waits for the generate calls running, and calls arriving
+    meanwhile wait for the sync. What a streaming run without partial rollout needs, where the
+    generate calls run in `GENERATE_GROUP` beside the sync instead of queueing before it."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self._condition = threading.Condition()
+        self._running = 0
+        self._syncing = False
+        self._waiting_syncs = 0
+
+    def generation(self) -> Any:
+        import contextlib
+
+        @contextlib.contextmanager
+        def held() -> Any:
+            with self._condition:
+                self._condition.wait_for(lambda: not self._syncing and not self._waiting_syncs)
+                self._running += 1
+            try:
+                yield
+            finally:
+                with self._condition:
+                    self._running -= 1
+                    self._condition.notify_all()
+
+        return held()
+
+    def sync(self) -> Any:
+        import contextlib
+
+        @contextlib.contextmanager
+        def held() -> Any:
+            with self._condition:
+                self._waiting_syncs += 1
+                self._condition.wait_for(lambda: not self._syncing and not self._running)
+                self._waiting_syncs -= 1
+                self._syncing = True
+            try:
+                yield
+            finally:
+                with self._condition:
+                    self._syncing = False
+                    self._condition.notify_all()
+
+        return held()
+
+
+class EngineActivity:
+    """How long an engine had no generate call in flight: idle_s over a window of wall_s seconds.
+
+    `begin` / `end` bracket every call (calls may overlap: the engine is busy while any runs);
+    `window()` returns (idle seconds, wall seconds) since the last window and starts the next.
+    The engine's idle fraction over a step is idle_s / wall_s (rollout/engine_idle_fraction)."""
+
+    def __init__(self, clock: Any = None) -> None:
+        import threading
+        import time
+
+        self._clock = clock or time.monotonic
+        self._lock = threading.Lock()
+        self._running = 0
+        self._start = self._idle_since = self._clock()
+        self._idle = 0.0
+
+    def begin(self) -> None:
+        with self._lock:
+            if self._running == 0:
+                self._idle += self._clock() - self._idle_since
+            self._running += 1
+
+    def end(self) -> None:
+        with self._lock:
+            self._running -= 1
+            if self._running == 0:
+                self._idle_since = self._clock()
+
+    def window(self) -> tuple[float, float]:
+        with self._lock:
+            now = self._clock()
+            idle = self._idle + (now - self._idle_since if self._running == 0 else 0.0)
+            wall = now - self._start
+            self._start, self._idle = now, 0.0
+            if self._running == 0:
+                self._idle_since = now
+            return idle, wall
+
+
 class RolloutWorker:
     """One rollout engine with its tokenizer and reward function (Ray actor class).
 
-    With `EngineSpec.partial_rollout` the actor is started with a concurrency group
-    `RECEIVE_GROUP` (`ActorGroup`'s `concurrency_groups`) and the driver calls `receive` in it.
+    Started with the concurrency group `ACTIVITY_GROUP` (`activity` answers while it generates);
+    with `EngineSpec.partial_rollout` also `RECEIVE_GROUP`, in which the driver calls `receive`;
+    with `EngineSpec.streaming` also `GENERATE_GROUP`, in which the driver calls `generate`, one
+    group per call, many at once (without partial rollout a sync then waits for the calls
+    running and holds back new ones: `_SyncGate`).
     """
 
     def __init__(self, spec: EngineSpec, index: int = 0) -> None:
@@ -469,6 +582,8 @@ class RolloutWorker:
                 "tokens by weight version, LLMEngine.set_weight_version: 0.32 has it, 0.26 does not); drop "
                 "rollout.partial_rollout or use an engine that can"
             )
+        self.gate = _SyncGate() if spec.streaming and not spec.partial_rollout else None
+        self.busy = EngineActivity()
 
     def ready(self) -> tuple[int, int | None, str, list[str], dict[str, int | None]]:
         """(weight-sync ranks this engine takes, its KV-cache bytes or None where vLLM sizes it,
@@ -520,23 +635,37 @@ class RolloutWorker:
             )
             return executor.run(prompts)
 
-        records = run(sampling)
-        self.reward_fn.annotate(records)  # per-source rewards and extra_logs ride in record.extra
-        if greedy_baseline:
-            greedy = run(msgspec.structs.replace(sampling, n=1, temperature=0.0))
-            baseline = {record.group_id: record.reward for record in greedy}
-            for record in records:
-                record.extra["baseline_reward"] = baseline[record.group_id]
+        import contextlib
+
+        with self.gate.generation() if self.gate is not None else contextlib.nullcontext():
+            self.busy.begin()
+            try:
+                records = run(sampling)
+                self.reward_fn.annotate(records)  # per-source rewards and extra_logs ride in record.extra
+                if greedy_baseline:
+                    greedy = run(msgspec.structs.replace(sampling, n=1, temperature=0.0))
+                    baseline = {record.group_id: record.reward for record in greedy}
+                    for record in records:
+                        record.extra["baseline_reward"] = baseline[record.group_id]
+            finally:
+                self.busy.end()
         return encode(records)
+
+    def activity(self) -> tuple[float, float]:
+        """(seconds with no generate call in flight, wall seconds) since the last call (`EngineActivity`)."""
+        return self.busy.window()
 
     def init_sync(self, spec: Any, rank: int) -> None:
         self.engine.init_weight_sync(spec, rank=rank)
 
     def receive(self, version: int, payload: Any = None) -> Any:
         """Receive weights `version` (`payload`: the `IpcPayload` of a CUDA IPC sync, else None)."""
-        if payload is None:
-            return self.engine.receive_weights(version=version)
-        return self.engine.receive_weights(version=version, payload=payload)
+        import contextlib
+
+        with self.gate.sync() if self.gate is not None else contextlib.nullcontext():
+            if payload is None:
+                return self.engine.receive_weights(version=version)
+            return self.engine.receive_weights(version=version, payload=payload)
 
     def can_sleep(self) -> bool:
         return self.engine.supports("sleep")
@@ -626,6 +755,13 @@ class ActorGroup:
         if concurrency_group is not None:
             methods = [bound.options(concurrency_group=concurrency_group) for bound in methods]
         return [bound.remote(*call) for bound, call in zip(methods, calls, strict=True)]
+
+    def submit_to(self, rank: int, method: str, *args: Any, concurrency_group: str | None = None) -> Any:
+        """Call `method` on actor `rank` alone without waiting (in `concurrency_group` when given)."""
+        bound = getattr(self.actors[rank], method)
+        if concurrency_group is not None:
+            bound = bound.options(concurrency_group=concurrency_group)
+        return bound.remote(*args)
 
     def call(self, method: str, *args: Any, per_rank: Sequence[tuple] | None = None) -> list:
         """`submit` and wait for every actor's result."""

@@ -717,8 +717,9 @@ ALIASES: tuple[Alias, ...] = (
     _alias(
         "rollout.vllm_generate_batch_size",
         "rollout.generate_batch_size",
-        remark="prompts per sampling round; the surplus accepted groups are dropped here (OpenRLHF keeps them "
-        "for its next steps), so a value above the batch needs dynamic filtering",
+        remark="prompts per sampling round; with --rollout.streaming true the surplus groups stay in flight "
+        "for the next steps, as OpenRLHF keeps them; without streaming the surplus accepted groups are dropped, "
+        "so a value above the batch needs dynamic filtering there",
     ),
     _alias("vllm.num_engines", "rollout.num_engines"),
     _alias("vllm.tensor_parallel_size", "rollout.tensor_parallel_size"),

@@ -284,7 +284,7 @@ class RolloutConfig(_Section):
     """Fraction of a GPU's memory vLLM may take (on GPUs; on CPU the KV cache follows max_num_seqs)."""
     max_num_seqs: PositiveInt | None = None
     """Sequences one engine runs at once (vLLM's max_num_seqs); None: one sampling round's share, prompts per
-    engine x n_samples_per_prompt. On CPU the engine sizes its KV cache for that many sequences of
+    engine x n_samples_per_prompt (with streaming: the pool's share, (async_depth + 1) x a round's). On CPU the engine sizes its KV cache for that many sequences of
     data.prompt_max_len + generate_max_len tokens (at most half the machine's memory, at least one
     sequence); the start-up line says how many fit at once."""
     weight_sync: str = "auto"
@@ -324,11 +324,26 @@ class RolloutConfig(_Section):
     record's policy_version (max_staleness, async/staleness_max) is its first token's. Needs
     async_train (without it no generation is in flight during a sync, so there is nothing to
     resume) and an engine that can (`supports("partial_rollout")`: vllm in-process, hf; not http)."""
+    streaming: bool = False
+    """With async_train: per-sample streaming. The driver keeps a pool of (async_depth + 1) x
+    prompts_per_round groups (one prompt x n_samples_per_prompt) in flight, one generate call per
+    group in the engines' own concurrency group (`rl_launch.actors.GENERATE_GROUP`; the engine
+    batches the calls running at once), and a step trains on the first rollout_batch_size groups
+    that finish (a group is complete when all its samples are), while the rest go on generating
+    for the next steps: no step waits for the longest response of a batch. With
+    generate_batch_size above rollout_batch_size (oversampling) the pool is larger and the surplus
+    stays in flight for later steps (OpenRLHF's behaviour). A group's sampler seed is rollout.seed
+    + its group id, so it samples the same whatever step takes it. Which step trains which group
+    depends on the order they finish (not reproducible run to run); a checkpoint keeps every group
+    not yet trained and a resumed run generates them again, so no prompt is lost or trained twice.
+    Best with partial_rollout (a long response then takes each sync as it goes)."""
     max_staleness: NonNegativeInt | None = None
     """With async_train: drop records whose policy version is more than this behind the learner's
     (counted in async/dropped_stale; async/staleness_max and health/policy_lag, the mean, are
-    logged every step). None: keep all. Must be >= async_depth: every record of a steady async run is async_depth behind,
-    so the bound only catches an engine that fell further behind."""
+    logged every step). None: keep all. Whole-step mode: must be >= async_depth (every record of a
+    steady async run is async_depth behind, so the bound only catches an engine that fell further
+    behind). With streaming: >= 1; a group is dropped when it finishes further behind than this
+    (a long response that waited for many syncs), and the step waits for another in its place."""
     dynamic_filtering: bool = False
     """DAPO dynamic sampling: drop groups whose mean reward is outside the range and sample more prompts."""
     dynamic_filtering_reward_range: tuple[float, float] = (0.0, 1.0)
@@ -336,12 +351,14 @@ class RolloutConfig(_Section):
     max_sampling_rounds: PositiveInt = 4
     """Rounds of sampling one step may take to fill its batch under dynamic filtering."""
     generate_batch_size: PositiveInt | None = None
-    """Prompts per sampling round (OpenRLHF's vllm_generate_batch_size; oversampling): each round
-    of a step, and each round dynamic filtering adds, samples this many prompts; the accepted
-    groups fill the step's rollout_batch_size in stream order and the surplus accepted groups are
-    dropped (counted in filter/groups_surplus). None: rollout_batch_size. A value above
+    """Prompts per sampling round (OpenRLHF's vllm_generate_batch_size; oversampling). Whole-step
+    modes: each round of a step, and each round dynamic filtering adds, samples this many
+    prompts; the accepted groups fill the step's rollout_batch_size in stream order and the
+    surplus accepted groups are dropped (counted in filter/groups_surplus), so a value above
     rollout_batch_size needs rollout.dynamic_filtering (without it the surplus would be generated
-    only to be dropped)."""
+    only to be dropped). With rollout.streaming the pool is drawn in rounds of this many prompts
+    and the surplus stays in flight for the next steps (nothing is dropped, no filtering needed).
+    None: rollout_batch_size."""
     seed: int = 1234
     """Base seed of the sampler; each step and prompt derive their own from it."""
 
@@ -365,12 +382,17 @@ class RolloutConfig(_Section):
                     f"must be >= rollout.rollout_batch_size ({self.rollout_batch_size}): a round samples "
                     "at least one step's prompts",
                 )
-            if self.generate_batch_size > self.rollout_batch_size and not self.dynamic_filtering:
+            if (
+                self.generate_batch_size > self.rollout_batch_size
+                and not self.dynamic_filtering
+                and not self.streaming
+            ):
                 _fail(
                     "rollout.generate_batch_size",
                     self.generate_batch_size,
                     f"above rollout.rollout_batch_size ({self.rollout_batch_size}) needs rollout.dynamic_filtering "
-                    "true: the groups beyond the batch are dropped, so without filtering they are wasted",
+                    "true or rollout.streaming true: without streaming the groups beyond the batch are dropped, "
+                    "so without filtering they are wasted (streaming keeps them for the next steps)",
                 )
         if not self.async_train:
             if self.async_depth != 1:
@@ -384,7 +406,21 @@ class RolloutConfig(_Section):
                     "needs rollout.async_train true: in synchronous mode no generation is in flight when "
                     "the weights are synced, so there is nothing to pause and resume",
                 )
-        elif self.max_staleness is not None and self.max_staleness < self.async_depth:
+            if self.streaming:
+                _fail(
+                    "rollout.streaming",
+                    True,
+                    "needs rollout.async_train true: streaming generates the groups of later steps while a "
+                    "step trains, which is async training (rollout.async_depth sets how far ahead)",
+                )
+        elif self.streaming and self.max_staleness == 0:
+            _fail(
+                "rollout.max_staleness",
+                0,
+                "must be >= 1 with rollout.streaming: the pool is topped up before a step trains, so every "
+                "group is at least one version behind the learner that trains on it and all would be dropped",
+            )
+        elif not self.streaming and self.max_staleness is not None and self.max_staleness < self.async_depth:
             _fail(
                 "rollout.max_staleness",
                 self.max_staleness,

@@ -393,6 +393,7 @@ class PPOTrainer:
             if self.eval_data is not None and (step % cfg.eval.eval_steps == 0 or last):
                 with timer.phase("eval"):
                     metrics |= self.rollouts.evaluate(self.eval_data)
+            metrics |= self.rollouts.engine_activity()  # the engines' idle time since the last step's line
             consumed += len(records)
             best = self.new_best(step, metrics)
             if best:

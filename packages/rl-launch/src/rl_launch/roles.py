@@ -23,7 +23,16 @@ import torch
 
 from rl_data import ExperienceBatch, compare_checksums, micro_batches, plan_micro_batches
 
-from .actors import RECEIVE_GROUP, ActorGroup, EngineSpec, LearnerSpec, LearnerWorker, RolloutWorker
+from .actors import (
+    ACTIVITY_GROUP,
+    GENERATE_GROUP,
+    RECEIVE_GROUP,
+    ActorGroup,
+    EngineSpec,
+    LearnerSpec,
+    LearnerWorker,
+    RolloutWorker,
+)
 from .algorithm import learners_share_prefix
 from .cluster import ClusterError, cluster_has_gpus, place_roles, plan_roles
 from .components import executor_name
@@ -78,6 +87,37 @@ def _assemble_scores(
             if part.indices.numel():
                 scores[part.indices] = values.float().cpu()
     return scores
+
+
+def engine_concurrency_groups(config: PPOConfig) -> dict[str, int]:
+    """The Ray concurrency groups of the engines (`rl_launch.actors`): `activity` always (it answers
+    while the engine generates), `weight_sync` with partial rollout (a sync lands between two
+    decoding steps), `generate` with streaming, as many threads as one engine's share of the pool
+    ((async_depth + 1) x prompts_per_round groups) plus one round, so a draw beyond the pool
+    (dynamic filtering) does not queue; at most `MAX_GENERATE_THREADS` (calls beyond them wait in
+    Ray's queue for a thread, so the engine then batches that many groups at once)."""
+    r = config.rollout
+    groups = {ACTIVITY_GROUP: 1}
+    if r.partial_rollout:
+        groups[RECEIVE_GROUP] = 1
+    if r.streaming:
+        share = math.ceil((r.async_depth + 2) * r.prompts_per_round / r.num_engines)
+        groups[GENERATE_GROUP] = min(share, MAX_GENERATE_THREADS)
+    return groups
+
+
+MAX_GENERATE_THREADS = 512
+"""The most generate calls (groups) one streaming engine actor runs at once: each waits on a
+thread of its own, and thousands of threads in one process cost more than the batch gains."""
+
+
+def default_max_num_seqs(config: PPOConfig) -> int:
+    """Sequences one engine runs at once when rollout.max_num_seqs is not given: its share of what
+    is generated together, prompts x n_samples_per_prompt, the prompts being one sampling round
+    (prompts_per_round) or, with streaming, the pool ((async_depth + 1) x prompts_per_round)."""
+    r = config.rollout
+    prompts = (r.async_depth + 1) * r.prompts_per_round if r.streaming else r.prompts_per_round
+    return math.ceil(prompts / r.num_engines) * r.n_samples_per_prompt
 
 
 def _header_variables(config: PPOConfig) -> dict[str, str]:
@@ -136,7 +176,7 @@ class Roles:
             placement_group=self.placement[engine.group],
             num_gpus=engine.num_gpus,
             num_cpus=engine.num_cpus,
-            concurrency_groups={RECEIVE_GROUP: 1} if cfg.rollout.partial_rollout else None,
+            concurrency_groups=engine_concurrency_groups(cfg),
             env=_header_variables(cfg) or None,
         )
         engine_ready = self.engines.submit("ready")
@@ -238,14 +278,14 @@ class Roles:
             seed=r.seed,
             tensor_parallel_size=r.tensor_parallel_size,
             gpu_memory_utilization=r.gpu_memory_utilization,
-            max_num_seqs=r.max_num_seqs
-            or math.ceil(r.prompts_per_round / r.num_engines) * r.n_samples_per_prompt,
+            max_num_seqs=r.max_num_seqs or default_max_num_seqs(cfg),
             enforce_eager=r.enforce_eager or not use_gpus,
             reward_function=inputs.reward_function,
             reward=cfg.reward,
             log_dir=log_dir,
             plugins=self.plugins,
             partial_rollout=r.partial_rollout,
+            streaming=r.streaming,
             # vLLM logs every weight reload at INFO and WARNING; that would bury the progress bar.
             vllm_logging_level=os.environ.get("VLLM_LOGGING_LEVEL", "ERROR"),
         )

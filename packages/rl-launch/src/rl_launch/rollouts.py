@@ -21,6 +21,20 @@ takes the first rollout_batch_size accepted groups in stream order and drops the
 (filter/groups_surplus). OpenRLHF instead keeps the surplus in a buffer for its next steps
 (async only); here each step's records come from its own rounds, so a checkpoint needs no buffer.
 Group ids count up across the run (evaluation does not consume them), so they are unique keys.
+
+Streaming (`rollout.streaming`, with async_train): no step owns a generation call. The driver
+keeps a pool of groups in flight (`StreamGroup`: one prompt, one `generate` call in the engines'
+`GENERATE_GROUP`, on the engine with the fewest groups of the pool, sampler seed rollout.seed +
+group id), drawn from the prompt stream in rounds of prompts_per_round prompts until the pool
+holds (async_depth + 1) x prompts_per_round groups (fewer near the end: never more than the
+remaining steps can train). A step takes finished groups (`ray.wait` over the pool in stream
+order, which keeps that order) until it has rollout_batch_size of them, dropping those further behind than
+max_staleness and, under dynamic filtering, those outside the reward range; when the pool runs
+dry it draws another round (at most max_sampling_rounds − 1 per step). The groups it does not
+take stay in flight for the next steps, then the pool is topped up. A checkpoint keeps every
+group not yet trained (`in_flight()`: group id and dataset index each) and `restart` submits
+them again with their group ids and seeds: a resumed run loses no prompt and trains none twice.
+Which step takes which group depends on the order the engines finish, which is not reproducible.
 """
 
 from __future__ import annotations
@@ -36,12 +50,12 @@ import msgspec
 from rl_data import PromptSample, Trajectory, decode, encode
 from rl_rollout import SamplingParams, filter_groups
 
-from .actors import ActorGroup
+from .actors import ACTIVITY_GROUP, GENERATE_GROUP, ActorGroup
 from .components import estimator_needs
 from .config import PPOConfig
 from .evaluation import eval_metrics
 
-__all__ = ["InFlight", "Rollouts", "completion_rows", "drop_stale", "rollout_metrics"]
+__all__ = ["InFlight", "Rollouts", "StreamGroup", "completion_rows", "drop_stale", "rollout_metrics"]
 
 
 def rollout_metrics(records: list[Trajectory]) -> dict[str, float]:
@@ -93,6 +107,16 @@ class InFlight:
     group_id: int  # the first group id its prompts got
     indices: list[int]  # the prompts' positions in the training dataset (PromptSample.index)
     futures: list
+
+
+@dataclass
+class StreamGroup:
+    """One group of a streaming run's pool: submitted, not yet trained."""
+
+    group_id: int
+    index: int  # the prompt's position in the training dataset (PromptSample.index)
+    engine: int  # the engine generating it
+    future: Any
 
 
 def completion_rows(records: list[Trajectory], tokenizer: Any) -> list[dict[str, Any]]:
@@ -173,6 +197,8 @@ class Rollouts:
         self.batches: Iterator[list[PromptSample]] = iter(loader)
         self.next_group_id = 0
         self.pending: dict[int, InFlight] = {}  # async mode: later steps' generations, by step
+        # streaming: the groups not yet trained, by group id (in stream order)
+        self.pool: dict[int, StreamGroup] = {}
         # a generation call that stalls past health.engine_stall_warn_s: a line to `notify`
         self.notify: Callable[[str], None] | None = None
         self.log_dir: str | None = None
@@ -181,7 +207,10 @@ class Rollouts:
         self.greedy_baseline = estimator_needs(config.algo.advantage.estimator).greedy_baseline
 
     def in_flight(self) -> list[dict[str, Any]]:
-        """The steps under way, for a checkpoint: [{step, group_id, indices}], oldest first."""
+        """What is under way, for a checkpoint: the steps [{step, group_id, indices}], oldest first;
+        streaming: the groups not yet trained [{group_id, indices: [index]}], in stream order."""
+        if self.config.rollout.streaming:
+            return [{"group_id": group.group_id, "indices": [group.index]} for group in self.pool.values()]
         return [
             {"step": entry.step, "group_id": entry.group_id, "indices": entry.indices}
             for entry in self.pending.values()
@@ -190,11 +219,22 @@ class Rollouts:
     def restart(
         self, data_state: Any, next_group_id: int, in_flight: Sequence[Mapping[str, Any]] = ()
     ) -> None:
-        """Continue the prompt stream of a checkpoint: submit the steps it had in flight again (on
-        the weights the engines hold now, with their seeds and group ids), then go on drawing."""
+        """Continue the prompt stream of a checkpoint: submit what it had in flight again (on the
+        weights the engines hold now, with their seeds and group ids), then go on drawing. A
+        streaming run takes a whole-step checkpoint's steps as groups; the reverse is refused."""
         self.loader.load_state_dict(data_state)
         self.batches = iter(self.loader)
+        streaming = self.config.rollout.streaming
         for entry in in_flight:
+            if streaming:
+                for offset, index in enumerate(entry["indices"]):
+                    self.submit_group(self.loader.dataset[int(index)], int(entry["group_id"]) + offset)
+                continue
+            if "step" not in entry:
+                raise ValueError(
+                    "the checkpoint was written with rollout.streaming true (its in-flight entries are groups, "
+                    "not steps); resume it with --rollout.streaming true"
+                )
             self.next_group_id = int(entry["group_id"])
             prompts = [self.loader.dataset[int(index)] for index in entry["indices"]]
             self.pending[int(entry["step"])] = self.submit_step(int(entry["step"]), prompts)
@@ -217,6 +257,51 @@ class Rollouts:
             seed=r.seed + step,
             min_new_tokens=r.min_new_tokens,
         )
+
+    def submit_group(self, sample: PromptSample, group_id: int) -> StreamGroup:
+        """Streaming: submit one prompt's group to the engine with the fewest groups in the pool
+        (the lowest index on a tie), sampler seed rollout.seed + group_id; it joins the pool."""
+        load = [0] * len(self.engines)
+        for group in self.pool.values():
+            load[group.engine] += 1
+        engine = load.index(min(load))
+        sampling = msgspec.structs.replace(self.sampling(0), seed=self.config.rollout.seed + group_id)
+        future = self.engines.submit_to(
+            engine,
+            "generate",
+            encode([sample]),
+            sampling,
+            group_id,
+            self.greedy_baseline,
+            concurrency_group=GENERATE_GROUP,
+        )
+        self._engine_of[id(future)] = engine
+        group = StreamGroup(group_id, sample.index, engine, future)
+        self.pool[group_id] = group
+        return group
+
+    def draw_round(self) -> None:
+        """Streaming: the next prompts_per_round prompts of the stream join the pool."""
+        for sample in next(self.batches):
+            self.submit_group(sample, self.next_group_id)
+            self.next_group_id += 1
+
+    def top_up(self, steps_left: int) -> None:
+        """Streaming: draw rounds until the pool holds (async_depth + 1) x prompts_per_round groups,
+        or what `steps_left` steps of rollout_batch_size groups can still train."""
+        r = self.config.rollout
+        target = min((r.async_depth + 1) * r.prompts_per_round, steps_left * r.rollout_batch_size)
+        while len(self.pool) < target:
+            self.draw_round()
+
+    def engine_activity(self) -> dict[str, float]:
+        """rollout/engine_idle_fraction: Σ idle / Σ wall over the engines since the last call
+        (time with no generate call in flight; `rl_launch.actors.EngineActivity`)."""
+        import ray
+
+        windows = ray.get(self.engines.submit("activity", concurrency_group=ACTIVITY_GROUP))
+        wall = sum(wall for _, wall in windows)
+        return {"rollout/engine_idle_fraction": sum(idle for idle, _ in windows) / wall} if wall > 0 else {}
 
     def submit(
         self, prompts: list[PromptSample], sampling: SamplingParams, *, for_training: bool = True
@@ -273,6 +358,8 @@ class Rollouts:
         """The records of step `step` for the learner at policy version `version` (DAPO-filtered
         if asked; in async mode without records staler than `rollout.max_staleness`) and metrics."""
         r = self.config.rollout
+        if r.streaming:
+            return self.stream(step, version)
         entry = self.pending.pop(step, None) or self.submit_step(step, next(self.batches))
         records = self.collect(entry.futures)
         metrics: dict[str, float] = {}
@@ -307,6 +394,83 @@ class Rollouts:
             "filter/groups_surplus": float(surplus),
         }
         records = [record for group in kept for record in group]
+        return records, metrics | rollout_metrics(records)
+
+    def stream(self, step: int, version: int) -> tuple[list[Trajectory], dict[str, float]]:
+        """Streaming: step `step`'s records, the first rollout_batch_size groups to finish that are
+        at most max_staleness behind `version` (and inside the reward range under dynamic
+        filtering); the pool topped up before and after. Metrics as `generate`'s, plus
+        async/pool_groups (the pool when the step began to wait), async/dropped_stale_groups and
+        async/rounds_added (rounds drawn because the pool ran dry: drops, filtering)."""
+        import ray
+
+        r, steps = self.config.rollout, self.config.train.max_steps
+        self.top_up(steps - step + 1)
+        pool_size = len(self.pool)
+        kept: list[list[Trajectory]] = []
+        taken: list[Trajectory] = []
+        seen = stale_groups = stale_records = rounds = 0
+        every = self.config.health.engine_stall_warn_s
+        waited = 0.0
+        while len(kept) < r.rollout_batch_size:
+            if not self.pool:
+                if rounds >= r.max_sampling_rounds - 1:
+                    break
+                self.draw_round()
+                rounds += 1
+                continue
+            futures = [group.future for group in self.pool.values()]
+            wanted = min(r.rollout_batch_size - len(kept), len(futures))
+            ready, _ = ray.wait(futures, num_returns=wanted, timeout=every)
+            if not ready:
+                waited += every
+                if self.notify is not None:
+                    self.notify(self.stall_line(futures, waited))
+                continue
+            finished = {id(future) for future in ready}
+            done = [group for group in self.pool.values() if id(group.future) in finished]
+            by_group: dict[int, list[Trajectory]] = {group.group_id: [] for group in done}
+            for record in self.collect([group.future for group in done]):  # one ray.get for them all
+                by_group[record.group_id].append(record)
+            for group in done:
+                del self.pool[group.group_id]
+                records = by_group[group.group_id]
+                taken += records
+                seen += 1
+                if r.max_staleness is not None and any(
+                    version - record.policy_version > r.max_staleness for record in records
+                ):
+                    stale_groups += 1
+                    stale_records += len(records)
+                    continue
+                if r.dynamic_filtering:
+                    low, high = r.dynamic_filtering_reward_range
+                    if not filter_groups(records, low=low, high=high)[0]:
+                        continue
+                kept.append(records)
+        if not kept:
+            why = (
+                f"every group's mean reward was outside {r.dynamic_filtering_reward_range}; widen "
+                "rollout.dynamic_filtering_reward_range"
+                if r.dynamic_filtering
+                else f"every group was more than rollout.max_staleness = {r.max_staleness} versions behind"
+            )
+            raise RuntimeError(
+                f"streaming: step {step} kept no group of the {seen} that finished ({rounds} rounds drawn "
+                f"beyond the pool, rollout.max_sampling_rounds = {r.max_sampling_rounds}): {why}"
+            )
+        self.top_up(steps - step)
+        kept.sort(key=lambda group: group[0].group_id)
+        records = [record for group in kept for record in group]
+        _, metrics = drop_stale(taken, version, None)
+        metrics |= {
+            "async/dropped_stale": float(stale_records),
+            "async/dropped_stale_groups": float(stale_groups),
+            "async/pool_groups": float(pool_size),
+            "async/rounds_added": float(rounds),
+        }
+        if r.dynamic_filtering:
+            metrics |= {"filter/groups_seen": float(seen), "filter/groups_kept": float(len(kept))}
         return records, metrics | rollout_metrics(records)
 
     def evaluate(self, data: Any) -> dict[str, float]:
