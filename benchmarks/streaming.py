@@ -24,7 +24,7 @@ policy learner, through `rl-launch ppo` in a subprocess:
 
 Reported per run (read from its metrics.jsonl): steady samples/s = samples of steps 2..N / the
 sum of their step times (less any checkpoint), and response tokens/s the same way (the modes'
-policies drift to different lengths, so samples are not the same work); the engine's idle fraction (rollout/engine_idle_fraction,
+policies drift to different lengths, so samples are not the same work); the engine's idle fraction (time/engine_idle_fraction,
 measured in the engine actor: time with no generate call in flight / wall time, steps 2..N); the
 staleness (health/policy_lag: mean policy versions between the sampler's first token and the
 learner, and async/token_staleness_mean per token); the mean response length; and the reward
@@ -65,6 +65,13 @@ MODES: dict[str, dict[str, str]] = {
         "rollout.async_depth": "1",
         "rollout.partial_rollout": "true",
         "rollout.streaming": "true",
+    },
+    "stream-s1": {  # streaming with a staleness bound of one version (groups further behind dropped)
+        "rollout.async_train": "true",
+        "rollout.async_depth": "1",
+        "rollout.partial_rollout": "true",
+        "rollout.streaming": "true",
+        "rollout.max_staleness": "1",
     },
     "stream-over": {
         "rollout.async_train": "true",
@@ -189,7 +196,7 @@ def summarize(mode: str, rows: list[dict[str, Any]], samples: int) -> dict[str, 
         # the modes' policies drift to different lengths: the response tokens they produced per second too
         "tokens_per_s": samples * sum(row["response_length/mean"] for row in steady) / sum(seconds),
         "step_s": statistics.median(seconds),
-        "idle": mean("rollout/engine_idle_fraction"),
+        "idle": mean("time/engine_idle_fraction"),
         "lag": mean("health/policy_lag"),
         "token_lag": mean("async/token_staleness_mean"),
         "staleness_max": max((row.get("async/staleness_max", 0.0) for row in rows), default=0.0),

@@ -200,7 +200,7 @@ def _check_streaming(run_dir, state: dict, saved: int) -> None:
     for line in metrics:
         assert line["async/dropped_stale"] == 0.0
         assert line["async/staleness_max"] <= STREAM_STALENESS
-        assert 0.0 <= line["rollout/engine_idle_fraction"] <= 1.0
+        assert 0.0 <= line["time/engine_idle_fraction"] <= 1.0
         assert line["async/pool_groups"] >= BATCH
     assert metrics[-1]["sync/unsettled_versions"] == 0.0
 

@@ -538,7 +538,7 @@ def test_streaming_trains_the_first_groups_to_finish_and_keeps_the_rest_in_fligh
     logged = [metrics for _, metrics in run.tracker.logged]
     assert [metrics["async/pool_groups"] for metrics in logged] == [8.0, 6.0, 4.0]  # no top-up: 3 steps x 2
     assert [metrics["async/staleness_max"] for metrics in logged] == [0.0, 1.0, 2.0]
-    assert all(metrics["rollout/engine_idle_fraction"] == 0.25 for metrics in logged)
+    assert all(metrics["time/engine_idle_fraction"] == 0.25 for metrics in logged)
 
 
 def test_streaming_draws_rounds_to_keep_the_pool_full_and_only_what_the_steps_can_train():

@@ -516,7 +516,7 @@ class EngineActivity:
 
     `begin` / `end` bracket every call (calls may overlap: the engine is busy while any runs);
     `window()` returns (idle seconds, wall seconds) since the last window and starts the next.
-    The engine's idle fraction over a step is idle_s / wall_s (rollout/engine_idle_fraction)."""
+    The engine's idle fraction over a step is idle_s / wall_s (time/engine_idle_fraction)."""
 
     def __init__(self, clock: Any = None) -> None:
         import threading

@@ -295,13 +295,13 @@ class Rollouts:
             self.draw_round()
 
     def engine_activity(self) -> dict[str, float]:
-        """rollout/engine_idle_fraction: Σ idle / Σ wall over the engines since the last call
+        """time/engine_idle_fraction: Σ idle / Σ wall over the engines since the last call
         (time with no generate call in flight; `rl_launch.actors.EngineActivity`)."""
         import ray
 
         windows = ray.get(self.engines.submit("activity", concurrency_group=ACTIVITY_GROUP))
         wall = sum(wall for _, wall in windows)
-        return {"rollout/engine_idle_fraction": sum(idle for idle, _ in windows) / wall} if wall > 0 else {}
+        return {"time/engine_idle_fraction": sum(idle for idle, _ in windows) / wall} if wall > 0 else {}
 
     def submit(
         self, prompts: list[PromptSample], sampling: SamplingParams, *, for_training: bool = True
