@@ -384,7 +384,8 @@ def test_a_step_logs_rewards_lengths_training_sync_timing_and_version():
     assert metrics["kl/coef"] == 0.0
     assert metrics["health/policy_lag"] == 0.0
     assert metrics["policy_version"] == 1.0
-    phases = [key for key in metrics if key.startswith("time/")]
+    assert 0.0 <= metrics["time/engine_idle_fraction"] <= 1.0  # a fraction, beside the phases' seconds
+    phases = [key for key in metrics if key.startswith("time/") and key != "time/engine_idle_fraction"]
     assert phases == [
         "time/generation",
         "time/experience",
