@@ -315,7 +315,7 @@ class RolloutConfig(_Section):
     prompts in flight, so a resumed run trains on the prompts an uninterrupted one would."""
     partial_rollout: bool = False
     """With async_train: a weight sync reaches the engines while the generations ahead are in
-    flight (OpenRLHF's --train.partial_rollout_enable): they pause between two decoding steps,
+    flight (OpenRLHF's train.partial_rollout_enable): they pause between two decoding steps,
     take the new weights and go on with the requests in flight (their KV cache recomputed under
     the new weights), so no generated token is thrown away and no engine waits for its longest
     sample before a sync. A response then mixes versions: `Trajectory.token_versions` says which
