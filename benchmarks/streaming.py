@@ -19,7 +19,9 @@ policy learner, through `rl-launch ppo` in a subprocess:
   weights before step t's sync (an engine serves it after the generation queued before it);
 - `stream`: rollout.async_train + rollout.partial_rollout + rollout.streaming, depth 1: a pool
   of 2 x `--prompts` groups in flight, a step trains on the first `--prompts` groups to finish,
-  each sync lands between two decoding steps; `--modes stream-over` adds oversampling
+  each sync lands between two decoding steps; `--modes stream-s1` is the same with
+  rollout.max_staleness 1 (a group whose first token is more than one version behind the
+  learner is dropped and another takes its place); `--modes stream-over` adds oversampling
   (rollout.generate_batch_size = 2 x prompts: a pool of 4 x prompts groups).
 
 Reported per run (read from its metrics.jsonl): steady samples/s = samples of steps 2..N / the
