@@ -264,6 +264,20 @@ class _Killed(Exception):
     pass
 
 
+def _fit_until_killed_after(run, *, step: int) -> None:
+    """Fit `run` until the line of `step` is logged, then stop it as a kill would (no more steps)."""
+    log = run.tracker.log
+
+    def log_then_die(logged_step, metrics):
+        log(logged_step, metrics)
+        if logged_step == step:
+            raise _Killed
+
+    run.tracker.log = log_then_die
+    with pytest.raises(_Killed):
+        run.fit()
+
+
 def test_a_run_killed_between_a_checkpoint_and_its_metrics_line_gets_the_line_back_on_resume():
     """The checkpoint of a step is written before the step's metrics line; it keeps the line, and
     the resumed run writes it (all but the step's timings) when the kill came between the two."""
@@ -305,16 +319,7 @@ def test_a_resumed_async_run_trains_on_the_prompts_an_uninterrupted_one_would():
     whole.fit()
 
     first = fake_run(config(**settings), ckpt_root="/b/checkpoints")
-    original_log = first.tracker.log
-
-    def log_then_die(step, metrics):
-        original_log(step, metrics)
-        if step == 2:
-            raise _Killed
-
-    first.tracker.log = log_then_die
-    with pytest.raises(_Killed):
-        first.fit()
+    _fit_until_killed_after(first, step=2)
 
     resumed = fake_run(
         config(**settings),
@@ -436,16 +441,7 @@ def test_reward_normalisation_logs_running_statistics_and_resumes_them_exactly()
     assert logged[1]["reward/running_mean"] == 5.0  # prompts 0-3: rewards 0, 1, 3, 4, 6, 7, 9, 10
 
     first = fake_run(config(**settings), reward=reward, ckpt_root="/b/checkpoints", shuffle=False)
-    original_log = first.tracker.log
-
-    def log_then_die(step, metrics):
-        original_log(step, metrics)
-        if step == 2:
-            raise _Killed
-
-    first.tracker.log = log_then_die
-    with pytest.raises(_Killed):
-        first.fit()
+    _fit_until_killed_after(first, step=2)
     resumed = fake_run(
         config(**settings),
         reward=reward,
@@ -606,16 +602,7 @@ def test_a_resumed_streaming_run_generates_the_groups_not_yet_trained_again_and_
 
     first = fake_run(streaming(**settings), ckpt_root="/b/checkpoints")
     first.roles.engines.slow = slow
-    original_log = first.tracker.log
-
-    def log_then_die(step, metrics):
-        original_log(step, metrics)
-        if step == 2:
-            raise _Killed
-
-    first.tracker.log = log_then_die
-    with pytest.raises(_Killed):
-        first.fit()
+    _fit_until_killed_after(first, step=2)
     state = first.trainer.training_state(2, 0)
     pool = state.extra["in_flight"]
     assert [entry["group_id"] for entry in pool] == [0, 5, 6, 7]  # 0 and 5 still running
