@@ -263,6 +263,23 @@ def _settle(
         pass
 
 
+def _worker_rpc(engine: Any, method: str, args: tuple = ()) -> list[Any]:
+    """`engine.collective_rpc(method, args)`, on the engine's thread. vLLM re-raises a worker's
+    exception as a plain Exception carrying its message (the type may be lost on the way): it is
+    reported as an EngineError naming the call."""
+    try:
+        return engine.collective_rpc(method, args=args)
+    except Exception as error:
+        raise EngineError(f"VLLMEngine.{method}: a vLLM worker failed: {error}") from error
+
+
+def _reset_prefix_cache(engine: Any, caller: str) -> None:
+    """Forget every cached prefix, on the engine's thread (running requests are preempted and
+    recomputed); EngineError naming `caller` when vLLM cannot."""
+    if not engine.reset_prefix_cache(reset_running_requests=True):
+        raise EngineError(f"VLLMEngine.{caller}: vLLM could not reset its prefix cache")
+
+
 def _token_versions(completion: Any, version: int) -> tuple[int, list[int] | None]:
     """(policy version of the first token, per-token versions or None when all are that one) of
     a finished `CompletionOutput`, from vLLM's weight-version spans (labels: the str of our
@@ -290,13 +307,13 @@ def _samples(output: Any, params: SamplingParams, version: int) -> list[Generati
                 float(entry[token].logprob)
                 for entry, token in zip(completion.logprobs, token_ids, strict=True)
             ]
-        first, token_versions = _token_versions(completion, version)
+        first_version, token_versions = _token_versions(completion, version)
         samples.append(
             Generation(
                 token_ids=token_ids,
                 logprobs=logprobs,
                 finish_reason=_FINISH_REASONS.get(str(completion.finish_reason), "abort"),
-                policy_version=first,
+                policy_version=first_version,
                 token_versions=token_versions,
             )
         )
@@ -708,14 +725,7 @@ class VLLMEngine(Engine):
         return self._call(lambda engine: engine.collective_rpc(method, args=args), timeout_s)
 
     def _worker_call(self, method: str, args: tuple, timeout_s: float | None = None) -> list[Any]:
-        # vLLM re-raises a worker's exception as a plain Exception carrying its message (the
-        # type may be lost on the way): report it as an EngineError naming the call.
-        try:
-            return self.collective_rpc(method, args, timeout_s)
-        except EngineError:
-            raise
-        except Exception as error:
-            raise EngineError(f"VLLMEngine.{method}: a vLLM worker failed: {error}") from error
+        return self._call(lambda engine: _worker_rpc(engine, method, args), timeout_s)
 
     def init_weight_sync(self, spec: WeightSyncSpec, rank: int) -> None:
         """Join `spec`'s transport; this engine's workers take ranks rank .. rank + sync_world_size - 1.
@@ -756,17 +766,12 @@ class VLLMEngine(Engine):
         payload_bytes = encode(payload) if payload is not None else None
 
         def apply(engine: Any) -> WeightSyncReport:
-            try:
-                results = engine.collective_rpc("receive_weights", args=(version, payload_bytes))
-            except Exception as error:  # the worker's error, its type possibly lost on the way
-                raise EngineError(f"VLLMEngine.receive_weights: a vLLM worker failed: {error}") from error
-            reports = decode_reports(results)
+            reports = decode_reports(_worker_rpc(engine, "receive_weights", (version, payload_bytes)))
             if any(report.checksums != reports[0].checksums for report in reports):
                 raise EngineError(
                     f"VLLMEngine.receive_weights: the workers received different buckets for version {version}"
                 )
-            if not engine.reset_prefix_cache(reset_running_requests=True):
-                raise EngineError("VLLMEngine.receive_weights: vLLM could not reset its prefix cache")
+            _reset_prefix_cache(engine, "receive_weights")
             if self._labels_versions:
                 engine.set_weight_version(str(version))
             self.policy_version = version
@@ -782,8 +787,7 @@ class VLLMEngine(Engine):
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (running requests are preempted and recomputed)."""
-        if not self._call(lambda engine: engine.reset_prefix_cache(reset_running_requests=True)):
-            raise EngineError("VLLMEngine.reset_prefix_cache: vLLM could not reset its prefix cache")
+        self._call(lambda engine: _reset_prefix_cache(engine, "reset_prefix_cache"))
 
     def sleep(self, level: int = 1) -> None:
         """Free accelerator memory: level 1 keeps the weights in CPU memory, level 2 drops them."""
