@@ -751,10 +751,10 @@ class ActorGroup:
         """Call `method` on every actor without waiting: the same `args`, or `per_rank[i]` on actor i;
         in `concurrency_group` (one the actors were started with) when given."""
         calls = per_rank if per_rank is not None else [args] * len(self.actors)
-        methods = [getattr(actor, method) for actor in self.actors]
-        if concurrency_group is not None:
-            methods = [bound.options(concurrency_group=concurrency_group) for bound in methods]
-        return [bound.remote(*call) for bound, call in zip(methods, calls, strict=True)]
+        return [
+            self.submit_to(rank, method, *call, concurrency_group=concurrency_group)
+            for rank, call in zip(range(len(self.actors)), calls, strict=True)
+        ]
 
     def submit_to(self, rank: int, method: str, *args: Any, concurrency_group: str | None = None) -> Any:
         """Call `method` on actor `rank` alone without waiting (in `concurrency_group` when given)."""

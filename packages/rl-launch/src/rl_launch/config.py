@@ -433,6 +433,11 @@ class RolloutConfig(_Section):
         """Prompts one sampling round draws: generate_batch_size, else rollout_batch_size."""
         return self.generate_batch_size or self.rollout_batch_size
 
+    @property
+    def stream_pool_groups(self) -> int:
+        """Groups a streaming run keeps in flight: (async_depth + 1) x prompts_per_round."""
+        return (self.async_depth + 1) * self.prompts_per_round
+
 
 class RewardConfig(_Section):
     """Where rewards come from and how they are shaped before advantages.

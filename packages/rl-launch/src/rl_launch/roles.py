@@ -93,7 +93,7 @@ def engine_concurrency_groups(config: PPOConfig) -> dict[str, int]:
     """The Ray concurrency groups of the engines (`rl_launch.actors`): `activity` always (it answers
     while the engine generates), `weight_sync` with partial rollout (a sync lands between two
     decoding steps), `generate` with streaming, as many threads as one engine's share of the pool
-    ((async_depth + 1) x prompts_per_round groups) plus one round, so a draw beyond the pool
+    (`RolloutConfig.stream_pool_groups`) plus one round, so a draw beyond the pool
     (dynamic filtering) does not queue; at most `MAX_GENERATE_THREADS` (calls beyond them wait in
     Ray's queue for a thread, so the engine then batches that many groups at once)."""
     r = config.rollout
@@ -101,7 +101,7 @@ def engine_concurrency_groups(config: PPOConfig) -> dict[str, int]:
     if r.partial_rollout:
         groups[RECEIVE_GROUP] = 1
     if r.streaming:
-        share = math.ceil((r.async_depth + 2) * r.prompts_per_round / r.num_engines)
+        share = math.ceil((r.stream_pool_groups + r.prompts_per_round) / r.num_engines)
         groups[GENERATE_GROUP] = min(share, MAX_GENERATE_THREADS)
     return groups
 
@@ -114,9 +114,9 @@ thread of its own, and thousands of threads in one process cost more than the ba
 def default_max_num_seqs(config: PPOConfig) -> int:
     """Sequences one engine runs at once when rollout.max_num_seqs is not given: its share of what
     is generated together, prompts x n_samples_per_prompt, the prompts being one sampling round
-    (prompts_per_round) or, with streaming, the pool ((async_depth + 1) x prompts_per_round)."""
+    (prompts_per_round) or, with streaming, the pool (`RolloutConfig.stream_pool_groups`)."""
     r = config.rollout
-    prompts = (r.async_depth + 1) * r.prompts_per_round if r.streaming else r.prompts_per_round
+    prompts = r.stream_pool_groups if r.streaming else r.prompts_per_round
     return math.ceil(prompts / r.num_engines) * r.n_samples_per_prompt
 
 

@@ -287,10 +287,10 @@ class Rollouts:
             self.next_group_id += 1
 
     def top_up(self, steps_left: int) -> None:
-        """Streaming: draw rounds until the pool holds (async_depth + 1) x prompts_per_round groups,
+        """Streaming: draw rounds until the pool holds rollout.stream_pool_groups groups,
         or what `steps_left` steps of rollout_batch_size groups can still train."""
         r = self.config.rollout
-        target = min((r.async_depth + 1) * r.prompts_per_round, steps_left * r.rollout_batch_size)
+        target = min(r.stream_pool_groups, steps_left * r.rollout_batch_size)
         while len(self.pool) < target:
             self.draw_round()
 
