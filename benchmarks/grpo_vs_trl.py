@@ -161,6 +161,27 @@ WORKLOADS: dict[str, dict[str, Any]] = {
 PHASES = ("generation", "experience", "training", "sync")
 
 
+GRPO_RUN = {
+    "reward.function": "arithmetic",
+    "algo.advantage.estimator": "grpo",
+    "algo.policy.loss": "ppo",
+    "algo.policy.aggregation": "token-mean",
+    "algo.policy.entropy_coef": "0",
+    "algo.kl.init_kl_coef": "0",
+    "train.max_epochs": "1",
+    "train.lr_warmup_ratio": "0",
+    "train.min_lr_ratio": "1.0",
+    "eval.eval_steps": "-1",
+    "log.progress_bar": "false",
+    "ckpt.save_hf_model": "false",
+    "ckpt.load_checkpoint": "false",
+}
+"""What every benchmark's `rl-launch ppo` run sets alike (this one's, step_limit.py's,
+streaming.py's): GRPO on the preset's reward with PPO's clipped loss, token-mean, no entropy
+bonus and no KL; one pass over each batch at a constant learning rate; no evaluation, no HF
+export, no resume."""
+
+
 def our_overrides(args: argparse.Namespace, output_dir: str, ray_dir: str, preset: Any) -> dict[str, str]:
     """The dotted options of our run (strings, as on the command line).
 
@@ -177,12 +198,7 @@ def our_overrides(args: argparse.Namespace, output_dir: str, ray_dir: str, prese
         "model.pretrain": args.model_path or preset.model_path,
         "data.prompt_data": preset.train_path,
         "data.apply_chat_template": "true" if preset.apply_chat_template else "false",
-        "reward.function": "arithmetic",
-        "algo.advantage.estimator": "grpo",
-        "algo.policy.loss": "ppo",
-        "algo.policy.aggregation": "token-mean",
-        "algo.policy.entropy_coef": "0",
-        "algo.kl.init_kl_coef": "0",
+        **GRPO_RUN,
         "rollout.n_samples_per_prompt": str(args.n),
         "rollout.rollout_batch_size": str(args.prompts),
         "rollout.generate_max_len": str(args.max_new_tokens),
@@ -195,17 +211,10 @@ def our_overrides(args: argparse.Namespace, output_dir: str, ray_dir: str, prese
         "rollout.seed": str(args.seed),
         "train.seed": str(args.seed),
         "train.max_steps": str(args.steps),
-        "train.max_epochs": "1",
         "train.train_batch_size": str(args.prompts * args.n),
-        "train.lr_warmup_ratio": "0",
-        "train.min_lr_ratio": "1.0",
         "train.weight_decay": "0",
         "model.dtype": args.dtype,
-        "eval.eval_steps": "-1",
         "log.output_dir": output_dir,
-        "log.progress_bar": "false",
-        "ckpt.save_hf_model": "false",
-        "ckpt.load_checkpoint": "false",
         "ray.temp_dir": ray_dir,
         "train.actor_learning_rate": repr(args.lr),
     }

@@ -53,6 +53,10 @@ import tempfile
 import time
 from typing import Any
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import grpo_vs_trl  # the sibling benchmark: the run settings every benchmark shares
+
 ENVIRONMENT = {
     "HF_HUB_OFFLINE": "1",
     "VLLM_CPU_KVCACHE_SPACE": "1",
@@ -117,12 +121,7 @@ def overrides(
         "model.pretrain": model,
         "data.prompt_data": preset.train_path,
         "data.apply_chat_template": "true" if preset.apply_chat_template else "false",
-        "reward.function": "arithmetic",
-        "algo.advantage.estimator": "grpo",
-        "algo.policy.loss": "ppo",
-        "algo.policy.aggregation": "token-mean",
-        "algo.policy.entropy_coef": "0",
-        "algo.kl.init_kl_coef": "0",
+        **grpo_vs_trl.GRPO_RUN,
         "rollout.engine": "vllm",
         "rollout.n_samples_per_prompt": str(args.n),
         "rollout.rollout_batch_size": str(args.prompts),
@@ -131,17 +130,10 @@ def overrides(
         "rollout.seed": str(args.seed),
         "train.seed": str(args.seed),
         "train.max_steps": str(args.steps),
-        "train.max_epochs": "1",
         "train.train_batch_size": str(args.prompts * args.n),
-        "train.lr_warmup_ratio": "0",
-        "train.min_lr_ratio": "1.0",
         "train.actor_learning_rate": repr(args.lr),
         "model.dtype": "fp32",
-        "eval.eval_steps": "-1",
         "log.output_dir": output_dir,
-        "log.progress_bar": "false",
-        "ckpt.save_hf_model": "false",
-        "ckpt.load_checkpoint": "false",
         "ray.temp_dir": ray_dir,
     }
     for key, value in MODES[mode].items():
