@@ -185,13 +185,13 @@ collect_d() { # our side's console, metrics and actor logs (tails) into one file
 MODE=${VLLM_MODE:-decode-graphs}
 run_d "$MODE"
 collect_d
-if [[ "${STEPS:-abcd}" == *d* ]] && ! grep -q '^ours done' "$D" && [ "$MODE" != eager ] && ! grep -q 'actors ready' "$OUT/d_ours.log" 2>/dev/null \
+if [[ "${STEPS:-abcd}" == *d* ]] && ! grep -qE '^ours (done|killed)' "$D" && [ "$MODE" != eager ] && ! grep -q 'actors ready' "$OUT/d_ours.log" 2>/dev/null \
   && [ "$(left)" -gt 240 ]; then
   say "[d] ours failed before its actors were ready with VLLM_MODE=$MODE: once more with eager"
   run_d eager
   collect_d
 fi
-grep -E '^(model |workload |samples/s|mean step|wall seconds|start-up|mean response|ours, share|  ours |  TRL |  TRL/ours|step seconds|ours done|TRL done)' "$D" \
+grep -E '^(model |workload |samples/s|mean step|wall seconds|start-up|mean response|ours, share|  ours |  TRL |  TRL/ours|step seconds|ours (done|killed)|TRL (done|killed)|note: )' "$D" \
   | sed 's/^/  d: /' | tee -a "$SUMMARY"
 grep -E 'Error|error:|Traceback' "$D" | tail -n 5 | sed 's/^/  d: /' | tee -a "$SUMMARY"
 

@@ -247,37 +247,54 @@ def final_moving_mean(rewards: list[float]) -> float:
 # Ours
 
 
+class SideTimedOut(Exception):
+    """A side ran past its `--timeout` and was killed; `lines` is what it printed until then."""
+
+    def __init__(self, lines: list[tuple[float, str]], wall: float, started_unix: float) -> None:
+        super().__init__(f"killed after {wall:.0f} s")
+        self.lines, self.wall, self.started_unix = lines, wall, started_unix
+
+
 def run_stamped(command: list[str], env: dict[str, str], timeout: float, log_path: str) -> dict[str, Any]:
     """Run `command`; every stdout line with the seconds since launch when it arrived.
 
-    Returns {"returncode", "lines": [(seconds, text)], "stderr", "wall", "started_unix"}; the
-    whole output goes to `log_path`. Raises subprocess.TimeoutExpired after `timeout` seconds
-    (the process is killed).
+    Returns {"returncode", "lines": [(seconds, text)], "stderr", "wall", "started_unix"}. Each line
+    goes to `log_path` as it arrives (a side killed midway, or a benchmark killed from outside,
+    leaves its console there), stderr at the end. Raises SideTimedOut after `timeout` seconds (the
+    process is killed).
     """
     started_unix = time.time()
     started = time.perf_counter()
-    with tempfile.TemporaryFile("w+") as errors:
+    with tempfile.TemporaryFile("w+") as errors, open(log_path, "w", buffering=1) as log:
         process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=errors, text=True, env=env)
         lines: list[tuple[float, str]] = []
 
         def read() -> None:
             for line in process.stdout:
                 lines.append((time.perf_counter() - started, line.rstrip("\n")))
+                log.write(f"[{lines[-1][0]:7.2f}] {lines[-1][1]}\n")
 
         reader = threading.Thread(target=read, daemon=True)
         reader.start()
         try:
             returncode = process.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-            raise
+            # SIGTERM first: rl-launch then stops its actors and Ray (a SIGKILL would orphan them)
+            process.terminate()
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+            reader.join(timeout=5)
+            errors.seek(0)
+            log.write("--- killed at the timeout; stderr ---\n" + errors.read())
+            raise SideTimedOut(list(lines), time.perf_counter() - started, started_unix) from None
         wall = time.perf_counter() - started
         reader.join()
         errors.seek(0)
         stderr = errors.read()
-    with open(log_path, "w") as log:
-        log.write("\n".join(f"[{t:7.2f}] {text}" for t, text in lines) + "\n--- stderr ---\n" + stderr)
+        log.write("--- stderr ---\n" + stderr)
     return {
         "returncode": returncode,
         "lines": lines,
@@ -322,17 +339,25 @@ def run_ours(args: argparse.Namespace, scratch: str, preset: Any) -> dict[str, A
     for key, value in overrides.items():
         command += [f"--{key}", value]
     env = dict(os.environ, **environment(args.device), RAY_AUTH_TOKEN=secrets.token_hex(16))
+    partial = False
     try:
         done = run_stamped(command, env, args.timeout, os.path.join(scratch, "ours.log"))
+    except SideTimedOut as killed:  # the steps it finished are in metrics.jsonl; marked partial
+        done = {"returncode": 0, "lines": killed.lines, "wall": killed.wall, "started_unix": killed.started_unix}
+        partial = True
     finally:
         shutil.rmtree(ray_dir, ignore_errors=True)
     wall, started_unix = done["wall"], done["started_unix"]
     metrics_path = os.path.join(output_dir, "metrics.jsonl")
+    if partial and not os.path.exists(metrics_path):
+        raise RuntimeError(f"ours: killed at the {args.timeout:.0f} s timeout before its first step")
     if done["returncode"] != 0 or not os.path.exists(metrics_path):
-        raise RuntimeError(f"ours: rl-launch ppo exited {done['returncode']}\n{done['stderr'][-3000:]}")
+        raise RuntimeError(f"ours: rl-launch ppo exited {done['returncode']}\n{done.get('stderr', '')[-3000:]}")
     with open(metrics_path) as handle:
         rows = [json.loads(line) for line in handle if line.strip()]
     rows = [row for row in rows if "reward/mean" in row and "time/step" in row]
+    if partial and len(rows) < 2:
+        raise RuntimeError(f"ours: killed at the {args.timeout:.0f} s timeout after {len(rows)} steps")
     rows.sort(key=lambda row: row["step"])
     steps = []
     for row in rows:
@@ -351,7 +376,7 @@ def run_ours(args: argparse.Namespace, scratch: str, preset: Any) -> dict[str, A
         # the first step began when its metrics line was written less its own step time
         first_began = steps[0]["since_start"] - rows[0]["time/step"]
         startup.append(("trainer set-up until the first step", first_began - sum(s for _, s in startup)))
-    return {"steps": steps, "wall": wall, "startup": startup}
+    return {"steps": steps, "wall": wall, "startup": startup, "partial": partial}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -432,6 +457,7 @@ def run_trl(spec: dict[str, Any]) -> dict[str, Any]:
                 self.steps[-1]["reward"] = float(logs["reward"])
                 length = logs.get("completions/mean_length")
                 self.steps[-1]["response_length"] = float("nan") if length is None else float(length)
+                print("STEP " + json.dumps(self.steps[-1]), flush=True)  # read back if the side is killed
 
     samples_per_step = spec["prompts"] * spec["n"]
     on_cpu = spec.get("device", "cpu") == "cpu"
@@ -506,11 +532,20 @@ def launch_trl(spec: dict[str, Any], scratch: str, timeout: float) -> dict[str, 
         json.dump(spec, handle)
     env = dict(os.environ, **environment(spec.get("device", "cpu")))
     command = [sys.executable, __file__, "--variant", "trl", "--spec", spec_path]
-    done = run_stamped(command, env, timeout, os.path.join(scratch, "trl.log"))
-    lines = [text for _, text in done["lines"] if text.startswith("RESULT ")]
-    if done["returncode"] != 0 or not lines:
-        raise RuntimeError(f"trl: exited {done['returncode']}\n{done['stderr'][-3000:]}")
-    result = json.loads(lines[-1].removeprefix("RESULT "))
+    try:
+        done = run_stamped(command, env, timeout, os.path.join(scratch, "trl.log"))
+    except SideTimedOut as killed:
+        # the steps it finished (each printed as it ended), marked partial: the report says so
+        steps = [json.loads(text.removeprefix("STEP ")) for _, text in killed.lines if text.startswith("STEP ")]
+        if len(steps) < 2:
+            raise RuntimeError(f"trl: killed at the {timeout:.0f} s timeout after {len(steps)} steps") from None
+        done = {"lines": killed.lines, "wall": killed.wall}
+        result = {"steps": steps, "partial": True, "same_prompt_ids": None, "torch_threads": None}
+    else:
+        lines = [text for _, text in done["lines"] if text.startswith("RESULT ")]
+        if done["returncode"] != 0 or not lines:
+            raise RuntimeError(f"trl: exited {done['returncode']}\n{done['stderr'][-3000:]}")
+        result = json.loads(lines[-1].removeprefix("RESULT "))
     result["wall"] = done["wall"]
     startup, last = [], 0.0
     for at, text in done["lines"]:
@@ -548,6 +583,7 @@ def summarize(name: str, result: dict[str, Any], samples_per_step: int) -> dict[
         "startup_phases": result.get("startup", []),
         "first_reward": rewards[0],
         "final_reward": final_moving_mean(rewards),
+        "partial": bool(result.get("partial")),
         "response_length": sum(step.get("response_length", math.nan) for step in steps) / len(steps),
     }
 
@@ -566,6 +602,13 @@ def ratio(a: float, b: float) -> str:
 
 
 def report(args: argparse.Namespace, ours: dict[str, Any], trl: dict[str, Any], raw_ours: dict) -> None:
+    for side in (ours, trl):
+        if side["partial"]:
+            print(
+                f"note: {side['name']} was killed at the --timeout after {side['steps']} of {args.steps} steps "
+                f"({side['wall']:.0f} s): its rows cover those steps, 'end to end' is their samples over the "
+                "time until the kill, and its shutdown is not measured"
+            )
     print(f"{'':<36} {'ours':>10} {'TRL':>10} {'ours/TRL':>9}")
     rows = [
         ("samples/s, steady (steps 2..N)", "steady", "{:.2f}"),
@@ -828,12 +871,13 @@ def main() -> None:
             results = {}
             if args.only in (None, "ours"):
                 results["ours"] = run_ours(args, os.path.join(scratch, f"run{repeat}"), preset)
-                print(f"ours done in {results['ours']['wall']:.0f} s")
+                print(f"ours {'killed' if results['ours']['partial'] else 'done'} in {results['ours']['wall']:.0f} s")
             if args.only in (None, "trl"):
                 spec["output_dir"] = os.path.join(scratch, f"run{repeat}", "trl")
                 results["trl"] = launch_trl(spec, scratch, args.timeout)
                 print(
-                    f"TRL done in {results['trl']['wall']:.0f} s (generation {args.trl_generation}, "
+                    f"TRL {'killed' if results['trl'].get('partial') else 'done'} in {results['trl']['wall']:.0f} s "
+                    f"({len(results['trl']['steps'])} steps; generation {args.trl_generation}, "
                     f"torch threads {results['trl']['torch_threads']}, "
                     f"TRL prompt ids identical to ours: {results['trl']['same_prompt_ids']})"
                 )
