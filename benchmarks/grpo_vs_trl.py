@@ -343,7 +343,12 @@ def run_ours(args: argparse.Namespace, scratch: str, preset: Any) -> dict[str, A
     try:
         done = run_stamped(command, env, args.timeout, os.path.join(scratch, "ours.log"))
     except SideTimedOut as killed:  # the steps it finished are in metrics.jsonl; marked partial
-        done = {"returncode": 0, "lines": killed.lines, "wall": killed.wall, "started_unix": killed.started_unix}
+        done = {
+            "returncode": 0,
+            "lines": killed.lines,
+            "wall": killed.wall,
+            "started_unix": killed.started_unix,
+        }
         partial = True
     finally:
         shutil.rmtree(ray_dir, ignore_errors=True)
@@ -352,7 +357,9 @@ def run_ours(args: argparse.Namespace, scratch: str, preset: Any) -> dict[str, A
     if partial and not os.path.exists(metrics_path):
         raise RuntimeError(f"ours: killed at the {args.timeout:.0f} s timeout before its first step")
     if done["returncode"] != 0 or not os.path.exists(metrics_path):
-        raise RuntimeError(f"ours: rl-launch ppo exited {done['returncode']}\n{done.get('stderr', '')[-3000:]}")
+        raise RuntimeError(
+            f"ours: rl-launch ppo exited {done['returncode']}\n{done.get('stderr', '')[-3000:]}"
+        )
     with open(metrics_path) as handle:
         rows = [json.loads(line) for line in handle if line.strip()]
     rows = [row for row in rows if "reward/mean" in row and "time/step" in row]
@@ -536,9 +543,13 @@ def launch_trl(spec: dict[str, Any], scratch: str, timeout: float) -> dict[str, 
         done = run_stamped(command, env, timeout, os.path.join(scratch, "trl.log"))
     except SideTimedOut as killed:
         # the steps it finished (each printed as it ended), marked partial: the report says so
-        steps = [json.loads(text.removeprefix("STEP ")) for _, text in killed.lines if text.startswith("STEP ")]
+        steps = [
+            json.loads(text.removeprefix("STEP ")) for _, text in killed.lines if text.startswith("STEP ")
+        ]
         if len(steps) < 2:
-            raise RuntimeError(f"trl: killed at the {timeout:.0f} s timeout after {len(steps)} steps") from None
+            raise RuntimeError(
+                f"trl: killed at the {timeout:.0f} s timeout after {len(steps)} steps"
+            ) from None
         done = {"lines": killed.lines, "wall": killed.wall}
         result = {"steps": steps, "partial": True, "same_prompt_ids": None, "torch_threads": None}
     else:
@@ -871,7 +882,9 @@ def main() -> None:
             results = {}
             if args.only in (None, "ours"):
                 results["ours"] = run_ours(args, os.path.join(scratch, f"run{repeat}"), preset)
-                print(f"ours {'killed' if results['ours']['partial'] else 'done'} in {results['ours']['wall']:.0f} s")
+                print(
+                    f"ours {'killed' if results['ours']['partial'] else 'done'} in {results['ours']['wall']:.0f} s"
+                )
             if args.only in (None, "trl"):
                 spec["output_dir"] = os.path.join(scratch, f"run{repeat}", "trl")
                 results["trl"] = launch_trl(spec, scratch, args.timeout)
