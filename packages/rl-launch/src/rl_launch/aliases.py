@@ -34,8 +34,7 @@ only where it means the same thing here; conversions stay within that meaning:
 - flags OpenRLHF itself ignores in the run at hand (`--algo.advantage.gamma` with `group_norm`,
   which OpenRLHF runs with gamma 1): dropped, with a note saying why;
 - flags that change nothing a run computes here (`--train.micro_batch_size`: micro-batches are
-  packed to a token budget; `--vllm.enable_sleep`: what `ray.colocate all` always does): dropped,
-  with a note saying what happens instead;
+  packed to a token budget): dropped, with a note saying what happens instead;
 - translations whose note states the assumption (`--data.max_len` split into two lengths,
   `--vllm.sync_backend nccl` → the broadcast strategy) or names the option the loop resolves
   (`--train.num_episodes`, sft's `--train.max_epochs` → `train.epochs`: steps from the data's size);
@@ -497,20 +496,18 @@ def _colocated(context: Context) -> bool:
     return "train.colocate_all" in context.given or context.options.get("ray.colocate") == "all"
 
 
-def _sleep(side: str) -> Convert:
-    """`--vllm.enable_sleep` / `--ds.enable_sleep`: the hybrid engine's sleep, which `ray.colocate
-    all` always does here (roles.Roles.to_training / offload_learners)."""
+def _sleep(option: str, side: str) -> Convert:
+    """`--vllm.enable_sleep` / `--ds.enable_sleep`: `ray.engine_sleep` / `ray.learner_offload`
+    true, the hybrid engine's sleep (rl-launch's default there; OpenRLHF's is off). Without the
+    hybrid engine OpenRLHF ignores them, and so do those options."""
 
-    def convert(values: tuple[str, ...], context: Context) -> str:
+    def convert(values: tuple[str, ...], context: Context) -> tuple[Pairs, str]:
         if _colocated(context):
-            return (
-                f"with --ray.colocate all the {side} always, which is what this flag asks for "
-                "(the engines sleep after generation, the learners' states leave the GPU for it)"
-            )
+            return [(option, "true")], f"with --ray.colocate all the {side}"
         return (
-            f"ignored, as OpenRLHF does without the hybrid engine (--train.colocate_all, not async): the "
-            f"{side} only where the engines share the learners' GPUs (--ray.colocate all); here they "
-            "have GPUs of their own"
+            [(option, "true")],
+            f"no effect here, as in OpenRLHF without the hybrid engine (--train.colocate_all, not "
+            f"async): the {side} only where the engines share the learners' GPUs (--ray.colocate all)",
         )
 
     return convert
@@ -728,15 +725,21 @@ ALIASES: tuple[Alias, ...] = (
     _alias("vllm.enable_prefix_caching", "rollout.engine_options.enable_prefix_caching", nargs=0),
     _alias(
         "vllm.enable_sleep",
+        "ray.engine_sleep",
         nargs=0,
-        convert=_sleep("engines sleep"),
-        remark="what --ray.colocate all always does; ignored without it, as OpenRLHF does",
+        convert=_sleep("ray.engine_sleep", "engines sleep after generation and wake for the weight sync"),
+        remark="rl-launch's default with --ray.colocate all (false keeps the engines resident); no effect "
+        "without it, as in OpenRLHF",
     ),
     _alias(
         "ds.enable_sleep",
+        "ray.learner_offload",
         nargs=0,
-        convert=_sleep("learners offload"),
-        remark="what --ray.colocate all always does; ignored without it",
+        convert=_sleep(
+            "ray.learner_offload", "learners offload their DeepSpeed states while the engines generate"
+        ),
+        remark="rl-launch's default with --ray.colocate all (false keeps the states on the GPU); no effect "
+        "without it, as in OpenRLHF",
     ),
     _alias(
         "vllm.sync_backend",

@@ -745,8 +745,19 @@ class RayConfig(_Section):
     colocate: Literal["none", "all", "policy_ref", "critic_reward", "policy_ref+critic_reward"] = "none"
     """Roles sharing the same GPUs (colocate_all_models, colocate_actor_ref, colocate_critic_reward).
     all is the hybrid engine: every step the engines sleep once generation is done and wake before
-    the weight sync, and on GPUs the learners offload their DeepSpeed states while the engines
-    generate (not with rollout.async_train)."""
+    the weight sync (ray.engine_sleep), and on GPUs the learners offload their DeepSpeed states
+    while the engines generate (ray.learner_offload)."""
+    engine_sleep: bool = True
+    """With ray.colocate all: the engines sleep after generation (vLLM's sleep mode, level 1: the
+    weights go to host memory, the KV cache is dropped) and wake before the weight sync
+    (OpenRLHF's vllm_enable_sleep). False keeps their weights and KV cache on the GPU: size
+    rollout.gpu_memory_utilization to leave the learners room."""
+    learner_offload: bool = True
+    """With ray.colocate all on GPUs: the learners move their DeepSpeed states (parameters,
+    gradients, optimizer) to pinned host memory while the engines generate (OpenRLHF's
+    deepspeed_enable_sleep). False keeps them on the GPU. With both this and ray.engine_sleep
+    false, nothing waits for the other side, so rollout.async_train may generate while the
+    learners train on the same GPUs."""
     policy: ResourceConfig = msgspec.field(default_factory=ResourceConfig)
     """Policy learner actors."""
     critic: ResourceConfig = msgspec.field(default_factory=ResourceConfig)
@@ -932,12 +943,24 @@ class PPOConfig(_Section):
                 "in the model's config.json (use running to normalise rewards without a reward model)",
             )
         if self.ray.colocate == "all" and self.rollout.async_train:
-            _fail(
-                "rollout.async_train",
-                True,
-                "cannot be combined with ray.colocate all: the hybrid engine puts the engines to sleep "
-                "while the learners train, so nothing can generate ahead (use ray.colocate none or a pair)",
-            )
+            sleeping = [
+                name
+                for name, on in (
+                    ("ray.engine_sleep", self.ray.engine_sleep),
+                    ("ray.learner_offload", self.ray.learner_offload),
+                )
+                if on
+            ]
+            if sleeping:
+                _fail(
+                    "rollout.async_train",
+                    True,
+                    f"cannot be combined with ray.colocate all while {' and '.join(sleeping)} "
+                    f"{'are' if len(sleeping) > 1 else 'is'} true: the hybrid engine then takes the GPU "
+                    "from one side while the other works, so nothing can generate ahead (set "
+                    f"{' and '.join(f'{name} false' for name in sleeping)} to keep both sides resident and "
+                    "overlap them, or use ray.colocate none or a pair)",
+                )
         if self.train.critic_warmup_steps and not self.needs_critic:
             _fail(
                 "train.critic_warmup_steps",

@@ -363,7 +363,7 @@ class PPOTrainer:
                     tracker.log_completions(
                         step, completion_rows(records[: cfg.log.completions], self.tokenizer)
                     )
-                if self.roles.hybrid:  # ray.colocate all: engines sleep, learners reload their states
+                if self.roles.swapping:  # ray.colocate all: engines sleep, learners reload their states
                     with timer.phase("sleep"):
                         self.roles.to_training()
                 with abandonable(), timer.phase("experience"):
@@ -378,7 +378,7 @@ class PPOTrainer:
                 raise
             with timer.phase("training"):
                 metrics |= experience | self.train(batch, step)
-            if self.roles.hybrid:  # the engines wake for the sync, read from the learners' GPU
+            if self.roles.swapping:  # the engines wake for the sync, read from the learners' GPU
                 with timer.phase("wake"):
                     self.roles.wake_engines()
             last = step == cfg.train.max_steps
@@ -387,7 +387,7 @@ class PPOTrainer:
                     metrics |= self.sync(settle=last)
                 elif last:  # nothing to send; async mode still compares the receipts it waits for
                     metrics |= self.roles.settle_sync()
-            if self.roles.hybrid:  # then the learners' states leave the GPU for the generation
+            if self.roles.swapping:  # then the learners' states leave the GPU for the generation
                 with timer.phase("offload"):
                     self.roles.offload_learners()
             if self.eval_data is not None and (step % cfg.eval.eval_steps == 0 or last):

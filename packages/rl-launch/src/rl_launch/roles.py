@@ -261,7 +261,7 @@ class Roles:
         cfg = self.config
         r = cfg.rollout
         options = dict(r.engine_options)
-        if self.hybrid and use_gpus and r.engine == "vllm":
+        if self.hybrid and cfg.ray.engine_sleep and use_gpus and r.engine == "vllm":
             # vLLM can sleep only when started with its sleep-mode allocator; a user's own setting wins.
             options.setdefault("enable_sleep_mode", True)
         return EngineSpec(
@@ -504,9 +504,16 @@ class Roles:
     def hybrid(self) -> bool:
         return self.config.ray.colocate == "all"
 
+    @property
+    def swapping(self) -> bool:
+        """Whether the hybrid engine hands GPU memory from one side to the other every step (the
+        engines sleep, or the learners offload); the step loop times those phases only then."""
+        return self.hybrid and (self.config.ray.engine_sleep or bool(self._offloading()))
+
     def _offloading(self) -> list[str]:
         """The learner roles that free GPU memory while the engines generate (GPU runs only)."""
-        return list(self.groups) if self.hybrid and self.device == "cuda" else []
+        offloading = self.hybrid and self.config.ray.learner_offload and self.device == "cuda"
+        return list(self.groups) if offloading else []
 
     def _move_learner_states(self, method: str) -> None:
         """`offload_states` or `reload_states` on every rank of every offloading role, at once."""
@@ -522,7 +529,7 @@ class Roles:
 
         if not self.hybrid:
             return
-        if not self.engines_asleep:
+        if self.config.ray.engine_sleep and not self.engines_asleep:
             ray.get(self.engines.submit("sleep", 1))
             self.engines_asleep = True
         if self.learners_offloaded:
@@ -570,9 +577,17 @@ class Roles:
         """The start-up line of the hybrid engine (None without `ray.colocate all`)."""
         if not self.hybrid:
             return None
-        line = "hybrid engine (ray.colocate all): the engines sleep after generation and wake before the weight sync"
-        if not all(self.engines.call("can_sleep")):
-            line += f" (the {self.config.rollout.engine} engine cannot sleep here: the calls are no-ops)"
+        if self.config.ray.engine_sleep:
+            line = "hybrid engine (ray.colocate all): the engines sleep after generation and wake before the weight sync"
+            if not all(self.engines.call("can_sleep")):
+                line += f" (the {self.config.rollout.engine} engine cannot sleep here: the calls are no-ops)"
+        else:
+            line = "hybrid engine (ray.colocate all): the engines stay awake, weights and KV cache resident (ray.engine_sleep false)"
+        if not self.config.ray.learner_offload:
+            return (
+                line
+                + "; the learners keep their DeepSpeed states on their devices (ray.learner_offload false)"
+            )
         if self.device != "cuda":
             return (
                 line + "; DeepSpeed state offload is skipped on CPU (the states already live in host memory)"
