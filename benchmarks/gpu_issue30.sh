@@ -14,7 +14,10 @@
 #   c     pytest tests/rollout/test_vllm_engine.py: VLLMEngine on the official vLLM, on the GPU
 #   d     benchmarks/grpo_vs_trl.py --workload long --device cuda --model-size 0.5b: ours
 #         (rl-launch ppo, vLLM and the DeepSpeed learner colocated on the GPU) against TRL's
-#         GRPOTrainer (HF generate on the GPU), the same model, prompts and reward
+#         GRPOTrainer (HF generate on the GPU), the same model, prompts and reward; ours as
+#         D_VARIANT (resident: ray.colocate all with nothing slept or offloaded; sleep: the
+#         default hybrid engine; async: resident + rollout.async_train), then each variant of
+#         D_MORE ("async sleep") on our side alone while time is left
 # Everything is logged into $OUT (8 files, the most that come back): summary.txt, warm.log,
 # a_env.log, b_gpu_tests.log, c_vllm_engine.log, d_long.log, d_ours.log, d_trl.log; the summary
 # is printed at the end.
@@ -127,6 +130,14 @@ print('VERSIONS torch', torch.__version__, 'cuda', torch.version.cuda, '| vllm',
 print('GPU', torch.cuda.get_device_name(0), torch.cuda.get_device_capability(0), torch.cuda.mem_get_info())
 "
 grep -h '^VERSIONS\|^imports' "$A" | tee -a "$SUMMARY"
+# what the launcher's driver imports before its first line (19 s here on an H100, 2.5 s on a
+# 2-core CPU machine): the slowest modules by cumulative import time
+case "${STEPS:-abcd}" in *a*)
+  { echo "-- python -X importtime -c 'import rl_launch.cli, ray' (top 15 by cumulative us):"
+    $PY -X importtime -c "import rl_launch.cli, ray" 2>&1 | grep '^import time:' | sort -t'|' -k2 -n -r | head -n 15
+  } >> "$A" 2>&1
+  grep -A3 '^-- python -X importtime' "$A" | tail -n 3 | sed 's/^/  a: /' | tee -a "$SUMMARY" ;;
+esac
 
 # b. the gpu-marked tests, collected from the files that have any (addopts replaced: the
 # repository's need pytest-xdist >= 3.6)
@@ -139,8 +150,10 @@ tail -n 25 "$B" | grep -E 'passed|failed|skipped|error|FAILED|ERROR' | tail -n 1
 
 # c. the vLLM engine's tests on the official vLLM
 C=$OUT/c_vllm_engine.log
-step c 120 "$C" "${PYTEST[@]}" tests/rollout/test_vllm_engine.py
-tail -n 25 "$C" | grep -E 'passed|failed|skipped|error|FAILED|ERROR' | tail -n 12 | sed 's/^/  c: /' | tee -a "$SUMMARY"
+# -v: each test's name and outcome as it ends (a step killed at its limit prints no summary);
+# pytest-timeout (on the image) fails a test that hangs instead of the whole step
+step c 200 "$C" "${PYTEST[@]}" -v --timeout 90 tests/rollout/test_vllm_engine.py
+grep -sE '(FAILED|ERROR)( |$)|^=+ .*(passed|failed)' "$C" | head -n 20 | sed 's/^/  c: /' | tee -a "$SUMMARY"
 
 # the warm-up should be long done; wait for it (bounded) so that d never builds FusedAdam itself
 wait "$WARM_PID" 2>/dev/null
@@ -152,21 +165,32 @@ D=$OUT/d_long.log
 PRESETS=()
 [ -d /tmp/gpukit/presets ] && PRESETS=(--preset-root /tmp/gpukit/presets) # the carried build: no SFT here
 
-run_d() { # $1 = VLLM_MODE
-  local engine=() t side
+run_d() { # $1 = VLLM_MODE, $2 = our hybrid engine's variant, $3 = "ours" for our side alone
+  local engine=() variant=() only=() t side cap=330
   case "$1" in
     decode-graphs) engine=(--ours-option 'rollout.engine_options.compilation_config={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}') ;;
     eager) engine=(--ours-option rollout.enforce_eager=true) ;;
     compiled) ;;
     *) say "VLLM_MODE=$1: not one of decode-graphs, eager, compiled; vLLM's default (compiled) runs" ;;
   esac
+  case "$2" in
+    sleep) ;; # rl-launch's default hybrid engine: engines sleep, learners offload, every step
+    resident) variant=(--ours-option ray.engine_sleep=false --ours-option ray.learner_offload=false) ;;
+    async) variant=(--ours-option ray.engine_sleep=false --ours-option ray.learner_offload=false
+      --ours-option rollout.async_train=true) ;;
+    *) say "D_VARIANT=$2: not one of sleep, resident, async; sleep runs" ;;
+  esac
+  if [ "${3:-}" = ours ]; then only=(--only ours); cap=200; fi
   t=$(($(left) - 15))
-  [ "$t" -gt 330 ] && t=330
+  [ "$t" -gt "$cap" ] && t=$cap
   side=$(((t - 30) * 11 / 20)) # each side's limit inside the benchmark (ours starts Ray and vLLM: 55 %)
-  say "[d] VLLM_MODE=$1"
-  step d 330 "$D" $PY "$BENCH" --workload long --device "${D_DEVICE:-cuda}" --model-size "${D_SIZE:-0.5b}" --seed 0 \
+  [ "${3:-}" = ours ] && side=$((t - 30))
+  echo "=== [d] VLLM_MODE=$1, ours $2${3:+ (ours alone)}" >> "$D"
+  say "[d] VLLM_MODE=$1, ours $2${3:+ (ours alone)}"
+  step d "$cap" "$D" $PY "$BENCH" --workload long --device "${D_DEVICE:-cuda}" --model-size "${D_SIZE:-0.5b}" --seed 0 \
     --max-new-tokens "${D_TOKENS:-512}" --prompts "${D_PROMPTS:-8}" --n "${D_N:-8}" --steps "${D_STEPS:-5}" \
-    --timeout "$side" --trl-generation "${D_TRL_GENERATION:-hf}" --keep "${PRESETS[@]}" "${engine[@]}"
+    --timeout "$side" --trl-generation "${D_TRL_GENERATION:-hf}" --keep "${PRESETS[@]}" "${engine[@]}" \
+    "${variant[@]}" "${only[@]}"
 }
 
 collect_d() { # our side's console, metrics and actor logs (tails) into one file; TRL's console
@@ -183,15 +207,25 @@ collect_d() { # our side's console, metrics and actor logs (tails) into one file
 }
 
 MODE=${VLLM_MODE:-decode-graphs}
-run_d "$MODE"
+VARIANT=${D_VARIANT:-resident}
+run_d "$MODE" "$VARIANT"
 collect_d
 if [[ "${STEPS:-abcd}" == *d* ]] && ! grep -qE '^ours (done|killed)' "$D" && [ "$MODE" != eager ] && ! grep -q 'actors ready' "$OUT/d_ours.log" 2>/dev/null \
   && [ "$(left)" -gt 240 ]; then
   say "[d] ours failed before its actors were ready with VLLM_MODE=$MODE: once more with eager"
-  run_d eager
+  MODE=eager
+  run_d "$MODE" "$VARIANT"
   collect_d
 fi
-grep -E '^(model |workload |samples/s|mean step|wall seconds|start-up|mean response|ours, share|  ours |  TRL |  TRL/ours|step seconds|ours (done|killed)|TRL (done|killed)|note: )' "$D" \
+# our other variants, our side alone (TRL's numbers above are the baseline), while time is left
+if [[ "${STEPS:-abcd}" == *d* ]]; then
+  for more in ${D_MORE-async sleep}; do
+    if [ "$(left)" -lt 150 ]; then say "[d] ours $more: not run, $(left) s left"; continue; fi
+    run_d "$MODE" "$more" ours
+    collect_d
+  done
+fi
+grep -E '^(=== \[d\]|model |workload |samples/s|mean step|wall seconds|start-up|mean response|ours, share|  ours |  TRL |  TRL/ours|step seconds|ours (done|killed)|TRL (done|killed)|ours: samples|note: )' "$D" \
   | sed 's/^/  d: /' | tee -a "$SUMMARY"
 grep -E 'Error|error:|Traceback' "$D" | tail -n 5 | sed 's/^/  d: /' | tee -a "$SUMMARY"
 

@@ -63,9 +63,10 @@ ratio, the time until the moving mean of the per-step mean reward over
 the subprocess started), our per-phase split of the step time, and each side's start-up from
 launch to the first step, per phase (ours: the launcher's console lines, `StartupLines`, as
 they arrive; TRL: marks printed by the TRL subprocess), with the first step and the shutdown.
-Every run prints the load average (the machine may be shared). Our last step also saves a
-checkpoint (the launcher always saves at the end); its `time/checkpoint` is taken out of the
-step time and stays in the end-to-end time. Preset building (SFT warm start) is done once,
+Every run prints the load average (the machine may be shared). Both sides end with a resumable
+checkpoint: ours because the launcher always saves at the end (its `time/checkpoint` is taken
+out of the step time), TRL's by `save_steps` = the last step (model, optimizer, scheduler,
+after the step's callback); both stay in the end-to-end time. Preset building (SFT warm start) is done once,
 before either side runs, and counted in neither.
 
 Defaults: the preset's run settings (`rl_launch.presets.arithmetic.SETTINGS`: steps, prompts per
@@ -502,7 +503,11 @@ def run_trl(spec: dict[str, Any]) -> dict[str, Any]:
         data_seed=spec["seed"],
         report_to=[],
         logging_steps=1,
-        save_strategy="no",
+        # a resumable checkpoint (model, optimizer, scheduler) after the last step, as ours ends
+        # (rl-launch always saves one at the end): both sides' walls include it
+        save_strategy="steps",
+        save_steps=spec["steps"],
+        save_only_model=False,
         disable_tqdm=True,
         dataloader_num_workers=0,
         remove_unused_columns=False,

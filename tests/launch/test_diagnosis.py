@@ -179,3 +179,74 @@ def test_without_a_checkpoint_on_disk_the_diagnosis_says_a_run_starts_from_step_
     assert run.trainer.after_failure(raised.value)[-1] == (
         f"no checkpoint in {tmp_path / 'checkpoints'}: a new run starts from step 0 (ckpt.save_steps)"
     )
+
+
+# ------------------------------------------------ a start-up that waits on a stale build lock
+
+
+def test_build_locks_are_found_at_both_depths_of_the_extensions_folder_oldest_first(tmp_path):
+    import os
+
+    from rl_launch.diagnosis import describe_build_locks, extension_build_locks
+
+    assert extension_build_locks(str(tmp_path)) == []
+    assert describe_build_locks([]) == ""
+    (tmp_path / "deepspeed_shm_comm").mkdir()  # TORCH_EXTENSIONS_DIR/<op>/lock
+    (tmp_path / "deepspeed_shm_comm" / "lock").write_text("")
+    (tmp_path / "py311_cpu" / "fused_adam").mkdir(parents=True)  # torch's default root/<py_dev>/<op>/lock
+    (tmp_path / "py311_cpu" / "fused_adam" / "lock").write_text("")
+    (tmp_path / "py311_cpu" / "fused_adam" / "fused_adam.so").write_text("")  # built ops are not locks
+    os.utime(tmp_path / "py311_cpu" / "fused_adam" / "lock", (1, 1))
+    locks = extension_build_locks(str(tmp_path))
+    assert [path for path, _ in locks] == [
+        str(tmp_path / "py311_cpu" / "fused_adam" / "lock"),
+        str(tmp_path / "deepspeed_shm_comm" / "lock"),
+    ]
+    assert locks[0][1] > locks[1][1] >= 0
+    text = describe_build_locks(locks)
+    assert text.startswith(f"torch extension build locks {locks[0][0]} (")
+    assert "a build killed midway leaves it" in text
+    assert "delete the file" in text
+
+
+def test_a_start_up_still_waiting_names_a_build_lock_on_stderr_and_in_the_timeout_error(
+    tmp_path, monkeypatch, capsys
+):
+    import ray
+
+    from rl_launch import roles
+    from rl_launch.cluster import ClusterError
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    (tmp_path / "deepspeed_shm_comm").mkdir()
+    (tmp_path / "deepspeed_shm_comm" / "lock").write_text("")
+    waits = []
+
+    def wait(futures, num_returns, timeout):  # ray.wait: the first slice leaves one call out
+        waits.append(timeout)
+        if len(waits) == 1:
+            return futures[:1], futures[1:]
+        return (list(futures), []) if finish else ([], list(futures))
+
+    monkeypatch.setattr(ray, "wait", wait)
+    monkeypatch.setattr(ray, "get", lambda done: [None for _ in done])
+    finish = True  # the learner gets the lock after all (a build that was running): no error
+    roles._wait_started(["engine", "policy"], 600.0, check_after_s=60.0)
+    assert waits[0] == 60.0
+    assert 599.0 < waits[1] <= 600.0
+    err = capsys.readouterr().err
+    assert err.startswith("rl-launch: 1 actor calls still starting after 60 s; torch extension build lock ")
+    assert str(tmp_path / "deepspeed_shm_comm" / "lock") in err
+    waits.clear()
+    finish = False  # it never does: the timeout's error names the lock too
+    with pytest.raises(
+        ClusterError,
+        match=r"1 actor calls did not finish within ray\.startup_timeout_s = 600 s; torch extension build lock .*deepspeed_shm_comm/lock",
+    ):
+        roles._wait_started(["engine", "policy"], 600.0, check_after_s=60.0)
+    (tmp_path / "deepspeed_shm_comm" / "lock").unlink()
+    capsys.readouterr()
+    waits.clear()
+    with pytest.raises(ClusterError, match=r"= 600 s$"):  # no lock: the error says only the timeout
+        roles._wait_started(["engine", "policy"], 600.0, check_after_s=60.0)
+    assert capsys.readouterr().err == ""

@@ -25,7 +25,15 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
-__all__ = ["death_cause", "describe_actor_failure", "failed_actor_name", "is_actor_failure", "log_tail"]
+__all__ = [
+    "death_cause",
+    "describe_actor_failure",
+    "describe_build_locks",
+    "extension_build_locks",
+    "failed_actor_name",
+    "is_actor_failure",
+    "log_tail",
+]
 
 _SKIPPED_LINES = ("actor_id:", "namespace:", "class_name:", "name:")
 # Ray's guesses after "Worker unexpectedly exits": `death_cause` says what the log shows instead
@@ -147,3 +155,45 @@ def describe_actor_failure(
     elif log_dir is None:
         lines.append("  its output went to this console (log.actor_output console)")
     return name, "\n".join(lines)
+
+
+def extension_build_locks(root: str | None = None) -> list[tuple[str, float]]:
+    """torch's JIT-extension build locks under `root`, oldest first: [(path, age in seconds)].
+
+    DeepSpeed builds its ops (the CPU shared-memory allreduce, FusedAdam, ...) through
+    `torch.utils.cpp_extension.load`, which holds `<root>[/py<ver>_<cuda|cpu>]/<op>/lock` while it
+    compiles and waits, printing nothing, for as long as another holder's lock file exists. A
+    build killed midway leaves the file behind, and every later start that loads the op then
+    waits forever. `root`: TORCH_EXTENSIONS_DIR, else torch's default (~/.cache/torch_extensions).
+    """
+    import os
+    import time
+
+    if root is None:
+        root = os.environ.get("TORCH_EXTENSIONS_DIR")
+        if root is None:
+            from torch.utils.cpp_extension import get_default_build_root
+
+            root = get_default_build_root()
+    base = Path(root)
+    now = time.time()
+    locks = []
+    for path in [*base.glob("*/lock"), *base.glob("*/*/lock")]:
+        try:
+            locks.append((str(path), now - path.stat().st_mtime))
+        except OSError:  # released meanwhile
+            continue
+    return sorted(locks, key=lambda lock: -lock[1])
+
+
+def describe_build_locks(locks: list[tuple[str, float]]) -> str:
+    """One sentence naming the build locks and what to do about a stale one ("" when none)."""
+    if not locks:
+        return ""
+    named = ", ".join(f"{path} ({age:.0f} s old)" for path, age in locks)
+    return (
+        f"torch extension build lock{'s' if len(locks) > 1 else ''} {named}: a DeepSpeed op build holds "
+        "one while it compiles, and a build killed midway leaves it, after which every start that "
+        "loads the op waits on it without a word; if no compiler is running (ps -ef | grep -E "
+        "'ninja|c\\+\\+'), delete the file"
+    )

@@ -14,6 +14,8 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -37,6 +39,7 @@ from .algorithm import learners_share_prefix
 from .cluster import ClusterError, cluster_has_gpus, place_roles, plan_roles
 from .components import executor_name
 from .config import PPOConfig
+from .diagnosis import describe_build_locks, extension_build_locks
 from .learner_settings import frozen_offload, learner_dtype, learner_settings, role_optimizer
 from .rendezvous import local_ranks
 
@@ -53,15 +56,38 @@ def _get_all(futures: dict[str, list]) -> dict[str, list]:
     return {name: [next(done) for _ in per_rank] for name, per_rank in futures.items()}
 
 
-def _wait_started(futures: list, timeout_s: float) -> None:
-    """Wait for start-up calls; re-raise the first failure, or say how many are still out."""
+STARTUP_CHECK_S = 60.0
+"""Seconds of start-up after which `_wait_started` looks for a stale DeepSpeed op build lock."""
+
+
+def _wait_started(futures: list, timeout_s: float, *, check_after_s: float = STARTUP_CHECK_S) -> None:
+    """Wait for start-up calls; re-raise the first failure, or say how many are still out.
+
+    After `check_after_s` with calls still out, a torch extension build lock on this machine (a
+    local cluster's actors build DeepSpeed's ops here) is named on stderr: a build killed midway
+    leaves one, and the actors then wait on it silently until the timeout, whose error names it
+    too."""
     import ray
 
-    done, waiting = ray.wait(futures, num_returns=len(futures), timeout=timeout_s)
+    began = time.monotonic()
+    done, waiting = ray.wait(futures, num_returns=len(futures), timeout=min(check_after_s, timeout_s))
+    if waiting and check_after_s < timeout_s:
+        locks = describe_build_locks(extension_build_locks())
+        if locks:
+            print(
+                f"rl-launch: {len(waiting)} actor calls still starting after {check_after_s:g} s; {locks}",
+                file=sys.stderr,
+                flush=True,
+            )
+        left = max(0.0, timeout_s - (time.monotonic() - began))
+        more, waiting = ray.wait(waiting, num_returns=len(waiting), timeout=left)
+        done += more
     ray.get(done)  # re-raises the first start-up error (model loading, engine start, rendezvous)
     if waiting:
+        locks = describe_build_locks(extension_build_locks())
         raise ClusterError(
             f"{len(waiting)} actor calls did not finish within ray.startup_timeout_s = {timeout_s:g} s"
+            + (f"; {locks}" if locks else "")
         )
 
 
