@@ -54,6 +54,10 @@ from .tracking import PhaseTimer, StartupLines, Tracker, print_outputs, quiet_th
 
 __all__ = ["PPOTrainer", "run", "steps_of_episodes"]
 
+STARTUP_STOP = "stopping the start-up now (no step has run since launch: nothing to save)"
+"""The console's words for a signal that arrives before the first step (`run`'s start-up and the
+starting evaluation are abandonable: a signal stops them at once)."""
+
 
 class PPOTrainer:
     """The step loop over started roles and engines."""
@@ -84,6 +88,7 @@ class PPOTrainer:
             else FixedKLController(kl.init_kl_coef)
         )
         self.version = 0
+        self.stepping = False  # the first step has begun (before it, a signal finds nothing to save)
         # reward.normalize: running statistics of the rewards (kept in checkpoints); None when off
         self.reward_moments = RunningMoments() if config.reward.normalize == "running" else None
         # reward.normalize model: the reward model's (mean, std) from its config.json
@@ -351,8 +356,10 @@ class PPOTrainer:
         abandonable = preemption.abandonable if preemption is not None else contextlib.nullcontext
         self.roles.to_generation()  # hybrid engine: the learners' states leave the GPU, engines awake
         if start.step == 0 and self.eval_data is not None:
-            tracker.log(0, self.rollouts.evaluate(self.eval_data))  # the starting policy
+            with abandonable(STARTUP_STOP):  # a signal now stops the run: nothing to save yet
+                tracker.log(0, self.rollouts.evaluate(self.eval_data))  # the starting policy
         for step in range(start.step + 1, cfg.train.max_steps + 1):
+            self.stepping = True
             timer.reset()
             began = time.perf_counter()
             finished = self.training_state(step - 1, consumed)  # what a preemption now would save
@@ -495,58 +502,69 @@ def run(config: PPOConfig) -> int:
         started_ray = start_ray(config, temp_dir=config.ray.temp_dir)
         # after ray.init, which sets a SIGTERM handler of its own
         guard = PreemptionGuard("rl-launch ppo", config.ckpt.preemption_timeout_s).install()
-        console.say(
-            f"ray: {'local cluster on 127.0.0.1' if started_ray else 'joined ' + str(config.ray.address)}"
-        )
-        tokenizer, train_data, eval_data, took = data.result()
-        # the line's own seconds: how long the data kept the run waiting once Ray was up
-        console.say(f"{describe_data(train_data, eval_data)}; loaded in {took:.1f} s while Ray started")
-        if config.train.num_episodes is not None:
-            config = steps_of_episodes(config, len(train_data))
+        # Until the first step, a signal stops at once: nothing has been trained that a checkpoint
+        # would keep (a resumed run's own checkpoint stays as it was).
+        with guard.abandonable(STARTUP_STOP):
             console.say(
-                f"train.num_episodes {config.train.num_episodes}: train.max_steps {config.train.max_steps} "
-                f"({len(train_data)} prompts, {config.rollout.rollout_batch_size} per step)"
+                f"ray: {'local cluster on 127.0.0.1' if started_ray else 'joined ' + str(config.ray.address)}"
             )
-        console.say(
-            f"algorithm: {describe_components(config)}; old log-probs "
-            + (
-                "from the training forward"
-                if old_logprobs_from_training(config)
-                else "from a separate forward"
+            tokenizer, train_data, eval_data, took = data.result()
+            # the line's own seconds: how long the data kept the run waiting once Ray was up
+            console.say(f"{describe_data(train_data, eval_data)}; loaded in {took:.1f} s while Ray started")
+            if config.train.num_episodes is not None:
+                config = steps_of_episodes(config, len(train_data))
+                console.say(
+                    f"train.num_episodes {config.train.num_episodes}: train.max_steps {config.train.max_steps} "
+                    f"({len(train_data)} prompts, {config.rollout.rollout_batch_size} per step)"
+                )
+            console.say(
+                f"algorithm: {describe_components(config)}; old log-probs "
+                + (
+                    "from the training forward"
+                    if old_logprobs_from_training(config)
+                    else "from a separate forward"
+                )
+                + (
+                    "; learners run a prompt shared by several samples once (model.share_prefix)"
+                    if learners_share_prefix(config)
+                    else ""
+                )
             )
-            + (
-                "; learners run a prompt shared by several samples once (model.share_prefix)"
-                if learners_share_prefix(config)
-                else ""
+            samples = config.rollout.rollout_batch_size * config.rollout.n_samples_per_prompt
+            steps_per_batch = config.train.max_epochs * (
+                samples // (config.train.train_batch_size or samples)
             )
-        )
-        samples = config.rollout.rollout_batch_size * config.rollout.n_samples_per_prompt
-        steps_per_batch = config.train.max_epochs * (samples // (config.train.train_batch_size or samples))
-        roles = Roles(config, plugins=plugins)
-        log_dir = str(output_dir / "logs") if config.log.actor_output == "file" else None
-        roles.start(inputs, log_dir=log_dir, total_steps=steps_per_batch * config.train.max_steps)
-        console.say(roles.describe())
-        console.say(f"weight sync: {roles.init_weight_sync()}")
-        from rl_data.datasets import PromptLoader
+            roles = Roles(config, plugins=plugins)
+            log_dir = str(output_dir / "logs") if config.log.actor_output == "file" else None
+            roles.start(inputs, log_dir=log_dir, total_steps=steps_per_batch * config.train.max_steps)
+            console.say(roles.describe())
+            console.say(f"weight sync: {roles.init_weight_sync()}")
+            from rl_data.datasets import PromptLoader
 
-        loader = PromptLoader(
-            train_data, batch_size=config.rollout.prompts_per_round, seed=config.train.seed, shuffle=True
-        )
-        rollouts = Rollouts(config, roles.engines, loader)
-        rollouts.log_dir, rollouts.notify = log_dir, console.warn
-        normalization = None
-        if config.reward.normalize == "model":
-            normalization = score_normalization(inputs.reward_model_path)
-            console.say(
-                f"reward.normalize model: scores ← (s − {normalization[0]:g}) / {normalization[1]:g}"
-                if normalization is not None
-                else f"reward.normalize model: {inputs.reward_model_path}/config.json has no usable mean "
-                "and std; the reward model's scores stay raw"
+            loader = PromptLoader(
+                train_data, batch_size=config.rollout.prompts_per_round, seed=config.train.seed, shuffle=True
             )
-        trainer = PPOTrainer(
-            config, roles, rollouts, eval_data, plan, tokenizer=tokenizer, score_normalization=normalization
-        )
-        state = trainer.resume()
+            rollouts = Rollouts(config, roles.engines, loader)
+            rollouts.log_dir, rollouts.notify = log_dir, console.warn
+            normalization = None
+            if config.reward.normalize == "model":
+                normalization = score_normalization(inputs.reward_model_path)
+                console.say(
+                    f"reward.normalize model: scores ← (s − {normalization[0]:g}) / {normalization[1]:g}"
+                    if normalization is not None
+                    else f"reward.normalize model: {inputs.reward_model_path}/config.json has no usable mean "
+                    "and std; the reward model's scores stay raw"
+                )
+            trainer = PPOTrainer(
+                config,
+                roles,
+                rollouts,
+                eval_data,
+                plan,
+                tokenizer=tokenizer,
+                score_normalization=normalization,
+            )
+            state = trainer.resume()
         with Tracker.for_run(config, start_step=state.step) as tracker:
             try:
                 trainer.fit(tracker, state, preemption=guard)
@@ -580,7 +598,12 @@ def run(config: PPOConfig) -> int:
         return 1
     except KeyboardInterrupt:
         if guard is not None and guard.requested:
-            print(f"rl-launch ppo: {guard.signal_name}: stopped without saving", file=sys.stderr)
+            when = "during start-up, before the first step" if trainer is None or not trainer.stepping else ""
+            print(
+                f"rl-launch ppo: {guard.signal_name}: stopped {when or 'without saving'}"
+                + (" (nothing to save)" if when else ""),
+                file=sys.stderr,
+            )
             return guard.exit_code
         return 130
     except ray.exceptions.RayError as error:

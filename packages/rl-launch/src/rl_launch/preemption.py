@@ -91,6 +91,7 @@ class PreemptionGuard:
         self.timed_out = False
         self.finished = False
         self._abandonable = 0
+        self._stopping: str | None = None
         self._previous: dict[int, Any] = {}
         self._timers: list[threading.Timer] = []
 
@@ -144,16 +145,20 @@ class PreemptionGuard:
         self.finish()
 
     @contextlib.contextmanager
-    def abandonable(self) -> Iterator[None]:
+    def abandonable(self, stopping: str | None = None) -> Iterator[None]:
         """A region the first signal may interrupt at once (it raises `KeyboardInterrupt` there):
-        work that changes no learner state, so the last finished step can still be saved."""
+        work that changes no learner state, so the last finished step can still be saved.
+        `stopping`: what the signal's console line says instead of the step loop's rule (the
+        start-up: "stopping the start-up now; no step has run, nothing to save")."""
         if self.requested:
             raise KeyboardInterrupt
         self._abandonable += 1
+        outer, self._stopping = self._stopping, stopping or self._stopping
         try:
             yield
         finally:
             self._abandonable -= 1
+            self._stopping = outer
 
     def _say(self, text: str) -> None:
         with contextlib.suppress(OSError, ValueError):
@@ -166,11 +171,14 @@ class PreemptionGuard:
         name = signal.Signals(signum).name
         if self.signum is None:
             self.signum = signum
-            self._say(
-                f"{name}: stopping after the step in flight, then saving a checkpoint of the last "
-                f"finished step (at most {self.timeout_s:g} s, ckpt.preemption_timeout_s; a second "
-                "signal stops at once without saving)"
-            )
+            if self._abandonable and self._stopping:
+                self._say(f"{name}: {self._stopping}")
+            else:
+                self._say(
+                    f"{name}: stopping after the step in flight, then saving a checkpoint of the last "
+                    f"finished step (at most {self.timeout_s:g} s, ckpt.preemption_timeout_s; a second "
+                    "signal stops at once without saving)"
+                )
             self._start_timer(self.timeout_s, self._time_out)
             if self._abandonable:
                 raise KeyboardInterrupt

@@ -176,6 +176,7 @@ class Roles:
         self._receipts: list[tuple[Any, list]] = []  # async mode: syncs whose receipts are not compared yet
         self._engines_closing: list | None = None  # the engines' `close` calls (`close_engines`)
         self.sync_spec: Any = None  # the WeightSyncSpec both sides joined (`init_weight_sync`)
+        self.started = False  # every actor finished its start (`start` returned)
 
     # ------------------------------------------------------------------------------------------
     # Start-up
@@ -240,6 +241,7 @@ class Roles:
         self.engine_gpus = [gpus for _, _, _, gpus, _ in engines]
         self.engine_contexts = [context for _, _, _, _, context in engines]
         self.engine_helpers = ray.get(self.engines.submit("helpers"))  # swept at shutdown
+        self.started = True
         self.policy_node = located["policy"][0][0]
         self.policy_locations = [tuple(location) for location in self.groups["policy"].call("location")]
 
@@ -733,19 +735,25 @@ class Roles:
             self._engines_closing = self.engines.submit("close")
 
     def shutdown(self) -> None:
+        """Close every actor (the engines through vLLM's own shutdown, the policy's sync folder),
+        kill them, sweep what a killed one left, remove the placement groups. A start that did
+        not finish (a failure, a signal) skips the closes: a call would queue behind the actor's
+        start and wait for it (an engine in vLLM's multiprocess mode killed mid-start may then
+        leave its engine core, which it had not yet reported for the sweep)."""
         import ray
         from ray.util.placement_group import remove_placement_group
 
         from .components.weight_sync import SYNC_STRATEGIES
         from .leftovers import sweep
 
-        closing = []
-        if "policy" in self.groups:  # the sender removes its shared-memory folder (shm sync)
-            closing += self.groups["policy"].submit("close")
-        self.close_engines()  # vLLM's own shutdown: its engine core, workers and ring buffers
-        closing += self._engines_closing or []
-        with contextlib.suppress(Exception):  # an actor that died or hangs: swept below
-            ray.wait(closing, num_returns=len(closing), timeout=30)
+        if self.started:
+            closing = []
+            if "policy" in self.groups:  # the sender removes its shared-memory folder (shm sync)
+                closing += self.groups["policy"].submit("close")
+            self.close_engines()  # vLLM's own shutdown: its engine core, workers and ring buffers
+            closing += self._engines_closing or []
+            with contextlib.suppress(Exception):  # an actor that died or hangs: swept below
+                ray.wait(closing, num_returns=len(closing), timeout=30)
         for group in [*self.groups.values(), *([self.engines] if self.engines is not None else [])]:
             with contextlib.suppress(Exception):  # an actor that already died
                 group.kill()
