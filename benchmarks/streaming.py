@@ -79,6 +79,13 @@ MODES: dict[str, dict[str, str]] = {
         "rollout.streaming": "true",
         "rollout.max_staleness": "1",
     },
+    "stream-s2": {  # streaming with a staleness bound of two versions
+        "rollout.async_train": "true",
+        "rollout.async_depth": "1",
+        "rollout.partial_rollout": "true",
+        "rollout.streaming": "true",
+        "rollout.max_staleness": "2",
+    },
     "stream-over": {
         "rollout.async_train": "true",
         "rollout.async_depth": "1",
