@@ -27,7 +27,9 @@
 # batches only, captured in seconds; eager: rollout.enforce_eager; compiled: vLLM's default,
 # torch.compile + piecewise graphs, ~1 min more at start-up), D_TOKENS (512 new tokens per
 # answer, all of them: min_new_tokens), D_PROMPTS (8), D_N (8 samples per prompt), D_STEPS (5),
-# D_TRL_GENERATION (hf: TRL with HF generate; vllm: TRL's vLLM colocate mode), GPU_TESTS_STOP (--maxfail=3), GPU_TESTS_WORKERS (4 pytest-xdist workers for b), STEPS (abcd: the
+# D_TRL_GENERATION (hf: TRL with HF generate; vllm: TRL's vLLM colocate mode), D_CAP (330: the
+# seconds the main d run may take), D_SIDE (each side's --timeout in it; default 55 % of D_CAP
+# less 30 s: give TRL, whose 512-token steps take ~13.5 s on an H100, enough for D_STEPS), GPU_TESTS_STOP (--maxfail=3), GPU_TESTS_WORKERS (4 pytest-xdist workers for b), STEPS (abcd: the
 # steps to run, e.g. STEPS=ad); for a dry run
 # of this script on a CPU machine: PY (python3), SITE (/tmp/site), D_DEVICE (cuda), D_SIZE (0.5b).
 set -u
@@ -166,7 +168,7 @@ PRESETS=()
 [ -d /tmp/gpukit/presets ] && PRESETS=(--preset-root /tmp/gpukit/presets) # the carried build: no SFT here
 
 run_d() { # $1 = VLLM_MODE, $2 = our hybrid engine's variant, $3 = "ours" for our side alone
-  local engine=() variant=() only=() t side cap=330
+  local engine=() variant=() only=() t side cap=${D_CAP:-330}
   case "$1" in
     decode-graphs) engine=(--ours-option 'rollout.engine_options.compilation_config={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}') ;;
     eager) engine=(--ours-option rollout.enforce_eager=true) ;;
@@ -184,6 +186,7 @@ run_d() { # $1 = VLLM_MODE, $2 = our hybrid engine's variant, $3 = "ours" for ou
   t=$(($(left) - 15))
   [ "$t" -gt "$cap" ] && t=$cap
   side=$(((t - 30) * 11 / 20)) # each side's limit inside the benchmark (ours starts Ray and vLLM: 55 %)
+  [ -n "${D_SIDE:-}" ] && side=$D_SIDE
   [ "${3:-}" = ours ] && side=$((t - 30))
   echo "=== [d] VLLM_MODE=$1, ours $2${3:+ (ours alone)}" >> "$D"
   say "[d] VLLM_MODE=$1, ours $2${3:+ (ours alone)}"
