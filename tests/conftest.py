@@ -75,7 +75,7 @@ LONGEST_FILES = (
     "learner/test_checkpoint.py",  # ~44 s
     "launch/test_lora_run.py",  # ~40 s
     "launch/test_rewards_e2e.py",  # ~36 s (with the served reward model)
-    "launch/test_plugin_every_kind.py",  # ~35 s
+    "launch/test_data_eval_e2e.py",  # ~35 s (with the plugin of every kind)
     "launch/test_agents.py",  # ~32 s
     "learner/test_sync.py",  # ~30 s
     "learner/test_sequence_parallel.py",  # ~26 s
