@@ -58,26 +58,28 @@ os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get
 # `--no-loadscope-reorder`, pyproject.toml), so a long file collected
 # last keeps one worker busy while the other idles. Longest first, then the other files with slow
 # tests, then the fast ones (which fill the gaps) lets both workers finish together.
-# The seconds: the last full run's (before one OpenMP thread per process) where a file changed
-# since, scaled by what the change measured on its own.
+# The seconds: each file's time in the last full run (`-n 2`, quiet machine, 12:58 in all), where
+# a file changed since, what it measured on its own beside another heavy file.
 LONGEST_FILES = (
-    "launch/test_chaos.py",  # ~185 s beside the other worker (~85 s quiet)
-    "launch/test_sequence_parallel_run.py",  # ~160 s (long-context responses since issue 25; 80 s quiet)
-    "launch/test_preset_run.py",  # ~105 s (was 254 s with two OpenMP threads per process)
-    "launch/test_lora_run.py",  # ~90 s
-    "launch/test_ppo_runs.py",  # ~90 s
-    "launch/test_leftovers_vllm.py",  # ~85 s
-    "rollout/test_http_engine.py",  # ~90 s (its vllm serve, now eager, and the rl-launch ppo run on it)
-    "launch/test_every_component.py",  # ~80 s
-    "launch/test_multinode.py",  # ~78 s
-    "launch/test_ppo_variants.py",  # ~70 s (the async run; ReMax moved into the component sweep)
-    "rollout/test_vllm_engine.py",  # ~65 s (with the whole-loop vLLM -> ZeRO-3 -> vLLM test)
-    "launch/test_async_resume.py",  # ~63 s
-    "learner/test_sequence_parallel.py",  # ~55 s
-    "launch/test_openrlhf_scripts.py",  # ~55 s
-    "launch/test_serve_rm.py",  # ~55 s
-    "learner/test_learner.py",  # ~45 s (two DeepSpeed worlds)
-    "learner/test_checkpoint.py",  # ~35 s
+    "launch/test_chaos.py",  # ~115 s (five rl-launch runs, one beside the others)
+    "launch/test_async_resume.py",  # ~110 s (two kill-and-resume runs)
+    "launch/test_sequence_parallel_run.py",  # ~85 s (long-context responses, two runs)
+    "rollout/test_http_engine.py",  # ~76 s (its vllm serve, and the rl-launch ppo run on it)
+    "launch/test_preset_run.py",  # ~74 s (the preset's build, then its 16 steps)
+    "launch/test_leftovers_vllm.py",  # ~65 s (two vLLM engines, each in a process of its own)
+    "launch/test_multinode.py",  # ~60 s
+    "launch/test_ppo_runs.py",  # ~55 s (OpenRLHF's hybrid-engine script: every learner role, vLLM)
+    "launch/test_every_component.py",  # ~52 s
+    "launch/test_ppo_variants.py",  # ~49 s
+    "rollout/test_vllm_engine.py",  # ~47 s
+    "learner/test_checkpoint.py",  # ~44 s
+    "launch/test_lora_run.py",  # ~40 s
+    "launch/test_rewards_e2e.py",  # ~36 s (with the served reward model)
+    "launch/test_data_eval_e2e.py",  # ~35 s (with the plugin of every kind)
+    "launch/test_agents.py",  # ~32 s
+    "learner/test_sync.py",  # ~30 s
+    "learner/test_sequence_parallel.py",  # ~26 s
+    "learner/test_learner.py",  # ~26 s (two DeepSpeed worlds)
 )
 
 

@@ -5,6 +5,8 @@
 
 Each server records the requests it answered (batch size and the Authorization header), so a test
 can see that a run called it, with which header, and how its answers were batched.
+
+`served_reward_model(checkpoint)`: the real `rl-launch serve-rm --port 0` in a subprocess.
 """
 
 from __future__ import annotations
@@ -12,8 +14,12 @@ from __future__ import annotations
 import contextlib
 import http.server
 import json
+import subprocess
+import sys
 import threading
+import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):
@@ -59,3 +65,35 @@ def reward_server(name: str, reward: float) -> Iterator[http.server.ThreadingHTT
     finally:
         httpd.shutdown()
         httpd.server_close()
+
+
+@contextlib.contextmanager
+def served_reward_model(checkpoint: Path, env: dict[str, str]) -> Iterator[str]:
+    """`rl-launch serve-rm --port 0` of `checkpoint` (fp32, CPU) in a subprocess: its /get_reward
+    URL, once the model is loaded and the port bound. Stopped with SIGTERM at the end, which it
+    must exit from with code 0."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "rl_launch.cli", "serve-rm", "--reward_pretrain", str(checkpoint),
+         "--port", "0", "--dtype", "fp32", "--device", "cpu", "--batch_size", "8"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    try:
+        line = process.stdout.readline()  # printed once the model is loaded and the port bound
+        assert "serving" in line, (line, process.poll(), process.stderr.read() if process.poll() else "")
+        url = line.split(" at ")[1].split()[0]
+        assert url.startswith("http://127.0.0.1:")
+        assert url.endswith("/get_reward")
+        yield url
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
+    assert process.returncode == 0, process.stderr.read()[-2000:]
+
+
+def served_health(url: str) -> tuple[int, dict]:
+    """(HTTP status, JSON body) of a served reward model's /health, given its /get_reward URL."""
+    with urllib.request.urlopen(url.removesuffix("/get_reward") + "/health", timeout=60) as response:
+        return response.status, json.loads(response.read())

@@ -3,16 +3,24 @@ template, a dropped prompt on the start-up line, and evaluation of two datasets 
 prompt logging pass@4, mean@4 and per-dataset metrics before training and at the end.
 
 The same run keeps an EMA of the policy (`--train.ema_beta`), saves it in each checkpoint and
-exports it to <log.output_dir>/final_ema: one start-up for both features."""
+exports it to <log.output_dir>/final_ema; and it is tests/launch/test_plugin_every_kind.py's run
+(its components: tests/launch/plugin_every_kind.py): a plugin of every component kind, none of them
+in the packages, plus a policy loss from a second plugin given as a file path, each doing its part
+of the step, every process importing each plugin once. The plugin engine and executor wrap the hf
+engine and the single-turn executor, so the data, evaluation and EMA paths run through them as
+through the built-in ones. One start-up for the three features."""
 
 from __future__ import annotations
 
 import json
+import math
+import os
 
 import pytest
 import torch
 
 from tests.launch.launching import launch, read_metrics
+from tests.launch.test_plugin_every_kind import CHOICES, EXAMPLE, PLUGIN
 
 pytestmark = pytest.mark.slow
 
@@ -61,7 +69,10 @@ def run(tiny_checkpoint, module_ray_temp, tmp_path_factory):
         "--eval.n_samples_per_prompt", "4",
         "--eval.temperature", "1.0",
         "--reward.function", str(reward),
-        "--algo.advantage.estimator", "grpo",
+        "--plugin", os.path.relpath(PLUGIN),
+        "--plugin", os.path.relpath(EXAMPLE),  # a .py path, relative to the driver's working directory
+        *CHOICES,  # the estimator plugin_td takes values: the run starts and trains a critic
+        "--algo.policy.loss", "plugin_pg",
         "--rollout.n_samples_per_prompt", "2",
         "--rollout.rollout_batch_size", "4",
         "--rollout.generate_max_len", "8",
@@ -73,7 +84,6 @@ def run(tiny_checkpoint, module_ray_temp, tmp_path_factory):
         "--log.output_dir", str(run_dir),
         "--log.progress_bar", "false",
         "--ray.temp_dir", ray_dir,
-        "--rollout.engine", "hf",  # transformers generation: starts in a second, vLLM in ~25 s
     ]  # fmt: skip
     result = launch(args, env)
     assert result.returncode == 0, result.stderr[-4000:]
@@ -130,3 +140,28 @@ def test_the_exported_ema_is_the_beta_average_of_the_checkpointed_ema_and_the_fi
             assert not torch.equal(exported[name], final[name]), name
             assert not torch.equal(exported[name], initial[name]), name
     assert moved > 0  # the policy trained
+
+
+def test_the_run_uses_a_plugin_component_of_every_kind(run):
+    run_dir, result = run
+    trained = [line for line in read_metrics(run_dir) if line["step"] > 0]
+    assert [line["step"] for line in trained] == [1, 2]
+    for line in trained:
+        assert math.isfinite(line["policy/loss"])
+        assert "policy/ratio_mean" in line  # plugin_example's loss's own metric, computed in the actor
+        assert line["policy/skipped"] == 0
+        assert math.isfinite(line["critic/loss"])  # plugin_td takes values: a critic was started and trained
+        assert line["rollout/agent/plugin_tag"] == 2.0  # the executor's option arrived verbatim
+        assert "policy/plugin_cap_fraction" in line  # the correction ran in the learner
+        assert line["health/sync_checksum_match"] == 1.0  # the toy transport carried the weights
+    assert sorted(path.name for path in (run_dir / "toy_sync").glob("bucket-0-v*.bin"))
+    engine_log = (run_dir / "logs" / "engine-0.log").read_text()
+    assert "plugin_every_kind: engine built" in engine_log
+    assert "plugin_every_kind: executor built" in engine_log
+    # imported in the driver and in each actor (the policy learner, the engine), once per process
+    for name, output in [
+        ("driver", result.stdout),
+        *[(name, (run_dir / "logs" / f"{name}.log").read_text()) for name in ("policy-0", "engine-0")],
+    ]:
+        assert "plugin_example: imported (execution 1 in pid" in output, name
+        assert "(execution 2 in pid" not in output, name

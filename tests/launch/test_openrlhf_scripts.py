@@ -2,13 +2,16 @@
 each case holds the OpenRLHF flags one script uses, with paths pointing at local files, and checks
 that `--print-config` accepts them (exit 0) with a few translated values. Flags of capabilities
 that other open issues own are left out of the accepted line and checked to be refused, each with
-a reason that says so."""
+a reason that says so.
+
+`train_sft.sh`'s flags train two steps here; `train_ppo_ray_hybrid_engine.sh`'s run end to end in
+tests/launch/test_ppo_runs.py (PPO with every learner role, ZeRO-3, the hybrid engine), one
+start-up for that script and the PPO run."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import pathlib
 
 import pytest
 import yaml
@@ -37,6 +40,8 @@ SUPERVISED_COMMON += ("flash_attention_2", "--ckpt.load_enable", "--ds.packing_s
 SUPERVISED_COMMON += ("--model.gradient_checkpointing_enable",)
 NORMALIZE = ("--reward.normalize_enable",)
 RING = ("--ds.ring_attn_size", "2", "--ds.ring_attn_head_stride", "2")
+# the flags whose value is a GPU count (test_ppo_runs.py sets each to 1 for its CPU run)
+GPU_COUNTS = ("num_gpus_per_node", "vllm.num_engines", "vllm.tensor_parallel_size")
 
 AGENT_SCRIPT = (
     "--actor.model_name_or_path", "{model}", "--ckpt.load_enable", "--ckpt.output_dir", "{out}/final",
@@ -398,38 +403,3 @@ def test_sft_script_flags_train_two_steps_on_cpu_and_export_to_ckpt_output_dir(p
     ]
     assert steps == [1, 2]
     assert (final / "config.json").exists()
-
-
-@pytest.mark.slow
-def test_hybrid_engine_ppo_script_flags_train_two_steps_on_cpu(places, ray_temp, tmp_path):
-    """train_ppo_ray_hybrid_engine.sh's flags, GPU counts set to one per role (ZeRO-3, colocate all,
-    sleep, a reward model, the correction, the reward model's normalisation), with sizes for a tiny
-    CPU run appended after them (later flags win): two steps end to end, the HF export in
-    --ckpt.output_dir."""
-    from tests.launch.launching import launch, read_metrics
-
-    ray_dir, env = ray_temp
-    one_gpu = {"8": "1", "4": "1", "2": "1"}  # num_gpus_per_node, vllm.num_engines, tensor_parallel_size
-    flags = _filled(SCRIPTS["train_ppo_ray_hybrid_engine.sh"].flags, places)
-    flags = [
-        one_gpu.get(value, value) if index and flags[index - 1].endswith(GPU_COUNTS) else value
-        for index, value in enumerate(flags)
-    ]
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text(
-        "".join(json.dumps({"context_messages": f"{n} + 1 =", "label": str(n + 1)}) + "\n" for n in range(8))
-    )
-    sizes = [
-        "--data.prompt_dataset", str(prompts),
-        "--rollout.batch_size", "4", "--rollout.n_samples_per_prompt", "2", "--train.batch_size", "8",
-        "--data.max_len", "96", "--rollout.max_new_tokens", "8", "--ds.param_dtype", "fp32",
-        "--train.max_steps", "2", "--rollout.engine", "hf", "--ray.temp_dir", ray_dir,
-        "--log.output_dir", str(tmp_path / "run"), "--log.progress_bar", "false",
-    ]  # fmt: skip
-    result = launch(flags + sizes, env)
-    assert result.returncode == 0, result.stderr[-4000:]
-    assert [line["step"] for line in read_metrics(tmp_path / "run")] == [1, 2]
-    assert (pathlib.Path(places["out"]) / "final" / "config.json").exists()
-
-
-GPU_COUNTS = ("num_gpus_per_node", "vllm.num_engines", "vllm.tensor_parallel_size")

@@ -3,20 +3,20 @@
 an estimator that takes `values` gets a critic, a plugin engine, executor, rollout correction and
 weight-sync transport each do their part of the step. The same run takes a second plugin given
 as a file path (tests/launch/plugin_example.py), whose policy loss trains the policy, and every
-process imports each plugin once."""
+process imports each plugin once.
+
+That run is tests/launch/test_data_eval_e2e.py's (`CHOICES`, `PLUGIN` and `EXAMPLE` are imported
+there): one start-up for the plugins, the data mixture, evaluation and the EMA."""
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import pathlib
 import subprocess
 import sys
 
-import pytest
-
-from tests.launch.launching import launch, read_metrics
+from tests.launch.launching import launch
 
 PLUGIN = pathlib.Path(__file__).with_name("plugin_every_kind.py")
 EXAMPLE = pathlib.Path(__file__).with_name("plugin_example.py")
@@ -82,55 +82,3 @@ def test_a_bad_option_of_a_plugin_component_fails_before_anything_starts(tiny_ch
         "algo.policy.correction_options.cop: not an option of rollout correction 'plugin_capped'"
         in result.stderr
     )
-
-
-@pytest.mark.slow
-def test_a_run_uses_a_plugin_component_of_every_kind(tiny_checkpoint, ray_temp, tmp_path):
-    ray_dir, env = ray_temp
-    prompts = tmp_path / "train.jsonl"
-    prompts.write_text(
-        "".join(json.dumps({"prompt": f"What is {i} + 1?", "label": str(i + 1)}) + "\n" for i in range(16))
-    )
-    run_dir = tmp_path / "run"
-    args = [
-        "--preset", "none",
-        "--model.pretrain", str(tiny_checkpoint),
-        "--data.prompt_data", str(prompts),
-        "--reward.function", "numeric",
-        "--plugin", os.path.relpath(PLUGIN),
-        "--plugin", os.path.relpath(EXAMPLE),  # a .py path, relative to the driver's working directory
-        *CHOICES,
-        "--algo.policy.loss", "plugin_pg",
-        "--rollout.n_samples_per_prompt", "4",
-        "--rollout.rollout_batch_size", "4",
-        "--rollout.generate_max_len", "8",
-        "--train.max_steps", "2",
-        "--train.zero_stage", "0",
-        "--ckpt.save_hf_model", "false",
-        "--log.output_dir", str(run_dir),
-        "--log.progress_bar", "false",
-        "--ray.temp_dir", ray_dir,
-    ]  # fmt: skip
-    result = launch(args, env)
-    assert result.returncode == 0, result.stderr[-4000:]
-    metrics = read_metrics(run_dir)
-    assert [line["step"] for line in metrics] == [1, 2]
-    for line in metrics:
-        assert math.isfinite(line["policy/loss"])
-        assert "policy/ratio_mean" in line  # plugin_example's loss's own metric, computed in the actor
-        assert line["policy/skipped"] == 0
-        assert math.isfinite(line["critic/loss"])  # plugin_td takes values: a critic was started and trained
-        assert line["rollout/agent/plugin_tag"] == 2.0  # the executor's option arrived verbatim
-        assert "policy/plugin_cap_fraction" in line  # the correction ran in the learner
-        assert line["health/sync_checksum_match"] == 1.0  # the toy transport carried the weights
-    assert sorted(path.name for path in (run_dir / "toy_sync").glob("bucket-0-v*.bin"))
-    engine_log = (run_dir / "logs" / "engine-0.log").read_text()
-    assert "plugin_every_kind: engine built" in engine_log
-    assert "plugin_every_kind: executor built" in engine_log
-    # imported in the driver and in each actor (the policy learner, the engine), once per process
-    for name, output in [
-        ("driver", result.stdout),
-        *[(name, (run_dir / "logs" / f"{name}.log").read_text()) for name in ("policy-0", "engine-0")],
-    ]:
-        assert "plugin_example: imported (execution 1 in pid" in output, name
-        assert "(execution 2 in pid" not in output, name

@@ -1,6 +1,11 @@
-"""End to end through the real CLI, Ray, a transformers engine and DeepSpeed: rewards from a rule file and two
-reward servers, weighted, with an Authorization header read from an environment variable, the
-sources' extra_logs in metrics.jsonl, and OpenRLHF's overlong / stop-properly shaping."""
+"""End to end through the real CLI, Ray, a transformers engine and DeepSpeed: rewards from a rule file, two
+reward servers and a reward model served by `rl-launch serve-rm`, weighted, with an Authorization
+header read from an environment variable, the sources' extra_logs in metrics.jsonl, and OpenRLHF's
+overlong / stop-properly shaping.
+
+The served reward model is the real `rl-launch serve-rm --port 0` in a subprocess (its own tests,
+tests/launch/test_serve_rm.py, run it in-process): the run scores every sample on it, and it
+exits 0 on SIGTERM after. One run for both: a run of its own cost a Ray start-up and its actors."""
 
 from __future__ import annotations
 
@@ -11,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.launch.launching import launch, read_metrics
-from tests.launch.reward_servers import reward_server
+from tests.launch.reward_servers import reward_server, served_health, served_reward_model
 
 pytestmark = pytest.mark.slow
 
@@ -28,7 +33,7 @@ def _files_containing(root: Path, text: str) -> list[str]:
     return [str(path) for path in root.rglob("*") if path.is_file() and needle in path.read_bytes()]
 
 
-def test_two_reward_servers_and_a_file_weighted_with_a_header_extra_logs_and_shaping(
+def test_two_reward_servers_a_served_reward_model_and_a_file_weighted_with_a_header_extra_logs_and_shaping(
     tiny_checkpoint, ray_temp, tmp_path
 ):
     ray_dir, env = ray_temp
@@ -41,15 +46,19 @@ def test_two_reward_servers_and_a_file_weighted_with_a_header_extra_logs_and_sha
     reward_file = tmp_path / "reward.py"
     reward_file.write_text(REWARD_FILE)
     run_dir = tmp_path / "run"
-    with reward_server("a", 1.0) as first, reward_server("b", 0.25) as second:
+    with (
+        reward_server("a", 1.0) as first,
+        reward_server("b", 0.25) as second,
+        served_reward_model(tiny_checkpoint, env) as served,
+    ):
         args = [
             "--preset", "none",
             "--model.pretrain", str(tiny_checkpoint),
             "--data.prompt_data", str(prompts),
             "--reward.function", str(reward_file),
             # OpenRLHF's way of giving several servers
-            "--reward.remote_url", f"{first.url},{second.url}",
-            "--reward.weights", "1.0,0.5,2.0",
+            "--reward.remote_url", f"{first.url},{second.url},{served}",
+            "--reward.weights", "1.0,0.5,2.0,1.0",
             "--reward.batch_size", "3",
             "--reward.retries", "1",
             "--reward.timeout_s", "30",
@@ -74,6 +83,9 @@ def test_two_reward_servers_and_a_file_weighted_with_a_header_extra_logs_and_sha
         assert sorted(request["size"] for request in first.requests) == [2, 2, 3, 3, 3, 3]
         assert len(second.requests) == 6
         assert {request["authorization"] for request in first.requests + second.requests} == {token}
+        status, health = served_health(served)
+        assert status == 200
+        assert health["samples"] == 2 * 4 * 2  # every sample of the 2 steps, scored once
 
     metrics = read_metrics(run_dir)
     assert [line["step"] for line in metrics] == [1, 2]
@@ -81,8 +93,13 @@ def test_two_reward_servers_and_a_file_weighted_with_a_header_extra_logs_and_sha
         assert line["reward/remote_0_mean"] == 1.0
         assert line["reward/remote_1_mean"] == 0.25
         assert 0.0 <= line["reward/function_mean"] <= 1.0
-        # the outcome reward is Σ w_k r_k in the order function, remote_0, remote_1
-        assert line["reward/mean"] == pytest.approx(line["reward/function_mean"] + 0.5 * 1.0 + 2.0 * 0.25)
+        # the served model's fresh score head on the tiny backbone: small nonzero scores, never exactly 0
+        assert line["reward/remote_2_mean"] != 0.0
+        assert abs(line["reward/remote_2_mean"]) < 10.0
+        # the outcome reward is Σ w_k r_k in the order function, remote_0, remote_1, remote_2
+        assert line["reward/mean"] == pytest.approx(
+            line["reward/function_mean"] + 0.5 * 1.0 + 2.0 * 0.25 + 1.0 * line["reward/remote_2_mean"]
+        )
         # extra_logs: per-sample lists (file_hits, a_response_chars) and one value per request (b_requests)
         assert line["reward/extra/file_hits"] == pytest.approx(line["reward/function_mean"])
         assert line["reward/extra/a_response_chars"] > 0

@@ -9,8 +9,9 @@
 - Truncation (right / left), append_eos and normalize_reward (mean / std from config.json) score
   exactly the tokens they say; normalize_reward without mean / std serves raw scores.
 - The command line: options, --print-config, errors with exit code 2.
-- End to end (slow): `rl-launch serve-rm --port 0` in a subprocess, and `rl-launch ppo
-  --reward.remote_url <its URL>` trains 2 steps against it.
+- End to end: tests/launch/test_rewards_e2e.py starts `rl-launch serve-rm --port 0` in a
+  subprocess and `rl-launch ppo` trains 2 steps against it, one of the run's weighted reward
+  sources (tests/launch/reward_servers.py: `served_reward_model`).
 """
 
 from __future__ import annotations
@@ -19,8 +20,6 @@ import json
 import random
 import re
 import shutil
-import subprocess
-import sys
 import threading
 import urllib.error
 import urllib.request
@@ -34,7 +33,6 @@ from rl_launch.config import ConfigError
 from rl_launch.options import load_config
 from rl_launch.serve_rm import RewardModelScorer, RewardModelServer, ServeRMConfig
 from rl_rollout import RemoteRewardClient, RemoteRewardError
-from tests.launch.launching import launch, launcher_env, read_metrics
 
 ATOL = 1e-5
 
@@ -319,68 +317,3 @@ def test_a_missing_model_folder_exits_1_with_the_path(tmp_path, capsys):
 def test_append_eos_needs_room_for_a_token():
     with pytest.raises(ConfigError, match=r"max_len: 1 must be >= 2 with append_eos"):
         ServeRMConfig(reward_pretrain="m", append_eos=True, max_len=1)
-
-
-# ----------------------------------------------------------------------------- end to end
-
-
-@pytest.fixture
-def served(tiny_checkpoint):
-    """`rl-launch serve-rm --port 0` in a subprocess: (URL, process); stopped with SIGTERM after."""
-    process = subprocess.Popen(
-        [sys.executable, "-m", "rl_launch.cli", "serve-rm", "--reward_pretrain", str(tiny_checkpoint),
-         "--port", "0", "--dtype", "fp32", "--device", "cpu", "--batch_size", "8"],
-        env=launcher_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )  # fmt: skip
-    try:
-        line = process.stdout.readline()  # printed once the model is loaded and the port bound
-        assert "serving" in line, (line, process.poll(), process.stderr.read() if process.poll() else "")
-        url = line.split(" at ")[1].split()[0]
-        assert url.startswith("http://127.0.0.1:")
-        assert url.endswith("/get_reward")
-        yield url, process
-    finally:
-        process.terminate()
-        process.wait(timeout=60)
-    assert process.returncode == 0, process.stderr.read()[-2000:]
-
-
-@pytest.mark.slow
-def test_ppo_trains_two_steps_against_a_served_reward_model(served, tiny_checkpoint, tmp_path, ray_temp):
-    url, _ = served
-    ray_dir, env = ray_temp
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text(
-        "".join(json.dumps({"prompt": f"What is {a} + 1?", "label": str(a + 1)}) + "\n" for a in range(8))
-    )
-    run_dir = tmp_path / "run"
-    args = [
-        "--preset", "none",
-        "--model.pretrain", str(tiny_checkpoint),
-        "--data.prompt_data", str(prompts),
-        "--reward.remote_url", url,
-        "--algo.advantage.estimator", "grpo",
-        "--rollout.n_samples_per_prompt", "2",
-        "--rollout.rollout_batch_size", "4",
-        "--rollout.generate_max_len", "8",
-        "--train.max_steps", "2",
-        "--ckpt.save_hf_model", "false",
-        "--log.output_dir", str(run_dir),
-        "--log.progress_bar", "false",
-        "--ray.temp_dir", ray_dir,
-        "--rollout.engine", "hf",  # transformers generation: starts in a second, vLLM in ~25 s
-    ]  # fmt: skip
-    result = launch(args, env)
-    assert result.returncode == 0, result.stderr[-4000:]
-    metrics = read_metrics(run_dir)
-    assert [line["step"] for line in metrics] == [1, 2]
-    for line in metrics:
-        # the fresh score head on the tiny backbone gives small nonzero rewards, never exactly 0
-        assert line["reward/remote_0_mean"] != 0.0
-        assert abs(line["reward/remote_0_mean"]) < 10.0
-    status, health = _get(url.removesuffix("/get_reward") + "/health")
-    assert status == 200
-    assert health["samples"] == 2 * 4 * 2
