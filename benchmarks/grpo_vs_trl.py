@@ -248,21 +248,13 @@ def final_moving_mean(rewards: list[float]) -> float:
 # Ours
 
 
-class SideTimedOut(Exception):
-    """A side ran past its `--timeout` and was killed; `lines` is what it printed until then."""
-
-    def __init__(self, lines: list[tuple[float, str]], wall: float, started_unix: float) -> None:
-        super().__init__(f"killed after {wall:.0f} s")
-        self.lines, self.wall, self.started_unix = lines, wall, started_unix
-
-
 def run_stamped(command: list[str], env: dict[str, str], timeout: float, log_path: str) -> dict[str, Any]:
     """Run `command`; every stdout line with the seconds since launch when it arrived.
 
-    Returns {"returncode", "lines": [(seconds, text)], "stderr", "wall", "started_unix"}. Each line
-    goes to `log_path` as it arrives (a side killed midway, or a benchmark killed from outside,
-    leaves its console there), stderr at the end. Raises SideTimedOut after `timeout` seconds (the
-    process is killed).
+    Returns {"returncode", "lines": [(seconds, text)], "stderr", "wall", "started_unix",
+    "timed_out"}. Each line goes to `log_path` as it arrives (a side killed midway, or a benchmark
+    killed from outside, leaves its console there), stderr at the end. After `timeout` seconds the
+    process is stopped (SIGTERM, then SIGKILL 30 s later) and `timed_out` is True.
     """
     started_unix = time.time()
     started = time.perf_counter()
@@ -277,31 +269,30 @@ def run_stamped(command: list[str], env: dict[str, str], timeout: float, log_pat
 
         reader = threading.Thread(target=read, daemon=True)
         reader.start()
+        timed_out = False
         try:
             returncode = process.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
+            timed_out = True
             # SIGTERM first: rl-launch then stops its actors and Ray (a SIGKILL would orphan them)
             process.terminate()
             try:
-                process.wait(timeout=30)
+                returncode = process.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 process.kill()
-                process.wait()
-            reader.join(timeout=5)
-            errors.seek(0)
-            log.write("--- killed at the timeout; stderr ---\n" + errors.read())
-            raise SideTimedOut(list(lines), time.perf_counter() - started, started_unix) from None
+                returncode = process.wait()
         wall = time.perf_counter() - started
-        reader.join()
+        reader.join(timeout=5 if timed_out else None)
         errors.seek(0)
         stderr = errors.read()
-        log.write("--- stderr ---\n" + stderr)
+        log.write(("--- killed at the timeout; stderr ---\n" if timed_out else "--- stderr ---\n") + stderr)
     return {
         "returncode": returncode,
-        "lines": lines,
+        "lines": list(lines),
         "stderr": stderr,
         "wall": wall,
         "started_unix": started_unix,
+        "timed_out": timed_out,
     }
 
 
@@ -340,27 +331,17 @@ def run_ours(args: argparse.Namespace, scratch: str, preset: Any) -> dict[str, A
     for key, value in overrides.items():
         command += [f"--{key}", value]
     env = dict(os.environ, **environment(args.device), RAY_AUTH_TOKEN=secrets.token_hex(16))
-    partial = False
     try:
         done = run_stamped(command, env, args.timeout, os.path.join(scratch, "ours.log"))
-    except SideTimedOut as killed:  # the steps it finished are in metrics.jsonl; marked partial
-        done = {
-            "returncode": 0,
-            "lines": killed.lines,
-            "wall": killed.wall,
-            "started_unix": killed.started_unix,
-        }
-        partial = True
     finally:
         shutil.rmtree(ray_dir, ignore_errors=True)
+    partial = done["timed_out"]  # the steps it finished are in metrics.jsonl; marked partial
     wall, started_unix = done["wall"], done["started_unix"]
     metrics_path = os.path.join(output_dir, "metrics.jsonl")
     if partial and not os.path.exists(metrics_path):
         raise RuntimeError(f"ours: killed at the {args.timeout:.0f} s timeout before its first step")
-    if done["returncode"] != 0 or not os.path.exists(metrics_path):
-        raise RuntimeError(
-            f"ours: rl-launch ppo exited {done['returncode']}\n{done.get('stderr', '')[-3000:]}"
-        )
+    if not partial and (done["returncode"] != 0 or not os.path.exists(metrics_path)):
+        raise RuntimeError(f"ours: rl-launch ppo exited {done['returncode']}\n{done['stderr'][-3000:]}")
     with open(metrics_path) as handle:
         rows = [json.loads(line) for line in handle if line.strip()]
     rows = [row for row in rows if "reward/mean" in row and "time/step" in row]
@@ -544,25 +525,21 @@ def launch_trl(spec: dict[str, Any], scratch: str, timeout: float) -> dict[str, 
         json.dump(spec, handle)
     env = dict(os.environ, **environment(spec.get("device", "cpu")))
     command = [sys.executable, __file__, "--variant", "trl", "--spec", spec_path]
-    try:
-        done = run_stamped(command, env, timeout, os.path.join(scratch, "trl.log"))
-    except SideTimedOut as killed:
+    done = run_stamped(command, env, timeout, os.path.join(scratch, "trl.log"))
+    if done["timed_out"]:
         # the steps it finished (each printed as it ended), marked partial: the report says so
         steps = [
-            json.loads(text.removeprefix("STEP ")) for _, text in killed.lines if text.startswith("STEP ")
+            json.loads(text.removeprefix("STEP ")) for _, text in done["lines"] if text.startswith("STEP ")
         ]
         if len(steps) < 2:
-            raise RuntimeError(
-                f"trl: killed at the {timeout:.0f} s timeout after {len(steps)} steps"
-            ) from None
-        done = {"lines": killed.lines, "wall": killed.wall}
-        result = {"steps": steps, "partial": True, "same_prompt_ids": None, "torch_threads": None}
+            raise RuntimeError(f"trl: killed at the {timeout:.0f} s timeout after {len(steps)} steps")
+        result = {"steps": steps, "same_prompt_ids": None, "torch_threads": None}
     else:
         lines = [text for _, text in done["lines"] if text.startswith("RESULT ")]
         if done["returncode"] != 0 or not lines:
             raise RuntimeError(f"trl: exited {done['returncode']}\n{done['stderr'][-3000:]}")
         result = json.loads(lines[-1].removeprefix("RESULT "))
-    result["wall"] = done["wall"]
+    result["wall"], result["partial"] = done["wall"], done["timed_out"]
     startup, last = [], 0.0
     for at, text in done["lines"]:
         if text.startswith("PHASE "):
@@ -599,7 +576,7 @@ def summarize(name: str, result: dict[str, Any], samples_per_step: int) -> dict[
         "startup_phases": result.get("startup", []),
         "first_reward": rewards[0],
         "final_reward": final_moving_mean(rewards),
-        "partial": bool(result.get("partial")),
+        "partial": result["partial"],
         "response_length": sum(step.get("response_length", math.nan) for step in steps) / len(steps),
     }
 
@@ -894,7 +871,7 @@ def main() -> None:
                 spec["output_dir"] = os.path.join(scratch, f"run{repeat}", "trl")
                 results["trl"] = launch_trl(spec, scratch, args.timeout)
                 print(
-                    f"TRL {'killed' if results['trl'].get('partial') else 'done'} in {results['trl']['wall']:.0f} s "
+                    f"TRL {'killed' if results['trl']['partial'] else 'done'} in {results['trl']['wall']:.0f} s "
                     f"({len(results['trl']['steps'])} steps; generation {args.trl_generation}, "
                     f"torch threads {results['trl']['torch_threads']}, "
                     f"TRL prompt ids identical to ours: {results['trl']['same_prompt_ids']})"

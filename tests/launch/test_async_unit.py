@@ -12,6 +12,11 @@ from rl_launch.options import load_config
 from rl_launch.rollouts import completion_rows, drop_stale
 
 
+def _config(overrides: dict[str, str]) -> PPOConfig:
+    """The arithmetic preset's settings (validation only: nothing is prepared) with `overrides`."""
+    return load_config(PPOConfig, overrides={"preset": "arithmetic", **overrides})
+
+
 def _record(version: int, group: int) -> Trajectory:
     return Trajectory(
         prompt_ids=torch.tensor([1, 2]),
@@ -59,18 +64,12 @@ def test_a_step_whose_records_are_all_too_stale_stops_with_a_diagnosis():
 )
 def test_async_options_are_checked_by_name(overrides, message):
     with pytest.raises(ConfigError, match=message):
-        load_config(PPOConfig, overrides={"preset": "arithmetic", **overrides})
+        _config(overrides)
 
 
 def test_async_depth_and_staleness_bound_are_accepted_together():
-    config = load_config(
-        PPOConfig,
-        overrides={
-            "preset": "arithmetic",
-            "rollout.async_train": "true",
-            "rollout.async_depth": "2",
-            "rollout.max_staleness": "2",
-        },
+    config = _config(
+        {"rollout.async_train": "true", "rollout.async_depth": "2", "rollout.max_staleness": "2"}
     )
     assert (config.rollout.async_depth, config.rollout.max_staleness) == (2, 2)
 
@@ -142,7 +141,7 @@ def test_partial_rollout_is_refused_without_async_mode_or_with_an_engine_that_ca
     from rl_launch.components import check_components
 
     with pytest.raises(ConfigError, match=message):
-        check_components(load_config(PPOConfig, overrides={"preset": "arithmetic", **overrides}))
+        check_components(_config(overrides))
 
 
 def test_openrlhf_partial_rollout_flag_is_our_option():
@@ -168,20 +167,18 @@ def test_openrlhf_partial_rollout_flag_is_our_option():
 )
 def test_streaming_options_are_checked_by_name(overrides, message):
     with pytest.raises(ConfigError, match=message):
-        load_config(PPOConfig, overrides={"preset": "arithmetic", **overrides})
+        _config(overrides)
 
 
 def test_streaming_accepts_oversampling_without_filtering_and_a_bound_below_the_depth():
-    config = load_config(
-        PPOConfig,
-        overrides={
-            "preset": "arithmetic",
+    config = _config(
+        {
             "rollout.async_train": "true",
             "rollout.async_depth": "2",
             "rollout.streaming": "true",
             "rollout.max_staleness": "1",
             "rollout.generate_batch_size": "64",
-        },
+        }
     )
     assert (config.rollout.prompts_per_round, config.rollout.max_staleness) == (64, 1)
     from rl_launch.roles import engine_concurrency_groups

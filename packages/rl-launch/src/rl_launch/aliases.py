@@ -502,13 +502,13 @@ def _sleep(option: str, side: str) -> Convert:
     hybrid engine OpenRLHF ignores them, and so do those options."""
 
     def convert(values: tuple[str, ...], context: Context) -> tuple[Pairs, str]:
-        if _colocated(context):
-            return [(option, "true")], f"with --ray.colocate all the {side}"
-        return (
-            [(option, "true")],
-            f"no effect here, as in OpenRLHF without the hybrid engine (--train.colocate_all, not "
-            f"async): the {side} only where the engines share the learners' GPUs (--ray.colocate all)",
+        note = (
+            f"with --ray.colocate all the {side}"
+            if _colocated(context)
+            else f"no effect here, as in OpenRLHF without the hybrid engine (--train.colocate_all, not "
+            f"async): the {side} only where the engines share the learners' GPUs (--ray.colocate all)"
         )
+        return [(option, "true")], note
 
     return convert
 

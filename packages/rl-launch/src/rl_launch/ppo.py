@@ -598,12 +598,13 @@ def run(config: PPOConfig) -> int:
         return 1
     except KeyboardInterrupt:
         if guard is not None and guard.requested:
-            when = "during start-up, before the first step" if trainer is None or not trainer.stepping else ""
-            print(
-                f"rl-launch ppo: {guard.signal_name}: stopped {when or 'without saving'}"
-                + (" (nothing to save)" if when else ""),
-                file=sys.stderr,
+            before_steps = trainer is None or not trainer.stepping
+            what = (
+                "during start-up, before the first step (nothing to save)"
+                if before_steps
+                else "without saving"
             )
+            print(f"rl-launch ppo: {guard.signal_name}: stopped {what}", file=sys.stderr)
             return guard.exit_code
         return 130
     except ray.exceptions.RayError as error:
