@@ -24,8 +24,7 @@ import pytest
 import ray
 
 from rl_launch.cli import main
-from rl_launch.ppo import STARTUP_STOP
-from rl_launch.preemption import PreemptionGuard
+from rl_launch.preemption import STARTUP_STOP, PreemptionGuard
 from tests.launch.fakes import fake_run, toy_prompts, use_fake_ray
 from tests.launch.test_bad_inputs import _args
 from tests.launch.test_step_loop import config

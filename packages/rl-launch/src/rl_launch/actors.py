@@ -142,6 +142,12 @@ class LearnerWorker:
 
     def setup(self, master_addr: str, master_port: int, node_local_rank: int, timeout_s: float) -> bool:
         """Join the role's process group at `master_addr:master_port`, then build the learner."""
+        self.join(master_addr, master_port, node_local_rank, timeout_s)
+        self._build()
+        return True
+
+    def join(self, master_addr: str, master_port: int, node_local_rank: int, timeout_s: float) -> None:
+        """Join the role's process group at `master_addr:master_port` (LOCAL_RANK set first)."""
         import ray
 
         from .rendezvous import device_local_rank, join_process_group
@@ -164,14 +170,18 @@ class LearnerWorker:
             world_size=world_size,
             timeout_s=timeout_s,
         )
+
+    def _build(self) -> None:
+        """The role's model, its DeepSpeed engine and (for the policy, when asked) its EMA."""
         import torch
 
         from rl_learner import PolicyLearner, ValueLearner, apply_lora, load_causal_lm, load_value_model
 
         from .learner_settings import model_load_options
 
+        spec = self.spec
         torch.manual_seed(spec.seed)
-        options = model_load_options(spec.deepspeed, spec.optimizer, world_size=world_size)
+        options = model_load_options(spec.deepspeed, spec.optimizer, world_size=self.world_size)
         if spec.role in ("policy", "ref"):
             model = load_causal_lm(spec.model_path, **options)
         else:
@@ -190,7 +200,6 @@ class LearnerWorker:
             from rl_learner import WeightEMA
 
             self.ema = WeightEMA(self.learner.engine, spec.ema_beta)
-        return True
 
     def logprobs(self, parts: list, temperature: float) -> list:
         """Log-probs at the action tokens (0 elsewhere): the loop reads nothing else."""

@@ -375,10 +375,11 @@ def _colocate(values: tuple[str, ...], context: Context) -> Pairs | tuple[Pairs,
 _ROLES = {"actor": "policy", "critic": "critic", "ref": "ref", "reward": "reward_model"}
 
 
-def _num_actors(entity: str) -> Convert:
-    """OpenRLHF places num_nodes × num_gpus_per_node ranks of a role; rl-launch counts them."""
+def _num_actors(entity: str, target: str | None = None) -> Convert:
+    """OpenRLHF places num_nodes × num_gpus_per_node ranks of a role; rl-launch counts them
+    (`target`: ppo's ray.<role>.num_actors by default)."""
     nodes_flag, gpus_flag = f"{entity}.num_nodes", f"{entity}.num_gpus_per_node"
-    target = f"ray.{_ROLES[entity]}.num_actors"
+    target = target or f"ray.{_ROLES[entity]}.num_actors"
 
     def convert(values: tuple[str, ...], context: Context) -> Pairs:
         nodes, gpus = context.given.get(nodes_flag), context.given.get(gpus_flag)
@@ -650,6 +651,7 @@ ALIASES: tuple[Alias, ...] = (
     _alias(
         "ds.ring_attn_size",
         "model.sequence_parallel_size",
+        commands=TRAINERS,
         remark="Ulysses, an all-to-all over heads, instead of ring attention: the same split of each micro-batch",
         note=(
             "sequence parallelism here is Ulysses (two all-to-alls around the packed attention) rather "
@@ -659,6 +661,7 @@ ALIASES: tuple[Alias, ...] = (
     ),
     _alias(
         "ds.ring_attn_head_stride",
+        commands=TRAINERS,
         convert=_dropped(
             "ignored: it tunes ring attention's head chunks; Ulysses sequence parallelism "
             "(--model.sequence_parallel_size) exchanges all heads in one all-to-all"
@@ -1047,6 +1050,16 @@ ALIASES: tuple[Alias, ...] = (
         for entity, role in _ROLES.items()
         for part in ("num_nodes", "num_gpus_per_node")
     ),
+    *(
+        _alias(
+            f"actor.{part}",
+            "ray.learner.num_actors",
+            convert=_num_actors("actor", "ray.learner.num_actors"),
+            remark="num_nodes × num_gpus_per_node: the trained model's Ray ranks",
+            commands=SUPERVISED,
+        )
+        for part in ("num_nodes", "num_gpus_per_node")
+    ),
     *(_alias(flag, "ray.colocate", nargs=0, convert=_colocate) for flag in _COLOCATE),
     # Supervised losses (OpenRLHF's model.* flags of train_rm / train_dpo).
     _alias("model.beta", "loss.beta", commands=("dpo",)),
@@ -1121,10 +1134,8 @@ _NO_NESTEROV = (
     "optimizer config has no key to turn it off"
 )
 _SEQUENCE_PARALLEL = (
-    "sft, rm, dpo and serve-rm run their model in the driver process as one rank, and sequence "
-    "parallelism splits a micro-batch over several ranks (rl_learner's supervised learners support it; "
-    "these commands get it with multi-rank Ray learner groups, issue 28); rl-launch ppo takes "
-    "--ds.ring_attn_size as --model.sequence_parallel_size"
+    "serve-rm runs its model in one process, and sequence parallelism splits a micro-batch over "
+    "several ranks; rl-launch ppo, sft, rm and dpo take --ds.ring_attn_size as --model.sequence_parallel_size"
 )
 
 UNSUPPORTED: Mapping[str, str] = {

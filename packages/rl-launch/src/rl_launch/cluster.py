@@ -123,11 +123,14 @@ def _total(layouts: Sequence[RoleLayout], key: str) -> float:
     return sum(sum(row.get(key, 0.0) for row in rows) for rows in _bundles(layouts).values())
 
 
-def start_ray(config: PPOConfig, *, temp_dir: str | None = None) -> bool:
+def start_ray(
+    config: Any, *, temp_dir: str | None = None, layouts: Sequence[RoleLayout] | None = None
+) -> bool:
     """Join `ray.address` or start a local Ray bound to 127.0.0.1; True when this call started it.
 
-    A local Ray gets enough logical CPUs for every actor (`ray.num_cpus` overrides): on a laptop
-    the actors share the cores, Ray's CPU count only decides what may be placed.
+    A local Ray gets enough logical CPUs for every actor of `layouts` (None: a ppo run's,
+    `plan_roles(config)`; `ray.num_cpus` overrides): on a laptop the actors share the cores,
+    Ray's CPU count only decides what may be placed.
     """
     import ray
 
@@ -141,7 +144,9 @@ def start_ray(config: PPOConfig, *, temp_dir: str | None = None) -> bool:
     num_cpus = config.ray.num_cpus
     if num_cpus is None:
         num_cpus = max(
-            os.cpu_count() or 1, int(_total(plan_roles(config, use_gpus=False), "CPU") + 0.999) + 1
+            os.cpu_count() or 1,
+            int(_total(plan_roles(config, use_gpus=False) if layouts is None else layouts, "CPU") + 0.999)
+            + 1,
         )
     ray.init(
         address="local",

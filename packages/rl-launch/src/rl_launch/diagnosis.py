@@ -22,11 +22,13 @@ tests replace it).
 from __future__ import annotations
 
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 __all__ = [
     "death_cause",
+    "death_first",
     "describe_actor_failure",
     "describe_build_locks",
     "extension_build_locks",
@@ -89,6 +91,28 @@ def _reason(error: BaseException) -> str:
 
 def _died(error: BaseException) -> bool:
     return "RayActorError" in {cls.__name__ for cls in type(error).__mro__}
+
+
+def death_first(error: BaseException, futures: Sequence[Any], *, wait_s: float = 10.0) -> BaseException:
+    """The error to diagnose after `ray.get(futures)` raised `error`: a dead actor's among the
+    call's futures when one of them died, else `error` itself.
+
+    When one rank of a world dies, the others' collectives fail too (gloo: "Connection reset by
+    peer"), and `ray.get` raises whichever error comes first in the list: often a survivor's. The
+    death is the cause; this waits up to `wait_s` for the call's other results to find it.
+    """
+    import ray
+
+    if _died(error):
+        return error
+    ready, _ = ray.wait(list(futures), num_returns=len(futures), timeout=wait_s)
+    for future in ready:
+        try:
+            ray.get(future)
+        except ray.exceptions.RayError as other:
+            if _died(other):
+                return other
+    return error
 
 
 def failed_actor_name(error: BaseException, names: Mapping[str, str]) -> str | None:

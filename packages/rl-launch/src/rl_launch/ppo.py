@@ -47,14 +47,13 @@ from .components import check_components, describe_components
 from .config import ConfigError, PPOConfig, hf_output_dir
 from .diagnosis import death_cause, describe_actor_failure, failed_actor_name, is_actor_failure
 from .health import HealthError, HealthMonitor
-from .preemption import Preempted, PreemptionGuard
+from .preemption import STARTUP_STOP, Preempted, PreemptionGuard
 from .roles import Roles
 from .rollouts import Rollouts, completion_rows
 from .tracking import PhaseTimer, StartupLines, Tracker, print_outputs, quiet_third_party_output, step_metrics
 
 __all__ = ["PPOTrainer", "run", "steps_of_episodes"]
 
-STARTUP_STOP = "stopping the start-up now (no step has run since launch: nothing to save)"
 """The console's words for a signal that arrives before the first step (`run`'s start-up and the
 starting evaluation are abandonable: a signal stops them at once)."""
 

@@ -40,6 +40,10 @@ _SIGNALS = (signal.SIGTERM, signal.SIGINT)
 _HARD_EXIT_GRACE_S = 30.0
 
 
+STARTUP_STOP = "stopping the start-up now (no step has run since launch: nothing to save)"
+"""What a signal before the first step says (`PreemptionGuard.abandonable(STARTUP_STOP)`)."""
+
+
 class Preempted(Exception):
     """Raised by a step loop that stopped for a signal after saving what it could.
 

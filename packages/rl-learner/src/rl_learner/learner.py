@@ -231,12 +231,15 @@ def _ensure_distributed() -> None:
     """Initialise torch.distributed through DeepSpeed when the caller has not (gloo on CPU, nccl on CUDA)."""
     import deepspeed
 
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
     if dist.is_initialized():
         if dist.get_world_size() == 1:
             # DeepSpeed's engine reads LOCAL_RANK from the environment even for a group the caller made.
             os.environ.setdefault("LOCAL_RANK", "0")
+        # DeepSpeed's own view of the group the caller made: its config reads the world size
+        # from it (a ZeRO-3 load's batch check), and it wraps the existing group.
+        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
         return
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
     if "RANK" not in os.environ:
         # A single process started without a launcher: a world of one on a free local port, given
         # directly rather than through RANK / MASTER_PORT in os.environ, which child processes

@@ -146,6 +146,8 @@ def _zero3_loading(zero3_config: dict[str, Any] | None):
 
     transformers keeps only a weak reference to it: the local variable keeps it alive for the
     load, and dropping it afterwards keeps later non-ZeRO-3 loads in this process unsharded.
+    Sharding at load time needs torch.distributed: a process started without a launcher gets a
+    world of one first (as a learner would make when it is built).
     """
     if zero3_config is None:
         yield
@@ -157,6 +159,9 @@ def _zero3_loading(zero3_config: dict[str, Any] | None):
         )
     from transformers.integrations import HfDeepSpeedConfig
 
+    from .learner import _ensure_distributed
+
+    _ensure_distributed()
     keep_alive = HfDeepSpeedConfig(zero3_config)
     try:
         yield

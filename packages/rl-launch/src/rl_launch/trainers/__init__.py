@@ -1,8 +1,9 @@
 """`rl-launch sft`, `rl-launch rm`, `rl-launch dpo`: the supervised trainers, on the same stack as `ppo`.
 
 One file per command (sft.py, rm.py, dpo.py: dataset, learner, preset settings), the shared
-loop (loop.py), the configs (config.py) and the tiny locally built demo (demo.py). They run in
-the driver process: DeepSpeed with torch.distributed world size 1, no Ray.
+loop (loop.py), where the model trains (learners.py: one rank in the driver process, or a Ray
+actor group of `ray.learner.num_actors` ranks), the configs (config.py) and the tiny locally
+built demo (demo.py).
 
 Configuration layers, in increasing priority: the command's struct defaults, the preset's
 settings (`--preset auto`: arithmetic only when neither model.pretrain nor data.dataset is

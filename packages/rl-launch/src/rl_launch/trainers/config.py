@@ -6,9 +6,11 @@ and `log` only change defaults) plus its own `data` and `loss` sections. They lo
 same `rl_launch.options` machinery: dotted flags, `--config FILE`, `--print-config`, and a
 preset under the file and the flags.
 
-These trainers run in the driver process (torch.distributed world size 1, DeepSpeed on that one
-rank), so there is no `ray` section; options of the shared sections that they cannot honour
-(a critic, a separate reward model, PPO epochs; LoRA in rm and dpo) are refused with the reason.
+The trained model runs on `ray.learner.num_actors` data-parallel DeepSpeed ranks: one rank (the
+default, no `ray.address`) trains in the driver process without starting Ray; more ranks, or a
+cluster to join, run as a Ray actor group placed and joined as `rl-launch ppo` places its policy
+(`rl_launch.trainers.learners`). Options of the shared sections that they cannot honour (a critic,
+a separate reward model, PPO epochs; LoRA in rm and dpo) are refused with the reason.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from ..config import (
     ModelConfig,
     Positive,
     PositiveInt,
+    ResourceConfig,
     TrainConfig,
     _fail,
     _Section,
@@ -40,6 +43,7 @@ __all__ = [
     "SFTConfig",
     "SFTDataConfig",
     "SFTLossSection",
+    "SupervisedRayConfig",
     "SupervisedTrainConfig",
 ]
 
@@ -139,6 +143,38 @@ class DPOLossSection(_Section):
 _DEFAULT_TRAIN = SupervisedTrainConfig()
 
 
+class SupervisedRayConfig(_Section):
+    """Where the trained model's ranks run (the fields of ppo's `ray` section that apply)."""
+
+    learner: ResourceConfig = msgspec.field(default_factory=ResourceConfig)
+    """The trained model's data-parallel ranks (OpenRLHF: --actor.num_nodes × --actor.num_gpus_per_node):
+    one Ray actor each, with these GPUs and CPUs. One rank without ray.address trains in the
+    driver process (no Ray); anything else runs a Ray actor group."""
+    address: str | None = None
+    """Ray cluster to join ("auto" or host:port); None starts a local Ray bound to 127.0.0.1."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """auto = cuda when the cluster (or, in the driver, this machine) has GPUs, else cpu."""
+    num_cpus: PositiveInt | None = None
+    """Logical CPUs of a local Ray (None: enough for every rank)."""
+    temp_dir: str | None = None
+    """Session folder of a local Ray (None: Ray's default)."""
+    startup_timeout_s: Positive = 600.0
+    """Seconds the ranks may take to start (model loading, rendezvous) before the run fails."""
+
+    def __post_init__(self) -> None:
+        if self.learner.offload:
+            _fail(
+                "ray.learner.offload",
+                True,
+                "applies to frozen models only; for the trained model's optimizer states use train.adam_offload",
+            )
+
+    @property
+    def in_driver(self) -> bool:
+        """One local rank: trained in the driver process, without Ray."""
+        return self.learner.num_actors == 1 and self.address is None
+
+
 class _SupervisedRoot(_Section):
     preset: Literal["auto", "arithmetic", "none"] = "auto"
     """Built-in demo whose model, data and settings sit under yours: arithmetic ("What is n + 1?"
@@ -152,6 +188,8 @@ class _SupervisedRoot(_Section):
     """Optimisation: steps, batch size, learning rate, DeepSpeed."""
     ckpt: CheckpointConfig = msgspec.field(default_factory=CheckpointConfig)
     """Checkpoints, resume (--ckpt.load_checkpoint true) and the HF export to <log.output_dir>/final."""
+    ray: SupervisedRayConfig = msgspec.field(default_factory=SupervisedRayConfig)
+    """The trained model's ranks: in the driver (one) or a Ray actor group (several, or a cluster)."""
 
     def _check_common(self, command: str) -> None:
         if self.preset != "arithmetic":
@@ -162,14 +200,13 @@ class _SupervisedRoot(_Section):
         for field in ("critic_pretrain", "reward_pretrain"):
             if getattr(self.model, field) is not None:
                 _fail(f"model.{field}", getattr(self.model, field), f"does not apply to rl-launch {command}")
-        if self.model.sequence_parallel_size != 1:
+        sp, ranks = self.model.sequence_parallel_size, self.ray.learner.num_actors
+        if ranks % sp:
             _fail(
                 "model.sequence_parallel_size",
-                self.model.sequence_parallel_size,
-                f"must be 1: rl-launch {command} runs its learner in the driver process as one rank, and "
-                "sequence parallelism splits each micro-batch over several ranks. rl_learner's SFTLearner, "
-                "RewardModelLearner and DPOLearner support it (DeepSpeedConfig.sequence_parallel_size); "
-                f"{command} gets it with multi-rank Ray learner groups (issue 28); rl-launch ppo has it",
+                sp,
+                f"must divide ray.learner.num_actors ({ranks}): each group of {sp} ranks shares its "
+                f"micro-batches (set --ray.learner.num_actors to a multiple of {sp})",
             )
         if self.model.lora_rank and command != "sft":
             _fail(

@@ -1,9 +1,10 @@
-"""The step loop shared by `rl-launch sft`, `rm` and `dpo`, in the driver process.
+"""The step loop shared by `rl-launch sft`, `rm` and `dpo`, run by the driver process.
 
-    set up    preset (opt-in), run folder (`runs.prepare_run_folder`), tokenizer, dataset,
-              learner(s) in one DeepSpeed process (torch.distributed world size 1)
+    set up    preset (opt-in), run folder (`runs.prepare_run_folder`), tokenizer, dataset, the
+              learner(s): one rank in this process, or `ray.learner.num_actors` Ray ranks
+              (`learners.py`; Ray started or joined first)
     resume    the run's own checkpoint, when `--ckpt.load_checkpoint true` finds one
-    loop      batch of step s -> micro-batches by token budget -> one optimizer step -> log
+    loop      batch of step s -> each rank's micro-batches by token budget -> one optimizer step -> log
     finish    checkpoint, HF export to ckpt.hf_output_dir (<log.output_dir>/final), summary and curves
 
 Batches. Step s (1-based) takes the items at global positions (s − 1)·B ... s·B − 1 of an endless
@@ -100,8 +101,12 @@ def learner_options(config: Any) -> LearnerSettings:
 
 
 def model_options(config: Any, deepspeed: Any) -> dict[str, Any]:
-    """Keyword arguments of `load_causal_lm` / `load_value_model` for this run (one process)."""
-    return model_load_options(deepspeed, learner_options(config).optimizer, world_size=1)
+    """Keyword arguments of `load_causal_lm` / `load_value_model` for this rank (the world is this
+    process alone until a Ray rank has joined its group)."""
+    import torch.distributed as dist
+
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    return model_load_options(deepspeed, learner_options(config).optimizer, world_size=world_size)
 
 
 def _micro_batches(items: Sequence[Any], lengths: Callable[[Any], int], budget: int) -> list[list[Any]]:
@@ -123,19 +128,24 @@ def steps_of_epochs(config: Any, rows: int) -> Any:
 
 def run_task(task: Task, config: Any) -> int:
     """Run one supervised command with a resolved config; the process exit code (0 on success)."""
+    import ray
     import torch
 
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    from rl_learner import TrainingState, export_hf, load_checkpoint, save_checkpoint
+    from rl_learner import TrainingState
 
+    from ..cluster import ClusterError, start_ray
+    from ..diagnosis import death_cause, describe_actor_failure
+    from ..preemption import STARTUP_STOP
     from ..preflight import PreflightError, check_model_path
     from ..runs import RunFolderError, checkpoint_extra, open_run_folder
+    from .learners import DriverLearner, RayLearners, learner_layout
 
     name = f"rl-launch {task.command}"
     console = StartupLines(name)
     output_dir = Path(config.log.output_dir)
-    guard = None
+    guard, learners, started_ray, log_dir, stepping = None, None, False, None, False
     try:
         quiet_third_party_output()
         model_path, data_path = config.model.pretrain, config.data.dataset
@@ -165,35 +175,40 @@ def run_task(task: Task, config: Any) -> int:
                 f"({len(dataset)} rows, {config.train.train_batch_size} per step)"
             )
         torch.manual_seed(config.train.seed)
-        learner, train_step = task.build(config, model_path, config.train.max_steps)
-        console.say(
-            f"learner: DeepSpeed ZeRO-{config.train.zero_stage} {resolve_dtype(config)} in this process "
-            f"on {learner.device}, world size 1"
-        )
+        guard = PreemptionGuard(name, config.ckpt.preemption_timeout_s)
+        if config.ray.in_driver:
+            learners = DriverLearner(task, config, model_path, config.train.max_steps)
+            guard.install()
+        else:
+            layout = learner_layout(task.role, config, use_gpus=False)
+            started_ray = start_ray(config, temp_dir=config.ray.temp_dir, layouts=[layout])
+            guard.install()  # after ray.init, which sets a SIGTERM handler of its own
+            with guard.abandonable(STARTUP_STOP):
+                console.say(
+                    f"ray: {'local cluster on 127.0.0.1' if started_ray else 'joined ' + str(config.ray.address)}"
+                )
+                log_dir = str(output_dir / "logs") if config.log.actor_output == "file" else None
+                learners = RayLearners(task, config, model_path, config.train.max_steps, log_dir=log_dir)
+                learners.start()
+        console.say(learners.describe(resolve_dtype(config)))
         resumed = TrainingState(step=0)
         if plan.resume:
             folder = plan.checkpoints[task.role]
-            resumed = load_checkpoint(folder.parent, {task.role: learner.engine}, tag=folder.name)
+            resumed = learners.load(str(folder.parent), folder.name)
         start = resumed.step
 
         timer = PhaseTimer()
         final = None
-        guard = PreemptionGuard(name, config.ckpt.preemption_timeout_s)
         saved_step = start
-        with guard, Tracker.for_run(config, start_step=start, headline=task.headline) as tracker:
+        stepping = True
+        with Tracker.for_run(config, start_step=start, headline=task.headline) as tracker:
             tracker.restore_step(start, resumed.extra.get("step_metrics"))
             batch = config.train.train_batch_size
 
             def save(step: int, metrics: dict[str, float] | None = None) -> None:
                 extra = checkpoint_extra(plan) | ({"step_metrics": step_metrics(metrics)} if metrics else {})
                 state = TrainingState(step=step, consumed_samples=step * batch, extra=extra)
-                save_checkpoint(
-                    plan.ckpt_root / task.role,
-                    step,
-                    {task.role: learner.engine},
-                    state,
-                    keep_last=config.ckpt.max_ckpt_num,
-                )
+                learners.save(str(plan.ckpt_root / task.role), step, state, config.ckpt.max_ckpt_num)
 
             for step in range(start + 1, config.train.max_steps + 1):
                 if guard.requested:  # before the first step: nothing new to save
@@ -203,7 +218,7 @@ def run_task(task: Task, config: Any) -> int:
                 began = time.perf_counter()
                 items = [dataset[i] for i in batch_positions(step, batch, len(dataset), config.train.seed)]
                 with timer.phase("training"):
-                    metrics = train_step(_micro_batches(items, task.lengths, config.train.micro_batch_tokens))
+                    metrics = learners.train(items)
                 tokens = metrics.pop("tokens", 0.0)
                 metrics = {f"{task.command}/{key}": value for key, value in metrics.items()}
                 last = step == config.train.max_steps
@@ -224,18 +239,56 @@ def run_task(task: Task, config: Any) -> int:
                     return _preempted(name, guard.preempted(step, saved=True), tracker, plan)
             if config.ckpt.save_hf_model:
                 final = hf_output_dir(config)
-                export_hf(learner.engine, final, tokenizer=tokenizer)
+                learners.export(str(final), tokenizer)
             summary = tracker.close()
-        print_outputs(output_dir, summary, plan.ckpt_root, final=final)
+        print_outputs(output_dir, summary, plan.ckpt_root, final=final, log_dir=log_dir)
         return 0
-    except (ConfigError, PreflightError, RunFolderError) as error:
+    except (ConfigError, PreflightError, RunFolderError, ClusterError) as error:
         print(f"{name}: error: {error}", file=sys.stderr)
         return 2 if isinstance(error, (ConfigError, RunFolderError)) else 1
     except KeyboardInterrupt:
         if guard is not None and guard.requested:
-            print(f"{name}: {guard.signal_name}: stopped without saving", file=sys.stderr)
+            what = (
+                "during start-up, before the first step (nothing to save)"
+                if not stepping
+                else "without saving"
+            )
+            print(f"{name}: {guard.signal_name}: stopped {what}", file=sys.stderr)
             return guard.exit_code
         return 130
+    except ray.exceptions.RayError as error:
+        names = {} if learners is None or isinstance(learners, DriverLearner) else learners.actor_names()
+        _, text = describe_actor_failure(error, names, log_dir)
+        cause = death_cause(error, names, log_dir)
+        lines = [text, *([f"  why: {cause}"] if cause is not None else [])]
+        if stepping:  # the start finished: steps may have been saved
+            lines.append(f"  {_last_checkpoint(plan, task.role)}")
+        print(f"{name}: error: " + "\n".join(lines), file=sys.stderr)
+        return 1
+    finally:
+        if learners is not None:
+            learners.close()
+        if started_ray and ray.is_initialized():
+            ray.shutdown()
+        if guard is not None:
+            guard.finish()
+
+
+def _last_checkpoint(plan: Any, role: str) -> str:
+    """What a resume after a failure continues from (checkpoints are written atomically, so the
+    last complete one stays valid whatever died while the next was written)."""
+    from ..runs import select_checkpoint
+
+    try:
+        chosen = select_checkpoint(plan.ckpt_root, [role], run_id=plan.run_id, fingerprint=plan.fingerprint)
+    except Exception as failure:  # a folder the resume would refuse: it says why then
+        return f"the checkpoints in {plan.ckpt_root} cannot be resumed: {failure}"
+    if chosen is None:
+        return f"no checkpoint in {plan.ckpt_root}: a new run starts from step 0 (ckpt.save_steps)"
+    return (
+        f"the last checkpoint on disk stays valid: step {chosen.step} ({chosen.folders[role]}); "
+        "--ckpt.load_checkpoint true continues from it"
+    )
 
 
 def _preempted(name: str, stop: Any, tracker: Tracker, plan: Any) -> int:

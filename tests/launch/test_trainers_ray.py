@@ -1,0 +1,143 @@
+"""`rl-launch sft` / `dpo` on a Ray actor group of two DeepSpeed ranks (`rl_launch.trainers.learners`).
+
+Each test runs the real CLI in this process twice on the arithmetic demo: once on one rank in the
+driver (the default) and once on `--ray.learner.num_actors 2` Ray actors, joining the module's
+local Ray (started once here, bound to 127.0.0.1). The two runs must take the same steps: the
+same loss at every step and the same exported weights, although the two ranks split each step's
+items between them (dpo, ZeRO-3) or each hold half of every sequence (sft, sequence parallel),
+in smaller micro-batches (`train.micro_batch_tokens`). A rank killed mid-run stops the run with a
+diagnosis that names it and the checkpoint a resume uses.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from rl_launch.cli import main
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from launching import actor_pid, kill_processes, read_metrics
+
+pytestmark = pytest.mark.slow
+
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def local_ray(module_ray_temp):
+    """The module's Ray (the runs join it: `ray.is_initialized()`), shut down after the module."""
+    import ray
+
+    temp_dir, _ = module_ray_temp
+    ray.init(
+        address="local", num_cpus=4, _node_ip_address="127.0.0.1", include_dashboard=False, _temp_dir=temp_dir
+    )
+    yield
+    ray.shutdown()
+
+
+def _run(command: str, out: pathlib.Path, tmp_path: pathlib.Path, *args: str) -> int:
+    return main(
+        [
+            command,
+            "--preset_root",
+            str(tmp_path / "presets"),
+            "--log.output_dir",
+            str(out),
+            "--log.progress_bar",
+            "false",
+            "--train.max_steps",
+            str(STEPS),
+            *args,
+        ]
+    )
+
+
+def _weights(folder: pathlib.Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    tensors = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        tensors.update(load_file(path))
+    return tensors
+
+
+@pytest.mark.parametrize(
+    ("command", "key", "options"),
+    [
+        # one group of two sequence-parallel ranks: each holds half of every micro-batch
+        ("sft", "sft/loss", ("--model.sequence_parallel_size", "2")),
+        # two data-parallel ranks, ZeRO-3 shards, a reference model on each rank
+        ("dpo", "dpo/loss", ("--train.zero_stage", "3")),
+    ],
+)
+def test_two_ray_ranks_take_the_steps_of_one_rank(
+    command, key, options, tmp_path, capsys, local_ray, in_process
+):
+    one, two = tmp_path / "one", tmp_path / "two"
+    single = [option for option in options if option not in ("--model.sequence_parallel_size", "2")]
+    assert _run(command, one, tmp_path, *single) == 0, capsys.readouterr().err[-3000:]
+    capsys.readouterr()
+    code = _run(
+        command, two, tmp_path, *options, "--ray.learner.num_actors", "2", "--train.micro_batch_tokens", "64"
+    )
+    out, err = capsys.readouterr()
+    assert code == 0, err[-3000:]
+    assert "2 Ray actors (world size 2" in out + err
+    assert (two / "logs" / "policy-1.log").is_file()
+
+    first, second = read_metrics(one), read_metrics(two)
+    assert [r["step"] for r in second] == list(range(1, STEPS + 1))
+    assert [r[key] for r in second] == pytest.approx([r[key] for r in first], rel=1e-5, abs=1e-6)
+    assert first[-1][key] != pytest.approx(first[0][key], rel=1e-3)  # the model did train
+    assert [r[f"{command}/sequences"] for r in second] == [r[f"{command}/sequences"] for r in first]
+    grad_norm = f"{command}/grad_norm"
+    assert [r[grad_norm] for r in second] == pytest.approx([r[grad_norm] for r in first], rel=1e-4)
+    expected, got = _weights(one / "final"), _weights(two / "final")
+    assert expected.keys() == got.keys()
+    for name, tensor in expected.items():
+        torch.testing.assert_close(got[name], tensor, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_a_killed_rank_stops_the_run_with_a_diagnosis_and_the_checkpoint_to_resume(
+    tmp_path, capsys, local_ray, in_process
+):
+    out = tmp_path / "run"
+    killed: list[int] = []
+
+    def kill_rank_1_after_step_2() -> None:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if (out / "metrics.jsonl").is_file() and len(read_metrics(out)) >= 2:
+                killed.append(actor_pid(out, "policy-1"))
+                kill_processes(killed)
+                return
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=kill_rank_1_after_step_2, daemon=True)
+    watcher.start()
+    code = _run(
+        "sft",
+        out,
+        tmp_path,
+        "--ray.learner.num_actors",
+        "2",
+        "--train.max_steps",
+        "400",  # later flags win: a run that would not end before the kill
+        "--ckpt.save_steps",
+        "1",
+    )
+    watcher.join(timeout=10)
+    err = capsys.readouterr().err
+    assert killed, "the run ended before rank 1 could be killed"
+    assert code == 1, err[-3000:]
+    assert "policy-1 died" in err
+    assert str(out / "logs" / "policy-1.log") in err
+    assert "the last checkpoint on disk stays valid: step" in err
+    assert "--ckpt.load_checkpoint true continues from it" in err
