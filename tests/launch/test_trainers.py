@@ -1,4 +1,4 @@
-"""`rl-launch sft`, `rl-launch rm`, `rl-launch dpo`: configs (unit) and one real run each (slow).
+"""`rl-launch sft`, `rm`, `dpo`, `kto`: configs (unit) and one real run each (slow).
 
 The e2e tests run the real CLI (`rl_launch.cli.main`, in the test's process: these commands
 train in the driver process, DeepSpeed on CPU with a world of one, so a process of their own
@@ -100,7 +100,7 @@ def test_cli_print_config_and_bad_option_exit_codes(capsys):
 
 # --------------------------------------------------------------------------- runs
 
-STEPS = {"sft": 40, "rm": 24, "dpo": 24}
+STEPS = {"sft": 40, "rm": 24, "dpo": 24, "kto": 24}
 MORE = 4
 
 
@@ -118,7 +118,7 @@ def _mean(records: list[dict], key: str, rows: slice) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("command", ["sft", "rm", "dpo"])
+@pytest.mark.parametrize("command", ["sft", "rm", "dpo", "kto"])
 def test_demo_run_learns_resumes_and_exports(command, tmp_path, capsys, in_process):
     out = tmp_path / "run"
     common = [
@@ -140,9 +140,10 @@ def test_demo_run_learns_resumes_and_exports(command, tmp_path, capsys, in_proce
     elif command == "rm":
         assert _mean(records, "rm/accuracy", late) > _mean(records, "rm/accuracy", early) + 0.2
         assert _mean(records, "rm/accuracy", late) >= 0.9
-    else:
-        assert _mean(records, "dpo/reward_margin", late) > _mean(records, "dpo/reward_margin", early) + 0.1
-        assert records[0]["dpo/reward_margin"] == pytest.approx(0.0, abs=1e-6)  # policy == reference
+    else:  # dpo, kto
+        margin = f"{command}/reward_margin"
+        assert _mean(records, margin, late) > _mean(records, margin, early) + 0.1
+        assert records[0][margin] == pytest.approx(0.0, abs=1e-6)  # policy == reference
     assert (out / "curves.png").is_file()
     assert (out / "summary.txt").is_file()
 
@@ -155,8 +156,8 @@ def test_demo_run_learns_resumes_and_exports(command, tmp_path, capsys, in_proce
     resumed = read_metrics(out)
     assert [r["step"] for r in resumed] == list(range(1, steps + MORE + 1))
     assert resumed[:steps] == records  # the first run's lines are kept as they were
-    if command == "dpo":  # the restored policy differs from the reference: the margin did not restart at 0
-        assert resumed[steps]["dpo/reward_margin"] > 0.1
+    if command in ("dpo", "kto"):  # the restored policy differs from the reference: no restart at 0
+        assert resumed[steps][f"{command}/reward_margin"] > 0.1
 
     import transformers
 

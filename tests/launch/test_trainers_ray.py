@@ -1,10 +1,10 @@
-"""`rl-launch sft` / `dpo` on a Ray actor group of two DeepSpeed ranks (`rl_launch.trainers.learners`).
+"""`rl-launch sft` / `kto` on a Ray actor group of two DeepSpeed ranks (`rl_launch.trainers.learners`).
 
 Each test runs the real CLI in this process twice on the arithmetic demo: once on one rank in the
 driver (the default) and once on `--ray.learner.num_actors 2` Ray actors, joining the module's
 local Ray (started once here, bound to 127.0.0.1). The two runs must take the same steps: the
 same loss at every step and the same exported weights, although the two ranks split each step's
-items between them (dpo, ZeRO-3) or each hold half of every sequence (sft, sequence parallel),
+items between them (kto, ZeRO-3) or each hold half of every sequence (sft, sequence parallel),
 in smaller micro-batches (`train.micro_batch_tokens`). A rank killed mid-run stops the run with a
 diagnosis that names it and the checkpoint a resume uses.
 """
@@ -73,8 +73,9 @@ def _weights(folder: pathlib.Path) -> dict[str, torch.Tensor]:
     [
         # one group of two sequence-parallel ranks: each holds half of every micro-batch
         ("sft", "sft/loss", ("--model.sequence_parallel_size", "2")),
-        # two data-parallel ranks, ZeRO-3 shards, a reference model on each rank
-        ("dpo", "dpo/loss", ("--train.zero_stage", "3")),
+        # two data-parallel ranks, ZeRO-3 shards, a reference model on each rank, KTO's reference
+        # point from KL pairs made over the whole step and reduced over the ranks
+        ("kto", "kto/loss", ("--train.zero_stage", "3")),
     ],
 )
 def test_two_ray_ranks_take_the_steps_of_one_rank(

@@ -4,7 +4,7 @@
 
 Environment: RANK=0, WORLD_SIZE=1, MASTER_ADDR, MASTER_PORT, DS_ACCELERATOR=cpu.
 
-For each learner (sft, dpo, ipo, rm), from the same initial weights:
+For each learner (sft, dpo, ipo, rm, kto), from the same initial weights:
   whole     one step with the batch as one micro-batch;
   split     one step with the batch in three micro-batches plus an empty one;
   reference the step's loss and pair metrics computed with plain transformers forwards (one
@@ -29,19 +29,22 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 from _helpers_core import tiny_critic, tiny_policy
 
-from rl_algos import dpo_loss, reward_model_loss
-from rl_data.datasets import PreferencePair
+from rl_algos import dpo_loss, kto_loss, reward_model_loss
+from rl_data.datasets import PreferencePair, UnpairedSample
 from rl_data.tiny import build_tiny_tokenizer
 from rl_learner import (
     DeepSpeedConfig,
     DPOLearner,
     DPOLossConfig,
+    KTOLearner,
+    KTOLossConfig,
     OptimizerConfig,
     PolicyLearner,
     RewardModelLearner,
     SFTLearner,
     pack_pairs,
     pack_sequences,
+    pack_unpaired,
 )
 
 STEPS = 12
@@ -162,6 +165,76 @@ def run_dpo(generator: torch.Generator, tokenizer, loss: DPOLossConfig) -> dict:
     }
 
 
+def unpaired(data: list[PreferencePair]) -> tuple[list[UnpairedSample], list[UnpairedSample]]:
+    """Each pair's sides as labelled completions, and KTO's KL pairs: the prompt of completion
+    i + 1 (cyclically) followed by completion i."""
+    samples = [
+        UnpairedSample(input_ids=ids, loss_mask=mask, desirable=good)
+        for pair in data
+        for ids, mask, good in (
+            (pair.chosen_ids, pair.chosen_mask, True),
+            (pair.rejected_ids, pair.rejected_mask, False),
+        )
+    ]
+    cut = [int(torch.nonzero(sample.loss_mask)[0]) for sample in samples]
+    kl = []
+    for index, sample in enumerate(samples):
+        following = (index + 1) % len(samples)
+        prompt, completion = samples[following].input_ids[: cut[following]], sample.input_ids[cut[index] :]
+        mask = torch.cat(
+            [torch.zeros(prompt.numel(), dtype=torch.bool), torch.ones(completion.numel(), dtype=torch.bool)]
+        )
+        kl.append(UnpairedSample(input_ids=torch.cat([prompt, completion]), loss_mask=mask, desirable=False))
+    return samples, kl
+
+
+def run_kto(generator: torch.Generator, tokenizer, loss: KTOLossConfig) -> dict:
+    samples, kl = unpaired(pairs(generator))
+    model = tiny_policy(tokenizer)
+    reference = copy.deepcopy(model)
+    with torch.no_grad():  # a reference that differs from the policy: rewards and KL do not start at 0
+        for parameter in reference.parameters():
+            parameter.add_(0.02 * torch.randn(parameter.shape, generator=generator))
+
+    def logps(m, items):
+        return torch.tensor([hf_sequence_logprob(m, item.input_ids, item.loss_mask) for item in items])
+
+    losses, metrics = kto_loss(
+        logps(model, samples),
+        logps(reference, samples),
+        torch.tensor([sample.desirable for sample in samples]),
+        logps(model, kl),
+        logps(reference, kl),
+        beta=loss.beta,
+        desirable_weight=loss.desirable_weight,
+        undesirable_weight=loss.undesirable_weight,
+    )
+    ref_learner = PolicyLearner(reference, deepspeed=DS, optimizer=None)
+
+    def with_ref(batches):
+        for batch, values in zip(batches, ref_learner.logprobs(batches, only_actions=True), strict=True):
+            batch.ref_logprobs = values
+        return batches
+
+    def step(learner, parts):  # parts: lists of positions in `samples`
+        examples = with_ref([pack_unpaired([samples[i] for i in part]) for part in parts])
+        kl_pairs = with_ref([pack_unpaired([kl[i] for i in part]) for part in parts])
+        return learner.kto_step(examples, loss, reference_point=learner.reference_point(kl_pairs))
+
+    everything = [list(range(len(samples)))]
+    whole = KTOLearner(copy.deepcopy(model), deepspeed=DS, optimizer=OPTIMIZER, total_steps=STEPS)
+    first = step(whole, everything)
+    splitter = KTOLearner(copy.deepcopy(model), deepspeed=DS, optimizer=OPTIMIZER, total_steps=STEPS)
+    second = step(splitter, [*split(list(range(len(samples))), 3), []])
+    curve = [first] + [step(whole, everything) for _ in range(STEPS - 1)]
+    return {
+        "whole": first,
+        "split": second,
+        "reference": {"loss": float(losses.mean()), **{key: float(value) for key, value in metrics.items()}},
+        "curve": curve,
+    }
+
+
 def run_rm(generator: torch.Generator, tokenizer) -> dict:
     data = pairs(generator)
     model = tiny_critic(tokenizer)
@@ -198,6 +271,9 @@ def main() -> None:
         ),
         "ipo": run_dpo(torch.Generator().manual_seed(2), tokenizer, DPOLossConfig(beta=0.5, loss_type="ipo")),
         "rm": run_rm(torch.Generator().manual_seed(3), tokenizer),
+        "kto": run_kto(
+            torch.Generator().manual_seed(4), tokenizer, KTOLossConfig(beta=0.5, undesirable_weight=1.5)
+        ),
     }
     (out / "metrics.json").write_text(json.dumps(results, indent=1))
 

@@ -101,11 +101,12 @@ PAIR_KEYS = {
     "cdpo": ("reward_margin", "reward_accuracy"),
     "ipo": ("reward_margin", "reward_accuracy"),
     "rm": ("accuracy", "reward_margin", "chosen_reward", "rejected_reward"),
+    "kto": ("kl", "desirable_rewards", "undesirable_rewards"),
 }
 
 
 @pytest.mark.slow  # `results`: a DeepSpeed worker process
-@pytest.mark.parametrize("kind", ["sft", "dpo", "cdpo", "ipo", "rm"])
+@pytest.mark.parametrize("kind", ["sft", "dpo", "cdpo", "ipo", "rm", "kto"])
 def test_first_step_matches_plain_transformers_and_the_rl_algos_loss(results, kind):
     run = results[kind]
     assert run["whole"]["skipped"] == 0.0
@@ -115,7 +116,7 @@ def test_first_step_matches_plain_transformers_and_the_rl_algos_loss(results, ki
 
 
 @pytest.mark.slow  # `results`: a DeepSpeed worker process
-@pytest.mark.parametrize("kind", ["sft", "dpo", "cdpo", "ipo", "rm"])
+@pytest.mark.parametrize("kind", ["sft", "dpo", "cdpo", "ipo", "rm", "kto"])
 def test_micro_batch_split_gives_the_same_step(results, kind):
     whole, split = results[kind]["whole"], results[kind]["split"]
     for key in ("loss", "grad_norm", "tokens", "sequences", *PAIR_KEYS.get(kind, ())):
@@ -137,3 +138,7 @@ def test_training_moves_each_metric_the_right_way(results):
     rm = results["rm"]["curve"]
     assert rm[-1]["loss"] < rm[0]["loss"]
     assert rm[-1]["accuracy"] == 1.0
+    kto = results["kto"]["curve"]
+    margins = [m["desirable_rewards"] - m["undesirable_rewards"] for m in kto]
+    assert margins[-1] > margins[0] + 0.5
+    assert kto[-1]["loss"] < kto[0]["loss"]

@@ -101,13 +101,14 @@ def build_main_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Arg
         ("sft", "Supervised fine-tuning on prompt / response rows (token-mean NLL of the responses)."),
         ("rm", "Train a reward model on chosen / rejected pairs (Bradley-Terry)."),
         ("dpo", "Train a policy on chosen / rejected pairs with DPO, cDPO or IPO."),
+        ("kto", "Train a policy on completions labelled desirable or undesirable with KTO."),
     ):
         parsers[name] = commands.add_parser(
             name,
             help=help_text,
             description=f"{help_text} Settings come from, in increasing priority: the defaults "
-            "below, the preset's settings, the --config file and the dotted options. Runs in this "
-            "process (DeepSpeed, world size 1).",
+            "below, the preset's settings, the --config file and the dotted options. One rank "
+            "trains in this process; --ray.learner.num_actors N trains on N Ray ranks.",
             formatter_class=HelpFormatter,
             allow_abbrev=False,
         )
@@ -268,8 +269,10 @@ def main(argv: list[str] | None = None) -> int:
         if extras:
             commands["components"].error(f"unrecognized arguments: {' '.join(extras)}")
         return _list_components(commands["components"], args)
-    if args.command in ("sft", "rm", "dpo"):
-        from .trainers import COMMANDS, resolve_config, run
+    from .trainers import COMMANDS
+
+    if args.command in COMMANDS:
+        from .trainers import resolve_config, run
 
         command, cls = args.command, COMMANDS[args.command]
         try:

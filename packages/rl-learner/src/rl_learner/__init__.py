@@ -13,8 +13,9 @@
 - Weight sync, sender side (`rl_learner.sync`): bucketed broadcast, CUDA IPC, shared memory or
   files, through `rl_data.sync`, one sender per transport (`rl_learner.senders`, found by name in
   `SENDERS`); ZeRO-3 gathered per bucket, LoRA merged on the fly, cast to the engine's dtype.
-- Supervised learners (`rl_learner.supervised`): `SFTLearner`, `RewardModelLearner` and
-  `DPOLearner` (sigmoid DPO, cDPO, IPO) on `pack_sequences` / `pack_pairs` micro-batches.
+- Supervised learners (`rl_learner.supervised`): `SFTLearner`, `RewardModelLearner`,
+  `DPOLearner` (sigmoid DPO, cDPO, IPO) and `KTOLearner` on `pack_sequences` / `pack_pairs` /
+  `pack_unpaired` micro-batches.
 - Checkpoints (`rl_learner.checkpoint`): atomic, rotated, verified on resume; HF export.
 - `WeightEMA` (`rl_learner.ema`): an exponential moving average of the trained weights on the host,
   saved in checkpoints and exported like the model.
@@ -42,11 +43,14 @@ from .senders import BroadcastSender, FileSender, IpcSender, ShmSender
 from .supervised import (
     DPOLearner,
     DPOLossConfig,
+    KTOLearner,
+    KTOLossConfig,
     RewardModelLearner,
     SFTLearner,
     group_by_tokens,
     pack_pairs,
     pack_sequences,
+    pack_unpaired,
     sequence_logprobs,
 )
 from .sync import SENDERS, WeightSender, make_sender, sync_layout
@@ -60,6 +64,8 @@ __all__ = [
     "DeepSpeedConfig",
     "FileSender",
     "IpcSender",
+    "KTOLearner",
+    "KTOLossConfig",
     "Learner",
     "LoraOptions",
     "NonFiniteError",
@@ -91,6 +97,7 @@ __all__ = [
     "make_sender",
     "pack_pairs",
     "pack_sequences",
+    "pack_unpaired",
     "packed_logprobs",
     "packed_scores",
     "packed_values",

@@ -1,4 +1,4 @@
-"""Supervised learners: fine-tuning on demonstrations (SFT), reward models and DPO.
+"""Supervised learners: fine-tuning on demonstrations (SFT), reward models, DPO and KTO.
 
 These reuse `Learner`'s optimizer step (`Learner._train_step`: DeepSpeed engine, micro-batches
 with gradient accumulation, one global normaliser per step, non-finite checks) with the
@@ -9,6 +9,8 @@ dataset items:
   the `action_mask`; the tokens before its first True are the "prompt".
 - `pack_pairs`: preference pairs, the P chosen sequences first, then the P rejected ones in the
   same order (sequence i and i + P are one pair). Each pair's margin rides in `rewards[i]`.
+- `pack_unpaired`: KTO's labelled completions; each label (1 desirable, 0 undesirable) rides in
+  `rewards[i]`.
 
 The losses and their normalisers (n counted over every micro-batch of the step on every rank):
 
@@ -16,6 +18,9 @@ The losses and their normalisers (n counted over every micro-batch of the step o
     RM   L = Σ_pairs −log σ(r_w − r_l − margin) / n_pairs            (rl_algos.reward_model_loss)
     DPO  L = Σ_pairs ℓ(z) / n_pairs,  z = (log π_w − log π_l) − (log π_ref,w − log π_ref,l)
          ℓ: sigmoid (DPO), sigmoid with label smoothing (cDPO) or IPO  (rl_algos.dpo_loss)
+    KTO  L = Σ_i λ_i·(1 − σ(±β·(ρ_i − z_ref))) / n_sequences,  ρ = log π − log π_ref  (rl_algos.kto_loss)
+         z_ref = max(0, mean over the step's mismatched KL pairs of log π − log π_ref), no gradient,
+         one value for the whole step on every rank (`KTOLearner.reference_point`)
 
 where log π_w is the summed log-probability of the chosen response tokens. n_pairs is half the
 step's sequence count (`loss_normalizer` in a sequence mode), exact because `pack_pairs` keeps
@@ -39,7 +44,7 @@ from typing import Any
 import msgspec
 import torch
 
-from rl_algos import aggregate_loss, dpo_loss, reward_model_loss, sft_loss
+from rl_algos import aggregate_loss, dpo_loss, kto_loss, reward_model_loss, sft_loss
 from rl_algos.preference import DPO_LOSS_TYPES
 from rl_data import ExperienceBatch
 from rl_data.packing import cu_seqlens_from_lengths, position_ids_from_cu_seqlens
@@ -51,11 +56,14 @@ __all__ = [
     "SFT_AGGREGATIONS",
     "DPOLearner",
     "DPOLossConfig",
+    "KTOLearner",
+    "KTOLossConfig",
     "RewardModelLearner",
     "SFTLearner",
     "group_by_tokens",
     "pack_pairs",
     "pack_sequences",
+    "pack_unpaired",
     "sequence_logprobs",
 ]
 
@@ -133,6 +141,15 @@ def pack_pairs(pairs: Sequence[Any]) -> ExperienceBatch:
     rejected = [(pair.rejected_ids, pair.rejected_mask) for pair in pairs]
     margins = [float(pair.margin) for pair in pairs] + [0.0] * len(pairs)
     return pack_sequences(chosen + rejected, margins=margins)
+
+
+def pack_unpaired(samples: Sequence[Any]) -> ExperienceBatch:
+    """S labelled completions (`rl_data.datasets.UnpairedSample`) as S sequences; `rewards[i]`
+    holds sample i's label (1.0 desirable, 0.0 undesirable)."""
+    return pack_sequences(
+        [(sample.input_ids, sample.loss_mask) for sample in samples],
+        margins=[float(sample.desirable) for sample in samples],
+    )
 
 
 def group_by_tokens(lengths: Sequence[int], budget: int) -> list[list[int]]:
@@ -339,6 +356,133 @@ class DPOLearner(PolicyLearner):
             dummy_loss=dummy_loss,
         )
         return pair_metrics.reduce(self, out)
+
+
+# --------------------------------------------------------------------------- KTO
+
+
+class KTOLossConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """What `KTOLearner.kto_step` minimises (`rl_algos.kto_loss`)."""
+
+    beta: float = 0.1
+    """β > 0: the scale of the implicit reward β·ρ."""
+    desirable_weight: float = 1.0
+    """λ_D ≥ 0: weight of a desirable completion's loss."""
+    undesirable_weight: float = 1.0
+    """λ_U ≥ 0: weight of an undesirable completion's loss."""
+
+    def __post_init__(self) -> None:
+        zero, no = torch.zeros(1), torch.zeros(1, dtype=torch.bool)
+        try:
+            kto_loss(
+                zero,
+                zero,
+                no,
+                zero,
+                zero,
+                beta=self.beta,
+                desirable_weight=self.desirable_weight,
+                undesirable_weight=self.undesirable_weight,
+            )
+        except (TypeError, ValueError) as error:
+            raise ValueError(
+                f"{type(self).__name__}: beta={self.beta!r}, desirable_weight={self.desirable_weight!r}, "
+                f"undesirable_weight={self.undesirable_weight!r}: {error}"
+            ) from None
+
+
+class KTOLearner(PolicyLearner):
+    """The policy of KTO; its frozen reference is a `PolicyLearner(optimizer=None)`."""
+
+    def reference_point(self, kl_batches: Sequence[ExperienceBatch]) -> float:
+        """z_ref = max(0, mean_j [log π(y'_j|x_j) − log π_ref(y'_j|x_j)]) over the step's KL pairs
+        on every rank (summed response log-probs; no gradient). Each batch needs `ref_logprobs`;
+        every rank calls this with the same number of batches (some possibly empty)."""
+        sums = torch.zeros(2, dtype=torch.float64)
+        for batch, logprobs in zip(kl_batches, self.logprobs(kl_batches, only_actions=True), strict=True):
+            if batch.num_sequences == 0 or not self.counts_for_group:
+                continue
+            policy = sequence_logprobs(batch, logprobs)
+            reference = sequence_logprobs(batch, batch.ref_logprobs.to(policy.device, policy.dtype))
+            sums += torch.tensor(
+                [float((policy - reference).sum()), float(batch.num_sequences)], dtype=torch.float64
+            )
+        total = self._agree(sums).cpu()
+        return max(0.0, float(total[0] / total[1])) if total[1] > 0 else 0.0
+
+    def kto_step(
+        self, micro_batches: Sequence[ExperienceBatch], loss: KTOLossConfig, *, reference_point: float
+    ) -> dict[str, float]:
+        """One optimizer step of the KTO loss over `pack_unpaired` micro-batches, each with
+        `ref_logprobs`; `reference_point` is the step's z_ref (`reference_point`).
+
+        Returns metrics, equal on every rank: loss; kl (z_ref); desirable_rewards and
+        undesirable_rewards (means of β·ρ over each kind in the step, NaN for a kind the step
+        lacks), desirable and undesirable (counts), grad_norm, lr, tokens, sequences, skipped.
+        """
+        if not isinstance(loss, KTOLossConfig):
+            raise TypeError(f"loss must be a KTOLossConfig, got {type(loss).__name__}")
+        # [reward sum, count] of desirable then undesirable completions, this rank's share
+        sums = torch.zeros(4, dtype=torch.float64)
+
+        def forward_loss(batch: ExperienceBatch, normalizer: torch.Tensor):
+            logprobs = packed_logprobs(
+                self.engine,
+                batch,
+                only_actions=True,
+                share_prefix=self.ds.shares_prefix,
+                sequence_parallel=self.sequence_parallel,
+            )
+            policy = sequence_logprobs(batch, logprobs)
+            reference = sequence_logprobs(batch, batch.ref_logprobs.to(policy.dtype))
+            desirable = batch.rewards.to(policy.device) > 0.5
+            # z_ref is the step's, already reduced: one KL "pair" holding it makes kto_loss use it as is
+            point = policy.new_tensor([reference_point], dtype=torch.float32)
+            losses, _ = kto_loss(
+                policy,
+                reference,
+                desirable,
+                point,
+                torch.zeros_like(point),
+                beta=loss.beta,
+                desirable_weight=loss.desirable_weight,
+                undesirable_weight=loss.undesirable_weight,
+            )
+            total = losses.sum() / normalizer
+            if self.counts_for_group:  # an SP group's ranks hold the same completions: count them once
+                with torch.no_grad():
+                    rewards = (loss.beta * (policy - reference)).double().cpu()
+                    kind = desirable.cpu()
+                    sums.add_(
+                        torch.stack(
+                            [
+                                rewards[kind].sum(),
+                                kind.sum().double(),
+                                rewards[~kind].sum(),
+                                (~kind).sum().double(),
+                            ]
+                        )
+                    )
+            return total, {"loss": total.detach()}
+
+        def dummy_loss():
+            logits = self._empty_batch_logits()
+            return logits.float().sum() * 0.0, {"loss": torch.zeros(())}
+
+        out = self._train_step(
+            micro_batches,
+            mode=_PAIR_SEQUENCE_MODE,
+            inputs=["ref_logprobs"],
+            forward_loss=forward_loss,
+            dummy_loss=dummy_loss,
+        )
+        total = self._agree(sums).cpu().tolist()
+        out = dict(out)
+        out["kl"] = reference_point
+        out["desirable"], out["undesirable"] = total[1], total[3]
+        out["desirable_rewards"] = total[0] / total[1] if total[1] > 0 else float("nan")
+        out["undesirable_rewards"] = total[2] / total[3] if total[3] > 0 else float("nan")
+        return out
 
 
 # --------------------------------------------------------------------------- reward model

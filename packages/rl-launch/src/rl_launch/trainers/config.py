@@ -1,6 +1,6 @@
-"""The typed configurations of `rl-launch sft`, `rl-launch rm` and `rl-launch dpo`.
+"""The typed configurations of `rl-launch sft`, `rm`, `dpo` and `kto`.
 
-Each command has its own root struct (`SFTConfig`, `RMConfig`, `DPOConfig`) built from the same
+Each command has its own root struct (`SFTConfig`, `RMConfig`, `DPOConfig`, `KTOConfig`) built from the same
 sections as `PPOConfig` where they mean the same thing (`model`, `train`, `ckpt`, `log`; `train`
 and `log` only change defaults) plus its own `data` and `loss` sections. They load through the
 same `rl_launch.options` machinery: dotted flags, `--config FILE`, `--print-config`, and a
@@ -36,6 +36,8 @@ __all__ = [
     "COMMANDS",
     "DPOConfig",
     "DPOLossSection",
+    "KTOConfig",
+    "KTOLossSection",
     "PairDataConfig",
     "RMConfig",
     "RMDataConfig",
@@ -45,6 +47,7 @@ __all__ = [
     "SFTLossSection",
     "SupervisedRayConfig",
     "SupervisedTrainConfig",
+    "UnpairedDataConfig",
 ]
 
 
@@ -111,6 +114,28 @@ class PairDataConfig(_Section):
     """Use at most this many pairs (the first rows)."""
 
 
+class KTOLogConfig(LogConfig):
+    output_dir: str = "runs/kto"
+    """Run folder: metrics.jsonl, summary, plot, checkpoints, final model."""
+
+
+class UnpairedDataConfig(_Section):
+    dataset: str | None = None
+    """Labelled completions: a .jsonl/.json/.parquet/.csv file or a `datasets.save_to_disk` folder. None: the preset's."""
+    prompt_key: str | None = "prompt"
+    """Column holding the prompt; None when completions hold whole conversations."""
+    completion_key: str = "completion"
+    """Column holding the completion (text or messages)."""
+    label_key: str = "label"
+    """Column holding the label: true / 1 desirable, false / 0 undesirable."""
+    apply_chat_template: bool = True
+    """Render with the tokenizer's chat template; false: plain text + EOS."""
+    max_len: PositiveInt = 2048
+    """Longest sample in tokens; longer rows are dropped."""
+    max_samples: PositiveInt | None = None
+    """Use at most this many rows (the first ones)."""
+
+
 class RMDataConfig(PairDataConfig):
     margin_key: str | None = None
     """Column with a number per pair (how much better chosen is), used by `loss.use_margin`."""
@@ -173,6 +198,15 @@ class SupervisedRayConfig(_Section):
     def in_driver(self) -> bool:
         """One local rank: trained in the driver process, without Ray."""
         return self.learner.num_actors == 1 and self.address is None
+
+
+class KTOLossSection(_Section):
+    beta: Positive = 0.1
+    """beta, the implicit reward scale β·(log π − log π_ref) (OpenRLHF's default is 0.01)."""
+    desirable_weight: Annotated[float, Meta(ge=0)] = 1.0
+    """λ_D: weight of a desirable completion's loss (OpenRLHF's desirable_loss_weight)."""
+    undesirable_weight: Annotated[float, Meta(ge=0)] = 1.0
+    """λ_U: weight of an undesirable one (the KTO paper keeps λ_D·n_D / (λ_U·n_U) in [1, 4/3])."""
 
 
 class _SupervisedRoot(_Section):
@@ -273,5 +307,19 @@ class DPOConfig(_SupervisedRoot):
         self._check_common("dpo")
 
 
-COMMANDS: dict[str, type] = {"sft": SFTConfig, "rm": RMConfig, "dpo": DPOConfig}
+class KTOConfig(_SupervisedRoot):
+    """Everything `rl-launch kto` needs; sections are dotted on the command line."""
+
+    data: UnpairedDataConfig = msgspec.field(default_factory=UnpairedDataConfig)
+    """Completions labelled desirable or undesirable: prompt, completion, label."""
+    loss: KTOLossSection = msgspec.field(default_factory=KTOLossSection)
+    """KTO against a frozen copy of the starting model."""
+    log: KTOLogConfig = msgspec.field(default_factory=KTOLogConfig)
+    """Outputs: metrics, progress bar, TensorBoard, wandb."""
+
+    def __post_init__(self) -> None:
+        self._check_common("kto")
+
+
+COMMANDS: dict[str, type] = {"sft": SFTConfig, "rm": RMConfig, "dpo": DPOConfig, "kto": KTOConfig}
 """Command name -> its root config struct."""

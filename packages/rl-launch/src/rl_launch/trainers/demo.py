@@ -1,4 +1,4 @@
-"""The `arithmetic` demo of `rl-launch sft|rm|dpo`: "What is n + 1?" on a tiny model built here.
+"""The `arithmetic` demo of `rl-launch sft|rm|dpo|kto`: "What is n + 1?" on a tiny model built here.
 
 A Qwen2 model of 2 layers (hidden size 64) with a tokenizer trained locally (`rl_data.tiny`,
 ChatML template, digits one per token), randomly initialised: nothing is downloaded. Rows, for
@@ -6,6 +6,9 @@ every n in 0..`max_number`:
 
     sft.jsonl    {"prompt": "What is n + 1?", "response": "<n + 1>"}
     pairs.jsonl  {"prompt": "What is n + 1?", "chosen": "<n + 1>", "rejected": "<10·(n + 1)>"}
+    unpaired.jsonl  each pair as two labelled completions (KTO):
+                 {"prompt": ..., "completion": "<n + 1>", "label": true},
+                 {"prompt": ..., "completion": "<10·(n + 1)>", "label": false}
 
 The rejected answer is off by a factor of ten (a stray 0 at the end): one consistent wrong
 behaviour that a tiny random model can learn to tell apart within a few dozen steps. (The
@@ -28,7 +31,7 @@ from pathlib import Path
 
 __all__ = ["DEMO_VERSION", "build_demo", "demo_rows"]
 
-DEMO_VERSION = 2
+DEMO_VERSION = 3
 MARKER = "preset_build.json"
 
 
@@ -51,7 +54,7 @@ def build_demo(
     num_layers: int = 2,
     vocab_size: int = 512,
 ) -> dict[str, str]:
-    """Build (or reuse) the demo under `root`; returns {"model", "sft", "pairs"} paths."""
+    """Build (or reuse) the demo under `root`; returns {"model", "sft", "pairs", "unpaired"} paths."""
     root = Path(root or os.path.join(os.path.expanduser("~"), ".cache", "rl-launch", "presets"))
     recipe = {
         "recipe": "supervised",
@@ -68,6 +71,7 @@ def build_demo(
         "model": str(folder / "model"),
         "sft": str(folder / "sft.jsonl"),
         "pairs": str(folder / "pairs.jsonl"),
+        "unpaired": str(folder / "unpaired.jsonl"),
     }
     if (folder / MARKER).is_file():
         return paths
@@ -97,7 +101,12 @@ def build_demo(
         model.save_pretrained(staging / "model")
         tokenizer.save_pretrained(staging / "model")
         sft, pairs = demo_rows(max_number)
-        for name, rows in (("sft.jsonl", sft), ("pairs.jsonl", pairs)):
+        unpaired = [
+            {"prompt": pair["prompt"], "completion": pair[side], "label": side == "chosen"}
+            for pair in pairs
+            for side in ("chosen", "rejected")
+        ]
+        for name, rows in (("sft.jsonl", sft), ("pairs.jsonl", pairs), ("unpaired.jsonl", unpaired)):
             (staging / name).write_text("".join(json.dumps(row) + "\n" for row in rows))
         staging.rename(folder)
     except BaseException:

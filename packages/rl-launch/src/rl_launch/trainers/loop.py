@@ -1,4 +1,4 @@
-"""The step loop shared by `rl-launch sft`, `rm` and `dpo`, run by the driver process.
+"""The step loop shared by `rl-launch sft`, `rm`, `dpo` and `kto`, run by the driver process.
 
     set up    preset (opt-in), run folder (`runs.prepare_run_folder`), tokenizer, dataset, the
               learner(s): one rank in this process, or `ray.learner.num_actors` Ray ranks
@@ -12,7 +12,7 @@ stream made of passes over the data, pass k in the order `randperm(count)` seede
 (train.seed, k). The order depends only on the step, so a resumed run continues exactly where
 the checkpoint's step left off without saving a sampler state.
 
-A command (sft.py, rm.py, dpo.py) gives a `Task`: how to read its dataset, build its learners,
+A command (sft.py, rm.py, dpo.py, kto.py) gives a `Task`: how to read its dataset, build its learners,
 and run one step on a list of dataset items.
 """
 
@@ -51,11 +51,11 @@ __all__ = ["Task", "batch_positions", "run_task", "steps_of_epochs"]
 class Task:
     """What one command adds to the loop.
 
-    command: "sft", "rm" or "dpo"; role: the checkpointed engine's name ("policy", "reward_model").
+    command: "sft", "rm", "dpo" or "kto"; role: the checkpointed engine's name ("policy", "reward_model").
     headline: metric keys shown in the progress bar, the console summary and curves.png.
     preset_data: key of `demo.build_demo`'s paths the preset's data comes from ("sft", "pairs").
     load: (config, tokenizer, data path) -> dataset with `len` and item access.
-    lengths: dataset item -> its token count (for micro-batching).
+    lengths: step item -> its token count (for micro-batching).
     build: (config, model path, total steps) -> (trained learner, step function); the step
         function takes the step's items (grouped into micro-batches) and returns metrics.
     """
@@ -67,6 +67,9 @@ class Task:
     load: Callable[[Any, Any, str], Any]
     lengths: Callable[[Any], int]
     build: Callable[[Any, str, int], tuple[Any, Callable[[list[list[Any]]], dict[str, float]]]]
+    prepare: Callable[[list[Any]], list[Any]] | None = None
+    """The step's dataset items -> what the ranks train on (kto: each with its KL pair), in the
+    driver before the items are split over the ranks; None: the items themselves."""
 
 
 def batch_positions(step: int, batch_size: int, count: int, seed: int) -> list[int]:
@@ -217,6 +220,8 @@ def run_task(task: Task, config: Any) -> int:
                 timer.reset()
                 began = time.perf_counter()
                 items = [dataset[i] for i in batch_positions(step, batch, len(dataset), config.train.seed)]
+                if task.prepare is not None:
+                    items = task.prepare(items)
                 with timer.phase("training"):
                     metrics = learners.train(items)
                 tokens = metrics.pop("tokens", 0.0)
