@@ -821,3 +821,14 @@ def test_ema_best_checkpoint_warmup_and_offload_flags_become_options():
         assert flag not in UNSUPPORTED
     assert "ref.offload" not in UNSUPPORTED
     assert "reward.offload" not in UNSUPPORTED
+
+
+def test_supervised_commands_take_openrlhf_ranks_multiturn_and_ring_attention():
+    argv, _ = expand_aliases(["--actor.num_nodes", "2", "--actor.num_gpus_per_node", "8"], "sft")
+    assert argv == ["--ray.learner.num_actors", "16"]
+    argv, _ = expand_aliases(["--ds.ring_attn_size", "2"], "dpo")
+    assert argv == ["--model.sequence_parallel_size", "2"]
+    # the conversations are in OpenRLHF's --data.input_key ("input" unless given)
+    assert expand_aliases(["--data.multiturn"], "sft")[0] == ["--data.messages_key", "input"]
+    argv, _ = expand_aliases(["--data.input_key", "chat", "--data.multiturn"], "sft")
+    assert argv == ["--data.input_key", "chat", "--data.messages_key", "chat"]

@@ -64,7 +64,6 @@ def test_dotted_options_reach_the_loss_and_data_sections():
         ("dpo", {"loss.beta": "0"}, "loss.beta"),
         ("rm", {"loss.use_margin": "true"}, "needs data.margin_key"),
         ("sft", {"loss.aggregation": "seq-mean-token-sum"}, "loss.aggregation"),
-        ("dpo", {"model.lora_rank": "8"}, "model.lora_rank"),
         ("sft", {"model.critic_pretrain": "x"}, "does not apply to rl-launch sft"),
         ("rm", {"train.max_epochs": "2"}, "train.max_epochs"),
         ("sft", {"train.critic_optimizer": "muon"}, "train.critic_optimizer: 'muon' does not apply"),
@@ -130,6 +129,8 @@ def test_demo_run_learns_resumes_and_exports(command, tmp_path, capsys, in_proce
         "false",
     ]
     steps = STEPS[command]
+    if command == "rm":  # LoRA adapters on the backbone, the score head trained whole, merged at export
+        common += ["--model.lora_rank", "8"]
     first = _run(command, [*common, "--train.max_steps", str(steps)], capsys)
     assert first.returncode == 0, first.stderr[-4000:]
     records = read_metrics(out)
@@ -178,3 +179,32 @@ def test_epochs_become_steps_once_the_dataset_size_is_known():
     config = resolve_config("sft", None, {"train.epochs": "2", "train.train_batch_size": "4"})
     assert steps_of_epochs(config, 10).train.max_steps == 5  # ⌈2 × 10 / 4⌉
     assert steps_of_epochs(config, 1).train.max_steps == 1
+
+
+def test_multi_turn_sft_trains_every_assistant_turn_and_nothing_else(tmp_path):
+    """`data.messages_key` (OpenRLHF's --data.multiturn): the chat template's assistant spans are
+    the loss mask, across turns."""
+    import json
+
+    from rl_data.tiny import build_tiny_tokenizer
+    from rl_launch.trainers import sft
+
+    tokenizer = build_tiny_tokenizer(chat_template="chatml")
+    path = tmp_path / "chats.jsonl"
+    conversation = [
+        {"role": "user", "content": "What is 2 + 1?"},
+        {"role": "assistant", "content": "3"},
+        {"role": "user", "content": "And 3 + 1?"},
+        {"role": "assistant", "content": "4"},
+    ]
+    path.write_text(json.dumps({"messages": conversation}) + "\n")
+    config = resolve_config(
+        "sft", None, {"model.pretrain": "m", "data.dataset": str(path), "data.messages_key": "messages"}
+    )
+    sample = sft.TASK.load(config, tokenizer, str(path))[0]
+    trained = tokenizer.decode(sample.input_ids[sample.loss_mask].tolist())
+    assert trained.replace(" ", "") == "3<|im_end|>4<|im_end|>".replace(" ", "")
+    untrained = tokenizer.decode(sample.input_ids[~sample.loss_mask].tolist())
+    assert "2 + 1" in untrained.replace("  ", " ") or "2+1" in untrained.replace(" ", "")
+    with pytest.raises(ConfigError, match=r"data\.messages_key.*apply_chat_template"):
+        resolve_config("sft", None, {"data.messages_key": "messages", "data.apply_chat_template": "false"})

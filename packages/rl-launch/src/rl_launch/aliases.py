@@ -375,6 +375,13 @@ def _colocate(values: tuple[str, ...], context: Context) -> Pairs | tuple[Pairs,
 _ROLES = {"actor": "policy", "critic": "critic", "ref": "ref", "reward": "reward_model"}
 
 
+def _multiturn(values: tuple[str, ...], context: Context) -> Pairs:
+    """OpenRLHF's multi-turn SFT reads whole conversations from --data.input_key ("input" unless
+    given) and trains every assistant turn: rl-launch's data.messages_key names that column."""
+    column = context.options.get("data.input_key", "input")
+    return [("data.messages_key", column)]
+
+
 def _num_actors(entity: str, target: str | None = None) -> Convert:
     """OpenRLHF places num_nodes × num_gpus_per_node ranks of a role; rl-launch counts them
     (`target`: ppo's ray.<role>.num_actors by default)."""
@@ -676,7 +683,6 @@ ALIASES: tuple[Alias, ...] = (
         "ds.lora.rank",
         "model.lora_rank",
         commands=TRAINERS,
-        remark="rm and dpo train all weights: a rank above 0 is refused there",
     ),
     _alias("ds.lora.alpha", "model.lora_alpha", commands=TRAINERS),
     _alias("ds.lora.dropout", "model.lora_dropout", commands=TRAINERS),
@@ -1061,6 +1067,14 @@ ALIASES: tuple[Alias, ...] = (
         for part in ("num_nodes", "num_gpus_per_node")
     ),
     *(_alias(flag, "ray.colocate", nargs=0, convert=_colocate) for flag in _COLOCATE),
+    _alias(
+        "data.multiturn",
+        "data.messages_key",
+        nargs=0,
+        convert=_multiturn,
+        commands=("sft",),
+        remark="the conversations' column: --data.input_key (OpenRLHF's default input)",
+    ),
     # Supervised losses (OpenRLHF's model.* flags of train_rm / train_dpo).
     _alias("model.beta", "loss.beta", commands=("dpo",)),
     _alias("model.ipo_enable", "loss.loss_type", nargs=0, convert=_ipo, commands=("dpo",), remark="→ ipo"),
@@ -1179,7 +1193,6 @@ UNSUPPORTED: Mapping[str, str] = {
     "data.tokenizer_chat_template": "the tokenizer's own chat template is used; edit its tokenizer_config.json to change it",
     "data.dataset_probs": "sft, rm and dpo read one dataset per run (mixing is ppo's --data.prompt_probs)",
     "data.dataset_split": "sft, rm and dpo read a local file or a save_to_disk folder, which has no splits",
-    "data.multiturn": "sft trains one response per row; there is no compacted multi-turn format",
     # Rollout and training.
     "train.full_determinism_enable": "there is no full-determinism mode",
     # Algorithm and reward.

@@ -53,7 +53,7 @@ def build_learner(learner_class: type, config: Any, model_path: str, total_steps
         model = load_value_model(model_path, head_seed=config.train.seed, **options)
     else:
         model = load_causal_lm(model_path, **options)
-    if settings.lora is not None:  # sft only (the config refuses LoRA elsewhere); export_hf merges it
+    if settings.lora is not None:  # export_hf merges the adapters (a reward model's score head trains whole)
         model = apply_lora(model, settings.lora)
     return learner_class(
         model, deepspeed=settings.deepspeed, optimizer=settings.optimizer, total_steps=total_steps

@@ -89,6 +89,10 @@ class SFTDataConfig(_Section):
     """Column holding the prompt (text, or a list of chat messages)."""
     output_key: str = "response"
     """Column holding the response (text); only its tokens (and the end-of-turn marker) are trained."""
+    messages_key: str | None = None
+    """Multi-turn SFT: the column holding whole conversations (lists of messages), every assistant
+    turn trained (the mask from the chat template), input_key / output_key unused; needs
+    apply_chat_template (OpenRLHF's --data.multiturn, whose conversations are in --data.input_key)."""
     apply_chat_template: bool = True
     """Render prompt and response with the tokenizer's chat template; false: plain text + EOS."""
     max_len: PositiveInt = 2048
@@ -242,12 +246,6 @@ class _SupervisedRoot(_Section):
                 f"must divide ray.learner.num_actors ({ranks}): each group of {sp} ranks shares its "
                 f"micro-batches (set --ray.learner.num_actors to a multiple of {sp})",
             )
-        if self.model.lora_rank and command != "sft":
-            _fail(
-                "model.lora_rank",
-                self.model.lora_rank,
-                f"must be 0: rl-launch {command} trains all weights (LoRA is sft's and ppo's)",
-            )
         for field in (
             "max_epochs",
             "critic_learning_rate",
@@ -275,6 +273,12 @@ class SFTConfig(_SupervisedRoot):
 
     def __post_init__(self) -> None:
         self._check_common("sft")
+        if self.data.messages_key is not None and not self.data.apply_chat_template:
+            _fail(
+                "data.messages_key",
+                self.data.messages_key,
+                "needs data.apply_chat_template true: the assistant turns are found through the chat template",
+            )
 
 
 class RMConfig(_SupervisedRoot):

@@ -63,6 +63,11 @@ class _SupervisedSpec(msgspec.Struct, frozen=True, kw_only=True):
     plugins: tuple = ()
 
 
+def _lora(config: Any) -> str:
+    model = config.model
+    return f", LoRA rank {model.lora_rank} alpha {model.lora_alpha}" if model.lora_rank else ""
+
+
 def learner_layout(role: str, config: Any, *, use_gpus: bool) -> Any:
     """The `RoleLayout` of the trained model's ranks (`ray.learner`): one placement group."""
     from ..cluster import RoleLayout
@@ -88,8 +93,8 @@ class DriverLearner:
 
     def describe(self, dtype: str) -> str:
         return (
-            f"learner: DeepSpeed ZeRO-{self.config.train.zero_stage} {dtype} in this process on "
-            f"{self.learner.device}, world size 1"
+            f"learner: DeepSpeed ZeRO-{self.config.train.zero_stage} {dtype}{_lora(self.config)} in this "
+            f"process on {self.learner.device}, world size 1"
         )
 
     def train(self, items: Sequence[Any]) -> dict[str, float]:
@@ -218,7 +223,7 @@ class RayLearners:
         sp = self.config.model.sequence_parallel_size
         where = f"on {self.devices[0]}" if len(set(self.devices)) == 1 else f"on {', '.join(self.devices)}"
         return (
-            f"learner: DeepSpeed ZeRO-{self.config.train.zero_stage} {dtype}, {self.ranks} Ray actors "
+            f"learner: DeepSpeed ZeRO-{self.config.train.zero_stage} {dtype}{_lora(self.config)}, {self.ranks} Ray actors "
             f"(world size {self.ranks}{f', sequence parallel {sp}' if sp > 1 else ''}) on "
             f"{self.nodes} node{'s' if self.nodes > 1 else ''} {where}"
         )
