@@ -405,13 +405,15 @@ def test_every_flag_is_listed_once_per_command():
         flags = [alias.flag for alias in ALIASES if command in alias.commands]
         assert len(flags) == len(set(flags)), command
     # a refused flag is accepted only where a command has it with a meaning (serve_rm's normalisation,
-    # ppo's sequence parallelism)
+    # sequence parallelism and dataset mixing on the trainers)
     assert {alias.flag for alias in ALIASES} & set(UNSUPPORTED) == {
         "eval.dataset",
         "eval.split",
         "data.input_template",
         "ds.ring_attn_size",
         "ds.ring_attn_head_stride",
+        "data.dataset_probs",
+        "data.dataset_split",
     }
 
 

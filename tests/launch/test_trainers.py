@@ -208,3 +208,47 @@ def test_multi_turn_sft_trains_every_assistant_turn_and_nothing_else(tmp_path):
     assert "2 + 1" in untrained.replace("  ", " ") or "2+1" in untrained.replace(" ", "")
     with pytest.raises(ConfigError, match=r"data\.messages_key.*apply_chat_template"):
         resolve_config("sft", None, {"data.messages_key": "messages", "data.apply_chat_template": "false"})
+
+
+def test_datasets_are_read_mixed_and_split_as_ppo_reads_prompts(tmp_path, monkeypatch):
+    """data.dataset: several files mixed by data.dataset_probs, a save_to_disk DatasetDict's
+    data.dataset_split, a hub name that is not cached (offline) refused naming the option."""
+    import json
+
+    import datasets
+
+    from rl_data.tiny import build_tiny_tokenizer
+    from rl_launch.preflight import PreflightError
+    from rl_launch.trainers import dpo
+
+    tokenizer = build_tiny_tokenizer(chat_template="chatml")
+    rows = {
+        name: [{"prompt": f"{name} {i}", "chosen": "1", "rejected": "2"} for i in range(count)]
+        for name, count in (("a", 30), ("b", 10))
+    }
+    for name, part in rows.items():
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in part))
+    both = f"{tmp_path / 'a.jsonl'},{tmp_path / 'b.jsonl'}"
+
+    def load(**options):
+        config = resolve_config("dpo", None, {"model.pretrain": "m", **options})
+        return dpo.TASK.load(config, tokenizer, config.data.dataset)
+
+    assert len(load(**{"data.dataset": both})) == 40  # concatenated
+    mixed = load(**{"data.dataset": both, "data.dataset_probs": "0.5,0.5", "data.max_samples": "20"})
+    sources = [mixed[i].source for i in range(len(mixed))]
+    assert len(sources) == 20
+    assert {s.rsplit("/", 1)[-1] for s in sources} == {"a.jsonl", "b.jsonl"}
+    with pytest.raises(ConfigError, match=r"data\.dataset_probs.*one probability per data\.dataset"):
+        load(**{"data.dataset": both, "data.dataset_probs": "1.0"})
+
+    folder = tmp_path / "saved"
+    datasets.DatasetDict(
+        {"train": datasets.Dataset.from_list(rows["a"]), "validation": datasets.Dataset.from_list(rows["b"])}
+    ).save_to_disk(str(folder))
+    assert len(load(**{"data.dataset": str(folder), "data.dataset_split": "validation"})) == 10
+    with pytest.raises(PreflightError, match=r"data\.dataset_split: 'test' is not a split"):
+        load(**{"data.dataset": str(folder), "data.dataset_split": "test"})
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(PreflightError, match=r"data\.dataset: 'nobody/no-such-set'.*HF_HUB_OFFLINE"):
+        load(**{"data.dataset": "nobody/no-such-set"})

@@ -1067,6 +1067,8 @@ ALIASES: tuple[Alias, ...] = (
         for part in ("num_nodes", "num_gpus_per_node")
     ),
     *(_alias(flag, "ray.colocate", nargs=0, convert=_colocate) for flag in _COLOCATE),
+    _alias("data.dataset_probs", "data.dataset_probs", commands=SUPERVISED),
+    _alias("data.dataset_split", "data.dataset_split", commands=SUPERVISED),
     _alias(
         "data.multiturn",
         "data.messages_key",
@@ -1191,8 +1193,8 @@ UNSUPPORTED: Mapping[str, str] = {
     "data.image_key": _NO_VISION,
     "data.max_images_per_prompt": _NO_VISION,
     "data.tokenizer_chat_template": "the tokenizer's own chat template is used; edit its tokenizer_config.json to change it",
-    "data.dataset_probs": "sft, rm and dpo read one dataset per run (mixing is ppo's --data.prompt_probs)",
-    "data.dataset_split": "sft, rm and dpo read a local file or a save_to_disk folder, which has no splits",
+    "data.dataset_probs": "ppo mixes its prompt datasets with --data.prompt_probs; serve-rm reads no dataset",
+    "data.dataset_split": "ppo's split is --data.prompt_split; serve-rm reads no dataset",
     # Rollout and training.
     "train.full_determinism_enable": "there is no full-determinism mode",
     # Algorithm and reward.

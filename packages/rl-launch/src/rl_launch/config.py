@@ -156,6 +156,24 @@ def _check_sources(field: str, value: str | list[str] | None) -> list[str]:
 _PROBABILITY_TOLERANCE = 1e-6
 
 
+def check_probabilities(
+    field: str, probabilities: list[float] | None, sources_field: str, sources: list[str]
+) -> None:
+    """Mixing weights: one per dataset of `sources_field`, finite, >= 0, summing to 1."""
+    if probabilities is None:
+        return
+    if len(probabilities) != len(sources):
+        _fail(
+            field,
+            probabilities,
+            f"must have one probability per {sources_field} dataset ({len(sources)} given)",
+        )
+    if not all(math.isfinite(p) and p >= 0 for p in probabilities):
+        _fail(field, probabilities, "must be finite numbers >= 0")
+    if abs(math.fsum(probabilities) - 1.0) > _PROBABILITY_TOLERANCE:
+        _fail(field, probabilities, f"must sum to 1 (they sum to {math.fsum(probabilities)!r})")
+
+
 class DataConfig(_Section):
     """Where prompts come from and how they become the text the engines see.
 
@@ -207,22 +225,7 @@ class DataConfig(_Section):
     def __post_init__(self) -> None:
         sources = _check_sources("data.prompt_data", self.prompt_data)
         _check_sources("data.eval_dataset", self.eval_dataset)
-        if self.prompt_probs is not None:
-            probabilities = self.prompt_probs
-            if len(probabilities) != len(sources):
-                _fail(
-                    "data.prompt_probs",
-                    probabilities,
-                    f"must have one probability per data.prompt_data dataset ({len(sources)} given)",
-                )
-            if not all(math.isfinite(p) and p >= 0 for p in probabilities):
-                _fail("data.prompt_probs", probabilities, "must be finite numbers >= 0")
-            if abs(math.fsum(probabilities) - 1.0) > _PROBABILITY_TOLERANCE:
-                _fail(
-                    "data.prompt_probs",
-                    probabilities,
-                    f"must sum to 1 (they sum to {math.fsum(probabilities)!r})",
-                )
+        check_probabilities("data.prompt_probs", self.prompt_probs, "data.prompt_data", sources)
         if self.input_template is not None and self.input_template.count("{}") != 1:
             _fail(
                 "data.input_template",

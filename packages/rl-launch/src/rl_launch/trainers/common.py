@@ -7,24 +7,53 @@ from typing import Any
 __all__ = ["build_learner", "load_preferences", "read_rows"]
 
 
-def read_rows(data: Any, path: str) -> Any:
-    """The rows of `data.dataset` (a file or a save_to_disk folder), the first `data.max_samples`."""
-    from rl_data.datasets import as_dataset
+def read_rows(config: Any, sources: Any) -> Any:
+    """The rows of `sources` (`data.dataset`, or the preset's file): each dataset read as `rl-launch
+    ppo` reads prompts (`prompts.load_source`: files, save_to_disk folders, hub names with
+    `data.dataset_split` / `data.dataset_subset`), mixed by `data.dataset_probs` (interleaved with
+    `train.seed`) or concatenated, then the first `data.max_samples`.
 
-    rows = as_dataset(path)
+    Raises PreflightError naming the option for a dataset that cannot be read.
+    """
+    from rl_data import DataError
+    from rl_data.datasets import as_dataset, mix_datasets
+
+    from ..config import data_sources
+    from ..preflight import PreflightError
+    from ..prompts import load_source
+
+    data = config.data
+    parts = [
+        load_source(
+            source,
+            split=data.dataset_split,
+            subset=data.dataset_subset,
+            option="data.dataset",
+            split_option="data.dataset_split",
+            subset_option="data.dataset_subset",
+        )
+        for source in data_sources(sources)
+    ]
+    try:
+        if len(parts) == 1:
+            rows = as_dataset(parts[0])
+        else:
+            rows = mix_datasets(parts, probabilities=data.dataset_probs, seed=config.train.seed)
+    except (FileNotFoundError, DataError, ValueError) as error:
+        raise PreflightError(f"data.dataset: {error}") from None
     if data.max_samples is not None and data.max_samples < len(rows):
         rows = rows.select(range(data.max_samples))
     return rows
 
 
-def load_preferences(config: Any, tokenizer: Any, path: str) -> Any:
+def load_preferences(config: Any, tokenizer: Any, path: Any) -> Any:
     """The (prompt, chosen, rejected) pairs of `data.dataset` (RM and DPO), with `data.margin_key`
     when the data section has one (RM)."""
     from rl_data.datasets import PreferenceDataset
 
     data = config.data
     return PreferenceDataset(
-        read_rows(data, path),
+        read_rows(config, path),
         tokenizer,
         prompt_key=data.prompt_key,
         chosen_key=data.chosen_key,

@@ -28,8 +28,10 @@ from ..config import (
     PositiveInt,
     ResourceConfig,
     TrainConfig,
+    _check_sources,
     _fail,
     _Section,
+    check_probabilities,
 )
 
 __all__ = [
@@ -82,9 +84,32 @@ class DPOLogConfig(LogConfig):
     """Run folder: metrics.jsonl, summary, plot, checkpoints, final model."""
 
 
-class SFTDataConfig(_Section):
-    dataset: str | None = None
-    """Training rows: a .jsonl/.json/.parquet/.csv file or a `datasets.save_to_disk` folder. None: the preset's."""
+class _DataSource(_Section):
+    """The rows of a supervised command: datasets as `rl-launch ppo` reads its prompts."""
+
+    dataset: str | list[str] | None = None
+    """Training rows: a .jsonl/.json/.parquet/.csv/.arrow file, a `datasets.save_to_disk` folder, a
+    folder that `datasets.load_dataset` reads or a Hugging Face dataset name org/name (with
+    HF_HUB_OFFLINE set it must be in the local cache); several comma-separated or as a list (mixed
+    by dataset_probs, else concatenated in order). None: the preset's."""
+    dataset_probs: list[float] | None = None
+    """Mix the datasets: each row is drawn from dataset i with probability p_i (one per dataset,
+    summing to 1, e.g. 0.7,0.3; datasets.interleave_datasets until every dataset was used in
+    full). None: concatenate."""
+    dataset_split: str = "train"
+    """Split of a hub dataset, a load_dataset folder or a save_to_disk DatasetDict; a single file is
+    its own split."""
+    dataset_subset: str | None = None
+    """Configuration (subset) of a hub dataset; None: its default."""
+    max_samples: PositiveInt | None = None
+    """Use at most this many rows (the first ones after mixing)."""
+
+    def __post_init__(self) -> None:
+        sources = _check_sources("data.dataset", self.dataset)
+        check_probabilities("data.dataset_probs", self.dataset_probs, "data.dataset", sources)
+
+
+class SFTDataConfig(_DataSource):
     input_key: str = "prompt"
     """Column holding the prompt (text, or a list of chat messages)."""
     output_key: str = "response"
@@ -97,13 +122,11 @@ class SFTDataConfig(_Section):
     """Render prompt and response with the tokenizer's chat template; false: plain text + EOS."""
     max_len: PositiveInt = 2048
     """Longest sample in tokens; longer rows are dropped (counted in the start-up line)."""
-    max_samples: PositiveInt | None = None
-    """Use at most this many rows (the first ones)."""
 
 
-class PairDataConfig(_Section):
-    dataset: str | None = None
-    """Preference rows: a .jsonl/.json/.parquet/.csv file or a `datasets.save_to_disk` folder. None: the preset's."""
+class PairDataConfig(_DataSource):
+    """Preference rows (`dataset`: as for sft)."""
+
     prompt_key: str | None = "prompt"
     """Column holding the prompt; None when chosen / rejected hold whole conversations."""
     chosen_key: str = "chosen"
@@ -114,8 +137,6 @@ class PairDataConfig(_Section):
     """Render with the tokenizer's chat template; false: plain text + EOS."""
     max_len: PositiveInt = 2048
     """Longest side of a pair in tokens; longer pairs are dropped."""
-    max_samples: PositiveInt | None = None
-    """Use at most this many pairs (the first rows)."""
 
 
 class KTOLogConfig(LogConfig):
@@ -123,9 +144,9 @@ class KTOLogConfig(LogConfig):
     """Run folder: metrics.jsonl, summary, plot, checkpoints, final model."""
 
 
-class UnpairedDataConfig(_Section):
-    dataset: str | None = None
-    """Labelled completions: a .jsonl/.json/.parquet/.csv file or a `datasets.save_to_disk` folder. None: the preset's."""
+class UnpairedDataConfig(_DataSource):
+    """Labelled completions (`dataset`: as for sft)."""
+
     prompt_key: str | None = "prompt"
     """Column holding the prompt; None when completions hold whole conversations."""
     completion_key: str = "completion"
@@ -136,8 +157,6 @@ class UnpairedDataConfig(_Section):
     """Render with the tokenizer's chat template; false: plain text + EOS."""
     max_len: PositiveInt = 2048
     """Longest sample in tokens; longer rows are dropped."""
-    max_samples: PositiveInt | None = None
-    """Use at most this many rows (the first ones)."""
 
 
 class RMDataConfig(PairDataConfig):

@@ -79,7 +79,7 @@ def _load(config: KTOConfig, tokenizer: Any, path: str) -> Any:
 
     data = config.data
     return UnpairedPreferenceDataset(
-        read_rows(data, path),
+        read_rows(config, path),
         tokenizer,
         prompt_key=data.prompt_key,
         completion_key=data.completion_key,

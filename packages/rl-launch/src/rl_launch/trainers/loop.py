@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..config import ConfigError, hf_output_dir
+from ..config import ConfigError, data_sources, hf_output_dir
 from ..learner_settings import (
     LearnerSettings,
     learner_dtype,
@@ -54,7 +54,7 @@ class Task:
     command: "sft", "rm", "dpo" or "kto"; role: the checkpointed engine's name ("policy", "reward_model").
     headline: metric keys shown in the progress bar, the console summary and curves.png.
     preset_data: key of `demo.build_demo`'s paths the preset's data comes from ("sft", "pairs").
-    load: (config, tokenizer, data path) -> dataset with `len` and item access.
+    load: (config, tokenizer, data.dataset or the preset's file) -> dataset with `len` and item access.
     lengths: step item -> its token count (for micro-batching).
     build: (config, model path, total steps) -> (trained learner, step function); the step
         function takes the step's items (grouped into micro-batches) and returns metrics.
@@ -64,7 +64,7 @@ class Task:
     role: str
     headline: tuple[str, ...]
     preset_data: str
-    load: Callable[[Any, Any, str], Any]
+    load: Callable[[Any, Any, Any], Any]
     lengths: Callable[[Any], int]
     build: Callable[[Any, str, int], tuple[Any, Callable[[list[list[Any]]], dict[str, float]]]]
     prepare: Callable[[list[Any]], list[Any]] | None = None
@@ -160,17 +160,18 @@ def run_task(task: Task, config: Any) -> int:
             data_path = data_path or demo[task.preset_data]
             console.say(f"preset {config.preset}: model and data in {Path(demo['model']).parent}")
         model_path = check_model_path("model.pretrain", model_path)
-        if not Path(data_path).expanduser().exists():
-            raise PreflightError(f"data.dataset: {data_path} does not exist")
         plan = open_run_folder(config, roles=[task.role], say=console.say)
 
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(model_path)
-        dataset = task.load(config, tokenizer, str(data_path))
+        dataset = task.load(config, tokenizer, data_path)
+        named = ", ".join(data_sources(data_path))
+        if config.data.dataset_probs is not None:
+            named += " mixed " + "/".join(f"{p:g}" for p in config.data.dataset_probs)
         if len(dataset) == 0:
-            raise PreflightError(f"data.dataset: {data_path}: no usable row ({dataset.stats.summary()})")
-        console.say(f"data: {len(dataset)} rows from {data_path} ({dataset.stats.summary()})")
+            raise PreflightError(f"data.dataset: {named}: no usable row ({dataset.stats.summary()})")
+        console.say(f"data: {len(dataset)} rows from {named} ({dataset.stats.summary()})")
         if config.train.epochs is not None:
             config = steps_of_epochs(config, len(dataset))
             console.say(

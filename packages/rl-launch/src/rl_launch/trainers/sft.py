@@ -32,7 +32,7 @@ def _load(config: SFTConfig, tokenizer: Any, path: str) -> Any:
 
     data = config.data
     return SFTDataset(
-        read_rows(data, path),
+        read_rows(config, path),
         tokenizer,
         input_key=data.input_key,
         output_key=data.output_key,
