@@ -252,3 +252,35 @@ def test_datasets_are_read_mixed_and_split_as_ppo_reads_prompts(tmp_path, monkey
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(PreflightError, match=r"data\.dataset: 'nobody/no-such-set'.*HF_HUB_OFFLINE"):
         load(**{"data.dataset": "nobody/no-such-set"})
+
+
+def test_pretrain_mode_trains_every_token_of_plain_text_rows(tmp_path):
+    """data.pretrain_mode (OpenRLHF's --model.pretrain_mode_enable): text rows, every token trained."""
+    import json
+
+    from rl_data.tiny import build_tiny_tokenizer
+    from rl_launch.aliases import expand_aliases
+    from rl_launch.trainers import sft
+
+    tokenizer = build_tiny_tokenizer(chat_template="chatml")
+    path = tmp_path / "corpus.jsonl"
+    path.write_text("".join(json.dumps({"text": text}) + "\n" for text in ("1 + 1 = 2", "2 + 2 = 4")))
+    argv, _ = expand_aliases(["--model.pretrain_mode_enable"], "sft")
+    assert argv == ["--data.pretrain_mode", "true"]
+    config = resolve_config(
+        "sft",
+        None,
+        {
+            "model.pretrain": "m",
+            "data.dataset": str(path),
+            "data.pretrain_mode": "true",
+            "data.input_key": "text",
+        },
+    )
+    samples = sft.TASK.load(config, tokenizer, str(path))
+    assert len(samples) == 2
+    first = samples[0]
+    assert bool(first.loss_mask.all())  # the first token has no target; pack_sequences drops it
+    assert tokenizer.decode(first.input_ids.tolist()) == "1 + 1 = 2" + tokenizer.eos_token
+    with pytest.raises(ConfigError, match=r"data\.pretrain_mode"):
+        resolve_config("sft", None, {"data.pretrain_mode": "true", "data.messages_key": "m"})

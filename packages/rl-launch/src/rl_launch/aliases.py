@@ -1067,6 +1067,7 @@ ALIASES: tuple[Alias, ...] = (
         for part in ("num_nodes", "num_gpus_per_node")
     ),
     *(_alias(flag, "ray.colocate", nargs=0, convert=_colocate) for flag in _COLOCATE),
+    _alias("model.pretrain_mode_enable", "data.pretrain_mode", nargs=0, commands=("sft",)),
     _alias("data.dataset_probs", "data.dataset_probs", commands=SUPERVISED),
     _alias("data.dataset_split", "data.dataset_split", commands=SUPERVISED),
     _alias(
@@ -1177,7 +1178,6 @@ UNSUPPORTED: Mapping[str, str] = {
     ),
     "critic.save_value_network": "the critic is kept in checkpoints only, not exported",
     **{f"{prefix}muon.no_nesterov": _NO_NESTEROV for prefix in ("actor.", "critic.", "")},
-    "model.pretrain_mode_enable": "sft trains the response tokens of prompt / response rows; there is no whole-text (pretraining) loss",
     "model.compute_fp32_loss_enable": "not an option here: the reward model's loss is computed from its scores as they come",
     "use_ms": "models and datasets are not fetched from ModelScope",
     # vLLM.

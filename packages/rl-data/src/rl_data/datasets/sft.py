@@ -29,8 +29,8 @@ import torch
 
 from ..errors import DataError
 from ..records import TOKEN_DTYPE, as_1d_tensor
-from ..templates import ConversationTokens
-from .common import as_dataset, location, require_columns
+from ..templates import ConversationTokens, tokenize_prompt_completion
+from .common import as_dataset, location, read_text, require_columns
 from .tokenized import OVERLONG_POLICIES, TokenizedRows, TokenStore
 
 __all__ = ["OVERLONG_POLICIES", "SFTDataset", "SFTSample"]
@@ -75,6 +75,9 @@ class SFTDataset(TokenizedRows):
         input_key: the prompt column (a string, or a list of messages).
         output_key: the response column (a string).
         messages_key: when set, the column with whole conversations (input/output keys unused).
+        pretrain_mode: continued pretraining: each row is plain text, `row[input_key]` followed by
+            `row[output_key]` when the data has that column, then EOS, and every token is trained
+            (no chat template, no input template).
         apply_chat_template: render with the tokenizer's chat template; False for plain text.
         input_template: plain-text prompt template with one "{}" (takes precedence over the
             chat template).
@@ -96,6 +99,7 @@ class SFTDataset(TokenizedRows):
         input_key: str = "prompt",
         output_key: str = "response",
         messages_key: str | None = None,
+        pretrain_mode: bool = False,
         apply_chat_template: bool = True,
         input_template: str | None = None,
         system_prompt: str | None = None,
@@ -104,10 +108,12 @@ class SFTDataset(TokenizedRows):
         on_bad_row: str = "error",
         cache_dir: Any = None,
     ) -> None:
+        if pretrain_mode and messages_key is not None:
+            raise ValueError("pretrain_mode: trains plain text rows; it does not take messages_key")
         super().__init__(
             tokenizer,
-            apply_chat_template=apply_chat_template,
-            input_template=input_template,
+            apply_chat_template=apply_chat_template and not pretrain_mode,
+            input_template=None if pretrain_mode else input_template,
             system_prompt=system_prompt,
             max_length=max_length,
             overlong=overlong,
@@ -120,9 +126,14 @@ class SFTDataset(TokenizedRows):
             )
         dataset = as_dataset(data, cache_dir=cache_dir)
         columns = [messages_key] if messages_key is not None else [input_key, output_key]
+        if pretrain_mode and output_key not in dataset.column_names:
+            columns = [input_key]
         require_columns(dataset, columns)
 
         def read(row: dict[str, Any]) -> ConversationTokens:
+            if pretrain_mode:
+                text = "".join(read_text(row, key, allow_empty=key != input_key) for key in columns)
+                return tokenize_prompt_completion(tokenizer, "", text)
             if messages_key is not None:
                 tokens = encoder.encode_conversation(row, messages_key)
             else:

@@ -114,6 +114,10 @@ class SFTDataConfig(_DataSource):
     """Column holding the prompt (text, or a list of chat messages)."""
     output_key: str = "response"
     """Column holding the response (text); only its tokens (and the end-of-turn marker) are trained."""
+    pretrain_mode: bool = False
+    """Continued pretraining (OpenRLHF's --model.pretrain_mode_enable): each row is plain text,
+    input_key's value followed by output_key's when the data has that column, then EOS; every token
+    is trained, no chat template."""
     messages_key: str | None = None
     """Multi-turn SFT: the column holding whole conversations (lists of messages), every assistant
     turn trained (the mask from the chat template), input_key / output_key unused; needs
@@ -292,6 +296,8 @@ class SFTConfig(_SupervisedRoot):
 
     def __post_init__(self) -> None:
         self._check_common("sft")
+        if self.data.pretrain_mode and self.data.messages_key is not None:
+            _fail("data.pretrain_mode", True, "trains plain text rows; leave data.messages_key unset")
         if self.data.messages_key is not None and not self.data.apply_chat_template:
             _fail(
                 "data.messages_key",

@@ -37,6 +37,7 @@ def _load(config: SFTConfig, tokenizer: Any, path: str) -> Any:
         input_key=data.input_key,
         output_key=data.output_key,
         messages_key=data.messages_key,
+        pretrain_mode=data.pretrain_mode,
         apply_chat_template=data.apply_chat_template,
         max_length=data.max_len,
     )
