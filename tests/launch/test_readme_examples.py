@@ -88,3 +88,21 @@ def test_the_readme_async_command_line_resolves_to_the_depth_and_bound_it_shows(
     assert result.returncode == 0, result.stderr
     for line in ("async_train: true", "async_depth: 2", "max_staleness: 2"):
         assert line in result.stdout
+
+
+def test_the_supervised_commands_readme_lines_resolve(capsys):
+    """Every `rl-launch sft|rm|dpo|kto` line of the README's supervised section is a valid command
+    line (resolved with --print-config: the models it names are not on this machine)."""
+    from rl_launch.cli import main
+
+    (shell,) = re.findall(r"```bash\n(.+?)```", section("## SFT, reward model, DPO and KTO"), re.S)
+    lines = [line.split("#")[0].strip() for line in shell.replace("\\\n", " ").strip().splitlines()]
+    commands = [shlex.split(line)[1:] for line in lines if line.startswith("rl-launch ")]
+    assert {args[0] for args in commands} == {"sft", "rm", "dpo", "kto"}
+    for args in commands:
+        assert main([*args, "--print-config"]) == 0, (args, capsys.readouterr().err)
+        out = capsys.readouterr().out
+        pairs = zip(args[1::2], args[2::2], strict=False)
+        for option, value in pairs:  # each given name-like value is where its option says
+            if option.startswith("--") and value.isidentifier():
+                assert f"{option.rsplit('.', 1)[-1]}: {value}" in out, (option, value)
