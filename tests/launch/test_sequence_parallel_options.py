@@ -92,23 +92,15 @@ def test_unused_roles_need_not_be_multiples_of_sp(capsys):
     assert config["model"]["sequence_parallel_size"] == 2
 
 
-def test_supervised_commands_refuse_sequence_parallelism(capsys):
-    args = [
-        "--preset",
-        "none",
-        "--model.pretrain",
-        "m",
-        "--data.dataset",
-        "d.jsonl",
-        "--model.sequence_parallel_size",
-        "2",
-    ]
-    message = _error(capsys, *args, command="sft")
-    assert (
-        "model.sequence_parallel_size: 2 must be 1: rl-launch sft runs its learner in the driver" in message
-    )
-    assert "as one rank" in message
-    assert "SFTLearner, RewardModelLearner and DPOLearner support it" in message
+def test_supervised_commands_need_ranks_for_sequence_parallelism(capsys):
+    args = ["--preset", "none", "--model.pretrain", "m", "--data.dataset", "d.jsonl"]
+    message = _error(capsys, *args, "--model.sequence_parallel_size", "2", command="sft")
+    assert "model.sequence_parallel_size: 2 must divide ray.learner.num_actors (1)" in message
+    assert "--ray.learner.num_actors to a multiple of 2" in message
+    two = ["--model.sequence_parallel_size", "2", "--ray.learner.num_actors", "4", "--print-config"]
+    assert main(["dpo", *args, *two]) == 0
+    config = yaml.safe_load(capsys.readouterr().out)
+    assert (config["model"]["sequence_parallel_size"], config["ray"]["learner"]["num_actors"]) == (2, 4)
 
 
 def test_openrlhf_ring_attn_size_becomes_sequence_parallel_size_with_a_note(capsys):
@@ -122,20 +114,16 @@ def test_openrlhf_ring_attn_size_becomes_sequence_parallel_size_with_a_note(caps
     assert "ignored: it tunes ring attention's head chunks" in captured.err
 
 
-def test_openrlhf_ring_attn_size_stays_refused_by_sft(capsys):
-    args = [
-        "--preset",
-        "none",
-        "--model.pretrain",
-        "m",
-        "--data.dataset",
-        "d.jsonl",
-        "--ds.ring_attn_size",
-        "2",
-    ]
-    message = _error(capsys, *args, command="sft")
-    assert "run their model in the driver process as one rank" in message
-    assert "--ds.ring_attn_size as --model.sequence_parallel_size" in message
+def test_openrlhf_ring_attn_size_reaches_the_supervised_commands(capsys):
+    args = ["--preset", "none", "--model.pretrain", "m", "--data.dataset", "d.jsonl"]
+    ring = ["--ds.ring_attn_size", "2", "--actor.num_nodes", "1", "--actor.num_gpus_per_node", "2"]
+    assert main(["sft", *args, *ring, "--print-config"]) == 0
+    captured = capsys.readouterr()
+    config = yaml.safe_load(captured.out)
+    assert (config["model"]["sequence_parallel_size"], config["ray"]["learner"]["num_actors"]) == (2, 2)
+    assert "--model.sequence_parallel_size 2" in captured.err
+    assert main(["serve-rm", "--ds.ring_attn_size", "2"]) == 2
+    assert "serve-rm runs its model in one process" in capsys.readouterr().err
 
 
 def _roles(sp: int, ranks: int, budget: int) -> Roles:

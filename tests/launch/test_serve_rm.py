@@ -225,6 +225,7 @@ def test_the_server_binds_to_loopback_by_default_and_reports_health(tiny_checkpo
     ) as default:
         assert default.address[0] == "127.0.0.1"
         assert default.url.startswith("http://127.0.0.1:")
+    assert _post(server.url, b'{"query": ["counted"]}')[0] == 200  # whatever ran before this test
     status, health = _get(_root(server) + "/health")
     assert status == 200
     assert health["status"] == "ok"

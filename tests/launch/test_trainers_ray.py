@@ -6,12 +6,13 @@ local Ray (started once here, bound to 127.0.0.1). The two runs must take the sa
 same loss at every step and the same exported weights, although the two ranks split each step's
 items between them (kto, ZeRO-3) or each hold half of every sequence (sft, sequence parallel),
 in smaller micro-batches (`train.micro_batch_tokens`). A rank killed mid-run stops the run with a
-diagnosis that names it and the checkpoint a resume uses.
+diagnosis that names it and the checkpoint a resume uses, and the resume continues from it.
 """
 
 from __future__ import annotations
 
 import pathlib
+import re
 import sys
 import threading
 import time
@@ -106,7 +107,7 @@ def test_two_ray_ranks_take_the_steps_of_one_rank(
         torch.testing.assert_close(got[name], tensor, rtol=1e-4, atol=1e-5, msg=name)
 
 
-def test_a_killed_rank_stops_the_run_with_a_diagnosis_and_the_checkpoint_to_resume(
+def test_a_killed_rank_stops_the_run_with_a_diagnosis_and_the_run_resumes_from_its_checkpoint(
     tmp_path, capsys, local_ray, in_process
 ):
     out = tmp_path / "run"
@@ -140,5 +141,24 @@ def test_a_killed_rank_stops_the_run_with_a_diagnosis_and_the_checkpoint_to_resu
     assert code == 1, err[-3000:]
     assert "policy-1 died" in err
     assert str(out / "logs" / "policy-1.log") in err
-    assert "the last checkpoint on disk stays valid: step" in err
     assert "--ckpt.load_checkpoint true continues from it" in err
+    saved = int(re.search(r"the last checkpoint on disk stays valid: step (\d+)", err).group(1))
+    assert saved >= 2
+
+    # the run's own checkpoint, on two fresh ranks: one more step, then the export
+    again = _run(
+        "sft",
+        out,
+        tmp_path,
+        "--ray.learner.num_actors",
+        "2",
+        "--ckpt.load_checkpoint",
+        "true",
+        "--train.max_steps",
+        str(saved + 1),
+    )
+    output = capsys.readouterr()
+    assert again == 0, output.err[-3000:]
+    assert f"from step {saved}" in output.out + output.err
+    assert read_metrics(out)[-1]["step"] == saved + 1
+    assert (out / "final").is_dir()
