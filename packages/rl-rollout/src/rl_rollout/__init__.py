@@ -7,6 +7,9 @@
 - Executors turn `rl_data.PromptSample`s into scored `rl_data.Trajectory` records: single-turn
   (n samples per prompt) and multi-turn agents (environment tokens carry action mask 0; OpenRLHF
   agent files work unchanged).
+- Tool calling (`rl_rollout.tools`): tools from Python functions or MCP / OpenAI declarations,
+  call parsers by name (`TOOL_PARSERS`, Hermes / Qwen `<tool_call>` built in), calls that never
+  raise into the episode (`call_tool`).
 - Rewards: OpenRLHF `reward_func` files, rule rewards for verifiable tasks, a remote reward client.
 - DAPO dynamic filtering that never drops accepted groups, overlong and stop-properly shaping.
 
@@ -34,10 +37,26 @@ from .rewards import (
     WeightedSumReward,
     load_reward_function,
 )
+from .tools import (
+    TOOL_ERRORS,
+    TOOL_PARSERS,
+    ParsedToolCalls,
+    Tool,
+    ToolCall,
+    ToolCallParser,
+    ToolResult,
+    call_tool,
+    load_tools,
+    openai_tool_schemas,
+    register_tool_parser,
+    tool_from_function,
+)
 from .weights import RECEIVERS, TransportReceiver, WeightReceiver
 
 __all__ = [
     "RECEIVERS",
+    "TOOL_ERRORS",
+    "TOOL_PARSERS",
     "BatchedReward",
     "DynamicSampler",
     "Engine",
@@ -49,6 +68,7 @@ __all__ = [
     "Generation",
     "MultiTurnExecutor",
     "NumericAnswerReward",
+    "ParsedToolCalls",
     "PerSampleReward",
     "RemoteRewardClient",
     "RemoteRewardError",
@@ -57,13 +77,22 @@ __all__ = [
     "RewardOutput",
     "SamplingParams",
     "SingleTurnExecutor",
+    "Tool",
+    "ToolCall",
+    "ToolCallParser",
+    "ToolResult",
     "TransportReceiver",
     "WeightReceiver",
     "WeightedSumReward",
     "__version__",
+    "call_tool",
     "dynamic_sample",
     "filter_groups",
     "load_agent_class",
     "load_reward_function",
+    "load_tools",
+    "openai_tool_schemas",
+    "register_tool_parser",
     "shape_rewards",
+    "tool_from_function",
 ]
