@@ -1,7 +1,8 @@
 """The rollout executor as a component of `rl-launch ppo` (no Ray): `rollout.executor` picks it by
 name, `rollout.executor_options` reach it verbatim, `rollout.agent_func_path` (an OpenRLHF agent
-file) implies multi_turn, and every wrong name, option, value or file fails before anything starts,
-naming the dotted option. The rollout actor's own code then runs the agent on a real engine."""
+file) implies multi_turn (agent_server takes a `run_agent` file instead), and every wrong name,
+option, value or file fails before anything starts, naming the dotted option. The rollout actor's
+own code then runs the agent on a real engine."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from rl_launch.components import EXECUTORS, check_components, executor_name, exe
 from rl_launch.config import ConfigError
 from rl_launch.rollouts import rollout_metrics
 from rl_rollout import SamplingParams
-from tests.launch.agent_files import FEEDBACK, TWO_TURN_AGENT
+from tests.launch.agent_files import FEEDBACK, RUN_AGENT, TWO_TURN_AGENT
 
 BASE = {
     "model.pretrain": "/models/never-loaded",
@@ -106,7 +107,7 @@ def test_the_options_and_the_agent_file_reach_the_executor_verbatim(agent_file):
 
 def test_an_unknown_executor_is_refused_with_the_registered_names():
     refused(
-        r"^rollout\.executor: 'multi_turns' is not one of multi_turn, single_turn",
+        r"^rollout\.executor: 'multi_turns' is not one of agent_server, multi_turn, single_turn",
         rollout__executor="multi_turns",
     )
 
@@ -180,7 +181,7 @@ def test_a_bad_option_value_fails_with_the_executors_own_message(agent_file, opt
 
 def test_a_reward_source_that_multi_turn_would_never_call_is_refused(agent_file):
     refused(
-        r"^reward\.function: with rollout\.executor multi_turn the agent's step\(\) rewards are the reward",
+        r"^reward\.function: with rollout\.executor multi_turn the agent's own rewards are the reward",
         rollout__agent_func_path=str(agent_file),
         reward__function="numeric",
     )
@@ -207,6 +208,31 @@ def test_rl_launch_components_lists_the_executors_with_their_options(capsys):
     assert "rollout executors  (rollout.executor, options: rollout.executor_options" in out
     assert "single_turn(skip_special_tokens=False)" in out
     assert "multi_turn(max_turns=8, max_length=None, feedback='text'" in out
+    assert "agent_server(max_length=None, episode_timeout_s=600.0" in out
+
+
+def test_agent_server_takes_a_run_agent_file_and_refuses_an_agent_class_file(tmp_path, agent_file):
+    run_agent = tmp_path / "run_agent.py"
+    run_agent.write_text(RUN_AGENT)
+    cfg = config(rollout__executor="agent_server", rollout__agent_func_path=str(run_agent))
+    assert executor_name(cfg) == "agent_server"
+    refused(
+        r"^rollout\.agent_func_path: agent file .*two_turns\.py' defines no run_agent.*"
+        r"OpenRLHF agent file: rollout\.executor multi_turn runs those",
+        rollout__executor="agent_server",
+        rollout__agent_func_path=str(agent_file),
+    )
+    refused(
+        r"^rollout\.executor: 'agent_server' runs the episodes of an agent file; set rollout\.agent_func_path "
+        r"to a \.py file defining `async def run_agent",
+        rollout__executor="agent_server",
+    )
+    refused(
+        r"^rollout\.executor_options: rollout executor 'agent_server' refused its options: tool_parser: 'xml'",
+        rollout__executor="agent_server",
+        rollout__agent_func_path=str(run_agent),
+        rollout__executor_options__tool_parser="xml",
+    )
 
 
 # ---------------------------------------------------------------- the rollout actor's own code
@@ -264,6 +290,57 @@ def test_the_rollout_worker_runs_the_agent_masks_feedback_and_takes_a_greedy_bas
     assert metrics["rollout/agent/second_turn"] == 1.0
     lengths = torch.tensor([r.response_ids.numel() for r in records], dtype=torch.float)
     assert metrics["rollout/action_tokens_mean"] == pytest.approx(float(lengths.mean()) - len(feedback))
+
+
+def test_the_rollout_worker_runs_an_openai_api_agent_through_the_agent_server(tiny_checkpoint, tmp_path):
+    """The same agent as above written with the `openai` client (`rollout.executor agent_server`):
+    the feedback message is a delta of the chat template with action mask 0, the reward is
+    run_agent's, and the step's server is gone afterwards."""
+    import threading
+
+    from transformers import AutoTokenizer
+
+    from rl_launch.actors import EngineSpec, RolloutWorker
+
+    agent = tmp_path / "run_agent.py"
+    agent.write_text(RUN_AGENT)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint)
+    spec = EngineSpec(
+        kind="hf",
+        model_path=str(tiny_checkpoint),
+        dtype="fp32",
+        max_model_len=128,
+        seed=0,
+        executor="agent_server",
+        executor_options={"episode_timeout_s": 120},
+        agent_func_path=str(agent),
+    )
+    worker = RolloutWorker(spec)
+    try:
+        prompts = [
+            PromptSample(prompt_ids=tokenizer(text)["input_ids"], prompt=text, label="1", index=i)
+            for i, text in enumerate(["What is 1 + 0?", "Name a number."])
+        ]
+        sampling = SamplingParams(n=2, temperature=1.0, max_new_tokens=6, seed=3)
+        records = decode(worker.generate(encode(prompts), sampling, 10, False), list[Trajectory])
+    finally:
+        worker.close()
+    assert [r.group_id for r in records] == [10, 10, 11, 11]
+    for record in records:
+        (start, first_end), (second_start, end) = record.extra["action_ranges"]
+        mask, response = record.action_mask.tolist(), record.response_ids.tolist()
+        assert (start, end) == (0, len(response))
+        delta = tokenizer.decode(response[first_end:second_start])
+        assert delta.endswith(f"<|im_start|>user\n{FEEDBACK}<|im_end|>\n<|im_start|>assistant\n")
+        assert mask == [True] * first_end + [False] * (second_start - first_end) + [True] * (
+            end - second_start
+        )
+        assert record.rollout_logprobs[first_end:second_start].eq(0).all()
+        second = tokenizer.decode(response[second_start:end], skip_special_tokens=True)
+        assert record.reward == float(any(c.isdigit() for c in second))
+        assert record.extra["extra_logs"] == {"second_turn": 1.0}
+    assert rollout_metrics(records)["rollout/turns_mean"] == 2.0
+    assert not any(t.name.startswith("rl-agent-server") for t in threading.enumerate())
 
 
 def test_rollout_metrics_count_failed_and_cut_episodes_and_single_turn_records():

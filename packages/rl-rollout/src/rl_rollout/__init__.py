@@ -6,7 +6,11 @@
   learner through `rl_data.sync` (`WeightReceiver`, one receiver per transport in `RECEIVERS`), never by importing `rl_learner`.
 - Executors turn `rl_data.PromptSample`s into scored `rl_data.Trajectory` records: single-turn
   (n samples per prompt) and multi-turn agents (environment tokens carry action mask 0; OpenRLHF
-  agent files work unchanged).
+  agent files work unchanged, their own `AgentExecutor.execute` included).
+- Agents written against the OpenAI API (`AgentServerExecutor`): an `AgentServer` over any engine
+  serves `/v1/chat/completions` on 127.0.0.1 for a rollout and captures every session's exact
+  token ids, log-probs and action mask (delta tokenisation, never re-tokenising earlier turns);
+  the user's `async def run_agent(client, prompt, label)` is the whole agent.
 - Tool calling (`rl_rollout.tools`): tools from Python functions or MCP / OpenAI declarations,
   call parsers by name (`TOOL_PARSERS`, Hermes / Qwen `<tool_call>` built in), calls that never
   raise into the episode (`call_tool`).
@@ -21,7 +25,8 @@
 """
 
 from .__about__ import __version__
-from .executors import EpisodeError, MultiTurnExecutor, SingleTurnExecutor, load_agent_class
+from .agent_server import AgentServer, ServerError, SessionRecord
+from .executors import EpisodeError, MultiTurnExecutor, SingleTurnExecutor, load_agent, load_agent_class
 from .filtering import DynamicSampler, FilterResult, dynamic_sample, filter_groups, shape_rewards
 from .protocol import Engine, EngineError, Generation, SamplingParams
 from .remote import RemoteRewardClient, RemoteRewardError
@@ -37,6 +42,7 @@ from .rewards import (
     WeightedSumReward,
     load_reward_function,
 )
+from .server_executor import AgentServerExecutor, load_run_agent
 from .tools import (
     TOOL_ERRORS,
     TOOL_PARSERS,
@@ -57,6 +63,8 @@ __all__ = [
     "RECEIVERS",
     "TOOL_ERRORS",
     "TOOL_PARSERS",
+    "AgentServer",
+    "AgentServerExecutor",
     "BatchedReward",
     "DynamicSampler",
     "Engine",
@@ -76,6 +84,8 @@ __all__ = [
     "RewardFunction",
     "RewardOutput",
     "SamplingParams",
+    "ServerError",
+    "SessionRecord",
     "SingleTurnExecutor",
     "Tool",
     "ToolCall",
@@ -88,8 +98,10 @@ __all__ = [
     "call_tool",
     "dynamic_sample",
     "filter_groups",
+    "load_agent",
     "load_agent_class",
     "load_reward_function",
+    "load_run_agent",
     "load_tools",
     "openai_tool_schemas",
     "register_tool_parser",

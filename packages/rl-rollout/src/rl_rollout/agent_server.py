@@ -130,6 +130,8 @@ class SessionRecord(msgspec.Struct, kw_only=True):
     the engine returned none). versions: `[R]` the policy version of each token (a delta takes
     the version of the reply before it). finish_reasons: one per reply. action_ranges:
     (start, end) of each reply in response_ids. truncated: a request was refused for max_length.
+    tool_calls / tool_call_errors: well-formed and malformed calls the parser read in the replies
+    (a reply with only malformed calls goes back as plain content).
     """
 
     session_id: str
@@ -143,6 +145,7 @@ class SessionRecord(msgspec.Struct, kw_only=True):
     policy_version: int = 0
     truncated: bool = False
     tool_calls: int = 0
+    tool_call_errors: int = 0
 
     @property
     def requests(self) -> int:
@@ -151,7 +154,7 @@ class SessionRecord(msgspec.Struct, kw_only=True):
 
     @property
     def finish_reason(self) -> str:
-        """"length" when truncated, else the last reply's reason ("abort" when there was none)."""
+        """ "length" when truncated, else the last reply's reason ("abort" when there was none)."""
         if self.truncated:
             return "length"
         return self.finish_reasons[-1] if self.finish_reasons else "abort"
@@ -186,7 +189,9 @@ def _content_text(content: Any, where: str) -> str:
     if isinstance(content, list):
         parts = []
         for position, part in enumerate(content):
-            if not (isinstance(part, Mapping) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+            if not (
+                isinstance(part, Mapping) and part.get("type") == "text" and isinstance(part.get("text"), str)
+            ):
                 raise _bad(
                     f"{where}.content[{position}]: only text parts ({{'type': 'text', 'text': ...}}) are supported",
                     f"{where}.content",
@@ -259,7 +264,9 @@ def _same_message(sent: dict[str, Any], held: dict[str, Any]) -> bool:
         return False
     if sent["role"] == "assistant" and sent.get("tool_calls"):
         strip = [(c["function"]["name"], c["function"]["arguments"]) for c in sent["tool_calls"]]
-        return strip == [(c["function"]["name"], c["function"]["arguments"]) for c in held.get("tool_calls", [])]
+        return strip == [
+            (c["function"]["name"], c["function"]["arguments"]) for c in held.get("tool_calls", [])
+        ]
     if sent["role"] == "tool":
         return all(sent.get(key) == held.get(key) for key in ("tool_call_id", "name") if key in held)
     return True
@@ -319,6 +326,12 @@ class AgentServer:
         self.max_length = engine.max_model_len if max_length is None else int(max_length)
         if self.max_length < 2:
             raise ValueError(f"max_length: {max_length!r} is not allowed; expected an integer >= 2")
+        from .tools import TOOL_PARSERS
+
+        if tool_parser not in TOOL_PARSERS:
+            raise ValueError(
+                f"tool_parser: {tool_parser!r} is not a registered parser; expected one of {sorted(TOOL_PARSERS)}"
+            )
         self.model_name, self.tool_parser_name = model_name, tool_parser
         self.skip_special_tokens = skip_special_tokens
         self._sessions: dict[str, _Session] = {}
@@ -363,7 +376,10 @@ class AgentServer:
         )
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(
-            target=self._server.run, kwargs={"sockets": [sock]}, name=f"rl-agent-server-{self.port}", daemon=True
+            target=self._server.run,
+            kwargs={"sockets": [sock]},
+            name=f"rl-agent-server-{self.port}",
+            daemon=True,
         )
         self._thread.start()
         deadline = time.monotonic() + timeout_s
@@ -381,7 +397,9 @@ class AgentServer:
         if self._thread is not None:
             self._thread.join(timeout=30)
             if self._thread.is_alive():
-                logger.warning("AgentServer: the server thread on port %s did not stop within 30 s", self.port)
+                logger.warning(
+                    "AgentServer: the server thread on port %s did not stop within 30 s", self.port
+                )
         if self._socket is not None:
             self._socket.close()
         self._server = self._thread = self._socket = None
@@ -440,7 +458,9 @@ class AgentServer:
         rendered = self._render([{"role": "assistant", "content": _MARKER}, *new_messages], tools)
         if rendered.count(_MARKER) != 1:
             raise ServerError(
-                500, "the chat template does not render an assistant message's content in place", code="template"
+                500,
+                "the chat template does not render an assistant message's content in place",
+                code="template",
             )
         delta = rendered.split(_MARKER, 1)[1]
         eos = self.tokenizer.eos_token
@@ -461,7 +481,9 @@ class AgentServer:
         if body.get("stream"):
             raise _bad("stream: streaming is not supported; leave stream unset or false", "stream")
         if body.get("n", 1) != 1:
-            raise _bad(f"n: {body.get('n')!r} is not allowed; one choice per request (run requests in parallel)", "n")
+            raise _bad(
+                f"n: {body.get('n')!r} is not allowed; one choice per request (run requests in parallel)", "n"
+            )
         if body.get("top_logprobs"):
             raise _bad(
                 "top_logprobs: engines report the sampled token's log-prob only, no alternatives; "
@@ -469,7 +491,9 @@ class AgentServer:
                 "top_logprobs",
             )
         if body.get("logprobs") not in (None, True, False):
-            raise _bad(f"logprobs: {body.get('logprobs')!r} is not allowed; expected true or false", "logprobs")
+            raise _bad(
+                f"logprobs: {body.get('logprobs')!r} is not allowed; expected true or false", "logprobs"
+            )
         if body.get("tool_choice") not in (None, "auto", "none"):
             raise _bad("tool_choice: only 'auto' and 'none' are supported", "tool_choice")
         changes: dict[str, Any] = {}
@@ -541,7 +565,9 @@ class AgentServer:
             )
         messages = normalise_messages(body.get("messages"))
         tools = body.get("tools")
-        if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, Mapping) for t in tools)):
+        if tools is not None and (
+            not isinstance(tools, list) or not all(isinstance(t, Mapping) for t in tools)
+        ):
             raise _bad("tools: expected a list of tool objects", "tools")
         session = self._session_for(body, session_header)
         try:
@@ -606,7 +632,8 @@ class AgentServer:
         message: dict[str, Any] = {"role": "assistant", "content": text}
         finish = generation.finish_reason
         if tools and body.get("tool_choice") != "none":
-            content, calls = self._parse_tool_calls(text)
+            content, calls, malformed = self._parse_tool_calls(text)
+            record.tool_call_errors += malformed
             if calls:
                 message = {"role": "assistant", "content": content or None, "tool_calls": calls}
                 finish = "tool_calls"
@@ -641,7 +668,9 @@ class AgentServer:
             "session_id": record.session_id,
         }
 
-    def _append(self, session: _Session, delta_ids: list[int], new_prompt: bool, generation: Generation) -> None:
+    def _append(
+        self, session: _Session, delta_ids: list[int], new_prompt: bool, generation: Generation
+    ) -> None:
         record = session.record
         if session.record.session_id not in self._sessions:
             return  # closed while the engine worked (its episode timed out): nothing to keep
@@ -664,27 +693,25 @@ class AgentServer:
             record.logprobs = None
         record.action_ranges.append((start, len(record.response_ids)))
         record.finish_reasons.append(generation.finish_reason)
-        session.ended_with_special = bool(generation.token_ids) and generation.token_ids[-1] in self._special_ids
+        session.ended_with_special = (
+            bool(generation.token_ids) and generation.token_ids[-1] in self._special_ids
+        )
 
-    def _parse_tool_calls(self, text: str) -> tuple[str, list[dict[str, Any]]]:
-        """(content without the call markup, OpenAI tool_calls) by the server's tool parser."""
-        try:
-            from .tools import TOOL_PARSERS
-        except ImportError as error:
-            raise ServerError(
-                500, f"tools: rl_rollout.tools is not available ({error})", param="tools", code="tools"
-            ) from error
-        parser = TOOL_PARSERS[self.tool_parser_name]
-        parsed = parser.parse(text)
+    def _parse_tool_calls(self, text: str) -> tuple[str, list[dict[str, Any]], int]:
+        """(content without the call markup, OpenAI tool_calls, malformed calls) by the server's
+        tool parser. Call ids are unique within the server (the parser numbers calls per turn)."""
+        from .tools import TOOL_PARSERS
+
+        parsed = TOOL_PARSERS[self.tool_parser_name].parse(text)
         calls = [
             {
-                "id": call.id or f"call_{uuid.uuid4().hex[:16]}",
+                "id": f"call_{uuid.uuid4().hex[:12]}_{call.id}",
                 "type": "function",
                 "function": {"name": call.name, "arguments": json.dumps(call.arguments)},
             }
             for call in parsed.calls
         ]
-        return parsed.content, calls
+        return parsed.content, calls, len(parsed.errors)
 
     # -- the other routes ----------------------------------------------------------------------
 

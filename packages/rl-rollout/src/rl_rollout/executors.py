@@ -27,8 +27,10 @@ OpenRLHF agent files work unchanged (`load_agent_class`): they define
 (returning "rewards", "scores", "environment_feedback", "done", optionally "sampling_params",
 "extra_logs") and usually `class AgentExecutor(MultiTurnAgentExecutor)`. They import
 `openrlhf.utils.agent`; when openrlhf is not installed, the loader provides a small stand-in for
-that module during the import only (see `load_agent_class`). A custom `AgentExecutor.execute`
-is not run: this executor owns the loop.
+that module during the import only (see `load_agent_class`). A file whose `AgentExecutor` brings
+its own `execute` (OpenRLHF's OpenAI-server executor file) is honoured: its `execute` runs each
+episode against an adapter of the engine, and its result becomes the record
+(`rl_rollout.agent_execute`).
 """
 
 from __future__ import annotations
@@ -58,9 +60,11 @@ from .rewards import ON_ERROR, RewardFunction, load_python_file
 
 __all__ = [
     "FEEDBACK_MODES",
+    "AgentFile",
     "EpisodeError",
     "MultiTurnExecutor",
     "SingleTurnExecutor",
+    "load_agent",
     "load_agent_class",
     "openrlhf_agent_shim",
 ]
@@ -241,9 +245,7 @@ def openrlhf_agent_shim() -> dict[str, types.ModuleType]:
 
     class AgentExecutorBase:
         async def execute(self, *args: Any, **kwargs: Any) -> Any:
-            raise NotImplementedError(
-                "rl_rollout runs agents with MultiTurnExecutor, not AgentExecutor.execute"
-            )
+            raise NotImplementedError("AgentExecutorBase.execute is abstract: a subclass defines it")
 
     class MultiTurnAgentExecutor(AgentExecutorBase):
         def __init__(self, agent_instance_cls: type, *args: Any, **kwargs: Any) -> None:
@@ -288,19 +290,37 @@ def _shim_installed():
             sys.modules.pop(name, None)
 
 
-def load_agent_class(path: str | Path) -> type:
-    """The environment class of an OpenRLHF agent file (its `AgentInstance`).
+class AgentFile(msgspec.Struct, frozen=True):
+    """What an OpenRLHF agent file defines: `instance_cls` (its `AgentInstance`, or the class its
+    `AgentExecutor()` was built with; None when it has none) and `execute_cls` (its
+    `AgentExecutor` when that class brings its own `execute`, which then runs the episodes)."""
 
-    The file is imported as is. When `openrlhf` is installed its own `openrlhf.utils.agent` is
-    used; otherwise `openrlhf_agent_shim()` is put in `sys.modules` for the import only and
-    removed afterwards, so nothing else sees a fake `openrlhf`. The class is `AgentInstance`,
-    else the class that `AgentExecutor()` was built with (`agent_instance_cls`). Errors name the
-    file and what is missing.
-    """
+    path: str
+    instance_cls: type | None
+    execute_cls: type | None
+
+
+def _own_execute(executor_cls: Any) -> bool:
+    """Whether `executor_cls.execute` is the file's (or a library's other than openrlhf's agent
+    module, whose executors `MultiTurnExecutor` replaces)."""
+    if not isinstance(executor_cls, type):
+        return False
+    for cls in executor_cls.__mro__:
+        if "execute" in vars(cls):
+            return cls.__module__ != "openrlhf.utils.agent"
+    return False
+
+
+def load_agent(path: str | Path) -> AgentFile:
+    """Import an OpenRLHF agent file (see `load_agent_class` for the import) and say what it runs:
+    an `AgentInstance` for `MultiTurnExecutor`'s loop, or an `AgentExecutor` with its own
+    `execute` (honoured, `rl_rollout.agent_execute`). Errors name the file and what is missing."""
     with _shim_installed():
         module = load_python_file(path, "agent")
         cls = getattr(module, "AgentInstance", None)
         executor_cls = getattr(module, "AgentExecutor", None)
+        if _own_execute(executor_cls):
+            return AgentFile(str(Path(path).resolve()), cls if isinstance(cls, type) else None, executor_cls)
         if cls is None and executor_cls is not None:
             try:
                 cls = getattr(executor_cls(), "agent_instance_cls", None)
@@ -308,18 +328,34 @@ def load_agent_class(path: str | Path) -> type:
                 raise TypeError(f"agent file {str(path)!r}: AgentExecutor() failed: {error!r}") from error
     if cls is None:
         raise AttributeError(
-            f"agent file {str(path)!r} defines neither an AgentInstance class nor an AgentExecutor built on one"
+            f"agent file {str(path)!r} defines neither an AgentInstance class nor an AgentExecutor "
+            "(built on an AgentInstance, or with its own execute)"
         )
     if not isinstance(cls, type):
         raise TypeError(f"agent file {str(path)!r}: AgentInstance is a {type(cls).__name__}, not a class")
     for method in ("reset", "step"):
         if not callable(getattr(cls, method, None)):
             raise TypeError(f"agent file {str(path)!r}: {cls.__name__} has no {method}(states) method")
-    if executor_cls is not None and "execute" in vars(executor_cls):
-        logger.warning(
-            "agent file %s: AgentExecutor.execute is overridden; MultiTurnExecutor ignores it", path
+    return AgentFile(str(Path(path).resolve()), cls, None)
+
+
+def load_agent_class(path: str | Path) -> type:
+    """The environment class of an OpenRLHF agent file (its `AgentInstance`).
+
+    The file is imported as is. When `openrlhf` is installed its own `openrlhf.utils.agent` is
+    used; otherwise `openrlhf_agent_shim()` is put in `sys.modules` for the import only and
+    removed afterwards, so nothing else sees a fake `openrlhf`. The class is `AgentInstance`,
+    else the class that `AgentExecutor()` was built with (`agent_instance_cls`). Errors name the
+    file and what is missing; a file whose `AgentExecutor` brings its own `execute` and no
+    `AgentInstance` has no such class (`load_agent` reads both kinds).
+    """
+    agent = load_agent(path)
+    if agent.instance_cls is None:
+        raise AttributeError(
+            f"agent file {str(path)!r}: its AgentExecutor runs its own execute() and it defines no "
+            "AgentInstance; load it with load_agent (MultiTurnExecutor runs its execute)"
         )
-    return cls
+    return agent.instance_cls
 
 
 async def _maybe_await(value: Any) -> Any:
@@ -434,8 +470,14 @@ class MultiTurnExecutor:
             )
         if on_error not in ON_ERROR:
             raise ValueError(f"on_error: {on_error!r} is not allowed; expected one of {ON_ERROR}")
+        self.execute_agent: Any = None
         if isinstance(env, (str, Path)):
-            self.env_factory: Callable[[], Any] = load_agent_class(env)
+            agent = load_agent(env)
+            if agent.execute_cls is not None:
+                from .agent_execute import execute_agent
+
+                self.execute_agent = execute_agent(agent.path, agent.execute_cls)
+            self.env_factory: Callable[[], Any] = agent.instance_cls
         elif callable(env):
             self.env_factory = env
         else:
@@ -560,6 +602,34 @@ class MultiTurnExecutor:
                 return
         episode.finish_reason = "length"
 
+    async def _execute_episode(self, sample: PromptSample, sample_number: int, episode: _Episode) -> None:
+        """One episode by the agent file's own `AgentExecutor.execute` (`rl_rollout.agent_execute`)."""
+        from .agent_execute import EngineAdapter, episode_fields, vllm_sampling_params
+
+        seed = None if self.sampling.seed is None else self.sampling.seed + sample_number * self.max_turns
+        result = await self.execute_agent.agent.execute(
+            _prompt_text(sample, self.tokenizer),
+            sample.label,
+            vllm_sampling_params(self.sampling, seed),
+            self.max_length,
+            self.tokenizer,
+            EngineAdapter(self.engine, self.tokenizer),
+        )
+        try:
+            fields = episode_fields(result)
+        except ValueError as error:
+            raise EpisodeError(str(error)) from None
+        episode.prompt_ids = fields["prompt_ids"]
+        episode.response_ids = fields["response_ids"]
+        episode.mask = fields["mask"]
+        episode.logprobs = fields["logprobs"]
+        episode.action_ranges = fields["action_ranges"]
+        episode.reward, episode.score = fields["reward"], fields["score"]
+        episode.extra_logs = _loggable(fields["extra_logs"])
+        episode.turns = len(fields["action_ranges"])
+        episode.policy_version = self.engine.policy_version
+        episode.finish_reason = "length" if fields["truncated"] else "stop"
+
     @staticmethod
     def _append_feedback(episode: _Episode, feedback_ids: list[int]) -> None:
         episode.response_ids.extend(feedback_ids)
@@ -575,7 +645,8 @@ class MultiTurnExecutor:
         episode = _Episode(prompt_ids=sample.prompt_ids.tolist())
         async with semaphore:
             try:
-                await asyncio.wait_for(self._episode(sample, sample_number, episode), self.episode_timeout_s)
+                run = self._execute_episode if self.execute_agent is not None else self._episode
+                await asyncio.wait_for(run(sample, sample_number, episode), self.episode_timeout_s)
                 return episode, None
             except Exception as error:
                 if isinstance(error, (asyncio.TimeoutError, TimeoutError)):
@@ -653,6 +724,8 @@ class MultiTurnExecutor:
         try:
             asyncio.get_running_loop()
         except RuntimeError:
+            if self.execute_agent is not None:  # the file's AgentExecutor keeps its loop across calls
+                return self.execute_agent.run(self.arun(samples, group_ids=group_ids))
             return asyncio.run(self.arun(samples, group_ids=group_ids))
         raise RuntimeError(
             "MultiTurnExecutor.run: an event loop is running here; await MultiTurnExecutor.arun instead"

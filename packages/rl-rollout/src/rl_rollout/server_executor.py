@@ -51,6 +51,7 @@ from .executors import (
     _loggable,
     _prompt_text,
     _sample_extra,
+    _shim_installed,
 )
 from .protocol import Engine, SamplingParams
 from .rewards import ON_ERROR, load_python_file
@@ -72,11 +73,17 @@ def load_run_agent(spec: str | Path | Callable[..., Any]) -> Callable[..., Any]:
         head, colon, tail = path.rpartition(":")
         if colon and head.endswith(".py") and tail.isidentifier():
             path, name = head, tail
-        module = load_python_file(path, "agent")
+        with _shim_installed():  # an OpenRLHF agent file imports, to be named as one below
+            module = load_python_file(path, "agent")
         function = getattr(module, name, None)
         where = f"agent file {path!r}"
         if function is None:
-            raise AttributeError(f"{where} defines no {name}; expected `async def {name}(client, prompt, label)`")
+            hint = ""
+            if hasattr(module, "AgentInstance") or hasattr(module, "AgentExecutor"):
+                hint = " (it is an OpenRLHF agent file: rollout.executor multi_turn runs those)"
+            raise AttributeError(
+                f"{where} defines no {name}; expected `async def {name}(client, prompt, label)`{hint}"
+            )
     if not inspect.iscoroutinefunction(function):
         raise TypeError(f"{where}: the agent function must be `async def run_agent(client, prompt, label)`")
     try:
@@ -103,12 +110,16 @@ def _agent_result(result: Any) -> tuple[float, float, dict[str, Any]]:
     """(reward, score, extra_logs) from what run_agent returned: a number or a dict."""
     if isinstance(result, Mapping):
         if "reward" not in result:
-            raise EpisodeError(f"run_agent returned a dict without 'reward' (keys: {sorted(map(str, result))})")
+            raise EpisodeError(
+                f"run_agent returned a dict without 'reward' (keys: {sorted(map(str, result))})"
+            )
         reward = _reward(result["reward"], "reward")
         score = _reward(result["scores"], "scores") if result.get("scores") is not None else reward
         logs = result.get("extra_logs") or {}
         if not isinstance(logs, Mapping):
-            raise EpisodeError(f"run_agent returned extra_logs of type {type(logs).__name__}, expected a dict")
+            raise EpisodeError(
+                f"run_agent returned extra_logs of type {type(logs).__name__}, expected a dict"
+            )
         return reward, score, _loggable(logs)
     reward = _reward(result, "the reward")
     return reward, reward, {}
@@ -156,10 +167,11 @@ class AgentServerExecutor:
         check_integer("max_concurrency", max_concurrency, 1)
         limit = check_integer("max_length", engine.max_model_len if max_length is None else max_length, 2)
         if not (isinstance(episode_timeout_s, (int, float)) and 0 < episode_timeout_s < math.inf):
-            raise ValueError(f"episode_timeout_s: {episode_timeout_s!r} is not allowed; expected a number > 0")
+            raise ValueError(
+                f"episode_timeout_s: {episode_timeout_s!r} is not allowed; expected a number > 0"
+            )
         if on_error not in ON_ERROR:
             raise ValueError(f"on_error: {on_error!r} is not allowed; expected one of {ON_ERROR}")
-        _check_tool_parser(tool_parser)
         require_agent_extra()
         self.agent = load_run_agent(agent)
         self.engine, self.tokenizer, self.sampling = engine, tokenizer, sampling
@@ -167,25 +179,15 @@ class AgentServerExecutor:
         self.max_concurrency, self.on_error, self.fallback = max_concurrency, on_error, float(fallback)
         self.model_name, self.tool_parser = model_name, tool_parser
         self._groups = _GroupCounter(first_group_id)
-        self.server: AgentServer | None = None
+        self.server = AgentServer(
+            engine, tokenizer, sampling, max_length=limit, model_name=model_name, tool_parser=tool_parser
+        )
         self.last_metrics: dict[str, float] = {}
-
-    def _server(self) -> AgentServer:
-        if self.server is None:
-            self.server = AgentServer(
-                self.engine,
-                self.tokenizer,
-                self.sampling,
-                max_length=self.max_length,
-                model_name=self.model_name,
-                tool_parser=self.tool_parser,
-            )
-        return self.server
 
     async def _episode(
         self, client: Any, sample: PromptSample, sample_number: int, semaphore: asyncio.Semaphore
     ) -> tuple[SessionRecord, float, float, dict[str, Any], str | None]:
-        server = self._server()
+        server = self.server
         session = server.open_session()
         episode_client = client.with_options(default_headers={"X-Session-ID": session})
         reward, score, logs, error = self.fallback, self.fallback, {}, None
@@ -203,7 +205,9 @@ class AgentServerExecutor:
                     reason = f"timed out after {self.episode_timeout_s} s"
                 else:
                     reason = f"failed: {failure!r}"
-                where = f"AgentServerExecutor: episode {sample_number} of sample ({_describe(sample)}) {reason}"
+                where = (
+                    f"AgentServerExecutor: episode {sample_number} of sample ({_describe(sample)}) {reason}"
+                )
                 if self.on_error == "raise":
                     server.close_session(session)
                     raise EpisodeError(where) from failure
@@ -223,7 +227,7 @@ class AgentServerExecutor:
         import openai
 
         started = time.monotonic()
-        server = self._server()
+        server = self.server
         await asyncio.to_thread(server.start)
         client = openai.AsyncOpenAI(
             base_url=server.url + "/v1", api_key="EMPTY", max_retries=0, timeout=self.episode_timeout_s
@@ -249,6 +253,7 @@ class AgentServerExecutor:
                 "turns": session.requests,
                 "action_ranges": [list(r) for r in session.action_ranges],
                 "tool_calls": session.tool_calls,
+                "tool_call_errors": session.tool_call_errors,
                 "extra_logs": logs,
             }
             finish = session.finish_reason
@@ -258,7 +263,8 @@ class AgentServerExecutor:
             versions = session.versions
             token_versions = (
                 versions
-                if len(versions) == len(session.response_ids) and any(v != session.policy_version for v in versions)
+                if len(versions) == len(session.response_ids)
+                and any(v != session.policy_version for v in versions)
                 else None
             )
             records.append(
@@ -301,14 +307,4 @@ class AgentServerExecutor:
 
     def close(self) -> None:
         """Stop the server if a `run` left it up (it does not, unless interrupted)."""
-        if self.server is not None:
-            self.server.stop()
-
-
-def _check_tool_parser(name: str) -> None:
-    try:
-        from .tools import TOOL_PARSERS
-    except ImportError:
-        return  # without rl_rollout.tools, requests with tools fail with that reason
-    if name not in TOOL_PARSERS:
-        raise ValueError(f"tool_parser: {name!r} is not a registered parser; expected one of {sorted(TOOL_PARSERS)}")
+        self.server.stop()
