@@ -16,6 +16,8 @@ a reward and a done flag. Per prompt and sample, with history h₀ = the prompt 
     response_ids = a₀ f₀ a₁ f₁ …   action_mask = 1 on every aₖ, 0 on every fₖ
     rollout_logprobs = the engine's log-probs on aₖ, 0.0 on fₖ;  reward = Σₖ out["rewards"]
 
+A step may return "environment_messages" (a list of chat messages, e.g. tool results) instead of
+"environment_feedback"; they are rendered by the chat template after the action (`render_after_assistant`).
 Earlier turns are never re-tokenised: the engine always continues from the exact ids it produced.
 Episodes run concurrently (asyncio, `engine.agenerate`), each with its own environment instance
 and a hard timeout. finish_reason: the last action's reason when the environment says done,
@@ -67,6 +69,7 @@ __all__ = [
     "load_agent",
     "load_agent_class",
     "openrlhf_agent_shim",
+    "render_after_assistant",
 ]
 
 logger = logging.getLogger(__name__)
@@ -358,6 +361,26 @@ def load_agent_class(path: str | Path) -> type:
     return agent.instance_cls
 
 
+def render_after_assistant(tokenizer: Any, messages: list[Mapping[str, Any]]) -> str:
+    """What the chat template writes after an assistant message's content when `messages` follow
+    it, up to and including the next generation prompt (the assistant turn's end marker first).
+
+    Rendered once as [user, assistant(marker), *messages] and split at the marker, so the text is
+    exactly what the template puts there (a placeholder user turn comes first because some
+    templates refuse a conversation without one).
+    """
+    marker = "\ue000"
+    conversation = [
+        {"role": "user", "content": "\ue001"},
+        {"role": "assistant", "content": marker},
+        *[dict(message) for message in messages],
+    ]
+    rendered = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+    if rendered.count(marker) != 1:
+        raise ValueError("the chat template does not render the assistant content in place")
+    return rendered.split(marker, 1)[1]
+
+
 async def _maybe_await(value: Any) -> Any:
     return await value if inspect.isawaitable(value) else value
 
@@ -429,6 +452,7 @@ class MultiTurnExecutor:
         what is left; feedback past the limit is cut and the episode ends ("length").
       feedback: "text" tokenises the feedback as plain text (OpenRLHF); "chat" wraps it as a
         `feedback_role` turn with the tokenizer's chat template, followed by the generation prompt.
+        A step's "environment_messages" are rendered by the chat template in either mode.
       action_skip_special_tokens: how `action_text` is decoded for `step` (vLLM's default: True).
       episode_timeout_s: hard limit per episode (reset, generation and steps).
       max_concurrency: episodes in flight at once.
@@ -494,26 +518,31 @@ class MultiTurnExecutor:
 
     # -- tokenising feedback once ------------------------------------------------------------
 
-    def _feedback_ids(self, text: str, action_ended: bool) -> list[int]:
-        if not text:
-            return []
-        if self.feedback == "text":
-            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-        # Chat mode: the template's text between an assistant message's content and the next
-        # generation prompt, with the feedback as a `feedback_role` turn. When the action ended
-        # with the end-of-turn token the engine already produced it, so it is not repeated.
-        marker = "\ue000"
-        messages = [{"role": "assistant", "content": marker}, {"role": self.feedback_role, "content": text}]
-        rendered = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        if rendered.count(marker) != 1:
-            raise ValueError(
-                "feedback='chat': the chat template does not render the assistant content in place"
-            )
-        delta = rendered.split(marker, 1)[1]
+    def _feedback_ids(
+        self, feedback: str | list[dict[str, Any]], action_ended: bool
+    ) -> tuple[str, list[int]]:
+        """(text, token ids) of one step's feedback, tokenised once.
+
+        A string in "text" mode is tokenised as it is. A string in "chat" mode is one
+        `feedback_role` message; a list of messages (a step's "environment_messages", e.g. tool
+        results) is rendered as those messages in either mode. Messages are rendered by the chat
+        template: the text between an assistant message's content and the next generation
+        prompt. When the action ended with the end-of-turn token the engine already produced it,
+        so it is not repeated.
+        """
+        if isinstance(feedback, str):
+            if not feedback:
+                return "", []
+            if self.feedback == "text":
+                return feedback, list(self.tokenizer(feedback, add_special_tokens=False)["input_ids"])
+            feedback = [{"role": self.feedback_role, "content": feedback}]
+        elif not feedback:
+            return "", []
+        delta = render_after_assistant(self.tokenizer, feedback)
         eos = self.tokenizer.eos_token
         if action_ended and eos and delta.startswith(eos):
             delta = delta[len(eos) :]
-        return list(self.tokenizer(delta, add_special_tokens=False)["input_ids"])
+        return delta, list(self.tokenizer(delta, add_special_tokens=False)["input_ids"])
 
     # -- one episode -------------------------------------------------------------------------
 
@@ -569,12 +598,24 @@ class MultiTurnExecutor:
             result = await _maybe_await(env.step(states))
             if not isinstance(result, Mapping):
                 raise EpisodeError(f"step() returned a {type(result).__name__}, expected a dict")
-            missing = [key for key in ("rewards", "environment_feedback", "done") if key not in result]
+            missing = [key for key in ("rewards", "done") if key not in result]
+            if ("environment_feedback" in result) == ("environment_messages" in result):
+                missing.append("environment_feedback (or environment_messages, not both)")
             if missing:
                 raise EpisodeError(f"step() result lacks {missing} (keys: {sorted(map(str, result))})")
-            feedback = result["environment_feedback"]
-            if not isinstance(feedback, str):
-                raise EpisodeError(f"step() returned environment_feedback of type {type(feedback).__name__}")
+            if "environment_messages" in result:
+                feedback = result["environment_messages"]
+                if not (isinstance(feedback, list) and all(isinstance(m, Mapping) for m in feedback)):
+                    raise EpisodeError(
+                        f"step() returned environment_messages of type {type(feedback).__name__}; "
+                        "expected a list of chat messages (dicts with role and content)"
+                    )
+            else:
+                feedback = result["environment_feedback"]
+                if not isinstance(feedback, str):
+                    raise EpisodeError(
+                        f"step() returned environment_feedback of type {type(feedback).__name__}"
+                    )
             episode.reward += _scalar(result["rewards"], "rewards")
             score = result.get("scores")
             episode.score = _scalar(score, "scores") if score is not None else episode.reward
@@ -588,9 +629,9 @@ class MultiTurnExecutor:
             elif next_params is not None:
                 raise EpisodeError(f"step() returned sampling_params of type {type(next_params).__name__}")
             ended = action.finish_reason == "stop"
-            feedback_ids = self._feedback_ids(feedback, ended)
+            feedback_text, feedback_ids = self._feedback_ids(feedback, ended)
             room = self.max_length - len(episode.prompt_ids) - len(episode.response_ids)
-            observation_text = observation_text + action_text + feedback
+            observation_text = observation_text + action_text + feedback_text
             if len(feedback_ids) > room:
                 feedback_ids = feedback_ids[: max(room, 0)]
                 self._append_feedback(episode, feedback_ids)
