@@ -455,7 +455,9 @@ class AgentServer:
     def _delta_text(self, new_messages: list[dict[str, Any]], tools: Any, ended_with_special: bool) -> str:
         """The template's text after an assistant turn: for `new_messages` and the generation
         prompt. When the reply ended with the end-of-turn token it wrote, that token is not repeated."""
-        rendered = self._render([{"role": "assistant", "content": _MARKER}, *new_messages], tools)
+        # a placeholder user turn first: some templates refuse a conversation that starts otherwise
+        placeholder = [{"role": "user", "content": "\ue001"}, {"role": "assistant", "content": _MARKER}]
+        rendered = self._render([*placeholder, *new_messages], tools)
         if rendered.count(_MARKER) != 1:
             raise ServerError(
                 500,
