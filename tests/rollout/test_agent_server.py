@@ -1,7 +1,8 @@
 """The OpenAI-compatible agent server, its executor and OpenRLHF files with their own `execute`.
 
 `ScriptEngine` is a deterministic implementation of OUR `Engine` protocol (not a stand-in for
-vLLM): it answers the k-th call with `replies[k % len(replies)]` + <|im_end|>, log-prob of token t
+vLLM): it answers the k-th assistant turn of a ChatML conversation (k = the prompt's
+<|im_start|> count / 2 − 1) with `replies[k % len(replies)]` + <|im_end|>, log-prob of token t
 −(t+1)/10, and logs every prompt it saw. The exact-capture test runs the real `HFEngine` on the
 tiny checkpoint through the real `openai` client.
 """
@@ -47,7 +48,8 @@ class ScriptEngine(Engine):
         for prompt in prompts:
             if self.fail:
                 raise EngineError("ScriptEngine: out of memory (scripted)")
-            text = self.replies[len(self.calls) % len(self.replies)]
+            turn = prompt.count(self.tokenizer.convert_tokens_to_ids("<|im_start|>")) // 2 - 1
+            text = self.replies[turn % len(self.replies)]
             ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
             ids = [*ids[: params.max_new_tokens - 1], self.tokenizer.convert_tokens_to_ids("<|im_end|>")]
             self.calls.append((list(prompt), ids))
@@ -341,12 +343,29 @@ def test_tool_calls_come_back_as_tool_calls_and_tool_results_are_environment_tok
         status, answer = chat(server, session, more, tools=None)
         assert answer["error"]["param"] == "tools"  # tools are rendered once, into the prompt
         record = server.close_session(session)
-    assert record.tool_calls == 1
+    assert record.used_tools
+    assert (record.tool_calls, record.tool_call_errors) == (1, 0)
     first_end, second_start = record.action_ranges[0][1], record.action_ranges[1][0]
     # the model's own call text stays as it wrote it; the tool result is a delta with mask 0
     assert call in tokenizer.decode(record.response_ids[:first_end])
     assert "<|im_start|>tool\n5<|im_end|>" in tokenizer.decode(record.response_ids[first_end:second_start])
     assert not any(record.action_mask[first_end:second_start])
+
+
+def test_a_malformed_tool_call_comes_back_as_plain_content_and_is_counted(tokenizer):
+    malformed = '<tool_call>{"name": "add", "arguments": {"a": 2,</tool_call>'
+    engine = ScriptEngine(tokenizer, [malformed])
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {}}}]
+    with AgentServer(engine, tokenizer) as server:
+        session = server.open_session()
+        status, reply = chat(server, session, [{"role": "user", "content": "2 + 3?"}], tools=tools)
+        record = server.close_session(session)
+    assert status == 200
+    choice = reply["choices"][0]
+    assert choice["finish_reason"] == "stop"
+    assert "tool_calls" not in choice["message"]
+    assert choice["message"]["content"] == malformed  # the model sees what it wrote
+    assert (record.tool_calls, record.tool_call_errors) == (0, 1)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -130,8 +130,9 @@ class SessionRecord(msgspec.Struct, kw_only=True):
     the engine returned none). versions: `[R]` the policy version of each token (a delta takes
     the version of the reply before it). finish_reasons: one per reply. action_ranges:
     (start, end) of each reply in response_ids. truncated: a request was refused for max_length.
-    tool_calls / tool_call_errors: well-formed and malformed calls the parser read in the replies
-    (a reply with only malformed calls goes back as plain content).
+    used_tools: a request offered tools. tool_calls / tool_call_errors: well-formed and malformed
+    calls the parser read in the replies (a reply with only malformed calls goes back as plain
+    content).
     """
 
     session_id: str
@@ -144,6 +145,7 @@ class SessionRecord(msgspec.Struct, kw_only=True):
     action_ranges: list[tuple[int, int]] = msgspec.field(default_factory=list)
     policy_version: int = 0
     truncated: bool = False
+    used_tools: bool = False
     tool_calls: int = 0
     tool_call_errors: int = 0
 
@@ -633,6 +635,7 @@ class AgentServer:
         text = self.tokenizer.decode(generation.token_ids, skip_special_tokens=self.skip_special_tokens)
         message: dict[str, Any] = {"role": "assistant", "content": text}
         finish = generation.finish_reason
+        record.used_tools = record.used_tools or bool(tools)
         if tools and body.get("tool_choice") != "none":
             content, calls, malformed = self._parse_tool_calls(text)
             record.tool_call_errors += malformed

@@ -252,10 +252,10 @@ class AgentServerExecutor:
                 **_sample_extra(sample),
                 "turns": session.requests,
                 "action_ranges": [list(r) for r in session.action_ranges],
-                "tool_calls": session.tool_calls,
-                "tool_call_errors": session.tool_call_errors,
                 "extra_logs": logs,
             }
+            if session.used_tools:  # counted as the tool executor's records are (rollout/tools/...)
+                extra["tools"] = {"calls": session.tool_calls, "malformed": session.tool_call_errors}
             finish = session.finish_reason
             if error is not None:
                 extra["episode_error"] = error
