@@ -11,7 +11,6 @@ import shlex
 from rl_data import PromptSample
 from tests.rollout.test_agent_server import ScriptEngine
 
-
 README = pathlib.Path(__file__).resolve().parents[2] / "packages" / "rl-rollout" / "README.md"
 
 
