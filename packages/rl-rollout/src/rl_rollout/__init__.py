@@ -9,7 +9,8 @@
   agent files work unchanged).
 - Tool calling (`rl_rollout.tools`): tools from Python functions or MCP / OpenAI declarations,
   call parsers by name (`TOOL_PARSERS`, Hermes / Qwen `<tool_call>` built in), calls that never
-  raise into the episode (`call_tool`).
+  raise into the episode (`call_tool`); `ToolCallExecutor` runs tool-calling episodes (results
+  are environment tokens, the final answer is scored by the run's reward function).
 - Rewards: OpenRLHF `reward_func` files, rule rewards for verifiable tasks, a remote reward client.
 - DAPO dynamic filtering that never drops accepted groups, overlong and stop-properly shaping.
 
@@ -37,6 +38,7 @@ from .rewards import (
     WeightedSumReward,
     load_reward_function,
 )
+from .tool_executor import ToolCallExecutor, tool_metrics
 from .tools import (
     TOOL_ERRORS,
     TOOL_PARSERS,
@@ -79,6 +81,7 @@ __all__ = [
     "SingleTurnExecutor",
     "Tool",
     "ToolCall",
+    "ToolCallExecutor",
     "ToolCallParser",
     "ToolResult",
     "TransportReceiver",
@@ -95,4 +98,5 @@ __all__ = [
     "register_tool_parser",
     "shape_rewards",
     "tool_from_function",
+    "tool_metrics",
 ]
