@@ -13,7 +13,8 @@
   the user's `async def run_agent(client, prompt, label)` is the whole agent.
 - Tool calling (`rl_rollout.tools`): tools from Python functions or MCP / OpenAI declarations,
   call parsers by name (`TOOL_PARSERS`, Hermes / Qwen `<tool_call>` built in), calls that never
-  raise into the episode (`call_tool`).
+  raise into the episode (`call_tool`); `ToolCallExecutor` runs tool-calling episodes (results
+  are environment tokens, the final answer is scored by the run's reward function).
 - Rewards: OpenRLHF `reward_func` files, rule rewards for verifiable tasks, a remote reward client.
 - DAPO dynamic filtering that never drops accepted groups, overlong and stop-properly shaping.
 
@@ -43,6 +44,7 @@ from .rewards import (
     load_reward_function,
 )
 from .server_executor import AgentServerExecutor, load_run_agent
+from .tool_executor import ToolCallExecutor, tool_metrics
 from .tools import (
     TOOL_ERRORS,
     TOOL_PARSERS,
@@ -89,6 +91,7 @@ __all__ = [
     "SingleTurnExecutor",
     "Tool",
     "ToolCall",
+    "ToolCallExecutor",
     "ToolCallParser",
     "ToolResult",
     "TransportReceiver",
@@ -107,4 +110,5 @@ __all__ = [
     "register_tool_parser",
     "shape_rewards",
     "tool_from_function",
+    "tool_metrics",
 ]

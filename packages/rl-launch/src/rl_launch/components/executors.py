@@ -241,6 +241,34 @@ def multi_turn_executor(
     )
 
 
+def _tool_call_options() -> dict[str, Any]:
+    from rl_rollout import ToolCallExecutor
+
+    return component_options(ToolCallExecutor, inputs=EXECUTOR_INPUTS)
+
+
+@EXECUTORS.register("tool_call", options=_tool_call_options)
+def tool_call_executor(
+    *,
+    engine: Any,
+    reward_fn: Any,
+    tokenizer: Any,
+    sampling: Any,
+    first_group_id: int,
+    agent_func_path: str | None,
+    **options: Any,
+) -> Any:
+    """`rl_rollout.ToolCallExecutor`: the model calls the tools of executor_options.tools (a
+    "tools.py" with a TOOLS list, or "file.py:NAME"), parsed by executor_options.parser
+    (rl_rollout.TOOL_PARSERS: hermes); results come back as tool messages (environment tokens:
+    action mask 0, log-prob 0) until an answer without calls, max_turns or max_tool_calls; the
+    run's reward sources score the final answer."""
+    from rl_rollout import ToolCallExecutor
+
+    del agent_func_path  # None: check_components refuses an agent file here
+    return ToolCallExecutor(engine, reward_fn, tokenizer, sampling, first_group_id=first_group_id, **options)
+
+
 def _agent_server_options() -> dict[str, Any]:
     from rl_rollout import AgentServerExecutor
 
