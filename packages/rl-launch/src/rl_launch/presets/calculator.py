@@ -110,7 +110,7 @@ def tool_call_text(expression: str) -> str:
 
 
 def demonstrations(
-    tokenizer: Any, problems: Sequence[dict[str, str]], *, guesses: int = 2, seed: int = 0
+    tokenizer: Any, problems: Sequence[dict[str, str]], *, guesses: int = 1, seed: int = 0
 ) -> list[tuple[str, str]]:
     """The lazy teacher's (prompt text, response text) pairs, rendered with the chat template.
 
@@ -192,9 +192,9 @@ def build_calculator(
     seed: int = 0,
     train_problems: int = 1024,
     eval_problems: int = 64,
-    guesses: int = 2,
-    sft_steps: int = 500,
-    sft_batch_size: int = 32,
+    guesses: int = 1,
+    sft_steps: int = 1500,
+    sft_batch_size: int = 16,
     sft_lr: float = 3e-3,
     hidden_size: int = 128,
     num_layers: int = 2,
