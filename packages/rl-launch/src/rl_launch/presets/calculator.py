@@ -163,7 +163,8 @@ def _tokenizer_corpus(seed: int) -> list[str]:
 
 class CalculatorArtifacts(msgspec.Struct, frozen=True, kw_only=True):
     """What `build_calculator` made: the warm-started model, train / eval JSONL ("prompt",
-    "label"), the tools file and the reward function ("module:function")."""
+    "label"), the tools file and the reward (`reward.function`: "arithmetic", the registered
+    first-integer reward, which is `calculator_reward`)."""
 
     path: str
     model_path: str
@@ -181,7 +182,7 @@ def _artifacts(folder: Path, marker: dict[str, Any]) -> CalculatorArtifacts:
         train_path=str(folder / "train.jsonl"),
         eval_path=str(folder / "eval.jsonl"),
         tools_path=TOOLS_PATH,
-        reward=f"{__name__}:calculator_reward",
+        reward="arithmetic",
         sft_metrics=dict(marker["sft_metrics"]),
     )
 
