@@ -412,3 +412,88 @@ def test_the_readme_agent_file_and_command_work(tmp_path, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "agent_func_path: agent.py" in out
     assert "max_turns: 2" in out
+
+
+# --------------------------------------------------------------------------------- tool_call
+
+TOOLS_FILE = "def add(a: int, b: int) -> int:\n    '''Add.'''\n    return a + b\n\nTOOLS = [add]\n"
+
+
+def test_tool_call_options_reach_the_executor_verbatim(tmp_path):
+    tools = tmp_path / "tools.py"
+    tools.write_text(TOOLS_FILE)
+    cfg = config(
+        rollout__executor="tool_call",
+        rollout__executor_options__tools=str(tools),
+        rollout__executor_options__parser="hermes",
+        rollout__executor_options__max_tool_calls="2",
+        rollout__executor_options__tool_timeout_s="0.5",
+    )
+    assert cfg.rollout.executor_options == {
+        "tools": str(tools),
+        "parser": "hermes",
+        "max_tool_calls": 2,
+        "tool_timeout_s": 0.5,
+    }
+    from rl_launch.components import validation_engine
+
+    executor = EXECUTORS["tool_call"].build(
+        engine=validation_engine(64),
+        reward_fn=lambda queries, prompts, labels: [0.0] * len(queries),
+        tokenizer=None,
+        sampling=SamplingParams(n=2),
+        first_group_id=3,
+        agent_func_path=None,
+        **cfg.rollout.executor_options,
+    )
+    assert [tool.name for tool in executor.tools] == ["add"]
+    assert (executor.max_tool_calls, executor.tool_timeout_s, executor.parser.name) == (2, 0.5, "hermes")
+    assert executor.episodes._groups.next == 3
+    assert {"tools", "parser", "tools_in_prompt", "tool_timeout_s", "max_tool_calls", "max_turns"} <= set(
+        executor_options("tool_call")
+    )
+
+
+@pytest.mark.parametrize(
+    ("options", "pattern"),
+    [
+        ({}, r"tools: none given"),
+        ({"tools": "/nowhere/tools.py"}, r"tools: tools file '/nowhere/tools.py' does not exist"),
+        (
+            {"parser": "pythonic"},
+            r"parser: 'pythonic' is not a registered tool parser; expected one of \['hermes'",
+        ),
+        ({"tools_in_prompt": "system"}, r"tools_in_prompt: 'system' is not allowed; expected one of"),
+        ({"max_tool_calls": "0"}, r"max_tool_calls"),
+    ],
+)
+def test_tool_call_refuses_a_bad_option_naming_it(tmp_path, options, pattern):
+    tools = tmp_path / "tools.py"
+    tools.write_text(TOOLS_FILE)
+    given = {"tools": str(tools), **options} if options else {}
+    refused(
+        rf"^rollout\.executor_options: rollout executor 'tool_call' refused its options: {pattern}",
+        rollout__executor="tool_call",
+        **{f"rollout__executor_options__{key}": value for key, value in given.items()},
+    )
+
+
+def test_rollout_metrics_carry_the_tool_counts():
+    def record(calls, timeout):
+        return Trajectory(
+            prompt_ids=[1, 2],
+            response_ids=[3, 4, 5],
+            action_mask=[True, False, True],
+            reward=0.0,
+            extra={
+                "turns": 2,
+                "tools": {"calls": calls, "timeout": timeout, "malformed": 0, "limit_reached": 0},
+            },
+        )
+
+    metrics = rollout_metrics([record(2, 1), record(0, 0)])
+    assert metrics["rollout/tools/calls_mean"] == 1.0
+    assert metrics["rollout/tools/call_rate"] == 0.5
+    assert metrics["rollout/tools/errors/timeout"] == 1.0
+    assert metrics["rollout/tools/errors/malformed"] == 0.0
+    assert metrics["rollout/env_tokens_mean"] == 1.0

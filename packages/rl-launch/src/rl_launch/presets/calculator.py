@@ -1,6 +1,7 @@
 """The calculator task: a tiny model that cannot add 3-digit numbers learns, by RL, to call a tool.
 
-The task. Prompts are "What is a + b?" with 100 ≤ a, b ≤ 999; the label is a + b. A 2-layer
+The task. Prompts are "What is a + b?" with 500 ≤ a, b ≤ 999; the label is a + b (always four
+digits, so every digit the model copies sits at a fixed distance from its source). A 2-layer
 model does not learn 3-digit addition from a short warm start, but it can copy digits: the
 expression into a tool call, and the tool's result into its answer. The tool is
 `calculator(expression)` (`calculator_tools.py`, whose `TOOLS` is what
@@ -83,7 +84,7 @@ def make_problems(
     count: int, seed: int = 0, *, split: str = "train", eval_fraction: float = 0.1
 ) -> list[dict[str, str]]:
     """`count` distinct problems `{"prompt": "What is a + b?", "label": "<a + b>"}` of one split,
-    100 ≤ a, b ≤ 999, drawn with `random.Random(seed)`."""
+    500 ≤ a, b ≤ 999, drawn with `random.Random(seed)`."""
     if split not in SPLITS:
         raise ValueError(f"split: {split!r} is not allowed; expected one of {SPLITS}")
     if not (isinstance(count, int) and 0 <= count <= 100_000):
@@ -94,7 +95,7 @@ def make_problems(
     seen: set[tuple[int, int]] = set()
     rows = []
     while len(rows) < count:
-        a, b = rng.randint(100, 999), rng.randint(100, 999)
+        a, b = rng.randint(500, 999), rng.randint(500, 999)
         if (a, b) in seen or problem_split(a, b, eval_fraction) != split:
             continue
         seen.add((a, b))
@@ -109,13 +110,13 @@ def tool_call_text(expression: str) -> str:
 
 
 def demonstrations(
-    tokenizer: Any, problems: Sequence[dict[str, str]], *, guesses: int = 2, seed: int = 0
+    tokenizer: Any, problems: Sequence[dict[str, str]], *, guesses: int = 1, seed: int = 0
 ) -> list[tuple[str, str]]:
     """The lazy teacher's (prompt text, response text) pairs, rendered with the chat template.
 
     Per problem: (prompt with tools, call + eos); (prompt + call + eos + the tool's turn +
     assistant header, result + eos); and `guesses` times (prompt with tools, guess + eos) with a
-    guess drawn uniformly from [200, 1998] (never the right sum).
+    guess drawn uniformly from [1000, 1998] (never the right sum).
     """
     if not (isinstance(guesses, int) and guesses >= 0):
         raise ValueError(f"guesses: {guesses!r} is not allowed; expected an integer >= 0")
@@ -140,9 +141,9 @@ def demonstrations(
         pairs.append((prompt, call))
         pairs.append((prompt + call + after.removeprefix(eos), result + eos))
         for _ in range(guesses):
-            guess = rng.randint(200, 1998)
+            guess = rng.randint(1000, 1998)
             while str(guess) == row["label"]:
-                guess = rng.randint(200, 1998)
+                guess = rng.randint(1000, 1998)
             pairs.append((prompt, f"{guess}{eos}"))
     return pairs
 
@@ -162,7 +163,8 @@ def _tokenizer_corpus(seed: int) -> list[str]:
 
 class CalculatorArtifacts(msgspec.Struct, frozen=True, kw_only=True):
     """What `build_calculator` made: the warm-started model, train / eval JSONL ("prompt",
-    "label"), the tools file and the reward function ("module:function")."""
+    "label"), the tools file and the reward (`reward.function`: "arithmetic", the registered
+    first-integer reward, which is `calculator_reward`)."""
 
     path: str
     model_path: str
@@ -180,7 +182,7 @@ def _artifacts(folder: Path, marker: dict[str, Any]) -> CalculatorArtifacts:
         train_path=str(folder / "train.jsonl"),
         eval_path=str(folder / "eval.jsonl"),
         tools_path=TOOLS_PATH,
-        reward=f"{__name__}:calculator_reward",
+        reward="arithmetic",
         sft_metrics=dict(marker["sft_metrics"]),
     )
 
@@ -191,9 +193,9 @@ def build_calculator(
     seed: int = 0,
     train_problems: int = 1024,
     eval_problems: int = 64,
-    guesses: int = 2,
-    sft_steps: int = 500,
-    sft_batch_size: int = 32,
+    guesses: int = 1,
+    sft_steps: int = 1500,
+    sft_batch_size: int = 16,
     sft_lr: float = 3e-3,
     hidden_size: int = 128,
     num_layers: int = 2,
