@@ -37,6 +37,7 @@ class ScriptEngine(Engine):
             fail,
         )
         self.calls: list[tuple[list[int], list[int]]] = []
+        self.seeds: list[int | None] = []
         self.policy_version = 3
 
     @property
@@ -53,6 +54,7 @@ class ScriptEngine(Engine):
             ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
             ids = [*ids[: params.max_new_tokens - 1], self.tokenizer.convert_tokens_to_ids("<|im_end|>")]
             self.calls.append((list(prompt), ids))
+            self.seeds.append(params.seed)
             logprobs = [-(t + 1) / 10 for t in range(len(ids))]
             out.append([Generation(token_ids=ids, logprobs=logprobs, finish_reason="stop", policy_version=3)])
         return out
@@ -421,6 +423,24 @@ def test_executor_runs_episodes_in_sessions_and_stops_its_server(tokenizer):
     with pytest.raises(ConnectionRefusedError), socket.create_connection(("127.0.0.1", port), timeout=5):
         pass
     assert not any(t.name.startswith("rl-agent-server") for t in threading.enumerate())
+
+
+def test_the_episodes_of_a_prompt_sample_with_seeds_of_their_own(tokenizer):
+    """Episodes of one prompt share it; with one seed they would draw the same tokens. Request k of
+    episode j samples with seed + j·2¹⁶ + k; a request's own seed wins."""
+    engine = ScriptEngine(tokenizer, [" yes", " no"])
+    executor = AgentServerExecutor(
+        engine, tokenizer, SamplingParams(n=3, max_new_tokens=8, seed=11), agent=two_turn_agent
+    )
+    executor.run(samples_for(tokenizer, ["a?"]))
+    assert sorted(engine.seeds) == sorted(11 + j * 2**16 + k for j in range(3) for k in range(2))
+    with AgentServer(engine, tokenizer, SamplingParams(seed=5)) as server:
+        unseeded, seeded = server.open_session(), server.open_session(seed=100)
+        chat(server, unseeded, [{"role": "user", "content": "hi"}])
+        chat(server, seeded, [{"role": "user", "content": "hi"}])
+        chat(server, seeded, [{"role": "user", "content": "hi"}, {"role": "assistant", "content": " yes"},
+                              {"role": "user", "content": "x"}], seed=7)  # fmt: skip
+    assert engine.seeds[-3:] == [5, 100, 7]
 
 
 async def failing_agent(client, prompt, label):

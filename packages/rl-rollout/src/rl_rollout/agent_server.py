@@ -169,6 +169,7 @@ class _Session:
         self.tools: Any = None
         self.ended_with_special = False  # the last reply ended with an end-of-turn token it wrote
         self.busy = False
+        self.seed: int | None = None  # request k of the session samples with seed + k
 
     @property
     def length(self) -> int:
@@ -415,14 +416,19 @@ class AgentServer:
 
     # -- sessions ------------------------------------------------------------------------------
 
-    def open_session(self, session_id: str | None = None) -> str:
-        """Register a session (a fresh id when None); requests must name a registered session."""
+    def open_session(self, session_id: str | None = None, *, seed: int | None = None) -> str:
+        """Register a session (a fresh id when None); requests must name a registered session.
+
+        `seed`: request k of the session (k = 0, 1, ...) samples with seed + k unless the request
+        gives its own; None: the `sampling` default's seed. Episodes of one prompt need different
+        seeds, or, sharing the prompt, they would draw the same tokens (`prompt_seed`)."""
         session_id = uuid.uuid4().hex if session_id is None else str(session_id)
         with self._lock:
             if session_id in self._sessions:
                 raise ValueError(f"open_session: session {session_id!r} is already open")
-            self._sessions[session_id] = _Session(session_id)
-            self._sessions[session_id].record.policy_version = self.engine.policy_version
+            session = self._sessions[session_id] = _Session(session_id)
+            session.record.policy_version = self.engine.policy_version
+            session.seed = seed
         return session_id
 
     def peek(self, session_id: str) -> SessionRecord:
@@ -474,7 +480,7 @@ class AgentServer:
 
     # -- the chat completion -------------------------------------------------------------------
 
-    def _params(self, body: Mapping, room: int) -> SamplingParams:
+    def _params(self, body: Mapping, room: int, session_seed: int | None = None) -> SamplingParams:
         unknown = sorted(set(body) - CHAT_FIELDS)
         if unknown:
             raise _bad(
@@ -514,6 +520,8 @@ class AgentServer:
         seed = body.get("seed")
         if seed is not None:
             changes["seed"] = _integer(body, "seed", 0)
+        elif session_seed is not None:
+            changes["seed"] = session_seed
         stop = body.get("stop")
         if stop is not None:
             stops = [stop] if isinstance(stop, str) else stop
@@ -623,7 +631,8 @@ class AgentServer:
                 "messages",
                 "context_length_exceeded",
             )
-        params = self._params(body, self.max_length - session.length - len(delta_ids))
+        turn_seed = None if session.seed is None else session.seed + record.requests
+        params = self._params(body, self.max_length - session.length - len(delta_ids), turn_seed)
         prompt = record.prompt_ids + record.response_ids + delta_ids
         try:
             [generation] = (await self.engine.agenerate(prompt, params))[:1]

@@ -60,6 +60,10 @@ __all__ = ["AgentServerExecutor", "load_run_agent"]
 
 logger = logging.getLogger(__name__)
 
+SESSION_SEED_STRIDE = 1 << 16
+"""With `sampling.seed` s, request k of episode j samples with seed s + j·stride + k (the
+episodes of one prompt draw different tokens; a prompt's requests up to `stride` apart)."""
+
 
 def load_run_agent(spec: str | Path | Callable[..., Any]) -> Callable[..., Any]:
     """The agent function: a callable, "path/to/file.py" (its `run_agent`) or "file.py:NAME".
@@ -131,8 +135,9 @@ class AgentServerExecutor:
     Args:
       engine: any `Engine`.
       tokenizer: the policy's tokenizer, with a chat template.
-      sampling: request defaults (temperature, top_p, max_new_tokens, stop, seed);
-        `sampling.n` episodes per prompt.
+      sampling: request defaults (temperature, top_p, max_new_tokens, stop); `sampling.n`
+        episodes per prompt. With a seed s, request k of episode j uses s + j·2¹⁶ + k (a request's
+        own seed wins).
       agent: the agent function or where it is (`load_run_agent`).
       max_length: prompt + response tokens of one episode; default `engine.max_model_len`.
       episode_timeout_s: hard limit on one `run_agent` call.
@@ -188,7 +193,8 @@ class AgentServerExecutor:
         self, client: Any, sample: PromptSample, sample_number: int, semaphore: asyncio.Semaphore
     ) -> tuple[SessionRecord, float, float, dict[str, Any], str | None]:
         server = self.server
-        session = server.open_session()
+        seed = None if self.sampling.seed is None else self.sampling.seed + sample_number * SESSION_SEED_STRIDE
+        session = server.open_session(seed=seed)
         episode_client = client.with_options(default_headers={"X-Session-ID": session})
         reward, score, logs, error = self.fallback, self.fallback, {}, None
         async with semaphore:
