@@ -21,6 +21,7 @@ import pytest
 
 from rl_data import PromptSample
 from rl_rollout import AgentServer, AgentServerExecutor, EpisodeError, MultiTurnExecutor, load_agent
+from rl_rollout.agent_execute import _EXECUTE_AGENTS
 from rl_rollout.protocol import Engine, EngineError, Generation, SamplingParams
 
 MODEL = "policy"
@@ -553,6 +554,7 @@ def test_an_agent_file_with_its_own_execute_is_honoured(tokenizer, tmp_path):
     assert agent.execute_cls.__name__ == "AgentExecutor"
     engine = ScriptEngine(tokenizer, [" a b c d e"])
     executor = MultiTurnExecutor(engine, tokenizer, SamplingParams(n=2, max_new_tokens=16), env=path)
+    assert agent.path not in _EXECUTE_AGENTS  # built on first use: checking options runs nothing
     samples = samples_for(tokenizer, ["zero", "one"])
     records = executor.run(samples)
     assert [r.reward for r in records] == [0.0, 0.0, 1.0, 1.0]

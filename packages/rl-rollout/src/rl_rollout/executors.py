@@ -494,13 +494,11 @@ class MultiTurnExecutor:
             )
         if on_error not in ON_ERROR:
             raise ValueError(f"on_error: {on_error!r} is not allowed; expected one of {ON_ERROR}")
-        self.execute_agent: Any = None
+        self._execute: AgentFile | None = None  # a file whose AgentExecutor brings its own execute
         if isinstance(env, (str, Path)):
             agent = load_agent(env)
             if agent.execute_cls is not None:
-                from .agent_execute import execute_agent
-
-                self.execute_agent = execute_agent(agent.path, agent.execute_cls)
+                self._execute = agent
             self.env_factory: Callable[[], Any] = agent.instance_cls
         elif callable(env):
             self.env_factory = env
@@ -515,6 +513,17 @@ class MultiTurnExecutor:
         self.on_error, self.fallback = on_error, float(fallback)
         self._groups = _GroupCounter(first_group_id)
         self.last_metrics: dict[str, float] = {}
+
+    @property
+    def execute_agent(self) -> Any:
+        """The agent file's one `AgentExecutor()` and its event loop (`rl_rollout.agent_execute`),
+        built on first use (checking options builds this executor and runs nothing); None for
+        files without their own execute."""
+        if self._execute is None:
+            return None
+        from .agent_execute import execute_agent
+
+        return execute_agent(self._execute.path, self._execute.execute_cls)
 
     # -- tokenising feedback once ------------------------------------------------------------
 
@@ -686,7 +695,7 @@ class MultiTurnExecutor:
         episode = _Episode(prompt_ids=sample.prompt_ids.tolist())
         async with semaphore:
             try:
-                run = self._execute_episode if self.execute_agent is not None else self._episode
+                run = self._execute_episode if self._execute is not None else self._episode
                 await asyncio.wait_for(run(sample, sample_number, episode), self.episode_timeout_s)
                 return episode, None
             except Exception as error:
@@ -765,7 +774,7 @@ class MultiTurnExecutor:
         try:
             asyncio.get_running_loop()
         except RuntimeError:
-            if self.execute_agent is not None:  # the file's AgentExecutor keeps its loop across calls
+            if self._execute is not None:  # the file's AgentExecutor keeps its loop across calls
                 return self.execute_agent.run(self.arun(samples, group_ids=group_ids))
             return asyncio.run(self.arun(samples, group_ids=group_ids))
         raise RuntimeError(

@@ -193,7 +193,9 @@ class AgentServerExecutor:
         self, client: Any, sample: PromptSample, sample_number: int, semaphore: asyncio.Semaphore
     ) -> tuple[SessionRecord, float, float, dict[str, Any], str | None]:
         server = self.server
-        seed = None if self.sampling.seed is None else self.sampling.seed + sample_number * SESSION_SEED_STRIDE
+        seed = (
+            None if self.sampling.seed is None else self.sampling.seed + sample_number * SESSION_SEED_STRIDE
+        )
         session = server.open_session(seed=seed)
         episode_client = client.with_options(default_headers={"X-Session-ID": session})
         reward, score, logs, error = self.fallback, self.fallback, {}, None
