@@ -13,6 +13,7 @@ import asyncio
 import json
 import socket
 import threading
+import time
 import urllib.error
 import urllib.request
 
@@ -30,7 +31,8 @@ MODEL = "policy"
 class ScriptEngine(Engine):
     name = "ScriptEngine"
 
-    def __init__(self, tokenizer, replies=(" hello",), *, max_model_len=512, fail=False):
+    def __init__(self, tokenizer, replies=(" hello",), *, max_model_len=512, fail=False, gate=None):
+        self.gate = gate  # a threading.Event every generation waits for, when given
         self.tokenizer, self.replies, self._max_model_len, self.fail = (
             tokenizer,
             list(replies),
@@ -48,6 +50,8 @@ class ScriptEngine(Engine):
     def generate(self, prompts, params):
         out = []
         for prompt in prompts:
+            if self.gate is not None:
+                assert self.gate.wait(30), "the test never opened the gate"
             if self.fail:
                 raise EngineError("ScriptEngine: out of memory (scripted)")
             turn = prompt.count(self.tokenizer.convert_tokens_to_ids("<|im_start|>")) // 2 - 1
@@ -259,6 +263,25 @@ def test_a_closed_or_never_opened_session_is_refused(server):
     )
     assert status == 200
     assert server.peek(other).requests == 1
+
+
+def test_a_second_request_while_the_first_is_in_flight_is_refused(tokenizer):
+    gate = threading.Event()
+    with AgentServer(ScriptEngine(tokenizer, gate=gate), tokenizer) as server:
+        session = server.open_session()
+        first: list = []
+        worker = threading.Thread(
+            target=lambda: first.append(chat(server, session, [{"role": "user", "content": "hi"}]))
+        )
+        worker.start()
+        while not server._sessions[session].busy:  # the first request reached the engine
+            time.sleep(0.01)
+        status, answer = chat(server, session, [{"role": "user", "content": "hi"}])
+        gate.set()
+        worker.join(30)
+    assert status == 409
+    assert answer["error"]["code"] == "session_busy"
+    assert first[0][0] == 200
 
 
 def test_an_edited_history_is_refused_and_the_session_is_unchanged(server):
