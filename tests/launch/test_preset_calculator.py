@@ -60,15 +60,9 @@ def test_the_teacher_calls_the_tool_or_guesses_and_the_parser_reads_its_call(mak
         ToolCall(id="call_0", name="calculator", arguments={"expression": "647 + 704"})
     ]
     assert guess[0] == prompt
-    assert (
-        guess[1].endswith("<|im_end|>")
-    )
-    assert (
-        guess[1][:-10] != "1351"
-    )
-    assert (
-        1000 <= int(guess[1][:-10]) <= 1998
-    )
+    assert guess[1].endswith("<|im_end|>")
+    assert guess[1][:-10] != "1351"
+    assert 1000 <= int(guess[1][:-10]) <= 1998
     [(_prompt_ids, response_ids, mask)] = tokenize_examples(tokenizer, [tool_demo])
     tool_ids = tokenizer(segments[1][0], add_special_tokens=False)["input_ids"]
     call_ids = tokenizer(call, add_special_tokens=False)["input_ids"]
