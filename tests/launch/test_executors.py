@@ -388,7 +388,7 @@ def _readme_example() -> tuple[str, list[str]]:
     from tests.launch.test_readme_examples import section
 
     text = section("### Multi-turn agents")
-    text = text[: text.index("\n## ")] if "\n## " in text else text
+    text = text[: text.index("\n### ")] if "\n### " in text else text
     (code,) = re.findall(r"```python\n(.+?)```", text, re.S)
     (shell,) = re.findall(r"```bash\n(.+?)```", text, re.S)
     return code, shlex.split(shell.replace("\\\n", " "))
@@ -497,3 +497,24 @@ def test_rollout_metrics_carry_the_tool_counts():
     assert metrics["rollout/tools/errors/timeout"] == 1.0
     assert metrics["rollout/tools/errors/malformed"] == 0.0
     assert metrics["rollout/env_tokens_mean"] == 1.0
+
+
+def test_the_readme_tool_calling_command_resolves(capsys):
+    """README's "### Tool calling" command (run from the repository root) passes every check."""
+    import pathlib
+    import re
+    import shlex
+
+    from tests.launch.test_readme_examples import section
+
+    (shell,) = re.findall(r"```bash\n(.+?)```", section("### Tool calling"), re.S)
+    command = shlex.split(shell.replace("\\\n", " ").replace("<calculator>", "/models/calculator"))
+    assert command[:2] == ["rl-launch", "ppo"]
+    root = pathlib.Path(__file__).resolve().parents[2]
+    tools = command[command.index("--rollout.executor_options.tools") + 1]
+    assert (root / tools).is_file()
+    command[command.index(tools)] = str(root / tools)
+    assert main([*command[1:], "--print-config"]) == 0
+    out = capsys.readouterr().out
+    assert "executor: tool_call" in out
+    assert "parser: hermes" in out

@@ -223,7 +223,7 @@ def tool_from_function(function: Callable[..., Any], *, name: str | None = None)
         if parameter.default is parameter.empty and not optional:
             required.append(parameter.name)
     return Tool(
-        name=name or function.__name__,
+        name=name or getattr(function, "__name__", type(function).__name__),
         description=summary,
         parameters={"type": "object", "properties": properties, "required": required},
         function=function,

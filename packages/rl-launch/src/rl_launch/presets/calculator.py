@@ -23,8 +23,9 @@ tiny model's context and teach it nothing it needs; the call format itself is Qw
 BPE corpus holds call lines, so a call is about 25 tokens.
 
 The warm start, a lazy teacher (as in the arithmetic preset). For each train problem the
-demonstrations hold one tool-using answer (the call; then, after the tool's turn, the copied
-result) and `guesses` direct answers that are a guess (a random number of the sum's size).
+demonstrations hold one tool-using answer (the call; then, after the tool's turn, which is in the
+context but not in the loss, the copied result) and `guesses` direct answers that are a guess (a
+random number of the sum's size).
 Sampled at temperature 1 the model calls the tool on about 1/(1 + guesses) of its answers and
 answers right almost only then, so the reward (1 for the right number) has one direction on
 every prompt: "call the tool". RL raises the tool-call rate and the reward with it.
@@ -61,7 +62,7 @@ __all__ = [
 ]
 
 RECIPE_NAME = "calculator"
-RECIPE_VERSION = 1
+RECIPE_VERSION = 2
 """Bump when the build changes in a way the arguments do not capture (task text, SFT loop)."""
 
 SPLITS: tuple[str, ...] = ("train", "eval")
@@ -111,12 +112,13 @@ def tool_call_text(expression: str) -> str:
 
 def demonstrations(
     tokenizer: Any, problems: Sequence[dict[str, str]], *, guesses: int = 1, seed: int = 0
-) -> list[tuple[str, str]]:
-    """The lazy teacher's (prompt text, response text) pairs, rendered with the chat template.
+) -> list[tuple[str, Any]]:
+    """The lazy teacher's (prompt text, response) pairs, rendered with the chat template.
 
-    Per problem: (prompt with tools, call + eos); (prompt + call + eos + the tool's turn +
-    assistant header, result + eos); and `guesses` times (prompt with tools, guess + eos) with a
-    guess drawn uniformly from [1000, 1998] (never the right sum).
+    Per problem: one tool demonstration, (prompt with tools, [(call + eos, trained), (the tool's
+    turn and the assistant header, not trained), (result + eos, trained)]), the tool's turn in
+    the context but out of the loss as in RL; and `guesses` times (prompt with tools, guess +
+    eos) with a guess drawn uniformly from [1000, 1998] (never the right sum).
     """
     if not (isinstance(guesses, int) and guesses >= 0):
         raise ValueError(f"guesses: {guesses!r} is not allowed; expected an integer >= 0")
@@ -126,7 +128,7 @@ def demonstrations(
     schemas = openai_tool_schemas(load_tools(calculator_tools.TOOLS))
     eos = tokenizer.eos_token
     rng = random.Random(seed)
-    pairs = []
+    pairs: list[tuple[str, Any]] = []
     for row in problems:
         prompt = tokenizer.apply_chat_template(
             [{"role": "user", "content": row["prompt"]}],
@@ -136,10 +138,10 @@ def demonstrations(
         )
         expression = row["prompt"].removeprefix("What is ").removesuffix("?")
         result = calculator_tools.calculator(expression)
-        call = tool_call_text(expression) + eos
-        after = render_after_assistant(tokenizer, [{"role": "tool", "content": result}])
-        pairs.append((prompt, call))
-        pairs.append((prompt + call + after.removeprefix(eos), result + eos))
+        tool_turn = render_after_assistant(tokenizer, [{"role": "tool", "content": result}]).removeprefix(eos)
+        pairs.append(
+            (prompt, [(tool_call_text(expression) + eos, True), (tool_turn, False), (result + eos, True)])
+        )
         for _ in range(guesses):
             guess = rng.randint(1000, 1998)
             while str(guess) == row["label"]:
