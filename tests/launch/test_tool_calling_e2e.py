@@ -115,18 +115,17 @@ async def run_agent(client, prompt, label):
     return 1.0 if found and found.group(0) == str(label) else 0.0
 """
 
-# Full-stack runs of the args below on 2 busy CPU cores (load 6-11; 84-90 s each), (reward,
-# call rate) per step, first two and last two of 8 steps:
-#   lr 3e-4, default seeds:            (0.445 0.445) (0.367 0.398) ... (0.609 0.602) (0.602 0.602)
-#   lr 3e-4, train 1 / rollout 1007:   (0.430 0.430) (0.414 0.445) ... (0.438 0.445) (0.492 0.492)
-#   lr 2e-4, default seeds:            (0.445 0.445) (0.398 0.398) ... (0.586 0.578) (0.562 0.562)
-#   lr 2e-4, train 1 / rollout 1007:   (0.430 0.430) (0.430 0.430) ... (0.430 0.438) (0.484 0.484)
-#   lr 5e-4 (the tool_call run's), default seeds: the operands copied into the calls went wrong
-#   after the first update; the reward ended at 0.30 while the call rate rose to 0.61.
-# With the default seeds a run repeats itself (transformers sampling is seeded per row; request k
-# of episode j samples with seed + j·2¹⁶ + k), so this pins the default-seed run's rise (+0.20
-# reward, +0.18 call rate); on other seeds the climb is slower (+0.04 in 8 steps above).
-SERVER_RISE = 0.1
+# Full-stack runs of the args below on 2 busy CPU cores (load 6-8; 85-92 s each; the calculator
+# task of RECIPE_VERSION 2), (reward, call rate) per step, first two and last two of 8 steps:
+#   default seeds:                (0.555 0.570) (0.406 0.484) ... (0.625 0.672) (0.633 0.672)
+#   train.seed 1, rollout.seed 1007: (0.562 0.578) (0.320 0.578) ... (0.539 0.562) (0.555 0.578)
+# The mean of the last two steps minus the first two's: reward +0.15 / +0.11, call rate +0.15 /
+# −0.01. On recipe 1, lr 5e-4 (the tool_call run's) broke the operands copied into the calls after
+# the first update (reward 0.30 at the end while the call rate rose to 0.61), and lr 2e-4 climbed
+# too slowly on the second seed. With the default seeds a run repeats itself (transformers
+# sampling is seeded per row; request k of episode j samples with seed + j·2¹⁶ + k): the call-rate
+# rise is pinned for the default seeds only; the reward rose on both.
+SERVER_RISE = 0.08
 
 
 def test_an_openai_client_agent_learns_to_call_the_calculator_through_the_agent_server(
