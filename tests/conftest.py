@@ -158,3 +158,12 @@ def make_tokenizer():
 def tokenizer(make_tokenizer):
     """The ChatML tiny tokenizer."""
     return make_tokenizer("chatml")
+
+
+@pytest.fixture(scope="session")
+def calculator_task(tmp_path_factory: pytest.TempPathFactory):
+    """The calculator task's warm-started model, prompts and tools file
+    (`rl_launch.presets.calculator.build_calculator`), built once per session."""
+    from rl_launch.presets.calculator import build_calculator
+
+    return build_calculator(tmp_path_factory.mktemp("calculator"))

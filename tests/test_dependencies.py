@@ -27,8 +27,10 @@ ALLOWED: dict[str, tuple[set[str], set[str]]] = {
         {"torch", "msgspec", "numpy", "transformers", "tokenizers", "datasets"},
     ),
     "rl_rollout": (
-        {"torch", "msgspec", "numpy", "rl_data", "rl_algos", "transformers", "vllm"},
-        {"torch", "msgspec", "rl-data", "rl-algos", "transformers", "vllm"},
+        # fastapi / starlette / uvicorn / openai: the `agents` extra (the agent server)
+        {"torch", "msgspec", "numpy", "rl_data", "rl_algos", "transformers", "vllm"}
+        | {"fastapi", "starlette", "uvicorn", "openai"},
+        {"torch", "msgspec", "rl-data", "rl-algos", "transformers", "vllm", "fastapi", "uvicorn", "openai"},
     ),
     "rl_learner": (
         {

@@ -44,3 +44,23 @@ class AgentExecutor(MultiTurnAgentExecutor):
     def __init__(self):
         super().__init__(AgentInstance)
 '''
+
+# The same two-turn agent written against the OpenAI API, for rollout.executor agent_server.
+RUN_AGENT = f'''
+import re
+
+FEEDBACK = {FEEDBACK!r}
+
+
+async def run_agent(client, prompt, label):
+    """Two requests: the second adds FEEDBACK as a user message; 1 if the second reply holds a digit."""
+    messages = [{{"role": "user", "content": prompt}}]
+    first = await client.chat.completions.create(model="policy", messages=messages)
+    messages += [
+        {{"role": "assistant", "content": first.choices[0].message.content}},
+        {{"role": "user", "content": FEEDBACK}},
+    ]
+    second = await client.chat.completions.create(model="policy", messages=messages)
+    reward = 1.0 if re.search(r"[0-9]", second.choices[0].message.content or "") else 0.0
+    return {{"reward": reward, "extra_logs": {{"second_turn": 1.0}}}}
+'''

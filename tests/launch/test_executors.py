@@ -1,7 +1,8 @@
 """The rollout executor as a component of `rl-launch ppo` (no Ray): `rollout.executor` picks it by
 name, `rollout.executor_options` reach it verbatim, `rollout.agent_func_path` (an OpenRLHF agent
-file) implies multi_turn, and every wrong name, option, value or file fails before anything starts,
-naming the dotted option. The rollout actor's own code then runs the agent on a real engine."""
+file) implies multi_turn (agent_server takes a `run_agent` file instead), and every wrong name,
+option, value or file fails before anything starts, naming the dotted option. The rollout actor's
+own code then runs the agent on a real engine."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from rl_launch.components import EXECUTORS, check_components, executor_name, exe
 from rl_launch.config import ConfigError
 from rl_launch.rollouts import rollout_metrics
 from rl_rollout import SamplingParams
-from tests.launch.agent_files import FEEDBACK, TWO_TURN_AGENT
+from tests.launch.agent_files import FEEDBACK, RUN_AGENT, TWO_TURN_AGENT
 
 BASE = {
     "model.pretrain": "/models/never-loaded",
@@ -106,7 +107,7 @@ def test_the_options_and_the_agent_file_reach_the_executor_verbatim(agent_file):
 
 def test_an_unknown_executor_is_refused_with_the_registered_names():
     refused(
-        r"^rollout\.executor: 'multi_turns' is not one of multi_turn, single_turn",
+        r"^rollout\.executor: 'multi_turns' is not one of agent_server, multi_turn, single_turn",
         rollout__executor="multi_turns",
     )
 
@@ -180,7 +181,7 @@ def test_a_bad_option_value_fails_with_the_executors_own_message(agent_file, opt
 
 def test_a_reward_source_that_multi_turn_would_never_call_is_refused(agent_file):
     refused(
-        r"^reward\.function: with rollout\.executor multi_turn the agent's step\(\) rewards are the reward",
+        r"^reward\.function: with rollout\.executor multi_turn the agent's own rewards are the reward",
         rollout__agent_func_path=str(agent_file),
         reward__function="numeric",
     )
@@ -207,6 +208,31 @@ def test_rl_launch_components_lists_the_executors_with_their_options(capsys):
     assert "rollout executors  (rollout.executor, options: rollout.executor_options" in out
     assert "single_turn(skip_special_tokens=False)" in out
     assert "multi_turn(max_turns=8, max_length=None, feedback='text'" in out
+    assert "agent_server(max_length=None, episode_timeout_s=600.0" in out
+
+
+def test_agent_server_takes_a_run_agent_file_and_refuses_an_agent_class_file(tmp_path, agent_file):
+    run_agent = tmp_path / "run_agent.py"
+    run_agent.write_text(RUN_AGENT)
+    cfg = config(rollout__executor="agent_server", rollout__agent_func_path=str(run_agent))
+    assert executor_name(cfg) == "agent_server"
+    refused(
+        r"^rollout\.agent_func_path: agent file .*two_turns\.py' defines no run_agent.*"
+        r"OpenRLHF agent file: rollout\.executor multi_turn runs those",
+        rollout__executor="agent_server",
+        rollout__agent_func_path=str(agent_file),
+    )
+    refused(
+        r"^rollout\.executor: 'agent_server' runs the episodes of an agent file; set rollout\.agent_func_path "
+        r"to a \.py file defining `async def run_agent",
+        rollout__executor="agent_server",
+    )
+    refused(
+        r"^rollout\.executor_options: rollout executor 'agent_server' refused its options: tool_parser: 'xml'",
+        rollout__executor="agent_server",
+        rollout__agent_func_path=str(run_agent),
+        rollout__executor_options__tool_parser="xml",
+    )
 
 
 # ---------------------------------------------------------------- the rollout actor's own code
@@ -266,6 +292,57 @@ def test_the_rollout_worker_runs_the_agent_masks_feedback_and_takes_a_greedy_bas
     assert metrics["rollout/action_tokens_mean"] == pytest.approx(float(lengths.mean()) - len(feedback))
 
 
+def test_the_rollout_worker_runs_an_openai_api_agent_through_the_agent_server(tiny_checkpoint, tmp_path):
+    """The same agent as above written with the `openai` client (`rollout.executor agent_server`):
+    the feedback message is a delta of the chat template with action mask 0, the reward is
+    run_agent's, and the step's server is gone afterwards."""
+    import threading
+
+    from transformers import AutoTokenizer
+
+    from rl_launch.actors import EngineSpec, RolloutWorker
+
+    agent = tmp_path / "run_agent.py"
+    agent.write_text(RUN_AGENT)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint)
+    spec = EngineSpec(
+        kind="hf",
+        model_path=str(tiny_checkpoint),
+        dtype="fp32",
+        max_model_len=128,
+        seed=0,
+        executor="agent_server",
+        executor_options={"episode_timeout_s": 120},
+        agent_func_path=str(agent),
+    )
+    worker = RolloutWorker(spec)
+    try:
+        prompts = [
+            PromptSample(prompt_ids=tokenizer(text)["input_ids"], prompt=text, label="1", index=i)
+            for i, text in enumerate(["What is 1 + 0?", "Name a number."])
+        ]
+        sampling = SamplingParams(n=2, temperature=1.0, max_new_tokens=6, seed=3)
+        records = decode(worker.generate(encode(prompts), sampling, 10, False), list[Trajectory])
+    finally:
+        worker.close()
+    assert [r.group_id for r in records] == [10, 10, 11, 11]
+    for record in records:
+        (start, first_end), (second_start, end) = record.extra["action_ranges"]
+        mask, response = record.action_mask.tolist(), record.response_ids.tolist()
+        assert (start, end) == (0, len(response))
+        delta = tokenizer.decode(response[first_end:second_start])
+        assert delta.endswith(f"<|im_start|>user\n{FEEDBACK}<|im_end|>\n<|im_start|>assistant\n")
+        assert mask == [True] * first_end + [False] * (second_start - first_end) + [True] * (
+            end - second_start
+        )
+        assert record.rollout_logprobs[first_end:second_start].eq(0).all()
+        second = tokenizer.decode(response[second_start:end], skip_special_tokens=True)
+        assert record.reward == float(any(c.isdigit() for c in second))
+        assert record.extra["extra_logs"] == {"second_turn": 1.0}
+    assert rollout_metrics(records)["rollout/turns_mean"] == 2.0
+    assert not any(t.name.startswith("rl-agent-server") for t in threading.enumerate())
+
+
 def test_rollout_metrics_count_failed_and_cut_episodes_and_single_turn_records():
     def record(mask, finish="stop", **extra):
         return Trajectory(
@@ -311,7 +388,7 @@ def _readme_example() -> tuple[str, list[str]]:
     from tests.launch.test_readme_examples import section
 
     text = section("### Multi-turn agents")
-    text = text[: text.index("\n## ")] if "\n## " in text else text
+    text = text[: text.index("\n### ")] if "\n### " in text else text
     (code,) = re.findall(r"```python\n(.+?)```", text, re.S)
     (shell,) = re.findall(r"```bash\n(.+?)```", text, re.S)
     return code, shlex.split(shell.replace("\\\n", " "))
@@ -335,3 +412,109 @@ def test_the_readme_agent_file_and_command_work(tmp_path, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "agent_func_path: agent.py" in out
     assert "max_turns: 2" in out
+
+
+# --------------------------------------------------------------------------------- tool_call
+
+TOOLS_FILE = "def add(a: int, b: int) -> int:\n    '''Add.'''\n    return a + b\n\nTOOLS = [add]\n"
+
+
+def test_tool_call_options_reach_the_executor_verbatim(tmp_path):
+    tools = tmp_path / "tools.py"
+    tools.write_text(TOOLS_FILE)
+    cfg = config(
+        rollout__executor="tool_call",
+        rollout__executor_options__tools=str(tools),
+        rollout__executor_options__parser="hermes",
+        rollout__executor_options__max_tool_calls="2",
+        rollout__executor_options__tool_timeout_s="0.5",
+    )
+    assert cfg.rollout.executor_options == {
+        "tools": str(tools),
+        "parser": "hermes",
+        "max_tool_calls": 2,
+        "tool_timeout_s": 0.5,
+    }
+    from rl_launch.components import validation_engine
+
+    executor = EXECUTORS["tool_call"].build(
+        engine=validation_engine(64),
+        reward_fn=lambda queries, prompts, labels: [0.0] * len(queries),
+        tokenizer=None,
+        sampling=SamplingParams(n=2),
+        first_group_id=3,
+        agent_func_path=None,
+        **cfg.rollout.executor_options,
+    )
+    assert [tool.name for tool in executor.tools] == ["add"]
+    assert (executor.max_tool_calls, executor.tool_timeout_s, executor.parser.name) == (2, 0.5, "hermes")
+    assert executor.episodes._groups.next == 3
+    assert {"tools", "parser", "tools_in_prompt", "tool_timeout_s", "max_tool_calls", "max_turns"} <= set(
+        executor_options("tool_call")
+    )
+
+
+@pytest.mark.parametrize(
+    ("options", "pattern"),
+    [
+        ({}, r"tools: none given"),
+        ({"tools": "/nowhere/tools.py"}, r"tools: tools file '/nowhere/tools.py' does not exist"),
+        (
+            {"parser": "pythonic"},
+            r"parser: 'pythonic' is not a registered tool parser; expected one of \['hermes'",
+        ),
+        ({"tools_in_prompt": "system"}, r"tools_in_prompt: 'system' is not allowed; expected one of"),
+        ({"max_tool_calls": "0"}, r"max_tool_calls"),
+    ],
+)
+def test_tool_call_refuses_a_bad_option_naming_it(tmp_path, options, pattern):
+    tools = tmp_path / "tools.py"
+    tools.write_text(TOOLS_FILE)
+    given = {"tools": str(tools), **options} if options else {}
+    refused(
+        rf"^rollout\.executor_options: rollout executor 'tool_call' refused its options: {pattern}",
+        rollout__executor="tool_call",
+        **{f"rollout__executor_options__{key}": value for key, value in given.items()},
+    )
+
+
+def test_rollout_metrics_carry_the_tool_counts():
+    def record(calls, timeout):
+        return Trajectory(
+            prompt_ids=[1, 2],
+            response_ids=[3, 4, 5],
+            action_mask=[True, False, True],
+            reward=0.0,
+            extra={
+                "turns": 2,
+                "tools": {"calls": calls, "timeout": timeout, "malformed": 0, "limit_reached": 0},
+            },
+        )
+
+    metrics = rollout_metrics([record(2, 1), record(0, 0)])
+    assert metrics["rollout/tools/calls_mean"] == 1.0
+    assert metrics["rollout/tools/call_rate"] == 0.5
+    assert metrics["rollout/tools/errors/timeout"] == 1.0
+    assert metrics["rollout/tools/errors/malformed"] == 0.0
+    assert metrics["rollout/env_tokens_mean"] == 1.0
+
+
+def test_the_readme_tool_calling_command_resolves(capsys):
+    """README's "### Tool calling" command (run from the repository root) passes every check."""
+    import pathlib
+    import re
+    import shlex
+
+    from tests.launch.test_readme_examples import section
+
+    (shell,) = re.findall(r"```bash\n(.+?)```", section("### Tool calling"), re.S)
+    command = shlex.split(shell.replace("\\\n", " ").replace("<calculator>", "/models/calculator"))
+    assert command[:2] == ["rl-launch", "ppo"]
+    root = pathlib.Path(__file__).resolve().parents[2]
+    tools = command[command.index("--rollout.executor_options.tools") + 1]
+    assert (root / tools).is_file()
+    command[command.index(tools)] = str(root / tools)
+    assert main([*command[1:], "--print-config"]) == 0
+    out = capsys.readouterr().out
+    assert "executor: tool_call" in out
+    assert "parser: hermes" in out

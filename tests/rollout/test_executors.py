@@ -370,7 +370,18 @@ def test_hanging_environment_hits_the_episode_timeout(tokenizer, samples):
 @pytest.mark.parametrize(
     ("result", "message"),
     [
-        ({"rewards": 1.0, "done": True}, r"step\(\) result lacks \['environment_feedback'\]"),
+        (
+            {"rewards": 1.0, "done": True},
+            r"step\(\) result lacks \['environment_feedback \(or environment_messages, not both\)'\]",
+        ),
+        (
+            {"rewards": 1.0, "done": True, "environment_feedback": "", "environment_messages": []},
+            r"lacks \['environment_feedback \(or environment_messages, not both\)'\]",
+        ),
+        (
+            {"rewards": 1.0, "done": True, "environment_messages": "text"},
+            r"environment_messages of type str; expected a list of chat messages",
+        ),
         ({"rewards": float("nan"), "environment_feedback": "", "done": True}, r"'rewards' = nan"),
         ({"rewards": torch.ones(2), "environment_feedback": "", "done": True}, r"'rewards' with 2 values"),
     ],

@@ -71,8 +71,33 @@ HEADER_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant<|im_end|>\\n\\n' }}{%- endif %}"
 )
 
+# ChatML with tools, kept short for tiny models: with `tools=` (OpenAI-style declarations) a system
+# turn "Tools: name(arg, ...) ..." comes first (a system message's text, when the conversation has
+# one, follows on the next line); tool results are turns of role "tool". Append-only. Qwen's own
+# tools prompt (the JSON schemas and a paragraph of instructions) is hundreds of tokens, more than
+# a tiny model's context can spare and more than it needs to learn one call format.
+CHATML_TOOLS_TEMPLATE = (
+    "{%- set offset = 0 %}"
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\nTools:' }}"
+    "{%- for tool in tools %}"
+    "{%- set function = tool['function'] if tool['function'] is defined else tool %}"
+    "{{- ' ' + function['name'] + '(' + (function['parameters']['properties'] | list | join(', ')) + ')' }}"
+    "{%- endfor %}"
+    "{%- if messages and messages[0]['role'] == 'system' %}"
+    "{{- '\\n' + messages[0]['content'] }}{%- set offset = 1 %}"
+    "{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages[offset:] %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
 CHAT_TEMPLATES: dict[str, str] = {
     "chatml": CHATML_TEMPLATE,
+    "chatml-tools": CHATML_TOOLS_TEMPLATE,
     "chatml-think": CHATML_THINK_TEMPLATE,
     "header": HEADER_TEMPLATE,
 }
@@ -111,7 +136,7 @@ def build_tiny_tokenizer(
         vocab_size: target vocabulary size including the 256 byte tokens and the special tokens
             (the trainer stops earlier when the corpus has no more merges).
         corpus: training text; the built-in `default_corpus()` when None.
-        chat_template: a name in `CHAT_TEMPLATES` ("chatml", "chatml-think", "header") or a Jinja
+        chat_template: a name in `CHAT_TEMPLATES` ("chatml", "chatml-tools", "chatml-think", "header") or a Jinja
             template string (anything containing "{%" or "{{").
         model_max_length: stored in the tokenizer config.
 

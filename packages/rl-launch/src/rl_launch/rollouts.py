@@ -48,7 +48,7 @@ from typing import Any
 import msgspec
 
 from rl_data import PromptSample, Trajectory, decode, encode
-from rl_rollout import SamplingParams, filter_groups
+from rl_rollout import SamplingParams, filter_groups, tool_metrics
 
 from .actors import ACTIVITY_GROUP, GENERATE_GROUP, ActorGroup
 from .components import estimator_needs
@@ -70,7 +70,9 @@ def rollout_metrics(records: list[Trajectory]) -> dict[str, float]:
     When records carry them: rollout/turns_mean (mean extra["turns"]), rollout/episode_failures
     (#records with extra["episode_error"]: failed episodes kept with the fallback reward),
     rollout/reward_fallbacks (#records with extra["reward_fallback"]), and rollout/agent/<key> =
-    the mean of each numeric entry of the agent's extra_logs (its last step's).
+    the mean of each numeric entry of the agent's extra_logs (its last step's). Records of
+    tool-calling episodes (extra["tools"]) add `rl_rollout.tool_metrics`: rollout/tools/calls_mean,
+    call_rate, limit_reached and errors/<kind>.
     """
     if not records:
         return {}
@@ -96,7 +98,7 @@ def rollout_metrics(records: list[Trajectory]) -> dict[str, float]:
             if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
                 agent.setdefault(f"rollout/agent/{key}", []).append(float(value))
     metrics |= {name: sum(values) / len(values) for name, values in agent.items()}
-    return metrics
+    return metrics | tool_metrics(records)
 
 
 @dataclass

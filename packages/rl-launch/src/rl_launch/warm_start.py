@@ -12,7 +12,7 @@ that follows it, end-of-sequence marker included. Prompt and response are tokeni
 and concatenated, so the boundary between them is exact; the loss is the token-mean negative
 log-likelihood of the response tokens only (`rl_algos.sft_loss`):
 
-    L = −Σ_{b,t} m_{b,t}·log π(y_{b,t} | y_{b,<t}) / Σ m,   m = 1 on response tokens.
+    L = −Σ_{b,t} m_{b,t}·log π(y_{b,t} | y_{b,<t}) / Σ m,   m = 1 on trained response tokens.
 
 Optimiser: AdamW (betas 0.9, 0.95, no weight decay), linear warm-up over the first 5% of the
 steps, cosine decay to 10% of `lr`, gradient norm clipped to 1.0. Batches are drawn without
@@ -40,48 +40,68 @@ MAX_GRAD_NORM = 1.0
 
 
 def tokenize_examples(
-    tokenizer: Any, examples: Sequence[tuple[str, str]]
-) -> list[tuple[list[int], list[int]]]:
-    """Token ids of each (prompt, response) pair, tokenised separately, no special tokens added.
+    tokenizer: Any, examples: Sequence[tuple[str, Any]]
+) -> list[tuple[list[int], list[int], list[bool]]]:
+    """Token ids of each (prompt, response) pair and the response's loss mask.
 
-    Special tokens written in the text (e.g. "<|im_end|>") map to their ids.
+    The response is a string (every token trained) or a list of (text, trained) segments, e.g.
+    a tool demonstration [(call, True), (tool turn, False), (answer, True)]: the tool's turn
+    stays in the context but out of the loss, as environment tokens are in RL. Prompt and each
+    segment are tokenised separately, no special tokens added; special tokens written in the
+    text (e.g. "<|im_end|>") map to their ids.
 
     Raises:
-        ValueError: an example that is not a pair of strings, or whose response has no tokens
-            (names the index).
+        ValueError: an example that is not a (prompt, response) pair of that form, or whose
+            response has no trained token (names the index).
     """
     tokenized = []
     for index, example in enumerate(examples):
-        if not (
-            isinstance(example, (tuple, list))
-            and len(example) == 2
-            and all(isinstance(t, str) for t in example)
-        ):
+        if not (isinstance(example, (tuple, list)) and len(example) == 2 and isinstance(example[0], str)):
             raise ValueError(
                 f"examples[{index}]: expected a (prompt, response) pair of strings, got {example!r}"
             )
         prompt, response = example
+        segments = [(response, True)] if isinstance(response, str) else response
+        if not (
+            isinstance(segments, (list, tuple))
+            and all(
+                isinstance(s, (tuple, list))
+                and len(s) == 2
+                and isinstance(s[0], str)
+                and isinstance(s[1], bool)
+                for s in segments
+            )
+        ):
+            raise ValueError(
+                f"examples[{index}]: the response must be a string or a list of (text, trained) pairs, "
+                f"got {response!r}"
+            )
         prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        response_ids = tokenizer(response, add_special_tokens=False)["input_ids"]
-        if not response_ids:
+        response_ids: list[int] = []
+        mask: list[bool] = []
+        for text, trained in segments:
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            response_ids.extend(ids)
+            mask.extend([trained] * len(ids))
+        if not any(mask):
             raise ValueError(f"examples[{index}]: the response {response!r} has no tokens; nothing to learn")
-        tokenized.append((list(prompt_ids), list(response_ids)))
+        tokenized.append((list(prompt_ids), response_ids, mask))
     return tokenized
 
 
 def _collate(
-    rows: Sequence[tuple[list[int], list[int]]], pad_id: int
+    rows: Sequence[tuple[list[int], list[int], list[bool]]], pad_id: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded `[B, S]` input ids, attention mask and response mask."""
-    length = max(len(p) + len(r) for p, r in rows)
+    """Right-padded `[B, S]` input ids, attention mask and response (loss) mask."""
+    length = max(len(p) + len(r) for p, r, _ in rows)
     input_ids = torch.full((len(rows), length), pad_id, dtype=torch.long)
     attention = torch.zeros((len(rows), length), dtype=torch.long)
     response = torch.zeros((len(rows), length), dtype=torch.float32)
-    for i, (prompt_ids, response_ids) in enumerate(rows):
+    for i, (prompt_ids, response_ids, mask) in enumerate(rows):
         ids = prompt_ids + response_ids
         input_ids[i, : len(ids)] = torch.tensor(ids)
         attention[i, : len(ids)] = 1
-        response[i, len(prompt_ids) : len(ids)] = 1.0
+        response[i, len(prompt_ids) : len(ids)] = torch.tensor(mask, dtype=torch.float32)
     return input_ids, attention, response
 
 
@@ -97,7 +117,7 @@ def _lr_factor(step: int, steps: int) -> float:
 def sft_warm_start(
     model: Any,
     tokenizer: Any,
-    examples: Sequence[tuple[str, str]],
+    examples: Sequence[tuple[str, Any]],
     *,
     steps: int,
     batch_size: int,
@@ -110,8 +130,9 @@ def sft_warm_start(
         model: a `transformers` causal LM (float32 on CPU is what presets use); trained in place
             and left in eval mode.
         tokenizer: its tokenizer; `pad_token_id` (or else `eos_token_id`) pads batches.
-        examples: (prompt text, response text) pairs; the response should end with the
-            end-of-sequence token text so that the model learns to stop.
+        examples: (prompt text, response) pairs; the response is a text, or a list of (text,
+            trained) segments whose untrained ones (a tool's turn) stay out of the loss; it
+            should end with the end-of-sequence token text so that the model learns to stop.
         steps: optimiser steps, >= 1 (each on `batch_size` examples).
         batch_size: examples per step, >= 1 (capped at the number of examples).
         lr: peak learning rate, > 0.

@@ -6,7 +6,15 @@
   learner through `rl_data.sync` (`WeightReceiver`, one receiver per transport in `RECEIVERS`), never by importing `rl_learner`.
 - Executors turn `rl_data.PromptSample`s into scored `rl_data.Trajectory` records: single-turn
   (n samples per prompt) and multi-turn agents (environment tokens carry action mask 0; OpenRLHF
-  agent files work unchanged).
+  agent files work unchanged, their own `AgentExecutor.execute` included).
+- Agents written against the OpenAI API (`AgentServerExecutor`): an `AgentServer` over any engine
+  serves `/v1/chat/completions` on 127.0.0.1 for a rollout and captures every session's exact
+  token ids, log-probs and action mask (delta tokenisation, never re-tokenising earlier turns);
+  the user's `async def run_agent(client, prompt, label)` is the whole agent.
+- Tool calling (`rl_rollout.tools`): tools from Python functions or MCP / OpenAI declarations,
+  call parsers by name (`TOOL_PARSERS`, Hermes / Qwen `<tool_call>` built in), calls that never
+  raise into the episode (`call_tool`); `ToolCallExecutor` runs tool-calling episodes (results
+  are environment tokens, the final answer is scored by the run's reward function).
 - Rewards: OpenRLHF `reward_func` files, rule rewards for verifiable tasks, a remote reward client.
 - DAPO dynamic filtering that never drops accepted groups, overlong and stop-properly shaping.
 
@@ -18,7 +26,8 @@
 """
 
 from .__about__ import __version__
-from .executors import EpisodeError, MultiTurnExecutor, SingleTurnExecutor, load_agent_class
+from .agent_server import AgentServer, ServerError, SessionRecord
+from .executors import EpisodeError, MultiTurnExecutor, SingleTurnExecutor, load_agent, load_agent_class
 from .filtering import DynamicSampler, FilterResult, dynamic_sample, filter_groups, shape_rewards
 from .protocol import Engine, EngineError, Generation, SamplingParams
 from .remote import RemoteRewardClient, RemoteRewardError
@@ -34,10 +43,30 @@ from .rewards import (
     WeightedSumReward,
     load_reward_function,
 )
+from .server_executor import AgentServerExecutor, load_run_agent
+from .tool_executor import ToolCallExecutor, tool_metrics
+from .tools import (
+    TOOL_ERRORS,
+    TOOL_PARSERS,
+    ParsedToolCalls,
+    Tool,
+    ToolCall,
+    ToolCallParser,
+    ToolResult,
+    call_tool,
+    load_tools,
+    openai_tool_schemas,
+    register_tool_parser,
+    tool_from_function,
+)
 from .weights import RECEIVERS, TransportReceiver, WeightReceiver
 
 __all__ = [
     "RECEIVERS",
+    "TOOL_ERRORS",
+    "TOOL_PARSERS",
+    "AgentServer",
+    "AgentServerExecutor",
     "BatchedReward",
     "DynamicSampler",
     "Engine",
@@ -49,6 +78,7 @@ __all__ = [
     "Generation",
     "MultiTurnExecutor",
     "NumericAnswerReward",
+    "ParsedToolCalls",
     "PerSampleReward",
     "RemoteRewardClient",
     "RemoteRewardError",
@@ -56,14 +86,29 @@ __all__ = [
     "RewardFunction",
     "RewardOutput",
     "SamplingParams",
+    "ServerError",
+    "SessionRecord",
     "SingleTurnExecutor",
+    "Tool",
+    "ToolCall",
+    "ToolCallExecutor",
+    "ToolCallParser",
+    "ToolResult",
     "TransportReceiver",
     "WeightReceiver",
     "WeightedSumReward",
     "__version__",
+    "call_tool",
     "dynamic_sample",
     "filter_groups",
+    "load_agent",
     "load_agent_class",
     "load_reward_function",
+    "load_run_agent",
+    "load_tools",
+    "openai_tool_schemas",
+    "register_tool_parser",
     "shape_rewards",
+    "tool_from_function",
+    "tool_metrics",
 ]

@@ -16,6 +16,8 @@ a reward and a done flag. Per prompt and sample, with history h₀ = the prompt 
     response_ids = a₀ f₀ a₁ f₁ …   action_mask = 1 on every aₖ, 0 on every fₖ
     rollout_logprobs = the engine's log-probs on aₖ, 0.0 on fₖ;  reward = Σₖ out["rewards"]
 
+A step may return "environment_messages" (a list of chat messages, e.g. tool results) instead of
+"environment_feedback"; they are rendered by the chat template after the action (`render_after_assistant`).
 Earlier turns are never re-tokenised: the engine always continues from the exact ids it produced.
 Episodes run concurrently (asyncio, `engine.agenerate`), each with its own environment instance
 and a hard timeout. finish_reason: the last action's reason when the environment says done,
@@ -27,8 +29,10 @@ OpenRLHF agent files work unchanged (`load_agent_class`): they define
 (returning "rewards", "scores", "environment_feedback", "done", optionally "sampling_params",
 "extra_logs") and usually `class AgentExecutor(MultiTurnAgentExecutor)`. They import
 `openrlhf.utils.agent`; when openrlhf is not installed, the loader provides a small stand-in for
-that module during the import only (see `load_agent_class`). A custom `AgentExecutor.execute`
-is not run: this executor owns the loop.
+that module during the import only (see `load_agent_class`). A file whose `AgentExecutor` brings
+its own `execute` (OpenRLHF's OpenAI-server executor file) is honoured: its `execute` runs each
+episode against an adapter of the engine, and its result becomes the record
+(`rl_rollout.agent_execute`).
 """
 
 from __future__ import annotations
@@ -58,11 +62,14 @@ from .rewards import ON_ERROR, RewardFunction, load_python_file
 
 __all__ = [
     "FEEDBACK_MODES",
+    "AgentFile",
     "EpisodeError",
     "MultiTurnExecutor",
     "SingleTurnExecutor",
+    "load_agent",
     "load_agent_class",
     "openrlhf_agent_shim",
+    "render_after_assistant",
 ]
 
 logger = logging.getLogger(__name__)
@@ -241,9 +248,7 @@ def openrlhf_agent_shim() -> dict[str, types.ModuleType]:
 
     class AgentExecutorBase:
         async def execute(self, *args: Any, **kwargs: Any) -> Any:
-            raise NotImplementedError(
-                "rl_rollout runs agents with MultiTurnExecutor, not AgentExecutor.execute"
-            )
+            raise NotImplementedError("AgentExecutorBase.execute is abstract: a subclass defines it")
 
     class MultiTurnAgentExecutor(AgentExecutorBase):
         def __init__(self, agent_instance_cls: type, *args: Any, **kwargs: Any) -> None:
@@ -288,19 +293,37 @@ def _shim_installed():
             sys.modules.pop(name, None)
 
 
-def load_agent_class(path: str | Path) -> type:
-    """The environment class of an OpenRLHF agent file (its `AgentInstance`).
+class AgentFile(msgspec.Struct, frozen=True):
+    """What an OpenRLHF agent file defines: `instance_cls` (its `AgentInstance`, or the class its
+    `AgentExecutor()` was built with; None when it has none) and `execute_cls` (its
+    `AgentExecutor` when that class brings its own `execute`, which then runs the episodes)."""
 
-    The file is imported as is. When `openrlhf` is installed its own `openrlhf.utils.agent` is
-    used; otherwise `openrlhf_agent_shim()` is put in `sys.modules` for the import only and
-    removed afterwards, so nothing else sees a fake `openrlhf`. The class is `AgentInstance`,
-    else the class that `AgentExecutor()` was built with (`agent_instance_cls`). Errors name the
-    file and what is missing.
-    """
+    path: str
+    instance_cls: type | None
+    execute_cls: type | None
+
+
+def _own_execute(executor_cls: Any) -> bool:
+    """Whether `executor_cls.execute` is the file's (or a library's other than openrlhf's agent
+    module, whose executors `MultiTurnExecutor` replaces)."""
+    if not isinstance(executor_cls, type):
+        return False
+    for cls in executor_cls.__mro__:
+        if "execute" in vars(cls):
+            return cls.__module__ != "openrlhf.utils.agent"
+    return False
+
+
+def load_agent(path: str | Path) -> AgentFile:
+    """Import an OpenRLHF agent file (see `load_agent_class` for the import) and say what it runs:
+    an `AgentInstance` for `MultiTurnExecutor`'s loop, or an `AgentExecutor` with its own
+    `execute` (honoured, `rl_rollout.agent_execute`). Errors name the file and what is missing."""
     with _shim_installed():
         module = load_python_file(path, "agent")
         cls = getattr(module, "AgentInstance", None)
         executor_cls = getattr(module, "AgentExecutor", None)
+        if _own_execute(executor_cls):
+            return AgentFile(str(Path(path).resolve()), cls if isinstance(cls, type) else None, executor_cls)
         if cls is None and executor_cls is not None:
             try:
                 cls = getattr(executor_cls(), "agent_instance_cls", None)
@@ -308,18 +331,54 @@ def load_agent_class(path: str | Path) -> type:
                 raise TypeError(f"agent file {str(path)!r}: AgentExecutor() failed: {error!r}") from error
     if cls is None:
         raise AttributeError(
-            f"agent file {str(path)!r} defines neither an AgentInstance class nor an AgentExecutor built on one"
+            f"agent file {str(path)!r} defines neither an AgentInstance class nor an AgentExecutor "
+            "(built on an AgentInstance, or with its own execute)"
         )
     if not isinstance(cls, type):
         raise TypeError(f"agent file {str(path)!r}: AgentInstance is a {type(cls).__name__}, not a class")
     for method in ("reset", "step"):
         if not callable(getattr(cls, method, None)):
             raise TypeError(f"agent file {str(path)!r}: {cls.__name__} has no {method}(states) method")
-    if executor_cls is not None and "execute" in vars(executor_cls):
-        logger.warning(
-            "agent file %s: AgentExecutor.execute is overridden; MultiTurnExecutor ignores it", path
+    return AgentFile(str(Path(path).resolve()), cls, None)
+
+
+def load_agent_class(path: str | Path) -> type:
+    """The environment class of an OpenRLHF agent file (its `AgentInstance`).
+
+    The file is imported as is. When `openrlhf` is installed its own `openrlhf.utils.agent` is
+    used; otherwise `openrlhf_agent_shim()` is put in `sys.modules` for the import only and
+    removed afterwards, so nothing else sees a fake `openrlhf`. The class is `AgentInstance`,
+    else the class that `AgentExecutor()` was built with (`agent_instance_cls`). Errors name the
+    file and what is missing; a file whose `AgentExecutor` brings its own `execute` and no
+    `AgentInstance` has no such class (`load_agent` reads both kinds).
+    """
+    agent = load_agent(path)
+    if agent.instance_cls is None:
+        raise AttributeError(
+            f"agent file {str(path)!r}: its AgentExecutor runs its own execute() and it defines no "
+            "AgentInstance; load it with load_agent (MultiTurnExecutor runs its execute)"
         )
-    return cls
+    return agent.instance_cls
+
+
+def render_after_assistant(tokenizer: Any, messages: list[Mapping[str, Any]]) -> str:
+    """What the chat template writes after an assistant message's content when `messages` follow
+    it, up to and including the next generation prompt (the assistant turn's end marker first).
+
+    Rendered once as [user, assistant(marker), *messages] and split at the marker, so the text is
+    exactly what the template puts there (a placeholder user turn comes first because some
+    templates refuse a conversation without one).
+    """
+    marker = "\ue000"
+    conversation = [
+        {"role": "user", "content": "\ue001"},
+        {"role": "assistant", "content": marker},
+        *[dict(message) for message in messages],
+    ]
+    rendered = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+    if rendered.count(marker) != 1:
+        raise ValueError("the chat template does not render the assistant content in place")
+    return rendered.split(marker, 1)[1]
 
 
 async def _maybe_await(value: Any) -> Any:
@@ -393,6 +452,7 @@ class MultiTurnExecutor:
         what is left; feedback past the limit is cut and the episode ends ("length").
       feedback: "text" tokenises the feedback as plain text (OpenRLHF); "chat" wraps it as a
         `feedback_role` turn with the tokenizer's chat template, followed by the generation prompt.
+        A step's "environment_messages" are rendered by the chat template in either mode.
       action_skip_special_tokens: how `action_text` is decoded for `step` (vLLM's default: True).
       episode_timeout_s: hard limit per episode (reset, generation and steps).
       max_concurrency: episodes in flight at once.
@@ -434,8 +494,12 @@ class MultiTurnExecutor:
             )
         if on_error not in ON_ERROR:
             raise ValueError(f"on_error: {on_error!r} is not allowed; expected one of {ON_ERROR}")
+        self._execute: AgentFile | None = None  # a file whose AgentExecutor brings its own execute
         if isinstance(env, (str, Path)):
-            self.env_factory: Callable[[], Any] = load_agent_class(env)
+            agent = load_agent(env)
+            if agent.execute_cls is not None:
+                self._execute = agent
+            self.env_factory: Callable[[], Any] = agent.instance_cls
         elif callable(env):
             self.env_factory = env
         else:
@@ -450,28 +514,44 @@ class MultiTurnExecutor:
         self._groups = _GroupCounter(first_group_id)
         self.last_metrics: dict[str, float] = {}
 
+    @property
+    def execute_agent(self) -> Any:
+        """The agent file's one `AgentExecutor()` and its event loop (`rl_rollout.agent_execute`),
+        built on first use (checking options builds this executor and runs nothing); None for
+        files without their own execute."""
+        if self._execute is None:
+            return None
+        from .agent_execute import execute_agent
+
+        return execute_agent(self._execute.path, self._execute.execute_cls)
+
     # -- tokenising feedback once ------------------------------------------------------------
 
-    def _feedback_ids(self, text: str, action_ended: bool) -> list[int]:
-        if not text:
-            return []
-        if self.feedback == "text":
-            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-        # Chat mode: the template's text between an assistant message's content and the next
-        # generation prompt, with the feedback as a `feedback_role` turn. When the action ended
-        # with the end-of-turn token the engine already produced it, so it is not repeated.
-        marker = "\ue000"
-        messages = [{"role": "assistant", "content": marker}, {"role": self.feedback_role, "content": text}]
-        rendered = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        if rendered.count(marker) != 1:
-            raise ValueError(
-                "feedback='chat': the chat template does not render the assistant content in place"
-            )
-        delta = rendered.split(marker, 1)[1]
+    def _feedback_ids(
+        self, feedback: str | list[dict[str, Any]], action_ended: bool
+    ) -> tuple[str, list[int]]:
+        """(text, token ids) of one step's feedback, tokenised once.
+
+        A string in "text" mode is tokenised as it is. A string in "chat" mode is one
+        `feedback_role` message; a list of messages (a step's "environment_messages", e.g. tool
+        results) is rendered as those messages in either mode. Messages are rendered by the chat
+        template: the text between an assistant message's content and the next generation
+        prompt. When the action ended with the end-of-turn token the engine already produced it,
+        so it is not repeated.
+        """
+        if isinstance(feedback, str):
+            if not feedback:
+                return "", []
+            if self.feedback == "text":
+                return feedback, list(self.tokenizer(feedback, add_special_tokens=False)["input_ids"])
+            feedback = [{"role": self.feedback_role, "content": feedback}]
+        elif not feedback:
+            return "", []
+        delta = render_after_assistant(self.tokenizer, feedback)
         eos = self.tokenizer.eos_token
         if action_ended and eos and delta.startswith(eos):
             delta = delta[len(eos) :]
-        return list(self.tokenizer(delta, add_special_tokens=False)["input_ids"])
+        return delta, list(self.tokenizer(delta, add_special_tokens=False)["input_ids"])
 
     # -- one episode -------------------------------------------------------------------------
 
@@ -527,12 +607,24 @@ class MultiTurnExecutor:
             result = await _maybe_await(env.step(states))
             if not isinstance(result, Mapping):
                 raise EpisodeError(f"step() returned a {type(result).__name__}, expected a dict")
-            missing = [key for key in ("rewards", "environment_feedback", "done") if key not in result]
+            missing = [key for key in ("rewards", "done") if key not in result]
+            if ("environment_feedback" in result) == ("environment_messages" in result):
+                missing.append("environment_feedback (or environment_messages, not both)")
             if missing:
                 raise EpisodeError(f"step() result lacks {missing} (keys: {sorted(map(str, result))})")
-            feedback = result["environment_feedback"]
-            if not isinstance(feedback, str):
-                raise EpisodeError(f"step() returned environment_feedback of type {type(feedback).__name__}")
+            if "environment_messages" in result:
+                feedback = result["environment_messages"]
+                if not (isinstance(feedback, list) and all(isinstance(m, Mapping) for m in feedback)):
+                    raise EpisodeError(
+                        f"step() returned environment_messages of type {type(feedback).__name__}; "
+                        "expected a list of chat messages (dicts with role and content)"
+                    )
+            else:
+                feedback = result["environment_feedback"]
+                if not isinstance(feedback, str):
+                    raise EpisodeError(
+                        f"step() returned environment_feedback of type {type(feedback).__name__}"
+                    )
             episode.reward += _scalar(result["rewards"], "rewards")
             score = result.get("scores")
             episode.score = _scalar(score, "scores") if score is not None else episode.reward
@@ -546,9 +638,9 @@ class MultiTurnExecutor:
             elif next_params is not None:
                 raise EpisodeError(f"step() returned sampling_params of type {type(next_params).__name__}")
             ended = action.finish_reason == "stop"
-            feedback_ids = self._feedback_ids(feedback, ended)
+            feedback_text, feedback_ids = self._feedback_ids(feedback, ended)
             room = self.max_length - len(episode.prompt_ids) - len(episode.response_ids)
-            observation_text = observation_text + action_text + feedback
+            observation_text = observation_text + action_text + feedback_text
             if len(feedback_ids) > room:
                 feedback_ids = feedback_ids[: max(room, 0)]
                 self._append_feedback(episode, feedback_ids)
@@ -559,6 +651,34 @@ class MultiTurnExecutor:
                 episode.finish_reason = action.finish_reason
                 return
         episode.finish_reason = "length"
+
+    async def _execute_episode(self, sample: PromptSample, sample_number: int, episode: _Episode) -> None:
+        """One episode by the agent file's own `AgentExecutor.execute` (`rl_rollout.agent_execute`)."""
+        from .agent_execute import EngineAdapter, episode_fields, vllm_sampling_params
+
+        seed = None if self.sampling.seed is None else self.sampling.seed + sample_number * self.max_turns
+        result = await self.execute_agent.agent.execute(
+            _prompt_text(sample, self.tokenizer),
+            sample.label,
+            vllm_sampling_params(self.sampling, seed),
+            self.max_length,
+            self.tokenizer,
+            EngineAdapter(self.engine, self.tokenizer),
+        )
+        try:
+            fields = episode_fields(result)
+        except ValueError as error:
+            raise EpisodeError(str(error)) from None
+        episode.prompt_ids = fields["prompt_ids"]
+        episode.response_ids = fields["response_ids"]
+        episode.mask = fields["mask"]
+        episode.logprobs = fields["logprobs"]
+        episode.action_ranges = fields["action_ranges"]
+        episode.reward, episode.score = fields["reward"], fields["score"]
+        episode.extra_logs = _loggable(fields["extra_logs"])
+        episode.turns = len(fields["action_ranges"])
+        episode.policy_version = self.engine.policy_version
+        episode.finish_reason = "length" if fields["truncated"] else "stop"
 
     @staticmethod
     def _append_feedback(episode: _Episode, feedback_ids: list[int]) -> None:
@@ -575,7 +695,8 @@ class MultiTurnExecutor:
         episode = _Episode(prompt_ids=sample.prompt_ids.tolist())
         async with semaphore:
             try:
-                await asyncio.wait_for(self._episode(sample, sample_number, episode), self.episode_timeout_s)
+                run = self._execute_episode if self._execute is not None else self._episode
+                await asyncio.wait_for(run(sample, sample_number, episode), self.episode_timeout_s)
                 return episode, None
             except Exception as error:
                 if isinstance(error, (asyncio.TimeoutError, TimeoutError)):
@@ -653,6 +774,8 @@ class MultiTurnExecutor:
         try:
             asyncio.get_running_loop()
         except RuntimeError:
+            if self._execute is not None:  # the file's AgentExecutor keeps its loop across calls
+                return self.execute_agent.run(self.arun(samples, group_ids=group_ids))
             return asyncio.run(self.arun(samples, group_ids=group_ids))
         raise RuntimeError(
             "MultiTurnExecutor.run: an event loop is running here; await MultiTurnExecutor.arun instead"

@@ -47,7 +47,13 @@ class ExecutorEntry:
     options: Callable[[], Mapping[str, Any]] | None = None
     """Option -> default (imported lazily); None: `build`'s keyword arguments with a default."""
     runs_agent: bool = False
-    """It runs the episodes of `rollout.agent_func_path`, whose step() rewards are the reward."""
+    """It runs the episodes of `rollout.agent_func_path`, whose own rewards are the reward."""
+    load_agent: Callable[[str], Any] | None = None
+    """How `check_components` loads that agent file to check it (imported lazily; None: as an
+    OpenRLHF agent file, `rl_rollout.load_agent`). Raises ImportError / AttributeError /
+    TypeError / ValueError naming what is wrong."""
+    agent_kind: str = "an OpenRLHF agent .py file"
+    """What the agent file must be, for the message when it is missing."""
 
     def option_defaults(self) -> dict[str, Any]:
         if self.options is not None:
@@ -91,9 +97,9 @@ def validation_engine(max_model_len: int) -> Any:
     return NoEngine()
 
 
-def _check_agent_file(agent: str) -> str:
-    """The agent file as an absolute path, once it imports and defines an `AgentInstance`."""
-    from rl_rollout import load_agent_class
+def _check_agent_file(agent: str, entry: ExecutorEntry) -> str:
+    """The agent file as an absolute path, once the executor's loader accepts it."""
+    from rl_rollout import load_agent
 
     path = Path(agent).expanduser()
     if not path.is_file():
@@ -101,7 +107,7 @@ def _check_agent_file(agent: str) -> str:
     if path.suffix != ".py":
         raise ConfigError(f"rollout.agent_func_path: {agent!r} is not a Python file ending in .py")
     try:
-        load_agent_class(path)
+        (entry.load_agent or load_agent)(str(path))
     except (ImportError, AttributeError, TypeError, ValueError) as error:
         raise ConfigError(f"rollout.agent_func_path: {error}") from None
     return str(path.resolve())
@@ -130,22 +136,23 @@ def _check(config: PPOConfig) -> None:
     if agent is not None and not entry.runs_agent:
         raise ConfigError(
             f"rollout.agent_func_path: {agent!r} is an agent file, but rollout.executor is {name}, "
-            "which runs no agent; leave rollout.executor unset or set it to multi_turn"
+            "which runs no agent; leave rollout.executor unset or set it to one that does "
+            f"({', '.join(sorted(n for n, e in EXECUTORS.items() if e.runs_agent))})"
         )
     if entry.runs_agent:
         if agent is None:
             raise ConfigError(
                 f"rollout.executor: {name!r} runs the episodes of an agent file; set "
-                "rollout.agent_func_path to an OpenRLHF agent .py file"
+                f"rollout.agent_func_path to {entry.agent_kind}"
             )
         sources = [f"reward.{field}" for field in ("function", "remote_url") if getattr(config.reward, field)]
         if sources:
             raise ConfigError(
-                f"{sources[0]}: with rollout.executor {name} the agent's step() rewards are the "
+                f"{sources[0]}: with rollout.executor {name} the agent's own rewards are the "
                 "reward and this source would never be called; leave it unset (a reward model, "
                 "model.reward_pretrain, still adds its score)"
             )
-    agent_path = None if agent is None else _check_agent_file(agent)
+    agent_path = None if agent is None else _check_agent_file(agent, entry)
     zero = BatchedReward(lambda queries, prompts, labels: [0.0] * len(queries), name="zero")
     dry_run(
         "rollout.executor_options",
@@ -231,4 +238,77 @@ def multi_turn_executor(
         raise ValueError("multi_turn needs an agent file (rollout.agent_func_path)")
     return MultiTurnExecutor(
         engine, tokenizer, sampling, env=agent_func_path, first_group_id=first_group_id, **options
+    )
+
+
+def _tool_call_options() -> dict[str, Any]:
+    from rl_rollout import ToolCallExecutor
+
+    return component_options(ToolCallExecutor, inputs=EXECUTOR_INPUTS)
+
+
+@EXECUTORS.register("tool_call", options=_tool_call_options)
+def tool_call_executor(
+    *,
+    engine: Any,
+    reward_fn: Any,
+    tokenizer: Any,
+    sampling: Any,
+    first_group_id: int,
+    agent_func_path: str | None,
+    **options: Any,
+) -> Any:
+    """`rl_rollout.ToolCallExecutor`: the model calls the tools of executor_options.tools (a
+    "tools.py" with a TOOLS list, or "file.py:NAME"), parsed by executor_options.parser
+    (rl_rollout.TOOL_PARSERS: hermes); results come back as tool messages (environment tokens:
+    action mask 0, log-prob 0) until an answer without calls, max_turns or max_tool_calls; the
+    run's reward sources score the final answer."""
+    from rl_rollout import ToolCallExecutor
+
+    del agent_func_path  # None: check_components refuses an agent file here
+    return ToolCallExecutor(engine, reward_fn, tokenizer, sampling, first_group_id=first_group_id, **options)
+
+
+def _agent_server_options() -> dict[str, Any]:
+    from rl_rollout import AgentServerExecutor
+
+    return component_options(AgentServerExecutor, inputs=EXECUTOR_INPUTS | {"agent"})
+
+
+def _load_run_agent(path: str) -> Any:
+    from rl_rollout import load_run_agent
+
+    return load_run_agent(path)
+
+
+@EXECUTORS.register(
+    "agent_server",
+    options=_agent_server_options,
+    runs_agent=True,
+    load_agent=_load_run_agent,
+    agent_kind="a .py file defining `async def run_agent(client, prompt, label)`",
+)
+def agent_server_executor(
+    *,
+    engine: Any,
+    reward_fn: Any,
+    tokenizer: Any,
+    sampling: Any,
+    first_group_id: int,
+    agent_func_path: str | None,
+    **options: Any,
+) -> Any:
+    """`rl_rollout.AgentServerExecutor`: episodes of the `run_agent(client, prompt, label)` in
+    rollout.agent_func_path, driving the policy through an OpenAI-compatible server on 127.0.0.1
+    that lives for the step.
+
+    The reward of an episode is what run_agent returned; every session's tokens are captured
+    exactly, the new messages of each request (user, tool results) with action mask 0."""
+    from rl_rollout import AgentServerExecutor
+
+    del reward_fn  # the agent scores the episode
+    if agent_func_path is None:
+        raise ValueError("agent_server needs an agent file (rollout.agent_func_path) defining run_agent")
+    return AgentServerExecutor(
+        engine, tokenizer, sampling, agent=agent_func_path, first_group_id=first_group_id, **options
     )

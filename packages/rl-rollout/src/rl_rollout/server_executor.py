@@ -1,0 +1,318 @@
+"""`AgentServerExecutor`: agents written against the OpenAI API, trained from what they asked.
+
+The whole agent is one user function:
+
+    async def run_agent(client, prompt, label):
+        reply = await client.chat.completions.create(
+            model="policy", messages=[{"role": "user", "content": prompt}], max_tokens=32)
+        ...                                   # more turns, tool calls, anything
+        return 1.0                            # or {"reward": 1.0, "scores": ..., "extra_logs": {...}}
+
+`client` is an `openai.AsyncOpenAI` whose base URL is an `AgentServer` over the run's engine and
+whose every request names the episode's session (header `X-Session-ID`; plain HTTP code reads
+`client.base_url` and `client.default_headers`). Per prompt, `sampling.n` episodes run
+concurrently, each in its own session; when `run_agent` returns, its session's captured tokens
+become one `rl_data.Trajectory`:
+
+    prompt_ids    = the first request's rendered messages
+    response_ids  = a₀ d₁ a₁ d₂ a₂ …   (aₖ the engine's replies, dₖ the new messages of request k)
+    action_mask   = 1 on every aₖ, 0 on every dₖ;  rollout_logprobs = the engine's on aₖ, 0.0 on dₖ
+    reward        = what run_agent returned;  finish_reason = the last reply's ("length" if truncated)
+
+The server runs for one `run` call (started on demand, stopped when the episodes are done, its
+port freed). An episode that raises, returns something that is not a reward, makes no request,
+or outlives `episode_timeout_s` fails: `on_error="raise"` raises `EpisodeError` naming the sample,
+`"fallback"` keeps what the session captured with finish "abort" and reward = `fallback`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import math
+import numbers
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rl_data import PromptSample, Trajectory
+from rl_data.errors import check_integer
+
+from .agent_server import AgentServer, SessionRecord, require_agent_extra
+from .executors import (
+    EpisodeError,
+    _check_samples,
+    _describe,
+    _GroupCounter,
+    _loggable,
+    _prompt_text,
+    _sample_extra,
+    _shim_installed,
+)
+from .protocol import Engine, SamplingParams
+from .rewards import ON_ERROR, load_python_file
+
+__all__ = ["AgentServerExecutor", "load_run_agent"]
+
+logger = logging.getLogger(__name__)
+
+SESSION_SEED_STRIDE = 1 << 16
+"""With `sampling.seed` s, request k of episode j samples with seed s + j·stride + k (the
+episodes of one prompt draw different tokens; a prompt's requests up to `stride` apart)."""
+
+
+def load_run_agent(spec: str | Path | Callable[..., Any]) -> Callable[..., Any]:
+    """The agent function: a callable, "path/to/file.py" (its `run_agent`) or "file.py:NAME".
+
+    The function must be `async def NAME(client, prompt, label)`; errors name the file and what
+    is wrong."""
+    if callable(spec):
+        function, where = spec, getattr(spec, "__qualname__", repr(spec))
+    else:
+        path, name = str(spec), "run_agent"
+        head, colon, tail = path.rpartition(":")
+        if colon and head.endswith(".py") and tail.isidentifier():
+            path, name = head, tail
+        with _shim_installed():  # an OpenRLHF agent file imports, to be named as one below
+            module = load_python_file(path, "agent")
+        function = getattr(module, name, None)
+        where = f"agent file {path!r}"
+        if function is None:
+            hint = ""
+            if hasattr(module, "AgentInstance") or hasattr(module, "AgentExecutor"):
+                hint = " (it is an OpenRLHF agent file: rollout.executor multi_turn runs those)"
+            raise AttributeError(
+                f"{where} defines no {name}; expected `async def {name}(client, prompt, label)`{hint}"
+            )
+    if not inspect.iscoroutinefunction(function):
+        raise TypeError(f"{where}: the agent function must be `async def run_agent(client, prompt, label)`")
+    try:
+        inspect.signature(function).bind(None, None, None)
+    except TypeError:
+        raise TypeError(
+            f"{where}: the agent function must take (client, prompt, label), "
+            f"it has {inspect.signature(function)}"
+        ) from None
+    return function
+
+
+def _reward(value: Any, field: str) -> float:
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise EpisodeError(f"run_agent returned {field!r} with {value.numel()} values, expected one")
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
+        raise EpisodeError(f"run_agent returned {field} = {value!r}, expected a finite number")
+    return float(value)
+
+
+def _agent_result(result: Any) -> tuple[float, float, dict[str, Any]]:
+    """(reward, score, extra_logs) from what run_agent returned: a number or a dict."""
+    if isinstance(result, Mapping):
+        if "reward" not in result:
+            raise EpisodeError(
+                f"run_agent returned a dict without 'reward' (keys: {sorted(map(str, result))})"
+            )
+        reward = _reward(result["reward"], "reward")
+        score = _reward(result["scores"], "scores") if result.get("scores") is not None else reward
+        logs = result.get("extra_logs") or {}
+        if not isinstance(logs, Mapping):
+            raise EpisodeError(
+                f"run_agent returned extra_logs of type {type(logs).__name__}, expected a dict"
+            )
+        return reward, score, _loggable(logs)
+    reward = _reward(result, "the reward")
+    return reward, reward, {}
+
+
+class AgentServerExecutor:
+    """Episodes of an OpenAI-API agent function over an `AgentServer`; one `Trajectory` each.
+
+    Args:
+      engine: any `Engine`.
+      tokenizer: the policy's tokenizer, with a chat template.
+      sampling: request defaults (temperature, top_p, max_new_tokens, stop); `sampling.n`
+        episodes per prompt. With a seed s, request k of episode j uses s + j·2¹⁶ + k (a request's
+        own seed wins).
+      agent: the agent function or where it is (`load_run_agent`).
+      max_length: prompt + response tokens of one episode; default `engine.max_model_len`.
+      episode_timeout_s: hard limit on one `run_agent` call.
+      max_concurrency: episodes in flight at once.
+      on_error: "raise" or "fallback" (see the module docstring).
+      fallback: the reward of a failed episode under on_error="fallback".
+      model_name: the model name requests must give.
+      tool_parser: how replies to requests with `tools` are parsed (`rl_rollout.tools.TOOL_PARSERS`).
+      first_group_id: group id of the first prompt; later prompts count up from there.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        tokenizer: Any,
+        sampling: SamplingParams,
+        *,
+        agent: str | Path | Callable[..., Any],
+        max_length: int | None = None,
+        episode_timeout_s: float = 600.0,
+        max_concurrency: int = 64,
+        on_error: str = "raise",
+        fallback: float = 0.0,
+        model_name: str = "policy",
+        tool_parser: str = "hermes",
+        first_group_id: int = 0,
+    ) -> None:
+        if not isinstance(engine, Engine):
+            raise TypeError(f"engine: expected an rl_rollout Engine, got {type(engine).__name__}")
+        if not isinstance(sampling, SamplingParams):
+            raise TypeError(f"sampling: expected SamplingParams, got {type(sampling).__name__}")
+        check_integer("max_concurrency", max_concurrency, 1)
+        limit = check_integer("max_length", engine.max_model_len if max_length is None else max_length, 2)
+        if not (isinstance(episode_timeout_s, (int, float)) and 0 < episode_timeout_s < math.inf):
+            raise ValueError(
+                f"episode_timeout_s: {episode_timeout_s!r} is not allowed; expected a number > 0"
+            )
+        if on_error not in ON_ERROR:
+            raise ValueError(f"on_error: {on_error!r} is not allowed; expected one of {ON_ERROR}")
+        require_agent_extra()
+        self.agent = load_run_agent(agent)
+        self.engine, self.tokenizer, self.sampling = engine, tokenizer, sampling
+        self.max_length, self.episode_timeout_s = limit, float(episode_timeout_s)
+        self.max_concurrency, self.on_error, self.fallback = max_concurrency, on_error, float(fallback)
+        self.model_name, self.tool_parser = model_name, tool_parser
+        self._groups = _GroupCounter(first_group_id)
+        self.server = AgentServer(
+            engine, tokenizer, sampling, max_length=limit, model_name=model_name, tool_parser=tool_parser
+        )
+        self.last_metrics: dict[str, float] = {}
+
+    async def _episode(
+        self, client: Any, sample: PromptSample, sample_number: int, semaphore: asyncio.Semaphore
+    ) -> tuple[SessionRecord, float, float, dict[str, Any], str | None]:
+        server = self.server
+        seed = (
+            None if self.sampling.seed is None else self.sampling.seed + sample_number * SESSION_SEED_STRIDE
+        )
+        session = server.open_session(seed=seed)
+        episode_client = client.with_options(default_headers={"X-Session-ID": session})
+        reward, score, logs, error = self.fallback, self.fallback, {}, None
+        async with semaphore:
+            try:
+                result = await asyncio.wait_for(
+                    self.agent(episode_client, _prompt_text(sample, self.tokenizer), sample.label),
+                    self.episode_timeout_s,
+                )
+                reward, score, logs = _agent_result(result)
+                if server.peek(session).requests == 0:
+                    raise EpisodeError("run_agent made no chat completion request in its session")
+            except Exception as failure:
+                if isinstance(failure, (asyncio.TimeoutError, TimeoutError)):
+                    reason = f"timed out after {self.episode_timeout_s} s"
+                else:
+                    reason = f"failed: {failure!r}"
+                where = (
+                    f"AgentServerExecutor: episode {sample_number} of sample ({_describe(sample)}) {reason}"
+                )
+                if self.on_error == "raise":
+                    server.close_session(session)
+                    raise EpisodeError(where) from failure
+                logger.warning("%s; reward = fallback %s", where, self.fallback)
+                reward, score, logs, error = self.fallback, self.fallback, {}, where
+        return server.close_session(session), reward, score, logs, error
+
+    async def arun(
+        self, samples: Sequence[PromptSample], *, group_ids: Sequence[int] | None = None
+    ) -> list[Trajectory]:
+        """`len(samples) · sampling.n` records, prompt-major, from concurrent episodes; the
+        server runs for the duration of this call."""
+        samples = _check_samples(samples, "AgentServerExecutor")
+        if not samples:
+            return []
+        groups = self._groups.take(len(samples), group_ids, "AgentServerExecutor")
+        import openai
+
+        started = time.monotonic()
+        server = self.server
+        await asyncio.to_thread(server.start)
+        client = openai.AsyncOpenAI(
+            base_url=server.url + "/v1", api_key="EMPTY", max_retries=0, timeout=self.episode_timeout_s
+        )
+        semaphore = asyncio.Semaphore(self.max_concurrency)
+        tasks = [
+            asyncio.ensure_future(self._episode(client, sample, number, semaphore))
+            for sample in samples
+            for number in range(self.sampling.n)
+        ]
+        try:
+            results = await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await client.close()
+            await asyncio.to_thread(server.stop)
+        records = []
+        for position, (session, reward, score, logs, error) in enumerate(results):
+            sample = samples[position // self.sampling.n]
+            extra = {
+                **_sample_extra(sample),
+                "turns": session.requests,
+                "action_ranges": [list(r) for r in session.action_ranges],
+                "extra_logs": logs,
+            }
+            if session.used_tools:  # counted as the tool executor's records are (rollout/tools/...)
+                extra["tools"] = {"calls": session.tool_calls, "malformed": session.tool_call_errors}
+            finish = session.finish_reason
+            if error is not None:
+                extra["episode_error"] = error
+                finish = "abort"
+            versions = session.versions
+            token_versions = (
+                versions
+                if len(versions) == len(session.response_ids)
+                and any(v != session.policy_version for v in versions)
+                else None
+            )
+            records.append(
+                Trajectory(
+                    prompt_ids=session.prompt_ids or sample.prompt_ids.tolist(),
+                    response_ids=session.response_ids,
+                    rollout_logprobs=session.logprobs,
+                    action_mask=session.action_mask,
+                    reward=reward,
+                    score=score,
+                    group_id=groups[position // self.sampling.n],
+                    policy_version=session.policy_version,
+                    token_versions=token_versions,
+                    finish_reason=finish,
+                    label=sample.label,
+                    extra=extra,
+                )
+            )
+        turns = [r.extra["turns"] for r in records]
+        self.last_metrics = {
+            "rollout/episodes": float(len(records)),
+            "rollout/turns_mean": sum(turns) / len(turns),
+            "rollout/episode_failures": float(sum("episode_error" in r.extra for r in records)),
+            "rollout/truncated_fraction": sum(r.finish_reason == "length" for r in records) / len(records),
+            "rollout/seconds": time.monotonic() - started,
+        }
+        return records
+
+    def run(
+        self, samples: Sequence[PromptSample], *, group_ids: Sequence[int] | None = None
+    ) -> list[Trajectory]:
+        """`arun` from synchronous code (no event loop may be running in this thread)."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return asyncio.run(self.arun(samples, group_ids=group_ids))
+        raise RuntimeError(
+            "AgentServerExecutor.run: an event loop is running here; await AgentServerExecutor.arun instead"
+        )
+
+    def close(self) -> None:
+        """Stop the server if a `run` left it up (it does not, unless interrupted)."""
+        self.server.stop()
