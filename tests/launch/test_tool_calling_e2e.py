@@ -56,9 +56,8 @@ def test_grpo_teaches_a_tiny_model_to_call_the_calculator(calculator_task, ray_t
         assert line["policy/tokens"] == pytest.approx(line["rollout/action_tokens_mean"] * records)
         if line["rollout/tools/call_rate"] > 0:
             assert line["rollout/env_tokens_mean"] > 0
-    # Measured (2 CPU cores, load 2.5-4.7): call rate 0.51 -> 0.73 and reward 0.50 -> 0.70 from
-    # step 1 to step 8; the warm-started model copies operands and results, so nearly every call
-    # earns the reward (0.98 of calls before RL).
+    # Measured (2 CPU cores, load 6-9): call rate and reward 0.46 -> 0.66 from step 1 to step 8;
+    # the warm-started model copies operands and results, so every call earns the reward.
     first, last = metrics[0], metrics[-1]
     assert last["rollout/tools/call_rate"] > first["rollout/tools/call_rate"] + 0.15
     assert last["reward/mean"] > first["reward/mean"] + 0.15
