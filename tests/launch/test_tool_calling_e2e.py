@@ -56,8 +56,8 @@ def test_grpo_teaches_a_tiny_model_to_call_the_calculator(calculator_task, ray_t
         assert line["policy/tokens"] == pytest.approx(line["rollout/action_tokens_mean"] * records)
         if line["rollout/tools/call_rate"] > 0:
             assert line["rollout/env_tokens_mean"] > 0
-    # Measured (2 CPU cores, load ~4): call rate and reward 0.39 at step 1, 0.63 at step 8; the
-    # warm-started model copies operands and results, so nearly every call earns the reward.
+    # Measured (2 CPU cores, load 6-9): call rate and reward 0.46 -> 0.66 from step 1 to step 8;
+    # the warm-started model copies operands and results, so every call earns the reward.
     first, last = metrics[0], metrics[-1]
     assert last["rollout/tools/call_rate"] > first["rollout/tools/call_rate"] + 0.15
     assert last["reward/mean"] > first["reward/mean"] + 0.15

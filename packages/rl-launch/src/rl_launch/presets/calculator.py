@@ -30,8 +30,20 @@ Sampled at temperature 1 the model calls the tool on about 1/(1 + guesses) of it
 answers right almost only then, so the reward (1 for the right number) has one direction on
 every prompt: "call the tool". RL raises the tool-call rate and the reward with it.
 
-Building is cached like the arithmetic preset's: `build_calculator(root)` writes
-`root/calculator-<hash>/` (hash of every argument and `RECIPE_VERSION`), marker written last.
+Measured (recipe 2, seed 0, the defaults; 32 held-out problems, 4 samples each at temperature
+1): the model calls the tool on 0.47 of its answers and every call earns the reward; greedy, it
+never calls (it guesses, and is never right). Through `rl-launch ppo` (GRPO, 16 prompts x 8, lr
+5e-4, `rollout.engine hf`) the call rate and the reward went 0.46 -> 0.66 in 8 steps (the
+reward within one answer of the call rate at every step: calls stayed right). Other recipes:
+800 steps at lr 3e-3 leave the copying unreliable (half the calls copy an operand wrong); 1500
+steps at lr 3e-3 copy well but greedy always calls, and RL's first step at lr 5e-4 dropped the
+reward from 0.50 to 0.37 (calls copied wrong) before it rose to 0.70 at step 8.
+
+Cost: the warm start is 1000 steps of 16 rows of up to ~72 tokens: 187 s on one thread at a load
+of 6-7 on 2 cores (1500 steps took 155 s at load 4-5), far above the arithmetic preset's; the
+copying needs that many steps. Building is cached like the arithmetic
+preset's: `build_calculator(root)` writes `root/calculator-<hash>/` (hash of every argument and
+`RECIPE_VERSION`), marker written last.
 """
 
 from __future__ import annotations
@@ -196,9 +208,9 @@ def build_calculator(
     train_problems: int = 1024,
     eval_problems: int = 64,
     guesses: int = 1,
-    sft_steps: int = 1500,
+    sft_steps: int = 1000,
     sft_batch_size: int = 16,
-    sft_lr: float = 3e-3,
+    sft_lr: float = 5e-3,
     hidden_size: int = 128,
     num_layers: int = 2,
 ) -> CalculatorArtifacts:
