@@ -141,3 +141,40 @@ def test_a_teacher_with_another_tokenizer_is_refused_naming_both_paths(tmp_path)
     assert paths["other"] in message
     assert paths["policy"] in message
     assert "485 vs 302 tokens" in message
+
+
+# ---------------------------------------------------------------------------- the step loop, on toy actors
+
+
+@pytest.mark.parametrize("mode", ["reward", "loss"])
+def test_the_loop_scores_with_the_teacher_and_logs_the_kl_every_step(monkeypatch, mode):
+    from rl_launch.config import PPOConfig
+    from rl_launch.options import load_config
+    from tests.launch.fakes import fake_run, use_fake_ray
+
+    use_fake_ray(monkeypatch)
+    settings = {
+        "preset": "arithmetic",  # validation only: nothing is prepared
+        "model.teacher_pretrain": "/models/teacher",
+        "algo.distill.mode": mode,
+        "algo.distill.coef": "0.5",
+        "algo.advantage.estimator": "reinforce",
+        "rollout.rollout_batch_size": "2",
+        "rollout.n_samples_per_prompt": "2",
+        "rollout.generate_max_len": "8",
+        "rollout.weight_sync": "broadcast",
+        "train.max_steps": "2",
+        "train.micro_batch_tokens": "64",
+        "log.progress_bar": "false",
+    }
+    run = fake_run(load_config(PPOConfig, overrides=settings))
+    run.fit()
+    methods = run.log.methods()
+    assert methods[:3] == ["engine.generate", "policy.logprobs", "teacher.logprobs"]  # the old forward too
+    logged = [metrics for _, metrics in run.tracker.logged]
+    assert [metrics["distill/kl_to_teacher"] for metrics in logged] == [0.5, 0.5]  # −1 − (−1.5)
+    for trained in run.learners["policy"][0].trained:
+        assert all(teacher is not None for teacher in trained["teacher_logprobs"])
+        assert trained["loss"].distill_coef == (0.5 if mode == "loss" else 0.0)
+    if mode == "reward":  # 3 tokens a response, −0.5 × 0.5 each
+        assert [metrics["distill/reward_mean"] for metrics in logged] == [-0.75, -0.75]
