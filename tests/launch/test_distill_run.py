@@ -48,6 +48,7 @@ def test_distillation_alone_moves_the_student_to_its_teacher(arithmetic_teacher,
     assert result.returncode == 0, result.stderr[-4000:]
     assert "teacher x1" in result.stdout
     assert "distillation to" in result.stdout
+    assert "distill/kl_to_teacher" in result.stdout  # a headline row of the console summary
     metrics = read_metrics(run_dir)
     kl = [line["distill/kl_to_teacher"] for line in metrics if "distill/kl_to_teacher" in line]
     assert len(kl) == STEPS, kl  # logged every step
