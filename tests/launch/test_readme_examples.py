@@ -91,7 +91,7 @@ def test_the_readme_async_command_line_resolves_to_the_depth_and_bound_it_shows(
 
 
 def test_the_readme_distillation_command_line_resolves_to_a_teacher_run(tmp_path):
-    (shell,) = re.findall(r"```bash\n(.+?)```", section("### On-policy distillation"), re.S)
+    (shell,) = re.findall(r"```bash\n(.+?)```", section("## On-policy distillation"), re.S)
     build, command = shell.replace("\\\n", " ").strip().splitlines()
     # the first line builds the preset's teacher with the function it names
     (code,) = re.findall(r'python -c "(.+?)"\)', build)
