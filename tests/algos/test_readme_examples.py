@@ -5,6 +5,7 @@ from __future__ import annotations
 import pathlib
 import re
 
+import pytest
 import torch
 
 from rl_algos import ADVANTAGE_ESTIMATORS, POLICY_LOSSES, loss_normalizer
@@ -78,3 +79,15 @@ def test_readme_objective_example_runs_and_gives_a_gradient():
     assert loss.dim() == 0
     loss.backward()
     assert logits.grad.abs().sum() > 0
+
+
+def test_readme_distillation_example_rewards_tokens_the_teacher_prefers():
+    namespace = tiny_batch()
+    namespace["outcome"] = namespace["rewards"]
+    # the teacher likes every sampled token more than the student does (d < 0): the reward is positive
+    namespace["teacher_logprobs"] = namespace["old_logprobs"] + 0.5
+    exec(block_with("reverse_kl_rewards"), namespace)
+    mask = namespace["mask"].bool()
+    assert namespace["kl_to_teacher"].item() == pytest.approx(-0.5)
+    assert namespace["advantages"].shape == (4, 5)
+    assert (namespace["token_rewards"][mask] >= 0.5 - 1e-6).all()

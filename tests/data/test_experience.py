@@ -58,7 +58,7 @@ def test_build_experience_packs_every_field_token_aligned():
     assert batch.group_ids.dtype == batch.policy_versions.dtype == torch.int64
     assert batch.finish_reasons == ["stop", "length"]
     assert batch.indices.tolist() == [4, 9]
-    for slot in ("old_logprobs", "ref_logprobs", "values", "advantages", "returns"):
+    for slot in ("old_logprobs", "ref_logprobs", "teacher_logprobs", "values", "advantages", "returns"):
         assert getattr(batch, slot) is None
     assert (batch.num_sequences, batch.num_tokens, batch.num_actions) == (2, 10, 5)
 
@@ -237,9 +237,11 @@ def test_select_equals_building_from_the_chosen_records_and_carries_filled_slots
     records = [single_turn(), multi_turn(), single_turn(), multi_turn()]
     full = build_experience(records)
     full.advantages = torch.arange(full.num_tokens, dtype=torch.float32)
+    full.teacher_logprobs = -torch.arange(full.num_tokens, dtype=torch.float32)
     chosen = full.select([3, 0])
     expected = build_experience([records[3], records[0]], indices=[3, 0])
     expected.advantages = torch.cat([full.advantages[15:20], full.advantages[0:5]])
+    expected.teacher_logprobs = torch.cat([full.teacher_logprobs[15:20], full.teacher_logprobs[0:5]])
     assert_same_batch(chosen, expected)
 
 

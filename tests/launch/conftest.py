@@ -41,3 +41,14 @@ def in_process():
     (transformers_logging.enable_progress_bar if state[1] else transformers_logging.disable_progress_bar)()
     datasets.logging.set_verbosity(state[2])
     (datasets.enable_progress_bars if state[3] else datasets.disable_progress_bars)()
+
+
+@pytest.fixture(scope="session")
+def arithmetic_teacher(tmp_path_factory):
+    """(preset root, teacher folder): the arithmetic preset built once per session under that root
+    (what `--preset_root` reads) and its distillation teacher (`presets.arithmetic.build_teacher`:
+    the preset's model fine-tuned 50 more steps on right answers only)."""
+    from rl_launch.presets.arithmetic import build_teacher
+
+    root = tmp_path_factory.mktemp("presets")
+    return str(root), build_teacher(root)

@@ -300,6 +300,7 @@ class ToyLearner:
         advantages = [part.advantages for part in parts if part.advantages is not None]
         self.trained.append(
             {
+                "teacher_logprobs": [part.teacher_logprobs for part in parts],
                 "groups": groups,
                 "sequences": sorted(sequences),
                 "loss": loss,
@@ -427,7 +428,8 @@ def fake_run(
     checkpoints: dict | None = None,
 ) -> FakeRun:
     """Build the loop of `config` over toy workers: `ranks` per learner role (policy, plus ref /
-    critic when the config needs them), `engines` toy engines. Call under `use_fake_ray`.
+    teacher / critic when the config needs them; the teacher's log-probs are −1.5, the others'
+    −1), `engines` toy engines. Call under `use_fake_ray`.
 
     `resume_from` (role -> checkpoint folder) and `checkpoints` (an earlier run's store) make the
     run plan resume, as `rl_launch.runs` would after a restart. `shuffle`: the prompt loader's.
@@ -443,9 +445,17 @@ def fake_run(
     roles = Roles(config)
     roles.device, roles.dtype = "cpu", "fp32"
     names = (
-        ["policy"] + (["ref"] if config.needs_reference else []) + (["critic"] if config.needs_critic else [])
+        ["policy"]
+        + (["ref"] if config.needs_reference else [])
+        + (["teacher"] if config.needs_teacher else [])
+        + (["critic"] if config.needs_critic else [])
     )
-    learners = {name: [ToyLearner(name, rank, wire, store) for rank in range(ranks)] for name in names}
+    # a teacher that likes every sampled token less than the policy does: d_t = −1 − (−1.5) = 0.5
+    logprob = {"teacher": -1.5}
+    learners = {
+        name: [ToyLearner(name, rank, wire, store, logprob=logprob.get(name, -1.0)) for rank in range(ranks)]
+        for name in names
+    }
     roles.groups = {name: FakeGroup(name, workers, log) for name, workers in learners.items()}
     toy_engines = [ToyEngine(wire, reward=reward) for _ in range(engines)]
     roles.engines = FakeGroup("engine", toy_engines, log)

@@ -174,7 +174,7 @@ def test_the_files_preset_is_used_and_the_flag_overrides_it(capsys, tmp_path):
         ),
         (
             ["--algo.advantge.estimator", "grpo"],
-            "algo.advantge: unknown option; allowed: advantage, kl, policy, value_clip (did you mean advantage?)",
+            "algo.advantge: unknown option; allowed: advantage, kl, policy, distill, value_clip (did you mean advantage?)",
         ),
         (["--train.max_norm", "abc"], "train.max_norm: expected float, got 'abc'"),
         (["--ray.device", "gpu"], "ray.device: 'gpu' is not one of auto, cpu, cuda"),

@@ -482,7 +482,7 @@ def test_model_share_prefix_reaches_every_learner_verbatim(attention, share, exp
     cfg = config(**overrides)
     roles = Roles(cfg)
     roles.dtype = "fp32"
-    inputs = SimpleNamespace(model_path="/m", critic_path="/c", reward_model_path="/r")
+    inputs = SimpleNamespace(model_path="/m", critic_path="/c", reward_model_path="/r", teacher_path="/t")
     for role, spec in roles._learner_specs(inputs, total_steps=1).items():
         assert spec.deepspeed.share_prefix == (None if share is None else share == "true"), role
         assert spec.deepspeed.shares_prefix is expected, role

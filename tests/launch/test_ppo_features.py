@@ -161,17 +161,25 @@ def _specs(device: str, **overrides):
 
     roles = Roles(config(**{"algo.kl.init_kl_coef": 0.01, **overrides}))
     roles.device, roles.dtype = device, "fp32"
-    inputs = types.SimpleNamespace(model_path="m", critic_path="m", reward_model_path="rm")
+    inputs = types.SimpleNamespace(model_path="m", critic_path="m", reward_model_path="rm", teacher_path="t")
     return roles, roles._learner_specs(inputs, total_steps=4)
 
 
-def test_ref_and_reward_offload_set_zero3_offload_param_on_gpus():
+def test_ref_teacher_and_reward_offload_set_zero3_offload_param_on_gpus():
     from rl_learner import deepspeed_config
 
     _, specs = _specs(
-        "cuda", **{"train.zero_stage": 3, "ray.ref.offload": True, "ray.reward_model.offload": True}
+        "cuda",
+        **{
+            "train.zero_stage": 3,
+            "ray.ref.offload": True,
+            "ray.teacher.offload": True,
+            "ray.reward_model.offload": True,
+        },
     )
-    for role in ("ref", "reward_model"):
+    assert specs["teacher"].model_path == "t"
+    assert specs["teacher"].optimizer is None
+    for role in ("ref", "teacher", "reward_model"):
         assert specs[role].deepspeed.offload_params
         zero = deepspeed_config(specs[role].deepspeed, world_size=1, train=False)["zero_optimization"]
         assert zero["stage"] == 3

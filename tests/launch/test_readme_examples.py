@@ -106,3 +106,17 @@ def test_the_supervised_commands_readme_lines_resolve(capsys):
         for option, value in pairs:  # each given name-like value is where its option says
             if option.startswith("--") and value.isidentifier():
                 assert f"{option.rsplit('.', 1)[-1]}: {value}" in out, (option, value)
+
+
+def test_the_readme_distillation_command_line_resolves_to_a_teacher_run(tmp_path):
+    (shell,) = re.findall(r"```bash\n(.+?)```", section("## On-policy distillation"), re.S)
+    build, command = shell.replace("\\\n", " ").strip().splitlines()
+    # the first line builds the preset's teacher with the function it names
+    (code,) = re.findall(r'python -c "(.+?)"\)', build)
+    assert code.startswith("from rl_launch.presets.arithmetic import build_teacher;")
+    command = shlex.split(command.replace('"$TEACHER"', "/models/teacher"))
+    assert command[:2] == ["rl-launch", "ppo"]
+    result = run_cli([*command[1:], "--print-config"], tmp_path)
+    assert result.returncode == 0, result.stderr
+    for line in ("teacher_pretrain: /models/teacher", "outcome: false", "estimator: reinforce"):
+        assert line in result.stdout

@@ -64,12 +64,13 @@ def _records(num_sequences: int, *, seed: int, vocab: int) -> list[Trajectory]:
 
 
 def fill_policy_slots(batch: ExperienceBatch, logprobs: torch.Tensor, *, seed: int = 1) -> ExperienceBatch:
-    """old/ref log-probs near the model's (so some ratios clip) and random advantages, on response tokens."""
+    """old/ref/teacher log-probs near the model's (so some ratios clip) and random advantages, on response tokens."""
     generator = torch.Generator().manual_seed(seed)
     on = batch.action_mask
     noise = torch.randn(batch.num_tokens, generator=generator)
     batch.old_logprobs = torch.where(on, logprobs + 0.15 * noise, 0.0).float()
     batch.ref_logprobs = torch.where(on, logprobs - 0.1 * noise.abs(), 0.0).float()
+    batch.teacher_logprobs = torch.where(on, logprobs - 0.2 * noise, 0.0).float()
     batch.rollout_logprobs = torch.where(
         on, batch.old_logprobs + 0.05 * torch.randn(batch.num_tokens, generator=generator), 0.0
     ).float()

@@ -52,6 +52,8 @@ POLICY_LOSS = dict(
     aggregation="seq-mean-token-mean",
     kl_coef=0.05,
     kl_estimator="k3",
+    distill_coef=0.1,
+    distill_estimator="k2",
     entropy_coef=0.01,
     correction="tis",
 )

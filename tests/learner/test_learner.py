@@ -137,9 +137,11 @@ def reference() -> dict[str, dict[str, torch.Tensor]]:
         )
         mode = options["aggregation"]
         kl = kl_penalty(logprobs, view(batch.ref_logprobs), "k3")
+        distill = 0.5 * (logprobs - view(batch.teacher_logprobs)).square()  # k2 to the teacher
         return (
             aggregate_loss(per_token * weights, mask, mode)
             + options["kl_coef"] * aggregate_loss(kl, mask, mode)
+            + options["distill_coef"] * aggregate_loss(distill, mask, mode)
             - options["entropy_coef"] * aggregate_loss(entropy, mask, mode)
         )
 
@@ -231,9 +233,22 @@ def test_metrics_are_global_and_equal_on_every_rank(runs):
     assert first["skipped"] == 0
     assert 0 < first["shared_tokens_frac"] < 0.5  # groups of 4 share a prompt (`experience`)
     assert first["loss"] == pytest.approx(
-        first["loss_policy"] + 0.05 * first["loss_kl"] - 0.01 * first["loss_entropy"]
+        first["loss_policy"]
+        + 0.05 * first["loss_kl"]
+        + 0.1 * first["loss_distill"]
+        - 0.01 * first["loss_entropy"]
     )
-    for key in ("clip_fraction", "ppo_kl", "entropy", "kl", "mismatch_abs_mean", "mismatch_abs_max", "lr"):
+    keys = (
+        "clip_fraction",
+        "ppo_kl",
+        "entropy",
+        "kl",
+        "distill_kl",
+        "mismatch_abs_mean",
+        "mismatch_abs_max",
+        "lr",
+    )
+    for key in keys:
         assert key in first
 
 

@@ -27,6 +27,7 @@ from .corrections import (
     mismatch_metrics,
     rollout_correction,
 )
+from .distillation import reverse_kl_rewards, teacher_log_ratio
 from .estimators import ADVANTAGE_ESTIMATORS, REWARD_TO_GO_PRESETS, compute_advantages
 from .group import CENTRES, GROUP_NORM_PRESETS, SCALES, SINGLETON_POLICIES, group_normalize
 from .kl import KL_ESTIMATORS, AdaptiveKLController, FixedKLController, StraightThroughKL, kl_penalty
@@ -98,10 +99,12 @@ __all__ = [
     "overlong_penalty",
     "policy_objective",
     "prm_loss",
+    "reverse_kl_rewards",
     "reward_model_loss",
     "rollout_correction",
     "sft_loss",
     "stop_properly_penalty",
+    "teacher_log_ratio",
     "token_level_rewards",
     "value_loss",
 ]

@@ -1,6 +1,6 @@
 """The whole objective a policy learner minimises, as one function.
 
-    J = agg(l ⊙ w) + β·agg(KL) − c·agg(H)
+    J = agg(l ⊙ w) + β·agg(KL) + β_d·agg(KL_T) − c·agg(H)
 
   l    `[batch, seq]` per-token policy loss of the named loss in `POLICY_LOSSES`
        (`loss_fn(logprobs, old_logprobs, advantages, action_mask, **loss_options)`);
@@ -9,9 +9,12 @@
   KL   `[batch, seq]` per-token estimate `kl_penalty(logprobs, ref_logprobs, kl_estimator,
        **kl_options)` against the reference policy, with coefficient β ≥ 0 (KL in the loss,
        GRPO style; with KL in the reward instead, leave β = 0);
+  KL_T `[batch, seq]` per-token estimate `kl_penalty(logprobs, teacher_logprobs, distill_estimator)`
+       against a teacher (on-policy distillation in the loss, `rl_algos.distillation`), with
+       coefficient β_d ≥ 0; k2 gives the reverse-KL gradient under the student's own samples;
   H    `[batch, seq]` per-token entropy of the policy (`entropy_from_logits`), coefficient c;
   agg  `aggregate_loss(·, action_mask, aggregation, normalizer=N, horizon=T)`, the same mode,
-       normaliser and horizon for all three terms.
+       normaliser and horizon for every term.
 
 How it is normalised (as NeMo-RL's loss functions declare it). `aggregation` says whether the
 loss is token-level (`token-mean`: N = number of action tokens) or sequence-level (the
@@ -58,10 +61,13 @@ def policy_objective(
     kl_coef: float = 0.0,
     kl_estimator: str = "k3",
     kl_options: Mapping[str, Any] | None = None,
+    teacher_logprobs: torch.Tensor | None = None,
+    distill_coef: float = 0.0,
+    distill_estimator: str = "k2",
     entropy: torch.Tensor | None = None,
     entropy_coef: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """J = agg(l ⊙ w) + β·agg(KL) − c·agg(H) for one micro-batch (module docstring).
+    """J = agg(l ⊙ w) + β·agg(KL) + β_d·agg(KL_T) − c·agg(H) for one micro-batch (module docstring).
 
     Args:
       logprobs: `[batch, seq]` log π_θ of the sampled tokens (carries the gradient).
@@ -79,12 +85,16 @@ def policy_objective(
       kl_options: keyword options of `kl_penalty` (log_ratio_clamp, value_clamp,
         unbiased_gradient, importance_weight_cap); with `unbiased_gradient` the weight π/π_old
         uses `old_logprobs`.
+      teacher_logprobs: `[batch, seq]` log π_T of a teacher; needed when `distill_coef > 0`.
+      distill_coef: β_d ≥ 0; 0 leaves the teacher term out.
+      distill_estimator: a name in `KL_ESTIMATORS` for KL_T (default k2: the reverse-KL gradient).
       entropy: `[batch, seq]` per-token entropy (carries the gradient when c ≠ 0), or None.
       entropy_coef: c; 0 leaves the entropy term out (H is still reported when given).
 
     Returns:
       (J, a 0-d tensor; metrics: the loss's own metrics, `loss`, `loss_policy`, and when they
-       apply `loss_kl` and `kl` (mean KL estimate per action token), `loss_entropy`, `entropy`
+       apply `loss_kl` and `kl` (mean KL estimate per action token), `loss_distill` and
+       `distill_kl` (mean KL_T estimate per action token), `loss_entropy`, `entropy`
        (mean per action token); all detached 0-d tensors).
     """
     loss_fn = POLICY_LOSSES[loss]
@@ -118,6 +128,15 @@ def policy_objective(
         total = total + kl_coef * kl_term
         metrics["loss_kl"] = kl_term.detach()
         metrics["kl"] = masked_mean(kl.detach(), action_mask.to(kl.dtype))
+    check_positive("distill_coef", distill_coef, allow_zero=True)
+    if distill_coef > 0:
+        if teacher_logprobs is None:
+            raise ValueError("teacher_logprobs is required when distill_coef > 0")
+        distill = kl_penalty(logprobs, teacher_logprobs, distill_estimator)
+        distill_term = aggregate(distill)
+        total = total + distill_coef * distill_term
+        metrics["loss_distill"] = distill_term.detach()
+        metrics["distill_kl"] = masked_mean(distill.detach(), action_mask.to(distill.dtype))
     if entropy is not None:
         metrics["entropy"] = masked_mean(entropy.detach().to(policy.dtype), action_mask.to(policy.dtype))
     if entropy_coef != 0:

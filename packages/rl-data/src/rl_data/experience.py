@@ -37,7 +37,7 @@ from .records import LOGPROB_DTYPE, TOKEN_DTYPE, Trajectory
 
 __all__ = ["ExperienceBatch", "build_experience", "micro_batches"]
 
-_TOKEN_SLOTS = ("old_logprobs", "ref_logprobs", "values", "advantages", "returns")
+_TOKEN_SLOTS = ("old_logprobs", "ref_logprobs", "teacher_logprobs", "values", "advantages", "returns")
 _TOKEN_FIELDS = ("input_ids", "position_ids", "action_mask", "rollout_logprobs", *_TOKEN_SLOTS)
 _SEQUENCE_TENSORS = (
     "prompt_lengths",
@@ -68,7 +68,8 @@ class ExperienceBatch(msgspec.Struct, kw_only=True):
         finish_reasons:   S strings ("stop", "length", "abort").
         indices:          [S] int64, positions of the trajectories in the list they came from.
     Filled later by learners ([N], same alignment and convention, None until then):
-        old_logprobs, ref_logprobs, values, advantages, returns.
+        old_logprobs, ref_logprobs, teacher_logprobs (a distillation teacher's log-probs of the
+        sampled tokens), values, advantages, returns.
     """
 
     input_ids: torch.Tensor
@@ -86,6 +87,7 @@ class ExperienceBatch(msgspec.Struct, kw_only=True):
     indices: torch.Tensor
     old_logprobs: torch.Tensor | None = None
     ref_logprobs: torch.Tensor | None = None
+    teacher_logprobs: torch.Tensor | None = None
     values: torch.Tensor | None = None
     advantages: torch.Tensor | None = None
     returns: torch.Tensor | None = None

@@ -29,7 +29,9 @@ from .plugins import PluginRef, import_plugins
 
 __all__ = ["ActorGroup", "EngineActivity", "EngineSpec", "LearnerSpec", "LearnerWorker", "RolloutWorker"]
 
-LEARNER_ROLES = ("policy", "ref", "critic", "reward_model")
+LEARNER_ROLES = ("policy", "ref", "teacher", "critic", "reward_model")
+CAUSAL_LM_ROLES = ("policy", "ref", "teacher")
+"""The roles whose model is a causal LM scored by its token log-probs (`PolicyLearner`)."""
 
 
 class LearnerSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -182,13 +184,13 @@ class LearnerWorker:
         spec = self.spec
         torch.manual_seed(spec.seed)
         options = model_load_options(spec.deepspeed, spec.optimizer, world_size=self.world_size)
-        if spec.role in ("policy", "ref"):
+        if spec.role in CAUSAL_LM_ROLES:
             model = load_causal_lm(spec.model_path, **options)
         else:
             model = load_value_model(spec.model_path, head_seed=spec.seed, **options)
         if spec.lora is not None:
             model = apply_lora(model, spec.lora)
-        learner_class = PolicyLearner if spec.role in ("policy", "ref") else ValueLearner
+        learner_class = PolicyLearner if spec.role in CAUSAL_LM_ROLES else ValueLearner
         self.learner = learner_class(
             model,
             deepspeed=spec.deepspeed,

@@ -2,9 +2,10 @@
 the learners minimise. No Ray here; `rl_launch.ppo` calls these between the actor calls.
 
     rewards ──► KL in the reward (algo.kl.reward_estimator) ──► token rewards ──► estimator
-    (rule / remote + reward model)                                         (algo.advantage.*)
+    (rule / remote + reward model)   + teacher reward (algo.distill, mode reward)  (algo.advantage.*)
                                                                                   │
-    PolicyLossConfig (algo.policy.*, the KL in the loss: algo.kl.loss_*) ◄── advantages, returns
+    PolicyLossConfig (algo.policy.*, the KL in the loss: algo.kl.loss_*,      ◄── advantages, returns
+                      the teacher KL in the loss: algo.distill, mode loss)
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ from rl_algos import (
     compute_advantages,
     kl_penalty,
     overlong_penalty,
+    reverse_kl_rewards,
     stop_properly_penalty,
+    teacher_log_ratio,
     token_level_rewards,
 )
 from rl_data import ExperienceBatch, Trajectory
@@ -61,20 +64,24 @@ def old_logprobs_from_training(config: PPOConfig) -> bool:
     controller are computed from the old log-probs before training. In async mode the rollout
     weights lag, but the old log-probs are still those of the current weights, so the rule is the
     same; the rollout correction compares them with the sampler's log-probs inside the learner.
+    A distillation teacher also needs them in the driver (the teacher reward and
+    `distill/kl_to_teacher` compare the policy's log-probs with the teacher's before training).
     """
     samples = config.rollout.rollout_batch_size * config.rollout.n_samples_per_prompt
     one_step = config.train.max_epochs == 1 and (config.train.train_batch_size or samples) >= samples
-    return one_step and not config.needs_reference
+    return one_step and not config.needs_reference and not config.needs_teacher
 
 
 def policy_loss_config(config: PPOConfig, *, kl_coef: float) -> PolicyLossConfig:
     """The learner's objective: `algo.policy` (the loss, the rollout correction and their options,
-    verbatim; correction auto resolved by rollout.async_train) and the KL in the loss
-    (`algo.kl.loss_*`, β = `kl_coef`) when `algo.kl.use_kl_loss`.
+    verbatim; correction auto resolved by rollout.async_train), the KL in the loss
+    (`algo.kl.loss_*`, β = `kl_coef`) when `algo.kl.use_kl_loss`, and the KL to the teacher
+    (`algo.distill.estimator`, β_d = `algo.distill.coef`) with a teacher in mode loss.
 
     Raises ValueError naming the `PolicyLossConfig` field for a combination it refuses.
     """
-    policy, kl = config.algo.policy, config.algo.kl
+    policy, kl, distill = config.algo.policy, config.algo.kl, config.algo.distill
+    distill_in_loss = config.needs_teacher and distill.mode == "loss"
     correction, correction_options = correction_name(config), dict(policy.correction_options)
     if correction == "none":
         correction_options = {}  # auto's options are tis's, unused when it picks none
@@ -86,6 +93,8 @@ def policy_loss_config(config: PPOConfig, *, kl_coef: float) -> PolicyLossConfig
         kl_coef=kl_coef if kl.use_kl_loss else 0.0,
         kl_estimator=kl.loss_estimator,
         kl_options=dict(kl.loss_options),
+        distill_coef=distill.coef if distill_in_loss else 0.0,
+        distill_estimator=distill.estimator,
         entropy_coef=policy.entropy_coef,
         aux_loss_coef=policy.aux_loss_coef,
         correction=correction,
@@ -118,10 +127,26 @@ def score_batch(
     estimator that declares `reward_clip` (reinforce_baseline: OpenRLHF centres, then clips)
     gets the raw rewards and the clip instead. `baseline_rewards` `[B]` (ReMax's greedy
     answers) are clipped like the rewards.
+
+    With a distillation teacher (`batch.teacher_logprobs`), d_t = old − teacher at the action
+    tokens is measured (`distill/kl_to_teacher`, its mean per action token); in mode reward
+    −β_d·d_t joins the token rewards (`distill/reward_mean`: their per-sequence sum, averaged);
+    with `algo.distill.outcome` false the outcome rewards are 0 before the estimator.
     """
-    kl_config = config.algo.kl
+    kl_config, distill = config.algo.kl, config.algo.distill
     mask = batch.response_action_mask()
     metrics: dict[str, float] = {}
+    distill_rewards = None
+    if batch.teacher_logprobs is not None:  # never without old log-probs (old_logprobs_from_training)
+        old = batch.response_view(batch.old_logprobs)
+        teacher = batch.response_view(batch.teacher_logprobs)
+        metrics["distill/kl_to_teacher"] = float(teacher_log_ratio(old, teacher, mask)[1])
+        if distill.mode == "reward":
+            distill_rewards = reverse_kl_rewards(old, teacher, mask, coef=distill.coef)
+            metrics["distill/reward_mean"] = float(distill_rewards.sum(-1).mean())
+        if not distill.outcome:
+            rewards = torch.zeros_like(rewards)
+            baseline_rewards = None if baseline_rewards is None else torch.zeros_like(baseline_rewards)
     kl = None
     if batch.ref_logprobs is not None:  # never without old log-probs (old_logprobs_from_training)
         kl = kl_penalty(
@@ -137,6 +162,8 @@ def score_batch(
     token_rewards = token_level_rewards(
         rewards, mask, kl=kl if in_reward else None, kl_coef=kl_coef if in_reward else 0.0, reward_clip=clip
     )
+    if distill_rewards is not None:
+        token_rewards = token_rewards + distill_rewards.to(token_rewards.dtype)
     estimator = config.algo.advantage.estimator
     clips_itself = estimator_needs(estimator).clips_rewards
     inputs: dict[str, Any] = {

@@ -1,6 +1,7 @@
 """Ray for the launcher: start or join a cluster, check resources, place actor groups.
 
-Every role (policy, critic, reference, reward model, rollout engines) is a group of Ray actors.
+Every role (policy, critic, reference, distillation teacher, reward model, rollout engines) is a
+group of Ray actors.
 Roles are placed with placement groups, one bundle per actor: a role alone gets its own group;
 colocated roles (`ray.colocate`) share one group and split each bundle's GPU between them, as
 OpenRLHF's colocation flags do. In CPU mode bundles hold CPUs only.
@@ -42,13 +43,15 @@ class RoleLayout(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def colocation_groups(colocate: str) -> list[set[str]]:
-    """Sets of roles sharing bundles for a `ray.colocate` value; roles not listed stand alone."""
+    """Sets of roles sharing bundles for a `ray.colocate` value; roles not listed stand alone. The
+    distillation teacher goes where the reference goes (both are frozen policy-shaped models that
+    score the policy's samples)."""
     groups = {
         "none": [],
-        "all": [{"policy", "ref", "critic", "reward_model", "engine"}],
-        "policy_ref": [{"policy", "ref"}],
+        "all": [{"policy", "ref", "teacher", "critic", "reward_model", "engine"}],
+        "policy_ref": [{"policy", "ref", "teacher"}],
         "critic_reward": [{"critic", "reward_model"}],
-        "policy_ref+critic_reward": [{"policy", "ref"}, {"critic", "reward_model"}],
+        "policy_ref+critic_reward": [{"policy", "ref", "teacher"}, {"critic", "reward_model"}],
     }
     return groups[colocate]
 
@@ -59,6 +62,8 @@ def _roles(config: PPOConfig) -> dict[str, tuple[int, float, float]]:
     roles = {"policy": ray_cfg.policy}
     if config.needs_reference:
         roles["ref"] = ray_cfg.ref
+    if config.needs_teacher:
+        roles["teacher"] = ray_cfg.teacher
     if config.needs_critic:
         roles["critic"] = ray_cfg.critic
     if config.model.reward_pretrain is not None:

@@ -90,6 +90,10 @@ class ModelConfig(_Section):
     """Critic initialisation for estimators that need one (gae). None: the policy's model."""
     reward_pretrain: str | None = None
     """Reward model (sequence classifier, one label). None: rewards come from `reward.*` only."""
+    teacher_pretrain: str | None = None
+    """Teacher of on-policy distillation (algo.distill): any HF causal LM with the policy's
+    tokenizer (the same token ids, checked at start-up); a frozen role (ray.teacher) scores every
+    sampled token, and its log-probs enter the reward or the loss. None: no distillation."""
     dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
     """Training and rollout precision; auto = bf16 on GPUs, fp32 on CPU."""
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
@@ -649,6 +653,30 @@ class PolicyConfig(_Section):
         _one_of("algo.policy.correction", self.correction, [*CORRECTIONS, "auto", "none"])
 
 
+class DistillConfig(_Section):
+    """On-policy distillation to model.teacher_pretrain (`rl_algos.distillation`); used only with a
+    teacher. d_t = log π(y_t) − log π_T(y_t) at every sampled action token."""
+
+    mode: Literal["reward", "loss"] = "reward"
+    """reward: r_t = −coef·d_t is added to the token rewards (needs an estimator that reads token
+    rewards: reinforce, reinforce_baseline, gae, group_reward_to_go (GRPO / RLOO / Dr.GRPO as
+    token rewards), flash_reinforce); loss: coef·agg(estimator(d_t)) is added to the policy loss,
+    as the reference KL in the loss, with any estimator."""
+    coef: Positive = 1.0
+    """β_d, the weight of the distillation reward or loss term."""
+    outcome: bool = True
+    """Keep the outcome reward (reward function, reward model) beside the distillation signal;
+    false trains on the teacher alone (the outcome rewards are set to 0 before the estimator; they
+    are still logged as reward/*)."""
+    estimator: str = "k2"
+    """KL estimator of the loss term (mode loss), a name in rl_algos.KL_ESTIMATORS: k2 (its gradient
+    under the student's samples is the reverse KL's), k3 (its gradient is the forward KL's), a "+"
+    variant; k1 is refused (zero expected gradient)."""
+
+    def __post_init__(self) -> None:
+        _one_of("algo.distill.estimator", self.estimator, KL_ESTIMATORS)
+
+
 class AlgoConfig(_Section):
     advantage: AdvantageConfig = msgspec.field(default_factory=AdvantageConfig)
     """How advantages and returns are estimated."""
@@ -656,6 +684,8 @@ class AlgoConfig(_Section):
     """The KL penalty against the reference model."""
     policy: PolicyConfig = msgspec.field(default_factory=PolicyConfig)
     """The policy loss."""
+    distill: DistillConfig = msgspec.field(default_factory=DistillConfig)
+    """On-policy distillation to model.teacher_pretrain (off without a teacher)."""
     value_clip: Positive = 0.5
     """Critic value clip range."""
 
@@ -731,7 +761,7 @@ class ResourceConfig(_Section):
     num_cpus_per_actor: NonNegative = 1.0
     """CPUs per actor (Ray's logical CPUs)."""
     offload: bool = False
-    """ray.ref and ray.reward_model only: keep the frozen model's parameters in CPU memory between
+    """ray.ref, ray.teacher and ray.reward_model only: keep the frozen model's parameters in CPU memory between
     uses (DeepSpeed ZeRO-3 offload_param, OpenRLHF's ref.offload / reward.offload). Takes effect with
     train.zero_stage 3 on GPUs; elsewhere accepted as a no-op, said on the start-up line."""
 
@@ -747,6 +777,9 @@ class RayConfig(_Section):
     """Session folder of a local Ray (None: `<log.output_dir>/ray`)."""
     colocate: Literal["none", "all", "policy_ref", "critic_reward", "policy_ref+critic_reward"] = "none"
     """Roles sharing the same GPUs (colocate_all_models, colocate_actor_ref, colocate_critic_reward).
+    A distillation teacher (ray.teacher) goes where the reference goes: policy_ref puts policy,
+    reference and teacher on the same bundles (all three are policy-shaped models scoring the same
+    samples one after the other).
     all is the hybrid engine: every step the engines sleep once generation is done and wake before
     the weight sync (ray.engine_sleep), and on GPUs the learners offload their DeepSpeed states
     while the engines generate (ray.learner_offload)."""
@@ -767,6 +800,9 @@ class RayConfig(_Section):
     """Critic learner actors (estimators that need values)."""
     ref: ResourceConfig = msgspec.field(default_factory=ResourceConfig)
     """Reference model actors (init_kl_coef > 0)."""
+    teacher: ResourceConfig = msgspec.field(default_factory=ResourceConfig)
+    """Distillation teacher actors (model.teacher_pretrain): frozen, ZeRO-3 inference on GPUs like
+    the reference (offload applies)."""
     reward_model: ResourceConfig = msgspec.field(default_factory=ResourceConfig)
     """Reward model actors (model.reward_pretrain)."""
     engine_num_cpus: NonNegative = 1.0
@@ -780,7 +816,7 @@ class RayConfig(_Section):
                 _fail(
                     f"ray.{role}.offload",
                     True,
-                    f"applies to the frozen models only (ray.ref, ray.reward_model); for a trained role "
+                    f"applies to the frozen models only (ray.ref, ray.teacher, ray.reward_model); for a trained role "
                     f"offload the optimizer state with {hint}",
                 )
 
@@ -977,6 +1013,7 @@ class PPOConfig(_Section):
                 "policy": True,
                 "critic": self.needs_critic,
                 "ref": self.needs_reference,
+                "teacher": self.needs_teacher,
                 "reward_model": self.model.reward_pretrain is not None,
             }
             for role in (role for role, needed in used.items() if needed):
@@ -995,6 +1032,13 @@ class PPOConfig(_Section):
                     f"must be 0 with model.sequence_parallel_size {sp}: each rank's routers see only its "
                     "slice of the tokens",
                 )
+        if not self.needs_teacher and self.algo.distill != DistillConfig():
+            _fail(
+                "algo.distill",
+                msgspec.structs.asdict(self.algo.distill),
+                "needs model.teacher_pretrain: distillation has no teacher to learn from (give the "
+                "teacher's HF folder or hub name, or leave algo.distill.* unset)",
+            )
         if self.train.ema_beta is not None and self.model.lora_rank:
             _fail(
                 "train.ema_beta",
@@ -1010,6 +1054,11 @@ class PPOConfig(_Section):
     @property
     def needs_reference(self) -> bool:
         return self.algo.kl.init_kl_coef > 0.0
+
+    @property
+    def needs_teacher(self) -> bool:
+        """model.teacher_pretrain is given: the run starts a teacher and distils (algo.distill)."""
+        return self.model.teacher_pretrain is not None
 
 
 def hf_output_dir(config: Any) -> pathlib.Path:

@@ -26,6 +26,7 @@ __all__ = [
     "check_context",
     "check_model_path",
     "check_reward_server",
+    "check_teacher_tokenizer",
     "model_context",
     "resolve_inputs",
 ]
@@ -44,6 +45,8 @@ class Resolved(msgspec.Struct, frozen=True, kw_only=True):
     model_path: str
     critic_path: str
     reward_model_path: str | None
+    teacher_path: str | None = None
+    """model.teacher_pretrain, checked to share the policy's tokenizer (`check_teacher_tokenizer`)."""
     prompt_data: tuple[str, ...]
     """Each training dataset: a local path (resolved) or a Hugging Face dataset name."""
     eval_data: tuple[str, ...] | None
@@ -70,6 +73,37 @@ def check_model_path(option: str, value: str) -> str:
                 f"{option}: {value!r} is neither a local folder nor in the hub cache, and HF_HUB_OFFLINE is set"
             )
     return value
+
+
+def check_teacher_tokenizer(model_path: str, teacher_path: str) -> None:
+    """PreflightError unless the teacher's tokenizer maps every token to the policy's id.
+
+    Distillation compares log π(y_t) with log π_T(y_t) at the token ids the policy sampled, so the
+    two tokenizers must agree token for token (vocabulary and added tokens). The models' embedding
+    sizes may differ (padding rows past the tokenizer are never sampled)."""
+    from transformers import AutoTokenizer
+
+    try:
+        policy = AutoTokenizer.from_pretrained(model_path)
+        teacher = AutoTokenizer.from_pretrained(teacher_path)
+    except (OSError, ValueError) as error:
+        raise PreflightError(
+            f"model.teacher_pretrain: cannot load the tokenizers to compare: {error}"
+        ) from None
+    policy_vocab, teacher_vocab = policy.get_vocab(), teacher.get_vocab()
+    if policy_vocab == teacher_vocab:
+        return
+    differing = sorted(
+        token
+        for token in policy_vocab.keys() | teacher_vocab.keys()
+        if policy_vocab.get(token) != teacher_vocab.get(token)
+    )
+    raise PreflightError(
+        f"model.teacher_pretrain: the teacher {teacher_path} does not share the tokenizer of model.pretrain "
+        f"{model_path} ({len(policy_vocab)} vs {len(teacher_vocab)} tokens, {len(differing)} differ, e.g. "
+        f"{', '.join(repr(token) for token in differing[:3])}); distillation scores the policy's token ids "
+        "with the teacher, so both must use the same tokenizer (pick a teacher of the policy's family)"
+    )
 
 
 def check_reward_server(url: str, *, timeout_s: float = 5.0) -> None:
@@ -147,6 +181,10 @@ def resolve_inputs(config: PPOConfig, preset: Any | None) -> Resolved:
     reward_model = None
     if config.model.reward_pretrain is not None:
         reward_model = check_model_path("model.reward_pretrain", config.model.reward_pretrain)
+    teacher = None
+    if config.model.teacher_pretrain is not None:
+        teacher = check_model_path("model.teacher_pretrain", config.model.teacher_pretrain)
+        check_teacher_tokenizer(model, teacher)
     prompt_data = _check_data_files("data.prompt_data", prompt_data)
     if eval_data is not None:
         eval_data = _check_data_files("data.eval_dataset", eval_data)
@@ -158,6 +196,7 @@ def resolve_inputs(config: PPOConfig, preset: Any | None) -> Resolved:
         model_path=model,
         critic_path=critic,
         reward_model_path=reward_model,
+        teacher_path=teacher,
         prompt_data=prompt_data,
         eval_data=eval_data,
         reward_function=reward_function,
@@ -338,6 +377,8 @@ def check_context(config: PPOConfig, inputs: Resolved) -> str | None:
         models.append(("model.critic_pretrain", inputs.critic_path))
     if inputs.reward_model_path is not None:
         models.append(("model.reward_pretrain", inputs.reward_model_path))
+    if inputs.teacher_path is not None:
+        models.append(("model.teacher_pretrain", inputs.teacher_path))
     allowed = os.environ.get(_ALLOW_LONG, "0") not in ("", "0", "false", "False")
     notes = []
     for option, path in models:

@@ -2,7 +2,7 @@
 
 `Roles.start(config, inputs)` places the roles (`rl_launch.cluster`), builds each learner's
 and engine's spec from the config and waits until every actor is up. Its methods are the
-loop's vocabulary: `forwards` (old / reference log-probs, values, reward-model scores, all roles
+loop's vocabulary: `forwards` (old / reference / teacher log-probs, values, reward-model scores, all roles
 at once), `train` (critic and policy on the same mini-batch, at once), `sync_weights`, `save`,
 `load`, `export`, and for the hybrid engine (`ray.colocate all`) `to_generation` / `to_training`.
 A batch is split over the ranks of a role by token budget
@@ -269,6 +269,12 @@ class Roles:
                 deepspeed=actor.frozen(offload=cfg.ray.ref.offload, use_gpus=use_gpus),
                 **common,
             ),
+            "teacher": LearnerSpec(
+                role="teacher",
+                model_path=inputs.teacher_path or "",
+                deepspeed=actor.frozen(offload=cfg.ray.teacher.offload, use_gpus=use_gpus),
+                **common,
+            ),
             "critic": LearnerSpec(
                 role="critic",
                 model_path=inputs.critic_path,
@@ -408,7 +414,9 @@ class Roles:
     def forwards(
         self, batch: ExperienceBatch, *, old_logprobs: bool, temperature: float
     ) -> torch.Tensor | None:
-        """Fill the batch's old / reference log-probs and values; the reward-model scores [B] or None.
+        """Fill the batch's old / reference / teacher log-probs and values; the reward-model scores
+        [B] or None. The teacher scores the sampled tokens at the sampling temperature, as the
+        policy and the reference do, so that d_t = log π − log π_T compares like with like.
 
         Every role that has something to compute starts at once, and one wait collects them all.
         """
@@ -417,6 +425,8 @@ class Roles:
             calls["old_logprobs"] = ("policy", "logprobs", (temperature,))
         if "ref" in self.groups:
             calls["ref_logprobs"] = ("ref", "logprobs", (temperature,))
+        if "teacher" in self.groups:
+            calls["teacher_logprobs"] = ("teacher", "logprobs", (temperature,))
         if "critic" in self.groups:
             calls["values"] = ("critic", "values", ())
         if "reward_model" in self.groups:
@@ -664,11 +674,12 @@ class Roles:
             self.groups["policy"].call("export_ema", path, tokenizer_path)
 
     def describe_offload(self) -> str | None:
-        """The start-up line of ray.ref.offload / ray.reward_model.offload (None when neither is
-        set): applied, or why it is a no-op here."""
+        """The start-up line of ray.ref.offload / ray.teacher.offload / ray.reward_model.offload
+        (None when none is set): applied, or why it is a no-op here."""
         cfg = self.config
         lines = []
-        for role, section in (("ref", cfg.ray.ref), ("reward_model", cfg.ray.reward_model)):
+        frozen = (("ref", cfg.ray.ref), ("teacher", cfg.ray.teacher), ("reward_model", cfg.ray.reward_model))
+        for role, section in frozen:
             if section.offload and role in self.groups:
                 _, why = frozen_offload(True, zero_stage=cfg.train.zero_stage, use_gpus=self.device == "cuda")
                 lines.append(f"ray.{role}.offload: {why}")

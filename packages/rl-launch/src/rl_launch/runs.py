@@ -129,7 +129,7 @@ RESUMABLE_KEYS: tuple[str, ...] = (
     "train.num_episodes",
     # ray.*: where the cluster is and how generous it is. Not ray.policy / ray.critic (their
     # num_actors is the data-parallel size the ZeRO optimizer state was partitioned for), nor
-    # ray.ref / ray.reward_model / ray.colocate (the actor layout is kept as one decision).
+    # ray.ref / ray.teacher / ray.reward_model / ray.colocate (the actor layout is kept as one decision).
     # A caveat on ray.device: with model.dtype auto the device also picks the precision (bf16 on GPUs,
     # fp32 on CPU), and no comparison of configurations sees that when it stays "auto" on a cluster
     # with other devices; only the resolved precision, recorded by the driver, would.
@@ -141,6 +141,7 @@ RESUMABLE_KEYS: tuple[str, ...] = (
     "ray.device",
     # Where a frozen model's parameters wait between uses: memory, not content.
     "ray.ref.offload",
+    "ray.teacher.offload",
     "ray.reward_model.offload",
     # ckpt.*: how often and how many to keep, and the resume switch itself. Not ckpt.path: a typo there
     # would restart a run at step 0 over its own metrics.

@@ -76,7 +76,13 @@ _RESERVED_KEYS = ("step", "time")
 # Shown first in the summary table, in this order; the other keys follow sorted.
 _LEADING_KEYS = ("reward/mean", "kl/mean", "time/step")
 # The rows of the summary printed on the console (with every time/* row); summary.txt has them all.
-_HEADLINE_KEYS = ("reward/mean", "eval/reward/mean", "kl/mean", "response_length/mean")
+_HEADLINE_KEYS = (
+    "reward/mean",
+    "eval/reward/mean",
+    "kl/mean",
+    "distill/kl_to_teacher",
+    "response_length/mean",
+)
 _TABLE_COLUMNS = ("metric", "first", "last", "min", "max", "mean")
 # Progress-bar postfix, in this order: (metric key, label, format spec, unit).
 _POSTFIX = (
@@ -295,10 +301,14 @@ def _plot_curves(
     figure = Figure(figsize=(8, 6), dpi=100, layout="constrained")
     FigureCanvasAgg(figure)
     reward_axes, lower_axes = figure.subplots(2, 1, sharex=True)
-    # A run without a KL (no reference model) shows the policy's entropy below instead
+    # A run without a KL (no reference model) shows its KL to a distillation teacher below, or
+    # else the policy's entropy
     has_kl = any("kl/mean" in record for record in records)
+    has_teacher = any("distill/kl_to_teacher" in record for record in records)
     has_entropy = any("policy/entropy" in record for record in records)
     lower = ("KL", "kl/mean") if has_kl or not has_entropy else ("policy entropy", "policy/entropy")
+    if has_teacher and not has_kl:
+        lower = ("KL to the teacher", "distill/kl_to_teacher")
     panels = (
         (reward_axes, "reward", "reward/mean", "eval/reward/mean"),
         (lower_axes, *lower, None),

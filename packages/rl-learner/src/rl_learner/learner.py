@@ -129,6 +129,11 @@ class PolicyLossConfig(msgspec.Struct, frozen=True, kw_only=True):
     """β of the KL(π‖π_ref) term added to the loss (GRPO style); 0 turns it off (needs ref_logprobs)."""
     kl_estimator: str = "k3"
     """KL estimator of that term: a name in `rl_algos.KL_ESTIMATORS` ("k3", or "k3+": k2's gradient)."""
+    distill_coef: float = 0.0
+    """β_d of the KL(π‖π_T) term to a distillation teacher added to the loss (on-policy
+    distillation, `rl_algos.distillation`); 0 turns it off (needs teacher_logprobs)."""
+    distill_estimator: str = "k2"
+    """KL estimator of that term, a name in `rl_algos.KL_ESTIMATORS` (k2: the reverse-KL gradient)."""
     entropy_coef: float = 0.0
     """Coefficient of the entropy bonus (loss −= coef·entropy); 0 turns it off."""
     correction: str = "none"
@@ -165,11 +170,13 @@ class PolicyLossConfig(msgspec.Struct, frozen=True, kw_only=True):
         if self.horizon is not None and (not isinstance(self.horizon, int) or self.horizon < 1):
             raise ValueError(f"{owner}.horizon: {self.horizon!r} is not an integer >= 1")
         _non_negative(owner, "kl_coef", self.kl_coef)
+        _non_negative(owner, "distill_coef", self.distill_coef)
         _non_negative(owner, "aux_loss_coef", self.aux_loss_coef)
-        if self.kl_estimator not in KL_ESTIMATORS:
-            raise ValueError(
-                f"{owner}.kl_estimator: {self.kl_estimator!r} is not one of {sorted(KL_ESTIMATORS)}"
-            )
+        for field in ("kl_estimator", "distill_estimator"):
+            if getattr(self, field) not in KL_ESTIMATORS:
+                raise ValueError(
+                    f"{owner}.{field}: {getattr(self, field)!r} is not one of {sorted(KL_ESTIMATORS)}"
+                )
         if not isinstance(self.entropy_coef, (int, float)) or not math.isfinite(self.entropy_coef):
             raise ValueError(f"{owner}.entropy_coef: {self.entropy_coef!r} is not a finite number")
         if self.correction == "none":
@@ -804,11 +811,13 @@ class PolicyLearner(Learner):
 
         Each micro-batch needs `advantages` and `old_logprobs` (`rollout_logprobs` instead with
         `loss.old_logprobs_from_forward`); `ref_logprobs` when `loss.kl_coef > 0`;
+        `teacher_logprobs` when `loss.distill_coef > 0`;
         `rollout_logprobs` when `loss.correction != "none"`.
 
         Returns metrics, equal on every rank: loss (the full-batch loss), loss_policy, loss_kl,
         loss_entropy, the policy loss's own metrics (ppo_kl, clip_fraction, ...) as token-weighted
         means, entropy (mean over action tokens), kl (mean k-estimate, when kl_coef > 0),
+        loss_distill and distill_kl (the teacher term, when distill_coef > 0),
         mismatch metrics (with a correction), aux_loss (the MoE load-balancing loss, token-weighted
         mean over micro-batches) and loss_aux (its term c·L_aux in loss) when aux_loss_coef > 0, grad_norm, lr (of this update), tokens, sequences,
         shared_tokens_frac (of the micro-batches' tokens, those the model did not run because
@@ -822,10 +831,12 @@ class PolicyLearner(Learner):
             inputs = ["advantages", "rollout_logprobs"]
         if loss.kl_coef > 0:
             inputs.append("ref_logprobs")
+        if loss.distill_coef > 0:
+            inputs.append("teacher_logprobs")
         if loss.correction != "none" and "rollout_logprobs" not in inputs:
             inputs.append("rollout_logprobs")
 
-        def terms(logprobs, entropy, old, advantages, mask, ref, rollout, normalizer):
+        def terms(logprobs, entropy, old, advantages, mask, ref, teacher, rollout, normalizer):
             weights, metrics = None, {}
             if loss.correction != "none":
                 weights, metrics = CORRECTIONS[loss.correction](old, rollout, mask, **loss.correction_options)
@@ -844,6 +855,9 @@ class PolicyLearner(Learner):
                 kl_coef=loss.kl_coef,
                 kl_estimator=loss.kl_estimator,
                 kl_options=loss.kl_options,
+                teacher_logprobs=teacher,
+                distill_coef=loss.distill_coef,
+                distill_estimator=loss.distill_estimator,
                 entropy=entropy,
                 entropy_coef=loss.entropy_coef,
             )
@@ -876,6 +890,7 @@ class PolicyLearner(Learner):
                 )
             view = batch.response_view
             ref = view(batch.ref_logprobs) if loss.kl_coef > 0 else None
+            teacher = view(batch.teacher_logprobs) if loss.distill_coef > 0 else None
             rollout = view(batch.rollout_logprobs) if loss.correction != "none" else None
             old = view(logprobs).detach() if loss.old_logprobs_from_forward else view(batch.old_logprobs)
             total, metrics = terms(
@@ -885,6 +900,7 @@ class PolicyLearner(Learner):
                 view(batch.advantages),
                 batch.response_action_mask(),
                 ref,
+                teacher,
                 rollout,
                 normalizer,
             )
@@ -912,6 +928,7 @@ class PolicyLearner(Learner):
                     zero,
                     zero,
                     torch.zeros(1, 1, dtype=torch.bool, device=self.device),
+                    zero,
                     zero,
                     zero,
                     torch.tensor(1.0, device=self.device),

@@ -1,7 +1,9 @@
 """KL estimators (`rl_algos.KL_ESTIMATORS`), one per side: `algo.kl.reward_estimator` with
 `algo.kl.reward_options` (the KL subtracted from the token rewards) and `algo.kl.loss_estimator`
 with `algo.kl.loss_options` (the KL term of the loss, `algo.kl.use_kl_loss`). The options are
-those of `rl_algos.kl_penalty`, which computes either side."""
+those of `rl_algos.kl_penalty`, which computes either side. The KL to a distillation teacher
+(`algo.distill`, `rl_algos.distillation`) is checked and described here too: it is the same
+choice, reward or loss, against another frozen model."""
 
 from __future__ import annotations
 
@@ -43,6 +45,7 @@ def _select(config: PPOConfig) -> list[Selection]:
             component_options(kl_penalty, inputs=_LOSS_INPUTS),
             options_owner=("KL penalty", "kl_penalty"),
         ),
+        Selection("algo.distill.estimator", config.algo.distill.estimator, None, {}, None),
     ]
 
 
@@ -75,6 +78,7 @@ def _check(config: PPOConfig) -> None:
             f"algo.kl.kl_target: {kl.kl_target} needs algo.kl.init_kl_coef > 0: the adaptive "
             "controller scales β, and β = 0 stays 0 (and starts no reference model)"
         )
+    _check_distill(config)
     if (
         kl.init_kl_coef > 0
         and not kl.use_kl_loss
@@ -89,13 +93,45 @@ def _check(config: PPOConfig) -> None:
         )
 
 
+def _check_distill(config: PPOConfig) -> None:
+    distill = config.algo.distill
+    if not config.needs_teacher:
+        return
+    if distill.mode == "loss" and KL_ESTIMATORS[distill.estimator] is KL_ESTIMATORS["k1"]:
+        raise ConfigError(
+            f"algo.distill.estimator: {distill.estimator!r} as a loss term has zero expected gradient; "
+            "use 'k2' (the reverse KL's gradient), 'k3' (the forward KL's) or a '+' variant"
+        )
+    estimator = config.algo.advantage.estimator
+    if distill.mode == "reward" and not estimator_needs(estimator).token_rewards:
+        raise ConfigError(
+            f"algo.distill.mode: 'reward' adds the teacher's per-token reward to the token rewards, but "
+            f"estimator {estimator!r} uses outcome rewards only and would ignore it; set algo.distill.mode "
+            "loss, or pick reinforce / reinforce_baseline / gae, or group_reward_to_go (the token-reward "
+            "form of grpo / rloo / dr_grpo: its preset option) / flash_reinforce"
+        )
+
+
 def _describe(config: PPOConfig) -> str:
     kl = config.algo.kl
-    if not config.needs_reference:
-        return "no KL"
-    side = "loss" if kl.use_kl_loss else "reward"
-    estimator = kl.loss_estimator if kl.use_kl_loss else kl.reward_estimator
-    return f"KL {estimator} in the {side} (β = {kl.init_kl_coef:g})"
+    words = "no KL"
+    if config.needs_reference:
+        side = "loss" if kl.use_kl_loss else "reward"
+        estimator = kl.loss_estimator if kl.use_kl_loss else kl.reward_estimator
+        words = f"KL {estimator} in the {side} (β = {kl.init_kl_coef:g})"
+    if config.needs_teacher:
+        distill = config.algo.distill
+        how = (
+            "reward −β_d·(log π − log π_T)"
+            if distill.mode == "reward"
+            else f"{distill.estimator} in the loss"
+        )
+        words += (
+            f", distillation to {config.model.teacher_pretrain}: {how} (β_d = {distill.coef:g}"
+            + ("" if distill.outcome else ", outcome reward off")
+            + ")"
+        )
+    return words
 
 
 KL = ComponentKind(
@@ -103,7 +139,8 @@ KL = ComponentKind(
     singular="KL estimator",
     registry=KL_ESTIMATORS,
     where=(
-        "algo.kl.reward_estimator / loss_estimator; options of kl_penalty: algo.kl.reward_options / loss_options"
+        "algo.kl.reward_estimator / loss_estimator; options of kl_penalty: algo.kl.reward_options / "
+        "loss_options; algo.distill.estimator (the KL to a distillation teacher in the loss)"
     ),
     select=_select,
     check=_check,

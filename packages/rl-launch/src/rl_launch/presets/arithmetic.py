@@ -37,6 +37,12 @@ response (the query with the prompt removed) equals the label, else 0.0.
 The prompt is rendered with the tokenizer's ChatML template (`apply_chat_template=True`):
 `rl_data.render_prompt(tokenizer, prompt)` gives the text the model was warm-started on.
 
+A teacher for on-policy distillation (`build_teacher`): the preset's lazy model fine-tuned a
+few dozen more steps on the right answers only. Its greedy eval accuracy is ≈ 0.94-0.97 (20-50
+steps) where the student's is ≈ 0.02, with the same tokenizer and architecture; `rl-launch ppo
+--model.teacher_pretrain <its folder>` then distils it into the preset's model, with or
+without the rule reward (algo.distill).
+
 Building is cached. `build_preset(root)` writes into `root/arithmetic-<hash>/`, where the hash
 covers every argument and `RECIPE_VERSION`; a finished build has a `preset_build.json` marker
 (written last, after an atomic rename of the whole folder), and calling again with the same
@@ -67,6 +73,7 @@ __all__ = [
     "PresetArtifacts",
     "arithmetic_reward",
     "build_preset",
+    "build_teacher",
     "demonstrations",
     "make_problems",
     "problem_split",
@@ -409,3 +416,65 @@ def build_preset(
     # The marker goes last: a folder without it is an interrupted build.
     marker_path.write_text(json.dumps(marker, indent=2, sort_keys=True))
     return _artifacts(folder, json.loads(marker_path.read_text()))
+
+
+TEACHER_MARKER = "teacher_build.json"
+DEFAULT_TEACHER_STEPS = 50
+
+
+def build_teacher(
+    root: str | os.PathLike[str],
+    *,
+    seed: int = 0,
+    steps: int = DEFAULT_TEACHER_STEPS,
+    batch_size: int = 32,
+    lr: float = 3e-3,
+) -> str:
+    """Build (or reuse) a distillation teacher for the preset built under `root` with `seed`; its folder.
+
+    The preset (`build_preset(root, seed=seed)`, the default recipe: the student `rl-launch ppo
+    --preset arithmetic` trains) is built first if needed; its model is then fine-tuned with
+    `sft_warm_start` for `steps` more steps on the train problems' right answers only
+    (`demonstrations(..., lazy_answers=0)`) and saved, with the same tokenizer, into
+    `root/arithmetic-<hash>-teacher-<hash>/`. Cached like the preset (a marker written last).
+    """
+    if not (isinstance(steps, int) and steps >= 1):
+        raise ValueError(f"steps: {steps!r} is not allowed; expected an integer >= 1")
+    student = build_preset(root, seed=seed)
+    recipe = {
+        "student": student.recipe_hash,
+        "steps": steps,
+        "batch_size": batch_size,
+        "lr": lr,
+        "seed": seed,
+    }
+    folder = Path(student.path + f"-teacher-{_recipe_hash(recipe)}")
+    if (folder / TEACHER_MARKER).is_file():
+        return str(folder)
+    if folder.exists():  # an interrupted build: no marker
+        shutil.rmtree(folder)
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rl_data import render_prompt
+
+    from ..warm_start import sft_warm_start
+
+    tokenizer = AutoTokenizer.from_pretrained(student.model_path)
+    model = AutoModelForCausalLM.from_pretrained(student.model_path)
+    train = [json.loads(line) for line in Path(student.train_path).read_text().splitlines()]
+    examples = [
+        (render_prompt(tokenizer, prompt), answer + tokenizer.eos_token)
+        for prompt, answer in demonstrations(train, lazy_answers=0)
+    ]
+    metrics = sft_warm_start(model, tokenizer, examples, steps=steps, batch_size=batch_size, lr=lr, seed=seed)
+    staging = folder.with_name(f".{folder.name}.tmp-{os.getpid()}")
+    try:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        staging.rename(folder)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    (folder / TEACHER_MARKER).write_text(json.dumps({"recipe": recipe, "sft_metrics": metrics}, indent=2))
+    return str(folder)
