@@ -71,6 +71,7 @@ LONGEST_FILES = (
     "launch/test_preset_run.py",  # ~74 s (the preset's build, then its 16 steps)
     "launch/test_distill_run.py",  # ~75 s? (the preset's build, its teacher, 6 steps; not yet measured in a full run)
     "launch/test_leftovers_vllm.py",  # ~65 s (two vLLM engines, each in a process of its own)
+    "launch/test_trainers_ray.py",  # ~70 s? (sft and kto on two Ray ranks against one, a killed rank resumed)
     "launch/test_multinode.py",  # ~60 s
     "launch/test_ppo_runs.py",  # ~55 s (OpenRLHF's hybrid-engine script: every learner role, vLLM)
     "launch/test_every_component.py",  # ~52 s
