@@ -65,13 +65,13 @@ LONGEST_FILES = (
     # build in the calculator_task fixture 162 s, then 8 GRPO steps 47 s)
     "launch/test_tool_calling_e2e.py",
     "launch/test_chaos.py",  # ~115 s (five rl-launch runs, one beside the others)
+    "launch/test_trainers_ray.py",  # ~125 s (sft and kto on two Ray ranks against one, a killed rank resumed)
     "launch/test_async_resume.py",  # ~110 s (two kill-and-resume runs)
     "launch/test_sequence_parallel_run.py",  # ~85 s (long-context responses, two runs)
     "rollout/test_http_engine.py",  # ~76 s (its vllm serve, and the rl-launch ppo run on it)
     "launch/test_preset_run.py",  # ~74 s (the preset's build, then its 16 steps)
     "launch/test_distill_run.py",  # ~75 s? (the preset's build, its teacher, 6 steps; not yet measured in a full run)
     "launch/test_leftovers_vllm.py",  # ~65 s (two vLLM engines, each in a process of its own)
-    "launch/test_trainers_ray.py",  # ~70 s? (sft and kto on two Ray ranks against one, a killed rank resumed)
     "launch/test_multinode.py",  # ~60 s
     "launch/test_ppo_runs.py",  # ~55 s (OpenRLHF's hybrid-engine script: every learner role, vLLM)
     "launch/test_every_component.py",  # ~52 s

@@ -1,8 +1,9 @@
 """`rl-launch sft` / `kto` on a Ray actor group of two DeepSpeed ranks (`rl_launch.trainers.learners`).
 
-Each test runs the real CLI in this process twice on the arithmetic demo: once on one rank in the
-driver (the default) and once on `--ray.learner.num_actors 2` Ray actors, joining the module's
-local Ray (started once here, bound to 127.0.0.1). The two runs must take the same steps: the
+Each test runs the real CLI (a process of its own: DeepSpeed's process-group state and Ray's must
+not stay in the pytest worker) twice on the arithmetic demo: once on one rank in the driver (the
+default) and once on `--ray.learner.num_actors 2` Ray actors of a local Ray bound to 127.0.0.1,
+checked for leftovers after the test. The two runs must take the same steps: the
 same loss at every step and the same exported weights, although the two ranks split each step's
 items between them (kto, ZeRO-3) or each hold half of every sequence (sft, sequence parallel),
 in smaller micro-batches (`train.micro_batch_tokens`). A rank killed mid-run stops the run with a
@@ -13,14 +14,13 @@ from __future__ import annotations
 
 import pathlib
 import re
+import subprocess
 import sys
 import threading
 import time
 
 import pytest
 import torch
-
-from rl_launch.cli import main
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from launching import actor_pid, kill_processes, read_metrics
@@ -30,22 +30,15 @@ pytestmark = pytest.mark.slow
 STEPS = 4
 
 
-@pytest.fixture(scope="module")
-def local_ray(module_ray_temp):
-    """The module's Ray (the runs join it: `ray.is_initialized()`), shut down after the module."""
-    import ray
-
-    temp_dir, _ = module_ray_temp
-    ray.init(
-        address="local", num_cpus=4, _node_ip_address="127.0.0.1", include_dashboard=False, _temp_dir=temp_dir
-    )
-    yield
-    ray.shutdown()
-
-
-def _run(command: str, out: pathlib.Path, tmp_path: pathlib.Path, *args: str) -> int:
-    return main(
+def _run(
+    command: str, out: pathlib.Path, tmp_path: pathlib.Path, ray_temp, *args: str
+) -> subprocess.CompletedProcess:
+    ray_dir, env = ray_temp
+    return subprocess.run(
         [
+            sys.executable,
+            "-m",
+            "rl_launch.cli",
             command,
             "--preset_root",
             str(tmp_path / "presets"),
@@ -53,10 +46,17 @@ def _run(command: str, out: pathlib.Path, tmp_path: pathlib.Path, *args: str) ->
             str(out),
             "--log.progress_bar",
             "false",
+            "--ray.temp_dir",
+            ray_dir,
             "--train.max_steps",
             str(STEPS),
             *args,
-        ]
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
     )
 
 
@@ -79,19 +79,15 @@ def _weights(folder: pathlib.Path) -> dict[str, torch.Tensor]:
         ("kto", "kto/loss", ("--train.zero_stage", "3")),
     ],
 )
-def test_two_ray_ranks_take_the_steps_of_one_rank(
-    command, key, options, tmp_path, capsys, local_ray, in_process
-):
+def test_two_ray_ranks_take_the_steps_of_one_rank(command, key, options, tmp_path, ray_temp):
     one, two = tmp_path / "one", tmp_path / "two"
     single = [option for option in options if option not in ("--model.sequence_parallel_size", "2")]
-    assert _run(command, one, tmp_path, *single) == 0, capsys.readouterr().err[-3000:]
-    capsys.readouterr()
-    code = _run(
-        command, two, tmp_path, *options, "--ray.learner.num_actors", "2", "--train.micro_batch_tokens", "64"
-    )
-    out, err = capsys.readouterr()
-    assert code == 0, err[-3000:]
-    assert "2 Ray actors (world size 2" in out + err
+    done = _run(command, one, tmp_path, ray_temp, *single)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ranks = ("--ray.learner.num_actors", "2", "--train.micro_batch_tokens", "64")
+    done = _run(command, two, tmp_path, ray_temp, *options, *ranks)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "2 Ray actors (world size 2" in done.stdout + done.stderr
     assert (two / "logs" / "policy-1.log").is_file()
 
     first, second = read_metrics(one), read_metrics(two)
@@ -108,7 +104,7 @@ def test_two_ray_ranks_take_the_steps_of_one_rank(
 
 
 def test_a_killed_rank_stops_the_run_with_a_diagnosis_and_the_run_resumes_from_its_checkpoint(
-    tmp_path, capsys, local_ray, in_process
+    tmp_path, ray_temp
 ):
     out = tmp_path / "run"
     killed: list[int] = []
@@ -124,21 +120,13 @@ def test_a_killed_rank_stops_the_run_with_a_diagnosis_and_the_run_resumes_from_i
 
     watcher = threading.Thread(target=kill_rank_1_after_step_2, daemon=True)
     watcher.start()
-    code = _run(
-        "sft",
-        out,
-        tmp_path,
-        "--ray.learner.num_actors",
-        "2",
-        "--train.max_steps",
-        "400",  # later flags win: a run that would not end before the kill
-        "--ckpt.save_steps",
-        "1",
-    )
+    ranks = ("--ray.learner.num_actors", "2")
+    # later flags win: a run that would not end before the kill
+    done = _run("sft", out, tmp_path, ray_temp, *ranks, "--train.max_steps", "400", "--ckpt.save_steps", "1")
     watcher.join(timeout=10)
-    err = capsys.readouterr().err
+    err = done.stderr
     assert killed, "the run ended before rank 1 could be killed"
-    assert code == 1, err[-3000:]
+    assert done.returncode == 1, err[-3000:]
     assert "policy-1 died" in err
     assert str(out / "logs" / "policy-1.log") in err
     assert "--ckpt.load_checkpoint true continues from it" in err
@@ -150,15 +138,14 @@ def test_a_killed_rank_stops_the_run_with_a_diagnosis_and_the_run_resumes_from_i
         "sft",
         out,
         tmp_path,
-        "--ray.learner.num_actors",
-        "2",
+        ray_temp,
+        *ranks,
         "--ckpt.load_checkpoint",
         "true",
         "--train.max_steps",
         str(saved + 1),
     )
-    output = capsys.readouterr()
-    assert again == 0, output.err[-3000:]
-    assert f"from step {saved}" in output.out + output.err
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"from step {saved}" in again.stdout + again.stderr
     assert read_metrics(out)[-1]["step"] == saved + 1
     assert (out / "final").is_dir()
