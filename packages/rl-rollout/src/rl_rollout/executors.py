@@ -112,6 +112,18 @@ def _prompt_text(sample: PromptSample, tokenizer: Any) -> str:
     return tokenizer.decode(sample.prompt_ids.tolist(), skip_special_tokens=False)
 
 
+def _episode_metrics(records: Sequence[Trajectory], started: float) -> dict[str, float]:
+    """An episode executor's `last_metrics`: episodes, mean turns (`extra["turns"]`), failed episodes
+    (`extra["episode_error"]`), the share that ended at a length limit, and seconds since `started`."""
+    return {
+        "rollout/episodes": float(len(records)),
+        "rollout/turns_mean": sum(r.extra["turns"] for r in records) / len(records),
+        "rollout/episode_failures": float(sum("episode_error" in r.extra for r in records)),
+        "rollout/truncated_fraction": sum(r.finish_reason == "length" for r in records) / len(records),
+        "rollout/seconds": time.monotonic() - started,
+    }
+
+
 class _GroupCounter:
     """Hands out group ids: one per prompt, increasing across calls, never reused."""
 
@@ -727,7 +739,7 @@ class MultiTurnExecutor:
             for task in tasks:
                 task.cancel()
             raise
-        records, failures, turns = [], 0, []
+        records = []
         for position, (episode, error) in enumerate(results):
             sample = samples[position // self.sampling.n]
             extra = {
@@ -738,10 +750,8 @@ class MultiTurnExecutor:
             }
             reward, score, finish = episode.reward, episode.score, episode.finish_reason
             if error is not None:
-                failures += 1
                 extra["episode_error"] = error
                 reward, score, finish = self.fallback, self.fallback, "abort"
-            turns.append(episode.turns)
             records.append(
                 Trajectory(
                     prompt_ids=episode.prompt_ids,
@@ -758,13 +768,7 @@ class MultiTurnExecutor:
                     extra=extra,
                 )
             )
-        self.last_metrics = {
-            "rollout/episodes": float(len(records)),
-            "rollout/turns_mean": sum(turns) / len(turns),
-            "rollout/episode_failures": float(failures),
-            "rollout/truncated_fraction": sum(r.finish_reason == "length" for r in records) / len(records),
-            "rollout/seconds": time.monotonic() - started,
-        }
+        self.last_metrics = _episode_metrics(records, started)
         return records
 
     def run(

@@ -47,6 +47,7 @@ from .executors import (
     EpisodeError,
     _check_samples,
     _describe,
+    _episode_metrics,
     _GroupCounter,
     _loggable,
     _prompt_text,
@@ -291,14 +292,7 @@ class AgentServerExecutor:
                     extra=extra,
                 )
             )
-        turns = [r.extra["turns"] for r in records]
-        self.last_metrics = {
-            "rollout/episodes": float(len(records)),
-            "rollout/turns_mean": sum(turns) / len(turns),
-            "rollout/episode_failures": float(sum("episode_error" in r.extra for r in records)),
-            "rollout/truncated_fraction": sum(r.finish_reason == "length" for r in records) / len(records),
-            "rollout/seconds": time.monotonic() - started,
-        }
+        self.last_metrics = _episode_metrics(records, started)
         return records
 
     def run(
