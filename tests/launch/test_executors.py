@@ -6,6 +6,8 @@ own code then runs the agent on a real engine."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -238,12 +240,11 @@ def test_agent_server_takes_a_run_agent_file_and_refuses_an_agent_class_file(tmp
 # ---------------------------------------------------------------- the rollout actor's own code
 
 
-def test_the_rollout_worker_runs_the_agent_masks_feedback_and_takes_a_greedy_baseline(
-    tiny_checkpoint, agent_file
-):
-    """`RolloutWorker.generate` (no Ray: the class itself) on the hf engine: two turns per episode,
-    the feedback tokens in the response with action mask 0 and log-prob 0, the agent's reward, and
-    ReMax's greedy baseline from one greedy episode per prompt."""
+def _worker_episodes(
+    tiny_checkpoint, executor: str, options: dict, agent, *, greedy_baseline: bool
+) -> tuple[Any, list[Trajectory]]:
+    """(tokenizer, records) of `RolloutWorker.generate` (no Ray: the class itself) on the hf engine
+    with `executor` running `agent`: two prompts, n = 2, group ids from 10."""
     from transformers import AutoTokenizer
 
     from rl_launch.actors import EngineSpec, RolloutWorker
@@ -255,9 +256,9 @@ def test_the_rollout_worker_runs_the_agent_masks_feedback_and_takes_a_greedy_bas
         dtype="fp32",
         max_model_len=128,
         seed=0,
-        executor="multi_turn",
-        executor_options={"max_turns": 3},
-        agent_func_path=str(agent_file),
+        executor=executor,
+        executor_options=options,
+        agent_func_path=str(agent),
     )
     worker = RolloutWorker(spec)
     try:
@@ -266,9 +267,21 @@ def test_the_rollout_worker_runs_the_agent_masks_feedback_and_takes_a_greedy_bas
             for i, text in enumerate(["What is 1 + 0?", "Name a number."])
         ]
         sampling = SamplingParams(n=2, temperature=1.0, max_new_tokens=6, seed=3)
-        records = decode(worker.generate(encode(prompts), sampling, 10, True), list[Trajectory])
+        generated = worker.generate(encode(prompts), sampling, 10, greedy_baseline)
+        return tokenizer, decode(generated, list[Trajectory])
     finally:
         worker.close()
+
+
+def test_the_rollout_worker_runs_the_agent_masks_feedback_and_takes_a_greedy_baseline(
+    tiny_checkpoint, agent_file
+):
+    """`RolloutWorker.generate` (no Ray: the class itself) on the hf engine: two turns per episode,
+    the feedback tokens in the response with action mask 0 and log-prob 0, the agent's reward, and
+    ReMax's greedy baseline from one greedy episode per prompt."""
+    tokenizer, records = _worker_episodes(
+        tiny_checkpoint, "multi_turn", {"max_turns": 3}, agent_file, greedy_baseline=True
+    )
     feedback = tokenizer(FEEDBACK, add_special_tokens=False)["input_ids"]
     assert [r.group_id for r in records] == [10, 10, 11, 11]
     for record in records:
@@ -298,33 +311,11 @@ def test_the_rollout_worker_runs_an_openai_api_agent_through_the_agent_server(ti
     run_agent's, and the step's server is gone afterwards."""
     import threading
 
-    from transformers import AutoTokenizer
-
-    from rl_launch.actors import EngineSpec, RolloutWorker
-
     agent = tmp_path / "run_agent.py"
     agent.write_text(RUN_AGENT)
-    tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint)
-    spec = EngineSpec(
-        kind="hf",
-        model_path=str(tiny_checkpoint),
-        dtype="fp32",
-        max_model_len=128,
-        seed=0,
-        executor="agent_server",
-        executor_options={"episode_timeout_s": 120},
-        agent_func_path=str(agent),
+    tokenizer, records = _worker_episodes(
+        tiny_checkpoint, "agent_server", {"episode_timeout_s": 120}, agent, greedy_baseline=False
     )
-    worker = RolloutWorker(spec)
-    try:
-        prompts = [
-            PromptSample(prompt_ids=tokenizer(text)["input_ids"], prompt=text, label="1", index=i)
-            for i, text in enumerate(["What is 1 + 0?", "Name a number."])
-        ]
-        sampling = SamplingParams(n=2, temperature=1.0, max_new_tokens=6, seed=3)
-        records = decode(worker.generate(encode(prompts), sampling, 10, False), list[Trajectory])
-    finally:
-        worker.close()
     assert [r.group_id for r in records] == [10, 10, 11, 11]
     for record in records:
         (start, first_end), (second_start, end) = record.extra["action_ranges"]
