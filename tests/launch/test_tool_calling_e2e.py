@@ -15,40 +15,54 @@ from tests.launch.launching import launch, read_metrics
 pytestmark = pytest.mark.slow
 
 
-def test_grpo_teaches_a_tiny_model_to_call_the_calculator(calculator_task, ray_temp, tmp_path):
+STEPS, PROMPTS, SAMPLES = 8, 16, 8
+
+
+def _train(calculator_task, ray_temp, run_dir, learning_rate: str, *own: str) -> list[dict]:
+    """`rl-launch ppo` on the calculator task: GRPO, STEPS steps of PROMPTS prompts x SAMPLES, no KL,
+    the hf engine, the run's own options `own`; its metrics lines (one per step, checked)."""
     ray_dir, env = ray_temp
-    run_dir = tmp_path / "run"
-    steps, prompts, samples = 8, 16, 8
     args = [
         "--preset", "none",
         "--model.pretrain", calculator_task.model_path,
         "--data.prompt_data", calculator_task.train_path,
         "--data.prompt_max_len", "64",
-        "--reward.function", calculator_task.reward,
-        "--rollout.executor", "tool_call",
-        "--rollout.executor_options.tools", calculator_task.tools_path,
-        "--rollout.executor_options.parser", "hermes",
-        "--rollout.executor_options.max_turns", "2",
-        "--rollout.executor_options.tool_timeout_s", "10",
         "--algo.advantage.estimator", "grpo",
         "--algo.kl.init_kl_coef", "0",
-        "--rollout.n_samples_per_prompt", str(samples),
-        "--rollout.rollout_batch_size", str(prompts),
+        "--rollout.n_samples_per_prompt", str(SAMPLES),
+        "--rollout.rollout_batch_size", str(PROMPTS),
         "--rollout.generate_max_len", "32",
         "--rollout.temperature", "1.0",
-        "--train.max_steps", str(steps),
-        "--train.actor_learning_rate", "5e-4",
+        "--train.max_steps", str(STEPS),
+        "--train.actor_learning_rate", learning_rate,
         "--ckpt.save_hf_model", "false",
         "--log.output_dir", str(run_dir),
         "--log.progress_bar", "false",
         "--ray.temp_dir", ray_dir,
         "--rollout.engine", "hf",
+        *own,
     ]  # fmt: skip
     result = launch(args, env)
     assert result.returncode == 0, result.stderr[-4000:]
     metrics = read_metrics(run_dir)
-    assert [line["step"] for line in metrics] == list(range(1, steps + 1))
-    records = prompts * samples
+    assert [line["step"] for line in metrics] == list(range(1, STEPS + 1))
+    return metrics
+
+
+def test_grpo_teaches_a_tiny_model_to_call_the_calculator(calculator_task, ray_temp, tmp_path):
+    metrics = _train(
+        calculator_task,
+        ray_temp,
+        tmp_path / "run",
+        "5e-4",
+        *("--reward.function", calculator_task.reward),
+        *("--rollout.executor", "tool_call"),
+        *("--rollout.executor_options.tools", calculator_task.tools_path),
+        *("--rollout.executor_options.parser", "hermes"),
+        *("--rollout.executor_options.max_turns", "2"),
+        *("--rollout.executor_options.tool_timeout_s", "10"),
+    )
+    records = PROMPTS * SAMPLES
     for line in metrics:
         assert line["rollout/tools/errors/malformed"] + line["rollout/tools/errors/unknown_tool"] <= records
         assert line["rollout/tools/errors/timeout"] == 0.0
@@ -131,38 +145,19 @@ SERVER_RISE = 0.08
 def test_an_openai_client_agent_learns_to_call_the_calculator_through_the_agent_server(
     calculator_task, ray_temp, tmp_path
 ):
-    ray_dir, env = ray_temp
     agent = tmp_path / "calculator_agent.py"
     agent.write_text(OPENAI_AGENT)
-    run_dir = tmp_path / "run"
-    steps, prompts, samples = 8, 16, 8
-    args = [
-        "--preset", "none",
-        "--model.pretrain", calculator_task.model_path,
-        "--data.prompt_data", calculator_task.train_path,
-        "--data.prompt_max_len", "64",
-        "--data.apply_chat_template", "false",  # run_agent gets the question; it builds the messages
-        "--rollout.executor", "agent_server",
-        "--rollout.agent_func_path", str(agent),
-        "--algo.advantage.estimator", "grpo",
-        "--algo.kl.init_kl_coef", "0",
-        "--rollout.n_samples_per_prompt", str(samples),
-        "--rollout.rollout_batch_size", str(prompts),
-        "--rollout.generate_max_len", "32",
-        "--rollout.temperature", "1.0",
-        "--train.max_steps", str(steps),
-        "--train.actor_learning_rate", "3e-4",
-        "--ckpt.save_hf_model", "false",
-        "--log.output_dir", str(run_dir),
-        "--log.progress_bar", "false",
-        "--ray.temp_dir", ray_dir,
-        "--rollout.engine", "hf",
-    ]  # fmt: skip
-    result = launch(args, env)
-    assert result.returncode == 0, result.stderr[-4000:]
-    metrics = read_metrics(run_dir)
-    assert [line["step"] for line in metrics] == list(range(1, steps + 1))
-    records = prompts * samples
+    metrics = _train(
+        calculator_task,
+        ray_temp,
+        tmp_path / "run",
+        "3e-4",
+        # run_agent gets the question; it builds the messages
+        *("--data.apply_chat_template", "false"),
+        *("--rollout.executor", "agent_server"),
+        *("--rollout.agent_func_path", str(agent)),
+    )
+    records = PROMPTS * SAMPLES
     for line in metrics:
         assert line["rollout/episode_failures"] == 0.0
         # a call is one more request: the tool message is a delta of environment tokens
