@@ -199,12 +199,12 @@ class RayLearners:
         import ray
 
         from ..rendezvous import local_ranks
-        from ..roles import _get_all, _wait_started
+        from ..roles import _wait_started
 
         timeout_s = self.config.ray.startup_timeout_s
         located = self.group.submit("node", timeout_s)
         _wait_started(located, timeout_s)
-        nodes = _get_all({self.task.role: located})[self.task.role]
+        nodes = ray.get(located)
         _, master_addr, master_port = nodes[0]
         locals_ = local_ranks([node_id for node_id, _, _ in nodes])
         setups = self.group.submit(

@@ -131,7 +131,6 @@ def steps_of_epochs(config: Any, rows: int) -> Any:
 
 def run_task(task: Task, config: Any) -> int:
     """Run one supervised command with a resolved config; the process exit code (0 on success)."""
-    import ray
     import torch
 
     if not torch.cuda.is_available():
@@ -149,6 +148,7 @@ def run_task(task: Task, config: Any) -> int:
     console = StartupLines(name)
     output_dir = Path(config.log.output_dir)
     guard, learners, started_ray, log_dir, stepping = None, None, False, None, False
+    ray_errors: tuple[type[BaseException], ...] = ()  # Ray's, once the run uses Ray (one rank does not)
     try:
         quiet_third_party_output()
         model_path, data_path = config.model.pretrain, config.data.dataset
@@ -184,6 +184,9 @@ def run_task(task: Task, config: Any) -> int:
             learners = DriverLearner(task, config, model_path, config.train.max_steps)
             guard.install()
         else:
+            import ray
+
+            ray_errors = (ray.exceptions.RayError,)
             layout = learner_layout(task.role, config, use_gpus=False)
             started_ray = start_ray(config, temp_dir=config.ray.temp_dir, layouts=[layout])
             guard.install()  # after ray.init, which sets a SIGTERM handler of its own
@@ -262,7 +265,7 @@ def run_task(task: Task, config: Any) -> int:
             print(f"{name}: {guard.signal_name}: stopped {what}", file=sys.stderr)
             return guard.exit_code
         return 130
-    except ray.exceptions.RayError as error:
+    except ray_errors as error:
         names = {} if learners is None or isinstance(learners, DriverLearner) else learners.actor_names()
         _, text = describe_actor_failure(error, names, log_dir)
         cause = death_cause(error, names, log_dir)
@@ -274,7 +277,9 @@ def run_task(task: Task, config: Any) -> int:
     finally:
         if learners is not None:
             learners.close()
-        if started_ray and ray.is_initialized():
+        if started_ray:
+            import ray
+
             ray.shutdown()
         if guard is not None:
             guard.finish()
