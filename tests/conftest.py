@@ -166,6 +166,17 @@ def tokenizer(make_tokenizer):
 
 
 @pytest.fixture(scope="session")
+def preset_root(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    """One `--preset_root` for the whole run, shared by the xdist workers (their temp folders'
+    parent): a preset is built once (`rl_launch.presets.cache`: the second builder waits for the
+    first and reads what it built)."""
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "presets"
+    root.mkdir(exist_ok=True)
+    return root
+
+
+@pytest.fixture(scope="session")
 def calculator_task(tmp_path_factory: pytest.TempPathFactory):
     """The calculator task's warm-started model, prompts and tools file
     (`rl_launch.presets.calculator.build_calculator`), built once per session."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import pathlib
 import sys
 import tempfile
 import traceback
@@ -98,6 +99,12 @@ def main(model: str, prompts: str, reward: str, ray_dir: str, out: str) -> None:
                 results[f"{kind}:{name}"] = {"ok": False, "error": traceback.format_exc()[-3000:]}
             print(kind, name, results[f"{kind}:{name}"].get("ok"), flush=True)
     finally:
+        # Ray's processes: one worker per actor, none started idle (cluster._no_idle_workers)
+        logs = pathlib.Path(ray_dir, "session_latest", "logs")
+        results["_ray"] = {
+            "actors": len(roles.actor_names()),
+            "workers": len(list(logs.glob("python-core-worker-*.log"))),
+        }
         with open(out, "w") as handle:
             json.dump(results, handle, indent=1)
         roles.shutdown()

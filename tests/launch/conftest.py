@@ -44,11 +44,11 @@ def in_process():
 
 
 @pytest.fixture(scope="session")
-def arithmetic_teacher(tmp_path_factory):
-    """(preset root, teacher folder): the arithmetic preset built once per session under that root
-    (what `--preset_root` reads) and its distillation teacher (`presets.arithmetic.build_teacher`:
-    the preset's model fine-tuned 50 more steps on right answers only)."""
+def arithmetic_teacher(preset_root):
+    """(preset root, teacher folder): the arithmetic preset built once per run under the shared
+    `preset_root` (what `--preset_root` reads) and its distillation teacher
+    (`presets.arithmetic.build_teacher`: the preset's model fine-tuned 50 more steps on right
+    answers only)."""
     from rl_launch.presets.arithmetic import build_teacher
 
-    root = tmp_path_factory.mktemp("presets")
-    return str(root), build_teacher(root)
+    return str(preset_root), build_teacher(preset_root)

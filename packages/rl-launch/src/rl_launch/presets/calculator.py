@@ -52,7 +52,6 @@ import hashlib
 import json
 import os
 import random
-import shutil
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -61,6 +60,7 @@ import msgspec
 
 from . import calculator_tools
 from .arithmetic import arithmetic_reward
+from .cache import cached_build, recipe_hash
 
 __all__ = [
     "RECIPE_NAME",
@@ -234,29 +234,18 @@ def build_calculator(
         "hidden_size": hidden_size,
         "num_layers": num_layers,
     }
-    digest = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
-    root = Path(root)
-    folder = root / f"{RECIPE_NAME}-{digest}"
-    marker_path = folder / MARKER
-    if marker_path.is_file():
-        return _artifacts(folder, json.loads(marker_path.read_text()))
-    if folder.exists():  # an interrupted build: no marker
-        shutil.rmtree(folder)
+    digest = recipe_hash(recipe)
+    folder = Path(root) / f"{RECIPE_NAME}-{digest}"
 
-    import torch
+    def build(staging: Path) -> dict[str, Any]:
+        import torch
 
-    from rl_data.tiny import build_tiny_model, build_tiny_tokenizer
+        from rl_data.tiny import build_tiny_model, build_tiny_tokenizer
 
-    from ..warm_start import sft_warm_start
+        from ..warm_start import sft_warm_start
 
-    train = make_problems(train_problems, seed, split="train")
-    evaluation = make_problems(eval_problems, seed, split="eval")
-    root.mkdir(parents=True, exist_ok=True)
-    staging = root / f".{RECIPE_NAME}-{digest}.tmp-{os.getpid()}"
-    if staging.exists():
-        shutil.rmtree(staging)
-    staging.mkdir()
-    try:
+        train = make_problems(train_problems, seed, split="train")
+        evaluation = make_problems(eval_problems, seed, split="eval")
         tokenizer = build_tiny_tokenizer(corpus=_tokenizer_corpus(seed), chat_template="chatml-tools")
         tokenizer.add_tokens(list(TOOL_TOKENS))
         model = build_tiny_model(
@@ -279,10 +268,6 @@ def build_calculator(
         )
         model.save_pretrained(staging / "model")
         tokenizer.save_pretrained(staging / "model")
-        marker = {"recipe_hash": digest, "recipe": recipe, "sft_metrics": metrics}
-        staging.rename(folder)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    marker_path.write_text(json.dumps(marker, indent=2, sort_keys=True))
-    return _artifacts(folder, json.loads(marker_path.read_text()))
+        return {"recipe_hash": digest, "recipe": recipe, "sft_metrics": metrics}
+
+    return _artifacts(folder, cached_build(folder, MARKER, build))

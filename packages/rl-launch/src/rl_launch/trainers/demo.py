@@ -23,11 +23,12 @@ written last; a folder without it is rebuilt), in about a second.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import shutil
 from pathlib import Path
+from typing import Any
+
+from ..presets.cache import cached_build, recipe_hash
 
 __all__ = ["DEMO_VERSION", "build_demo", "demo_rows"]
 
@@ -65,28 +66,19 @@ def build_demo(
         "num_layers": num_layers,
         "vocab_size": vocab_size,
     }
-    digest = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
-    folder = root / f"supervised-{digest}"
+    folder = root / f"supervised-{recipe_hash(recipe)}"
     paths = {
         "model": str(folder / "model"),
         "sft": str(folder / "sft.jsonl"),
         "pairs": str(folder / "pairs.jsonl"),
         "unpaired": str(folder / "unpaired.jsonl"),
     }
-    if (folder / MARKER).is_file():
-        return paths
-    if folder.exists():  # an interrupted build
-        shutil.rmtree(folder)
 
-    import torch
+    def build(staging: Path) -> dict[str, Any]:
+        import torch
 
-    from rl_data.tiny import build_tiny_model, build_tiny_tokenizer
+        from rl_data.tiny import build_tiny_model, build_tiny_tokenizer
 
-    root.mkdir(parents=True, exist_ok=True)
-    staging = root / f".supervised-{digest}.tmp-{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir()
-    try:
         tokenizer = build_tiny_tokenizer(vocab_size=vocab_size, chat_template="chatml")
         model = build_tiny_model(
             tokenizer,
@@ -108,9 +100,7 @@ def build_demo(
         ]
         for name, rows in (("sft.jsonl", sft), ("pairs.jsonl", pairs), ("unpaired.jsonl", unpaired)):
             (staging / name).write_text("".join(json.dumps(row) + "\n" for row in rows))
-        staging.rename(folder)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    (folder / MARKER).write_text(json.dumps({"recipe_hash": digest, "recipe": recipe}, indent=2))
+        return {"recipe_hash": recipe_hash(recipe), "recipe": recipe}
+
+    cached_build(folder, MARKER, build)
     return paths
