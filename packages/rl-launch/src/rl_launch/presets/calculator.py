@@ -208,11 +208,12 @@ def build_calculator(
     train_problems: int = 1024,
     eval_problems: int = 64,
     guesses: int = 1,
-    sft_steps: int = 1000,
+    sft_steps: int = 500,
     sft_batch_size: int = 16,
     sft_lr: float = 5e-3,
     hidden_size: int = 128,
     num_layers: int = 2,
+    intermediate_size: int = 256,
 ) -> CalculatorArtifacts:
     """Build (or reuse) the calculator task under `root`: tokenizer, warm-started model, JSONL files.
 
@@ -233,6 +234,7 @@ def build_calculator(
         "sft_lr": sft_lr,
         "hidden_size": hidden_size,
         "num_layers": num_layers,
+        "intermediate_size": intermediate_size,
     }
     digest = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
     root = Path(root)
@@ -265,7 +267,7 @@ def build_calculator(
             num_layers=num_layers,
             num_heads=max(4, hidden_size // 32),
             num_kv_heads=max(2, hidden_size // 64),
-            intermediate_size=4 * hidden_size,
+            intermediate_size=intermediate_size,
             seed=seed,
             dtype=torch.float32,
         )
