@@ -61,8 +61,8 @@ os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get
 # The seconds: each file's time in the last full run (`-n 2`, quiet machine, 12:58 in all), where
 # a file changed since, what it measured on its own beside another heavy file.
 LONGEST_FILES = (
-    # not measured in a quiet full run: 211 s alone at a load falling from ~9 to ~3 (the calculator
-    # build in the calculator_task fixture 162 s, then 8 GRPO steps 47 s)
+    # not measured in a quiet full run: 133 s alone at a load of ~1.5-2.5 (the calculator build in
+    # the calculator_task fixture 36 s, then the two 8-step GRPO runs 39 s and 56 s)
     "launch/test_tool_calling_e2e.py",
     "launch/test_chaos.py",  # ~115 s (five rl-launch runs, one beside the others)
     "launch/test_trainers_ray.py",  # ~125 s (sft and kto on two Ray ranks against one, a killed rank resumed)
