@@ -11,6 +11,7 @@ rendered by the tiny tokenizer's "chatml-tools" template.
 from __future__ import annotations
 
 import asyncio
+import warnings
 
 import pytest
 import torch
@@ -273,3 +274,22 @@ def test_tools_in_prompt_none_keeps_the_prompt(tokenizer):
     assert record.extra["tools"]["calls"] == 0
     assert record.reward == 1.0
     assert torch.equal(record.action_mask, torch.ones_like(record.action_mask))
+
+
+def test_run_inside_a_running_event_loop_is_refused_and_names_arun(tokenizer):
+    engine = ScriptedToolEngine(tokenizer, ["5"])
+    executor = ToolCallExecutor(engine, first_integer_reward(), tokenizer, SamplingParams(), tools=TOOLS)
+
+    async def inside_a_loop():
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # the refused coroutine is closed, not left un-awaited
+            executor.run([sample(tokenizer)])
+
+    with pytest.raises(
+        RuntimeError,
+        match=r"ToolCallExecutor.run: an event loop is running here; await ToolCallExecutor.arun",
+    ):
+        asyncio.run(inside_a_loop())
+    assert engine.calls == []
+    [record] = executor.run([sample(tokenizer)])  # outside a loop it runs
+    assert record.reward == 1.0

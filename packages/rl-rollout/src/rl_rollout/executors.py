@@ -112,6 +112,17 @@ def _prompt_text(sample: PromptSample, tokenizer: Any) -> str:
     return tokenizer.decode(sample.prompt_ids.tolist(), skip_special_tokens=False)
 
 
+def _run_sync(coroutine: Any, owner: str, run: Callable[[Any], Any] = asyncio.run) -> Any:
+    """`run(coroutine)` from synchronous code (`asyncio.run` unless given another runner); an
+    event loop running in this thread is refused, naming `owner`'s `arun` to await instead."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return run(coroutine)
+    coroutine.close()  # never awaited
+    raise RuntimeError(f"{owner}.run: an event loop is running here; await {owner}.arun instead")
+
+
 def _episode_metrics(records: Sequence[Trajectory], started: float) -> dict[str, float]:
     """An episode executor's `last_metrics`: episodes, mean turns (`extra["turns"]`), failed episodes
     (`extra["episode_error"]`), the share that ended at a length limit, and seconds since `started`."""
@@ -775,12 +786,6 @@ class MultiTurnExecutor:
         self, samples: Sequence[PromptSample], *, group_ids: Sequence[int] | None = None
     ) -> list[Trajectory]:
         """`arun` from synchronous code (no event loop may be running in this thread)."""
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:
-            if self._execute is not None:  # the file's AgentExecutor keeps its loop across calls
-                return self.execute_agent.run(self.arun(samples, group_ids=group_ids))
-            return asyncio.run(self.arun(samples, group_ids=group_ids))
-        raise RuntimeError(
-            "MultiTurnExecutor.run: an event loop is running here; await MultiTurnExecutor.arun instead"
-        )
+        # the file's AgentExecutor keeps its loop across calls
+        runner = self.execute_agent.run if self._execute is not None else asyncio.run
+        return _run_sync(self.arun(samples, group_ids=group_ids), "MultiTurnExecutor", runner)

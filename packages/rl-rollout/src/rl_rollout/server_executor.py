@@ -51,6 +51,7 @@ from .executors import (
     _GroupCounter,
     _loggable,
     _prompt_text,
+    _run_sync,
     _sample_extra,
     _shim_installed,
 )
@@ -299,13 +300,7 @@ class AgentServerExecutor:
         self, samples: Sequence[PromptSample], *, group_ids: Sequence[int] | None = None
     ) -> list[Trajectory]:
         """`arun` from synchronous code (no event loop may be running in this thread)."""
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:
-            return asyncio.run(self.arun(samples, group_ids=group_ids))
-        raise RuntimeError(
-            "AgentServerExecutor.run: an event loop is running here; await AgentServerExecutor.arun instead"
-        )
+        return _run_sync(self.arun(samples, group_ids=group_ids), "AgentServerExecutor")
 
     def close(self) -> None:
         """Stop the server if a `run` left it up (it does not, unless interrupted)."""

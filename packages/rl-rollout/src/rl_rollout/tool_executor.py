@@ -43,7 +43,7 @@ import msgspec
 from rl_data import PromptSample, Trajectory
 from rl_data.errors import check_integer
 
-from .executors import MultiTurnExecutor, _prompt_text
+from .executors import MultiTurnExecutor, _prompt_text, _run_sync
 from .protocol import Engine, SamplingParams
 from .rewards import RewardFunction
 from .tools import TOOL_ERRORS, TOOL_PARSERS, Tool, ToolCallParser, call_tool, load_tools, openai_tool_schemas
@@ -320,13 +320,7 @@ class ToolCallExecutor:
         self, samples: Sequence[PromptSample], *, group_ids: Sequence[int] | None = None
     ) -> list[Trajectory]:
         """`arun` from synchronous code (no event loop may be running in this thread)."""
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:
-            return asyncio.run(self.arun(samples, group_ids=group_ids))
-        raise RuntimeError(
-            "ToolCallExecutor.run: an event loop is running here; await ToolCallExecutor.arun instead"
-        )
+        return _run_sync(self.arun(samples, group_ids=group_ids), "ToolCallExecutor")
 
 
 def tool_metrics(records: Sequence[Trajectory]) -> dict[str, float]:
