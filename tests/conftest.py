@@ -58,33 +58,33 @@ os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get
 # `--no-loadscope-reorder`, pyproject.toml), so a long file collected
 # last keeps one worker busy while the other idles. Longest first, then the other files with slow
 # tests, then the fast ones (which fill the gaps) lets both workers finish together.
-# The seconds: each file's time in the last full run (`-n 2`, quiet machine, 12:58 in all), where
-# a file changed since, what it measured on its own beside another heavy file.
+# The seconds: each file's time in the last full run (a fresh clone, `-n 2`, 14:12 of pytest;
+# the files' durations as pytest's --durations reports them, setup included).
 LONGEST_FILES = (
-    # not measured in a quiet full run: 133 s alone at a load of ~1.5-2.5 (the calculator build in
-    # the calculator_task fixture 36 s, then the two 8-step GRPO runs 39 s and 56 s)
-    "launch/test_tool_calling_e2e.py",
-    "launch/test_chaos.py",  # ~115 s (five rl-launch runs, one beside the others)
-    "launch/test_trainers_ray.py",  # ~125 s (sft and kto on two Ray ranks against one, a killed rank resumed)
-    "launch/test_async_resume.py",  # ~110 s (two kill-and-resume runs)
-    "launch/test_sequence_parallel_run.py",  # ~85 s (long-context responses, two runs)
-    "rollout/test_http_engine.py",  # ~76 s (its vllm serve, and the rl-launch ppo run on it)
-    "launch/test_preset_run.py",  # ~74 s (the preset's build, then its 16 steps)
-    "launch/test_distill_run.py",  # ~75 s? (the preset's build, its teacher, 6 steps; not yet measured in a full run)
-    "launch/test_leftovers_vllm.py",  # ~65 s (two vLLM engines, each in a process of its own)
-    "launch/test_multinode.py",  # ~60 s
-    "launch/test_ppo_runs.py",  # ~55 s (OpenRLHF's hybrid-engine script: every learner role, vLLM)
-    "launch/test_every_component.py",  # ~52 s
-    "launch/test_ppo_variants.py",  # ~49 s
-    "rollout/test_vllm_engine.py",  # ~47 s
-    "learner/test_checkpoint.py",  # ~44 s
-    "launch/test_lora_run.py",  # ~40 s
-    "launch/test_rewards_e2e.py",  # ~36 s (with the served reward model)
-    "launch/test_data_eval_e2e.py",  # ~35 s (with the plugin of every kind)
-    "launch/test_agents.py",  # ~32 s
-    "learner/test_sync.py",  # ~30 s
-    "learner/test_sequence_parallel.py",  # ~26 s
-    "learner/test_learner.py",  # ~26 s (two DeepSpeed worlds)
+    "launch/test_tool_calling_e2e.py",  # ~156 s (the calculator build, 50 s, then two 8-step runs)
+    "launch/test_chaos.py",  # ~149 s (five rl-launch runs, one beside the others)
+    "launch/test_trainers_ray.py",  # ~136 s (sft and kto on two Ray ranks against one, a killed rank resumed)
+    "launch/test_async_resume.py",  # ~92 s (two kill-and-resume runs)
+    "launch/test_sequence_parallel_run.py",  # ~75 s (long-context responses, two runs)
+    "launch/test_preset_run.py",  # ~66 s (the preset's 16 steps; its build is shared, see preset_root)
+    "launch/test_leftovers_vllm.py",  # ~61 s (two vLLM engines, each in a process of its own)
+    "launch/test_distill_run.py",  # ~61 s (the teacher's build, then 6 steps)
+    "rollout/test_http_engine.py",  # ~60 s (its vllm serve, and the rl-launch ppo run on it)
+    "launch/test_lora_run.py",  # ~58 s
+    "launch/test_ppo_runs.py",  # ~54 s (OpenRLHF's hybrid-engine script: every learner role, vLLM)
+    "launch/test_rewards_e2e.py",  # ~52 s (with the served reward model)
+    "launch/test_multinode.py",  # ~51 s
+    "launch/test_data_eval_e2e.py",  # ~50 s (with the plugin of every kind)
+    "launch/test_ppo_variants.py",  # ~37 s
+    "launch/test_every_component.py",  # ~37 s
+    "learner/test_checkpoint.py",  # ~34 s
+    "learner/test_learner.py",  # ~30 s (two DeepSpeed worlds)
+    "learner/test_sync.py",  # ~29 s
+    "launch/test_health.py",  # ~28 s
+    "rollout/test_vllm_engine.py",  # ~26 s
+    "launch/test_agents.py",  # ~23 s
+    "launch/test_hybrid.py",  # ~22 s
+    "learner/test_sequence_parallel.py",  # ~21 s
 )
 
 
