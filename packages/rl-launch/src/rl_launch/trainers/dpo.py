@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from .common import build_learner, load_preferences, pair_tokens
+from .common import build_learner, build_reference, load_preferences, pair_tokens
 from .config import DPOConfig
-from .loop import Task, learner_options, model_options, run_task
+from .loop import Task, run_task
 
 __all__ = ["SETTINGS", "TASK", "run"]
 
@@ -31,13 +31,10 @@ SETTINGS: dict[str, Any] = {
 
 
 def _build(config: DPOConfig, model_path: str, total_steps: int):
-    from rl_learner import DPOLearner, DPOLossConfig, PolicyLearner, load_causal_lm, pack_pairs
+    from rl_learner import DPOLearner, DPOLossConfig, pack_pairs
 
     learner = build_learner(DPOLearner, config, model_path, total_steps, value=False)
-    deepspeed = learner_options(config).inference
-    reference = PolicyLearner(
-        load_causal_lm(model_path, **model_options(config, deepspeed)), deepspeed=deepspeed
-    )
+    reference = build_reference(config, model_path)
     loss = DPOLossConfig(
         beta=config.loss.beta, label_smoothing=config.loss.label_smoothing, loss_type=config.loss.loss_type
     )

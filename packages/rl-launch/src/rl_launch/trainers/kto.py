@@ -17,9 +17,9 @@ from typing import Any
 
 import msgspec
 
-from .common import build_learner, read_rows
+from .common import build_learner, build_reference, read_rows
 from .config import KTOConfig
-from .loop import Task, learner_options, model_options, run_task
+from .loop import Task, run_task
 
 __all__ = ["SETTINGS", "TASK", "KTOItem", "mismatched_pairs", "run"]
 
@@ -90,13 +90,10 @@ def _load(config: KTOConfig, tokenizer: Any, path: str) -> Any:
 
 
 def _build(config: KTOConfig, model_path: str, total_steps: int):
-    from rl_learner import KTOLearner, KTOLossConfig, PolicyLearner, load_causal_lm, pack_unpaired
+    from rl_learner import KTOLearner, KTOLossConfig, pack_unpaired
 
     learner = build_learner(KTOLearner, config, model_path, total_steps, value=False)
-    deepspeed = learner_options(config).inference
-    reference = PolicyLearner(
-        load_causal_lm(model_path, **model_options(config, deepspeed)), deepspeed=deepspeed
-    )
+    reference = build_reference(config, model_path)
     loss = KTOLossConfig(
         beta=config.loss.beta,
         desirable_weight=config.loss.desirable_weight,
