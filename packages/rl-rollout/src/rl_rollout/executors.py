@@ -435,9 +435,11 @@ def _loggable(value: Any) -> Any:
     return value
 
 
-def _token_versions(episode: _Episode) -> list[int] | None:
+def _token_versions(episode: Any) -> list[int] | None:
     """An episode's per-token versions, None when every token is `policy_version`'s (or they do
-    not line up with its tokens: an episode that failed before its first action)."""
+    not line up with its tokens: an episode that failed before its first action). `episode` is
+    anything with `versions`, `response_ids` and `policy_version`: an `_Episode`, or the agent
+    server's `SessionRecord`."""
     versions = episode.versions
     if len(versions) != len(episode.response_ids) or all(v == episode.policy_version for v in versions):
         return None

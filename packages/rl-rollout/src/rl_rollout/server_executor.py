@@ -54,6 +54,7 @@ from .executors import (
     _run_sync,
     _sample_extra,
     _shim_installed,
+    _token_versions,
 )
 from .protocol import Engine, SamplingParams
 from .rewards import ON_ERROR, load_python_file
@@ -270,13 +271,6 @@ class AgentServerExecutor:
             if error is not None:
                 extra["episode_error"] = error
                 finish = "abort"
-            versions = session.versions
-            token_versions = (
-                versions
-                if len(versions) == len(session.response_ids)
-                and any(v != session.policy_version for v in versions)
-                else None
-            )
             records.append(
                 Trajectory(
                     prompt_ids=session.prompt_ids or sample.prompt_ids.tolist(),
@@ -287,7 +281,7 @@ class AgentServerExecutor:
                     score=score,
                     group_id=groups[position // self.sampling.n],
                     policy_version=session.policy_version,
-                    token_versions=token_versions,
+                    token_versions=_token_versions(session),
                     finish_reason=finish,
                     label=sample.label,
                     extra=extra,
