@@ -16,8 +16,9 @@
 #         (rl-launch ppo, vLLM and the DeepSpeed learner colocated on the GPU) against TRL's
 #         GRPOTrainer (HF generate on the GPU), the same model, prompts and reward; ours as
 #         D_VARIANT (resident: ray.colocate all with nothing slept or offloaded; sleep: the
-#         default hybrid engine; async: resident + rollout.async_train), then each variant of
-#         D_MORE ("async sleep") on our side alone while time is left
+#         default hybrid engine; async: resident + rollout.async_train; none: no run against
+#         TRL, for a second call on the same warm machine), then each variant of D_MORE
+#         ("async sleep") on our side alone while time is left
 # Everything is logged into $OUT (8 files, the most that come back): summary.txt, warm.log,
 # a_env.log, b_gpu_tests.log, c_vllm_engine.log, d_long.log, d_ours.log, d_trl.log; the summary
 # is printed at the end.
@@ -211,9 +212,8 @@ collect_d() { # our side's console, metrics and actor logs (tails) into one file
 
 MODE=${VLLM_MODE:-decode-graphs}
 VARIANT=${D_VARIANT:-resident}
-run_d "$MODE" "$VARIANT"
-collect_d
-if [[ "${STEPS:-abcd}" == *d* ]] && ! grep -qE '^ours (done|killed)' "$D" && [ "$MODE" != eager ] && ! grep -q 'actors ready' "$OUT/d_ours.log" 2>/dev/null \
+[ "$VARIANT" = none ] || { run_d "$MODE" "$VARIANT"; collect_d; }
+if [[ "${STEPS:-abcd}" == *d* ]] && [ "$VARIANT" != none ] && ! grep -qE '^ours (done|killed)' "$D" && [ "$MODE" != eager ] && ! grep -q 'actors ready' "$OUT/d_ours.log" 2>/dev/null \
   && [ "$(left)" -gt 240 ]; then
   say "[d] ours failed before its actors were ready with VLLM_MODE=$MODE: once more with eager"
   MODE=eager
