@@ -51,7 +51,9 @@ export PYTHONPATH="$SITE:$ROOT:$ROOT/packages/rl-algos/src:$ROOT/packages/rl-dat
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export DS_ACCELERATOR=cuda VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 RAY_USAGE_STATS_ENABLED=0
 export TORCH_EXTENSIONS_DIR=/tmp/torch_extensions # DeepSpeed's JIT ops: one build for every step
-export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} # H100 / H200; the same flags everywhere, so one build
+# H100 / H200, and the install call's prebuild flags (so one build, reused): not a value already
+# in the environment, where an arch like '9.0a' fails DeepSpeed 0.19.8's parsing (2026-11-27)
+export TORCH_CUDA_ARCH_LIST=9.0
 export VLLM_USE_FLASHINFER_SAMPLER=0                     # FlashInfer's sampling kernels would JIT-compile (minutes)
 PY=${PY:-python3}
 
