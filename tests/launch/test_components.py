@@ -374,6 +374,35 @@ def test_a_vllm_engine_option_is_checked_against_vllms_own_engine_arguments():
     )
 
 
+def test_vllms_engine_argument_names_are_read_without_importing_vllm():
+    """The launcher checks `rollout.engine_options` before it starts anything; importing vLLM
+    for that took 10-13 s of the driver's start-up. The names read from vLLM's source are the
+    dataclass fields vLLM itself lists, and `rl-launch ppo --print-config` with a vLLM engine
+    option (checked, then printed) leaves vLLM unimported."""
+    import dataclasses
+    import subprocess
+    import sys
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    from rl_rollout.engines.vllm import engine_arg_names
+
+    assert engine_arg_names() == {field.name for field in dataclasses.fields(EngineArgs)}
+    script = (
+        "import sys\n"
+        "from rl_launch.cli import main\n"
+        "code = main(['ppo', '--rollout.engine_options.max_num_batched_tokens', '512', '--print-config'])\n"
+        "assert code == 0, code\n"
+        "print('vllm imported:', 'vllm' in sys.modules)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "max_num_batched_tokens: 512" in done.stdout
+    assert done.stdout.strip().endswith("vllm imported: False"), done.stdout[-500:]
+
+
 def test_the_engine_section_reaches_the_engine_verbatim(tiny_checkpoint):
     from rl_launch.actors import EngineSpec
 

@@ -331,6 +331,44 @@ def _samples(output: Any, params: SamplingParams, version: int) -> list[Generati
     return samples
 
 
+def engine_arg_names() -> frozenset[str]:
+    """The field names of vLLM's `EngineArgs` dataclass, read without importing vLLM.
+
+    The fields are the annotated assignments of `class EngineArgs` in the installed
+    `vllm/engine/arg_utils.py` (parsed with `ast`; `ClassVar` annotations are not fields), which
+    is what `dataclasses.fields(EngineArgs)` lists. Where that file or class cannot be read that
+    way (another layout of vLLM), vLLM is imported and `dataclasses.fields` asked.
+    """
+    import ast
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("vllm")  # finds the package without running it
+    if spec is not None and spec.submodule_search_locations:
+        for folder in spec.submodule_search_locations:
+            source = Path(folder, "engine", "arg_utils.py")
+            try:
+                tree = ast.parse(source.read_text(encoding="utf-8"))
+            except (OSError, SyntaxError, UnicodeDecodeError):
+                continue
+            for node in tree.body:
+                if isinstance(node, ast.ClassDef) and node.name == "EngineArgs" and not node.bases:
+                    names = {
+                        item.target.id
+                        for item in node.body
+                        if isinstance(item, ast.AnnAssign)
+                        and isinstance(item.target, ast.Name)
+                        and "ClassVar" not in ast.unparse(item.annotation)
+                    }
+                    if names:
+                        return frozenset(names)
+    import dataclasses
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    return frozenset(field.name for field in dataclasses.fields(EngineArgs))
+
+
 class VLLMEngine(Engine):
     """vLLM's engine on a thread of its own; token ids in, token ids and log-probs out.
 
@@ -465,15 +503,15 @@ class VLLMEngine(Engine):
     @staticmethod
     def option_names() -> frozenset[str]:
         """The keyword options the constructor takes: its own and vLLM's engine arguments (passed
-        through `**engine_kwargs`), less the two the engine sets itself. Imports vLLM."""
-        import dataclasses
+        through `**engine_kwargs`), less the two the engine sets itself.
+
+        vLLM's argument names are read from the installed `vllm/engine/arg_utils.py` without
+        importing vLLM (`engine_arg_names`): a launcher checks the options of a run before it
+        starts anything, and importing vLLM there took 10-13 s of its start-up."""
         import inspect
 
-        from vllm.engine.arg_utils import EngineArgs
-
         own = set(inspect.signature(VLLMEngine).parameters) - {"model", "engine_kwargs"}
-        vllm_args = {field.name for field in dataclasses.fields(EngineArgs)}
-        return frozenset(own | vllm_args) - {"logprobs_mode", "worker_extension_cls", "model"}
+        return frozenset(own | engine_arg_names()) - {"logprobs_mode", "worker_extension_cls", "model"}
 
     # --- the engine's thread -------------------------------------------------------------------
 
