@@ -32,7 +32,7 @@ from tests.launch.launching import kill_once_written, launch, read_metrics, writ
 
 pytestmark = pytest.mark.slow
 
-PROMPTS, BATCH, N, STEPS, DEPTH, SEED = 64, 4, 2, 8, 2, 3
+PROMPTS, BATCH, N, STEPS, DEPTH, SEED = 64, 4, 2, 6, 2, 3
 PARTIAL_MAX_LEN = 48
 ROUND, STREAM_STALENESS = 6, 4  # streaming: prompts per round (> BATCH), staleness bound
 

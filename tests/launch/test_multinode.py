@@ -75,30 +75,46 @@ class NetnsCluster:
             _ip("netns", "exec", namespace, "ip", "link", "set", "lo", "up")
 
     def start_ray(self) -> None:
+        """`ray start` on the head node, then on nodes 2 and 3 at once (each start is mostly waits)."""
         for node in range(1, NODES + 1):
-            temp_dir = tempfile.mkdtemp(prefix=f"rlm{node}-", dir="/tmp")  # unix sockets: short paths
-            self.temp_dirs.append(temp_dir)
-            common = [
-                "--node-ip-address", self.address(node),
-                "--num-cpus", "1",
-                "--object-store-memory", str(200 * 2**20),
-                "--temp-dir", temp_dir,
-                "--disable-usage-stats",
-            ]  # fmt: skip
-            if node == 1:
-                command = [RAY, "start", "--head", "--port", str(GCS_PORT), "--include-dashboard", "false"]
-            else:
-                command = [RAY, "start", "--address", f"{self.address(1)}:{GCS_PORT}"]
-            started = subprocess.run(
-                self.in_node(node, [*command, *common]),
-                env=self.env,
-                capture_output=True,
-                text=True,
-                timeout=180,
-                check=False,
-            )
-            if started.returncode != 0:
-                raise RuntimeError(f"ray start on node {node} failed:\n{started.stdout}\n{started.stderr}")
+            self.temp_dirs.append(tempfile.mkdtemp(prefix=f"rlm{node}-", dir="/tmp"))  # short socket paths
+        self._wait_started([self._start_node(1)])
+        self._wait_started([self._start_node(node) for node in range(2, NODES + 1)])
+
+    def _start_node(self, node: int) -> tuple[int, subprocess.Popen]:
+        common = [
+            "--node-ip-address", self.address(node),
+            "--num-cpus", "1",
+            "--object-store-memory", str(200 * 2**20),
+            "--temp-dir", self.temp_dirs[node - 1],
+            "--disable-usage-stats",
+        ]  # fmt: skip
+        if node == 1:
+            command = [RAY, "start", "--head", "--port", str(GCS_PORT), "--include-dashboard", "false"]
+        else:
+            command = [RAY, "start", "--address", f"{self.address(1)}:{GCS_PORT}"]
+        process = subprocess.Popen(
+            self.in_node(node, [*command, *common]),
+            env=self.env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        return node, process
+
+    @staticmethod
+    def _wait_started(starts: list[tuple[int, subprocess.Popen]]) -> None:
+        failed = []
+        for node, process in starts:
+            try:
+                out, err = process.communicate(timeout=180)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                out, err = process.communicate()
+            if process.returncode != 0:
+                failed.append(f"ray start on node {node} failed (exit {process.returncode}):\n{out}\n{err}")
+        if failed:
+            raise RuntimeError("\n".join(failed))
 
     def processes(self) -> dict[int, str]:
         found = {}
@@ -111,11 +127,13 @@ class NetnsCluster:
         for pid in self.processes():  # not `ray stop`: it would stop every Ray on the machine
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGTERM)
-        deadline = time.monotonic() + 5  # Ray's idle workers may ignore SIGTERM: then SIGKILL
+        deadline = time.monotonic() + 2  # Ray's idle workers may ignore SIGTERM: then SIGKILL
         while self.processes() and time.monotonic() < deadline:
-            time.sleep(0.5)
+            time.sleep(0.1)
         kill_processes(list(self.processes()))
-        time.sleep(1)
+        deadline = time.monotonic() + 2  # a killed process leaves /proc a moment later
+        while self.processes() and time.monotonic() < deadline:
+            time.sleep(0.1)
         leftovers = self.processes()
         for link in self.links:
             with contextlib.suppress(subprocess.CalledProcessError):

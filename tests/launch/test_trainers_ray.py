@@ -1,13 +1,15 @@
 """`rl-launch sft` / `kto` on a Ray actor group of two DeepSpeed ranks (`rl_launch.trainers.learners`).
 
-Each test runs the real CLI (a process of its own: DeepSpeed's process-group state and Ray's must
-not stay in the pytest worker) twice on the arithmetic demo: once on one rank in the driver (the
-default) and once on `--ray.learner.num_actors 2` Ray actors of a local Ray bound to 127.0.0.1,
-checked for leftovers after the test. The two runs must take the same steps: the
-same loss at every step and the same exported weights, although the two ranks split each step's
-items between them (kto, ZeRO-3) or each hold half of every sequence (sft, sequence parallel),
-in smaller micro-batches (`train.micro_batch_tokens`). A rank killed mid-run stops the run with a
-diagnosis that names it and the checkpoint a resume uses, and the resume continues from it.
+Each test runs the real CLI on the arithmetic demo once on one rank in the driver (the default;
+through the CLI's main in this process, as tests/launch/test_trainers.py does) and on
+`--ray.learner.num_actors 2` Ray actors of a local Ray bound to 127.0.0.1 (a process of its own:
+DeepSpeed's process-group state and Ray's must not stay in the pytest worker), checked for
+leftovers after the test. The two must take the same steps: the same loss at every step and the
+same exported weights, although the two ranks split each step's items between them (kto, ZeRO-3)
+or each hold half of every sequence (sft, sequence parallel), in smaller micro-batches
+(`train.micro_batch_tokens`). In the sft test a rank is killed mid-run: the run stops with a
+diagnosis that names it and the checkpoint a resume uses, and the resume continues from it to
+the one rank's weights.
 """
 
 from __future__ import annotations
@@ -69,29 +71,30 @@ def _weights(folder: pathlib.Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-@pytest.mark.parametrize(
-    ("command", "key", "options"),
-    [
-        # one group of two sequence-parallel ranks: each holds half of every micro-batch
-        ("sft", "sft/loss", ("--model.sequence_parallel_size", "2")),
-        # two data-parallel ranks, ZeRO-3 shards, a reference model on each rank, KTO's reference
-        # point from KL pairs made over the whole step and reduced over the ranks
-        ("kto", "kto/loss", ("--train.zero_stage", "3")),
-    ],
-)
-def test_two_ray_ranks_take_the_steps_of_one_rank(command, key, options, tmp_path, ray_temp):
-    one, two = tmp_path / "one", tmp_path / "two"
-    single = [option for option in options if option not in ("--model.sequence_parallel_size", "2")]
-    done = _run(command, one, tmp_path, ray_temp, *single)
-    assert done.returncode == 0, done.stderr[-3000:]
-    ranks = ("--ray.learner.num_actors", "2", "--train.micro_batch_tokens", "64")
-    done = _run(command, two, tmp_path, ray_temp, *options, *ranks)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "2 Ray actors (world size 2" in done.stdout + done.stderr
-    assert (two / "logs" / "policy-1.log").is_file()
+def _in_process(command: str, out: pathlib.Path, tmp_path: pathlib.Path, capsys, *args: str) -> None:
+    """`rl-launch <command>` on one rank in the driver, through the CLI's main in this process (no
+    Ray, no second rank: a process of its own would add only its imports)."""
+    from rl_launch.cli import main
 
+    capsys.readouterr()
+    code = main(
+        [
+            command,
+            "--preset_root", str(tmp_path / "presets"),
+            "--log.output_dir", str(out),
+            "--log.progress_bar", "false",
+            "--train.max_steps", str(STEPS),
+            *args,
+        ]
+    )  # fmt: skip
+    assert code == 0, capsys.readouterr().err[-3000:]
+
+
+def _same_steps(command: str, key: str, one: pathlib.Path, two: pathlib.Path, steps: int) -> None:
+    """The runs in `one` and `two` logged the same `steps` steps and exported the same weights."""
     first, second = read_metrics(one), read_metrics(two)
-    assert [r["step"] for r in second] == list(range(1, STEPS + 1))
+    assert [r["step"] for r in first] == list(range(1, steps + 1))
+    assert [r["step"] for r in second] == list(range(1, steps + 1))
     assert [r[key] for r in second] == pytest.approx([r[key] for r in first], rel=1e-5, abs=1e-6)
     assert first[-1][key] != pytest.approx(first[0][key], rel=1e-3)  # the model did train
     assert [r[f"{command}/sequences"] for r in second] == [r[f"{command}/sequences"] for r in first]
@@ -103,49 +106,81 @@ def test_two_ray_ranks_take_the_steps_of_one_rank(command, key, options, tmp_pat
         torch.testing.assert_close(got[name], tensor, rtol=1e-4, atol=1e-5, msg=name)
 
 
-def test_a_killed_rank_stops_the_run_with_a_diagnosis_and_the_run_resumes_from_its_checkpoint(
-    tmp_path, ray_temp
+def test_two_zero3_ray_ranks_take_the_steps_of_one_rank(tmp_path, ray_temp, capsys, in_process):
+    # two data-parallel ranks, ZeRO-3 shards, a reference model on each rank, KTO's reference
+    # point from KL pairs made over the whole step and reduced over the ranks
+    one, two = tmp_path / "one", tmp_path / "two"
+    _in_process("kto", one, tmp_path, capsys, "--train.zero_stage", "3")
+    ranks = ("--ray.learner.num_actors", "2", "--train.micro_batch_tokens", "64")
+    done = _run("kto", two, tmp_path, ray_temp, "--train.zero_stage", "3", *ranks)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "2 Ray actors (world size 2" in done.stdout + done.stderr
+    assert (two / "logs" / "policy-1.log").is_file()
+    _same_steps("kto", "kto/loss", one, two, STEPS)
+
+
+def test_two_sequence_parallel_ray_ranks_one_killed_and_resumed_take_the_steps_of_one_rank(
+    tmp_path, ray_temp, capsys, in_process
 ):
-    out = tmp_path / "run"
+    """One group of two sequence-parallel ranks (each holds half of every micro-batch), rank 1
+    killed after step 2: the run stops with a diagnosis that names it and the checkpoint a resume
+    uses; resumed on two fresh ranks from that checkpoint, it ends where one rank does.
+
+    The learning rate is constant (`train.min_lr_ratio 1`, the preset's warmup is 0), so a step's
+    update does not depend on `train.max_steps`: the killed run is given 400 steps (it must not end
+    before the kill), the resume and the one-rank run as many as the resume ends at."""
+    two = tmp_path / "two"
     killed: list[int] = []
 
     def kill_rank_1_after_step_2() -> None:
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
-            if (out / "metrics.jsonl").is_file() and len(read_metrics(out)) >= 2:
-                killed.append(actor_pid(out, "policy-1"))
+            if (two / "metrics.jsonl").is_file() and len(read_metrics(two)) >= 2:
+                killed.append(actor_pid(two, "policy-1"))
                 kill_processes(killed)
                 return
             time.sleep(0.05)
 
     watcher = threading.Thread(target=kill_rank_1_after_step_2, daemon=True)
     watcher.start()
-    ranks = ("--ray.learner.num_actors", "2")
+    options = (
+        "--train.min_lr_ratio",
+        "1",
+        "--ray.learner.num_actors",
+        "2",
+        "--train.micro_batch_tokens",
+        "64",
+    )
+    ranks = (*options, "--model.sequence_parallel_size", "2")
     # later flags win: a run that would not end before the kill
-    done = _run("sft", out, tmp_path, ray_temp, *ranks, "--train.max_steps", "400", "--ckpt.save_steps", "1")
+    done = _run("sft", two, tmp_path, ray_temp, *ranks, "--train.max_steps", "400", "--ckpt.save_steps", "1")
     watcher.join(timeout=10)
     err = done.stderr
     assert killed, "the run ended before rank 1 could be killed"
     assert done.returncode == 1, err[-3000:]
+    assert "2 Ray actors (world size 2" in done.stdout + err
     assert "policy-1 died" in err
-    assert str(out / "logs" / "policy-1.log") in err
+    assert str(two / "logs" / "policy-1.log") in err
     assert "--ckpt.load_checkpoint true continues from it" in err
     saved = int(re.search(r"the last checkpoint on disk stays valid: step (\d+)", err).group(1))
     assert saved >= 2
+    steps = max(STEPS, saved + 1)
 
-    # the run's own checkpoint, on two fresh ranks: one more step, then the export
+    # the run's own checkpoint, on two fresh ranks: to `steps`, then the export
     again = _run(
         "sft",
-        out,
+        two,
         tmp_path,
         ray_temp,
         *ranks,
         "--ckpt.load_checkpoint",
         "true",
         "--train.max_steps",
-        str(saved + 1),
+        str(steps),
     )
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"from step {saved}" in again.stdout + again.stderr
-    assert read_metrics(out)[-1]["step"] == saved + 1
-    assert (out / "final").is_dir()
+
+    one = tmp_path / "one"
+    _in_process("sft", one, tmp_path, capsys, "--train.min_lr_ratio", "1", "--train.max_steps", str(steps))
+    _same_steps("sft", "sft/loss", one, two, steps)
