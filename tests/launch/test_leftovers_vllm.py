@@ -55,12 +55,13 @@ def _alive(pid: int, start: int) -> bool:
 RESOURCE_TRACKER = "from multiprocessing.resource_tracker import main"
 
 
-def _command(pid: int) -> str:
-    """RESOURCE_TRACKER when `pid` runs multiprocessing's resource tracker, else its command line."""
+def _command(pid: int) -> str | None:
+    """RESOURCE_TRACKER when `pid` runs multiprocessing's resource tracker, else its command line
+    (None once it exited)."""
     try:
         command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
     except OSError:
-        return "(exited)"
+        return None
     return RESOURCE_TRACKER if RESOURCE_TRACKER in command else command
 
 
@@ -70,7 +71,7 @@ def _alive_but_the_tracker(processes, within_s: float) -> list[str]:
     deadline = time.monotonic() + within_s
     while True:
         alive = [_command(pid) for pid, start in processes if _alive(pid, start)]
-        alive = [command for command in alive if command != RESOURCE_TRACKER]
+        alive = [command for command in alive if command not in (None, RESOURCE_TRACKER)]
         if not alive or time.monotonic() > deadline:
             return alive
         time.sleep(0.1)
