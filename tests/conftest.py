@@ -63,18 +63,18 @@ os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get
 LONGEST_FILES = (
     "launch/test_tool_calling_e2e.py",  # ~156 s (the calculator build, 50 s, then two 8-step runs)
     "launch/test_chaos.py",  # ~149 s (five rl-launch runs, one beside the others)
-    "launch/test_trainers_ray.py",  # ~136 s (sft and kto on two Ray ranks against one, a killed rank resumed)
-    "launch/test_async_resume.py",  # ~92 s (two kill-and-resume runs)
-    "launch/test_sequence_parallel_run.py",  # ~75 s (long-context responses, two runs)
+    "launch/test_trainers_ray.py",  # ~100 s (kto on two ZeRO-3 ranks; sft on two SP ranks, one killed, resumed)
+    "launch/test_async_resume.py",  # ~70 s (two kill-and-resume runs)
     "launch/test_preset_run.py",  # ~66 s (the preset's 16 steps; its build is shared, see preset_root)
-    "launch/test_leftovers_vllm.py",  # ~61 s (two vLLM engines, each in a process of its own)
-    "launch/test_distill_run.py",  # ~61 s (the teacher's build, then 6 steps)
     "rollout/test_http_engine.py",  # ~60 s (its vllm serve, and the rl-launch ppo run on it)
     "launch/test_lora_run.py",  # ~58 s
+    "launch/test_distill_run.py",  # ~54 s (the teacher's build, then 6 steps)
     "launch/test_ppo_runs.py",  # ~54 s (OpenRLHF's hybrid-engine script: every learner role, vLLM)
     "launch/test_rewards_e2e.py",  # ~52 s (with the served reward model)
-    "launch/test_multinode.py",  # ~51 s
+    "launch/test_sequence_parallel_run.py",  # ~50 s (long-context responses, two runs)
     "launch/test_data_eval_e2e.py",  # ~50 s (with the plugin of every kind)
+    "launch/test_leftovers_vllm.py",  # ~46 s (two vLLM engines, one host process)
+    "launch/test_multinode.py",  # ~45 s
     "launch/test_ppo_variants.py",  # ~37 s
     "launch/test_every_component.py",  # ~37 s
     "learner/test_checkpoint.py",  # ~34 s
