@@ -58,8 +58,9 @@ os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get
 # `--no-loadscope-reorder`, pyproject.toml), so a long file collected
 # last keeps one worker busy while the other idles. Longest first, then the other files with slow
 # tests, then the fast ones (which fill the gaps) lets both workers finish together.
-# The seconds: each file's time in the last full run (a fresh clone, `-n 2`, 14:12 of pytest;
-# the files' durations as pytest's --durations reports them, setup included).
+# The seconds: each file's time in a full run (a fresh clone, `-n 2`, 14:12 of pytest; pytest's
+# --durations, setup included), scaled for the files cut since by what each measured alone before
+# and after the cut; the order gave 12:22 of pytest in the next fresh-clone run.
 LONGEST_FILES = (
     "launch/test_tool_calling_e2e.py",  # ~156 s (the calculator build, 50 s, then two 8-step runs)
     "launch/test_chaos.py",  # ~149 s (five rl-launch runs, one beside the others)

@@ -66,7 +66,8 @@ def build_demo(
         "num_layers": num_layers,
         "vocab_size": vocab_size,
     }
-    folder = root / f"supervised-{recipe_hash(recipe)}"
+    digest = recipe_hash(recipe)
+    folder = root / f"supervised-{digest}"
     paths = {
         "model": str(folder / "model"),
         "sft": str(folder / "sft.jsonl"),
@@ -100,7 +101,7 @@ def build_demo(
         ]
         for name, rows in (("sft.jsonl", sft), ("pairs.jsonl", pairs), ("unpaired.jsonl", unpaired)):
             (staging / name).write_text("".join(json.dumps(row) + "\n" for row in rows))
-        return {"recipe_hash": recipe_hash(recipe), "recipe": recipe}
+        return {"recipe_hash": digest, "recipe": recipe}
 
     cached_build(folder, MARKER, build)
     return paths
