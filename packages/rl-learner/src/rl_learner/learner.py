@@ -247,6 +247,7 @@ def _ensure_distributed() -> None:
         # from it (a ZeRO-3 load's batch check), and it wraps the existing group.
         deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
         return
+    _forget_deepspeeds_world_group()
     if "RANK" not in os.environ:
         # A single process started without a launcher: a world of one on a free local port, given
         # directly rather than through RANK / MASTER_PORT in os.environ, which child processes
@@ -263,6 +264,21 @@ def _ensure_distributed() -> None:
         )
         return
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
+
+
+def _forget_deepspeeds_world_group() -> None:
+    """Drop DeepSpeed's clone of an earlier world group before this process makes a new world.
+
+    DeepSpeed clones the world group the first time an engine needs it
+    (`deepspeed.utils.groups._WORLD_GROUP`) and keeps the clone for the life of the process. When
+    that world ends (vLLM's in-process shutdown destroys the process group it ran in), the next
+    learner in the same process would broadcast over the dead clone ("Group ... is not
+    registered"); without it, DeepSpeed clones the new world.
+    """
+    from deepspeed.utils import groups
+
+    if getattr(groups, "_WORLD_GROUP", None) is not None:
+        groups._WORLD_GROUP = None
 
 
 # --------------------------------------------------------------------------- step counts
