@@ -1,7 +1,7 @@
 """A learner in a process whose earlier world ended: DeepSpeed's cached clone of the old world
-group is dropped, so the new learner trains (vLLM's in-process shutdown destroys the process
-group it ran in; a learner after it in the same process used to fail with "Group ... is not
-registered"). Runs in a subprocess: the process-group state must not stay in the pytest worker."""
+group is dropped, so the new learner builds (the suite's in-process vLLM engine tests left a
+pytest worker's process group destroyed, and a learner after them in the same worker failed with
+"Group ... is not registered"). Runs in a subprocess: the process-group state must not stay in the pytest worker."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def learner():
                          optimizer=OptimizerConfig(lr=1e-5))
 
 learner()  # makes the world; DeepSpeed clones its group
-dist.destroy_process_group()  # the world ends, as vLLM's shutdown ends it
+dist.destroy_process_group()  # the world ends
 learner()  # a new world in the same process
 print("SECOND LEARNER BUILT")
 """

@@ -271,9 +271,10 @@ def _forget_deepspeeds_world_group() -> None:
 
     DeepSpeed clones the world group the first time an engine needs it
     (`deepspeed.utils.groups._WORLD_GROUP`) and keeps the clone for the life of the process. When
-    that world ends (vLLM's in-process shutdown destroys the process group it ran in), the next
-    learner in the same process would broadcast over the dead clone ("Group ... is not
-    registered"); without it, DeepSpeed clones the new world.
+    that world ends (its process group destroyed: in the test suite, by an in-process vLLM
+    engine's tests in the same process), the next learner in the same process would broadcast
+    over the dead clone ("Group ... is not registered"); without it, DeepSpeed clones the new
+    world.
     """
     from deepspeed.utils import groups
 
