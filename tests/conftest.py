@@ -146,6 +146,14 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_vl_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    """A saved tiny Qwen2-VL: vision tower, tokenizer with vision tokens, image processor."""
+    from rl_data.tiny import build_tiny_vl_checkpoint
+
+    return build_tiny_vl_checkpoint(tmp_path_factory.mktemp("tiny") / "qwen2-vl")
+
+
+@pytest.fixture(scope="session")
 def make_tokenizer():
     """`make_tokenizer(chat_template)`: a tiny tokenizer with that template, built once per name."""
     from rl_data.tiny import build_tiny_tokenizer

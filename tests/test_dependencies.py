@@ -23,8 +23,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 ALLOWED: dict[str, tuple[set[str], set[str]]] = {
     "rl_algos": ({"torch"}, {"torch"}),
     "rl_data": (
-        {"torch", "msgspec", "numpy", "transformers", "tokenizers", "datasets"},
-        {"torch", "msgspec", "numpy", "transformers", "tokenizers", "datasets"},
+        # PIL / pillow: the `vision` extra (images of VL prompts, rl_data.vision)
+        {"torch", "msgspec", "numpy", "transformers", "tokenizers", "datasets", "PIL"},
+        {"torch", "msgspec", "numpy", "transformers", "tokenizers", "datasets", "pillow"},
     ),
     "rl_rollout": (
         # fastapi / starlette / uvicorn / openai: the `agents` extra (the agent server)

@@ -8,8 +8,10 @@
   `cu_seqlens`; micro-batches under a token budget, balanced across data-parallel ranks.
 - Chat templates: prompts rendered for generation, conversations tokenized with exact
   assistant loss masks (also for templates that are not append-only).
+- Images (VL models): `ImageInputs` ride on prompts, trajectories and batches next to the
+  token ids; `rl_data.vision.VisionProcessor` renders image prompts and their placeholder runs.
 - Datasets from local files live in `rl_data.datasets`; a tiny locally built model and
-  tokenizer for tests and presets in `rl_data.tiny`.
+  tokenizer for tests and presets in `rl_data.tiny` (`build_tiny_vl_checkpoint`: a tiny Qwen2-VL).
 
     from rl_data import Trajectory, build_experience, decode, encode, plan_micro_batches
 
@@ -35,6 +37,7 @@ from .records import FINISH_REASONS, PromptSample, Trajectory
 from .serialization import Decoder, Encoder, decode, encode
 from .templates import ConversationTokens, render_prompt, tokenize_conversation
 from .tensors import dtype_from_name, dtype_name, tensor_checksum
+from .vision import ImageInputs
 from .weights import (
     BucketMeta,
     ParamMeta,
@@ -55,6 +58,7 @@ __all__ = [
     "Decoder",
     "Encoder",
     "ExperienceBatch",
+    "ImageInputs",
     "MicroBatchPlan",
     "PackedSequences",
     "ParamMeta",

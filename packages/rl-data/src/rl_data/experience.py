@@ -34,6 +34,7 @@ from .packing import (
     position_ids_from_cu_seqlens,
 )
 from .records import LOGPROB_DTYPE, TOKEN_DTYPE, Trajectory
+from .vision import ImageInputs
 
 __all__ = ["ExperienceBatch", "build_experience", "micro_batches"]
 
@@ -67,6 +68,11 @@ class ExperienceBatch(msgspec.Struct, kw_only=True):
         group_ids, policy_versions: [S] int64.
         finish_reasons:   S strings ("stop", "length", "abort").
         indices:          [S] int64, positions of the trajectories in the list they came from.
+    Images (VL models; all None for text):
+        pixel_values:     [P, D] float32 patches of every image, sequence by sequence, in the
+                          order of their placeholder runs in `input_ids`.
+        image_grid_thw:   [I, 3] int64 (t, h, w) patch grid of every image; P = Σ t·h·w.
+        image_counts:     [S] int64 images of each sequence (0 for a text-only one).
     Filled later by learners ([N], same alignment and convention, None until then):
         old_logprobs, ref_logprobs, teacher_logprobs (a distillation teacher's log-probs of the
         sampled tokens), values, advantages, returns.
@@ -91,6 +97,9 @@ class ExperienceBatch(msgspec.Struct, kw_only=True):
     values: torch.Tensor | None = None
     advantages: torch.Tensor | None = None
     returns: torch.Tensor | None = None
+    pixel_values: torch.Tensor | None = None
+    image_grid_thw: torch.Tensor | None = None
+    image_counts: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         # Shape checks only (no values read), so they cost nothing on a device.
@@ -118,6 +127,23 @@ class ExperienceBatch(msgspec.Struct, kw_only=True):
                 f"{owner}: indices and finish_reasons must have S = {sequences} entries, got "
                 f"{tuple(self.indices.shape)} and {len(self.finish_reasons)}"
             )
+        image_fields = (self.pixel_values, self.image_grid_thw, self.image_counts)
+        if any(value is not None for value in image_fields):
+            if any(value is None for value in image_fields):
+                raise ValueError(f"{owner}: pixel_values, image_grid_thw and image_counts come together")
+            if tuple(self.image_counts.shape) != (sequences,):
+                raise ValueError(
+                    f"{owner}.image_counts: shape {tuple(self.image_counts.shape)}, expected [S] = ({sequences},)"
+                )
+            if (
+                self.image_grid_thw.dim() != 2
+                or self.image_grid_thw.shape[1] != 3
+                or self.pixel_values.dim() != 2
+            ):
+                raise ValueError(
+                    f"{owner}: image_grid_thw must be [I, 3] and pixel_values [P, D], got "
+                    f"{tuple(self.image_grid_thw.shape)} and {tuple(self.pixel_values.shape)}"
+                )
 
     @classmethod
     def empty(cls, *, with_rollout_logprobs: bool = False) -> ExperienceBatch:
@@ -162,6 +188,36 @@ class ExperienceBatch(msgspec.Struct, kw_only=True):
             if isinstance(value := getattr(self, field), torch.Tensor)
         }
         return msgspec.structs.replace(self, **changes)
+
+    @property
+    def has_images(self) -> bool:
+        """Whether any sequence carries images (VL batch)."""
+        return self.pixel_values is not None and self.image_grid_thw.shape[0] > 0
+
+    def images(self) -> ImageInputs | None:
+        """All images of the batch as one `ImageInputs` (without originals), or None."""
+        if self.pixel_values is None:
+            return None
+        return ImageInputs(pixel_values=self.pixel_values, grid_thw=self.image_grid_thw)
+
+    def _image_fields(self, chosen: torch.Tensor) -> dict[str, torch.Tensor]:
+        """pixel_values, image_grid_thw and image_counts of the sequences `chosen`, in that order."""
+        if self.pixel_values is None:
+            return {}
+        counts = self.image_counts.cpu()
+        grid = self.image_grid_thw.cpu()
+        first_image = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+        patches = grid.prod(-1)
+        first_patch = torch.cat([patches.new_zeros(1), patches.cumsum(0)])
+        images = [i for s in chosen.tolist() for i in range(int(first_image[s]), int(first_image[s + 1]))]
+        rows = [torch.arange(int(first_patch[i]), int(first_patch[i + 1])) for i in images]
+        rows_index = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.int64)
+        image_index = torch.tensor(images, dtype=torch.int64)
+        return {
+            "pixel_values": self.pixel_values[rows_index.to(self.pixel_values.device)],
+            "image_grid_thw": self.image_grid_thw[image_index.to(self.image_grid_thw.device)],
+            "image_counts": self.image_counts[chosen.to(self.image_counts.device)],
+        }
 
     @property
     def sequence_lengths(self) -> torch.Tensor:
@@ -209,6 +265,7 @@ class ExperienceBatch(msgspec.Struct, kw_only=True):
             finish_reasons=[self.finish_reasons[i] for i in chosen.tolist()],
             **per_token,
             **per_sequence,
+            **self._image_fields(chosen.cpu()),
         )
 
     def response_positions(self) -> torch.Tensor:
@@ -307,6 +364,17 @@ def build_experience(records: Sequence[Trajectory], indices: Sequence[int] | Non
     prompt_lengths = torch.tensor([r.prompt_ids.numel() for r in records], dtype=torch.int64)
     response_lengths = torch.tensor([r.response_ids.numel() for r in records], dtype=torch.int64)
     cu_seqlens = cu_seqlens_from_lengths(prompt_lengths + response_lengths)
+    images = ImageInputs.concat([record.images for record in records])
+    image_fields = {}
+    if images is not None:
+        image_fields = {
+            "pixel_values": images.pixel_values,
+            "image_grid_thw": images.grid_thw,
+            "image_counts": torch.tensor(
+                [record.images.num_images if record.images is not None else 0 for record in records],
+                dtype=torch.int64,
+            ),
+        }
     return ExperienceBatch(
         input_ids=torch.cat(tokens).to(TOKEN_DTYPE),
         position_ids=position_ids_from_cu_seqlens(cu_seqlens),
@@ -321,6 +389,7 @@ def build_experience(records: Sequence[Trajectory], indices: Sequence[int] | Non
         policy_versions=torch.tensor([r.policy_version for r in records], dtype=torch.int64),
         finish_reasons=[str(r.finish_reason) for r in records],
         indices=index_tensor,
+        **image_fields,
     )
 
 

@@ -19,6 +19,8 @@ from typing import Any, Literal
 import msgspec
 import torch
 
+from .vision import ImageInputs
+
 FinishReason = Literal["stop", "length", "abort"]
 FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort")
 
@@ -74,6 +76,9 @@ class Trajectory(msgspec.Struct, kw_only=True):
         finish_reason:    "stop" (EOS or stop string), "length" (hit a length limit) or "abort".
         label:            the prompt's reference answer or any JSON-like label, for rewards.
         extra:            free-form JSON-like metadata (turns, tool calls, environment logs).
+        images:           the processed images of prompt and response (VL models), in the order
+                          of their placeholder runs in prompt_ids ‖ response_ids
+                          (`rl_data.vision`); None for text.
     """
 
     prompt_ids: torch.Tensor
@@ -88,6 +93,7 @@ class Trajectory(msgspec.Struct, kw_only=True):
     finish_reason: FinishReason = "stop"
     label: Any = None
     extra: dict[str, Any] = msgspec.field(default_factory=dict)
+    images: ImageInputs | None = None
 
     def __post_init__(self) -> None:
         owner = type(self).__name__
@@ -151,7 +157,8 @@ class PromptSample(msgspec.Struct, kw_only=True):
 
     `index` is the sample's position in the dataset that yields it (after mixing and
     filtering); `source` and `row` name the file and the row it was read from, so a reward or an
-    error can point back to it.
+    error can point back to it. `images` holds a VL prompt's processed images (`prompt_ids` then
+    has each image's run of placeholder tokens, `rl_data.vision`).
     """
 
     prompt_ids: torch.Tensor
@@ -161,6 +168,7 @@ class PromptSample(msgspec.Struct, kw_only=True):
     source: str = ""
     row: int = -1
     extra: dict[str, Any] = msgspec.field(default_factory=dict)
+    images: ImageInputs | None = None
 
     def __post_init__(self) -> None:
         self.prompt_ids = as_1d_tensor(self.prompt_ids, TOKEN_DTYPE, field="prompt_ids", owner="PromptSample")

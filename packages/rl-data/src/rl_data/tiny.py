@@ -298,3 +298,134 @@ def build_tiny_checkpoint(
     model.save_pretrained(path)
     marker.write_text(json.dumps(recipe, indent=2))
     return path
+
+
+# ChatML whose message contents may be lists of parts: {"type": "image"} renders as Qwen2-VL's
+# `<|vision_start|><|image_pad|><|vision_end|>`, {"type": "text"} as its text. Append-only.
+CHATML_VISION_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['content'] is string %}{{- message['content'] }}"
+    "{%- else %}{%- for part in message['content'] %}"
+    "{%- if part['type'] == 'image' %}{{- '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{%- elif part['type'] == 'text' %}{{- part['text'] }}{%- endif %}"
+    "{%- endfor %}{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+VISION_TOKENS: tuple[str, ...] = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+
+
+def build_tiny_vl_checkpoint(
+    path: str | os.PathLike[str],
+    *,
+    vocab_size: int = 1024,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 2,
+    num_kv_heads: int = 1,
+    vision_depth: int = 2,
+    vision_embed_dim: int = 64,
+    image_pixels: tuple[int, int] = (56 * 56, 112 * 112),
+    seed: int = 0,
+    overwrite: bool = False,
+) -> Path:
+    """A tiny Qwen2-VL (vision tower, merger, mRoPE text model), its tokenizer and image processor.
+
+    The tokenizer is `build_tiny_tokenizer`'s plus Qwen2-VL's vision tokens (`VISION_TOKENS`)
+    and `CHATML_VISION_TEMPLATE`; the image processor is Qwen2-VL's with patch 14, merge 2 and
+    images resized to between `image_pixels` pixels (a 56×56 image is 4×4 patches, 4 image
+    tokens). Head sizes are 32 (vLLM's CPU attention minimum); mRoPE sections [4, 6, 6] split the
+    16 rotary frequencies into temporal, height and width. Reused like `build_tiny_checkpoint`
+    (a `tiny_build.json` recipe); loadable with `Qwen2VLForConditionalGeneration` /
+    `AutoModelForImageTextToText` and `rl_data.vision.VisionProcessor`.
+    """
+    path = Path(path)
+    recipe = {
+        "architecture": "qwen2_vl",
+        "vocab_size": vocab_size,
+        "hidden_size": hidden_size,
+        "num_layers": num_layers,
+        "num_heads": num_heads,
+        "num_kv_heads": num_kv_heads,
+        "vision_depth": vision_depth,
+        "vision_embed_dim": vision_embed_dim,
+        "image_pixels": list(image_pixels),
+        "seed": seed,
+    }
+    marker = path / "tiny_build.json"
+    if marker.is_file() and not overwrite:
+        existing = json.loads(marker.read_text())
+        if existing == recipe:
+            return path
+        raise FileExistsError(
+            f"{path} holds a tiny checkpoint built with {existing}, not {recipe}; pass overwrite=True"
+        )
+    if path.exists() and any(path.iterdir()) and not marker.is_file() and not overwrite:
+        raise FileExistsError(f"{path} exists and is not a tiny checkpoint folder; pass overwrite=True")
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    head_dim = hidden_size // num_heads
+    if head_dim % 16 or hidden_size % num_heads:
+        raise ValueError(
+            f"hidden_size {hidden_size} / num_heads {num_heads} must be a head size divisible by 16"
+        )
+    unit = head_dim // 16  # mRoPE: head_dim / 2 frequencies split 2 : 3 : 3 like Qwen2-VL's [16, 24, 24]
+    sections = [2 * unit, 3 * unit, 3 * unit]
+    tokenizer = build_tiny_tokenizer(vocab_size=vocab_size, chat_template=CHATML_VISION_TEMPLATE)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", *VISION_TOKENS]})
+    token = {name: tokenizer.convert_tokens_to_ids(name) for name in VISION_TOKENS}
+    config = Qwen2VLConfig(
+        text_config=dict(
+            vocab_size=len(tokenizer),
+            hidden_size=hidden_size,
+            intermediate_size=2 * hidden_size,
+            num_hidden_layers=num_layers,
+            num_attention_heads=num_heads,
+            num_key_value_heads=num_kv_heads,
+            max_position_embeddings=2048,
+            rms_norm_eps=1e-6,
+            rope_parameters={"rope_type": "default", "mrope_section": sections, "rope_theta": 10000.0},
+            bos_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            tie_word_embeddings=False,
+        ),
+        vision_config=dict(
+            depth=vision_depth,
+            embed_dim=vision_embed_dim,
+            hidden_size=hidden_size,
+            mlp_ratio=2,
+            num_heads=max(1, vision_embed_dim // 32),
+            in_channels=3,
+            patch_size=14,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+        ),
+        image_token_id=token["<|image_pad|>"],
+        video_token_id=token["<|video_pad|>"],
+        vision_start_token_id=token["<|vision_start|>"],
+        vision_end_token_id=token["<|vision_end|>"],
+        tie_word_embeddings=False,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2VLForConditionalGeneration(config)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    image_processor = Qwen2VLImageProcessorPil(
+        min_pixels=image_pixels[0],
+        max_pixels=image_pixels[1],
+        patch_size=14,
+        merge_size=2,
+        temporal_patch_size=2,
+    )
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer.save_pretrained(path)
+    image_processor.save_pretrained(path)
+    model.save_pretrained(path)
+    marker.write_text(json.dumps(recipe, indent=2))
+    return path

@@ -1,0 +1,124 @@
+"""rl_data.vision: image loading, the Qwen2-VL placeholder layout, and images on records and batches."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from PIL import Image
+
+from rl_data import ExperienceBatch, ImageInputs, Trajectory, build_experience, decode, encode
+from rl_data.vision import VisionProcessor, load_image
+
+
+@pytest.fixture(scope="module")
+def processor(tiny_vl_checkpoint):
+    return VisionProcessor.from_pretrained(tiny_vl_checkpoint)
+
+
+def _image(colour, size=(56, 56)):
+    return Image.new("RGB", size, colour)
+
+
+def test_render_expands_one_run_per_image(processor):
+    ids, inputs, text = processor.render(
+        "<image>and<image>which is red?", [_image("red"), _image("blue", (112, 56))]
+    )
+    assert text.count("<|image_pad|>") == 2
+    counts = processor.num_image_tokens(inputs.grid_thw)
+    # 56×56 → 4×4 patches → 4 tokens; 112×56 → 4×8 patches → 8 tokens (merge 2×2)
+    assert inputs.grid_thw.tolist() == [[1, 4, 4], [1, 4, 8]]
+    assert counts == [4, 8]
+    assert int((ids == processor.image_token_id).sum()) == 12
+    assert inputs.pixel_values.shape[0] == 16 + 32
+    collapsed = processor.collapse(ids)
+    assert collapsed.count(processor.image_token_id) == 2
+    assert torch.equal(processor.expand(collapsed, inputs.grid_thw), ids)
+    # the originals are kept losslessly, for engines that process images themselves
+    assert [image.getpixel((0, 0)) for image in inputs.pil_images()] == [(255, 0, 0), (0, 0, 255)]
+
+
+def test_render_counts_placeholders_against_images(processor):
+    with pytest.raises(ValueError, match="1 image placeholders in the messages but 2 images"):
+        processor.render("<image> what?", [_image("red"), _image("red")])
+    messages = [
+        {
+            "role": "user",
+            "content": [{"type": "image", "image": _image("green")}, {"type": "text", "text": "?"}],
+        }
+    ]
+    ids, inputs, _ = processor.render(messages, [])
+    assert inputs.num_images == 1
+    assert int((ids == processor.image_token_id).sum()) == 4
+
+
+def test_image_turn_layout(processor):
+    ids, inputs = processor.image_turn([_image("red")])
+    assert ids.tolist() == [
+        processor.vision_start_token_id,
+        *[processor.image_token_id] * 4,
+        processor.vision_end_token_id,
+    ]
+    assert inputs.grid_thw.tolist() == [[1, 4, 4]]
+
+
+def test_load_image_sources(tmp_path, monkeypatch):
+    image = _image((1, 2, 3))
+    image.save(tmp_path / "a.png")
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    for value in (
+        image,
+        buffer.getvalue(),
+        "a.png",
+        {"bytes": buffer.getvalue(), "path": None},
+        {"path": str(tmp_path / "a.png")},
+    ):
+        assert load_image(value, base_dir=tmp_path).getpixel((0, 0)) == (1, 2, 3)
+    with pytest.raises(FileNotFoundError, match=r"row 3.*missing\.png"):
+        load_image("missing.png", where="row 3", base_dir=tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ValueError, match="is a URL and the hub is offline"):
+        load_image("https://example.com/a.png", where="row 0")
+    with pytest.raises(TypeError, match="expected an image"):
+        load_image(3, where="row 0")
+
+
+def test_not_a_vision_model(tiny_checkpoint):
+    with pytest.raises(ValueError, match="is not a vision-language model"):
+        VisionProcessor.from_pretrained(tiny_checkpoint)
+
+
+def _record(processor, colours, response=(5, 6)):
+    ids, inputs, _ = processor.render(
+        "".join("<image>" for _ in colours) + "colour?", [_image(c) for c in colours]
+    )
+    return Trajectory(prompt_ids=ids, response_ids=list(response), images=inputs)
+
+
+def test_images_travel_with_records_and_batches(processor):
+    records = [
+        _record(processor, ["red"]),
+        Trajectory(prompt_ids=[1, 2], response_ids=[3]),
+        _record(processor, ["blue", "green"]),
+    ]
+    back = decode(encode(records), list[Trajectory])
+    assert back[1].images is None
+    assert back[2].images.num_images == 2
+    assert torch.equal(back[2].images.pixel_values, records[2].images.pixel_values)
+    batch = build_experience(back)
+    assert batch.image_counts.tolist() == [1, 0, 2]
+    assert batch.image_grid_thw.shape == (3, 3)
+    picked = batch.select([2, 1])
+    assert picked.image_counts.tolist() == [2, 0]
+    assert torch.equal(picked.pixel_values, records[2].images.pixel_values)
+    assert torch.equal(picked.image_grid_thw, records[2].images.grid_thw)
+    assert batch.select([1]).pixel_values.shape[0] == 0
+    assert decode(encode(batch), ExperienceBatch).image_counts.tolist() == [1, 0, 2]
+    assert build_experience(records[1:2]).pixel_values is None
+
+
+def test_image_inputs_checks_shapes():
+    with pytest.raises(ValueError, match="16 patches, but grid_thw"):
+        ImageInputs(pixel_values=torch.zeros(16, 8), grid_thw=torch.tensor([[1, 2, 2]]))
