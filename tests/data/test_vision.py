@@ -122,3 +122,59 @@ def test_images_travel_with_records_and_batches(processor):
 def test_image_inputs_checks_shapes():
     with pytest.raises(ValueError, match="16 patches, but grid_thw"):
         ImageInputs(pixel_values=torch.zeros(16, 8), grid_thw=torch.tensor([[1, 2, 2]]))
+
+
+def test_prompt_dataset_with_images(processor, tmp_path):
+    import json
+
+    from rl_data.datasets import PromptDataset
+
+    (tmp_path / "img").mkdir()
+    _image("red").save(tmp_path / "img" / "red.png")
+    _image("blue", (112, 56)).save(tmp_path / "img" / "blue.png")
+    rows = [
+        {"prompt": "<image>What colour?", "images": ["img/red.png"], "label": "red"},
+        {"prompt": "<image>Colour?", "images": ["img/blue.png"], "label": "blue"},
+        {"prompt": "No image here.", "images": None, "label": "none"},
+        {"prompt": "<image><image>Two?", "images": ["img/red.png", "img/blue.png"], "label": "two"},
+    ]
+    path = tmp_path / "data.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    dataset = PromptDataset(
+        path, processor.tokenizer, image_key="images", processor=processor, on_bad_row="skip"
+    )
+    assert len(dataset) == 3  # the two-image row is over max_images_per_prompt 1
+    assert dataset.stats.skipped == {"bad_prompt": 1}
+    red, blue, text = dataset[0], dataset[1], dataset[2]
+    assert red.images.grid_thw.tolist() == [[1, 4, 4]]
+    assert int((red.prompt_ids == processor.image_token_id).sum()) == 4
+    assert int((blue.prompt_ids == processor.image_token_id).sum()) == 8
+    assert text.images is None
+    assert dataset.lengths.tolist() == [sample.prompt_ids.numel() for sample in (red, blue, text)]
+    # the same prompt rendered directly gives the same ids and patches
+    ids, inputs, _ = processor.render("<image>What colour?", [_image("red")])
+    assert torch.equal(red.prompt_ids, ids)
+    assert torch.equal(red.images.pixel_values, inputs.pixel_values)
+    two = PromptDataset(
+        path, processor.tokenizer, image_key="images", processor=processor, max_images_per_prompt=2
+    )
+    assert two[3].images.num_images == 2
+    # chat messages whose content is a list of parts (Arrow gives every part every key)
+    parts = [{"type": "image"}, {"type": "text", "text": "Colour?"}]
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text(
+        json.dumps({"prompt": [{"role": "user", "content": parts}], "images": ["img/blue.png"], "label": "b"})
+    )
+    assert torch.equal(
+        PromptDataset(chat, processor.tokenizer, image_key="images", processor=processor)[0].prompt_ids,
+        blue.prompt_ids,
+    )
+    with pytest.raises(ValueError, match="images need the model's processor"):
+        PromptDataset(path, processor.tokenizer, image_key="images")
+    (tmp_path / "img" / "red.png").unlink()
+    from rl_data import DataError
+
+    with pytest.raises(DataError, match=r"row 0.*red\.png does not exist"):
+        PromptDataset(
+            path, processor.tokenizer, image_key="images", processor=processor, max_images_per_prompt=2
+        )

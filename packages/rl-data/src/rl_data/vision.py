@@ -40,6 +40,7 @@ __all__ = [
     "ImageInputs",
     "VisionProcessor",
     "encode_image",
+    "image_size",
     "is_vision_model",
     "load_image",
 ]
@@ -134,20 +135,36 @@ def load_image(value: Any, *, where: str = "image", base_dir: str | os.PathLike[
     given), an http(s) URL (fetched only when online), or a Hub `Image` feature dict with
     "bytes" or "path". `where` names the value in errors (e.g. "data.jsonl row 3, key 'images'").
     """
+    image = _open_image(value, where, base_dir)
+    try:
+        return image.convert("RGB")
+    except OSError as error:
+        raise ValueError(f"{where}: not an image PIL can read ({error})") from None
+
+
+def image_size(
+    value: Any, *, where: str = "image", base_dir: str | os.PathLike[str] | None = None
+) -> tuple[int, int]:
+    """(height, width) of an image value as `load_image` takes it; a file's pixels are not decoded."""
+    width, height = _open_image(value, where, base_dir).size
+    return height, width
+
+
+def _open_image(value: Any, where: str, base_dir: str | os.PathLike[str] | None) -> Any:
+    """`value` opened by PIL (lazily: pixels are read on first use)."""
     from PIL import Image
 
     if isinstance(value, Image.Image):
-        return value.convert("RGB")
+        return value
     if isinstance(value, dict):
         if value.get("bytes"):
-            return load_image(value["bytes"], where=where, base_dir=base_dir)
+            return _open_image(value["bytes"], where, base_dir)
         if value.get("path"):
-            return load_image(value["path"], where=where, base_dir=base_dir)
+            return _open_image(value["path"], where, base_dir)
         raise ValueError(f"{where}: an image dict needs 'bytes' or 'path', got keys {sorted(value)}")
     if isinstance(value, (bytes, bytearray, memoryview)):
         try:
-            with Image.open(io.BytesIO(bytes(value))) as image:
-                return image.convert("RGB")
+            return Image.open(io.BytesIO(bytes(value)))
         except OSError as error:
             raise ValueError(f"{where}: the bytes are not an image PIL can read ({error})") from None
     if isinstance(value, (str, os.PathLike)):
@@ -159,15 +176,14 @@ def load_image(value: Any, *, where: str = "image", base_dir: str | os.PathLike[
                     "download the images and give their paths, or unset the offline variables"
                 )
             with urllib.request.urlopen(text, timeout=30) as response:  # http(s) only, checked above
-                return load_image(response.read(), where=f"{where} ({text})")
+                return _open_image(response.read(), f"{where} ({text})", None)
         path = Path(text)
         if not path.is_absolute() and base_dir is not None:
             path = Path(base_dir) / path
         if not path.is_file():
             raise FileNotFoundError(f"{where}: image file {path} does not exist")
         try:
-            with Image.open(path) as image:
-                return image.convert("RGB")
+            return Image.open(path)
         except OSError as error:
             raise ValueError(f"{where}: {path} is not an image PIL can read ({error})") from None
     raise TypeError(
@@ -287,10 +303,14 @@ class VisionProcessor:
 
     # ------------------------------------------------------------------ token layout
 
-    def expand(self, ids: Sequence[int] | torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
-        """[L] ids with one image token per image → the model's layout with nᵢ tokens for image i."""
+    def expand(
+        self, ids: Sequence[int] | torch.Tensor, grid_thw: torch.Tensor | Sequence[int]
+    ) -> torch.Tensor:
+        """[L] ids with one image token per image → the model's layout with nᵢ tokens for image i
+        (nᵢ from `grid_thw` [I, 3], or given directly as a list of I counts)."""
         ids = torch.as_tensor(ids, dtype=torch.int64).reshape(-1)
-        counts = self.num_image_tokens(grid_thw)
+        grid = torch.as_tensor(grid_thw)
+        counts = self.num_image_tokens(grid) if grid.dim() == 2 else [int(count) for count in grid_thw]
         positions = torch.nonzero(ids == self.image_token_id, as_tuple=True)[0].tolist()
         if len(positions) != len(counts):
             raise ValueError(
@@ -322,21 +342,21 @@ class VisionProcessor:
             pieces += [self.vision_start_token_id, *([self.image_token_id] * count), self.vision_end_token_id]
         return torch.tensor(pieces, dtype=torch.int64), inputs
 
-    def render(
+    def render_text(
         self,
         messages: str | Sequence[dict[str, Any]],
-        images: Sequence[Any],
+        images: Sequence[Any] = (),
         *,
         system_prompt: str | None = None,
         where: str = "prompt",
-        base_dir: str | os.PathLike[str] | None = None,
-    ) -> tuple[torch.Tensor, ImageInputs | None, str]:
-        """Chat messages (or one user string) with images → (expanded prompt ids [L], ImageInputs, text).
+    ) -> tuple[str, list[Any]]:
+        """Chat messages (or one user string) → (the chat template's text with the generation
+        prompt and one placeholder token per image, the images in placeholder order).
 
         A string content may hold `IMAGE_PLACEHOLDER`s ("<image>"); a list content holds parts
-        {"type": "image"} / {"type": "text", "text": ...}. Images are matched to image parts in
-        order; their count must equal the number of parts. The text is the chat template's with
-        the generation prompt (one placeholder token per image); the ids are expanded.
+        {"type": "image"} / {"type": "text", "text": ...}. `images` are matched to the image
+        parts in order and their count must equal the number of parts; when `images` is empty,
+        the parts' own {"type": "image", "image": ...} values are the images.
         """
         conversation = (
             [{"role": "user", "content": messages}] if isinstance(messages, str) else list(messages)
@@ -349,6 +369,7 @@ class VisionProcessor:
                 {"role": "system", "content": [{"type": "text", "text": system_prompt}]},
                 *conversation,
             ]
+        images = list(images)
         if not images:  # images given inside the parts: {"type": "image", "image": ...}
             images = [
                 part["image"]
@@ -361,6 +382,20 @@ class VisionProcessor:
         if slots != len(images):
             raise ValueError(f"{where}: {slots} image placeholders in the messages but {len(images)} images")
         text = self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+        return text, images
+
+    def render(
+        self,
+        messages: str | Sequence[dict[str, Any]],
+        images: Sequence[Any] = (),
+        *,
+        system_prompt: str | None = None,
+        where: str = "prompt",
+        base_dir: str | os.PathLike[str] | None = None,
+    ) -> tuple[torch.Tensor, ImageInputs | None, str]:
+        """`render_text`, tokenised, with the images loaded and processed: (expanded prompt ids [L],
+        ImageInputs or None without images, text)."""
+        text, images = self.render_text(messages, images, system_prompt=system_prompt, where=where)
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         if not images:
             return torch.tensor(ids, dtype=torch.int64), None, text
@@ -370,6 +405,11 @@ class VisionProcessor:
         ]
         inputs = self.process(loaded)
         return self.expand(ids, inputs.grid_thw), inputs, text
+
+    def image_tokens_for_size(self, height: int, width: int) -> int:
+        """Placeholder tokens of a `height` × `width` image, from the processor's resize rule
+        alone (no pixels read): patches / merge_size²."""
+        return int(self.image_processor.get_number_of_image_patches(height, width)) // self.merge_size**2
 
 
 def _content_parts(content: Any, where: str) -> list[dict[str, Any]]:
@@ -386,7 +426,7 @@ def _content_parts(content: Any, where: str) -> list[dict[str, Any]]:
         parts = []
         for part in content:
             kind = part.get("type") if isinstance(part, dict) else None
-            if kind in ("image", "image_url") or (isinstance(part, dict) and "image" in part):
+            if kind in ("image", "image_url") or (isinstance(part, dict) and part.get("image") is not None):
                 parts.append({"type": "image"})
             elif kind == "text" and isinstance(part.get("text"), str):
                 parts.append({"type": "text", "text": part["text"]})

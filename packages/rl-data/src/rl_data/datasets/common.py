@@ -317,11 +317,13 @@ def read_text(row: Mapping[str, Any], key: str, *, allow_empty: bool = False) ->
     return value
 
 
-def read_messages(row: Mapping[str, Any], key: str) -> list[dict[str, str]]:
+def read_messages(row: Mapping[str, Any], key: str, *, parts: bool = False) -> list[dict[str, Any]]:
     """`row[key]` as chat messages: a plain string becomes one user turn.
 
     A messages list must be non-empty, of dicts with string `role` and `content`; the error
-    names the file, the row, the key and the message index.
+    names the file, the row, the key and the message index. With `parts` (VL prompts) a content
+    may also be a list of parts (dicts, e.g. {"type": "image"}, {"type": "text", "text": ...}),
+    kept as they are for `rl_data.vision` to check.
     """
     value = row.get(key)
     if isinstance(value, str):
@@ -345,9 +347,13 @@ def read_messages(row: Mapping[str, Any], key: str) -> list[dict[str, str]]:
             raise DataError(
                 f"message {index}: 'role' must be a non-empty string, got {role!r}", key=key, **location(row)
             )
+        if parts and isinstance(content, list) and all(isinstance(part, Mapping) for part in content):
+            messages.append({"role": role, "content": [dict(part) for part in content]})
+            continue
         if not isinstance(content, str):
             raise DataError(
-                f"message {index}: 'content' must be a string, got {type_name(content)}",
+                f"message {index}: 'content' must be a string{' or a list of parts' if parts else ''}, "
+                f"got {type_name(content)}",
                 key=key,
                 **location(row),
             )

@@ -75,6 +75,18 @@ class PromptDataset:
             non-string prompt, malformed messages or a missing label; "skip" leaves the row out
             and counts it in `stats.skipped` under "bad_prompt" or "bad_label".
         cache_dir: Arrow cache folder for the files that are loaded.
+        image_key: the column with a prompt's images (VL models): one image or a list (paths,
+            relative ones against the data file's folder; bytes; PIL images; Hub `Image` dicts;
+            URLs only online), placed in order at the prompt's image parts or "<image>" marks
+            (`rl_data.vision`). A row without images (null or []) is a text prompt. Needs
+            `processor` and the chat template. None: text only.
+        processor: the model's `rl_data.vision.VisionProcessor` (with `image_key`).
+        max_images_per_prompt: the most images a row may have; a row with more is a bad row.
+
+    With images, the stored ids hold each image's run of placeholder tokens, sized from the
+    image's height and width by the processor's resize rule (pixels are not read when loading);
+    `__getitem__` loads and processes the row's images into `PromptSample.images`. A prompt with
+    images longer than `max_length` is dropped (or refused), never cut.
 
     Token ids: with the chat template the rendered text already holds every special token the
     model expects (a BOS included), so it is tokenised with `add_special_tokens=False`; an
@@ -101,10 +113,23 @@ class PromptDataset:
         overlong: str = "drop",
         on_bad_row: str = "error",
         cache_dir: str | os.PathLike[str] | None = None,
+        image_key: str | None = None,
+        processor: Any = None,
+        max_images_per_prompt: int = 1,
     ) -> None:
         check_choice("overlong", overlong, OVERLONG_POLICIES)
+        check_integer("max_images_per_prompt", max_images_per_prompt, 1)
+        if image_key is not None and processor is None:
+            raise ValueError(
+                "image_key: images need the model's processor (processor=rl_data.vision.VisionProcessor"
+                ".from_pretrained(model_folder)); this tokenizer alone cannot place them"
+            )
+        if image_key is not None and not (apply_chat_template and input_template is None):
+            raise ValueError(
+                "image_key: prompts with images are rendered with the chat template (apply_chat_template=True, no input_template)"
+            )
         check_choice("on_bad_row", on_bad_row, ROW_POLICIES)
-        for name, key in (("input_key", input_key), ("label_key", label_key)):
+        for name, key in (("input_key", input_key), ("label_key", label_key), ("image_key", image_key)):
             if key is not None and (not isinstance(key, str) or not key):
                 raise ValueError(f"{name}: expected a non-empty column name, got {key!r}")
         if input_key is None:
@@ -130,11 +155,18 @@ class PromptDataset:
         self.input_template, self.system_prompt = input_template, system_prompt
         self.max_length, self.overlong, self.on_bad_row = max_length, overlong, on_bad_row
         self.uses_chat_template = uses_chat_template
+        self.image_key, self.processor, self.max_images_per_prompt = (
+            image_key,
+            processor,
+            max_images_per_prompt,
+        )
         self.stats = DatasetStats()
 
         dataset = as_dataset(data, cache_dir=cache_dir)
-        require_columns(dataset, [input_key, label_key])
-        columns = [key for key in (input_key, label_key, SOURCE_COLUMN, ROW_COLUMN) if key is not None]
+        require_columns(dataset, [input_key, label_key, image_key])
+        columns = [
+            key for key in (input_key, label_key, image_key, SOURCE_COLUMN, ROW_COLUMN) if key is not None
+        ]
         dataset = dataset.select_columns(list(dict.fromkeys(columns)))
 
         self.prompts: list[str] = []
@@ -144,12 +176,13 @@ class PromptDataset:
         row_sources: list[int] = []
         rows: list[int] = []
         truncated: dict[int, int] = {}  # index -> length before truncation
+        self._images: dict[int, tuple[list[Any], list[int]]] = {}  # index -> (image values, tokens each)
         id_chunks: list[np.ndarray] = []  # int32: token ids are below 2**31 in any vocabulary
         lengths: list[int] = []
 
         for chunk in dataset.iter(batch_size=CHUNK_ROWS):
             count = len(chunk[SOURCE_COLUMN])
-            pending = []  # (rendered text, label, source, row) of the rows that rendered
+            pending = []  # (rendered text, label, source, row, images, tokens of each) of the rows that rendered
             for position in range(count):
                 row = {name: values[position] for name, values in chunk.items()}
                 outcome = self._render_row(row)
@@ -158,13 +191,23 @@ class PromptDataset:
             if not pending:
                 continue
             encoded = tokenizer(
-                [text for text, _, _, _ in pending], add_special_tokens=not uses_chat_template
+                [outcome[0] for outcome in pending], add_special_tokens=not uses_chat_template
             )["input_ids"]
             chunk_ids = []
-            for (text, label, source, row), ids in zip(pending, encoded):
-                kept = self._fit_length(ids, source, row)
+            for (text, label, source, row, images, counts), ids in zip(pending, encoded):
+                if images:
+                    try:
+                        ids = processor.expand(ids, counts).tolist()
+                    except ValueError as error:  # an "<image>"-like token the template wrote itself
+                        self._bad_row(
+                            "bad_prompt", DataError(str(error), source=source, row=row, key=image_key)
+                        )
+                        continue
+                kept = self._fit_length(ids, source, row, has_images=bool(images))
                 if kept is None:
                     continue
+                if images:
+                    self._images[len(self.prompts)] = (images, counts)
                 if len(kept) < len(ids):
                     truncated[len(self.prompts)] = len(ids)
                 self.prompts.append(text)
@@ -205,11 +248,16 @@ class PromptDataset:
             raise error
         self.stats.skip(reason, error)
 
-    def _render_row(self, row: dict[str, Any]) -> tuple[str, Any, str, int] | None:
-        """(rendered prompt, label, source, row) or None for a skipped bad row."""
+    def _render_row(self, row: dict[str, Any]) -> tuple[str, Any, str, int, list[Any], list[int]] | None:
+        """(rendered prompt, label, source, row, images, image tokens each) or None for a skipped bad row."""
         source, row_number = row.get(SOURCE_COLUMN) or IN_MEMORY, row.get(ROW_COLUMN)
         where = {"source": source, "row": row_number, "key": self.input_key}
+        images: list[Any] = []
+        counts: list[int] = []
         try:
+            if self.image_key is not None:
+                text, images, counts = self._render_vision_row(row, source, row_number)
+                return self._with_label(row, text, source, row_number, images, counts)
             value = row.get(self.input_key)
             if isinstance(value, list):
                 if not self.uses_chat_template:
@@ -233,6 +281,17 @@ class PromptDataset:
         except DataError as error:
             self._bad_row("bad_prompt", error)
             return None
+        return self._with_label(row, text, source, row_number, images, counts)
+
+    def _with_label(
+        self,
+        row: dict[str, Any],
+        text: str,
+        source: str,
+        row_number: Any,
+        images: list[Any],
+        counts: list[int],
+    ) -> tuple[str, Any, str, int, list[Any], list[int]] | None:
         label = None
         if self.label_key is not None:
             label = row.get(self.label_key)
@@ -242,9 +301,48 @@ class PromptDataset:
                     DataError("missing or null label", source=source, row=row_number, key=self.label_key),
                 )
                 return None
-        return text, label, source, -1 if row_number is None else int(row_number)
+        return text, label, source, -1 if row_number is None else int(row_number), images, counts
 
-    def _fit_length(self, ids: list[int], source: str, row: int) -> list[int] | None:
+    def _render_vision_row(
+        self, row: dict[str, Any], source: str, row_number: Any
+    ) -> tuple[str, list[Any], list[int]]:
+        """(text with one placeholder per image, the row's images, tokens of each); DataError for a bad row."""
+        from ..vision import image_size
+
+        value = row.get(self.input_key)
+        prompt = (
+            read_messages(row, self.input_key, parts=True)
+            if isinstance(value, list)
+            else read_text(row, self.input_key)
+        )
+        images = row.get(self.image_key)
+        images = [] if images is None else list(images) if isinstance(images, (list, tuple)) else [images]
+        where = f"{source} row {row_number}"
+        if len(images) > self.max_images_per_prompt:
+            raise DataError(
+                f"{len(images)} images, more than max_images_per_prompt {self.max_images_per_prompt}",
+                source=source,
+                row=row_number,
+                key=self.image_key,
+            )
+        base_dir = os.path.dirname(source) if os.path.isfile(source) else None
+        try:
+            text, images = self.processor.render_text(
+                prompt, images, system_prompt=self.system_prompt, where=where
+            )
+            counts = [
+                self.processor.image_tokens_for_size(
+                    *image_size(image, where=f"{where}, image {i}", base_dir=base_dir)
+                )
+                for i, image in enumerate(images)
+            ]
+        except (ValueError, TypeError, FileNotFoundError) as error:
+            raise DataError(str(error), source=source, row=row_number, key=self.image_key) from None
+        return text, [_with_base_dir(image, base_dir) for image in images], counts
+
+    def _fit_length(
+        self, ids: list[int], source: str, row: int, has_images: bool = False
+    ) -> list[int] | None:
         """Apply `max_length` and the `overlong` policy: the ids to keep, or None to drop the row."""
         if self.max_length is None or len(ids) <= self.max_length:
             return ids
@@ -256,7 +354,7 @@ class PromptDataset:
                 row=row,
                 key=self.input_key,
             )
-        if self.overlong == "drop":
+        if self.overlong == "drop" or has_images:  # a prompt with images is never cut
             self.stats.skip("too_long", DataError(message, source=source, row=row, key=self.input_key))
             return None
         self.stats.truncated += 1
@@ -275,6 +373,9 @@ class PromptDataset:
         extra: dict[str, Any] = {}
         if original_length is not None:
             extra = {"truncated": True, "original_length": original_length}
+        images = None
+        if position in self._images:
+            images = self._load_images(position)
         return PromptSample(
             prompt_ids=self._ids[start:end],
             prompt=self.prompts[position],
@@ -283,7 +384,28 @@ class PromptDataset:
             source=self._source_names[int(self._row_sources[position])],
             row=int(self._rows[position]),
             extra=extra,
+            images=images,
         )
+
+    def _load_images(self, position: int) -> Any:
+        """The processed images of prompt `position`; DataError when they no longer fit its placeholders."""
+        from ..vision import load_image
+
+        values, counts = self._images[position]
+        source, row = self._source_names[int(self._row_sources[position])], int(self._rows[position])
+        where = f"{source} row {row}"
+        inputs = self.processor.process(
+            [load_image(value, where=f"{where}, image {i}") for i, value in enumerate(values)]
+        )
+        if self.processor.num_image_tokens(inputs.grid_thw) != counts:
+            raise DataError(
+                f"the images give {self.processor.num_image_tokens(inputs.grid_thw)} placeholder tokens, "
+                f"{counts} when the dataset was loaded (did the files change?)",
+                source=source,
+                row=row,
+                key=self.image_key,
+            )
+        return inputs
 
     @property
     def lengths(self) -> torch.Tensor:
@@ -295,5 +417,18 @@ class PromptDataset:
         """Total prompt tokens kept."""
         return int(self._offsets[-1])
 
+    @property
+    def num_images(self) -> int:
+        """Images over all prompts."""
+        return sum(len(values) for values, _ in self._images.values())
+
     def __repr__(self) -> str:
         return f"PromptDataset({len(self)} prompts, {self.num_tokens} tokens; {self.stats.summary()})"
+
+
+def _with_base_dir(image: Any, base_dir: str | None) -> Any:
+    """A relative image path made absolute against the data file's folder (other values unchanged)."""
+    if base_dir is not None and isinstance(image, str) and not image.startswith(("http://", "https://")):
+        if not os.path.isabs(image):
+            return os.path.join(base_dir, image)
+    return image
