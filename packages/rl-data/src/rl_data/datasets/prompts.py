@@ -428,7 +428,7 @@ class PromptDataset:
 
 def _with_base_dir(image: Any, base_dir: str | None) -> Any:
     """A relative image path made absolute against the data file's folder (other values unchanged)."""
-    if base_dir is not None and isinstance(image, str) and not image.startswith(("http://", "https://")):
-        if not os.path.isabs(image):
-            return os.path.join(base_dir, image)
-    return image
+    relative = (
+        isinstance(image, str) and not image.startswith(("http://", "https://")) and not os.path.isabs(image)
+    )
+    return os.path.join(base_dir, image) if base_dir is not None and relative else image
