@@ -414,6 +414,10 @@ def test_every_flag_is_listed_once_per_command():
         "ds.ring_attn_head_stride",
         "data.dataset_probs",
         "data.dataset_split",
+        # VL prompts are ppo's; sft, rm and dpo refuse the VLM flags
+        "data.image_key",
+        "data.max_images_per_prompt",
+        "actor.freeze_visual_encoder",
     }
 
 
@@ -472,6 +476,8 @@ SAME_NAMES = {
     "data.input_template",
     "train.ema_beta",
     "ckpt.best_metric_key",
+    "data.image_key",
+    "data.max_images_per_prompt",
 }
 
 

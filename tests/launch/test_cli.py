@@ -191,7 +191,7 @@ def test_the_files_preset_is_used_and_the_flag_overrides_it(capsys, tmp_path):
             ],
             "train.train_batch_size: 3 must divide rollout.rollout_batch_size x rollout.n_samples_per_prompt = 8",
         ),
-        (["--preset", "cooking"], "preset: 'cooking' is not one of auto, arithmetic, none"),
+        (["--preset", "cooking"], "preset: 'cooking' is not one of auto, arithmetic, colours, none"),
         (["--algo", "x"], "algo: is a section, not an option"),
     ],
 )

@@ -227,14 +227,17 @@ SCRIPTS = {
             "--actor.adam.lr", "2e-6", "--data.prompt_dataset", "{prompts}", "--data.input_key", "prompt",
             "--data.label_key", "label", "--data.apply_chat_template", "--actor.gradient_checkpointing_enable",
             "--ds.attn_implementation", "eager", "--vllm.sync_backend", "nccl", "--vllm.enforce_eager",
-            "--vllm.enable_sleep", "--ds.enable_sleep",
+            "--vllm.enable_sleep", "--ds.enable_sleep", "--data.image_key", "images",
+            "--data.max_images_per_prompt", "1", "--actor.freeze_visual_encoder",
         ),
-        {"data.prompt_max_len": 2048, "model.attn_implementation": "eager", "algo.kl.init_kl_coef": 0.0},
-        refused=(
-            ("--data.image_key", "images"),
-            ("--data.max_images_per_prompt", "1"),
-            ("--actor.freeze_visual_encoder",),
-        ),
+        {
+            "data.prompt_max_len": 2048,
+            "model.attn_implementation": "eager",
+            "algo.kl.init_kl_coef": 0.0,
+            "data.image_key": "images",
+            "data.max_images_per_prompt": 1,
+            "model.freeze_visual_encoder": True,
+        },
     ),
     "train_sft.sh": Script(
         "sft",
@@ -301,9 +304,6 @@ SCRIPTS = {
 }  # fmt: skip
 
 OTHER_ISSUES = {
-    "--data.image_key": "vision-language models are not supported yet",
-    "--data.max_images_per_prompt": "vision-language models are not supported yet",
-    "--actor.freeze_visual_encoder": "vision-language models are not supported yet",
     "--model.aux_loss_coef": "MoE load-balancing loss",
 }
 
@@ -372,7 +372,7 @@ def test_openrlhf_script_flags_of_other_issues_are_refused_saying_so(name, refus
 def test_the_twelve_scripts_are_all_covered():
     assert len(SCRIPTS) == 12
     fully = [name for name, script in SCRIPTS.items() if not script.refused]
-    assert len(fully) == 10
+    assert len(fully) == 11
 
 
 @pytest.mark.slow

@@ -676,6 +676,7 @@ ALIASES: tuple[Alias, ...] = (
     ),
     _alias("ds.attn_implementation", "attn_implementation", commands=("serve-rm",)),
     _alias("actor.gradient_checkpointing_enable", "model.gradient_checkpointing", nargs=0),
+    _alias("actor.freeze_visual_encoder", "model.freeze_visual_encoder", nargs=0),
     _alias(
         "model.gradient_checkpointing_enable", "model.gradient_checkpointing", nargs=0, commands=SUPERVISED
     ),
@@ -697,6 +698,8 @@ ALIASES: tuple[Alias, ...] = (
         convert=_always("sft, rm and dpo have no evaluation set", value="-1"),
     ),
     _alias("data.prompt_probs", "data.prompt_probs"),
+    _alias("data.image_key", "data.image_key"),
+    _alias("data.max_images_per_prompt", "data.max_images_per_prompt"),
     _alias("data.prompt_split", "data.prompt_split"),
     _alias("eval.split", "eval.split"),
     _alias(
@@ -1143,8 +1146,8 @@ may have one entry per meaning: `--data.max_len` is a total budget for ppo and t
 `data.max_len` for sft); see the module docstring."""
 
 _NO_VISION = (
-    "vision-language models are not supported yet (images in records: an open issue of the agents "
-    "and VLM work)"
+    "sft, rm and dpo read text only; vision-language models train with rl-launch ppo "
+    "(--data.image_key, --data.max_images_per_prompt, --actor.freeze_visual_encoder)"
 )
 _NO_NESTEROV = (
     "DeepSpeed's Muon always uses Nesterov momentum: its update runs with nesterov=True and its "

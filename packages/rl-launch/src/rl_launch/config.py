@@ -119,6 +119,9 @@ class ModelConfig(_Section):
     """Dropout on the LoRA adapters' input."""
     target_modules: list[str] = msgspec.field(default_factory=lambda: ["all-linear"])
     """Modules LoRA adapts (peft names), or "all-linear"."""
+    freeze_visual_encoder: bool = False
+    """A vision-language policy (Qwen2-VL family) trains its language model only: the vision
+    encoder's weights stay as loaded (rl_learner's freeze_visual_encoder says which modules)."""
 
     def __post_init__(self) -> None:
         if self.sequence_parallel_size > 1 and self.attn_implementation == "flash_attention_2":
@@ -214,6 +217,13 @@ class DataConfig(_Section):
     prompt_max_len: PositiveInt = 1024
     """Longest prompt in tokens; longer prompts are dropped and counted on the start-up line. This +
     rollout.generate_max_len must fit the model's context (checked at start)."""
+    image_key: str | None = None
+    """Column holding each prompt's images, for a vision-language model (Qwen2-VL family): one
+    image or a list (file paths, relative ones against the data file's folder; Hub Image
+    features; URLs only when online), placed in order at the prompt's "<image>" marks or
+    {"type": "image"} message parts (rl_data.vision). None: text prompts."""
+    max_images_per_prompt: PositiveInt = 1
+    """Most images a prompt may have; a row with more is a bad row (see skip_bad_rows)."""
     skip_bad_rows: bool = False
     """Leave out rows with a missing, empty or malformed prompt or a missing label, counted on the
     start-up line; false: such a row stops the run, naming the file, the row and the key."""
@@ -931,10 +941,11 @@ class PPOConfig(_Section):
     """Python modules (`my_pkg.plugin`) or .py files imported first, in the driver and in every Ray
     actor; they register components by name (estimators, losses, rewards, engines). `--plugin X`
     on the command line, repeatable."""
-    preset: Literal["auto", "arithmetic", "none"] = "auto"
-    """Built-in task whose model, data, reward and settings sit under yours: arithmetic, or none.
-    auto: arithmetic when neither model.pretrain nor data.prompt_data is given, else none (a run
-    that names its own model or data gets nothing from a preset unless it asks)."""
+    preset: Literal["auto", "arithmetic", "colours", "none"] = "auto"
+    """Built-in task whose model, data, reward and settings sit under yours: arithmetic, colours
+    (a vision-language task: name an image's colour, a tiny Qwen2-VL; rl_launch.presets.colours),
+    or none. auto: arithmetic when neither model.pretrain nor data.prompt_data is given, else none
+    (a run that names its own model or data gets nothing from a preset unless it asks)."""
     preset_root: str | None = None
     """Cache folder of preset builds (None: ~/.cache/rl-launch/presets)."""
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
@@ -961,7 +972,7 @@ class PPOConfig(_Section):
     """When an unhealthy run warns or stops."""
 
     def __post_init__(self) -> None:
-        if self.preset != "arithmetic":
+        if self.preset in ("auto", "none"):
             if self.model.pretrain is None:
                 _fail("model.pretrain", None, "is required without a preset (or pass --preset arithmetic)")
             if self.data.prompt_data is None:

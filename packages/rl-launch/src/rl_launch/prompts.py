@@ -197,6 +197,16 @@ def load_prompts(config: PPOConfig, inputs: Resolved, tokenizer: Any) -> tuple[P
     from rl_data.datasets import PromptDataset
 
     data = config.data
+    processor = None
+    if data.image_key is not None:
+        from rl_data.vision import VISION_MODEL_TYPES, VisionProcessor, is_vision_model
+
+        if not is_vision_model(inputs.model_path):
+            raise PreflightError(
+                f"data.image_key: {data.image_key!r} gives prompts images, but model.pretrain {inputs.model_path} "
+                f"is not a vision-language model of {VISION_MODEL_TYPES} (drop data.image_key for text prompts)"
+            )
+        processor = VisionProcessor.from_pretrained(inputs.model_path, tokenizer)
 
     def dataset(source: str, option: str, split: tuple[str, str], subset: tuple[str | None, str]) -> Any:
         rows = load_source(
@@ -219,6 +229,9 @@ def load_prompts(config: PPOConfig, inputs: Resolved, tokenizer: Any) -> tuple[P
                 max_length=data.prompt_max_len,
                 overlong="drop",
                 on_bad_row="skip" if data.skip_bad_rows else "error",
+                image_key=data.image_key,
+                processor=processor,
+                max_images_per_prompt=data.max_images_per_prompt,
             )
         except (FileNotFoundError, KeyError, ValueError, TypeError) as error:
             hint = ""

@@ -7,8 +7,10 @@ format. Presets therefore fine-tune their model for a few dozen steps on demonst
 the RL run starts. This module is that loop, generic over the task: it knows texts and tokens,
 not arithmetic.
 
-Each example is a prompt text (already rendered, e.g. by a chat template) and the response text
-that follows it, end-of-sequence marker included. Prompt and response are tokenised separately
+Each example is a prompt text (already rendered, e.g. by a chat template) or its token ids, and the
+response text that follows it, end-of-sequence marker included. A vision-language model's examples
+come with their images (`images`: one `rl_data.ImageInputs` per example, the prompt ids holding
+the expanded placeholder runs of `rl_data.vision`). Prompt and response are tokenised separately
 and concatenated, so the boundary between them is exact; the loss is the token-mean negative
 log-likelihood of the response tokens only (`rl_algos.sft_loss`):
 
@@ -56,7 +58,9 @@ def tokenize_examples(
     """
     tokenized = []
     for index, example in enumerate(examples):
-        if not (isinstance(example, (tuple, list)) and len(example) == 2 and isinstance(example[0], str)):
+        if not (
+            isinstance(example, (tuple, list)) and len(example) == 2 and isinstance(example[0], (str, list))
+        ):
             raise ValueError(
                 f"examples[{index}]: expected a (prompt, response) pair of strings, got {example!r}"
             )
@@ -76,7 +80,9 @@ def tokenize_examples(
                 f"examples[{index}]: the response must be a string or a list of (text, trained) pairs, "
                 f"got {response!r}"
             )
-        prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        prompt_ids = (
+            prompt if isinstance(prompt, list) else tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        )
         response_ids: list[int] = []
         mask: list[bool] = []
         for text, trained in segments:
@@ -123,6 +129,8 @@ def sft_warm_start(
     batch_size: int,
     lr: float,
     seed: int = 0,
+    images: Sequence[Any] | None = None,
+    image_token_id: int | None = None,
 ) -> dict[str, float]:
     """Fine-tune `model` in place on the response tokens of `examples`; returns metrics.
 
@@ -137,6 +145,9 @@ def sft_warm_start(
         batch_size: examples per step, >= 1 (capped at the number of examples).
         lr: peak learning rate, > 0.
         seed: seeds the batch order and the torch random state used inside.
+        images: for a VL model, each example's `ImageInputs` (or None for a text example); the
+            batch's are concatenated in order and given to the forward with `image_token_id`
+            (its image placeholder) marking the image tokens.
 
     Returns:
         "first_loss" (the loss of step 1), "final_loss" (mean loss over the last
@@ -156,6 +167,10 @@ def sft_warm_start(
         raise ValueError("tokenizer: has neither pad_token_id nor eos_token_id to pad batches with")
 
     rows = tokenize_examples(tokenizer, examples)
+    if images is not None and (len(images) != len(rows) or image_token_id is None):
+        raise ValueError(
+            f"images: one ImageInputs (or None) per example ({len(rows)}), with image_token_id; got {len(images)}"
+        )
     batch_size = min(batch_size, len(rows))
     generator = torch.Generator().manual_seed(seed)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -174,7 +189,18 @@ def sft_warm_start(
                 order = torch.randperm(len(rows), generator=generator).tolist()
             batch, order = order[:batch_size], order[batch_size:]
             input_ids, attention, response = _collate([rows[i] for i in batch], pad_id)
-            logits = model(input_ids=input_ids, attention_mask=attention).logits
+            extra = {}
+            if images is not None:
+                from rl_data import ImageInputs
+
+                pixels = ImageInputs.concat([images[i] for i in batch])
+                if pixels is not None:
+                    extra = {
+                        "pixel_values": pixels.pixel_values,
+                        "image_grid_thw": pixels.grid_thw,
+                        "mm_token_type_ids": (input_ids == image_token_id).int(),
+                    }
+            logits = model(input_ids=input_ids, attention_mask=attention, **extra).logits
             # Position t predicts token t + 1: shift labels and the response mask by one.
             logprobs = logprobs_from_logits(logits[:, :-1], input_ids[:, 1:])
             loss, _ = sft_loss(logprobs, response[:, 1:])

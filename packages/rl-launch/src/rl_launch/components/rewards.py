@@ -59,6 +59,16 @@ def arithmetic_reward() -> Any:
     return BatchedReward(score, name="arithmetic")
 
 
+@REWARDS.register("colours")
+def colours_reward() -> Any:
+    """1.0 when the response's first word is the label (the colours preset's: an image's colour)."""
+    from rl_rollout import BatchedReward
+
+    from ..presets.colours import colour_reward as score
+
+    return BatchedReward(score, name="colours")
+
+
 @REWARDS.register("numeric")
 def numeric_reward() -> Any:
     """`rl_rollout.NumericAnswerReward`: the last number of the response against the label."""

@@ -1,6 +1,7 @@
 """Built-in presets: a task, a locally built model and tuned settings that run out of the box.
 
-`arithmetic` is the CPU preset that `rl-launch ppo` runs with no arguments. A preset gives two
+`arithmetic` is the CPU preset that `rl-launch ppo` runs with no arguments; `colours` is the
+vision-language one (`--preset colours`: a tiny Qwen2-VL names an image's colour). A preset gives two
 things: `preset_settings(name)`, the configuration it layers under the user's file and flags
 (so any of it can be overridden), and `prepare_preset(name, root, seed)`, the inputs it builds
 (model, datasets, reward) for whatever the user left unset.
@@ -13,7 +14,7 @@ from typing import Any
 
 import msgspec
 
-from . import arithmetic
+from . import arithmetic, colours
 from .arithmetic import PresetArtifacts, arithmetic_reward, build_preset, make_problems
 
 __all__ = [
@@ -27,7 +28,8 @@ __all__ = [
     "preset_settings",
 ]
 
-PRESETS: tuple[str, ...] = ("arithmetic",)
+PRESETS: tuple[str, ...] = ("arithmetic", "colours")
+_MODULES = {"arithmetic": arithmetic, "colours": colours}
 
 
 class PresetInputs(msgspec.Struct, frozen=True, kw_only=True):
@@ -51,18 +53,18 @@ def preset_settings(name: str) -> dict[str, Any]:
     A copy of the preset module's `SETTINGS`, the one place its run settings are written.
     """
     _check(name)
-    return arithmetic.settings()
+    return _MODULES[name].settings()
 
 
 def prepare_preset(name: str, root: str | os.PathLike[str] | None = None, *, seed: int = 0) -> PresetInputs:
     """Build (or reuse from the cache under `root`) the inputs of preset `name`."""
     _check(name)
     root = root or os.path.join(os.path.expanduser("~"), ".cache", "rl-launch", "presets")
-    artifacts = build_preset(root, seed=seed)
+    artifacts = _MODULES[name].build_preset(root, seed=seed)
     return PresetInputs(
         model_path=str(artifacts.model_path),
         train_path=str(artifacts.train_path),
         eval_path=str(artifacts.eval_path),
-        reward_function="arithmetic",
+        reward_function=name,
         apply_chat_template=artifacts.apply_chat_template,
     )
