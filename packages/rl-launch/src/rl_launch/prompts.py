@@ -198,14 +198,9 @@ def load_prompts(config: PPOConfig, inputs: Resolved, tokenizer: Any) -> tuple[P
 
     data = config.data
     processor = None
-    if data.image_key is not None:
-        from rl_data.vision import VISION_MODEL_TYPES, VisionProcessor, is_vision_model
+    if data.image_key is not None:  # a vision-language policy (preflight checked it)
+        from rl_data.vision import VisionProcessor
 
-        if not is_vision_model(inputs.model_path):
-            raise PreflightError(
-                f"data.image_key: {data.image_key!r} gives prompts images, but model.pretrain {inputs.model_path} "
-                f"is not a vision-language model of {VISION_MODEL_TYPES} (drop data.image_key for text prompts)"
-            )
         processor = VisionProcessor.from_pretrained(inputs.model_path, tokenizer)
 
     def dataset(source: str, option: str, split: tuple[str, str], subset: tuple[str | None, str]) -> Any:

@@ -1,0 +1,79 @@
+"""The vision preset (`rl-launch ppo --preset colours`): images from data files through the HF
+engine to the learners, and a reward that rises because the policy learns to look at the image."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from rl_launch.cli import main
+from rl_launch.presets.colours import COLOURS, build_preset, colour_image, colour_reward, score_response
+from tests.launch.launching import launch, read_metrics
+
+
+def test_score_response_reads_the_first_word():
+    assert score_response("red", "red") == 1.0
+    assert score_response(" Blue.", "blue") == 1.0
+    assert score_response("green red", "red") == 0.0
+    assert score_response("", "red") == 0.0
+    assert colour_reward(["q: red", "q: blue"], ["q: ", "q: "], ["red", "red"]) == [1.0, 0.0]
+
+
+def test_colour_images_stay_near_their_colour():
+    rng = random.Random(0)
+    for name, base in COLOURS.items():
+        pixel = colour_image(name, rng).getpixel((10, 10))
+        assert all(abs(value - centre) <= 40 for value, centre in zip(pixel, base))
+
+
+def test_preset_settings_pick_the_hf_engine_and_the_image_column(capsys):
+    assert main(["ppo", "--preset", "colours", "--print-config"]) == 0
+    printed = capsys.readouterr().out
+    assert "image_key: images" in printed
+    assert "engine: hf" in printed
+
+
+def test_vllm_without_torchvision_is_refused_saying_why(preset_root, tmp_path, capsys):
+    pytest.importorskip("vllm")
+    if __import__("importlib").util.find_spec("torchvision") is not None:
+        pytest.skip("torchvision is installed here: vLLM can process images")
+    args = ["ppo", "--preset", "colours", "--preset_root", str(preset_root), "--rollout.engine", "vllm"]
+    assert main([*args, "--log.output_dir", str(tmp_path / "run"), "--train.max_steps", "1"]) == 1
+    error = capsys.readouterr().err
+    assert "needs torchvision" in error
+    assert "--rollout.engine hf" in error
+
+
+def test_image_key_on_a_text_model_is_refused(tiny_checkpoint, tmp_path, capsys):
+    data = tmp_path / "p.jsonl"
+    data.write_text(json.dumps({"prompt": "<image>hi", "images": ["a.png"], "label": "x"}) + "\n")
+    args = ["ppo", "--model.pretrain", str(tiny_checkpoint), "--data.prompt_data", str(data)]
+    assert main([*args, "--data.image_key", "images", "--log.output_dir", str(tmp_path / "run")]) == 1
+    assert "is not a vision-language model" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_the_colours_preset_learns_to_look(ray_temp, tmp_path, preset_root):
+    """The whole stack on images: the greedy eval accuracy starts near 1/3 (the warm start says
+    "red" to every image) and the sampled reward rises as GRPO makes the policy read the pixels."""
+    build_preset(preset_root)  # built once per test run
+    ray_dir, env = ray_temp
+    run_dir = tmp_path / "run"
+    args = [
+        "--preset", "colours",
+        "--preset_root", str(preset_root),
+        "--log.output_dir", str(run_dir),
+        "--log.progress_bar", "false",
+        "--ray.temp_dir", ray_dir,
+    ]  # fmt: skip
+    result = launch(args, env, timeout=900)
+    assert result.returncode == 0, result.stderr[-4000:]
+    metrics = read_metrics(run_dir)
+    rewards = [line["reward/mean"] for line in metrics if "reward/mean" in line]
+    evals = [line["eval/reward/mean"] for line in metrics if "eval/reward/mean" in line]
+    assert evals[0] < 0.5, evals
+    assert evals[-1] - evals[0] >= 0.3, evals
+    assert sum(rewards[-3:]) / 3 - sum(rewards[:3]) / 3 >= 0.2, rewards
+    assert (run_dir / "curves.png").is_file()
