@@ -154,3 +154,82 @@ def test_image_batch_on_a_text_model_and_mismatched_placeholders_are_refused(
     records[0].prompt_ids = torch.cat([records[0].prompt_ids, torch.tensor([processor.image_token_id])])
     with pytest.raises(ValueError, match=r"5 image placeholder tokens.*gives 4"):
         packed_logprobs(load_causal_lm(tiny_vl_checkpoint, dtype=torch.float32), build_experience(records))
+
+
+@pytest.fixture(scope="module")
+def learner_runs(tiny_vl_checkpoint, tmp_path_factory) -> dict:
+    """`_worker_vision.py` in one single-rank process: ZeRO-2, ZeRO-2 with the tower frozen, ZeRO-3."""
+    import json
+    import pathlib
+    import subprocess
+    import sys
+
+    from tests.learner.single_rank import single_rank_env
+
+    folder = tmp_path_factory.mktemp("vision-learner")
+    worker = pathlib.Path(__file__).parent / "_worker_vision.py"
+    done = subprocess.run(
+        [sys.executable, str(worker), str(folder), str(tiny_vl_checkpoint)],
+        env=single_rank_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    return json.loads((folder / "results.json").read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run", ["2-False", "2-True", "3-False"])
+def test_vl_learner_step_export_and_sync(learner_runs, run):
+    result = learner_runs[run]
+    # through the DeepSpeed engine (ZeRO-3 hooks gather the tower's weights) as per-sample HF forwards
+    assert result["logprob_error"] < 1e-5
+    assert result["text_moved"] == result["text_parameters"]
+    if run == "2-True":
+        assert result["vision_moved"] == 0  # freeze_visual_encoder: the whole model.visual bit-identical
+    else:
+        assert result["vision_moved"] == result["vision_parameters"]
+    assert result["export_class"] == "Qwen2VLForConditionalGeneration"
+    assert result["export_max_difference"] == 0.0
+    names = result["sync_names"]
+    assert len(names) == result["vision_parameters"] + result["text_parameters"]
+    assert sum(name.startswith("model.visual.") for name in names) == result["vision_parameters"]
+    assert all(name.startswith(("model.visual.", "model.language_model.", "lm_head.")) for name in names)
+    assert result["sync_checksum_mismatches"] == 0
+    assert result["sync_max_difference"] == 0.0
+
+
+def test_sequence_parallelism_with_a_vl_model_is_refused_naming_what_to_use(tiny_vl_checkpoint, processor):
+    from rl_learner.models import packed_model_inputs
+    from rl_learner.sequence_parallel import SequenceParallelGroup
+
+    model = load_causal_lm(tiny_vl_checkpoint, dtype=torch.float32)
+    group = SequenceParallelGroup.__new__(SequenceParallelGroup)  # never used: refused before any collective
+    with pytest.raises(ValueError, match="sequence_parallel_size 1"):
+        packed_model_inputs(model, build_experience(vl_records(processor)[:1]), sequence_parallel=group)
+
+
+def test_freeze_visual_encoder_and_all_linear_lora_leave_the_tower_alone(tiny_checkpoint, tiny_vl_checkpoint):
+    from rl_learner import apply_lora
+    from rl_learner.lora import LoraOptions
+    from rl_learner.models import freeze_visual_encoder
+
+    model = load_causal_lm(tiny_vl_checkpoint, dtype=torch.float32)
+    frozen = freeze_visual_encoder(model)
+    assert frozen == [name for name, _ in model.named_parameters() if name.startswith("model.visual.")]
+    assert any(".merger." in name for name in frozen)
+    assert all(p.requires_grad for n, p in model.named_parameters() if n not in frozen)
+    with pytest.raises(ValueError, match="has no vision tower"):
+        freeze_visual_encoder(load_causal_lm(tiny_checkpoint, dtype=torch.float32))
+    adapted = apply_lora(load_causal_lm(tiny_vl_checkpoint, dtype=torch.float32), LoraOptions(rank=4))
+    adapters = [name for name, _ in adapted.named_parameters() if "lora_A" in name]
+    assert adapters
+    assert not [name for name in adapters if ".visual." in name]  # peft's all-linear alone would adapt 10
+    # a tower module named explicitly is adapted: asked for
+    asked = apply_lora(
+        load_causal_lm(tiny_vl_checkpoint, dtype=torch.float32), LoraOptions(rank=4, target_modules=["qkv"])
+    )
+    asked_adapters = [name for name, _ in asked.named_parameters() if "lora_A" in name]
+    assert len(asked_adapters) == 2
+    assert all(".visual." in name for name in asked_adapters)

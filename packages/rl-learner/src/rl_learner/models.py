@@ -70,10 +70,12 @@ what changes is what the model is given (`packed_model_inputs`):
 
 The model scatters the embeddings into the placeholder tokens' positions and runs its language
 model on the packed row; log-probs equal one unpacked HF forward per sequence (`model(input_ids,
-pixel_values, image_grid_thw, mm_token_type_ids)`). `only_actions`, `share_prefix` (two prompts
+pixel_values, image_grid_thw, mm_token_type_ids)`). `only_actions` and `share_prefix` (two prompts
 are shared only when their sequences' images are equal too: placeholder ids do not tell images
-apart) and sequence parallelism (each rank takes the embeddings of the image tokens in its slice)
-work as for text.
+apart) work as for text. Sequence parallelism is refused for a VL model: the slicing of the mRoPE rows and
+of the image embeddings by rank is written (`packed_model_inputs`) but no multi-rank test pins
+it yet, and an untested split must not give a wrong answer (run VL models with
+sequence_parallel_size 1).
 
 The `model` argument of the packed functions may be a transformers model or a DeepSpeed engine
 wrapping one: calling through the engine is what lets ZeRO run its hooks.
@@ -106,6 +108,7 @@ __all__ = [
     "LengthBuckets",
     "RouterCapture",
     "SharedPrefix",
+    "freeze_visual_encoder",
     "length_buckets",
     "load_causal_lm",
     "load_value_model",
@@ -715,6 +718,12 @@ def packed_model_inputs(
             f"{implementation!r} (run it with sequence_parallel_size 1, or attn_implementation sdpa)"
         )
     vision = _vision_model(module)
+    if vision is not None and sequence_parallel is not None:
+        raise ValueError(
+            f"sequence parallelism is not supported for the vision-language model {type(module).__name__} "
+            "yet (its per-rank split of mRoPE positions and image embeddings is not verified); "
+            "run it with sequence_parallel_size 1"
+        )
     if vision is None and batch.has_images:
         raise ValueError(
             f"the batch has {batch.image_grid_thw.shape[0]} images but {type(module).__name__} is not a "
@@ -776,6 +785,30 @@ def _vision_model(module: torch.nn.Module) -> Any:
     if isinstance(inner, torch.nn.Module) and hasattr(inner, "visual") and hasattr(inner, "get_rope_index"):
         return inner
     return None
+
+
+def freeze_visual_encoder(model: Any) -> list[str]:
+    """Freeze the vision tower of a VL model in place: every parameter under `model.visual` (patch
+    embedding, vision blocks, merger) gets requires_grad False. Returns the frozen parameter names.
+
+    `model` may be a transformers model, a peft wrapper or a DeepSpeed engine (before its
+    optimizer is built: an optimizer keeps the parameters it was given). Raises ValueError for a
+    model without a vision tower."""
+    module = unwrap_model(model)
+    vision = _vision_model(module)
+    if vision is None:
+        raise ValueError(
+            f"freeze_visual_encoder: {type(module).__name__} has no vision tower (model.visual); "
+            "it applies to vision-language models only (set it False for a text model)"
+        )
+    frozen = []
+    tower = vision.visual
+    ids = {id(parameter) for parameter in tower.parameters()}
+    for name, parameter in module.named_parameters():
+        if id(parameter) in ids:
+            parameter.requires_grad_(False)
+            frozen.append(name)
+    return frozen
 
 
 def _image_layout(vision: Any, batch: ExperienceBatch) -> tuple[torch.Tensor, torch.Tensor]:
