@@ -154,6 +154,12 @@ class DeepSpeedConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Recompute activations in the backward pass instead of storing them (less memory, ~30% slower)."""
     attn_implementation: str = "sdpa"
     """Attention kernel of the HF model: "sdpa" (default), "eager", or "flash_attention_2" (needs the package)."""
+    freeze_visual_encoder: bool = False
+    """Vision-language models: train with the whole vision tower frozen, `model.visual` (patch
+    embedding, vision blocks and the merger that projects into the language model's width);
+    only the language model and LM head train. Applied when a trained learner is built, before
+    its optimizer (`rl_learner.models.freeze_visual_encoder`); True on a text model is refused.
+    OpenRLHF's `--actor.freeze_visual_encoder`."""
     share_prefix: bool | None = None
     """Run a prompt that several sequences of a micro-batch start with once (GRPO's n samples, a DPO
     pair): the same values and gradients for fewer tokens through the model
@@ -183,7 +189,12 @@ class DeepSpeedConfig(msgspec.Struct, frozen=True, kw_only=True):
         _choice(owner, "zero_stage", self.zero_stage, ZERO_STAGES)
         _choice(owner, "dtype", self.dtype, DTYPES)
         _choice(owner, "attn_implementation", self.attn_implementation, ATTN_IMPLEMENTATIONS)
-        for field in ("offload_optimizer", "offload_params", "gradient_checkpointing"):
+        for field in (
+            "offload_optimizer",
+            "offload_params",
+            "gradient_checkpointing",
+            "freeze_visual_encoder",
+        ):
             if not isinstance(getattr(self, field), bool):
                 raise ValueError(f"{owner}.{field}: {getattr(self, field)!r} is not a bool")
         if self.share_prefix not in (None, True, False):

@@ -73,6 +73,7 @@ from rl_data.transport import free_port
 from .config import DeepSpeedConfig, OptimizerConfig, build_optimizer, build_scheduler, deepspeed_config
 from .models import (
     RouterCapture,
+    freeze_visual_encoder,
     packed_logprobs,
     packed_model_inputs,
     packed_scores,
@@ -380,6 +381,8 @@ class Learner:
             engine, *_ = deepspeed_lib.initialize(model=model, config=self.deepspeed_config)
             engine.eval()
         else:
+            if deepspeed.freeze_visual_encoder:
+                freeze_visual_encoder(model)
             trainable = [p for p in model.parameters() if p.requires_grad]
             if not trainable:
                 raise ValueError("model has no trainable parameters (requires_grad is False everywhere)")
@@ -405,6 +408,11 @@ class Learner:
         if size == 1:
             return None
         owner = type(self).__name__
+        if hasattr(getattr(unwrap_model(model), "model", None), "visual"):
+            raise ValueError(
+                f"{owner}: sequence_parallel_size {size} is not supported for vision-language models yet "
+                "(the per-rank split of mRoPE positions and image embeddings is not verified); use 1"
+            )
         config = getattr(unwrap_model(model), "config", None)
         heads = getattr(config, "num_attention_heads", None)
         if heads is None:

@@ -52,7 +52,9 @@ class LoraOptions(msgspec.Struct, frozen=True, kw_only=True):
     alpha: float = 16.0
     """Scaling numerator: the adapter output is multiplied by alpha / rank."""
     target_modules: str | list[str] = "all-linear"
-    """"all-linear" (every linear layer but the output heads) or module names such as ["q_proj", "v_proj"]."""
+    """"all-linear" (every linear layer but the output heads; of a vision-language model, those of
+    the language model only: not the vision tower `model.visual`) or module names such as
+    ["q_proj", "v_proj"], matched wherever they occur (a name of the tower, e.g. "qkv", adapts it)."""
     dropout: float = 0.0
     """Dropout on the adapter input, in [0, 1)."""
 
@@ -85,6 +87,11 @@ def linear_module_names(model: torch.nn.Module) -> list[str]:
     return names
 
 
+def _has_vision_tower(model: torch.nn.Module) -> bool:
+    inner = getattr(model, "model", None)
+    return isinstance(getattr(inner, "visual", None), torch.nn.Module)
+
+
 def apply_lora(model: Any, options: LoraOptions) -> Any:
     """Wrap `model` with LoRA adapters (a `peft.PeftModel`), or return it as is when rank is 0.
 
@@ -110,6 +117,10 @@ def apply_lora(model: Any, options: LoraOptions) -> Any:
                 f"(targets {list(options.target_modules)}); its linear layers are {available[:12]}"
             )
     has_score = isinstance(getattr(model, "score", None), torch.nn.Module)
+    exclude = ["score"] if has_score else None
+    if isinstance(options.target_modules, str) and _has_vision_tower(model):
+        # peft's "all-linear" would adapt the vision tower's linears too (qkv, fc1, the merger)
+        exclude = r"(.*\.)?visual\..*"
     config = peft.LoraConfig(
         r=options.rank,
         lora_alpha=options.alpha,
@@ -117,7 +128,7 @@ def apply_lora(model: Any, options: LoraOptions) -> Any:
         target_modules="all-linear"
         if isinstance(options.target_modules, str)
         else list(options.target_modules),
-        exclude_modules=["score"] if has_score else None,
+        exclude_modules=exclude,
         modules_to_save=["score"] if has_score else None,
         bias="none",
     )

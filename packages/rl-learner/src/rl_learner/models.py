@@ -1,6 +1,7 @@
 """Models from Hugging Face checkpoints, and their forward passes over packed experience.
 
-Policy and reference models are `AutoModelForCausalLM`. Critics and reward models are
+Policy and reference models are `AutoModelForCausalLM`, or `AutoModelForImageTextToText` for a
+vision-language folder (`rl_data.vision.is_vision_model`: the Qwen2-VL family). Critics and reward models are
 `AutoModelForSequenceClassification` with `num_labels=1`: the causal-LM backbone plus a scalar
 linear `score` head, so a model we save loads back with plain transformers and HF's own
 forward gives the same score as `packed_scores`.
@@ -51,6 +52,31 @@ Alignment (the `rl_data` convention). The value at token t belongs to the state 
 and the first token of every sequence gets 0. A reward model's score of sequence s is the score
 head at its last token: `scores[s] = score(h[cu_seqlens[s+1] − 1])`.
 
+Images (VL models of the Qwen2-VL family, a batch with `has_images`). The packed row is the same;
+what changes is what the model is given (`packed_model_inputs`):
+
+    position_ids [4, 1, N]   row 0 the text positions (restarting per sequence: what the packed
+                             attention and flash's varlen boundaries read), rows 1..3 the mRoPE
+                             (t, h, w) positions: each sequence's own `get_rope_index` over its
+                             ids and its images' grids, concatenated (`mrope_position_ids`).
+    mm_encoder_outputs       the vision tower's merged embeddings of the row's image tokens, in
+                             row order. The tower is called on its own (`model.visual(pixel_values,
+                             grid_thw)`), so the packed-attention keywords never reach its
+                             attention; through a DeepSpeed engine its submodules' ZeRO-3 hooks
+                             still gather its weights. Every forward of a VL model runs the tower
+                             once (a dummy merge×merge grid when the row has no image), so ZeRO-3's
+                             collective gathers line up across ranks and its weights always get a
+                             gradient (zero when unused).
+
+The model scatters the embeddings into the placeholder tokens' positions and runs its language
+model on the packed row; log-probs equal one unpacked HF forward per sequence (`model(input_ids,
+pixel_values, image_grid_thw, mm_token_type_ids)`). `only_actions` and `share_prefix` (two prompts
+are shared only when their sequences' images are equal too: placeholder ids do not tell images
+apart) work as for text. Sequence parallelism is refused for a VL model: the slicing of the mRoPE rows and
+of the image embeddings by rank is written (`packed_model_inputs`) but no multi-rank test pins
+it yet, and an untested split must not give a wrong answer (run VL models with
+sequence_parallel_size 1).
+
 The `model` argument of the packed functions may be a transformers model or a DeepSpeed engine
 wrapping one: calling through the engine is what lets ZeRO run its hooks.
 """
@@ -72,6 +98,7 @@ import torch
 
 from rl_algos import entropy_from_logits, logprobs_from_logits
 from rl_data import ExperienceBatch
+from rl_data.vision import is_vision_model
 
 from .config import ATTN_IMPLEMENTATIONS
 from .sequence_parallel import SequenceParallelGroup, sum_over_group, ulysses_attention
@@ -81,9 +108,11 @@ __all__ = [
     "LengthBuckets",
     "RouterCapture",
     "SharedPrefix",
+    "freeze_visual_encoder",
     "length_buckets",
     "load_causal_lm",
     "load_value_model",
+    "mrope_position_ids",
     "packed_attention_forward",
     "packed_logprobs",
     "packed_model_inputs",
@@ -179,6 +208,10 @@ def load_causal_lm(
 ) -> Any:
     """A policy or reference model: `AutoModelForCausalLM.from_pretrained(path)`.
 
+    A vision-language folder (`rl_data.vision.is_vision_model`) loads with
+    `AutoModelForImageTextToText` instead (e.g. `Qwen2VLForConditionalGeneration`: parameters
+    `model.visual.*`, `model.language_model.*`, `lm_head.*`), ZeRO-3 sharded loading included.
+
     Args:
       path: a Hugging Face model folder (config.json + weights).
       dtype: the weights' dtype.
@@ -191,17 +224,19 @@ def load_causal_lm(
       FileNotFoundError for a path that does not exist; ValueError naming the path and the
       architecture for a folder without config.json or whose model is not a causal LM.
     """
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     _check_attention(attn_implementation)
     path = Path(path)
     config = _read_config(path, "causal LM")
-    _check_architecture(path, config, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, "causal LM")
+    auto = AutoModelForCausalLM
+    if is_vision_model(path):
+        auto = AutoModelForImageTextToText
+    else:
+        _check_architecture(path, config, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, "causal LM")
     with _zero3_loading(zero3_config):
-        model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=dtype, attn_implementation=attn_implementation
-        )
+        model = auto.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
     _finish(model, gradient_checkpointing)
     return model
 
@@ -217,6 +252,9 @@ def load_value_model(
     head_seed: int = 0,
 ) -> Any:
     """A critic or reward model: `AutoModelForSequenceClassification(num_labels=1)` from `path`.
+
+    A vision-language folder is refused (transformers has no sequence-classification class for
+    the Qwen2-VL family): a critic or reward model is a text model here.
 
     From a causal-LM checkpoint the backbone is loaded and the scalar `score` head is new:
     weight ~ N(0, (1 / (hidden_size + 1))²), drawn from a generator seeded with `head_seed`, so
@@ -234,6 +272,14 @@ def load_value_model(
     _check_attention(attn_implementation)
     path = Path(path)
     config = _read_config(path, "value model")
+    if is_vision_model(path):
+        raise ValueError(
+            f"value model checkpoint {str(path)!r} is a vision-language model (model_type="
+            f"{config.model_type!r}); critics and reward models are text-only causal LMs with a `score` "
+            "head here (transformers has no sequence-classification class for it): use a text model "
+            "as critic / reward model, or a critic-free estimator (GRPO, REINFORCE++, RLOO) with a "
+            "reward function"
+        )
     _check_architecture(path, config, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, "value model")
     pad = pad_token_id if pad_token_id is not None else _find_pad_token_id(path, config)
     with _zero3_loading(zero3_config):
@@ -430,8 +476,8 @@ def shared_prefix(batch: ExperienceBatch) -> SharedPrefix | None:
     """Group the sequences of a packed batch by their prefix; None when no two share one.
 
     A sequence's prefix is its tokens before its first action token (`batch.action_mask`), the
-    whole sequence if it has none. Sequences whose prefixes are equal token for token form a
-    group; the first of each group (in row order) runs whole, the others only from their first
+    whole sequence if it has none. Sequences whose prefixes are equal token for token (and, with
+    images, whose images are equal: `_prefix_images`) form a group; the first of each group (in row order) runs whole, the others only from their first
     action token on (`SharedPrefix`). Every sequence starts at position 0 (`rl_data`), so equal
     prefixes have equal positions. Cost O(N) on the host (one read of input_ids and the mask).
     """
@@ -441,13 +487,15 @@ def shared_prefix(batch: ExperienceBatch) -> SharedPrefix | None:
     actions = batch.action_mask.cpu().numpy()
     bounds = batch.cu_seqlens.tolist()
     source = np.arange(batch.num_tokens)
+    images = _prefix_images(batch)
     first: dict[bytes, int] = {}
-    for start, end in itertools.pairwise(bounds):
+    for sequence, (start, end) in enumerate(itertools.pairwise(bounds)):
         hits = np.flatnonzero(actions[start:end])
         length = int(hits[0]) if hits.size else end - start
         if length == 0:
             continue
-        origin = first.setdefault(ids[start : start + length].tobytes(), start)
+        key = ids[start : start + length].tobytes() + images(sequence)
+        origin = first.setdefault(key, start)
         if origin != start:
             source[start : start + length] = np.arange(origin, origin + length)
     runs = source == np.arange(batch.num_tokens)
@@ -459,6 +507,33 @@ def shared_prefix(batch: ExperienceBatch) -> SharedPrefix | None:
         torch.from_numpy(compressed[source]),
         batch.num_tokens,
     )
+
+
+def _prefix_images(batch: ExperienceBatch) -> Any:
+    """`images(sequence)`: bytes of the images (grids and patches) of a sequence; b"" without images.
+
+    Placeholder ids are the same for every image, so two prefixes are shared only when their
+    sequences also hold the same images. All of a sequence's images count (those of its response,
+    an environment's, too): sequences of a group whose later images differ run their prefix
+    apart, never with another sequence's pixels."""
+    if not batch.has_images:
+        return lambda sequence: b""
+    grid = batch.image_grid_thw.cpu()
+    patches = grid.prod(-1)
+    first_patch = torch.cat([patches.new_zeros(1), patches.cumsum(0)]).tolist()
+    counts = batch.image_counts.cpu()
+    first_image = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).tolist()
+    pixels = batch.pixel_values.cpu()
+
+    def images(sequence: int) -> bytes:
+        low, high = first_image[sequence], first_image[sequence + 1]
+        if low == high:
+            return b""
+        return (
+            grid[low:high].numpy().tobytes() + pixels[first_patch[low] : first_patch[high]].numpy().tobytes()
+        )
+
+    return images
 
 
 def _bucket_mask(
@@ -642,6 +717,18 @@ def packed_model_inputs(
             f"sequence parallelism needs sdpa or eager attention; {type(module).__name__} runs "
             f"{implementation!r} (run it with sequence_parallel_size 1, or attn_implementation sdpa)"
         )
+    vision = _vision_model(module)
+    if vision is not None and sequence_parallel is not None:
+        raise ValueError(
+            f"sequence parallelism is not supported for the vision-language model {type(module).__name__} "
+            "yet (its per-rank split of mRoPE positions and image embeddings is not verified); "
+            "run it with sequence_parallel_size 1"
+        )
+    if vision is None and batch.has_images:
+        raise ValueError(
+            f"the batch has {batch.image_grid_thw.shape[0]} images but {type(module).__name__} is not a "
+            "vision-language model (load a VL checkpoint, e.g. Qwen2-VL, with load_causal_lm)"
+        )
     if batch.num_tokens == 0:
         input_ids = torch.zeros(1, dtype=torch.int64, device=device)
         position_ids = torch.zeros(1, dtype=torch.int64, device=device)
@@ -651,9 +738,14 @@ def packed_model_inputs(
         input_ids = batch.input_ids.to(device)
         position_ids = batch.position_ids.to(device)
         cu_seqlens = batch.cu_seqlens.cpu()
+    # rows of position ids: [1, R] text positions, or [4, R] for a VL model (text, then mRoPE t, h, w)
+    positions = position_ids[None]
+    if vision is not None:
+        positions = torch.cat([positions, mrope_position_ids(vision, batch).to(device)])
+    source = torch.arange(input_ids.numel(), device=device)  # the batch token of each row token (−1: filler)
     if sharing is not None:
         keep = sharing.keep.to(device)
-        input_ids, position_ids = input_ids[keep], position_ids[keep]
+        input_ids, positions, source = input_ids[keep], positions[:, keep], source[keep]
     padding = 0
     if sequence_parallel is not None:
         row = input_ids.numel()
@@ -661,12 +753,15 @@ def packed_model_inputs(
         start, end = sequence_parallel.local_range(row)
         filler = torch.arange(padding, dtype=torch.int64, device=device)
         input_ids = torch.cat([input_ids, torch.zeros_like(filler)])[start:end]
-        position_ids = torch.cat([position_ids, filler])[start:end]
+        positions = torch.cat([positions, filler.expand(positions.shape[0], -1)], dim=1)[:, start:end]
+        source = torch.cat([source, torch.full_like(filler, -1)])[start:end]
     inputs: dict[str, Any] = {
         "input_ids": input_ids[None],
-        "position_ids": position_ids[None],
+        "position_ids": positions[:, None] if vision is not None else positions,
         "use_cache": False,
     }
+    if vision is not None:
+        inputs["mm_encoder_outputs"] = {"image": _image_embeddings(vision, batch, source.cpu())}
     if implementation in _BASE_IMPLEMENTATIONS:
         buckets = length_buckets(cu_seqlens)
         if sharing is not None:
@@ -678,6 +773,138 @@ def packed_model_inputs(
     if sequence_parallel is not None:
         inputs["packed_sequence_parallel"] = sequence_parallel
     return inputs
+
+
+# --------------------------------------------------------------------------- vision-language models
+
+
+def _vision_model(module: torch.nn.Module) -> Any:
+    """The inner multimodal model (`.visual` tower, `.get_rope_index`) of a Qwen2-VL-family model, else None."""
+    base = module.get_base_model() if hasattr(module, "get_base_model") else module
+    inner = getattr(base, "model", None)
+    if isinstance(inner, torch.nn.Module) and hasattr(inner, "visual") and hasattr(inner, "get_rope_index"):
+        return inner
+    return None
+
+
+def freeze_visual_encoder(model: Any) -> list[str]:
+    """Freeze the vision tower of a VL model in place: every parameter under `model.visual` (patch
+    embedding, vision blocks, merger) gets requires_grad False. Returns the frozen parameter names.
+
+    `model` may be a transformers model, a peft wrapper or a DeepSpeed engine (before its
+    optimizer is built: an optimizer keeps the parameters it was given). Raises ValueError for a
+    model without a vision tower."""
+    module = unwrap_model(model)
+    vision = _vision_model(module)
+    if vision is None:
+        raise ValueError(
+            f"freeze_visual_encoder: {type(module).__name__} has no vision tower (model.visual); "
+            "it applies to vision-language models only (set it False for a text model)"
+        )
+    frozen = []
+    tower = vision.visual
+    ids = {id(parameter) for parameter in tower.parameters()}
+    for name, parameter in module.named_parameters():
+        if id(parameter) in ids:
+            parameter.requires_grad_(False)
+            frozen.append(name)
+    return frozen
+
+
+def _image_layout(vision: Any, batch: ExperienceBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(is_image [N] bool, tokens [I] int64): which tokens are image placeholders, and how many each image has.
+
+    Image i fills the i-th run of nᵢ = tᵢ·hᵢ·wᵢ / merge² placeholders of the row (`rl_data.vision`).
+    Raises ValueError when the counts disagree (or the batch has placeholders and no images)."""
+    merge = int(vision.visual.spatial_merge_size)
+    is_image = batch.input_ids.cpu() == int(vision.config.image_token_id)
+    if batch.has_images:
+        tokens = batch.image_grid_thw.cpu().prod(-1) // merge**2
+    else:
+        tokens = torch.zeros(0, dtype=torch.int64)
+    if int(tokens.sum()) != int(is_image.sum()):
+        raise ValueError(
+            f"the batch has {int(is_image.sum())} image placeholder tokens (id {int(vision.config.image_token_id)}) "
+            f"but its image_grid_thw gives {int(tokens.sum())} ({tokens.tolist()} per image)"
+        )
+    return is_image, tokens
+
+
+def mrope_position_ids(vision: Any, batch: ExperienceBatch) -> torch.Tensor:
+    """[3, N] int64 multimodal rotary positions (temporal, height, width) of a packed row, on the host.
+
+    Each sequence with images gets the model's own `get_rope_index` of that sequence alone (its
+    images' grids): text tokens count on from the previous token, an image's nᵢ tokens take
+    (t, h, w) grid positions starting there, and the text after it resumes at that start plus
+    max(h, w) / merge. A sequence without images has its text positions in all three rows, as
+    in the model's own forward. Positions restart at 0 in every sequence (the packed row).
+    `vision` is the inner model (`Qwen2VLModel`); N = 0 gives [3, 1] zeros (the dummy token).
+    """
+    if batch.num_tokens == 0:
+        return torch.zeros((3, 1), dtype=torch.int64)
+    positions = batch.position_ids.cpu().to(torch.int64).expand(3, -1).clone()
+    if not batch.has_images:
+        return positions
+    is_image, _ = _image_layout(vision, batch)
+    counts = batch.image_counts.cpu()
+    first_image = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).tolist()
+    grid = batch.image_grid_thw.cpu()
+    bounds = batch.cu_seqlens.tolist()
+    for sequence in torch.nonzero(counts, as_tuple=True)[0].tolist():
+        start, end = bounds[sequence], bounds[sequence + 1]
+        ids = batch.input_ids[start:end].cpu()[None]
+        rope, _ = vision.get_rope_index(
+            ids,
+            mm_token_type_ids=is_image[start:end].to(torch.int32)[None],
+            image_grid_thw=grid[first_image[sequence] : first_image[sequence + 1]],
+        )
+        positions[:, start:end] = rope[:, 0]
+    return positions
+
+
+def _image_embeddings(vision: Any, batch: ExperienceBatch, source: torch.Tensor) -> Any:
+    """The vision tower's embeddings of the image tokens among the row's tokens, as `mm_encoder_outputs["image"]`.
+
+    `source` [R] holds the batch token of each row token (the compressed row's under prefix
+    sharing, this rank's slice under sequence parallelism; −1 for padding). The tower runs once
+    on the images with a token in the row (called directly, so the packed-attention keywords of
+    the language model never reach its own attention; through a DeepSpeed engine ZeRO-3's
+    hooks on the submodules still gather its weights), and the embeddings of those tokens are
+    taken in row order. Without such an image a dummy one (one merge×merge patch grid of zeros)
+    runs and none of its embeddings is used: every rank runs the tower in every forward (ZeRO-3
+    gathers collectively) and its weights always get a (zero) gradient.
+    """
+    from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+    tower = vision.visual
+    merge = int(tower.spatial_merge_size)
+    weight = next(tower.parameters())
+    is_image, tokens = _image_layout(vision, batch) if batch.num_tokens else (None, None)
+    wanted = source[source >= 0]
+    if is_image is not None:
+        wanted = wanted[is_image[wanted]]
+    if wanted.numel():
+        rank = (torch.cumsum(is_image.to(torch.int64), 0) - 1)[wanted]  # [K] image-token rank in the batch
+        first_token = torch.cat([tokens.new_zeros(1), tokens.cumsum(0)])
+        image_of = torch.repeat_interleave(torch.arange(tokens.numel()), tokens)[rank]
+        images = torch.unique(image_of)
+        grid = batch.image_grid_thw.cpu()
+        patches = grid.prod(-1)
+        first_patch = torch.cat([patches.new_zeros(1), patches.cumsum(0)]).tolist()
+        rows = torch.cat([torch.arange(first_patch[i], first_patch[i + 1]) for i in images.tolist()])
+        grid = grid[images]
+        pixels = batch.pixel_values[rows.to(batch.pixel_values.device)]
+        offset = torch.cat([tokens.new_zeros(1), tokens[images].cumsum(0)])
+        take = offset[torch.searchsorted(images, image_of)] + rank - first_token[image_of]
+    else:
+        config = tower.config
+        width = config.in_channels * config.temporal_patch_size * config.patch_size**2
+        grid = torch.tensor([[1, merge, merge]], dtype=torch.int64)
+        pixels = torch.zeros((merge * merge, width))
+        take = torch.zeros(0, dtype=torch.int64)
+    output = tower(pixels.to(device=weight.device, dtype=weight.dtype), grid_thw=grid.to(weight.device))
+    embeddings = output.pooler_output[take.to(weight.device)]
+    return BaseModelOutputWithPooling(pooler_output=(embeddings,))
 
 
 def _with_padding(buckets: LengthBuckets, padding: int) -> LengthBuckets:
