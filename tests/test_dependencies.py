@@ -65,6 +65,7 @@ ALLOWED: dict[str, tuple[set[str], set[str]]] = {
             "datasets",
             "tensorboard",
             "wandb",
+            "PIL",
         },
         {
             "torch",
@@ -82,6 +83,7 @@ ALLOWED: dict[str, tuple[set[str], set[str]]] = {
             "transformers",
             "tensorboard",
             "wandb",
+            "pillow",
         },
     ),
 }

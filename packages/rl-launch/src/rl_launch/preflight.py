@@ -217,6 +217,11 @@ def _check_vision(config: PPOConfig, model: str) -> None:
             f"data.image_key: {config.data.image_key!r} gives prompts images, but model.pretrain {model} is not "
             f"a vision-language model of {VISION_MODEL_TYPES} (drop data.image_key for text prompts)"
         )
+    if config.model.freeze_visual_encoder and not vision:
+        raise PreflightError(
+            f"model.freeze_visual_encoder: true, but model.pretrain {model} has no vision encoder "
+            f"(not a vision-language model of {VISION_MODEL_TYPES}); leave it false for a text model"
+        )
     if vision and config.rollout.engine == "vllm" and importlib.util.find_spec("torchvision") is None:
         raise PreflightError(
             f"rollout.engine: vllm cannot serve the vision-language model {model} in this environment: vLLM's "

@@ -256,7 +256,8 @@ class Roles:
             "policy": LearnerSpec(
                 role="policy",
                 model_path=inputs.model_path,
-                deepspeed=ds,
+                # only the policy trains a vision tower (a critic or teacher may be a text model)
+                deepspeed=msgspec.structs.replace(ds, freeze_visual_encoder=cfg.model.freeze_visual_encoder),
                 lora=actor.lora,
                 optimizer=actor.optimizer,
                 total_steps=total_steps,
