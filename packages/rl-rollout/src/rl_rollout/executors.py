@@ -1,7 +1,8 @@
 """Executors: turn prompts into scored `rl_data.Trajectory` records through any `Engine`.
 
 `SingleTurnExecutor` asks the engine for `sampling.n` responses per prompt, decodes them, calls a
-`RewardFunction` once on the whole batch and returns one record per response:
+`RewardFunction` once on the whole batch and returns one record per response. A prompt's images
+(`PromptSample.images`, VL models) go to the engine with it and onto its records:
 
     records = SingleTurnExecutor(engine, reward_fn, tokenizer, SamplingParams(n=4)).run(prompts)
 
@@ -196,7 +197,11 @@ class SingleTurnExecutor:
         if not samples:
             return []
         groups = self._groups.take(len(samples), group_ids, "SingleTurnExecutor")
-        generations = self.engine.generate([s.prompt_ids.tolist() for s in samples], self.sampling)
+        prompt_ids = [s.prompt_ids.tolist() for s in samples]
+        if any(s.images is not None for s in samples):  # text-only batches call generate as before
+            generations = self.engine.generate(prompt_ids, self.sampling, [s.images for s in samples])
+        else:
+            generations = self.engine.generate(prompt_ids, self.sampling)
         if len(generations) != len(samples):
             raise RuntimeError(
                 f"{self.engine.name}.generate returned {len(generations)} results for {len(samples)} prompts"
@@ -233,6 +238,7 @@ class SingleTurnExecutor:
                     token_versions=generation.token_versions,
                     finish_reason=generation.finish_reason,
                     label=sample.label,
+                    images=sample.images,
                     extra={**_sample_extra(sample), "reward_fallback": position in fallbacks},
                 )
             )
