@@ -255,10 +255,14 @@ def check_images(
             found = sum(1 for token in prompt if token == image_token_id)
             wanted = 0 if entry is None else int(entry.num_patches.sum()) // merge_size**2
             if found != wanted:
-                given = "no images" if entry is None else f"{entry.num_images} image(s) of grids {entry.grid_thw.tolist()}"
+                given = (
+                    "no images were given for it"
+                    if entry is None
+                    else f"its {entry.num_images} image(s) of grids {entry.grid_thw.tolist()} need {wanted}"
+                )
                 raise EngineError(
                     f"{engine}.generate: prompt {index} holds {found} image tokens (id {image_token_id}) but "
-                    f"{given} need {wanted}; prompts carry the expanded layout (VisionProcessor.render / expand)"
+                    f"{given}; prompts carry the expanded layout (VisionProcessor.render / expand)"
                 )
         checked.append(entry)
     return checked
