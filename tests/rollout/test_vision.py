@@ -144,7 +144,9 @@ def test_multi_turn_image_feedback_is_environment_tokens_and_the_next_turn_sees_
     assert (got - expected_logprobs).abs().max() < 2e-5
 
 
-def test_image_feedback_needs_a_processor_and_one_placeholder_per_image(vl_engine, processor):
+def test_image_feedback_needs_a_processor_and_one_placeholder_per_image(
+    vl_engine, processor, tiny_vl_checkpoint
+):
     ids, images, text = processor.render("What colour is <image>?", [coloured_image((200, 30, 30))])
     sample = PromptSample(prompt_ids=ids, prompt=text, images=images, index=0)
     params = SamplingParams(temperature=0.0, max_new_tokens=2, ignore_eos=True)
@@ -158,8 +160,13 @@ def test_image_feedback_needs_a_processor_and_one_placeholder_per_image(vl_engin
             result["environment_images"] = [coloured_image((1, 2, 3))] * 2
             return result
 
-    executor = MultiTurnExecutor(
-        vl_engine, processor.tokenizer, params, env=TwoImagesOnePlaceholder, max_turns=2, vision=processor
+    executor = MultiTurnExecutor(  # a folder works as well as a processor (a config gives a path)
+        vl_engine,
+        processor.tokenizer,
+        params,
+        env=TwoImagesOnePlaceholder,
+        max_turns=2,
+        vision=str(tiny_vl_checkpoint),
     )
     with pytest.raises(Exception, match="2 environment_images but its feedback holds 1"):
         executor.run([sample])

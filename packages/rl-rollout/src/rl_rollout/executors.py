@@ -503,8 +503,8 @@ class MultiTurnExecutor:
       on_error: "raise" (an `EpisodeError` naming the sample) or "fallback" (the episode ends,
         finish "abort", reward = fallback; counted in `last_metrics`).
       first_group_id: group id of the first prompt.
-      vision: the model's `rl_data.vision.VisionProcessor`, needed when steps return
-        "environment_images" (see the module docstring); None for text models.
+      vision: the model's `rl_data.vision.VisionProcessor` (or its folder, to build it from),
+        needed when steps return "environment_images" (see the module docstring); None for text models.
     """
 
     def __init__(
@@ -530,9 +530,13 @@ class MultiTurnExecutor:
             raise TypeError(f"engine: expected an rl_rollout Engine, got {type(engine).__name__}")
         if not isinstance(sampling, SamplingParams):
             raise TypeError(f"sampling: expected SamplingParams, got {type(sampling).__name__}")
+        if isinstance(vision, (str, Path)):  # a model folder (a config value): its processor
+            from rl_data.vision import VisionProcessor
+
+            vision = VisionProcessor.from_pretrained(vision, tokenizer)
         if vision is not None and not callable(getattr(vision, "image_turn", None)):
             raise TypeError(
-                f"vision: expected an rl_data.vision.VisionProcessor, got {type(vision).__name__}"
+                f"vision: expected an rl_data.vision.VisionProcessor or a VL model folder, got {type(vision).__name__}"
             )
         self.vision = vision
         check_integer("max_turns", max_turns, 1)

@@ -75,8 +75,8 @@ import torch
 
 from rl_data import ImageInputs, WeightSyncReport
 from rl_data.errors import check_integer
-from rl_data.vision import VISION_MODEL_TYPES, is_vision_model
 from rl_data.transport import IpcPayload, WeightSyncSpec
+from rl_data.vision import VISION_MODEL_TYPES, is_vision_model
 
 from ..protocol import (
     Engine,
@@ -313,7 +313,8 @@ class HFEngine(Engine):
                 raise EngineError(f"{self.name}.generate: the engine is asleep; call wake_up() first")
             rows = [(index, sample) for index in range(len(checked)) for sample in range(params.n)]
             seeds = [
-                self._row_seed(params, checked[index], sample, checked_images[index]) for index, sample in rows
+                self._row_seed(params, checked[index], sample, checked_images[index])
+                for index, sample in rows
             ]
             order = sorted(range(len(rows)), key=lambda row: len(checked[rows[row][0]]))
             results: list[Generation | None] = [None] * len(rows)
@@ -457,13 +458,13 @@ class HFEngine(Engine):
         present = [entry for entry in images if entry is not None]
         grid = torch.cat([entry.grid_thw for entry in present]).to(self.device) if present else None
         image_tokens = (input_ids == self.image_token_id) & attention.bool()
-        rope, deltas = self.model.model.get_rope_index(
-            input_ids, image_tokens.int(), grid, None, attention
-        )
+        rope, deltas = self.model.model.get_rope_index(input_ids, image_tokens.int(), grid, None, attention)
         inputs = {"input_ids": input_ids, "position_ids": torch.cat([positions.unsqueeze(0), rope])}
         if present:
             dtype = next(self.model.model.visual.parameters()).dtype
-            inputs["pixel_values"] = torch.cat([entry.pixel_values for entry in present]).to(self.device, dtype)
+            inputs["pixel_values"] = torch.cat([entry.pixel_values for entry in present]).to(
+                self.device, dtype
+            )
             inputs["image_grid_thw"] = grid
         return inputs, deltas.to(self.device).reshape(-1, 1)
 
@@ -556,12 +557,11 @@ class HFEngine(Engine):
                 groups.setdefault(request.params, []).append(request)
             for params, members in groups.items():
                 try:
-                    images = [member.images for member in members]
-                    results = self.generate(
-                        [member.prompt for member in members],
-                        params,
-                        images if any(entry is not None for entry in images) else None,
-                    )
+                    prompts, images = [m.prompt for m in members], [m.images for m in members]
+                    if any(entry is not None for entry in images):
+                        results = self.generate(prompts, params, images)
+                    else:  # text requests call generate as before images existed (subclasses may)
+                        results = self.generate(prompts, params)
                 except Exception as error:  # handed to every caller of the group
                     for member in members:
                         member.loop.call_soon_threadsafe(_settle, member.future, None, error)
