@@ -1,7 +1,8 @@
 """Executors: turn prompts into scored `rl_data.Trajectory` records through any `Engine`.
 
 `SingleTurnExecutor` asks the engine for `sampling.n` responses per prompt, decodes them, calls a
-`RewardFunction` once on the whole batch and returns one record per response:
+`RewardFunction` once on the whole batch and returns one record per response. A prompt's images
+(`PromptSample.images`, VL models) go to the engine with it and onto its records:
 
     records = SingleTurnExecutor(engine, reward_fn, tokenizer, SamplingParams(n=4)).run(prompts)
 
@@ -18,6 +19,17 @@ a reward and a done flag. Per prompt and sample, with history h₀ = the prompt 
 
 A step may return "environment_messages" (a list of chat messages, e.g. tool results) instead of
 "environment_feedback"; they are rendered by the chat template after the action (`render_after_assistant`).
+
+Images (vision-language models, `MultiTurnExecutor(vision=VisionProcessor)`): a step may also
+return "environment_images", a list of images (PIL images, encoded bytes, paths, Hub `Image`
+dicts: whatever `rl_data.vision.load_image` reads). The feedback text (or a message's content)
+marks where each goes with an `rl_data.vision.IMAGE_PLACEHOLDER` ("<image>"), one per image, in
+order; an image's ids are `VisionProcessor.image_turn`'s (`<|vision_start|>` n image tokens
+`<|vision_end|>`), environment tokens like the rest of the feedback (action mask 0, rollout
+log-prob 0). Its `ImageInputs` join the episode's images (the prompt's first,
+`PromptSample.images`), every later turn is generated with all of them, and the record's
+`Trajectory.images` holds them in the order of their runs. Feedback cut at `max_length` never
+cuts an image's run: the cut moves before it and the image is dropped.
 Earlier turns are never re-tokenised: the engine always continues from the exact ids it produced.
 Episodes run concurrently (asyncio, `engine.agenerate`), each with its own environment instance
 and a hard timeout. finish_reason: the last action's reason when the environment says done,
@@ -54,8 +66,9 @@ from typing import Any
 import msgspec
 import torch
 
-from rl_data import PromptSample, Trajectory
+from rl_data import ImageInputs, PromptSample, Trajectory
 from rl_data.errors import check_integer
+from rl_data.vision import IMAGE_PLACEHOLDER
 
 from .protocol import Engine, Generation, SamplingParams
 from .rewards import ON_ERROR, RewardFunction, load_python_file
@@ -196,7 +209,11 @@ class SingleTurnExecutor:
         if not samples:
             return []
         groups = self._groups.take(len(samples), group_ids, "SingleTurnExecutor")
-        generations = self.engine.generate([s.prompt_ids.tolist() for s in samples], self.sampling)
+        prompt_ids = [s.prompt_ids.tolist() for s in samples]
+        if any(s.images is not None for s in samples):  # text-only batches call generate as before
+            generations = self.engine.generate(prompt_ids, self.sampling, [s.images for s in samples])
+        else:
+            generations = self.engine.generate(prompt_ids, self.sampling)
         if len(generations) != len(samples):
             raise RuntimeError(
                 f"{self.engine.name}.generate returned {len(generations)} results for {len(samples)} prompts"
@@ -233,6 +250,7 @@ class SingleTurnExecutor:
                     token_versions=generation.token_versions,
                     finish_reason=generation.finish_reason,
                     label=sample.label,
+                    images=sample.images,
                     extra={**_sample_extra(sample), "reward_fallback": position in fallbacks},
                 )
             )
@@ -459,6 +477,7 @@ class _Episode(msgspec.Struct, kw_only=True):
     policy_version: int = 0
     versions: list[int] = msgspec.field(default_factory=list)  # per response token
     extra_logs: dict[str, Any] = msgspec.field(default_factory=dict)
+    images: ImageInputs | None = None  # the prompt's, then every image an environment returned
 
 
 class MultiTurnExecutor:
@@ -484,6 +503,8 @@ class MultiTurnExecutor:
       on_error: "raise" (an `EpisodeError` naming the sample) or "fallback" (the episode ends,
         finish "abort", reward = fallback; counted in `last_metrics`).
       first_group_id: group id of the first prompt.
+      vision: the model's `rl_data.vision.VisionProcessor` (or its folder, to build it from),
+        needed when steps return "environment_images" (see the module docstring); None for text models.
     """
 
     def __init__(
@@ -503,11 +524,21 @@ class MultiTurnExecutor:
         on_error: str = "raise",
         fallback: float = 0.0,
         first_group_id: int = 0,
+        vision: Any = None,
     ) -> None:
         if not isinstance(engine, Engine):
             raise TypeError(f"engine: expected an rl_rollout Engine, got {type(engine).__name__}")
         if not isinstance(sampling, SamplingParams):
             raise TypeError(f"sampling: expected SamplingParams, got {type(sampling).__name__}")
+        if isinstance(vision, (str, Path)):  # a model folder (a config value): its processor
+            from rl_data.vision import VisionProcessor
+
+            vision = VisionProcessor.from_pretrained(vision, tokenizer)
+        if vision is not None and not callable(getattr(vision, "image_turn", None)):
+            raise TypeError(
+                f"vision: expected an rl_data.vision.VisionProcessor or a VL model folder, got {type(vision).__name__}"
+            )
+        self.vision = vision
         check_integer("max_turns", max_turns, 1)
         check_integer("max_concurrency", max_concurrency, 1)
         limit = check_integer("max_length", engine.max_model_len if max_length is None else max_length, 2)
@@ -590,6 +621,11 @@ class MultiTurnExecutor:
             raise EpisodeError(f"reset() must return {{'observation': str}}, got {reset!r}")
         observation_text = reset["observation"]
         if observation_text != prompt_text:
+            if sample.images is not None:  # re-tokenised text would lose the images' expanded runs
+                raise EpisodeError(
+                    "reset() returned another observation for a prompt with images; an environment of a "
+                    "VL prompt must return the prompt unchanged (images go in step()'s environment_images)"
+                )
             episode.prompt_ids = list(self.tokenizer(observation_text, add_special_tokens=False)["input_ids"])
         if len(episode.prompt_ids) >= self.max_length:
             raise EpisodeError(
@@ -606,7 +642,11 @@ class MultiTurnExecutor:
             if sampling.seed is not None:
                 changes["seed"] = sampling.seed + sample_number * self.max_turns + turn
             params = msgspec.structs.replace(sampling, **changes)
-            generations = await self.engine.agenerate(episode.prompt_ids + episode.response_ids, params)
+            history = episode.prompt_ids + episode.response_ids
+            if episode.images is not None:  # text episodes call agenerate as before images existed
+                generations = await self.engine.agenerate(history, params, episode.images)
+            else:
+                generations = await self.engine.agenerate(history, params)
             action: Generation = generations[0]
             start = len(episode.response_ids)
             episode.response_ids.extend(action.token_ids)
@@ -664,14 +704,25 @@ class MultiTurnExecutor:
                 raise EpisodeError(f"step() returned sampling_params of type {type(next_params).__name__}")
             ended = action.finish_reason == "stop"
             feedback_text, feedback_ids = self._feedback_ids(feedback, ended)
+            runs: list[tuple[int, int, ImageInputs]] = []
+            if result.get("environment_images") is not None:
+                feedback_ids, runs = self._with_images(
+                    feedback_text, feedback_ids, result["environment_images"]
+                )
             room = self.max_length - len(episode.prompt_ids) - len(episode.response_ids)
             observation_text = observation_text + action_text + feedback_text
             if len(feedback_ids) > room:
-                feedback_ids = feedback_ids[: max(room, 0)]
-                self._append_feedback(episode, feedback_ids)
+                cut = max(room, 0)
+                for start, end, _ in runs:  # never cut through an image's run: cut before it
+                    if start < cut < end:
+                        cut = start
+                feedback_ids = feedback_ids[:cut]
+                self._append_feedback(
+                    episode, feedback_ids, [inputs for _, end, inputs in runs if end <= cut]
+                )
                 episode.finish_reason = "length"
                 return
-            self._append_feedback(episode, feedback_ids)
+            self._append_feedback(episode, feedback_ids, [inputs for _, _, inputs in runs])
             if done:
                 episode.finish_reason = action.finish_reason
                 return
@@ -705,8 +756,48 @@ class MultiTurnExecutor:
         episode.policy_version = self.engine.policy_version
         episode.finish_reason = "length" if fields["truncated"] else "stop"
 
+    def _with_images(
+        self, feedback_text: str, feedback_ids: list[int], images: Any
+    ) -> tuple[list[int], list[tuple[int, int, ImageInputs]]]:
+        """(feedback ids with each "<image>" replaced by its image's ids, [(start, end, inputs)] of
+        every image run in them). The text around the placeholders is tokenised piece by piece."""
+        if self.vision is None:
+            raise EpisodeError(
+                "step() returned environment_images but the executor has no VisionProcessor; "
+                "build MultiTurnExecutor(..., vision=VisionProcessor.from_pretrained(model_folder))"
+            )
+        if not isinstance(images, (list, tuple)):
+            raise EpisodeError(
+                f"step() returned environment_images of type {type(images).__name__}; expected a list"
+            )
+        if not images:
+            return feedback_ids, []
+        pieces = feedback_text.split(IMAGE_PLACEHOLDER)
+        if len(pieces) - 1 != len(images):
+            raise EpisodeError(
+                f"step() returned {len(images)} environment_images but its feedback holds {len(pieces) - 1} "
+                f"{IMAGE_PLACEHOLDER!r} placeholders; put one where each image goes"
+            )
+        ids: list[int] = []
+        runs: list[tuple[int, int, ImageInputs]] = []
+        for position, piece in enumerate(pieces):
+            if piece:
+                ids.extend(self.tokenizer(piece, add_special_tokens=False)["input_ids"])
+            if position < len(images):
+                try:
+                    turn_ids, inputs = self.vision.image_turn([images[position]])
+                except (ValueError, TypeError, FileNotFoundError) as error:
+                    raise EpisodeError(f"step() environment_images[{position}]: {error}") from None
+                runs.append((len(ids), len(ids) + turn_ids.numel(), inputs))
+                ids.extend(turn_ids.tolist())
+        return ids, runs
+
     @staticmethod
-    def _append_feedback(episode: _Episode, feedback_ids: list[int]) -> None:
+    def _append_feedback(
+        episode: _Episode, feedback_ids: list[int], images: Sequence[ImageInputs] = ()
+    ) -> None:
+        if images:
+            episode.images = ImageInputs.concat([episode.images, *images])
         episode.response_ids.extend(feedback_ids)
         episode.mask.extend([False] * len(feedback_ids))
         # an environment token is no action: it takes the version of the action before it
@@ -717,7 +808,7 @@ class MultiTurnExecutor:
     async def _guarded(
         self, sample: PromptSample, sample_number: int, semaphore: asyncio.Semaphore
     ) -> tuple[_Episode, str | None]:
-        episode = _Episode(prompt_ids=sample.prompt_ids.tolist())
+        episode = _Episode(prompt_ids=sample.prompt_ids.tolist(), images=sample.images)
         async with semaphore:
             try:
                 run = self._execute_episode if self._execute is not None else self._episode
@@ -778,6 +869,7 @@ class MultiTurnExecutor:
                     token_versions=_token_versions(episode),
                     finish_reason=finish,
                     label=sample.label,
+                    images=episode.images,
                     extra=extra,
                 )
             )

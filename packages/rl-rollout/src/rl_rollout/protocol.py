@@ -27,6 +27,15 @@ its tokens before the sync written by the old weights (with their log-probs), th
 the new weights. Engines that have it recompute the in-flight requests' KV cache under the new
 weights (a prefill of prompt + tokens so far), so every log-prob is the one of the weights its
 version names; the request keeps its remaining token budget and its seeded sampler stream.
+
+Images (`supports("images")`, vision-language models): `generate(prompts, params, images=...)`
+takes one `rl_data.ImageInputs` or None per prompt (`agenerate(prompt, params, images=...)` one
+for its prompt), the images of that prompt in the order of its placeholder runs. The prompt ids
+are the model's expanded layout (`rl_data.vision.VisionProcessor`: n image tokens per image), as
+the learner sees them; an engine that processes images itself (vLLM) collapses them and keeps the
+expanded ids. `images` reaches the engine as given; callers with text-only prompts leave it out,
+so engines written before images keep working for them. An engine without images refuses a
+request that has some (`check_images`).
 """
 
 from __future__ import annotations
@@ -42,7 +51,7 @@ from typing import Any
 
 import msgspec
 
-from rl_data import FINISH_REASONS, WeightSyncReport
+from rl_data import FINISH_REASONS, ImageInputs, WeightSyncReport
 from rl_data.sync import WeightSyncSpec
 
 __all__ = [
@@ -51,16 +60,17 @@ __all__ = [
     "EngineError",
     "Generation",
     "SamplingParams",
+    "check_images",
     "check_prompts",
     "prompt_seed",
 ]
 
-FEATURES = ("weight_sync", "sleep", "prefix_cache", "async", "partial_rollout")
+FEATURES = ("weight_sync", "sleep", "prefix_cache", "async", "partial_rollout", "images")
 
 
-def prompt_seed(seed: int | None, prompt: Sequence[int]) -> int | None:
+def prompt_seed(seed: int | None, prompt: Sequence[int], images: ImageInputs | None = None) -> int | None:
     """The seed a request's noise is drawn from: a 62-bit hash of (`seed`, the prompt's token
-    ids); None stays None. Every engine seeds a request with it (sample j of `n` with the
+    ids, and its images' grids and pixel values when it has some); None stays None. Every engine seeds a request with it (sample j of `n` with the
     engine's own rule on top: vLLM's generator sequence, `HFEngine`'s `+ j`).
 
     A generator seeded with the request's seed alone gives every prompt of a batch that shares
@@ -73,6 +83,9 @@ def prompt_seed(seed: int | None, prompt: Sequence[int]) -> int | None:
     digest = hashlib.blake2b(
         str(int(seed)).encode() + b":" + array.array("q", prompt).tobytes(), digest_size=8
     )
+    if images is not None and images.num_images:  # same ids, other pictures: other noise
+        digest.update(images.grid_thw.numpy().tobytes())
+        digest.update(images.pixel_values.numpy().tobytes())
     return int.from_bytes(digest.digest(), "little") >> 2
 
 
@@ -206,6 +219,55 @@ def check_prompts(
     return checked
 
 
+def check_images(
+    images: Sequence[ImageInputs | None] | None,
+    prompts: Sequence[Sequence[int]],
+    engine: str,
+    *,
+    image_token_id: int | None = None,
+    merge_size: int = 1,
+) -> list[ImageInputs | None]:
+    """The images of each prompt (None: a text prompt), after checking them against the prompts.
+
+    `images` is None (no prompt has images) or one `ImageInputs` / None per prompt. With
+    `image_token_id` (an engine that knows its model's vision layout), prompt i must hold exactly
+    Σⱼ tⱼ·hⱼ·wⱼ / merge_size² image tokens for its images' grids (`grid_thw` [I, 3]); a prompt
+    without images must hold none. Raises EngineError naming the prompt and the counts.
+    """
+    if images is None:
+        images = [None] * len(prompts)
+    elif isinstance(images, ImageInputs) or not isinstance(images, Sequence):
+        raise EngineError(
+            f"{engine}.generate: images must be a list with one ImageInputs or None per prompt, "
+            f"got {type(images).__name__}"
+        )
+    if len(images) != len(prompts):
+        raise EngineError(f"{engine}.generate: {len(images)} image entries for {len(prompts)} prompts")
+    checked = []
+    for index, (prompt, entry) in enumerate(zip(prompts, images)):
+        if entry is not None and not isinstance(entry, ImageInputs):
+            raise EngineError(
+                f"{engine}.generate: images[{index}] is a {type(entry).__name__}; expected ImageInputs or None"
+            )
+        if entry is not None and entry.num_images == 0:
+            entry = None
+        if image_token_id is not None:
+            found = sum(1 for token in prompt if token == image_token_id)
+            wanted = 0 if entry is None else int(entry.num_patches.sum()) // merge_size**2
+            if found != wanted:
+                given = (
+                    "no images were given for it"
+                    if entry is None
+                    else f"its {entry.num_images} image(s) of grids {entry.grid_thw.tolist()} need {wanted}"
+                )
+                raise EngineError(
+                    f"{engine}.generate: prompt {index} holds {found} image tokens (id {image_token_id}) but "
+                    f"{given}; prompts carry the expanded layout (VisionProcessor.render / expand)"
+                )
+        checked.append(entry)
+    return checked
+
+
 class Engine(abc.ABC):
     """A generation engine behind the token-in/token-out protocol.
 
@@ -223,20 +285,31 @@ class Engine(abc.ABC):
         """Context length: prompt plus response tokens."""
 
     @abc.abstractmethod
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Generation]]:
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        images: Sequence[ImageInputs | None] | None = None,
+    ) -> list[list[Generation]]:
         """`params.n` responses for each prompt: result[i][j] is sample j of prompts[i].
 
         A response is cut so that prompt + response fits in `max_model_len` (finish reason
         "length"). Raises EngineError naming the prompt for an empty or over-long prompt.
+        `images`: one `ImageInputs` or None per prompt (engines with `supports("images")`).
         """
 
-    async def agenerate(self, prompt: Sequence[int], params: SamplingParams) -> list[Generation]:
+    async def agenerate(
+        self, prompt: Sequence[int], params: SamplingParams, images: ImageInputs | None = None
+    ) -> list[Generation]:
         """The `params.n` responses to one prompt, for many concurrent callers (multi-turn agents).
 
         The default runs `generate` in a worker thread; engines with their own scheduler
         (vLLM's async engine, an HTTP server) override it so concurrent requests batch together.
+        `images` (None for a text prompt) is passed on only when given.
         """
-        return (await asyncio.to_thread(self.generate, [prompt], params))[0]
+        if images is None:
+            return (await asyncio.to_thread(self.generate, [prompt], params))[0]
+        return (await asyncio.to_thread(self.generate, [prompt], params, [images]))[0]
 
     def supports(self, feature: str) -> bool:
         """Whether this engine has `feature` (one of FEATURES)."""

@@ -28,6 +28,19 @@ is cut after the token that completes the match); with "length" at `max_new_toke
 prompt + response fills `max_model_len`. Rows that end leave the batch (their KV cache rows are
 dropped), so no token after a row's end is ever produced for it.
 
+Vision-language models (`rl_data.vision.is_vision_model`: the Qwen2-VL family, loaded with
+`AutoModelForImageTextToText`; `supports("images")`): `generate(prompts, params, images)` takes one
+`rl_data.ImageInputs` (or None) per prompt, the prompt in the expanded layout (n image tokens per
+image, `check_images`). A batch's prefill passes the `pixel_values` [P, D] and `image_grid_thw`
+[I, 3] of its rows concatenated in row order (the tower's embeddings fill the image tokens in that
+order) and the mRoPE position ids the engine computes itself (`get_rope_index` with
+`mm_token_type_ids` = 1 on image tokens, over the real tokens of each left-padded row), as
+`[4, rows, width]`: the text positions (which build the attention mask) then the 3 mRoPE rows.
+Each row's mRoPE delta δ = max position + 1 - real length is kept, and a decoded token at text
+position p gets mRoPE position p + δ in all 3 rows (what the model's own generate does, with no
+per-model state: concurrent batches and re-prefills cannot see another batch's deltas). The
+images are needed only by prefills (the first, and the re-prefill after a weight sync).
+
 Weight sync: `init_weight_sync` builds an `rl_rollout.WeightReceiver` whose `apply` copies each
 named tensor into the model's `state_dict()` entry (dtype cast included). Tied weights share
 storage, so writing one name updates both; a name missing from the state dict is accepted only
@@ -60,11 +73,20 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from rl_data import WeightSyncReport
+from rl_data import ImageInputs, WeightSyncReport
 from rl_data.errors import check_integer
 from rl_data.transport import IpcPayload, WeightSyncSpec
+from rl_data.vision import VISION_MODEL_TYPES, is_vision_model
 
-from ..protocol import Engine, EngineError, Generation, SamplingParams, check_prompts, prompt_seed
+from ..protocol import (
+    Engine,
+    EngineError,
+    Generation,
+    SamplingParams,
+    check_images,
+    check_prompts,
+    prompt_seed,
+)
 from ..weights import WeightReceiver
 
 __all__ = ["HFEngine"]
@@ -127,18 +149,20 @@ class _StopText:
 
 
 class _Request:
-    __slots__ = ("future", "loop", "params", "prompt")
+    __slots__ = ("future", "images", "loop", "params", "prompt")
 
-    def __init__(self, prompt: list[int], params: SamplingParams, loop, future) -> None:
+    def __init__(self, prompt: list[int], params: SamplingParams, loop, future, images=None) -> None:
         self.prompt, self.params, self.loop, self.future = prompt, params, loop, future
+        self.images: ImageInputs | None = images
 
 
 class HFEngine(Engine):
     """A transformers causal LM behind the engine protocol (see the module docstring).
 
     Args:
-        model: a checkpoint folder (or hub name, offline-cached) for `AutoModelForCausalLM`, or a
-            loaded `PreTrainedModel`.
+        model: a checkpoint folder (or hub name, offline-cached) for `AutoModelForCausalLM`
+            (`AutoModelForImageTextToText` for a VL folder, `is_vision_model`), or a loaded
+            `PreTrainedModel`.
         tokenizer: needed for stop strings and the default EOS / pad ids; loaded from `model`
             when that is a path and this is None.
         device: where the model runs ("cpu", "cuda:0"); default CUDA if available, else CPU.
@@ -177,10 +201,11 @@ class HFEngine(Engine):
             device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
         )
         if isinstance(model, (str, os.PathLike)):
-            from transformers import AutoModelForCausalLM, AutoTokenizer
+            from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
             path = os.fspath(model)
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype or "auto")
+            loader = AutoModelForImageTextToText if is_vision_model(path) else AutoModelForCausalLM
+            model = loader.from_pretrained(path, dtype=torch_dtype or "auto")
             if tokenizer is None:
                 tokenizer = AutoTokenizer.from_pretrained(path)
         elif not isinstance(model, torch.nn.Module):
@@ -193,8 +218,11 @@ class HFEngine(Engine):
         self.model.requires_grad_(False)
         self.tokenizer = tokenizer
         config = self.model.config
+        self.vision = getattr(config, "model_type", None) in VISION_MODEL_TYPES
+        self.image_token_id = int(config.image_token_id) if self.vision else None
+        self._merge_size = int(config.vision_config.spatial_merge_size) if self.vision else 1
         if max_model_len is None:
-            max_model_len = getattr(config, "max_position_embeddings", None)
+            max_model_len = getattr(config.get_text_config(), "max_position_embeddings", None)
             if max_model_len is None:
                 raise ValueError(
                     "HFEngine: the model config has no max_position_embeddings; pass max_model_len"
@@ -246,14 +274,36 @@ class HFEngine(Engine):
 
     def supports(self, feature: str) -> bool:
         super().supports(feature)  # validates the name
-        return feature in ("weight_sync", "async", "sleep", "partial_rollout")
+        return feature in ("weight_sync", "async", "sleep", "partial_rollout") or (
+            feature == "images" and self.vision
+        )
 
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Generation]]:
+    def _check_images(self, images, prompts: list[list[int]]) -> list[ImageInputs | None]:
+        if not self.vision:
+            if images is not None and any(entry is not None for entry in images):
+                raise EngineError(
+                    f"{self.name}.generate: prompts with images need a vision-language model "
+                    f"({', '.join(VISION_MODEL_TYPES)}); this one is {self.model.config.model_type!r}"
+                )
+            return [None] * len(prompts)
+        return check_images(
+            images, prompts, self.name, image_token_id=self.image_token_id, merge_size=self._merge_size
+        )
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        images: Sequence[ImageInputs | None] | None = None,
+    ) -> list[list[Generation]]:
+        """`params.n` responses per prompt (the protocol's `generate`); `images`: one ImageInputs or
+        None per prompt, for a VL model (see the module docstring)."""
         if not isinstance(params, SamplingParams):
             raise EngineError(
                 f"{self.name}.generate: params must be a SamplingParams, got {type(params).__name__}"
             )
         checked = check_prompts(prompts, params, self.max_model_len, self.name)
+        checked_images = self._check_images(images, checked)
         if params.stop and self.tokenizer is None:
             raise EngineError(
                 f"{self.name}.generate: stop strings {params.stop!r} need a tokenizer; none was given"
@@ -262,32 +312,48 @@ class HFEngine(Engine):
             if self._asleep:
                 raise EngineError(f"{self.name}.generate: the engine is asleep; call wake_up() first")
             rows = [(index, sample) for index in range(len(checked)) for sample in range(params.n)]
-            seeds = [self._row_seed(params, checked[index], sample) for index, sample in rows]
+            seeds = [
+                self._row_seed(params, checked[index], sample, checked_images[index])
+                for index, sample in rows
+            ]
             order = sorted(range(len(rows)), key=lambda row: len(checked[rows[row][0]]))
             results: list[Generation | None] = [None] * len(rows)
             for start in range(0, len(order), self.max_batch_size):
                 chunk = order[start : start + self.max_batch_size]
                 outputs = self._decode(
-                    [checked[rows[row][0]] for row in chunk], [seeds[row] for row in chunk], params
+                    [checked[rows[row][0]] for row in chunk],
+                    [seeds[row] for row in chunk],
+                    params,
+                    [checked_images[rows[row][0]] for row in chunk],
                 )
                 for row, generation in zip(chunk, outputs):
                     results[row] = generation
         return [results[index * params.n : (index + 1) * params.n] for index in range(len(checked))]
 
-    def _row_seed(self, params: SamplingParams, prompt: list[int], sample: int) -> int:
+    def _row_seed(
+        self, params: SamplingParams, prompt: list[int], sample: int, images: ImageInputs | None = None
+    ) -> int:
         if params.greedy:
             return 0
         if params.seed is not None:
-            return (prompt_seed(params.seed, prompt) + sample) % (1 << 63)
+            return (prompt_seed(params.seed, prompt, images) + sample) % (1 << 63)
         return int(torch.randint(0, 1 << 62, (1,), generator=self._rng))
 
     # --- the decoding loop --------------------------------------------------------------------------
 
     @torch.no_grad()
-    def _decode(self, prompts: list[list[int]], seeds: list[int], params: SamplingParams) -> list[Generation]:
+    def _decode(
+        self,
+        prompts: list[list[int]],
+        seeds: list[int],
+        params: SamplingParams,
+        images: list[ImageInputs | None] | None = None,
+    ) -> list[Generation]:
         """Decode one batch of rows; returns one Generation per row, in order."""
         device, rows = self.device, len(prompts)
+        images = images if images is not None else [None] * rows
         input_ids, attention, positions = self._left_padded(prompts)
+        inputs, deltas = self._prefill_inputs(input_ids, attention, positions, images)
         limits = [min(params.max_new_tokens, self.max_model_len - len(prompt)) for prompt in prompts]
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
         suppress = torch.tensor(sorted(stop_ids), dtype=torch.long, device=device)
@@ -311,14 +377,11 @@ class HFEngine(Engine):
                 input_ids, attention, positions = self._left_padded(
                     [prompts[row] + tokens_out[row] for row in active]
                 )
+                inputs, deltas = self._prefill_inputs(
+                    input_ids, attention, positions, [images[row] for row in active]
+                )
                 cache = None
-            output = self.model(
-                input_ids=input_ids,
-                attention_mask=attention,
-                position_ids=positions,
-                past_key_values=cache,
-                use_cache=True,
-            )
+            output = self.model(**inputs, attention_mask=attention, past_key_values=cache, use_cache=True)
             cache = output.past_key_values
             scores = output.logits[:, -1, :].float() / temperature  # [A, V]
             choice = scores
@@ -348,10 +411,12 @@ class HFEngine(Engine):
                 index = torch.tensor(keep, dtype=torch.long, device=device)
                 cache.batch_select_indices(index)
                 attention, last_positions, tokens = attention[index], last_positions[index], tokens[index]
+                deltas = deltas[index] if deltas is not None else None
                 active = [active[position] for position in keep]
             input_ids = tokens.unsqueeze(1)
             attention = torch.cat([attention, attention.new_ones((len(active), 1))], dim=1)
             positions = last_positions
+            inputs = {"input_ids": input_ids, "position_ids": self._step_positions(positions, deltas)}
         return [
             Generation(
                 token_ids=tokens_out[row],
@@ -374,6 +439,43 @@ class HFEngine(Engine):
             attention[row, width - len(sequence) :] = 1
         input_ids, attention = input_ids.to(self.device), attention.to(self.device)
         return input_ids, attention, (attention.cumsum(-1) - 1).clamp(min=0)
+
+    def _prefill_inputs(
+        self,
+        input_ids: torch.Tensor,
+        attention: torch.Tensor,
+        positions: torch.Tensor,
+        images: list[ImageInputs | None],
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+        """(model inputs of a prefill, mRoPE deltas `[rows, 1]` or None for a text model).
+
+        Text model: input ids and the text positions `[rows, width]`. VL model: also the rows'
+        pixel values and grids (row order) and position ids `[4, rows, width]` = the text
+        positions, then `get_rope_index`'s 3 mRoPE rows; δ = max mRoPE position + 1 - real length.
+        """
+        if not self.vision:
+            return {"input_ids": input_ids, "position_ids": positions}, None
+        present = [entry for entry in images if entry is not None]
+        grid = torch.cat([entry.grid_thw for entry in present]).to(self.device) if present else None
+        image_tokens = (input_ids == self.image_token_id) & attention.bool()
+        rope, deltas = self.model.model.get_rope_index(input_ids, image_tokens.int(), grid, None, attention)
+        inputs = {"input_ids": input_ids, "position_ids": torch.cat([positions.unsqueeze(0), rope])}
+        if present:
+            dtype = next(self.model.model.visual.parameters()).dtype
+            inputs["pixel_values"] = torch.cat([entry.pixel_values for entry in present]).to(
+                self.device, dtype
+            )
+            inputs["image_grid_thw"] = grid
+        return inputs, deltas.to(self.device).reshape(-1, 1)
+
+    @staticmethod
+    def _step_positions(positions: torch.Tensor, deltas: torch.Tensor | None) -> torch.Tensor:
+        """Position ids of one decoding step: the text positions `[rows, 1]`, or for a VL model
+        `[4, rows, 1]` = text position p, then p + δ in each of the 3 mRoPE rows."""
+        if deltas is None:
+            return positions
+        rope = (positions + deltas).unsqueeze(0).expand(3, -1, -1)
+        return torch.cat([positions.unsqueeze(0), rope])
 
     def _let_syncs_in(self) -> None:
         """Between two decoding steps (the lock held): wait while `receive_weights` calls are
@@ -406,17 +508,21 @@ class HFEngine(Engine):
 
     # --- async batching ---------------------------------------------------------------------------
 
-    async def agenerate(self, prompt: Sequence[int], params: SamplingParams) -> list[Generation]:
-        """The `params.n` responses to `prompt`; concurrent calls are decoded together.
+    async def agenerate(
+        self, prompt: Sequence[int], params: SamplingParams, images: ImageInputs | None = None
+    ) -> list[Generation]:
+        """The `params.n` responses to `prompt` (with its `images`, VL models); concurrent calls
+        are decoded together.
 
         Requests that reach the engine within `batch_wait_s` of the first one and have equal
         `params` share one `generate` call (greedy results equal the unbatched ones up to
         floating point, sampled rows keep their own generators).
         """
         checked = check_prompts([prompt], params, self.max_model_len, self.name)[0]
+        [images] = self._check_images(None if images is None else [images], [checked])
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        self._ensure_worker().put(_Request(checked, params, loop, future))
+        self._ensure_worker().put(_Request(checked, params, loop, future, images))
         return await future
 
     def _ensure_worker(self) -> queue.Queue:
@@ -451,7 +557,11 @@ class HFEngine(Engine):
                 groups.setdefault(request.params, []).append(request)
             for params, members in groups.items():
                 try:
-                    results = self.generate([member.prompt for member in members], params)
+                    prompts, images = [m.prompt for m in members], [m.images for m in members]
+                    if any(entry is not None for entry in images):
+                        results = self.generate(prompts, params, images)
+                    else:  # text requests call generate as before images existed (subclasses may)
+                        results = self.generate(prompts, params)
                 except Exception as error:  # handed to every caller of the group
                     for member in members:
                         member.loop.call_soon_threadsafe(_settle, member.future, None, error)

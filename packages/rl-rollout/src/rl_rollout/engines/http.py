@@ -160,7 +160,17 @@ class HTTPEngine(Engine):
         super().supports(feature)  # validates the name
         return feature == "async"
 
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Generation]]:
+    def _refuse_images(self, images) -> None:
+        if images is not None and any(entry is not None for entry in images):
+            raise EngineError(
+                f"{self.name}: prompts with images are not supported (the completions endpoint takes token "
+                "ids only); use VLLMEngine or HFEngine for a vision-language model"
+            )
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, images=None
+    ) -> list[list[Generation]]:
+        self._refuse_images(images)
         if not isinstance(params, SamplingParams):
             raise EngineError(
                 f"{self.name}.generate: params must be a SamplingParams, got {type(params).__name__}"
@@ -171,8 +181,9 @@ class HTTPEngine(Engine):
         ]
         return [future.result() for future in futures]
 
-    async def agenerate(self, prompt: Sequence[int], params: SamplingParams) -> list[Generation]:
+    async def agenerate(self, prompt: Sequence[int], params: SamplingParams, images=None) -> list[Generation]:
         """The `params.n` responses to one prompt; many concurrent callers share the request pool."""
+        self._refuse_images(None if images is None else [images])
         checked = check_prompts([prompt], params, self.max_model_len, self.name)[0]
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, self._complete, 0, checked, params)

@@ -49,6 +49,18 @@ then all carry the version it started under).
 Sleep mode needs a GPU (vLLM's CPU worker ignores it): `supports("sleep")` is False on CPU. While
 asleep, `generate` and `receive_weights` are refused (wake before a weight sync), as `HFEngine` does.
 
+Images (vision-language models of `rl_data.vision.VISION_MODEL_TYPES`, `supports("images")`): a
+prompt comes in the expanded layout (n image tokens per image, what the learner sees) with its
+`rl_data.ImageInputs`; it reaches vLLM through its public prompt form
+`{"prompt_token_ids": VisionProcessor.collapse(ids), "multi_modal_data": {"image": [PIL images]}}`
+(one placeholder per image: vLLM's multimodal processor expands each to the image's token count
+itself, from the original images). The request's final `prompt_token_ids` must equal the expanded
+ids we were given, else an EngineError names the prompt and the first position that differs
+(another image processor configuration, say). Options vLLM needs for images (`limit_mm_per_prompt`,
+`mm_processor_kwargs`, ...) are `engine_kwargs`, passed to `EngineArgs` verbatim. Weight sync for a
+VL model sends the learner's HF names (`model.visual.*`, `model.language_model.*`, `lm_head.*`),
+which vLLM's Qwen2-VL `load_weights` maps through its `hf_to_vllm_mapper`.
+
 Shutdown: `close()` stops the engine (and any child process) so that another engine can start in
 the same process. Scripts that start an engine need an `if __name__ == "__main__":` guard (vLLM
 may start processes with `spawn`).
@@ -68,10 +80,19 @@ from typing import Any
 
 import msgspec
 
-from rl_data import WeightSyncReport, encode
+from rl_data import ImageInputs, WeightSyncReport, encode
 from rl_data.transport import IpcPayload, WeightSyncSpec
+from rl_data.vision import VisionProcessor, is_vision_model
 
-from ..protocol import Engine, EngineError, Generation, SamplingParams, check_prompts, prompt_seed
+from ..protocol import (
+    Engine,
+    EngineError,
+    Generation,
+    SamplingParams,
+    check_images,
+    check_prompts,
+    prompt_seed,
+)
 from .vllm_extension import decode_reports
 
 _RPC_MARGIN_S = 60.0
@@ -179,12 +200,14 @@ def check_kv_cache_bytes(
         )
 
 
-def to_vllm_sampling_params(params: SamplingParams, prompt: Sequence[int], max_model_len: int):
-    """The `vllm.SamplingParams` for one prompt.
+def to_vllm_sampling_params(
+    params: SamplingParams, prompt: Sequence[int], max_model_len: int, images: ImageInputs | None = None
+):
+    """The `vllm.SamplingParams` for one prompt (expanded ids, for a prompt with images).
 
     max_tokens = min(max_new_tokens, max_model_len - len(prompt)), so a response always fits in
     the context (finish reason "length" at the cap); min_tokens is capped the same way. The seed
-    is `prompt_seed(params.seed, prompt)`. Greedy requests ask for one sample (vLLM refuses
+    is `prompt_seed(params.seed, prompt, images)`. Greedy requests ask for one sample (vLLM refuses
     n > 1 with temperature 0; the engine copies it). Only the final output is returned
     (`RequestOutputKind.FINAL_ONLY`); text is detokenized only when stop strings need it.
     """
@@ -201,7 +224,7 @@ def to_vllm_sampling_params(params: SamplingParams, prompt: Sequence[int], max_m
         min_tokens=min(params.min_new_tokens, max_tokens),
         stop_token_ids=list(params.stop_token_ids),
         stop=list(params.stop) or None,
-        seed=prompt_seed(params.seed, prompt),
+        seed=prompt_seed(params.seed, prompt, images),
         ignore_eos=params.ignore_eos,
         logprobs=0 if params.logprobs else None,
         detokenize=bool(params.stop),
@@ -247,6 +270,7 @@ class _Request(msgspec.Struct):
 
     index: int
     future: concurrent.futures.Future
+    expanded: list[int] | None = None  # a prompt with images: the ids vLLM's output must report
 
 
 def _settle(
@@ -329,6 +353,18 @@ def _samples(output: Any, params: SamplingParams, version: int) -> list[Generati
             for _ in range(params.n - 1)
         ]
     return samples
+
+
+def _layout_mismatch(request: _Request, output: Any) -> str:
+    """The error for a prompt with images whose ids vLLM expanded otherwise than we did."""
+    ours, theirs = request.expanded, list(output.prompt_token_ids or [])
+    first = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+    return (
+        f"VLLMEngine.generate: prompt {request.index}: vLLM expanded its images to {len(theirs)} prompt "
+        f"tokens, the prompt given has {len(ours)} (first difference at position {first}); the prompt's "
+        "image tokens must come from the model's own image processor settings (VisionProcessor.from_pretrained "
+        "of the same folder, with the same min_pixels / max_pixels as vLLM's mm_processor_kwargs)"
+    )
 
 
 def engine_arg_names() -> frozenset[str]:
@@ -496,6 +532,10 @@ class VLLMEngine(Engine):
         except BaseException as error:
             self._thread.join(timeout=60)
             raise EngineError(f"VLLMEngine: vLLM could not start model {str(model)!r}: {error}") from error
+        # a VL model: the layout of its image tokens (collapse / the image-token count of a prompt)
+        self.vision: VisionProcessor | None = None
+        if is_vision_model(model):
+            self.vision = VisionProcessor.from_pretrained(model, tokenizer=None, keep_images=True)
         config = self._engine.vllm_config.parallel_config
         self._sync_world_size = config.tensor_parallel_size * config.pipeline_parallel_size
         self._sync_timeout_s: float | None = None  # set by init_weight_sync
@@ -601,7 +641,11 @@ class VLLMEngine(Engine):
                 continue
             for output in outputs:
                 request = self._requests.pop(output.request_id, None) if output.finished else None
-                if request is not None:
+                if request is None:
+                    continue
+                if request.expanded is not None and list(output.prompt_token_ids or []) != request.expanded:
+                    _settle(request.future, error=EngineError(_layout_mismatch(request, output)))
+                else:
                     _settle(request.future, output)
 
     def _fail(self, request_id: str, request: _Request, why: str) -> None:
@@ -666,14 +710,45 @@ class VLLMEngine(Engine):
             return self._sleep_enabled
         if feature == "partial_rollout":
             return self._in_process and self._labels_versions
+        if feature == "images":
+            return self.vision is not None
         return True
 
+    def _check_images(self, images, prompts: list[list[int]]) -> list[ImageInputs | None]:
+        if self.vision is None:
+            if images is not None and any(entry is not None for entry in images):
+                raise EngineError(
+                    f"{self.name}.generate: prompts with images need a vision-language model; "
+                    "this engine's model is not one (rl_data.vision.is_vision_model)"
+                )
+            return [None] * len(prompts)
+        return check_images(
+            images,
+            prompts,
+            self.name,
+            image_token_id=self.vision.image_token_id,
+            merge_size=self.vision.merge_size,
+        )
+
+    def _vllm_prompt(self, prompt: list[int], images: ImageInputs | None) -> dict[str, Any]:
+        """vLLM's prompt for our (expanded) ids: token ids, or collapsed ids and the PIL images."""
+        if images is None:
+            return {"prompt_token_ids": prompt}
+        return {
+            "prompt_token_ids": self.vision.collapse(prompt),
+            "multi_modal_data": {"image": images.pil_images()},
+        }
+
     def _start_requests(
-        self, prompts: list[list[int]], params: SamplingParams
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        images: list[ImageInputs | None] | None = None,
     ) -> list[tuple[str, concurrent.futures.Future]]:
         """Queue one vLLM request per prompt; (request id, future of its final RequestOutput) each.
         A request vLLM refuses fails its own future with an EngineError naming the prompt."""
         max_model_len = self.max_model_len
+        images = images if images is not None else [None] * len(prompts)
         started = [
             (f"rl-{next(self._request_ids)}", index, prompt, concurrent.futures.Future())
             for index, prompt in enumerate(prompts)
@@ -681,15 +756,16 @@ class VLLMEngine(Engine):
 
         def add(engine: Any) -> None:
             for request_id, index, prompt, future in started:
-                request = _Request(index=index, future=future)
+                entry = images[index]
+                request = _Request(index=index, future=future, expanded=None if entry is None else prompt)
                 if future.done():  # cancelled before it reached the engine
                     continue
                 if self._failure is not None:
                     self._fail(request_id, request, f"vLLM's engine failed earlier: {self._failure}")
                     continue
                 try:
-                    vllm_params = to_vllm_sampling_params(params, prompt, max_model_len)
-                    engine.add_request(request_id, {"prompt_token_ids": prompt}, vllm_params)
+                    vllm_params = to_vllm_sampling_params(params, prompt, max_model_len, entry)
+                    engine.add_request(request_id, self._vllm_prompt(prompt, entry), vllm_params)
                 except Exception as error:
                     self._fail(request_id, request, f"{type(error).__name__}: {error}")
                     continue
@@ -718,16 +794,24 @@ class VLLMEngine(Engine):
         if self._asleep:
             raise EngineError(f"VLLMEngine.{method}: the engine is asleep; call wake_up() first")
 
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Generation]]:
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        images: Sequence[ImageInputs | None] | None = None,
+    ) -> list[list[Generation]]:
         """`params.n` responses for each prompt: result[i][j] is sample j of prompts[i].
 
-        Raises EngineError naming the prompt for an empty or over-long prompt (before anything
-        is submitted) or a request vLLM rejects, and while the engine is asleep.
+        `images`: one ImageInputs or None per prompt (a VL model; prompts in the expanded layout).
+        Raises EngineError naming the prompt for an empty or over-long prompt or images that do
+        not fit it (before anything is submitted) or a request vLLM rejects, and while the engine
+        is asleep.
         """
         self._check_awake("generate")
         checked = check_prompts(prompts, params, self.max_model_len, self.name)
+        checked_images = self._check_images(images, checked)
         version = self.policy_version
-        requests = self._start_requests(checked, params)
+        requests = self._start_requests(checked, params, checked_images)
         try:
             outputs = [future.result() for _, future in requests]
         except BaseException:
@@ -738,16 +822,20 @@ class VLLMEngine(Engine):
             raise
         return [_samples(output, params, version) for output in outputs]
 
-    async def agenerate(self, prompt: Sequence[int], params: SamplingParams) -> list[Generation]:
-        """The `params.n` responses to one prompt; many callers may await this concurrently.
+    async def agenerate(
+        self, prompt: Sequence[int], params: SamplingParams, images: ImageInputs | None = None
+    ) -> list[Generation]:
+        """The `params.n` responses to one prompt (with its `images`, a VL model); many callers
+        may await this concurrently.
 
         Works from any event loop: the request runs on the engine's thread and this awaits it.
         Cancelling the await aborts the request in vLLM.
         """
         self._check_awake("agenerate")
         [checked] = check_prompts([prompt], params, self.max_model_len, self.name)
+        entries = self._check_images(None if images is None else [images], [checked])
         version = self.policy_version
-        [(request_id, future)] = self._start_requests([checked], params)
+        [(request_id, future)] = self._start_requests([checked], params, entries)
         try:
             output = await asyncio.wrap_future(future)
         except asyncio.CancelledError:
