@@ -297,6 +297,13 @@ class VisionProcessor:
             images=[encode_image(image) for image in images] if self.keep_images else [],
         )
 
+    @property
+    def image_text(self) -> str:
+        """One image's placeholder as the chat template writes it: vision start, one image token,
+        vision end (e.g. "<|vision_start|><|image_pad|><|vision_end|>")."""
+        ids = [self.vision_start_token_id, self.image_token_id, self.vision_end_token_id]
+        return "".join(self.tokenizer.convert_ids_to_tokens(ids))
+
     def num_image_tokens(self, grid_thw: torch.Tensor) -> list[int]:
         """Placeholder tokens of each image: t·h·w / merge_size²."""
         return (torch.as_tensor(grid_thw).prod(-1) // self.merge_size**2).tolist()

@@ -578,8 +578,16 @@ class RolloutWorker:
         import_plugins(spec.plugins)
         from transformers import AutoTokenizer
 
+        from rl_data.vision import VisionProcessor, is_vision_model
+
         self.spec = spec
         self.tokenizer = AutoTokenizer.from_pretrained(spec.model_path)
+        # a VL policy's processor, for executors that place images an environment returns
+        self.vision = (
+            VisionProcessor.from_pretrained(spec.model_path, self.tokenizer)
+            if is_vision_model(spec.model_path)
+            else None
+        )
         self.reward_fn = build_reward(spec)
         from .components import ENGINES
 
@@ -634,14 +642,18 @@ class RolloutWorker:
         prompts = decode(samples, list[PromptSample])
         spec = self.spec
 
+        entry = EXECUTORS[spec.executor]
+        vision = {"vision": self.vision} if entry.takes_vision and self.vision is not None else {}
+
         def run(params: Any) -> list[Trajectory]:
-            executor = EXECUTORS[spec.executor].build(
+            executor = entry.build(
                 engine=self.engine,
                 reward_fn=self.reward_fn,
                 tokenizer=self.tokenizer,
                 sampling=params,
                 first_group_id=first_group_id,
                 agent_func_path=spec.agent_func_path,
+                **vision,
                 **spec.executor_options,
             )
             return executor.run(prompts)

@@ -23,8 +23,9 @@ A step may return "environment_messages" (a list of chat messages, e.g. tool res
 Images (vision-language models, `MultiTurnExecutor(vision=VisionProcessor)`): a step may also
 return "environment_images", a list of images (PIL images, encoded bytes, paths, Hub `Image`
 dicts: whatever `rl_data.vision.load_image` reads). The feedback text (or a message's content)
-marks where each goes with an `rl_data.vision.IMAGE_PLACEHOLDER` ("<image>"), one per image, in
-order; an image's ids are `VisionProcessor.image_turn`'s (`<|vision_start|>` n image tokens
+marks where each goes with an `rl_data.vision.IMAGE_PLACEHOLDER` ("<image>") or, as OpenRLHF's
+VLM agents write it, the model's own one-image placeholder text (`VisionProcessor.image_text`,
+e.g. "<|vision_start|><|image_pad|><|vision_end|>"), one per image, in order; an image's ids are `VisionProcessor.image_turn`'s (`<|vision_start|>` n image tokens
 `<|vision_end|>`), environment tokens like the rest of the feedback (action mask 0, rollout
 log-prob 0). Its `ImageInputs` join the episode's images (the prompt's first,
 `PromptSample.images`), every later turn is generated with all of them, and the record's
@@ -772,6 +773,8 @@ class MultiTurnExecutor:
             )
         if not images:
             return feedback_ids, []
+        # OpenRLHF's agents write the model's own placeholder (<|vision_start|><|image_pad|><|vision_end|>)
+        feedback_text = feedback_text.replace(self.vision.image_text, IMAGE_PLACEHOLDER)
         pieces = feedback_text.split(IMAGE_PLACEHOLDER)
         if len(pieces) - 1 != len(images):
             raise EpisodeError(

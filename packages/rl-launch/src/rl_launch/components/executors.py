@@ -33,9 +33,10 @@ __all__ = [
 ]
 
 EXECUTOR_INPUTS: frozenset[str] = frozenset(
-    {"engine", "reward_fn", "tokenizer", "sampling", "first_group_id", "agent_func_path"}
+    {"engine", "reward_fn", "tokenizer", "sampling", "first_group_id", "agent_func_path", "vision"}
 )
-"""What the rollout actor hands every executor builder itself: not options."""
+"""What the rollout actor hands every executor builder itself: not options (`vision`, a VL
+policy's `rl_data.vision.VisionProcessor`, only to builders whose entry `takes_vision`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +55,9 @@ class ExecutorEntry:
     TypeError / ValueError naming what is wrong."""
     agent_kind: str = "an OpenRLHF agent .py file"
     """What the agent file must be, for the message when it is missing."""
+    takes_vision: bool = False
+    """It takes `vision=` (the run's `VisionProcessor` when the policy is a VL model): its
+    environments may return images (`environment_images`)."""
 
     def option_defaults(self) -> dict[str, Any]:
         if self.options is not None:
@@ -216,7 +220,7 @@ def _multi_turn_options() -> dict[str, Any]:
     return component_options(MultiTurnExecutor, inputs=EXECUTOR_INPUTS)
 
 
-@EXECUTORS.register("multi_turn", options=_multi_turn_options, runs_agent=True)
+@EXECUTORS.register("multi_turn", options=_multi_turn_options, runs_agent=True, takes_vision=True)
 def multi_turn_executor(
     *,
     engine: Any,
@@ -230,7 +234,8 @@ def multi_turn_executor(
     """`rl_rollout.MultiTurnExecutor`: episodes of the agent file rollout.agent_func_path.
 
     The reward of an episode is the sum of its step() rewards; environment tokens carry action
-    mask 0 (no loss on them) and log-prob 0."""
+    mask 0 (no loss on them) and log-prob 0. With a VL policy, steps may return
+    "environment_images" (`vision`: the policy's processor, handed by the rollout actor)."""
     from rl_rollout import MultiTurnExecutor
 
     del reward_fn  # the environment scores the episode
