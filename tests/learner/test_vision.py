@@ -13,7 +13,7 @@ from PIL import Image
 
 from rl_algos import entropy_from_logits, logprobs_from_logits
 from rl_data import ImageInputs, Trajectory, build_experience
-from rl_data.vision import VisionProcessor
+from rl_data.vision import VisionProcessor, vision_token_ids
 from rl_learner.models import load_causal_lm, load_value_model, mrope_position_ids, packed_logprobs
 
 
@@ -81,7 +81,13 @@ def per_sample_reference(model, batch, image_token_id: int) -> tuple[torch.Tenso
             )
         with torch.no_grad():
             logits = model(input_ids=ids[None], **images).logits[0, :-1]
-        logprobs[start + 1 : end] = logprobs_from_logits(logits, ids[1:])
+        # the placeholder tokens are outside the policy's support (rl_data.vision.vision_token_ids)
+        logits = logits.index_fill(-1, torch.tensor(vision_token_ids(model.config)), float("-inf"))
+        picked = logprobs_from_logits(logits, ids[1:])
+        # a placeholder token is never an action: log-prob 0, like the learner's
+        logprobs[start + 1 : end] = torch.where(
+            torch.isin(ids[1:], torch.tensor(vision_token_ids(model.config))), 0.0, picked
+        )
         entropy[start + 1 : end] = entropy_from_logits(logits)
     return logprobs, entropy
 

@@ -43,6 +43,7 @@ __all__ = [
     "image_size",
     "is_vision_model",
     "load_image",
+    "vision_token_ids",
 ]
 
 VISION_MODEL_TYPES: tuple[str, ...] = ("qwen2_vl", "qwen2_5_vl")
@@ -209,6 +210,24 @@ def _model_type(path: str | os.PathLike[str]) -> str | None:
         return None
 
 
+VISION_TOKEN_KEYS: tuple[str, ...] = (
+    "image_token_id",
+    "video_token_id",
+    "vision_start_token_id",
+    "vision_end_token_id",
+)
+"""config.json keys of the placeholder tokens that only the prompt and environments place."""
+
+
+def vision_token_ids(config: Any) -> list[int]:
+    """The placeholder token ids of a VL model's config (object or dict): tokens the policy never
+    samples. Its engines and learners mask them out of every next-token distribution, so
+    π(token) = softmax(z with those logits at −∞): a sampled image token would have no image
+    behind it and break the next forward. [] for a config without them (a text model)."""
+    read = config.get if isinstance(config, dict) else lambda key: getattr(config, key, None)
+    return sorted({int(value) for key in VISION_TOKEN_KEYS if (value := read(key)) is not None})
+
+
 def is_vision_model(path: str | os.PathLike[str]) -> bool:
     """Whether the model folder at `path` is a VL model of `VISION_MODEL_TYPES`."""
     return _model_type(path) in VISION_MODEL_TYPES
@@ -283,6 +302,12 @@ class VisionProcessor:
             merge_size=merge,
             keep_images=keep_images,
         )
+
+    def save_pretrained(self, path: str | os.PathLike[str]) -> None:
+        """Write the tokenizer and the image processor into `path` (what `from_pretrained` reads
+        beside the model's config.json)."""
+        self.tokenizer.save_pretrained(path)
+        self.image_processor.save_pretrained(path)
 
     # ------------------------------------------------------------------ images
 

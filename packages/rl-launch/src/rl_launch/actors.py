@@ -312,23 +312,21 @@ class LearnerWorker:
         return state
 
     def export(self, path: str, tokenizer_path: str) -> str:
-        from transformers import AutoTokenizer
-
         from rl_learner import export_hf
 
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
-        return str(export_hf(self.learner.engine, path, tokenizer=tokenizer))
+        return str(export_hf(self.learner.engine, path, tokenizer=_exported_processor(tokenizer_path)))
 
     def export_ema(self, path: str, tokenizer_path: str) -> str:
         """The EMA of the policy's weights as an HF folder (the model's own weights elsewhere:
         buffers, and anything that does not train)."""
-        from transformers import AutoTokenizer
-
         from rl_learner import export_hf
 
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
         replace = self.ema.export_names(self.learner.engine)
-        return str(export_hf(self.learner.engine, path, tokenizer=tokenizer, replace=replace))
+        return str(
+            export_hf(
+                self.learner.engine, path, tokenizer=_exported_processor(tokenizer_path), replace=replace
+            )
+        )
 
     def close(self) -> None:
         if self.sender is not None:
@@ -797,3 +795,15 @@ class ActorGroup:
 
         for actor in self.actors:
             ray.kill(actor, no_restart=True)
+
+
+def _exported_processor(model_path: str) -> Any:
+    """What an exported HF folder carries beside the weights: the tokenizer, and for a VL model
+    its image processor too (`VisionProcessor.save_pretrained`), so the folder loads as it was given."""
+    from transformers import AutoTokenizer
+
+    from rl_data.vision import VisionProcessor, is_vision_model
+
+    if is_vision_model(model_path):
+        return VisionProcessor.from_pretrained(model_path)
+    return AutoTokenizer.from_pretrained(model_path)

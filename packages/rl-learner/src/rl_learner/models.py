@@ -68,6 +68,10 @@ what changes is what the model is given (`packed_model_inputs`):
                              collective gathers line up across ranks and its weights always get a
                              gradient (zero when unused).
 
+The placeholder tokens (`rl_data.vision.vision_token_ids`) are outside the policy's support: the
+log-probs and entropies are those of softmax(logits with them at −∞), as the engines sample, and
+a placeholder token itself (never an action: the prompt or an environment put it there) gets
+log-prob 0, like other tokens that are not the policy's.
 The model scatters the embeddings into the placeholder tokens' positions and runs its language
 model on the packed row; log-probs equal one unpacked HF forward per sequence (`model(input_ids,
 pixel_values, image_grid_thw, mm_token_type_ids)`). `only_actions` and `share_prefix` (two prompts
@@ -98,7 +102,7 @@ import torch
 
 from rl_algos import entropy_from_logits, logprobs_from_logits
 from rl_data import ExperienceBatch
-from rl_data.vision import is_vision_model
+from rl_data.vision import is_vision_model, vision_token_ids
 
 from .config import ATTN_IMPLEMENTATIONS
 from .sequence_parallel import SequenceParallelGroup, sum_over_group, ulysses_attention
@@ -778,6 +782,28 @@ def packed_model_inputs(
 # --------------------------------------------------------------------------- vision-language models
 
 
+def _outside_support(model: Any, logits: torch.Tensor) -> torch.Tensor:
+    """`logits` [..., V] with a VL model's placeholder tokens at −∞ (`rl_data.vision.vision_token_ids`):
+    the policy never samples them (its engines mask them the same way), so its log-probs and
+    entropies are those of the distribution over the other tokens. Unchanged for a text model."""
+    vision = _vision_model(unwrap_model(model))
+    if vision is None:
+        return logits
+    never = torch.tensor(vision_token_ids(vision.config), dtype=torch.long, device=logits.device)
+    return logits.index_fill(-1, never, float("-inf"))
+
+
+def _zero_at_placeholders(model: Any, logprobs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """`logprobs` [K] of tokens `labels` [K], 0 where the token is a VL model's placeholder: it is
+    outside the support (log-prob −∞) and never an action (the prompt or an environment placed
+    it), so it carries 0 like every token that is not the policy's (no −∞ reaches a masked sum)."""
+    vision = _vision_model(unwrap_model(model))
+    if vision is None:
+        return logprobs
+    never = torch.tensor(vision_token_ids(vision.config), dtype=labels.dtype, device=labels.device)
+    return torch.where(torch.isin(labels, never), torch.zeros_like(logprobs), logprobs)
+
+
 def _vision_model(module: torch.nn.Module) -> Any:
     """The inner multimodal model (`.visual` tower, `.get_rope_index`) of a Qwen2-VL-family model, else None."""
     base = module.get_base_model() if hasattr(module, "get_base_model") else module
@@ -989,7 +1015,7 @@ def packed_logprobs(
         keep = _logits_before(torch.arange(1, batch.num_tokens), sharing)  # for tokens 1..N−1
     if keep is not None:
         inputs["logits_to_keep"] = keep.to(device)
-    logits = model(**inputs).logits[0]
+    logits = _outside_support(model, model(**inputs).logits[0])
     if batch.num_tokens == 0:
         zero = logits.sum() * 0.0
         empty = zero.reshape(1)[:0].float()
@@ -997,7 +1023,9 @@ def packed_logprobs(
     labels = batch.input_ids.to(logits.device)
     if targets is not None:
         targets = targets.to(logits.device)
-        selected = logprobs_from_logits(logits, labels[targets], temperature=temperature)
+        selected = _zero_at_placeholders(
+            model, logprobs_from_logits(logits, labels[targets], temperature=temperature), labels[targets]
+        )
         logprobs = selected.new_zeros(batch.num_tokens).index_put((targets,), selected)
         if not with_entropy:
             return logprobs
@@ -1006,7 +1034,10 @@ def packed_logprobs(
     if sharing is None:
         logits = logits[:-1]
     logprobs = _shift_to_tokens(
-        logprobs_from_logits(logits, labels[1:], temperature=temperature), batch.position_ids
+        _zero_at_placeholders(
+            model, logprobs_from_logits(logits, labels[1:], temperature=temperature), labels[1:]
+        ),
+        batch.position_ids,
     )
     if not with_entropy:
         return logprobs

@@ -96,7 +96,7 @@ SETTINGS: dict[str, Any] = {
         "max_norm": 1.0,
     },
     "data": {"prompt_max_len": 64, "image_key": "images"},
-    "eval": {"eval_steps": 2},
+    "eval": {"eval_steps": 1},
     "ckpt": {"save_steps": -1},
     "log": {"output_dir": "runs/ppo-colours"},
 }

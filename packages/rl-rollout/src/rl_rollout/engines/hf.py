@@ -39,7 +39,10 @@ order) and the mRoPE position ids the engine computes itself (`get_rope_index` w
 Each row's mRoPE delta δ = max position + 1 - real length is kept, and a decoded token at text
 position p gets mRoPE position p + δ in all 3 rows (what the model's own generate does, with no
 per-model state: concurrent batches and re-prefills cannot see another batch's deltas). The
-images are needed only by prefills (the first, and the re-prefill after a weight sync).
+images are needed only by prefills (the first, and the re-prefill after a weight sync). The
+placeholder tokens (`rl_data.vision.vision_token_ids`: image, video, vision start and end) are
+outside the policy's support: their logits are −∞ before sampling and before the log-probs, as
+in the learner's forward, so a response never holds an image token without an image.
 
 Weight sync: `init_weight_sync` builds an `rl_rollout.WeightReceiver` whose `apply` copies each
 named tensor into the model's `state_dict()` entry (dtype cast included). Tied weights share
@@ -76,7 +79,7 @@ import torch
 from rl_data import ImageInputs, WeightSyncReport
 from rl_data.errors import check_integer
 from rl_data.transport import IpcPayload, WeightSyncSpec
-from rl_data.vision import VISION_MODEL_TYPES, is_vision_model
+from rl_data.vision import VISION_MODEL_TYPES, is_vision_model, vision_token_ids
 
 from ..protocol import (
     Engine,
@@ -221,6 +224,8 @@ class HFEngine(Engine):
         self.vision = getattr(config, "model_type", None) in VISION_MODEL_TYPES
         self.image_token_id = int(config.image_token_id) if self.vision else None
         self._merge_size = int(config.vision_config.spatial_merge_size) if self.vision else 1
+        # placeholder tokens the policy never samples (rl_data.vision.vision_token_ids)
+        self._never = torch.tensor(vision_token_ids(config) if self.vision else [], dtype=torch.long)
         if max_model_len is None:
             max_model_len = getattr(config.get_text_config(), "max_position_embeddings", None)
             if max_model_len is None:
@@ -384,6 +389,8 @@ class HFEngine(Engine):
             output = self.model(**inputs, attention_mask=attention, past_key_values=cache, use_cache=True)
             cache = output.past_key_values
             scores = output.logits[:, -1, :].float() / temperature  # [A, V]
+            if self._never.numel():  # a VL model's placeholders are not in the policy's support
+                scores = scores.index_fill(1, self._never.to(device), float("-inf"))
             choice = scores
             if step < params.min_new_tokens and suppress.numel():
                 choice = scores.index_fill(1, suppress, float("-inf"))

@@ -72,17 +72,19 @@ import asyncio
 import concurrent.futures
 import gc
 import itertools
+import json
 import os
 import queue
 import threading
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import msgspec
 
 from rl_data import ImageInputs, WeightSyncReport, encode
 from rl_data.transport import IpcPayload, WeightSyncSpec
-from rl_data.vision import VisionProcessor, is_vision_model
+from rl_data.vision import VisionProcessor, is_vision_model, vision_token_ids
 
 from ..protocol import (
     Engine,
@@ -201,7 +203,11 @@ def check_kv_cache_bytes(
 
 
 def to_vllm_sampling_params(
-    params: SamplingParams, prompt: Sequence[int], max_model_len: int, images: ImageInputs | None = None
+    params: SamplingParams,
+    prompt: Sequence[int],
+    max_model_len: int,
+    images: ImageInputs | None = None,
+    never: Sequence[str] = (),
 ):
     """The `vllm.SamplingParams` for one prompt (expanded ids, for a prompt with images).
 
@@ -210,6 +216,8 @@ def to_vllm_sampling_params(
     is `prompt_seed(params.seed, prompt, images)`. Greedy requests ask for one sample (vLLM refuses
     n > 1 with temperature 0; the engine copies it). Only the final output is returned
     (`RequestOutputKind.FINAL_ONLY`); text is detokenized only when stop strings need it.
+    `never`: tokens (their text) outside the policy's support, vLLM's `bad_words` (a VL model's
+    placeholders, `rl_data.vision.vision_token_ids`; masked before the processed log-probs).
     """
     from vllm import SamplingParams as VllmSamplingParams
     from vllm.sampling_params import RequestOutputKind
@@ -229,6 +237,7 @@ def to_vllm_sampling_params(
         logprobs=0 if params.logprobs else None,
         detokenize=bool(params.stop),
         output_kind=RequestOutputKind.FINAL_ONLY,
+        bad_words=list(never) or None,
     )
 
 
@@ -534,8 +543,11 @@ class VLLMEngine(Engine):
             raise EngineError(f"VLLMEngine: vLLM could not start model {str(model)!r}: {error}") from error
         # a VL model: the layout of its image tokens (collapse / the image-token count of a prompt)
         self.vision: VisionProcessor | None = None
+        self._never: list[str] = []  # placeholder tokens the policy never samples (a VL model's)
         if is_vision_model(model):
             self.vision = VisionProcessor.from_pretrained(model, tokenizer=None, keep_images=True)
+            config = json.loads((Path(model) / "config.json").read_text())
+            self._never = self.vision.tokenizer.convert_ids_to_tokens(vision_token_ids(config))
         config = self._engine.vllm_config.parallel_config
         self._sync_world_size = config.tensor_parallel_size * config.pipeline_parallel_size
         self._sync_timeout_s: float | None = None  # set by init_weight_sync
@@ -764,7 +776,7 @@ class VLLMEngine(Engine):
                     self._fail(request_id, request, f"vLLM's engine failed earlier: {self._failure}")
                     continue
                 try:
-                    vllm_params = to_vllm_sampling_params(params, prompt, max_model_len, entry)
+                    vllm_params = to_vllm_sampling_params(params, prompt, max_model_len, entry, self._never)
                     engine.add_request(request_id, self._vllm_prompt(prompt, entry), vllm_params)
                 except Exception as error:
                     self._fail(request_id, request, f"{type(error).__name__}: {error}")
