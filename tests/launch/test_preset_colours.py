@@ -3,6 +3,7 @@ engine to the learners, and a reward that rises because the policy learns to loo
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import random
 
@@ -35,12 +36,13 @@ def test_preset_settings_pick_the_hf_engine_and_the_image_column(capsys):
     assert "engine: hf" in printed
 
 
-def test_vllm_without_torchvision_is_refused_saying_why(preset_root, tmp_path, capsys):
-    pytest.importorskip("vllm")
-    if __import__("importlib").util.find_spec("torchvision") is not None:
+def test_vllm_without_torchvision_is_refused_saying_why(tiny_vl_checkpoint, tmp_path, capsys):
+    if importlib.util.find_spec("torchvision") is not None:
         pytest.skip("torchvision is installed here: vLLM can process images")
-    args = ["ppo", "--preset", "colours", "--preset_root", str(preset_root), "--rollout.engine", "vllm"]
-    assert main([*args, "--log.output_dir", str(tmp_path / "run"), "--train.max_steps", "1"]) == 1
+    data = tmp_path / "p.jsonl"
+    data.write_text(json.dumps({"prompt": "hi", "label": "x"}) + "\n")
+    args = ["ppo", "--model.pretrain", str(tiny_vl_checkpoint), "--data.prompt_data", str(data)]
+    assert main([*args, "--rollout.engine", "vllm", "--log.output_dir", str(tmp_path / "run")]) == 1
     error = capsys.readouterr().err
     assert "needs torchvision" in error
     assert "--rollout.engine hf" in error
@@ -77,3 +79,33 @@ def test_the_colours_preset_learns_to_look(ray_temp, tmp_path, preset_root):
     assert evals[-1] - evals[0] >= 0.3, evals
     assert sum(rewards[-3:]) / 3 - sum(rewards[:3]) / 3 >= 0.2, rewards
     assert (run_dir / "curves.png").is_file()
+
+
+@pytest.mark.slow
+def test_multi_turn_with_an_image_from_the_environment_learns(ray_temp, tmp_path, preset_root):
+    """Two turns (rl_launch.presets.colours_agent): the environment answers the first colour with
+    a second image. Half the reward is the second image's colour, which only its pixels tell: a
+    mean reward above 0.75 needs both images read (ignoring the second caps it near 0.67)."""
+    from rl_launch.presets import colours_agent
+
+    build_preset(preset_root)
+    ray_dir, env = ray_temp
+    run_dir = tmp_path / "run"
+    args = [
+        "--preset", "colours",
+        "--preset_root", str(preset_root),
+        "--rollout.agent_func_path", colours_agent.__file__,
+        "--train.max_steps", "8",
+        "--log.output_dir", str(run_dir),
+        "--log.progress_bar", "false",
+        "--ray.temp_dir", ray_dir,
+    ]  # fmt: skip
+    result = launch(args, env, timeout=900)
+    assert result.returncode == 0, result.stderr[-4000:]
+    metrics = read_metrics(run_dir)
+    steps = [line for line in metrics if "reward/mean" in line]
+    assert all(line["rollout/turns_mean"] == 2.0 for line in steps)
+    rewards = [line["reward/mean"] for line in steps]
+    assert rewards[0] < 0.6, rewards
+    assert max(rewards[-2:]) >= 0.75, rewards
+    assert (run_dir / "final" / "preprocessor_config.json").is_file()  # the export loads as a VL folder
