@@ -83,6 +83,8 @@ def test_single_turn_records_carry_the_prompt_images(vl_engine, processor):
 class ColourEnvironment:
     """Answers the first action with a picture (a blue square) and the second with done."""
 
+    mark = "<image>"  # where the picture goes in the feedback text
+
     def __init__(self) -> None:
         self.turn = 0
 
@@ -95,20 +97,26 @@ class ColourEnvironment:
             return {
                 "rewards": 0.0,
                 "done": False,
-                "environment_feedback": "\nYou see <image>. Name it.\n",
+                "environment_feedback": f"\nYou see {self.mark}. Name it.\n",
                 "environment_images": [coloured_image((30, 30, 200))],
             }
         return {"rewards": 1.0, "done": True, "environment_feedback": ""}
 
 
+@pytest.mark.parametrize("mark", ["<image>", "model"])
 def test_multi_turn_image_feedback_is_environment_tokens_and_the_next_turn_sees_every_image(
-    vl_engine, processor, tiny_vl_checkpoint
+    vl_engine, processor, tiny_vl_checkpoint, mark
 ):
+    """The picture's place is marked "<image>" or, as OpenRLHF's VLM agents write it, by the model's
+    own placeholder text (<|vision_start|><|image_pad|><|vision_end|>): the same ids either way."""
     ids, prompt_images, text = processor.render("What colour is <image>?", [coloured_image((200, 30, 30))])
     sample = PromptSample(prompt_ids=ids, prompt=text, images=prompt_images, index=0)
     params = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)
+    environment = type(
+        "Env", (ColourEnvironment,), {"mark": processor.image_text if mark == "model" else "<image>"}
+    )
     executor = MultiTurnExecutor(
-        vl_engine, processor.tokenizer, params, env=ColourEnvironment, max_turns=3, vision=processor
+        vl_engine, processor.tokenizer, params, env=environment, max_turns=3, vision=processor
     )
     [record] = executor.run([sample])
     assert record.extra["turns"] == 2
