@@ -66,6 +66,7 @@ LONGEST_FILES = (
     "launch/test_chaos.py",  # ~149 s (five rl-launch runs, one beside the others)
     "launch/test_trainers_ray.py",  # ~100 s (kto on two ZeRO-3 ranks; sft on two SP ranks, one killed, resumed)
     "launch/test_async_resume.py",  # ~70 s (two kill-and-resume runs)
+    "launch/test_preset_colours.py",  # ~55 s (the colours build, ~15 s, then two 6-step runs)
     "launch/test_preset_run.py",  # ~66 s (the preset's 16 steps; its build is shared, see preset_root)
     "rollout/test_http_engine.py",  # ~60 s (its vllm serve, and the rl-launch ppo run on it)
     "launch/test_lora_run.py",  # ~58 s
