@@ -131,7 +131,7 @@ def test_preset_settings_are_the_module_settings_and_a_valid_config():
 
 
 def test_preset_settings_reject_an_unknown_preset():
-    with pytest.raises(ValueError, match="preset: 'nope' is not one of arithmetic, none"):
+    with pytest.raises(ValueError, match="preset: 'nope' is not one of arithmetic, colours, none"):
         preset_settings("nope")
 
 

@@ -250,6 +250,24 @@ def build_tiny_model(
     return model
 
 
+def _already_built(path: Path, recipe: dict[str, Any], overwrite: bool) -> bool:
+    """Whether `path` holds a tiny checkpoint of `recipe` (its `tiny_build.json`), to reuse.
+
+    Raises FileExistsError for a folder built with another recipe, or a non-empty folder that is
+    not a tiny checkpoint, unless `overwrite`."""
+    marker = path / "tiny_build.json"
+    if marker.is_file() and not overwrite:
+        existing = json.loads(marker.read_text())
+        if existing == recipe:
+            return True
+        raise FileExistsError(
+            f"{path} holds a tiny checkpoint built with {existing}, not {recipe}; pass overwrite=True"
+        )
+    if path.exists() and any(path.iterdir()) and not marker.is_file() and not overwrite:
+        raise FileExistsError(f"{path} exists and is not a tiny checkpoint folder; pass overwrite=True")
+    return False
+
+
 def build_tiny_checkpoint(
     path: str | os.PathLike[str],
     *,
@@ -277,16 +295,8 @@ def build_tiny_checkpoint(
         "seed": seed,
         **{key: str(value) for key, value in sorted(model_kwargs.items())},
     }
-    marker = path / "tiny_build.json"
-    if marker.is_file() and not overwrite:
-        existing = json.loads(marker.read_text())
-        if existing == recipe:
-            return path
-        raise FileExistsError(
-            f"{path} holds a tiny checkpoint built with {existing}, not {recipe}; pass overwrite=True"
-        )
-    if path.exists() and any(path.iterdir()) and not marker.is_file() and not overwrite:
-        raise FileExistsError(f"{path} exists and is not a tiny checkpoint folder; pass overwrite=True")
+    if _already_built(path, recipe, overwrite):
+        return path
     # the tokenizer's model_max_length follows the model's context (vLLM reads the smaller of the two)
     context = int(model_kwargs.get("max_position_embeddings", 2048))
     tokenizer = build_tiny_tokenizer(
@@ -296,7 +306,7 @@ def build_tiny_checkpoint(
     path.mkdir(parents=True, exist_ok=True)
     tokenizer.save_pretrained(path)
     model.save_pretrained(path)
-    marker.write_text(json.dumps(recipe, indent=2))
+    (path / "tiny_build.json").write_text(json.dumps(recipe, indent=2))
     return path
 
 
@@ -355,16 +365,8 @@ def build_tiny_vl_checkpoint(
         "image_pixels": list(image_pixels),
         "seed": seed,
     }
-    marker = path / "tiny_build.json"
-    if marker.is_file() and not overwrite:
-        existing = json.loads(marker.read_text())
-        if existing == recipe:
-            return path
-        raise FileExistsError(
-            f"{path} holds a tiny checkpoint built with {existing}, not {recipe}; pass overwrite=True"
-        )
-    if path.exists() and any(path.iterdir()) and not marker.is_file() and not overwrite:
-        raise FileExistsError(f"{path} exists and is not a tiny checkpoint folder; pass overwrite=True")
+    if _already_built(path, recipe, overwrite):
+        return path
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
@@ -427,5 +429,5 @@ def build_tiny_vl_checkpoint(
     tokenizer.save_pretrained(path)
     image_processor.save_pretrained(path)
     model.save_pretrained(path)
-    marker.write_text(json.dumps(recipe, indent=2))
+    (path / "tiny_build.json").write_text(json.dumps(recipe, indent=2))
     return path

@@ -289,23 +289,29 @@ class PresetArtifacts(msgspec.Struct, frozen=True, kw_only=True):
     apply_chat_template: bool
     sft_metrics: dict[str, float]
 
+    @classmethod
+    def of_build(cls, folder: Path, marker: dict[str, Any], recipe: str, reward: str) -> PresetArtifacts:
+        """The artifacts of a preset build in `folder` (model/, train.jsonl, eval.jsonl), from its marker."""
+        return cls(
+            recipe=recipe,
+            recipe_hash=marker["recipe_hash"],
+            path=str(folder),
+            model_path=str(folder / "model"),
+            train_path=str(folder / "train.jsonl"),
+            eval_path=str(folder / "eval.jsonl"),
+            reward=reward,
+            apply_chat_template=True,
+            sft_metrics=dict(marker["sft_metrics"]),
+        )
 
-def _write_jsonl(path: Path, rows: list[dict[str, str]]) -> None:
+
+def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
+    """One JSON object a line, keys sorted."""
     path.write_text("".join(json.dumps(row, sort_keys=True) + "\n" for row in rows))
 
 
 def _artifacts(folder: Path, marker: dict[str, Any]) -> PresetArtifacts:
-    return PresetArtifacts(
-        recipe=RECIPE_NAME,
-        recipe_hash=marker["recipe_hash"],
-        path=str(folder),
-        model_path=str(folder / "model"),
-        train_path=str(folder / "train.jsonl"),
-        eval_path=str(folder / "eval.jsonl"),
-        reward=f"{__name__}:arithmetic_reward",
-        apply_chat_template=True,
-        sft_metrics=dict(marker["sft_metrics"]),
-    )
+    return PresetArtifacts.of_build(folder, marker, RECIPE_NAME, f"{__name__}:arithmetic_reward")
 
 
 def build_preset(
@@ -383,8 +389,8 @@ def build_preset(
         )
         common = dict(max_number=max_number, eval_fraction=eval_fraction)
         train = make_problems(None, seed, split="train", **common)
-        _write_jsonl(staging / "train.jsonl", train)
-        _write_jsonl(staging / "eval.jsonl", make_problems(None, seed, split="eval", **common))
+        write_jsonl(staging / "train.jsonl", train)
+        write_jsonl(staging / "eval.jsonl", make_problems(None, seed, split="eval", **common))
         examples = [
             (render_prompt(tokenizer, prompt), answer + tokenizer.eos_token)
             for prompt, answer in demonstrations(train, lazy_answers)

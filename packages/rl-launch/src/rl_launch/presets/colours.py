@@ -35,7 +35,6 @@ Building is cached like the arithmetic preset's (`rl_launch.presets.cache`).
 from __future__ import annotations
 
 import copy
-import json
 import os
 import random
 from pathlib import Path
@@ -43,7 +42,7 @@ from typing import Any
 
 from rl_rollout.rewards import response_text
 
-from .arithmetic import PresetArtifacts
+from .arithmetic import PresetArtifacts, write_jsonl
 from .cache import cached_build, recipe_hash
 
 __all__ = [
@@ -163,10 +162,6 @@ def colour_reward(queries: list[str], prompts: list[str], labels: list[str]) -> 
 # Build
 
 
-def _write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
-    path.write_text("".join(json.dumps(row, sort_keys=True) + "\n" for row in rows))
-
-
 def build_preset(
     root: str | os.PathLike[str],
     *,
@@ -215,8 +210,8 @@ def build_preset(
         processor = VisionProcessor.from_pretrained(model_dir, keep_images=False)
         model = AutoModelForImageTextToText.from_pretrained(model_dir)
         train = make_problems(num_train, seed, staging, "train")
-        _write_jsonl(staging / "train.jsonl", train)
-        _write_jsonl(staging / "eval.jsonl", make_problems(num_eval, seed + 1, staging, "eval"))
+        write_jsonl(staging / "train.jsonl", train)
+        write_jsonl(staging / "eval.jsonl", make_problems(num_eval, seed + 1, staging, "eval"))
         examples, images = [], []
         for row in train:
             ids, inputs, _ = processor.render(row["prompt"], [load_image(staging / row["images"][0])])
@@ -238,14 +233,4 @@ def build_preset(
         return {"recipe_hash": digest, "recipe": recipe, "sft_metrics": metrics}
 
     marker = cached_build(folder, MARKER, build)
-    return PresetArtifacts(
-        recipe=RECIPE_NAME,
-        recipe_hash=marker["recipe_hash"],
-        path=str(folder),
-        model_path=str(folder / "model"),
-        train_path=str(folder / "train.jsonl"),
-        eval_path=str(folder / "eval.jsonl"),
-        reward=f"{__name__}:colour_reward",
-        apply_chat_template=True,
-        sft_metrics=dict(marker["sft_metrics"]),
-    )
+    return PresetArtifacts.of_build(folder, marker, RECIPE_NAME, f"{__name__}:colour_reward")
