@@ -239,3 +239,61 @@ def test_every_name_the_learner_sends_is_mapped_by_vllms_qwen2_vl_loader(tiny_vl
         "language_model.lm_head",
     }
     assert all(mapped(n).startswith("visual.") for n in names if n.startswith("model.visual."))
+
+
+# An agent file shaped like OpenRLHF's VLM multi-turn example (examples/python/vlm_multiturn_agent.py):
+# it imports openrlhf's base classes (the loader's stand-in here), returns tensors as rewards, and
+# marks a screenshot in its feedback with the model's own placeholder text.
+OPENRLHF_STYLE_VLM_AGENT = """
+import torch
+from PIL import Image
+
+from openrlhf.utils.agent import AgentInstanceBase, MultiTurnAgentExecutor
+
+PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
+
+
+class AgentInstance(AgentInstanceBase):
+    def __init__(self, *args, **kwargs):
+        self.step_idx = 0
+
+    async def reset(self, states: dict, **kwargs):
+        self.step_idx = 0
+        return {"observation": states["observation"]}
+
+    async def step(self, states: dict, **kwargs):
+        self.step_idx += 1
+        if self.step_idx >= 2:
+            return {"rewards": torch.tensor(1.0), "scores": torch.tensor(1.0),
+                    "environment_feedback": "", "done": True, "extra_logs": {"steps": self.step_idx}}
+        screenshot = Image.new("RGB", (56, 56), (10, 200, 10))
+        return {
+            "rewards": torch.tensor(0.0),
+            "environment_feedback": "\\n<|im_start|>user\\n" + PLACEHOLDER + "\\nWhat next?<|im_end|>\\n<|im_start|>assistant\\n",
+            "environment_images": [screenshot],
+            "done": False,
+        }
+
+
+class AgentExecutor(MultiTurnAgentExecutor):
+    def __init__(self):
+        super().__init__(AgentInstance)
+"""
+
+
+def test_an_openrlhf_style_vlm_agent_file_runs_unchanged(vl_engine, processor, tmp_path):
+    agent = tmp_path / "vlm_multiturn_agent.py"
+    agent.write_text(OPENRLHF_STYLE_VLM_AGENT)
+    ids, images, text = processor.render("<image>Where do we click?", [coloured_image((200, 30, 30))])
+    sample = PromptSample(prompt_ids=ids, prompt=text, images=images, index=0)
+    params = SamplingParams(temperature=1.0, max_new_tokens=4, seed=0)
+    executor = MultiTurnExecutor(
+        vl_engine, processor.tokenizer, params, env=str(agent), max_turns=4, vision=processor
+    )
+    [record] = executor.run([sample])
+    assert record.extra["turns"] == 2
+    assert record.reward == 1.0
+    assert record.images.num_images == 2  # the prompt's picture and the screenshot
+    placed = int((record.response_ids == processor.image_token_id).sum())
+    assert placed == processor.num_image_tokens(record.images.grid_thw)[1]
+    assert not record.action_mask[record.response_ids == processor.image_token_id].any()
