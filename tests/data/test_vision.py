@@ -178,3 +178,27 @@ def test_prompt_dataset_with_images(processor, tmp_path):
         PromptDataset(
             path, processor.tokenizer, image_key="images", processor=processor, max_images_per_prompt=2
         )
+
+
+def test_prompt_dataset_reads_a_hub_image_column(processor):
+    """A `datasets.Dataset` with an `Image` feature (what a Hub VQA dataset loads as): its images
+    arrive as PIL images or {"bytes", "path"} dicts, and both place like files."""
+    import datasets
+
+    from rl_data.datasets import PromptDataset
+
+    buffer = io.BytesIO()
+    _image("green").save(buffer, format="PNG")
+    rows = {
+        "prompt": ["<image>Colour?", "<image>Colour?"],
+        "images": [[_image("red")], [{"bytes": buffer.getvalue(), "path": None}]],
+    }
+    features = datasets.Features(
+        {"prompt": datasets.Value("string"), "images": datasets.Sequence(datasets.Image())}
+    )
+    dataset = datasets.Dataset.from_dict(rows, features=features)
+    prompts = PromptDataset(dataset, processor.tokenizer, image_key="images", processor=processor)
+    red, green = prompts[0], prompts[1]
+    assert red.images.pil_images()[0].getpixel((0, 0)) == (255, 0, 0)
+    assert green.images.pil_images()[0].getpixel((0, 0)) == (0, 128, 0)
+    assert torch.equal(red.prompt_ids, green.prompt_ids)  # same size, same layout
