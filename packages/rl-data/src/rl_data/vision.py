@@ -41,6 +41,7 @@ __all__ = [
     "VisionProcessor",
     "encode_image",
     "image_size",
+    "image_token_counts",
     "is_vision_model",
     "load_image",
     "vision_token_ids",
@@ -219,6 +220,12 @@ VISION_TOKEN_KEYS: tuple[str, ...] = (
 """config.json keys of the placeholder tokens that only the prompt and environments place."""
 
 
+def image_token_counts(grid_thw: torch.Tensor | Sequence[Sequence[int]], merge_size: int) -> torch.Tensor:
+    """[I] int64: the placeholder tokens of each image, nᵢ = tᵢ·hᵢ·wᵢ / merge_size², from its
+    (t, h, w) patch grid `grid_thw` [I, 3] (the layout rule engines and learners check prompts by)."""
+    return torch.as_tensor(grid_thw, dtype=torch.int64).reshape(-1, 3).prod(-1) // merge_size**2
+
+
 def vision_token_ids(config: Any) -> list[int]:
     """The placeholder token ids of a VL model's config (object or dict): tokens the policy never
     samples. Its engines and learners mask them out of every next-token distribution, so
@@ -252,6 +259,7 @@ class VisionProcessor:
         vision_end_token_id: int,
         merge_size: int,
         keep_images: bool = True,
+        placeholder_token_ids: Sequence[int] | None = None,
     ) -> None:
         self.image_processor = image_processor
         self.tokenizer = tokenizer
@@ -260,6 +268,12 @@ class VisionProcessor:
         self.vision_end_token_id = int(vision_end_token_id)
         self.merge_size = int(merge_size)
         self.keep_images = keep_images
+        # tokens the policy never samples (`vision_token_ids`); the video token joins from a config
+        self.placeholder_token_ids = sorted(
+            {int(token) for token in placeholder_token_ids}
+            if placeholder_token_ids is not None
+            else {self.image_token_id, self.vision_start_token_id, self.vision_end_token_id}
+        )
 
     @classmethod
     def from_pretrained(
@@ -301,6 +315,7 @@ class VisionProcessor:
             vision_end_token_id=config["vision_end_token_id"],
             merge_size=merge,
             keep_images=keep_images,
+            placeholder_token_ids=vision_token_ids(config),
         )
 
     def save_pretrained(self, path: str | os.PathLike[str]) -> None:
@@ -330,8 +345,8 @@ class VisionProcessor:
         return "".join(self.tokenizer.convert_ids_to_tokens(ids))
 
     def num_image_tokens(self, grid_thw: torch.Tensor) -> list[int]:
-        """Placeholder tokens of each image: t·h·w / merge_size²."""
-        return (torch.as_tensor(grid_thw).prod(-1) // self.merge_size**2).tolist()
+        """Placeholder tokens of each image: t·h·w / merge_size² (`image_token_counts`)."""
+        return image_token_counts(grid_thw, self.merge_size).tolist()
 
     # ------------------------------------------------------------------ token layout
 

@@ -578,16 +578,17 @@ class RolloutWorker:
 
         from rl_data.vision import VisionProcessor, is_vision_model
 
+        from .components import ENGINES, EXECUTORS
+
         self.spec = spec
         self.tokenizer = AutoTokenizer.from_pretrained(spec.model_path)
-        # a VL policy's processor, for executors that place images an environment returns
+        # a VL policy's processor, for an executor that places images an environment returns
         self.vision = (
             VisionProcessor.from_pretrained(spec.model_path, self.tokenizer)
-            if is_vision_model(spec.model_path)
+            if EXECUTORS[spec.executor].takes_vision and is_vision_model(spec.model_path)
             else None
         )
         self.reward_fn = build_reward(spec)
-        from .components import ENGINES
 
         self.receives_weights = ENGINES[spec.kind].receives_weights
         self.engine = ENGINES[spec.kind].build(spec, **spec.options)
@@ -641,7 +642,7 @@ class RolloutWorker:
         spec = self.spec
 
         entry = EXECUTORS[spec.executor]
-        vision = {"vision": self.vision} if entry.takes_vision and self.vision is not None else {}
+        vision = {"vision": self.vision} if self.vision is not None else {}
 
         def run(params: Any) -> list[Trajectory]:
             executor = entry.build(

@@ -73,6 +73,7 @@ from rl_data.transport import free_port
 from .config import DeepSpeedConfig, OptimizerConfig, build_optimizer, build_scheduler, deepspeed_config
 from .models import (
     RouterCapture,
+    _vision_model,
     freeze_visual_encoder,
     packed_logprobs,
     packed_model_inputs,
@@ -408,7 +409,7 @@ class Learner:
         if size == 1:
             return None
         owner = type(self).__name__
-        if hasattr(getattr(unwrap_model(model), "model", None), "visual"):
+        if _vision_model(unwrap_model(model)) is not None:
             raise ValueError(
                 f"{owner}: sequence_parallel_size {size} is not supported for vision-language models yet "
                 "(the per-rank split of mRoPE positions and image embeddings is not verified); use 1"

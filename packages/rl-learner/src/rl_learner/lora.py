@@ -87,11 +87,6 @@ def linear_module_names(model: torch.nn.Module) -> list[str]:
     return names
 
 
-def _has_vision_tower(model: torch.nn.Module) -> bool:
-    inner = getattr(model, "model", None)
-    return isinstance(getattr(inner, "visual", None), torch.nn.Module)
-
-
 def apply_lora(model: Any, options: LoraOptions) -> Any:
     """Wrap `model` with LoRA adapters (a `peft.PeftModel`), or return it as is when rank is 0.
 
@@ -118,7 +113,9 @@ def apply_lora(model: Any, options: LoraOptions) -> Any:
             )
     has_score = isinstance(getattr(model, "score", None), torch.nn.Module)
     exclude = ["score"] if has_score else None
-    if isinstance(options.target_modules, str) and _has_vision_tower(model):
+    from .models import _vision_model
+
+    if isinstance(options.target_modules, str) and _vision_model(model) is not None:
         # peft's "all-linear" would adapt the vision tower's linears too (qkv, fc1, the merger)
         exclude = r"(.*\.)?visual\..*"
     config = peft.LoraConfig(

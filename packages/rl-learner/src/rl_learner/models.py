@@ -102,7 +102,7 @@ import torch
 
 from rl_algos import entropy_from_logits, logprobs_from_logits
 from rl_data import ExperienceBatch
-from rl_data.vision import is_vision_model, vision_token_ids
+from rl_data.vision import image_token_counts, is_vision_model, vision_token_ids
 
 from .config import ATTN_IMPLEMENTATIONS
 from .sequence_parallel import SequenceParallelGroup, sum_over_group, ulysses_attention
@@ -782,26 +782,23 @@ def packed_model_inputs(
 # --------------------------------------------------------------------------- vision-language models
 
 
-def _outside_support(model: Any, logits: torch.Tensor) -> torch.Tensor:
-    """`logits` [..., V] with a VL model's placeholder tokens at −∞ (`rl_data.vision.vision_token_ids`):
-    the policy never samples them (its engines mask them the same way), so its log-probs and
-    entropies are those of the distribution over the other tokens. Unchanged for a text model."""
+def _placeholder_ids(model: Any) -> torch.Tensor | None:
+    """[K] int64 ids of a VL model's placeholder tokens (`rl_data.vision.vision_token_ids`), None for
+    a text model. They are outside the policy's support (its engines never sample them): its
+    log-probs and entropies are those of softmax(logits with them at −∞)."""
     vision = _vision_model(unwrap_model(model))
-    if vision is None:
-        return logits
-    never = torch.tensor(vision_token_ids(vision.config), dtype=torch.long, device=logits.device)
-    return logits.index_fill(-1, never, float("-inf"))
+    return None if vision is None else torch.tensor(vision_token_ids(vision.config), dtype=torch.int64)
 
 
-def _zero_at_placeholders(model: Any, logprobs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """`logprobs` [K] of tokens `labels` [K], 0 where the token is a VL model's placeholder: it is
+def _zero_at_placeholders(
+    never: torch.Tensor | None, logprobs: torch.Tensor, labels: torch.Tensor
+) -> torch.Tensor:
+    """`logprobs` [K] of tokens `labels` [K], 0 where the token is a placeholder (`never`): it is
     outside the support (log-prob −∞) and never an action (the prompt or an environment placed
     it), so it carries 0 like every token that is not the policy's (no −∞ reaches a masked sum)."""
-    vision = _vision_model(unwrap_model(model))
-    if vision is None:
+    if never is None:
         return logprobs
-    never = torch.tensor(vision_token_ids(vision.config), dtype=labels.dtype, device=labels.device)
-    return torch.where(torch.isin(labels, never), torch.zeros_like(logprobs), logprobs)
+    return torch.where(torch.isin(labels, never.to(labels.device)), torch.zeros_like(logprobs), logprobs)
 
 
 def _vision_model(module: torch.nn.Module) -> Any:
@@ -845,7 +842,7 @@ def _image_layout(vision: Any, batch: ExperienceBatch) -> tuple[torch.Tensor, to
     merge = int(vision.visual.spatial_merge_size)
     is_image = batch.input_ids.cpu() == int(vision.config.image_token_id)
     if batch.has_images:
-        tokens = batch.image_grid_thw.cpu().prod(-1) // merge**2
+        tokens = image_token_counts(batch.image_grid_thw.cpu(), merge)
     else:
         tokens = torch.zeros(0, dtype=torch.int64)
     if int(tokens.sum()) != int(is_image.sum()):
@@ -1015,7 +1012,10 @@ def packed_logprobs(
         keep = _logits_before(torch.arange(1, batch.num_tokens), sharing)  # for tokens 1..N−1
     if keep is not None:
         inputs["logits_to_keep"] = keep.to(device)
-    logits = _outside_support(model, model(**inputs).logits[0])
+    logits = model(**inputs).logits[0]
+    never = _placeholder_ids(model)
+    if never is not None:  # outside the support: −∞, as the engines sample
+        logits = logits.index_fill(-1, never.to(logits.device), float("-inf"))
     if batch.num_tokens == 0:
         zero = logits.sum() * 0.0
         empty = zero.reshape(1)[:0].float()
@@ -1024,7 +1024,7 @@ def packed_logprobs(
     if targets is not None:
         targets = targets.to(logits.device)
         selected = _zero_at_placeholders(
-            model, logprobs_from_logits(logits, labels[targets], temperature=temperature), labels[targets]
+            never, logprobs_from_logits(logits, labels[targets], temperature=temperature), labels[targets]
         )
         logprobs = selected.new_zeros(batch.num_tokens).index_put((targets,), selected)
         if not with_entropy:
@@ -1035,7 +1035,7 @@ def packed_logprobs(
         logits = logits[:-1]
     logprobs = _shift_to_tokens(
         _zero_at_placeholders(
-            model, logprobs_from_logits(logits, labels[1:], temperature=temperature), labels[1:]
+            never, logprobs_from_logits(logits, labels[1:], temperature=temperature), labels[1:]
         ),
         batch.position_ids,
     )

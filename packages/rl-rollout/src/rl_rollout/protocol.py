@@ -53,6 +53,7 @@ import msgspec
 
 from rl_data import FINISH_REASONS, ImageInputs, WeightSyncReport
 from rl_data.sync import WeightSyncSpec
+from rl_data.vision import image_token_counts
 
 __all__ = [
     "FEATURES",
@@ -226,13 +227,16 @@ def check_images(
     *,
     image_token_id: int | None = None,
     merge_size: int = 1,
+    refusal: str | None = None,
 ) -> list[ImageInputs | None]:
     """The images of each prompt (None: a text prompt), after checking them against the prompts.
 
-    `images` is None (no prompt has images) or one `ImageInputs` / None per prompt. With
-    `image_token_id` (an engine that knows its model's vision layout), prompt i must hold exactly
-    Σⱼ tⱼ·hⱼ·wⱼ / merge_size² image tokens for its images' grids (`grid_thw` [I, 3]); a prompt
-    without images must hold none. Raises EngineError naming the prompt and the counts.
+    `images` is None (no prompt has images) or one `ImageInputs` / None per prompt. An engine
+    that cannot take images passes `refusal` (why): any image then raises EngineError with it.
+    With `image_token_id` (an engine that knows its model's vision layout), prompt i must hold
+    exactly Σⱼ tⱼ·hⱼ·wⱼ / merge_size² image tokens for its images' grids (`grid_thw` [I, 3],
+    `rl_data.vision.image_token_counts`); a prompt without images must hold none. Raises
+    EngineError naming the prompt and the counts.
     """
     if images is None:
         images = [None] * len(prompts)
@@ -241,6 +245,10 @@ def check_images(
             f"{engine}.generate: images must be a list with one ImageInputs or None per prompt, "
             f"got {type(images).__name__}"
         )
+    if refusal is not None:
+        if any(entry is not None for entry in images):
+            raise EngineError(f"{engine}.generate: {refusal}")
+        return [None] * len(prompts)
     if len(images) != len(prompts):
         raise EngineError(f"{engine}.generate: {len(images)} image entries for {len(prompts)} prompts")
     checked = []
@@ -253,7 +261,7 @@ def check_images(
             entry = None
         if image_token_id is not None:
             found = sum(1 for token in prompt if token == image_token_id)
-            wanted = 0 if entry is None else int(entry.num_patches.sum()) // merge_size**2
+            wanted = 0 if entry is None else int(image_token_counts(entry.grid_thw, merge_size).sum())
             if found != wanted:
                 given = (
                     "no images were given for it"

@@ -223,7 +223,18 @@ class HFEngine(Engine):
         config = self.model.config
         self.vision = getattr(config, "model_type", None) in VISION_MODEL_TYPES
         self.image_token_id = int(config.image_token_id) if self.vision else None
-        self._merge_size = int(config.vision_config.spatial_merge_size) if self.vision else 1
+        # how `check_images` reads a request's images: this model's layout, or why it takes none
+        self._image_layout = (
+            {
+                "image_token_id": self.image_token_id,
+                "merge_size": int(config.vision_config.spatial_merge_size),
+            }
+            if self.vision
+            else {
+                "refusal": f"prompts with images need a vision-language model ({', '.join(VISION_MODEL_TYPES)}); "
+                f"this one is {getattr(config, 'model_type', None)!r}"
+            }
+        )
         # placeholder tokens the policy never samples (rl_data.vision.vision_token_ids)
         self._never = torch.tensor(vision_token_ids(config) if self.vision else [], dtype=torch.long)
         if max_model_len is None:
@@ -283,18 +294,6 @@ class HFEngine(Engine):
             feature == "images" and self.vision
         )
 
-    def _check_images(self, images, prompts: list[list[int]]) -> list[ImageInputs | None]:
-        if not self.vision:
-            if images is not None and any(entry is not None for entry in images):
-                raise EngineError(
-                    f"{self.name}.generate: prompts with images need a vision-language model "
-                    f"({', '.join(VISION_MODEL_TYPES)}); this one is {self.model.config.model_type!r}"
-                )
-            return [None] * len(prompts)
-        return check_images(
-            images, prompts, self.name, image_token_id=self.image_token_id, merge_size=self._merge_size
-        )
-
     def generate(
         self,
         prompts: Sequence[Sequence[int]],
@@ -308,7 +307,7 @@ class HFEngine(Engine):
                 f"{self.name}.generate: params must be a SamplingParams, got {type(params).__name__}"
             )
         checked = check_prompts(prompts, params, self.max_model_len, self.name)
-        checked_images = self._check_images(images, checked)
+        checked_images = check_images(images, checked, self.name, **self._image_layout)
         if params.stop and self.tokenizer is None:
             raise EngineError(
                 f"{self.name}.generate: stop strings {params.stop!r} need a tokenizer; none was given"
@@ -317,10 +316,7 @@ class HFEngine(Engine):
             if self._asleep:
                 raise EngineError(f"{self.name}.generate: the engine is asleep; call wake_up() first")
             rows = [(index, sample) for index in range(len(checked)) for sample in range(params.n)]
-            seeds = [
-                self._row_seed(params, checked[index], sample, checked_images[index])
-                for index, sample in rows
-            ]
+            seeds = self._row_seeds(params, checked, checked_images)
             order = sorted(range(len(rows)), key=lambda row: len(checked[rows[row][0]]))
             results: list[Generation | None] = [None] * len(rows)
             for start in range(0, len(order), self.max_batch_size):
@@ -335,14 +331,19 @@ class HFEngine(Engine):
                     results[row] = generation
         return [results[index * params.n : (index + 1) * params.n] for index in range(len(checked))]
 
-    def _row_seed(
-        self, params: SamplingParams, prompt: list[int], sample: int, images: ImageInputs | None = None
-    ) -> int:
+    def _row_seeds(
+        self, params: SamplingParams, prompts: list[list[int]], images: list[ImageInputs | None]
+    ) -> list[int]:
+        """The seed of every row (prompt i's sample j at i·n + j): 0 when greedy; `prompt_seed` + j
+        with a request seed (each prompt, and its pixels, hashed once); else draws of the engine's
+        generator, row by row."""
+        rows = len(prompts) * params.n
         if params.greedy:
-            return 0
+            return [0] * rows
         if params.seed is not None:
-            return (prompt_seed(params.seed, prompt, images) + sample) % (1 << 63)
-        return int(torch.randint(0, 1 << 62, (1,), generator=self._rng))
+            bases = [prompt_seed(params.seed, prompt, entry) for prompt, entry in zip(prompts, images)]
+            return [(base + sample) % (1 << 63) for base in bases for sample in range(params.n)]
+        return [int(torch.randint(0, 1 << 62, (1,), generator=self._rng)) for _ in range(rows)]
 
     # --- the decoding loop --------------------------------------------------------------------------
 
@@ -526,7 +527,9 @@ class HFEngine(Engine):
         floating point, sampled rows keep their own generators).
         """
         checked = check_prompts([prompt], params, self.max_model_len, self.name)[0]
-        [images] = self._check_images(None if images is None else [images], [checked])
+        [images] = check_images(
+            None if images is None else [images], [checked], self.name, **self._image_layout
+        )
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         self._ensure_worker().put(_Request(checked, params, loop, future, images))

@@ -42,7 +42,15 @@ import msgspec
 
 from rl_data.errors import check_integer
 
-from ..protocol import Engine, EngineError, Generation, SamplingParams, check_prompts, prompt_seed
+from ..protocol import (
+    Engine,
+    EngineError,
+    Generation,
+    SamplingParams,
+    check_images,
+    check_prompts,
+    prompt_seed,
+)
 
 __all__ = ["HTTPEngine", "wait_for_server"]
 
@@ -160,17 +168,15 @@ class HTTPEngine(Engine):
         super().supports(feature)  # validates the name
         return feature == "async"
 
-    def _refuse_images(self, images) -> None:
-        if images is not None and any(entry is not None for entry in images):
-            raise EngineError(
-                f"{self.name}: prompts with images are not supported (the completions endpoint takes token "
-                "ids only); use VLLMEngine or HFEngine for a vision-language model"
-            )
+    _NO_IMAGES = (
+        "prompts with images are not supported (the completions endpoint takes token ids only); use "
+        "VLLMEngine or HFEngine for a vision-language model"
+    )
 
     def generate(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams, images=None
     ) -> list[list[Generation]]:
-        self._refuse_images(images)
+        check_images(images, prompts, self.name, refusal=self._NO_IMAGES)
         if not isinstance(params, SamplingParams):
             raise EngineError(
                 f"{self.name}.generate: params must be a SamplingParams, got {type(params).__name__}"
@@ -183,7 +189,7 @@ class HTTPEngine(Engine):
 
     async def agenerate(self, prompt: Sequence[int], params: SamplingParams, images=None) -> list[Generation]:
         """The `params.n` responses to one prompt; many concurrent callers share the request pool."""
-        self._refuse_images(None if images is None else [images])
+        check_images(None if images is None else [images], [prompt], self.name, refusal=self._NO_IMAGES)
         checked = check_prompts([prompt], params, self.max_model_len, self.name)[0]
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, self._complete, 0, checked, params)

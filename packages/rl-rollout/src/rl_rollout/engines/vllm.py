@@ -72,7 +72,6 @@ import asyncio
 import concurrent.futures
 import gc
 import itertools
-import json
 import os
 import queue
 import threading
@@ -84,7 +83,7 @@ import msgspec
 
 from rl_data import ImageInputs, WeightSyncReport, encode
 from rl_data.transport import IpcPayload, WeightSyncSpec
-from rl_data.vision import VisionProcessor, is_vision_model, vision_token_ids
+from rl_data.vision import VisionProcessor, is_vision_model
 
 from ..protocol import (
     Engine,
@@ -386,7 +385,6 @@ def engine_arg_names() -> frozenset[str]:
     """
     import ast
     import importlib.util
-    from pathlib import Path
 
     spec = importlib.util.find_spec("vllm")  # finds the package without running it
     if spec is not None and spec.submodule_search_locations:
@@ -544,10 +542,18 @@ class VLLMEngine(Engine):
         # a VL model: the layout of its image tokens (collapse / the image-token count of a prompt)
         self.vision: VisionProcessor | None = None
         self._never: list[str] = []  # placeholder tokens the policy never samples (a VL model's)
+        # how `check_images` reads a request's images: this model's layout, or why it takes none
+        self._image_layout: dict[str, Any] = {
+            "refusal": "prompts with images need a vision-language model; this engine's model is not one "
+            "(rl_data.vision.is_vision_model)"
+        }
         if is_vision_model(model):
             self.vision = VisionProcessor.from_pretrained(model, tokenizer=None, keep_images=True)
-            config = json.loads((Path(model) / "config.json").read_text())
-            self._never = self.vision.tokenizer.convert_ids_to_tokens(vision_token_ids(config))
+            self._never = self.vision.tokenizer.convert_ids_to_tokens(self.vision.placeholder_token_ids)
+            self._image_layout = {
+                "image_token_id": self.vision.image_token_id,
+                "merge_size": self.vision.merge_size,
+            }
         config = self._engine.vllm_config.parallel_config
         self._sync_world_size = config.tensor_parallel_size * config.pipeline_parallel_size
         self._sync_timeout_s: float | None = None  # set by init_weight_sync
@@ -726,22 +732,6 @@ class VLLMEngine(Engine):
             return self.vision is not None
         return True
 
-    def _check_images(self, images, prompts: list[list[int]]) -> list[ImageInputs | None]:
-        if self.vision is None:
-            if images is not None and any(entry is not None for entry in images):
-                raise EngineError(
-                    f"{self.name}.generate: prompts with images need a vision-language model; "
-                    "this engine's model is not one (rl_data.vision.is_vision_model)"
-                )
-            return [None] * len(prompts)
-        return check_images(
-            images,
-            prompts,
-            self.name,
-            image_token_id=self.vision.image_token_id,
-            merge_size=self.vision.merge_size,
-        )
-
     def _vllm_prompt(self, prompt: list[int], images: ImageInputs | None) -> dict[str, Any]:
         """vLLM's prompt for our (expanded) ids: token ids, or collapsed ids and the PIL images."""
         if images is None:
@@ -821,7 +811,7 @@ class VLLMEngine(Engine):
         """
         self._check_awake("generate")
         checked = check_prompts(prompts, params, self.max_model_len, self.name)
-        checked_images = self._check_images(images, checked)
+        checked_images = check_images(images, checked, self.name, **self._image_layout)
         version = self.policy_version
         requests = self._start_requests(checked, params, checked_images)
         try:
@@ -845,7 +835,9 @@ class VLLMEngine(Engine):
         """
         self._check_awake("agenerate")
         [checked] = check_prompts([prompt], params, self.max_model_len, self.name)
-        entries = self._check_images(None if images is None else [images], [checked])
+        entries = check_images(
+            None if images is None else [images], [checked], self.name, **self._image_layout
+        )
         version = self.policy_version
         [(request_id, future)] = self._start_requests([checked], params, entries)
         try:
