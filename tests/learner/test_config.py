@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import math
 import os
+import sys
 
 import msgspec
 import pytest
@@ -167,6 +168,28 @@ def test_cpu_without_offload_gets_plain_adamw_with_the_configured_hyperparameter
         1e-8,
         0.1,
     )
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_cuda_below_zero3_gets_torch_fused_adamw_and_builds_no_deepspeed_op(stage, monkeypatch):
+    # FusedAdam would be compiled by nvcc on a fresh machine's first learner start; below ZeRO-3
+    # torch's own fused kernel serves, so DeepSpeed's op module must not even be imported
+    monkeypatch.delitem(sys.modules, "deepspeed.ops.adam", raising=False)
+    monkeypatch.setitem(sys.modules, "deepspeed.ops.adam", None)  # any import of it raises
+    params = [torch.nn.Parameter(torch.zeros(3))]
+    optim = OptimizerConfig(lr=2e-5, weight_decay=0.1)
+    optimizer = build_optimizer(params, optim, DeepSpeedConfig(zero_stage=stage), device="cuda")
+    assert type(optimizer) is torch.optim.AdamW
+    assert optimizer.defaults["fused"] is True
+    assert (optimizer.defaults["lr"], optimizer.defaults["weight_decay"]) == (2e-5, 0.1)
+
+
+def test_cuda_zero3_falls_back_to_torch_fused_adamw_where_fusedadam_cannot_load(monkeypatch):
+    monkeypatch.setitem(sys.modules, "deepspeed.ops.adam", None)
+    params = [torch.nn.Parameter(torch.zeros(3))]
+    optimizer = build_optimizer(params, OptimizerConfig(), DeepSpeedConfig(zero_stage=3), device="cuda")
+    assert type(optimizer) is torch.optim.AdamW
+    assert optimizer.defaults["fused"] is True
 
 
 def test_torch_dtype_names():

@@ -361,7 +361,12 @@ def build_optimizer(
     from `deepspeed_config`'s "optimizer" section and refused here).
 
     - optimizer offload → `deepspeed.ops.adam.DeepSpeedCPUAdam` (adamw_mode);
-    - CUDA without offload → `deepspeed.ops.adam.FusedAdam` where its kernel builds, else
+    - CUDA, ZeRO-0/1/2 → `torch.optim.AdamW(fused=True)`: torch ships its kernel, where
+      DeepSpeed's FusedAdam is compiled by nvcc on a machine's first learner start (about a
+      minute of start-up on every fresh machine or container without a prebuilt DeepSpeed);
+      DeepSpeed's ZeRO-1/2 `offload_states` moves its Adam moments like FusedAdam's;
+    - CUDA, ZeRO-3 → `deepspeed.ops.adam.FusedAdam` where its kernel builds (DeepSpeed 0.19's
+      ZeRO-3 `offload_states`, the hybrid engine's hand-over, accepts no other optimizer), else
       `torch.optim.AdamW(fused=True)`;
     - CPU without offload → plain `torch.optim.AdamW` (no DeepSpeed op build).
     """
@@ -377,6 +382,8 @@ def build_optimizer(
 
         return DeepSpeedCPUAdam(params, adamw_mode=True, **kwargs)
     if torch.device(device).type == "cuda":
+        if ds.zero_stage < 3:
+            return torch.optim.AdamW(params, fused=True, **kwargs)
         try:
             from deepspeed.ops.adam import FusedAdam
 
