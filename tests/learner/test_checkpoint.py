@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -164,7 +165,11 @@ def test_save_writes_a_verified_manifest_moves_latest_and_keeps_the_last_n(engin
     assert any(p.startswith("critic/") for p in paths)
     for entry in manifest.files:
         data = (root / "step_00000004" / entry.path).read_bytes()
-        assert (len(data), hashlib.sha256(data).hexdigest()) == (entry.size, entry.sha256)
+        assert (len(data), hashlib.sha256(data).hexdigest(), entry.block_bytes) == (
+            entry.size,
+            entry.sha256,
+            0,
+        )
     saved = msgspec.json.decode(
         (root / "step_00000004" / "training_state.json").read_bytes(), type=TrainingState
     )
@@ -341,6 +346,59 @@ def test_corrupt_checkpoint_is_refused_before_touching_engines_and_the_previous_
 
     assert load_checkpoint(tmp_path, engines, tag=caught.value.previous) == state(1)
     assert_same_weights(snapshot(engines), first)
+
+
+def block_digest(data: bytes, block: int) -> str:
+    """ManifestFile's block checksum, written out independently of rl_learner.checkpoint."""
+    digests = [hashlib.sha256(data[start : start + block]).digest() for start in range(0, len(data), block)]
+    return hashlib.sha256(b"".join(digests)).hexdigest()
+
+
+def test_files_above_the_block_size_get_block_digests_that_catch_a_flip_in_any_block(
+    engines, tmp_path, monkeypatch
+):
+    import rl_learner.checkpoint as checkpoint
+
+    monkeypatch.setattr(checkpoint, "_BLOCK_BYTES", 4096)
+    folder = save_checkpoint(tmp_path, 1, engines, state(1))
+    manifest = verify_checkpoint(folder)
+    assert manifest.format == 2
+    large = [entry for entry in manifest.files if entry.size > 4096]
+    assert len(large) >= 2
+    assert max(entry.size for entry in large) > 3 * 4096  # a middle block and a short last one
+    for entry in manifest.files:
+        data = (folder / entry.path).read_bytes()
+        if entry.size > 4096:
+            assert (entry.block_bytes, entry.sha256) == (4096, block_digest(data, 4096))
+        else:
+            assert (entry.block_bytes, entry.sha256) == (0, hashlib.sha256(data).hexdigest())
+
+    biggest = max(large, key=lambda entry: entry.size)
+    path = folder / biggest.path
+    original = path.read_bytes()
+    assert len(original) % 4096 != 0
+    for offset in (0, 4096 + 17, len(original) - 1):  # first block, a middle one, the short last one
+        data = bytearray(original)
+        data[offset] ^= 0x01
+        path.write_bytes(bytes(data))
+        with pytest.raises(CheckpointError, match=rf"file {re.escape(biggest.path)} is corrupt"):
+            verify_checkpoint(folder)
+    path.write_bytes(original)
+    verify_checkpoint(folder)
+
+
+def test_format_1_manifests_still_load_and_newer_formats_are_refused_naming_both(engines, tmp_path):
+    folder = save_checkpoint(tmp_path, 1, engines, state(1))
+    written = json.loads((folder / "manifest.json").read_text())
+    for entry in written["files"]:  # a format-1 manifest: whole-file SHA-256, no block_bytes
+        assert entry.pop("block_bytes") == 0
+    (folder / "manifest.json").write_text(json.dumps({**written, "format": 1}))
+    assert verify_checkpoint(folder).format == 1
+    assert load_checkpoint(tmp_path, engines) == state(1)
+
+    (folder / "manifest.json").write_text(json.dumps({**written, "format": 3}))
+    with pytest.raises(CheckpointError, match="has format 3, this version reads formats 1, 2"):
+        verify_checkpoint(folder)
 
 
 def test_load_refuses_partial_saves_and_other_engines(engines, tmp_path):
