@@ -6,9 +6,9 @@
 #   bash benchmarks/gpu_issue30.sh
 # Steps, in order; each is time-boxed (`timeout`, and never past the script's deadline), each
 # runs whatever the previous one did, and the GPU processes a step leaves are killed after it:
-#   warm  (in the background from the start) DeepSpeed's FusedAdam, which builds just in time
-#         (nvcc, ~1 min) the first time a learner takes it: built once (the install call starts
-#         the build in its own session; this waits for it or builds), reused by b, c, d
+#   warm  (in the background from the start, with step b only) DeepSpeed's FusedAdam, which
+#         builds just in time (nvcc, ~1 min) the first time a learner takes it: only ZeRO-3
+#         learners do (rl_learner.build_optimizer), so d runs as on a fresh machine without it
 #   a     nvidia-smi, `import vllm, ray, deepspeed, trl, datasets, msgspec` with their versions
 #   b     pytest -m gpu: the gpu-marked tests
 #   c     pytest tests/rollout/test_vllm_engine.py: VLLMEngine on the official vLLM, on the GPU
@@ -19,6 +19,7 @@
 #         default hybrid engine; async: resident + rollout.async_train; none: no run against
 #         TRL, for a second call on the same warm machine), then each variant of D_MORE
 #         ("async sleep") on our side alone while time is left
+#   e     (only when named in STEPS) benchmarks/checkpoint_seal.py at the 0.5B checkpoint's size
 # Everything is logged into $OUT (8 files, the most that come back): summary.txt, warm.log,
 # a_env.log, b_gpu_tests.log, c_vllm_engine.log, d_long.log, d_ours.log, d_trl.log; the summary
 # is printed at the end.
@@ -102,7 +103,9 @@ step() {
 
 say "gpu_issue30.sh at $(date -u +%FT%TZ); budget ${BUDGET_S:-530} s; VLLM_MODE=${VLLM_MODE:-decode-graphs}"
 
-# warm: DeepSpeed's FusedAdam, built once in the background while a and b start
+# warm: DeepSpeed's FusedAdam, built once in the background while a and b start (b's ZeRO-3 tests)
+WARM_PID=
+case "${STEPS:-abcd}" in *b*)
 (
   t=$(date +%s)
   timeout 240 $PY -c "
@@ -113,7 +116,8 @@ print('FusedAdam built and loaded in %.1f s' % (time.time() - t))
 "
   echo "rc=$? after $(($(date +%s) - t)) s"
 ) > "$OUT/warm.log" 2>&1 &
-WARM_PID=$!
+WARM_PID=$! ;;
+esac
 
 # a. the environment
 A=$OUT/a_env.log
@@ -160,10 +164,11 @@ C=$OUT/c_vllm_engine.log
 step c 200 "$C" "${PYTEST[@]}" -v --timeout 90 tests/rollout/test_vllm_engine.py
 grep -sE '(FAILED|ERROR)( |$)|^=+ .*(passed|failed)' "$C" | head -n 20 | sed 's/^/  c: /' | tee -a "$SUMMARY"
 
-# the warm-up should be long done; wait for it (bounded) so that d never builds FusedAdam itself
-wait "$WARM_PID" 2>/dev/null
-[ -f /tmp/torch_extensions/prebuild.log ] && { echo "-- the install call's prebuild:"; cat /tmp/torch_extensions/prebuild.log; } >> "$OUT/warm.log"
-say "warm: $(tail -n 2 "$OUT/warm.log" | tr '\n' ' ')"
+# the warm-up should be long done; wait for it (bounded) so that it does not run beside d
+if [ -n "$WARM_PID" ]; then
+  wait "$WARM_PID" 2>/dev/null
+  say "warm: $(tail -n 2 "$OUT/warm.log" | tr '\n' ' ')"
+fi
 
 # d. the long workload on the GPU: ours against TRL
 D=$OUT/d_long.log
@@ -233,6 +238,12 @@ fi
 grep -E '^(=== \[d\]|model |workload |samples/s|mean step|wall seconds|start-up|mean response|ours, share|  ours |  TRL |  TRL/ours|step seconds|ours (done|killed)|TRL (done|killed)|ours: samples|note: )' "$D" \
   | sed 's/^/  d: /' | tee -a "$SUMMARY"
 grep -E 'Error|error:|Traceback' "$D" | tail -n 5 | sed 's/^/  d: /' | tee -a "$SUMMARY"
+
+# e. sealing a checkpoint of the 0.5B model's ZeRO-2 size (1 GB of model states, 5.9 GB of
+# optimizer states): sequential fsync + SHA-256 against rl_learner's thread pool (logged into
+# a_env.log: 8 files come back)
+step e 150 "$A" $PY "$HERE/checkpoint_seal.py" --sizes-mib 1024 5900 --repeats 1 --dir /tmp
+grep -E '^(files |seal|verify)' "$A" | sed 's/^/  e: /' | tee -a "$SUMMARY"
 
 say "total $(($(date +%s) - START)) s"
 echo "=== SUMMARY"

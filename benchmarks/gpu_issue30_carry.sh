@@ -181,13 +181,9 @@ print('imports ok in %.1f s:' % (time.time() - t), 'torch', torch.__version__, '
       '| datasets', datasets.__version__, '| msgspec', msgspec.__version__, '| transformers', transformers.__version__)
 "
 echo "KIT READY in \$(( \$(date +%s) - t0 )) s"
-# DeepSpeed's FusedAdam builds just in time (nvcc, ~1 min): start it now in its own session, so
-# that it runs on between this call and the next (gpu_issue30.sh waits for it; same settings)
-mkdir -p /tmp/torch_extensions
-TORCH_EXTENSIONS_DIR=/tmp/torch_extensions TORCH_CUDA_ARCH_LIST=9.0 DS_ACCELERATOR=cuda setsid nohup \\
-  python3 -c "from deepspeed.ops.op_builder import FusedAdamBuilder; FusedAdamBuilder().load(); print('FusedAdam ready')" \\
-  > /tmp/torch_extensions/prebuild.log 2>&1 < /dev/null &
-echo "FusedAdam build started in the background (/tmp/torch_extensions/prebuild.log)"
+# No FusedAdam prebuild (since 2026-11-27): a ZeRO-0/1/2 learner on CUDA takes torch's fused
+# AdamW (rl_learner.build_optimizer), so the long workload runs as on a fresh machine; the gpu
+# tests that need FusedAdam (ZeRO-3) build it in gpu_issue30.sh's warm step
 EOF
 chmod +x "$CARRY/$lastx/install.sh"
 
