@@ -401,6 +401,71 @@ def test_format_1_manifests_still_load_and_newer_formats_are_refused_naming_both
         verify_checkpoint(folder)
 
 
+def test_a_checkpoint_with_fusedadams_step_layout_resumes_into_torch_adamw(engines, tmp_path):
+    # DeepSpeed's FusedAdam (CUDA learners below ZeRO-3 until 2026-11-27) keeps the step count in
+    # the parameter group, torch's AdamW in each parameter's state: saved in FusedAdam's layout,
+    # the checkpoint must still train on after a resume
+    train_step(engines, seed=11)
+    basics = [engine.optimizer.optimizer for engine in engines.values()]
+    steps = []
+    for basic in basics:
+        states = [basic.state[p] for group in basic.param_groups for p in group["params"] if p in basic.state]
+        steps.append(int(states[0]["step"]))
+        for group in basic.param_groups:
+            group["step"] = steps[-1]
+        for moved in states:
+            del moved["step"]
+    try:
+        save_checkpoint(tmp_path, 1, engines, state(1))
+        assert load_checkpoint(tmp_path, engines) == state(1)
+        for basic, step in zip(basics, steps, strict=True):
+            states = [basic.state[p] for group in basic.param_groups for p in group["params"]]
+            assert all(float(moved["step"]) == step for moved in states)
+            assert all("step" not in group for group in basic.param_groups)
+        train_step(engines, seed=12)
+        for basic, step in zip(basics, steps, strict=True):
+            assert all(
+                float(basic.state[p]["step"]) == step + 1 for g in basic.param_groups for p in g["params"]
+            )
+    finally:
+        for basic in basics:
+            for group in basic.param_groups:
+                group.pop("step", None)
+
+
+def test_fusedadams_layout_loads_into_a_fused_torch_adamw_keeping_its_settings():
+    from rl_learner.checkpoint import _torch_adam_layout
+
+    params = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))]
+    optimizer = torch.optim.AdamW(params, lr=1e-3, fused=True)
+    fused_adam = {  # what DeepSpeed's FusedAdam.state_dict() holds after 5 steps
+        "state": {0: {"exp_avg": torch.full((3,), 0.1), "exp_avg_sq": torch.full((3,), 0.01)}},
+        "param_groups": [
+            {
+                "params": [0, 1],
+                "lr": 2e-3,
+                "betas": (0.9, 0.95),
+                "eps": 1e-8,
+                "weight_decay": 0.0,
+                "bias_correction": True,
+                "adam_w_mode": True,
+                "step": 5,
+            }
+        ],
+    }
+    optimizer.load_state_dict(_torch_adam_layout(fused_adam, optimizer.param_groups))
+    group = optimizer.param_groups[0]
+    assert (group["lr"], group["fused"], "step" in group) == (2e-3, True, False)
+    assert float(optimizer.state[params[0]]["step"]) == 5
+    assert params[1] not in optimizer.state  # no moments saved: a fresh start for it, as in FusedAdam
+    for param in params:
+        param.grad = torch.ones_like(param)
+    optimizer.step()
+    assert float(optimizer.state[params[0]]["step"]) == 6
+    torch_layout = optimizer.state_dict()
+    assert _torch_adam_layout(torch_layout, optimizer.param_groups) is torch_layout
+
+
 def test_load_refuses_partial_saves_and_other_engines(engines, tmp_path):
     with pytest.raises(CheckpointError, match="no complete checkpoint in"):
         load_checkpoint(tmp_path, engines)

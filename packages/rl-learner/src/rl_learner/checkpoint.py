@@ -893,13 +893,14 @@ def load_checkpoint(
 
     for name, engine in engines.items():
         try:
-            loaded, _ = engine.load_checkpoint(
-                str(folder),
-                tag=name,
-                load_optimizer_states=load_optimizer_states,
-                load_lr_scheduler_states=load_optimizer_states,
-                load_module_only=not load_optimizer_states,
-            )
+            with _loading_torch_adam(engine):
+                loaded, _ = engine.load_checkpoint(
+                    str(folder),
+                    tag=name,
+                    load_optimizer_states=load_optimizer_states,
+                    load_lr_scheduler_states=load_optimizer_states,
+                    load_module_only=not load_optimizer_states,
+                )
         except Exception as error:
             raise CheckpointError(
                 f"checkpoint {folder}: DeepSpeed failed to load engine {name!r} ({type(error).__name__}: {error}); "
@@ -920,6 +921,46 @@ def load_checkpoint(
             "checkpoint %s holds no RNG state for rank %d; RNG states not restored", folder, _rank()
         )
     return state
+
+
+def _torch_adam_layout(state_dict: dict[str, Any], live_groups: list[dict[str, Any]]) -> dict[str, Any]:
+    """A torch Adam / AdamW state dict for one saved in DeepSpeed FusedAdam's layout, which
+    `build_optimizer` gave CUDA learners below ZeRO-3 until 2026-11-27 (torch's fused AdamW
+    since): FusedAdam counts steps in each parameter group (`group["step"]`), torch in each
+    parameter's state, and torch's `load_state_dict` raises KeyError 'step' without it. The
+    groups take the live optimizer's settings that FusedAdam's lack (`fused`, ...). A state dict
+    in torch's own layout (no group has a "step") is returned unchanged."""
+    groups = state_dict.get("param_groups", [])
+    if not any("step" in group for group in groups):
+        return state_dict
+    states = dict(state_dict.get("state", {}))
+    converted = []
+    for group, live in zip(groups, live_groups, strict=True):
+        group = dict(group)
+        step = float(group.pop("step", 0))
+        for index in group["params"]:
+            if states.get(index) and "step" not in states[index]:
+                states[index] = {**states[index], "step": step}  # torch makes it a tensor where it belongs
+        converted.append(
+            {**{key: value for key, value in live.items() if key not in ("params", "step")}, **group}
+        )
+    return {**state_dict, "state": states, "param_groups": converted}
+
+
+@contextlib.contextmanager
+def _loading_torch_adam(engine: Any) -> Iterator[None]:
+    """While DeepSpeed loads `engine`, its torch Adam / AdamW reads FusedAdam's layout too
+    (`_torch_adam_layout`)."""
+    basic = getattr(getattr(engine, "optimizer", None), "optimizer", None)
+    if not isinstance(basic, torch.optim.Adam):  # AdamW is an Adam
+        yield
+        return
+    load = basic.load_state_dict
+    basic.load_state_dict = lambda state_dict: load(_torch_adam_layout(state_dict, basic.param_groups))
+    try:
+        yield
+    finally:
+        del basic.load_state_dict  # the class's method again
 
 
 def load_checkpoint_tensors(
