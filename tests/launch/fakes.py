@@ -149,6 +149,10 @@ class FakeGroup:
     def call(self, method: str, *args: Any, per_rank: Sequence[tuple] | None = None) -> list:
         return _get(self.submit(method, *args, per_rank=per_rank))
 
+    def terminate(self) -> list[Done]:
+        self.terminated = True
+        return [Done(None) for _ in self.workers]
+
     def kill(self) -> None:
         self.killed = True
 

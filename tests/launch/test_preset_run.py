@@ -50,3 +50,6 @@ def test_the_default_preset_raises_the_held_out_accuracy(ray_temp, tmp_path, pre
     assert str(run_dir.resolve()) in result.stdout
     assert (run_dir / "curves.png").is_file()
     assert (run_dir / "final" / "config.json").is_file()
+    # a run that succeeded ends its actors gracefully: no "A worker died or was killed while
+    # executing a task by an unexpected system error" from Ray (Roles.shutdown)
+    assert "worker died" not in result.stdout + result.stderr

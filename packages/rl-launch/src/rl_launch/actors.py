@@ -791,6 +791,11 @@ class ActorGroup:
 
         return ray.get(self.submit(method, *args, per_rank=per_rank))
 
+    def terminate(self) -> list:
+        """Ask every actor to exit once the calls queued before this one are done (Ray's graceful
+        end: its exit handlers run); the calls' futures, which end when the actors are gone."""
+        return [actor.__ray_terminate__.remote() for actor in self.actors]
+
     def kill(self) -> None:
         import ray
 

@@ -748,10 +748,16 @@ class Roles:
 
     def shutdown(self) -> None:
         """Close every actor (the engines through vLLM's own shutdown, the policy's sync folder),
-        kill them, sweep what a killed one left, remove the placement groups. A start that did
-        not finish (a failure, a signal) skips the closes: a call would queue behind the actor's
-        start and wait for it (an engine in vLLM's multiprocess mode killed mid-start may then
-        leave its engine core, which it had not yet reported for the sweep)."""
+        end them, sweep what a killed one left, remove the placement groups.
+
+        After the closes the actors exit gracefully (`ActorGroup.terminate`, at most 10 s) and are
+        killed only if they have not: killed at once, an engine actor exited before Ray had taken
+        the kill in about half of the tiny preset's runs, and Ray then printed "A worker died or
+        was killed while executing a task by an unexpected system error" (pointing at the OOM
+        killer) at the end of a run that had succeeded. A start that did not finish (a failure, a
+        signal) skips the closes and kills at once: a call would queue behind the actor's start and
+        wait for it (an engine in vLLM's multiprocess mode killed mid-start may then leave its
+        engine core, which it had not yet reported for the sweep)."""
         import ray
         from ray.util.placement_group import remove_placement_group
 
@@ -766,7 +772,12 @@ class Roles:
             closing += self._engines_closing or []
             with contextlib.suppress(Exception):  # an actor that died or hangs: swept below
                 ray.wait(closing, num_returns=len(closing), timeout=30)
-        for group in [*self.groups.values(), *([self.engines] if self.engines is not None else [])]:
+        groups = [*self.groups.values(), *([self.engines] if self.engines is not None else [])]
+        if self.started:
+            with contextlib.suppress(Exception):  # one that died or does not exit: killed below
+                ending = [future for group in groups for future in group.terminate()]
+                ray.wait(ending, num_returns=len(ending), timeout=10)
+        for group in groups:
             with contextlib.suppress(Exception):  # an actor that already died
                 group.kill()
         with contextlib.suppress(Exception):  # what a killed engine left: only its own processes and segments
