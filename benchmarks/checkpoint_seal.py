@@ -63,9 +63,7 @@ def verify_sequential(folder: Path, names: list[str]) -> list[str]:
 
 def verify_parallel(folder: Path, names: list[str]) -> list[str]:
     paths = [folder / name for name in names]
-    blocks = [
-        checkpoint._BLOCK_BYTES if path.stat().st_size > checkpoint._BLOCK_BYTES else 0 for path in paths
-    ]
+    blocks = [checkpoint._block_bytes(path.stat().st_size) for path in paths]
     with checkpoint._hash_pool() as pool:
         return [digest() for digest in checkpoint._digests(pool, paths, blocks)]
 

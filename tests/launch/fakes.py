@@ -117,6 +117,7 @@ class FakeGroup:
         # oldest of them): slow(rank, encoded samples) -> True for a long-tailed call
         self.slow: Callable[[int, tuple], bool] | None = None
         self.killed = False
+        self.terminated = False
 
     def __len__(self) -> int:
         return len(self.workers)

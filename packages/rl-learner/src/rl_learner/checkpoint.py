@@ -21,20 +21,20 @@ Layout of a checkpoint root:
       .tmp-step_00000006/           a save in progress, or one that crashed: never loaded
 
 Saving (every rank calls `save_checkpoint`): all ranks write into `.tmp-<tag>`; after a
-barrier each rank hashes a share of the files (file i goes to rank i mod world_size) and
-fsyncs them, the hashing on a pool of threads while one thread fsyncs; rank 0 merges the shares into `manifest.json`, fsyncs, renames the folder to
-`<tag>` with `os.replace` (atomic on POSIX), replaces the `latest` pointer atomically, and
-deletes the oldest complete checkpoints beyond `keep_last` (except those named in `keep_tags`:
-a best checkpoint) plus the leftovers of crashed saves.
+barrier each rank hashes a share of the files (file i goes to rank i mod world_size) on a pool
+of threads while one thread fsyncs them; rank 0 merges the shares into `manifest.json`, fsyncs,
+renames the folder to `<tag>` with `os.replace` (atomic on POSIX), replaces the `latest` pointer
+atomically, and deletes the oldest complete checkpoints beyond `keep_last` (except those named in
+`keep_tags`: a best checkpoint) plus the leftovers of crashed saves.
 A crash at any point leaves the previous complete checkpoint and `latest` intact. All ranks
 must see the same folder (a shared file system on several nodes).
 
 Loading (`load_checkpoint`) checks the manifest before it touches any engine: a missing
 manifest (a partial checkpoint), a missing file, a size or a checksum that differs all raise
 `CheckpointError`, naming the folder, the file and the previous complete checkpoint to fall
-back to. Checksums are split over the ranks like on saving (and hashed on a pool of threads), and the
-first failure reaches
-every rank, so that all of them raise together instead of hanging in a collective.
+back to. Checksums are split over the ranks like on saving (and hashed on a pool of threads), and
+the first failure reaches every rank, so that all of them raise together instead of hanging in a
+collective.
 
 World size on resume: DeepSpeed cannot re-partition ZeRO optimizer states (stages 1-3) for a
 different data-parallel size, so such a resume raises `CheckpointError` before any engine is
@@ -286,6 +286,11 @@ def _block_sha256(path: Path, start: int, length: int) -> bytes:
     return digest.digest()
 
 
+def _block_bytes(size: int) -> int:
+    """`ManifestFile.block_bytes` for a file of `size` bytes: block digests above 64 MiB."""
+    return _BLOCK_BYTES if size > _BLOCK_BYTES else 0
+
+
 def _hash_pool() -> concurrent.futures.ThreadPoolExecutor:
     """Threads for hashing: one per core (at most 16) and one more for the fsyncs."""
     return concurrent.futures.ThreadPoolExecutor(
@@ -315,7 +320,7 @@ def _seal(folder: Path, relatives: list[str]) -> list[ManifestFile]:
     of the two rather than their sum."""
     paths = [folder / relative for relative in relatives]
     sizes = [path.stat().st_size for path in paths]
-    blocks = [_BLOCK_BYTES if size > _BLOCK_BYTES else 0 for size in sizes]
+    blocks = [_block_bytes(size) for size in sizes]
     with _hash_pool() as pool:
         synced = pool.submit(lambda: [_fsync_file(path) for path in paths])
         digests = _digests(pool, paths, blocks)
