@@ -121,7 +121,9 @@ def test_unknown_mode_lists_allowed_modes():
         aggregate_loss(LOSS, MASK, "mean")
 
 
-@pytest.mark.parametrize("normalizer", [0, -2.0])
+@pytest.mark.parametrize(
+    "normalizer", [0, -2.0, torch.tensor(0.0), torch.tensor([-3]), torch.tensor(float("nan"))]
+)
 def test_non_positive_normalizer_is_rejected(normalizer):
     with pytest.raises(ValueError, match="normalizer must be > 0"):
         aggregate_loss(LOSS, MASK, normalizer=normalizer)

@@ -45,6 +45,16 @@ def loss_normalizer(action_mask: torch.Tensor, mode: str) -> torch.Tensor:
     return (mask.sum(-1) > 0).to(torch.float32).sum()
 
 
+def _check_positive_tensor(value: torch.Tensor) -> None:
+    """A tensor normaliser must be > 0, like a float one (NaN fails too). On the CPU it is read at
+    once; on an accelerator the check is a device-side assert, so no micro-batch waits for the device."""
+    if value.device.type == "cpu":
+        if not bool(value > 0):
+            raise ValueError(f"normalizer must be > 0, got {value.item()}")
+    else:
+        torch._assert_async(value > 0, "normalizer must be > 0")
+
+
 def resolve_normalizer(normalizer: float | torch.Tensor | None, local_count: torch.Tensor) -> torch.Tensor:
     """The divisor N as a float32 0-d tensor on `local_count`'s device.
 
@@ -60,8 +70,9 @@ def resolve_normalizer(normalizer: float | torch.Tensor | None, local_count: tor
                 "normalizer must be a positive number or a one-element real tensor, got a tensor of "
                 f"shape {tuple(normalizer.shape)} and dtype {normalizer.dtype}"
             )
-        # Its value is not checked: that would synchronise with the device on every micro-batch.
-        return normalizer.detach().reshape(()).to(device=local_count.device, dtype=torch.float32)
+        value = normalizer.detach().reshape(()).to(device=local_count.device, dtype=torch.float32)
+        _check_positive_tensor(value)
+        return value
     check_positive("normalizer", normalizer)
     return local_count.new_tensor(float(normalizer))
 
