@@ -480,6 +480,25 @@ class EngineContract:
             close()
         assert engine.policy_version == version
 
+    def test_init_weight_sync_with_a_wrong_shape_names_the_parameter_and_both_shapes(
+        self, engine, reference, tmp_path
+    ):
+        if not self.supports_weight_sync or "file" not in self.weight_sync_transports:
+            pytest.skip(f"{type(engine).__name__} declares no weight sync over 'file'")
+        name, param = next(iter(reference.named_parameters()))
+        wrong = (param.shape[0] + 1, *param.shape[1:])
+        layout = plan_buckets(
+            ((n, torch.float32, wrong if n == name else p.shape) for n, p in reference.named_parameters()),
+            bucket_bytes=1 << 16,
+        )
+        spec = WeightSyncSpec(transport="file", layout=layout, directory=str(tmp_path))
+        with pytest.raises(EngineError) as raised:
+            engine.init_weight_sync(spec, self.weight_sync_rank)
+        message = str(raised.value)
+        assert repr(name) in message
+        assert str(list(wrong)) in message
+        assert str(list(param.shape)) in message
+
     # --- partial rollout ------------------------------------------------------------------------
 
     def test_supports_partial_rollout_as_declared(self, engine):

@@ -23,6 +23,7 @@ from .__about__ import __version__
 from .batching import MicroBatchPlan, greedy_partition, karmarkar_karp, plan_micro_batches
 from .errors import DataError
 from .experience import ExperienceBatch, build_experience, micro_batches
+from .layout_check import check_layout_shapes, safetensors_shapes
 from .packing import (
     PackedSequences,
     cu_seqlens_from_lengths,
@@ -69,6 +70,7 @@ __all__ = [
     "__version__",
     "bucket_checksum",
     "build_experience",
+    "check_layout_shapes",
     "compare_checksums",
     "cu_seqlens_from_lengths",
     "decode",
@@ -87,6 +89,7 @@ __all__ = [
     "plan_micro_batches",
     "position_ids_from_cu_seqlens",
     "render_prompt",
+    "safetensors_shapes",
     "tensor_checksum",
     "tokenize_conversation",
     "unpack_bucket",

@@ -76,7 +76,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from rl_data import ImageInputs, WeightSyncReport
+from rl_data import ImageInputs, WeightSyncReport, check_layout_shapes
 from rl_data.errors import check_integer
 from rl_data.transport import IpcPayload, WeightSyncSpec
 from rl_data.vision import VISION_MODEL_TYPES, is_vision_model, vision_token_ids
@@ -593,6 +593,11 @@ class HFEngine(Engine):
             raise EngineError(
                 f"{self.name}.init_weight_sync: the 'ipc' transport needs a CUDA engine, this one is on {self.device}"
             )
+        shapes = {name: tuple(tensor.shape) for name, tensor in self.model.state_dict().items()}
+        try:
+            check_layout_shapes(spec.layout, shapes, where=f"{self.name}.init_weight_sync")
+        except ValueError as error:
+            raise EngineError(str(error)) from None
         with self._lock:
             if self._receiver is not None:
                 self._receiver.close()

@@ -81,7 +81,7 @@ from typing import Any
 
 import msgspec
 
-from rl_data import ImageInputs, WeightSyncReport, encode
+from rl_data import ImageInputs, WeightSyncReport, check_layout_shapes, encode, safetensors_shapes
 from rl_data.transport import IpcPayload, WeightSyncSpec
 from rl_data.vision import VisionProcessor, is_vision_model
 
@@ -507,6 +507,7 @@ class VLLMEngine(Engine):
         self._labels_versions = False  # whether vLLM labels tokens by weight version (set by _serve)
         self._request_ids = itertools.count()
         self._engine = None
+        self._model_folder = str(model) if os.path.isdir(model) else None  # for the layout check
         args = EngineArgs(
             model=str(model),
             tokenizer=str(tokenizer) if tokenizer is not None else None,
@@ -875,6 +876,12 @@ class VLLMEngine(Engine):
                 f"VLLMEngine.init_weight_sync: ranks {rank}..{rank + self._sync_world_size - 1} do not fit "
                 f"in the group's world_size {spec.world_size}"
             )
+        if self._model_folder is not None:  # a hub name: vLLM's loader is the check
+            try:
+                shapes = safetensors_shapes(self._model_folder)
+                check_layout_shapes(spec.layout, shapes, where="VLLMEngine.init_weight_sync")
+            except ValueError as error:
+                raise EngineError(str(error)) from None
         # the workers give up after spec.timeout_s; the margin lets their own error arrive first
         self._worker_call("init_weight_sync", (encode(spec), rank), spec.timeout_s + _RPC_MARGIN_S)
         self._sync_timeout_s = spec.timeout_s + _RPC_MARGIN_S
