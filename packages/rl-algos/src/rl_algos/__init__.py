@@ -46,6 +46,7 @@ from .rewards import (
     stop_properly_penalty,
     token_level_rewards,
 )
+from .rows import contiguous_group_ids, expand_to_tokens
 from .running import RunningMoments, merge_moments
 from .supervised import distillation_loss, prm_loss, sft_loss
 
@@ -77,12 +78,14 @@ __all__ = [
     "compute_advantages",
     "compute_discounted_returns",
     "compute_gae",
+    "contiguous_group_ids",
     "default_chunk_size",
     "discounted_reverse_cumsum",
     "distillation_loss",
     "dpo_loss",
     "dynamic_filter_mask",
     "entropy_from_logits",
+    "expand_to_tokens",
     "group_normalize",
     "kl_penalty",
     "kto_loss",
