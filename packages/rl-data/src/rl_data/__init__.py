@@ -50,9 +50,11 @@ from .weights import (
     plan_buckets,
     unpack_bucket,
 )
+from .wire import WIRE_FORMAT, check_wire_format
 
 __all__ = [
     "FINISH_REASONS",
+    "WIRE_FORMAT",
     "BucketMeta",
     "ConversationTokens",
     "DataError",
@@ -71,6 +73,7 @@ __all__ = [
     "bucket_checksum",
     "build_experience",
     "check_layout_shapes",
+    "check_wire_format",
     "compare_checksums",
     "cu_seqlens_from_lengths",
     "decode",

@@ -35,6 +35,7 @@ from .packing import (
 )
 from .records import LOGPROB_DTYPE, TOKEN_DTYPE, Trajectory
 from .vision import ImageInputs
+from .wire import WIRE_FORMAT, check_wire_format
 
 __all__ = ["ExperienceBatch", "build_experience", "micro_batches"]
 
@@ -100,10 +101,13 @@ class ExperienceBatch(msgspec.Struct, kw_only=True):
     pixel_values: torch.Tensor | None = None
     image_grid_thw: torch.Tensor | None = None
     image_counts: torch.Tensor | None = None
+    wire_format: int = WIRE_FORMAT
+    """The wire format of the message (`rl_data.wire`); another major is refused on decode."""
 
     def __post_init__(self) -> None:
         # Shape checks only (no values read), so they cost nothing on a device.
         owner = type(self).__name__
+        check_wire_format(self.wire_format, owner)
         tokens, sequences = self.input_ids.shape[0], self.cu_seqlens.numel() - 1
         if self.input_ids.dim() != 1 or self.cu_seqlens.dim() != 1 or sequences < 0:
             raise ValueError(

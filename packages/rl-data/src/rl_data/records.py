@@ -20,6 +20,7 @@ import msgspec
 import torch
 
 from .vision import ImageInputs
+from .wire import WIRE_FORMAT, check_wire_format
 
 FinishReason = Literal["stop", "length", "abort"]
 FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort")
@@ -94,9 +95,12 @@ class Trajectory(msgspec.Struct, kw_only=True):
     label: Any = None
     extra: dict[str, Any] = msgspec.field(default_factory=dict)
     images: ImageInputs | None = None
+    wire_format: int = WIRE_FORMAT
+    """The wire format of the message (`rl_data.wire`); another major is refused on decode."""
 
     def __post_init__(self) -> None:
         owner = type(self).__name__
+        check_wire_format(self.wire_format, owner)
         self.prompt_ids = as_1d_tensor(self.prompt_ids, TOKEN_DTYPE, field="prompt_ids", owner=owner)
         self.response_ids = as_1d_tensor(self.response_ids, TOKEN_DTYPE, field="response_ids", owner=owner)
         length = self.response_ids.numel()
@@ -169,8 +173,11 @@ class PromptSample(msgspec.Struct, kw_only=True):
     row: int = -1
     extra: dict[str, Any] = msgspec.field(default_factory=dict)
     images: ImageInputs | None = None
+    wire_format: int = WIRE_FORMAT
+    """The wire format of the message (`rl_data.wire`); another major is refused on decode."""
 
     def __post_init__(self) -> None:
+        check_wire_format(self.wire_format, "PromptSample")
         self.prompt_ids = as_1d_tensor(self.prompt_ids, TOKEN_DTYPE, field="prompt_ids", owner="PromptSample")
 
 

@@ -36,6 +36,7 @@ import torch
 
 from .errors import check_integer
 from .tensors import dtype_from_name, dtype_name, supported_dtype_names, tensor_checksum
+from .wire import WIRE_FORMAT, check_wire_format
 
 __all__ = [
     "BucketMeta",
@@ -215,8 +216,11 @@ class WeightSyncReport(msgspec.Struct, frozen=True):
     num_bytes: int
     seconds: float
     checksums: tuple[int, ...]
+    wire_format: int = WIRE_FORMAT
+    """The wire format of the message (`rl_data.wire`); another major is refused on decode."""
 
     def __post_init__(self) -> None:
+        check_wire_format(self.wire_format, "WeightSyncReport")
         for index, checksum in enumerate(self.checksums):
             _check_checksum(checksum, f"checksum {index}")
 

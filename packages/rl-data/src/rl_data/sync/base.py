@@ -18,6 +18,7 @@ import torch
 from ..serialization import encode
 from ..tensors import tensor_checksum
 from ..weights import BucketMeta, WeightSyncMeta, bucket_checksum
+from ..wire import WIRE_FORMAT, check_wire_format
 
 __all__ = [
     "BACKENDS",
@@ -112,8 +113,11 @@ class WeightSyncSpec(msgspec.Struct, frozen=True, kw_only=True):
     directory: str | None = None
     timeout_s: float = 600.0
     options: dict[str, Any] = msgspec.field(default_factory=dict)
+    wire_format: int = WIRE_FORMAT
+    """The wire format of the message (`rl_data.wire`); another major is refused on decode."""
 
     def __post_init__(self) -> None:
+        check_wire_format(self.wire_format, "WeightSyncSpec")
         entry = TRANSPORTS.get(self.transport)
         if entry is None:
             raise ValueError(
