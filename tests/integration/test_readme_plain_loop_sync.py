@@ -1,11 +1,12 @@
-"""rl-learner's README recipe for a plain torch loop: its weights reach an engine through the file
+"""rl-learner's README recipes for a plain torch loop: its weights reach an engine through the file
 transport, over several buckets, checksums equal every step, and the engine holds the trained
-weights afterwards."""
+weights afterwards; a packed forward of a plain transformers model equals per-sequence forwards."""
 
 from __future__ import annotations
 
 import pathlib
 import re
+import textwrap
 
 import torch
 
@@ -25,3 +26,23 @@ def test_plain_loop_recipe_syncs_every_bucket_into_the_engine(tiny_checkpoint, t
             torch.testing.assert_close(served[name], param.detach(), rtol=0, atol=0)
     finally:
         engine.close()
+
+
+def test_packed_forward_recipe_on_a_plain_model_equals_per_sequence_forwards(tiny_checkpoint):
+    from transformers import AutoModelForCausalLM
+
+    (block,) = [
+        b for b in re.findall(r"```python\n(.+?)```", README.read_text(), re.S) if "packed_logprobs(" in b
+    ]
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, attn_implementation="sdpa").double()
+    namespace = {"model": model}
+    exec(textwrap.dedent(block), namespace)
+    logprobs, batch = namespace["logprobs"], namespace["batch"]
+    starts = batch.cu_seqlens.tolist()
+    for begin, end in zip(starts[:-1], starts[1:]):
+        ids = batch.input_ids[begin:end]
+        with torch.no_grad():
+            logits = model(ids[None]).logits[0]
+        expected = torch.log_softmax(logits[:-1], -1).gather(-1, ids[1:, None]).squeeze(-1)
+        torch.testing.assert_close(logprobs[begin + 1 : end].detach(), expected)
+        assert logprobs[begin] == 0
