@@ -4,6 +4,7 @@ weights afterwards; a packed forward of a plain transformers model equals per-se
 
 from __future__ import annotations
 
+import itertools
 import pathlib
 import re
 import textwrap
@@ -39,7 +40,7 @@ def test_packed_forward_recipe_on_a_plain_model_equals_per_sequence_forwards(tin
     exec(textwrap.dedent(block), namespace)
     logprobs, batch = namespace["logprobs"], namespace["batch"]
     starts = batch.cu_seqlens.tolist()
-    for begin, end in zip(starts[:-1], starts[1:]):
+    for begin, end in itertools.pairwise(starts):
         ids = batch.input_ids[begin:end]
         with torch.no_grad():
             logits = model(ids[None]).logits[0]
