@@ -209,9 +209,9 @@ class PPOTrainer:
         """The weights go to the engines as the next version. `settle`: also wait for the receipts
         async mode has not compared yet (the last step), so every version is checked."""
         self.version += 1
-        metrics = self.roles.sync_weights(self.version)
+        metrics = self.roles.weights.send(self.version)
         if settle:
-            late = self.roles.settle_sync()
+            late = self.roles.weights.settle()
             key = "health/sync_checksum_match"
             if key in late:
                 metrics[key] = min(late[key], metrics.get(key, 1.0))
@@ -353,7 +353,8 @@ class PPOTrainer:
         saved_step = start.step  # the newest checkpoint on disk (a resumed run's own)
         tracker.restore_step(start.step, start.extra.get("step_metrics"))  # killed before its line
         abandonable = preemption.abandonable if preemption is not None else contextlib.nullcontext
-        self.roles.to_generation()  # hybrid engine: the learners' states leave the GPU, engines awake
+        hand_off = self.roles.hand_off  # ray.colocate all: engines and learners take turns on the GPUs
+        hand_off.to_generation()  # the learners' states leave the GPU, engines awake
         if start.step == 0 and self.eval_data is not None:
             with abandonable(STARTUP_STOP):  # a signal now stops the run: nothing to save yet
                 tracker.log(0, self.rollouts.evaluate(self.eval_data))  # the starting policy
@@ -369,9 +370,7 @@ class PPOTrainer:
                     tracker.log_completions(
                         step, completion_rows(records[: cfg.log.completions], self.tokenizer)
                     )
-                if self.roles.swapping:  # ray.colocate all: engines sleep, learners reload their states
-                    with timer.phase("sleep"):
-                        self.roles.to_training()
+                hand_off.to_training(timer)  # engines sleep, learners reload their states
                 with abandonable(), timer.phase("experience"):
                     batch, experience = self.make_experience(records)
             except KeyboardInterrupt:
@@ -384,18 +383,14 @@ class PPOTrainer:
                 raise
             with timer.phase("training"):
                 metrics |= experience | self.train(batch, step)
-            if self.roles.swapping:  # the engines wake for the sync, read from the learners' GPU
-                with timer.phase("wake"):
-                    self.roles.wake_engines()
+            hand_off.wake_engines(timer)  # for the sync, which reads from the learners' GPU
             last = step == cfg.train.max_steps
             with timer.phase("sync"):
                 if not self.policy_frozen(step):
                     metrics |= self.sync(settle=last)
                 elif last:  # nothing to send; async mode still compares the receipts it waits for
-                    metrics |= self.roles.settle_sync()
-            if self.roles.swapping:  # then the learners' states leave the GPU for the generation
-                with timer.phase("offload"):
-                    self.roles.offload_learners()
+                    metrics |= self.roles.weights.settle()
+            hand_off.offload_learners(timer)  # then the learners' states leave the GPU for the generation
             if self.eval_data is not None and (step % cfg.eval.eval_steps == 0 or last):
                 with timer.phase("eval"):
                     metrics |= self.rollouts.evaluate(self.eval_data)
