@@ -12,7 +12,7 @@ import yaml
 
 from rl_algos import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
 from rl_data import ExperienceBatch, Trajectory, build_experience
-from rl_launch.algorithm import old_logprobs_from_training, policy_loss_config, score_batch
+from rl_launch.algorithm import score_batch
 from rl_launch.cli import main, resolve_ppo_config
 from rl_launch.components import (
     ENGINES,
@@ -21,6 +21,7 @@ from rl_launch.components import (
     describe_components,
     list_components,
 )
+from rl_launch.components.objective import old_logprobs_from_training, policy_loss_config
 from rl_launch.components.weight_sync import SyncPlacement, choose_weight_sync
 from rl_launch.config import ConfigError
 

@@ -33,17 +33,9 @@ import torch
 from rl_data import ExperienceBatch, Trajectory, build_experience
 from rl_learner import TrainingState
 
-from .algorithm import (
-    learners_share_prefix,
-    old_logprobs_from_training,
-    policy_loss_config,
-    reward_metrics,
-    score_batch,
-    score_normalization,
-    shape_rewards,
-    value_loss_config,
-)
+from .algorithm import learners_share_prefix, reward_metrics, score_batch, score_normalization, shape_rewards
 from .components import check_components, describe_components
+from .components.objective import old_logprobs_from_training, policy_loss_config, value_loss_config
 from .config import ConfigError, PPOConfig, hf_output_dir
 from .diagnosis import death_cause, describe_actor_failure, failed_actor_name, is_actor_failure
 from .health import HealthError, HealthMonitor

@@ -171,7 +171,7 @@ def _sweep_shm_folder(spec: Any) -> None:
 @SYNC_STRATEGIES.register("shm", sweep=_sweep_shm_folder)
 def shm_sync(context: SyncContext, layout: Any) -> tuple[Any, str]:
     """One copy through a /dev/shm folder made on the node of policy rank 0, which every engine must
-    share (`rl_data.shm`): zero-copy views for the engines' loaders."""
+    share (`rl_data.sync.shm`): zero-copy views for the engines' loaders."""
     from rl_data.sync import WeightSyncSpec
 
     from ..cluster import ClusterError
