@@ -172,7 +172,7 @@ def _former_keys_of(path: str | None) -> Callable[[dict[str, Any]], dict[str, An
     """The config file's settings with rl-launch's former option names rewritten (a note each)."""
 
     def rewrite(settings: dict[str, Any]) -> dict[str, Any]:
-        from .aliases import migrate_former_keys
+        from .former import migrate_former_keys
 
         try:
             settings, notes = migrate_former_keys(settings)
@@ -241,7 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     from .aliases import COMMANDS as ALIASED_COMMANDS
 
     if argv[:1] and argv[0] in ALIASED_COMMANDS:
-        from .aliases import expand_aliases, expand_former_options
+        from .aliases import expand_aliases
+        from .former import expand_former_options
 
         command, former = argv[0], []
         try:
