@@ -686,7 +686,19 @@ def prepare_run_folder(
                 "start it in another --log.output_dir"
             )
         return start_fresh(f"no checkpoint in {ckpt_root}: starting at step 0")
+    return _resume_run(output_dir, ckpt_root, config, fingerprint, manifest, roles)
 
+
+def _resume_run(
+    output_dir: Path,
+    ckpt_root: Path,
+    config: dict[str, Any],
+    fingerprint: str,
+    manifest: RunManifest,
+    roles: Sequence[str],
+) -> RunPlan:
+    """`prepare_run_folder`'s resume of the run `manifest` describes: the configuration checked
+    against it, the checkpoint chosen, `run.json` rewritten with a `resumes` entry."""
     differences = config_differences(manifest.config, config)
     if differences:
         raise RunFolderError(
