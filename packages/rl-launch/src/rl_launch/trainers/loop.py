@@ -13,7 +13,8 @@ stream made of passes over the data, pass k in the order `randperm(count)` seede
 the checkpoint's step left off without saving a sampler state.
 
 A command (sft.py, rm.py, dpo.py, kto.py) gives a `Task`: how to read its dataset, build its learners,
-and run one step on a list of dataset items.
+and run one step on a list of dataset items. `SupervisedRecipe` runs it as setup (set up, resume) /
+train (loop, finish) / cleanup, with the exit codes of every command (`rl_launch.command`).
 """
 
 from __future__ import annotations
