@@ -183,6 +183,8 @@ def _ppo_overrides(args: argparse.Namespace, extras: list[str]) -> dict[str, Any
 
 
 def _resolve_ppo(args: argparse.Namespace, extras: list[str]) -> PPOConfig:
+    """The config of `ppo`, every component's name and options checked: the one check of the run
+    and of --print-config (`rl_launch.ppo.run` trusts it)."""
     from .components import check_components
 
     config = resolve_ppo_config(args.config, _ppo_overrides(args, extras))

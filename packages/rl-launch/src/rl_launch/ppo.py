@@ -35,7 +35,7 @@ from rl_learner import TrainingState
 
 from .algorithm import learners_share_prefix, reward_metrics, score_batch, score_normalization, shape_rewards
 from .command import Recipe, ray_line, run_recipe
-from .components import check_components, describe_components
+from .components import describe_components
 from .components.objective import old_logprobs_from_training, policy_loss_config, value_loss_config
 from .config import PPOConfig, hf_output_dir
 from .diagnosis import death_cause, describe_actor_failure, failed_actor_name, is_actor_failure
@@ -480,8 +480,7 @@ class PPORecipe(Recipe):
         self.ray_errors = (ray.exceptions.RayError,)
         config, say = self.config, self.console.say
         self.plugins = resolve_plugins(config.plugins)
-        import_plugins(self.plugins)
-        check_components(config)
+        import_plugins(self.plugins)  # checked with the config (`check_components`), needed here too
         preset = None
         if config.preset != "none":
             from .presets import prepare_preset
@@ -626,5 +625,7 @@ def describe_score_normalization(normalization: tuple[float, float] | None, path
 
 
 def run(config: PPOConfig) -> int:
-    """Run `rl-launch ppo` with a resolved config; the process exit code (0 on success)."""
+    """Run `rl-launch ppo` with a resolved config that passed `components.check_components` (the
+    command line checks it once, for --print-config and the run alike); the process exit code
+    (0 on success)."""
     return run_recipe(PPORecipe(config))
