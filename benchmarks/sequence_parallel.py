@@ -246,7 +246,7 @@ def model_arguments(args: argparse.Namespace) -> list[str]:
 
 def run_world(args: argparse.Namespace, sp: int, checkpointing: str, extra: list[str]) -> dict:
     """Start `sp` worker processes (one gloo world), return rank 0's report."""
-    from rl_data.transport import free_port
+    from rl_data.sync.broadcast import free_port
 
     command = [sys.executable, os.path.abspath(__file__), "--worker", "--sp-size", str(sp)]
     command += ["--checkpointing-mode", checkpointing, *model_arguments(args)]

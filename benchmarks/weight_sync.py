@@ -12,20 +12,20 @@ names up in `named_parameters()` and `copy_`, the shape of an engine's `load_wei
   call, as OpenRLHF makes it) with the name, dtype and shape; the receiver allocates the
   tensor, joins the broadcast of that parameter and loads it; the learner waits for every
   receiver's reply before the next parameter.
-- bucketed (ours): `rl_learner.sync.BroadcastSender`, the layout sent once up front in the spec;
+- bucketed (ours): `rl_learner.senders.BroadcastSender`, the layout sent once up front in the spec;
   per sync one remote call, then buckets of `--bucket-mb` MiB with a checksum each, packed
-  while the previous bucket is on the wire; receivers run `rl_data.transport.receive_buckets`
+  while the previous bucket is on the wire; receivers run `rl_data.sync.broadcast.receive_buckets`
   (which verifies each bucket's checksum) and load a whole bucket at a time.
 - w/o checksums (benchmark only): the same buckets, packed and broadcast the same way, without
   the checksums on either side; with the "checksum (1 pass)" row (`rl_data.bucket_checksum`
   over every bucket once) it shows what the checksums cost on this machine.
-- file, shared mem (ours): `rl_learner.sync.FileSender` writes the buckets (checksummed) into a
+- file, shared mem (ours): `rl_learner.senders.FileSender` writes the buckets (checksummed) into a
   folder under /dev/shm, then every receiver reads, verifies and loads them
-  (`rl_data.transport.read_buckets`): the same-host CPU path that avoids the loopback sockets.
-- shm (ours): `rl_learner.sync.ShmSender` packs each bucket once into a pre-faulted shared-memory
+  (`rl_data.sync.file.read_buckets`): the same-host CPU path that avoids the loopback sockets.
+- shm (ours): `rl_learner.senders.ShmSender` packs each bucket once into a pre-faulted shared-memory
   slot and marks it ready; the receivers, called before the send as a driver does, load bucket
   i while the sender packs bucket i+1, each verifying the bucket's page checksum and loading from
-  views over the shared pages (`rl_data.shm`): one copy on each side, overlapped, no socket.
+  views over the shared pages (`rl_data.sync.shm`): one copy on each side, overlapped, no socket.
 - memcpy: `dst.copy_(src)` of the same number of bytes in one process, the bound that memory
   bandwidth puts on any copy of these weights on this machine.
 
@@ -59,9 +59,11 @@ from typing import Any
 import torch
 
 from rl_data import bucket_checksum, decode, encode, pack_bucket, unpack_bucket
-from rl_data.shm import ShmReader, shm_directory
+from rl_data.sync import WeightSyncSpec
+from rl_data.sync.broadcast import SyncGroup, free_port, receive_buckets
+from rl_data.sync.file import read_buckets
+from rl_data.sync.shm import ShmReader, shm_directory
 from rl_data.tensors import tensor_checksum
-from rl_data.transport import SyncGroup, WeightSyncSpec, free_port, read_buckets, receive_buckets
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -426,7 +428,8 @@ def main() -> None:
     if args.warmup < 0:
         parser.error("--warmup must be >= 0")
 
-    from rl_learner.sync import BroadcastSender, FileSender, ShmSender, sync_layout
+    from rl_learner.senders import BroadcastSender, FileSender, ShmSender
+    from rl_learner.sync import sync_layout
 
     config = model_config(args)
     model = build_model(config, DTYPES[args.dtype], seed=0)

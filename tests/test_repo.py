@@ -56,3 +56,34 @@ def test_a_machine_without_cuda_runs_the_cpu_build_of_torch():
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is present; the CUDA build is the right one here")
     assert torch.version.cuda is None, f"CPU-only machine runs torch {torch.__version__} (CUDA build)"
+
+
+MAX_FUNCTION_LINES = 100
+"""The longest a function of rl_launch may be (its `def` to its last line): a loop, a command or a
+check that grows past it has grown a second job (STYLE.md: a recipe you can read top to bottom)."""
+
+
+def long_functions(package: pathlib.Path, limit: int = MAX_FUNCTION_LINES) -> list[str]:
+    """`path:line name (N lines)` of every function or method under `package` longer than `limit`."""
+    import ast
+
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > limit:
+                    found.append(
+                        f"{path.relative_to(package).as_posix()}:{node.lineno} {node.name} ({lines} lines)"
+                    )
+    return found
+
+
+def test_long_functions_are_found(tmp_path):
+    body = "".join(f"        x{i} = {i}\n" for i in range(10))
+    (tmp_path / "mod.py").write_text(f"def short():\n    return 1\n\n\nclass A:\n    def long(self):\n{body}")
+    assert long_functions(tmp_path, limit=8) == ["mod.py:6 long (11 lines)"]
+
+
+def test_no_rl_launch_function_is_over_100_lines():
+    assert long_functions(ROOT / "packages" / "rl-launch" / "src" / "rl_launch") == []

@@ -8,7 +8,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from rl_algos import masked_mean, masked_mean_var, masked_whiten
-from rl_data.transport import free_port
+from rl_data.sync.broadcast import free_port
 
 VALUES = torch.tensor([[1.0, 2.0, 100.0], [3.0, 4.0, -50.0]])
 MASK = torch.tensor([[1, 1, 0], [1, 1, 0]])

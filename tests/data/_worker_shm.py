@@ -24,7 +24,7 @@ import time
 import torch
 
 from rl_data import encode, pack_bucket, plan_buckets
-from rl_data.shm import ShmPublisher, ShmReader
+from rl_data.sync.shm import ShmPublisher, ShmReader
 
 
 def weights(version: int) -> dict[str, torch.Tensor]:

@@ -12,7 +12,8 @@ import sys
 import torch
 
 from rl_data import encode, pack_bucket, plan_buckets
-from rl_data.transport import SyncGroup, WeightSyncError, broadcast_buckets, receive_buckets
+from rl_data.sync import WeightSyncError
+from rl_data.sync.broadcast import SyncGroup, broadcast_buckets, receive_buckets
 
 
 def weights() -> dict[str, torch.Tensor]:

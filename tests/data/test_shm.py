@@ -1,4 +1,4 @@
-"""The shm weight-sync transport (`rl_data.shm`): real sender and receiver processes on one machine.
+"""The shm weight-sync transport (`rl_data.sync.shm`): real sender and receiver processes on one machine.
 
 What is pinned: a receiver started before the sender waits for its version and gets the exact
 bytes (checksums equal to the sender's, tensors equal); versions are read in order and a version
@@ -26,7 +26,8 @@ import pytest
 import torch
 
 from rl_data import WeightSyncReport, compare_checksums, decode, pack_bucket, plan_buckets
-from rl_data.shm import (
+from rl_data.sync import TRANSPORTS, WeightSyncError, WeightSyncSpec
+from rl_data.sync.shm import (
     PAGE_BYTES,
     ShmPublisher,
     ShmReader,
@@ -35,7 +36,6 @@ from rl_data.shm import (
     remove_stale_directories,
     shm_directory,
 )
-from rl_data.transport import TRANSPORTS, WeightSyncError, WeightSyncSpec
 
 WORKER = pathlib.Path(__file__).with_name("_worker_shm.py")
 _spec = importlib.util.spec_from_file_location("_worker_shm", WORKER)

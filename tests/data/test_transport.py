@@ -12,16 +12,9 @@ import pytest
 import torch
 
 from rl_data import WeightSyncReport, compare_checksums, decode, encode, pack_bucket, plan_buckets
-from rl_data.transport import (
-    WeightSyncError,
-    WeightSyncSpec,
-    free_port,
-    layout_fingerprint,
-    local_address,
-    read_buckets,
-    reserve_port,
-    write_buckets,
-)
+from rl_data.sync import WeightSyncError, WeightSyncSpec, layout_fingerprint
+from rl_data.sync.broadcast import free_port, local_address, reserve_port
+from rl_data.sync.file import read_buckets, write_buckets
 
 WORKER = pathlib.Path(__file__).with_name("_worker_transport.py")
 _spec = importlib.util.spec_from_file_location("_worker_transport", WORKER)
@@ -166,12 +159,12 @@ def test_spec_checks_name_the_field_and_the_allowed_values():
 
 @pytest.mark.gpu
 def test_ipc_handle_maps_the_same_cuda_memory_in_another_process(tmp_path):
-    from rl_data.transport import ipc_handle
+    from rl_data.sync.ipc import ipc_handle
 
     buffer = torch.arange(256, dtype=torch.uint8, device="cuda")
     handle = ipc_handle(buffer)
     code = (
-        "import sys, torch; from rl_data import decode; from rl_data.transport import IpcHandle, open_ipc_handle; "
+        "import sys, torch; from rl_data import decode; from rl_data.sync.ipc import IpcHandle, open_ipc_handle; "
         "t = open_ipc_handle(decode(sys.stdin.buffer.read(), IpcHandle)); "
         "assert torch.equal(t.cpu(), torch.arange(256, dtype=torch.uint8)); t.fill_(7); torch.cuda.synchronize()"
     )

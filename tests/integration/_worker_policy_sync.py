@@ -27,7 +27,8 @@ def main() -> None:
 
     from rl_algos import compute_advantages
     from rl_data import Trajectory, build_experience, decode, micro_batches, plan_micro_batches
-    from rl_data.transport import WeightSyncSpec, free_port
+    from rl_data.sync import WeightSyncSpec
+    from rl_data.sync.broadcast import free_port
     from rl_learner import (
         DeepSpeedConfig,
         OptimizerConfig,

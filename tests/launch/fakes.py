@@ -22,7 +22,8 @@ The workers are toys with the real workers' method signatures (`rl_launch.actors
   updates and remembers which groups it saw, a "weight" (the update count) that `sync` puts on
   a `Wire` and the engines read back as their checksum, checkpoints kept in a dict.
 
-`fake_run(config, ...)` builds a real `Roles`, `Rollouts` and `PPOTrainer` over them.
+`fake_run(config, ...)` builds a real `Roles` (with its `Placement`, hand-off and `WeightSync`),
+`Rollouts` and `PPOTrainer` over them.
 """
 
 from __future__ import annotations
@@ -192,8 +193,10 @@ class ToyEngine:
         self.corrupt = False  # receive reports a checksum that differs from the one sent
         self.asleep = False
 
-    def ready(self) -> tuple[int, None, str, list[str], dict]:
-        return 1, None, "node-0", [], {"max_model_len": None, "kv_cache_tokens": None}
+    def ready(self) -> Any:
+        from rl_launch.placement import EngineReady
+
+        return EngineReady(sync_size=1, node="node-0")
 
     def generate(
         self, samples: bytes, sampling: Any, first_group_id: int, greedy_baseline: bool = False
@@ -431,6 +434,7 @@ def fake_run(
     ckpt_root: Path | str = "/nonexistent/checkpoints",
     resume_from: dict[str, Path] | None = None,
     checkpoints: dict | None = None,
+    device: str = "cpu",
 ) -> FakeRun:
     """Build the loop of `config` over toy workers: `ranks` per learner role (policy, plus ref /
     teacher / critic when the config needs them; the teacher's log-probs are −1.5, the others'
@@ -438,17 +442,21 @@ def fake_run(
 
     `resume_from` (role -> checkpoint folder) and `checkpoints` (an earlier run's store) make the
     run plan resume, as `rl_launch.runs` would after a restart. `shuffle`: the prompt loader's.
+    `device`: the run's ("cuda": the hybrid engine's learners offload their states).
     """
     from rl_data.datasets import PromptLoader
+    from rl_launch.handoff import hand_off_for
+    from rl_launch.placement import Placement
     from rl_launch.ppo import PPOTrainer
     from rl_launch.roles import Roles
     from rl_launch.rollouts import Rollouts
     from rl_launch.runs import RunPlan
+    from rl_launch.weights import WeightSync, weight_sync_strategy
 
     log, wire = CallLog(), Wire()
     store = checkpoints if checkpoints is not None else {}
     roles = Roles(config)
-    roles.device, roles.dtype = "cpu", "fp32"
+    roles.device, roles.dtype = device, "fp32"
     names = (
         ["policy"]
         + (["ref"] if config.needs_reference else [])
@@ -464,7 +472,15 @@ def fake_run(
     roles.groups = {name: FakeGroup(name, workers, log) for name, workers in learners.items()}
     toy_engines = [ToyEngine(wire, reward=reward) for _ in range(engines)]
     roles.engines = FakeGroup("engine", toy_engines, log)
-    roles.engine_sync_sizes = [1] * engines
+    roles.placement = Placement.of(
+        device, [engine.ready() for engine in toy_engines], [("node-0", ())] * ranks
+    )
+    roles.hand_off = hand_off_for(config, roles.groups, roles.engines, device)
+    # the strategy as `WeightSync.start` resolves it, without its rendezvous (the toys need none)
+    strategy = weight_sync_strategy(config, roles.placement)
+    roles.weights = WeightSync(
+        config, strategy, roles.groups["policy"], roles.engines, roles.placement, roles.hand_off
+    )
     data = list(prompts if prompts is not None else toy_prompts(4 * config.rollout.rollout_batch_size))
     loader = PromptLoader(
         data, batch_size=config.rollout.prompts_per_round, seed=config.train.seed, shuffle=shuffle

@@ -105,14 +105,14 @@ def plugin_tagged(
 
 
 @SYNC_STRATEGIES.register(toy_transport.NAME, sender_first=True)
-def toy_folder_sync(roles: Any, layout: Any) -> tuple[Any, str]:
+def toy_folder_sync(context: Any, layout: Any) -> tuple[Any, str]:
     """Buckets copied through `<log.output_dir>/toy_sync` (the receivers read once the sender wrote)."""
-    folder = Path(roles.config.log.output_dir).resolve() / "toy_sync"
+    folder = Path(context.config.log.output_dir).resolve() / "toy_sync"
     folder.mkdir(parents=True, exist_ok=True)
     spec = WeightSyncSpec(
         transport=toy_transport.NAME,
         layout=layout,
         options={"folder": str(folder)},
-        timeout_s=roles.config.rollout.weight_sync_timeout_s,
+        timeout_s=context.config.rollout.weight_sync_timeout_s,
     )
     return spec, f"toy folder ({folder})"

@@ -181,7 +181,7 @@ def test_streaming_accepts_oversampling_without_filtering_and_a_bound_below_the_
         }
     )
     assert (config.rollout.prompts_per_round, config.rollout.max_staleness) == (64, 1)
-    from rl_launch.roles import engine_concurrency_groups
+    from rl_launch.specs import engine_concurrency_groups
 
     # (depth 2 + 2) x 64 prompts per round over one engine: the pool and one round beyond it
     assert engine_concurrency_groups(config) == {"activity": 1, "generate": 256}

@@ -19,7 +19,7 @@ import os
 import pytest
 import ray
 
-from rl_data.transport import free_port
+from rl_data.sync.broadcast import free_port
 from rl_launch.cli import main
 
 

@@ -12,7 +12,7 @@ import yaml
 
 from rl_algos import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
 from rl_data import ExperienceBatch, Trajectory, build_experience
-from rl_launch.algorithm import old_logprobs_from_training, policy_loss_config, score_batch
+from rl_launch.algorithm import score_batch
 from rl_launch.cli import main, resolve_ppo_config
 from rl_launch.components import (
     ENGINES,
@@ -21,6 +21,7 @@ from rl_launch.components import (
     describe_components,
     list_components,
 )
+from rl_launch.components.objective import old_logprobs_from_training, policy_loss_config
 from rl_launch.components.weight_sync import SyncPlacement, choose_weight_sync
 from rl_launch.config import ConfigError
 
@@ -503,16 +504,15 @@ def test_model_share_prefix_reaches_every_learner_verbatim(attention, share, exp
     from types import SimpleNamespace
 
     from rl_launch.algorithm import learners_share_prefix
-    from rl_launch.roles import Roles
+    from rl_launch.specs import learner_specs
 
     overrides = {"model__attn_implementation": attention}
     if share is not None:
         overrides["model__share_prefix"] = share
     cfg = config(**overrides)
-    roles = Roles(cfg)
-    roles.dtype = "fp32"
     inputs = SimpleNamespace(model_path="/m", critic_path="/c", reward_model_path="/r", teacher_path="/t")
-    for role, spec in roles._learner_specs(inputs, total_steps=1).items():
+    specs = learner_specs(cfg, inputs, dtype="fp32", use_gpus=False, total_steps=1)
+    for role, spec in specs.items():
         assert spec.deepspeed.share_prefix == (None if share is None else share == "true"), role
         assert spec.deepspeed.shares_prefix is expected, role
     assert learners_share_prefix(cfg) is expected

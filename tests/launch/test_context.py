@@ -10,8 +10,8 @@ import pytest
 
 from rl_launch.config import PPOConfig
 from rl_launch.options import load_config
+from rl_launch.placement import EngineReady, Placement
 from rl_launch.preflight import PreflightError, Resolved, check_context, model_context
-from rl_launch.roles import Roles
 
 
 def _model(tmp_path, name: str, config: dict, tokenizer: dict | None = None) -> str:
@@ -185,15 +185,13 @@ def test_an_engine_max_model_len_cuts_responses_and_must_leave_room_for_one(tmp_
 
 
 def test_the_start_up_line_says_the_engines_context_and_how_many_sequences_their_cache_holds():
-    roles = Roles(_config())
-    roles.engine_contexts = [{"max_model_len": 17408, "kv_cache_tokens": 34816}] * 2
-    roles.kv_cache_bytes = [272 * 2**20, 272 * 2**20]
-    assert roles.describe_engine_context() == (
+    vllm = EngineReady(sync_size=1, kv_cache_bytes=272 * 2**20, max_model_len=17408, kv_cache_tokens=34816)
+    placement = Placement.of("cuda", [vllm, vllm], [("node-0", ("0",))])
+    assert placement.describe_engine_context() == (
         "max_model_len 17408; KV cache 272 MiB each; 34816 tokens: 2.00 sequences of 17408 tokens at once"
     )
-    roles.engine_contexts = [{"max_model_len": 17408, "kv_cache_tokens": None}]  # hf: no paged cache
-    roles.kv_cache_bytes = [None]
-    assert roles.describe_engine_context() == "max_model_len 17408"
+    hf = EngineReady(sync_size=1, max_model_len=17408)  # hf: no paged cache
+    assert Placement.of("cpu", [hf], [("node-0", ())]).describe_engine_context() == "max_model_len 17408"
 
 
 def test_a_kv_cache_too_small_for_one_sequence_is_refused_before_the_engines_start(tmp_path):

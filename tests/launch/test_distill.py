@@ -7,10 +7,11 @@ import pytest
 import torch
 
 from rl_data import Trajectory, build_experience
-from rl_launch.algorithm import old_logprobs_from_training, policy_loss_config, score_batch
+from rl_launch.algorithm import score_batch
 from rl_launch.cli import resolve_ppo_config
 from rl_launch.cluster import plan_roles
 from rl_launch.components import check_components, describe_components
+from rl_launch.components.objective import old_logprobs_from_training, policy_loss_config
 from rl_launch.config import ConfigError
 from rl_launch.preflight import PreflightError, check_teacher_tokenizer
 

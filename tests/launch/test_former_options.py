@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from rl_launch.aliases import expand_former_options, migrate_former_keys
 from rl_launch.cli import main
+from rl_launch.former import expand_former_options, migrate_former_keys
 
 BASE = ["--model.pretrain", "/m", "--data.prompt_data", "/d.jsonl", "--algo.advantage.estimator", "grpo"]
 

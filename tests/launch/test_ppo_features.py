@@ -158,11 +158,13 @@ def test_best_metric_key_must_name_something():
 
 def _specs(device: str, **overrides):
     from rl_launch.roles import Roles
+    from rl_launch.specs import learner_specs
 
     roles = Roles(config(**{"algo.kl.init_kl_coef": 0.01, **overrides}))
     roles.device, roles.dtype = device, "fp32"
     inputs = types.SimpleNamespace(model_path="m", critic_path="m", reward_model_path="rm", teacher_path="t")
-    return roles, roles._learner_specs(inputs, total_steps=4)
+    specs = learner_specs(roles.config, inputs, dtype="fp32", use_gpus=device == "cuda", total_steps=4)
+    return roles, specs
 
 
 def test_ref_teacher_and_reward_offload_set_zero3_offload_param_on_gpus():

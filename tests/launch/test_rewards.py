@@ -189,7 +189,7 @@ def test_two_servers_and_a_file_are_weighted_batched_authorised_and_logged(tmp_p
 
 
 def test_a_dead_server_with_on_error_fallback_gives_the_fallback_reward():
-    from rl_data.transport import free_port
+    from rl_data.sync.broadcast import free_port
 
     reward = RewardConfig(
         remote_url=[f"http://127.0.0.1:{free_port()}/reward"], retries=0, on_error="fallback", fallback=-1.0

@@ -486,6 +486,20 @@ def test_a_format_1_run_folder_resumes_from_its_checkpoints_and_is_rewritten_as_
     assert "format 1" not in again.message
 
 
+def test_reading_a_format_1_run_json_does_not_import_the_openrlhf_table(tmp_path):
+    import subprocess
+    import sys
+
+    output_dir, _ = format_1_run(tmp_path, FORMAT_1_POLICY)
+    probe = (
+        "import sys; from rl_launch.runs import read_run_manifest; "
+        f"assert read_run_manifest({str(output_dir)!r}).format == 1; "
+        "print('rl_launch.aliases' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
 def test_a_format_1_run_folder_refuses_another_correction_on_resume(tmp_path):
     output_dir, _ = format_1_run(tmp_path, FORMAT_1_POLICY)
     current = changed(CONFIG, ckpt__load_checkpoint=True)

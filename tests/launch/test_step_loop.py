@@ -349,8 +349,8 @@ def test_the_greedy_baseline_is_asked_for_training_but_not_for_eval():
 
 
 def test_the_hybrid_engine_sleeps_for_training_and_learners_offload_for_generation():
-    run = fake_run(config(**{"ray.colocate": "all", "train.max_steps": 2}))
-    run.roles.device = "cuda"  # the learners offload their states only on GPU runs
+    # the learners offload their states only on GPU runs
+    run = fake_run(config(**{"ray.colocate": "all", "train.max_steps": 2}), device="cuda")
     run.fit()
     step = [
         "engine.generate",

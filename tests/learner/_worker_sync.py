@@ -5,7 +5,7 @@ usage:
       A receiving engine worker that stays up for the whole test module: it reads one JSON job
       per line on stdin and, per job, builds a freshly initialised tiny model (seed 1, so it
       differs from the sender's), joins the job's sync group as RANK and receives one broadcast
-      sync per entry of `layouts` with a plain torch receiver (`rl_data.transport.receive_buckets`,
+      sync per entry of `layouts` with a plain torch receiver (`rl_data.sync.broadcast.receive_buckets`,
       applying each bucket with `param.copy_`, as an engine's `load_weights` does). After each
       sync it writes `<tag>-report-<rank>.msgpack` (its WeightSyncReport) and
       `<tag>-state-<rank>.msgpack` (its model's state_dict); on an error `<tag>-error-<rank>.txt`;
@@ -14,7 +14,7 @@ usage:
       expects: "spec", "own" (planned from its own model's parameters) or "rebucketed" (the
       spec's parameters in 4 KiB buckets); a list, or a dict rank -> list). For a spec of the
       "shm" transport the receiver reads the job's `versions` (one per layout) with an
-      `rl_data.shm.ShmReader` instead of joining a group, waiting for each to be published.
+      `rl_data.sync.shm.ShmReader` instead of joining a group, waiting for each to be published.
   python _worker_sync.py learner RANK WORLD MASTER_PORT SPEC OUT
       One rank of a ZeRO-3 DeepSpeed learner (CPU, gloo) built from the tiny model with seed 0:
       one optimizer step, then `make_sender(spec, engine).send(version=5)` on every rank, then a
@@ -39,9 +39,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch
 
 from rl_data import decode, encode, plan_buckets
-from rl_data.shm import ShmReader
+from rl_data.sync import WeightSyncError, WeightSyncSpec
+from rl_data.sync.broadcast import SyncGroup, receive_buckets
+from rl_data.sync.shm import ShmReader
 from rl_data.tiny import build_tiny_model, build_tiny_tokenizer
-from rl_data.transport import SyncGroup, WeightSyncError, WeightSyncSpec, receive_buckets
 
 SMALL_BUCKETS = 64 * 1024  # the bucket size test_sync.py plans with
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

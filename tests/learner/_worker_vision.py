@@ -18,7 +18,8 @@ from _helpers_core import fill_policy_slots
 from test_vision import per_sample_reference, vl_records
 
 from rl_data import build_experience, compare_checksums
-from rl_data.transport import WeightSyncSpec, read_buckets
+from rl_data.sync import WeightSyncSpec
+from rl_data.sync.file import read_buckets
 from rl_data.vision import VisionProcessor
 from rl_learner import DeepSpeedConfig, OptimizerConfig, PolicyLearner, PolicyLossConfig, load_causal_lm
 from rl_learner.checkpoint import export_hf

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from rl_data.transport import free_port
+from rl_data.sync.broadcast import free_port
 
 
 def rank_env(rank: int, world: int, port: int) -> dict[str, str]:

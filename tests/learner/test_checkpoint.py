@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 import torch
 
-from rl_data.transport import free_port
+from rl_data.sync.broadcast import free_port
 from rl_learner.checkpoint import (
     CheckpointError,
     TrainingState,

@@ -2,7 +2,7 @@
 
 Two receiver processes (`_worker_sync.py receiver`) stay up for the module and take one job per
 sync: a differently initialised copy of the architecture, a plain torch receiver
-(`rl_data.transport.receive_buckets`). After a sync their `state_dict()` must equal the sender's
+(`rl_data.sync.broadcast.receive_buckets`). After a sync their `state_dict()` must equal the sender's
 (cast to the engine dtype), LoRA merged, checksums equal on both sides.
 """
 
@@ -22,17 +22,13 @@ import pytest
 import torch
 
 from rl_data import WeightSyncReport, compare_checksums, decode, encode
-from rl_data.shm import shm_directory
+from rl_data.sync import WeightSyncError, WeightSyncSpec
+from rl_data.sync.broadcast import free_port
+from rl_data.sync.file import read_buckets
+from rl_data.sync.shm import shm_directory
 from rl_data.tiny import build_tiny_model
-from rl_data.transport import WeightSyncError, WeightSyncSpec, free_port, read_buckets
-from rl_learner.sync import (
-    BroadcastSender,
-    FileSender,
-    IpcSender,
-    ShmSender,
-    make_sender,
-    sync_layout,
-)
+from rl_learner.senders import BroadcastSender, FileSender, IpcSender, ShmSender
+from rl_learner.sync import make_sender, sync_layout
 
 WORKER = pathlib.Path(__file__).with_name("_worker_sync.py")
 TIMEOUT_S = 180
@@ -435,7 +431,7 @@ def test_ipc_sender_hands_engines_on_the_same_gpu_the_exact_bytes(tokenizer):
     sent = sender.send(version=4)
     code = (
         "import sys, torch; from rl_data import decode, encode; "
-        "from rl_data.transport import IpcPayload, WeightSyncSpec, read_ipc_buckets; "
+        "from rl_data.sync import WeightSyncSpec; from rl_data.sync.ipc import IpcPayload, read_ipc_buckets; "
         "spec = decode(open(sys.argv[1], 'rb').read(), WeightSyncSpec); "
         "payload = decode(sys.stdin.buffer.read(), IpcPayload); got = {}; "
         "report = read_ipc_buckets(payload, spec.layout, lambda b, v: got.update({k: t.cpu() for k, t in v.items()})); "

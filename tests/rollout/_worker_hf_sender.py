@@ -14,7 +14,7 @@ import sys
 import torch
 
 from rl_data import encode, pack_bucket, plan_buckets
-from rl_data.transport import SyncGroup, broadcast_buckets
+from rl_data.sync.broadcast import SyncGroup, broadcast_buckets
 
 
 def main() -> None:

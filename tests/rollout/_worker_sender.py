@@ -18,7 +18,8 @@ import sys
 import torch
 
 from rl_data import decode, encode, pack_bucket, plan_buckets
-from rl_data.transport import SyncGroup, WeightSyncSpec, broadcast_buckets
+from rl_data.sync import WeightSyncSpec
+from rl_data.sync.broadcast import SyncGroup, broadcast_buckets
 
 PERTURBATION_SCALE = 0.05
 

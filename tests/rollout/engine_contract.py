@@ -38,8 +38,8 @@ What the contract pins, for every engine:
   length gets a response cut to fit, with "length";
 - `agenerate` from many concurrent callers gives what `generate` gives for greedy;
 - weight sync (when supported), through every transport in `weight_sync_transports` whose
-  sender can live in the test process ("file": `rl_data.transport.write_buckets`; "shm": an
-  `rl_data.shm.ShmPublisher`, the engine's receiver in its own worker process for vLLM):
+  sender can live in the test process ("file": `rl_data.sync.file.write_buckets`; "shm": an
+  `rl_data.sync.shm.ShmPublisher`, the engine's receiver in its own worker process for vLLM):
   weights sent and applied with `receive_weights` change greedy outputs to those of the
   reference with the new weights, set `policy_version` (also on generations) and report the
   sender's checksums; a sender with another layout is refused. The test restores the original
@@ -68,8 +68,9 @@ import pytest
 import torch
 
 from rl_data import compare_checksums, pack_bucket, plan_buckets
-from rl_data.shm import ShmPublisher, shm_directory
-from rl_data.transport import WeightSyncError, WeightSyncSpec, write_buckets
+from rl_data.sync import WeightSyncError, WeightSyncSpec
+from rl_data.sync.file import write_buckets
+from rl_data.sync.shm import ShmPublisher, shm_directory
 from rl_rollout.protocol import Engine, EngineError, Generation, SamplingParams
 
 __all__ = ["CONTRACT_TEXTS", "EngineContract", "reference_logprobs"]

@@ -16,7 +16,9 @@ import pytest
 import torch
 
 from rl_data import WeightSyncReport, compare_checksums, decode, pack_bucket, plan_buckets
-from rl_data.transport import WeightSyncSpec, free_port, write_buckets
+from rl_data.sync import WeightSyncSpec
+from rl_data.sync.broadcast import free_port
+from rl_data.sync.file import write_buckets
 from rl_rollout.engines.hf import HFEngine
 from rl_rollout.protocol import EngineError, SamplingParams
 from tests.rollout.engine_contract import EngineContract, reference_logprobs
@@ -142,7 +144,7 @@ def test_sleep_contract_refuses_work_while_asleep_and_wake_restores_identical_ge
     """The hybrid engine's order (rl_launch.roles): generate, sleep, ..., wake, receive, generate.
     On CPU nothing moves, but the contract is the one the GPU path keeps: no generation and no
     weight sync while asleep (a sync must follow `wake_up`, as vLLM needs its weights in place)."""
-    from rl_data.transport import write_buckets
+    from rl_data.sync.file import write_buckets
 
     sleeper = HFEngine(tiny_checkpoint, dtype="float32", max_model_len=128, seed=0)
     try:

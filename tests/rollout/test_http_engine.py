@@ -16,7 +16,7 @@ import threading
 
 import pytest
 
-from rl_data.transport import free_port
+from rl_data.sync.broadcast import free_port
 from rl_rollout.engines.http import HTTPEngine
 from rl_rollout.protocol import EngineError, SamplingParams, prompt_seed
 from tests.rollout.engine_contract import EngineContract

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from rl_data.transport import free_port
+from rl_data.sync.broadcast import free_port
 from rl_rollout.remote import RemoteRewardClient, RemoteRewardError
 from rl_rollout.rewards import RewardFunction
 

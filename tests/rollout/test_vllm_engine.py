@@ -24,7 +24,9 @@ import pytest
 import torch
 
 from rl_data import WeightSyncReport, compare_checksums, decode, encode, pack_bucket
-from rl_data.transport import WeightSyncSpec, free_port, write_buckets
+from rl_data.sync import WeightSyncSpec
+from rl_data.sync.broadcast import free_port
+from rl_data.sync.file import write_buckets
 from rl_rollout.engines.vllm import COMPILE_PROBE_THREAD
 from rl_rollout.protocol import EngineError, SamplingParams
 from tests.rollout.engine_contract import EngineContract, reference_logprobs

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from rl_data.transport import free_port
+from rl_data.sync.broadcast import free_port
 from rl_rollout.engines.http import wait_for_server
 from rl_rollout.protocol import EngineError
 

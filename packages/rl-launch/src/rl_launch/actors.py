@@ -25,6 +25,7 @@ import msgspec
 from rl_learner import DeepSpeedConfig, LoraOptions, OptimizerConfig
 
 from .config import RewardConfig
+from .placement import EngineReady
 from .plugins import PluginRef, import_plugins
 
 __all__ = ["ActorGroup", "EngineActivity", "EngineSpec", "LearnerSpec", "LearnerWorker", "RolloutWorker"]
@@ -229,7 +230,7 @@ class LearnerWorker:
         return sync_layout(self.learner.engine, dtype=torch_dtype(dtype))
 
     def prepare_sync(self, fn: Any) -> Any:
-        """`fn(self)` for a weight-sync strategy's start (`Roles.on_policy_rank_0`, rank 0): what it
+        """`fn(self)` for a weight-sync strategy's start (`SyncContext.on_policy_rank_0`, rank 0): what it
         makes on this node (a port, a folder); `hold_until_sync` keeps a resource open meanwhile."""
         return fn(self)
 
@@ -240,7 +241,7 @@ class LearnerWorker:
 
     def location(self) -> tuple[str, list[str]]:
         """(Ray node id, the GPU ids Ray gave this actor): where the hybrid engine and the sync
-        strategy (`Roles.sync_placement`) look for engines on the same GPU."""
+        strategy (`rl_launch.placement.Placement`) look for engines on the same GPU."""
         import ray
 
         return ray.get_runtime_context().get_node_id(), [str(gpu) for gpu in ray.get_gpu_ids()]
@@ -603,22 +604,22 @@ class RolloutWorker:
         self.gate = _SyncGate() if spec.streaming and not spec.partial_rollout else None
         self.busy = EngineActivity()
 
-    def ready(self) -> tuple[int, int | None, str, list[str], dict[str, int | None]]:
-        """(weight-sync ranks this engine takes, its KV-cache bytes or None where vLLM sizes it,
-        the Ray node it runs on, the GPU ids Ray gave it, its context: {"max_model_len",
-        "kv_cache_tokens"} as the engine has them, None where it does not say)."""
+    def ready(self) -> EngineReady:
+        """This engine once started (`rl_launch.placement.EngineReady`): the weight-sync ranks it
+        takes, its KV-cache bytes (None where vLLM sizes it), the Ray node it runs on, the GPU ids
+        Ray gave it, its context (max_model_len, kv_cache_tokens) as the engine has them."""
         import ray
 
-        node = ray.get_runtime_context().get_node_id()
         # A receiving engine takes one rank of a broadcast group per worker process (vLLM: its TP
         # x PP workers, `sync_world_size`; transformers: itself); one that receives nothing, none.
-        sync_ranks = getattr(self.engine, "sync_world_size", 1) if self.receives_weights else 0
-        gpus = [str(gpu) for gpu in ray.get_gpu_ids()]
-        context = {
-            "max_model_len": getattr(self.engine, "max_model_len", None),
-            "kv_cache_tokens": getattr(self.engine, "kv_cache_tokens", None),
-        }
-        return sync_ranks, getattr(self.engine, "kv_cache_bytes", None), node, gpus, context
+        return EngineReady(
+            sync_size=getattr(self.engine, "sync_world_size", 1) if self.receives_weights else 0,
+            kv_cache_bytes=getattr(self.engine, "kv_cache_bytes", None),
+            node=ray.get_runtime_context().get_node_id(),
+            gpus=tuple(str(gpu) for gpu in ray.get_gpu_ids()),
+            max_model_len=getattr(self.engine, "max_model_len", None),
+            kv_cache_tokens=getattr(self.engine, "kv_cache_tokens", None),
+        )
 
     def generate(
         self, samples: bytes, sampling: Any, first_group_id: int, greedy_baseline: bool = False

@@ -29,20 +29,16 @@ from rl_algos import (
     token_level_rewards,
 )
 from rl_data import ExperienceBatch, Trajectory
-from rl_learner import PolicyLossConfig, ValueLossConfig
 
-from .components import correction_name, estimator_needs, estimator_options
+from .components import estimator_needs, estimator_options
 from .config import PPOConfig
 
 __all__ = [
     "learners_share_prefix",
-    "old_logprobs_from_training",
-    "policy_loss_config",
     "reward_metrics",
     "score_batch",
     "score_normalization",
     "shape_rewards",
-    "value_loss_config",
 ]
 
 
@@ -52,63 +48,6 @@ def learners_share_prefix(config: PPOConfig) -> bool:
     from rl_learner.config import prefix_sharing_on
 
     return prefix_sharing_on(config.model.share_prefix, config.model.attn_implementation)
-
-
-def old_logprobs_from_training(config: PPOConfig) -> bool:
-    """True when the old log-probs equal the training forward's own log-probs, detached.
-
-    That holds when each batch gets exactly one optimizer step (one epoch, one mini-batch): the
-    weights that would score the batch are the weights that train on it. The separate forward is
-    then skipped (TRL does the same) and the learner uses its own detached log-probs, so the
-    ratio is exactly 1. It also needs a run without a reference model (β = 0): the KL and its
-    controller are computed from the old log-probs before training. In async mode the rollout
-    weights lag, but the old log-probs are still those of the current weights, so the rule is the
-    same; the rollout correction compares them with the sampler's log-probs inside the learner.
-    A distillation teacher also needs them in the driver (the teacher reward and
-    `distill/kl_to_teacher` compare the policy's log-probs with the teacher's before training).
-    """
-    samples = config.rollout.rollout_batch_size * config.rollout.n_samples_per_prompt
-    one_step = config.train.max_epochs == 1 and (config.train.train_batch_size or samples) >= samples
-    return one_step and not config.needs_reference and not config.needs_teacher
-
-
-def policy_loss_config(config: PPOConfig, *, kl_coef: float) -> PolicyLossConfig:
-    """The learner's objective: `algo.policy` (the loss, the rollout correction and their options,
-    verbatim; correction auto resolved by rollout.async_train), the KL in the loss
-    (`algo.kl.loss_*`, β = `kl_coef`) when `algo.kl.use_kl_loss`, and the KL to the teacher
-    (`algo.distill.estimator`, β_d = `algo.distill.coef`) with a teacher in mode loss.
-
-    Raises ValueError naming the `PolicyLossConfig` field for a combination it refuses.
-    """
-    policy, kl, distill = config.algo.policy, config.algo.kl, config.algo.distill
-    distill_in_loss = config.needs_teacher and distill.mode == "loss"
-    correction, correction_options = correction_name(config), dict(policy.correction_options)
-    if correction == "none":
-        correction_options = {}  # auto's options are tis's, unused when it picks none
-    return PolicyLossConfig(
-        name=policy.loss,
-        options=dict(policy.options),
-        aggregation=policy.aggregation,
-        horizon=config.rollout.generate_max_len if policy.aggregation == "seq-mean-token-sum-norm" else None,
-        kl_coef=kl_coef if kl.use_kl_loss else 0.0,
-        kl_estimator=kl.loss_estimator,
-        kl_options=dict(kl.loss_options),
-        distill_coef=distill.coef if distill_in_loss else 0.0,
-        distill_estimator=distill.estimator,
-        entropy_coef=policy.entropy_coef,
-        aux_loss_coef=policy.aux_loss_coef,
-        correction=correction,
-        correction_options=correction_options,
-        temperature=config.rollout.temperature,
-        old_logprobs_from_forward=old_logprobs_from_training(config),
-    )
-
-
-def value_loss_config(config: PPOConfig, policy: PolicyLossConfig) -> ValueLossConfig:
-    """The critic's clipped value loss, aggregated like the policy loss."""
-    return ValueLossConfig(
-        clip_range=config.algo.value_clip, aggregation=policy.aggregation, horizon=policy.horizon
-    )
 
 
 def score_batch(
@@ -137,7 +76,9 @@ def score_batch(
     mask = batch.response_action_mask()
     metrics: dict[str, float] = {}
     distill_rewards = None
-    if batch.teacher_logprobs is not None:  # never without old log-probs (old_logprobs_from_training)
+    if (
+        batch.teacher_logprobs is not None
+    ):  # never without old log-probs (`components.objective.old_logprobs_from_training`)
         old = batch.response_view(batch.old_logprobs)
         teacher = batch.response_view(batch.teacher_logprobs)
         metrics["distill/kl_to_teacher"] = float(teacher_log_ratio(old, teacher, mask)[1])
@@ -148,7 +89,9 @@ def score_batch(
             rewards = torch.zeros_like(rewards)
             baseline_rewards = None if baseline_rewards is None else torch.zeros_like(baseline_rewards)
     kl = None
-    if batch.ref_logprobs is not None:  # never without old log-probs (old_logprobs_from_training)
+    if (
+        batch.ref_logprobs is not None
+    ):  # never without old log-probs (`components.objective.old_logprobs_from_training`)
         kl = kl_penalty(
             batch.response_view(batch.old_logprobs),
             batch.response_view(batch.ref_logprobs),

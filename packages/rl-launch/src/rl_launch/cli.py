@@ -25,18 +25,14 @@ import sys
 from collections.abc import Callable, Mapping
 from typing import Any, NoReturn
 
-import msgspec
-
+from .command import given, resolve_with_preset, run_command
 from .config import ConfigError, PPOConfig
 from .options import (
     HelpFormatter,
     build_parser,
     check_unknown_args,
-    dump_config,
-    load_config,
     overrides_from_namespace,
     parse_value,
-    read_config_file,
     split_mapping_entries,
 )
 
@@ -116,18 +112,6 @@ def build_main_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Arg
     return parser, parsers
 
 
-def _given(path: str | None, overrides: Mapping[str, Any], dotted: str) -> Any:
-    """The value of `dotted` from the command line, else from the file, else None (no defaults)."""
-    if dotted in overrides:
-        return overrides[dotted]
-    data: Any = read_config_file(path) if path is not None else {}
-    for key in dotted.split("."):
-        if not isinstance(data, Mapping) or key not in data:
-            return None
-        data = data[key]
-    return data
-
-
 def resolve_ppo_config(path: str | None, overrides: Mapping[str, Any]) -> PPOConfig:
     """The `PPOConfig` of a command line: preset settings < file < dotted overrides.
 
@@ -142,7 +126,7 @@ def resolve_ppo_config(path: str | None, overrides: Mapping[str, Any]) -> PPOCon
     """
     from .plugins import import_plugins, resolve_plugins
 
-    plugins = _given(path, overrides, "plugins")
+    plugins = given(path, overrides, "plugins")
     if plugins:
         try:
             import_plugins(
@@ -152,27 +136,27 @@ def resolve_ppo_config(path: str | None, overrides: Mapping[str, Any]) -> PPOCon
             )
         except ValueError as error:
             raise ConfigError(str(error)) from None
-    preset_field = next(field for field in msgspec.structs.fields(PPOConfig) if field.name == "preset")
-    preset = _given(path, overrides, "preset")
-    preset = parse_value(str(preset) if preset is not None else "auto", preset_field.type, name="preset")
-    if preset == "auto":
-        own = any(_given(path, overrides, key) is not None for key in ("model.pretrain", "data.prompt_data"))
-        preset = "none" if own else "arithmetic"
-    settings: dict[str, Any] = {}
-    if preset != "none":
-        from .presets import preset_settings
-
-        settings = preset_settings(preset)
-    return load_config(
-        PPOConfig, path, {**overrides, "preset": preset}, base=settings, rewrite=_former_keys_of(path)
+    return resolve_with_preset(
+        PPOConfig,
+        path,
+        overrides,
+        own_keys=("model.pretrain", "data.prompt_data"),
+        settings_of=_preset_settings,
+        rewrite=_former_keys_of(path),
     )
+
+
+def _preset_settings(preset: str) -> dict[str, Any]:
+    from .presets import preset_settings  # only when a preset is chosen
+
+    return preset_settings(preset)
 
 
 def _former_keys_of(path: str | None) -> Callable[[dict[str, Any]], dict[str, Any]]:
     """The config file's settings with rl-launch's former option names rewritten (a note each)."""
 
     def rewrite(settings: dict[str, Any]) -> dict[str, Any]:
-        from .aliases import migrate_former_keys
+        from .former import migrate_former_keys
 
         try:
             settings, notes = migrate_former_keys(settings)
@@ -198,22 +182,20 @@ def _ppo_overrides(args: argparse.Namespace, extras: list[str]) -> dict[str, Any
     return overrides
 
 
-def _run_ppo(parser: argparse.ArgumentParser, args: argparse.Namespace, extras: list[str]) -> int:
+def _resolve_ppo(args: argparse.Namespace, extras: list[str]) -> PPOConfig:
+    """The config of `ppo`, every component's name and options checked: the one check of the run
+    and of --print-config (`rl_launch.ppo.run` trusts it)."""
     from .components import check_components
 
-    try:
-        config = resolve_ppo_config(args.config, _ppo_overrides(args, extras))
-        check_components(config)
-    except (ConfigError, FileNotFoundError) as error:
-        print(f"{parser.prog}: error: {error}", file=sys.stderr)
-        return 2
-    if args.print_config:
-        sys.stdout.write(dump_config(config))
-        return 0
+    config = resolve_ppo_config(args.config, _ppo_overrides(args, extras))
+    check_components(config)
+    return config
+
+
+def _run_ppo(config: PPOConfig) -> int:
     from .ppo import run
 
-    code = run(config)
-    return 0 if code is None else int(code)
+    return run(config)
 
 
 def _list_components(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
@@ -241,7 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     from .aliases import COMMANDS as ALIASED_COMMANDS
 
     if argv[:1] and argv[0] in ALIASED_COMMANDS:
-        from .aliases import expand_aliases, expand_former_options
+        from .aliases import expand_aliases
+        from .former import expand_former_options
 
         command, former = argv[0], []
         try:
@@ -262,9 +245,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return 2
     if args.command == "serve-rm":
-        from .serve_rm import run_command
+        from . import serve_rm
 
-        return run_command(commands["serve-rm"], args, extras)
+        return serve_rm.run_command(commands["serve-rm"], args, extras)
     if args.command == "components":
         if extras:
             commands["components"].error(f"unrecognized arguments: {' '.join(extras)}")
@@ -275,26 +258,18 @@ def main(argv: list[str] | None = None) -> int:
         from .trainers import resolve_config, run
 
         command, cls = args.command, COMMANDS[args.command]
-        try:
+
+        def resolve() -> Any:
             entries, rest = split_mapping_entries(cls, extras)
             check_unknown_args(cls, rest)
-            config = resolve_config(command, args.config, {**overrides_from_namespace(cls, args), **entries})
-        except (ConfigError, FileNotFoundError) as error:
-            print(f"{commands[command].prog}: error: {error}", file=sys.stderr)
-            return 2
-        if args.print_config:
-            sys.stdout.write(dump_config(config))
-            return 0
-        try:
-            return run(command, config)
-        except KeyboardInterrupt:
-            print(f"{commands[command].prog}: interrupted", file=sys.stderr)
-            return 130
-    try:
-        return _run_ppo(commands[args.command], args, extras)
-    except KeyboardInterrupt:
-        print(f"{commands[args.command].prog}: interrupted", file=sys.stderr)
-        return 130
+            return resolve_config(command, args.config, {**overrides_from_namespace(cls, args), **entries})
+
+        return run_command(
+            commands[command].prog, resolve, args.print_config, lambda config: run(command, config)
+        )
+    return run_command(
+        commands[args.command].prog, lambda: _resolve_ppo(args, extras), args.print_config, _run_ppo
+    )
 
 
 def console_main() -> NoReturn:

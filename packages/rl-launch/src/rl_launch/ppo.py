@@ -33,26 +33,19 @@ import torch
 from rl_data import ExperienceBatch, Trajectory, build_experience
 from rl_learner import TrainingState
 
-from .algorithm import (
-    learners_share_prefix,
-    old_logprobs_from_training,
-    policy_loss_config,
-    reward_metrics,
-    score_batch,
-    score_normalization,
-    shape_rewards,
-    value_loss_config,
-)
-from .components import check_components, describe_components
-from .config import ConfigError, PPOConfig, hf_output_dir
+from .algorithm import learners_share_prefix, reward_metrics, score_batch, score_normalization, shape_rewards
+from .command import Recipe, ray_line, run_recipe
+from .components import describe_components
+from .components.objective import old_logprobs_from_training, policy_loss_config, value_loss_config
+from .config import PPOConfig, hf_output_dir
 from .diagnosis import death_cause, describe_actor_failure, failed_actor_name, is_actor_failure
-from .health import HealthError, HealthMonitor
+from .health import HealthMonitor
 from .preemption import STARTUP_STOP, Preempted, PreemptionGuard
 from .roles import Roles
 from .rollouts import Rollouts, completion_rows
 from .tracking import PhaseTimer, StartupLines, Tracker, print_outputs, quiet_third_party_output, step_metrics
 
-__all__ = ["PPOTrainer", "run", "steps_of_episodes"]
+__all__ = ["PPORecipe", "PPOTrainer", "run", "steps_of_episodes"]
 
 """The console's words for a signal that arrives before the first step (`run`'s start-up and the
 starting evaluation are abandonable: a signal stops them at once)."""
@@ -209,9 +202,9 @@ class PPOTrainer:
         """The weights go to the engines as the next version. `settle`: also wait for the receipts
         async mode has not compared yet (the last step), so every version is checked."""
         self.version += 1
-        metrics = self.roles.sync_weights(self.version)
+        metrics = self.roles.weights.send(self.version)
         if settle:
-            late = self.roles.settle_sync()
+            late = self.roles.weights.settle()
             key = "health/sync_checksum_match"
             if key in late:
                 metrics[key] = min(late[key], metrics.get(key, 1.0))
@@ -353,7 +346,8 @@ class PPOTrainer:
         saved_step = start.step  # the newest checkpoint on disk (a resumed run's own)
         tracker.restore_step(start.step, start.extra.get("step_metrics"))  # killed before its line
         abandonable = preemption.abandonable if preemption is not None else contextlib.nullcontext
-        self.roles.to_generation()  # hybrid engine: the learners' states leave the GPU, engines awake
+        hand_off = self.roles.hand_off  # ray.colocate all: engines and learners take turns on the GPUs
+        hand_off.to_generation()  # the learners' states leave the GPU, engines awake
         if start.step == 0 and self.eval_data is not None:
             with abandonable(STARTUP_STOP):  # a signal now stops the run: nothing to save yet
                 tracker.log(0, self.rollouts.evaluate(self.eval_data))  # the starting policy
@@ -369,9 +363,7 @@ class PPOTrainer:
                     tracker.log_completions(
                         step, completion_rows(records[: cfg.log.completions], self.tokenizer)
                     )
-                if self.roles.swapping:  # ray.colocate all: engines sleep, learners reload their states
-                    with timer.phase("sleep"):
-                        self.roles.to_training()
+                hand_off.to_training(timer)  # engines sleep, learners reload their states
                 with abandonable(), timer.phase("experience"):
                     batch, experience = self.make_experience(records)
             except KeyboardInterrupt:
@@ -384,18 +376,14 @@ class PPOTrainer:
                 raise
             with timer.phase("training"):
                 metrics |= experience | self.train(batch, step)
-            if self.roles.swapping:  # the engines wake for the sync, read from the learners' GPU
-                with timer.phase("wake"):
-                    self.roles.wake_engines()
+            hand_off.wake_engines(timer)  # for the sync, which reads from the learners' GPU
             last = step == cfg.train.max_steps
             with timer.phase("sync"):
                 if not self.policy_frozen(step):
                     metrics |= self.sync(settle=last)
                 elif last:  # nothing to send; async mode still compares the receipts it waits for
-                    metrics |= self.roles.settle_sync()
-            if self.roles.swapping:  # then the learners' states leave the GPU for the generation
-                with timer.phase("offload"):
-                    self.roles.offload_learners()
+                    metrics |= self.roles.weights.settle()
+            hand_off.offload_learners(timer)  # then the learners' states leave the GPU for the generation
             if self.eval_data is not None and (step % cfg.eval.eval_steps == 0 or last):
                 with timer.phase("eval"):
                     metrics |= self.rollouts.evaluate(self.eval_data)
@@ -465,121 +453,123 @@ def _start_loading_data(config: PPOConfig, inputs: Any) -> concurrent.futures.Fu
     return future
 
 
-def run(config: PPOConfig) -> int:
-    """Run `rl-launch ppo` with a resolved config; the process exit code (0 on success)."""
-    import ray
+class PPORecipe(Recipe):
+    """`rl-launch ppo` as setup / train / cleanup (`rl_launch.command.run_recipe` maps the rest)."""
 
-    from .cluster import ClusterError, start_ray
-    from .plugins import import_plugins, resolve_plugins
-    from .preflight import PreflightError, check_context, resolve_inputs
-    from .prompts import describe_data
-    from .runs import RunFolderError, open_run_folder
+    name = "rl-launch ppo"
 
-    started_ray, roles, guard, trainer, log_dir = False, None, None, None, None
-    console = StartupLines("rl-launch ppo")
-    output_dir = Path(config.log.output_dir)
-    try:
-        plugins = resolve_plugins(config.plugins)
-        import_plugins(plugins)
-        check_components(config)
+    def __init__(self, config: PPOConfig) -> None:
+        self.config = config
+        self.console = StartupLines(self.name)
+        self.output_dir = Path(config.log.output_dir)
+        self.started_ray, self.roles, self.trainer, self.log_dir = False, None, None, None
+
+    @property
+    def stepping(self) -> bool:
+        return self.trainer is not None and self.trainer.stepping
+
+    def setup(self) -> None:
+        """Inputs and run folder, then Ray (the data loads meanwhile), the actors and the trainer."""
+        import ray
+
+        from .cluster import start_ray
+        from .plugins import import_plugins, resolve_plugins
+        from .preflight import check_context, resolve_inputs
+        from .runs import open_run_folder
+
+        self.ray_errors = (ray.exceptions.RayError,)
+        config, say = self.config, self.console.say
+        self.plugins = resolve_plugins(config.plugins)
+        import_plugins(self.plugins)  # checked with the config (`check_components`), needed here too
         preset = None
         if config.preset != "none":
             from .presets import prepare_preset
 
             preset = prepare_preset(config.preset, config.preset_root, seed=0)
-            console.say(f"preset {config.preset}: model and prompts in {Path(preset.model_path).parent}")
-        inputs = resolve_inputs(config, preset)
-        context_note = check_context(config, inputs)
+            say(f"preset {config.preset}: model and prompts in {Path(preset.model_path).parent}")
+        self.inputs = resolve_inputs(config, preset)
+        context_note = check_context(config, self.inputs)
         if context_note is not None:
-            console.say(context_note)
-        plan = open_run_folder(
-            config, roles=["policy", "critic"] if config.needs_critic else ["policy"], say=console.say
+            say(context_note)
+        self.plan = open_run_folder(
+            config, roles=["policy", "critic"] if config.needs_critic else ["policy"], say=say
         )
         # The tokenizer and the prompts load on a thread while Ray starts (mostly imports against
         # Ray's processes starting); a bad row is raised here once Ray is up, before any actor.
-        data = _start_loading_data(config, inputs)
-        started_ray = start_ray(config, temp_dir=config.ray.temp_dir)
+        data = _start_loading_data(config, self.inputs)
+        self.started_ray = start_ray(config, temp_dir=config.ray.temp_dir)
         # after ray.init, which sets a SIGTERM handler of its own
-        guard = PreemptionGuard("rl-launch ppo", config.ckpt.preemption_timeout_s).install()
+        self.guard = PreemptionGuard(self.name, config.ckpt.preemption_timeout_s).install()
         # Until the first step, a signal stops at once: nothing has been trained that a checkpoint
         # would keep (a resumed run's own checkpoint stays as it was).
-        with guard.abandonable(STARTUP_STOP):
-            console.say(
-                f"ray: {'local cluster on 127.0.0.1' if started_ray else 'joined ' + str(config.ray.address)}"
-            )
-            tokenizer, train_data, eval_data, took = data.result()
-            # the line's own seconds: how long the data kept the run waiting once Ray was up
-            console.say(f"{describe_data(train_data, eval_data)}; loaded in {took:.1f} s while Ray started")
-            if config.train.num_episodes is not None:
-                config = steps_of_episodes(config, len(train_data))
-                console.say(
-                    f"train.num_episodes {config.train.num_episodes}: train.max_steps {config.train.max_steps} "
-                    f"({len(train_data)} prompts, {config.rollout.rollout_batch_size} per step)"
-                )
-            console.say(
-                f"algorithm: {describe_components(config)}; old log-probs "
-                + (
-                    "from the training forward"
-                    if old_logprobs_from_training(config)
-                    else "from a separate forward"
-                )
-                + (
-                    "; learners run a prompt shared by several samples once (model.share_prefix)"
-                    if learners_share_prefix(config)
-                    else ""
-                )
-            )
-            samples = config.rollout.rollout_batch_size * config.rollout.n_samples_per_prompt
-            steps_per_batch = config.train.max_epochs * (
-                samples // (config.train.train_batch_size or samples)
-            )
-            roles = Roles(config, plugins=plugins)
-            log_dir = str(output_dir / "logs") if config.log.actor_output == "file" else None
-            roles.start(inputs, log_dir=log_dir, total_steps=steps_per_batch * config.train.max_steps)
-            console.say(roles.describe())
-            console.say(f"weight sync: {roles.init_weight_sync()}")
-            from rl_data.datasets import PromptLoader
+        with self.guard.abandonable(STARTUP_STOP):
+            say(ray_line(self.started_ray, config.ray.address))
+            self._start(data)
 
-            loader = PromptLoader(
-                train_data, batch_size=config.rollout.prompts_per_round, seed=config.train.seed, shuffle=True
+    def _start(self, data: concurrent.futures.Future) -> None:
+        """The prompts, the actors and their weight sync, the trainer at its resumed state."""
+        from .prompts import describe_data
+
+        say = self.console.say
+        tokenizer, train_data, eval_data, took = data.result()
+        # the line's own seconds: how long the data kept the run waiting once Ray was up
+        say(f"{describe_data(train_data, eval_data)}; loaded in {took:.1f} s while Ray started")
+        config = self.config
+        if config.train.num_episodes is not None:
+            config = self.config = steps_of_episodes(config, len(train_data))
+            say(
+                f"train.num_episodes {config.train.num_episodes}: train.max_steps {config.train.max_steps} "
+                f"({len(train_data)} prompts, {config.rollout.rollout_batch_size} per step)"
             )
-            rollouts = Rollouts(config, roles.engines, loader)
-            rollouts.log_dir, rollouts.notify = log_dir, console.warn
-            normalization = None
-            if config.reward.normalize == "model":
-                normalization = score_normalization(inputs.reward_model_path)
-                console.say(
-                    f"reward.normalize model: scores ← (s − {normalization[0]:g}) / {normalization[1]:g}"
-                    if normalization is not None
-                    else f"reward.normalize model: {inputs.reward_model_path}/config.json has no usable mean "
-                    "and std; the reward model's scores stay raw"
-                )
-            trainer = PPOTrainer(
-                config,
-                roles,
-                rollouts,
-                eval_data,
-                plan,
-                tokenizer=tokenizer,
-                score_normalization=normalization,
-            )
-            state = trainer.resume()
-        with Tracker.for_run(config, start_step=state.step) as tracker:
+        say(describe_algorithm(config))
+        samples = config.rollout.rollout_batch_size * config.rollout.n_samples_per_prompt
+        steps_per_batch = config.train.max_epochs * (samples // (config.train.train_batch_size or samples))
+        roles = self.roles = Roles(config, plugins=self.plugins)
+        self.log_dir = str(self.output_dir / "logs") if config.log.actor_output == "file" else None
+        roles.start(self.inputs, log_dir=self.log_dir, total_steps=steps_per_batch * config.train.max_steps)
+        say(roles.describe())
+        say(f"weight sync: {roles.init_weight_sync()}")
+        from rl_data.datasets import PromptLoader
+
+        loader = PromptLoader(
+            train_data, batch_size=config.rollout.prompts_per_round, seed=config.train.seed, shuffle=True
+        )
+        rollouts = Rollouts(config, roles.engines, loader)
+        rollouts.log_dir, rollouts.notify = self.log_dir, self.console.warn
+        normalization = None
+        if config.reward.normalize == "model":
+            normalization = score_normalization(self.inputs.reward_model_path)
+            say(describe_score_normalization(normalization, self.inputs.reward_model_path))
+        self.trainer = PPOTrainer(
+            config,
+            roles,
+            rollouts,
+            eval_data,
+            self.plan,
+            tokenizer=tokenizer,
+            score_normalization=normalization,
+        )
+        self.state = self.trainer.resume()
+
+    def train(self) -> int:
+        """The steps, then the final export and the run's outputs; the exit code."""
+        config, roles, trainer, plan = self.config, self.roles, self.trainer, self.plan
+        with Tracker.for_run(config, start_step=self.state.step) as tracker:
             try:
-                trainer.fit(tracker, state, preemption=guard)
+                trainer.fit(tracker, self.state, preemption=self.guard)
             except Preempted as stop:
                 roles.close_engines()  # runs while the outputs are written
                 summary = tracker.close(exit_code=stop.exit_code)
-                print_outputs(output_dir, summary, plan.ckpt_root, log_dir=log_dir)
-                print(f"rl-launch ppo: {stop}", file=sys.stderr)
+                print_outputs(self.output_dir, summary, plan.ckpt_root, log_dir=self.log_dir)
+                print(f"{self.name}: {stop}", file=sys.stderr)
                 return stop.exit_code
             roles.close_engines()  # vLLM's shutdown takes seconds: it runs while the outputs are written
             final = None
             if config.ckpt.save_hf_model:
                 final = hf_output_dir(config)
-                roles.export(str(final), inputs.model_path)
+                roles.export(str(final), self.inputs.model_path)
                 if config.train.ema_beta is not None:
-                    roles.export_ema(str(output_dir / "final_ema"), inputs.model_path)
+                    roles.export_ema(str(self.output_dir / "final_ema"), self.inputs.model_path)
             best = trainer.best_line()
             if best is not None:
                 tracker.message(best)
@@ -587,45 +577,55 @@ def run(config: PPOConfig) -> int:
         if best is not None:
             with open(Path(summary.metrics_path).parent / "summary.txt", "a") as handle:
                 handle.write(best + "\n")
-        print_outputs(output_dir, summary, plan.ckpt_root, final=final, log_dir=log_dir)
+        print_outputs(self.output_dir, summary, plan.ckpt_root, final=final, log_dir=self.log_dir)
         return 0
-    except (ConfigError, PreflightError, ClusterError, RunFolderError) as error:
-        print(f"rl-launch ppo: error: {error}", file=sys.stderr)
-        return 2 if isinstance(error, (ConfigError, RunFolderError)) else 1
-    except HealthError as error:
-        print(f"rl-launch ppo: stopped: {error}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        if guard is not None and guard.requested:
-            before_steps = trainer is None or not trainer.stepping
-            what = (
-                "during start-up, before the first step (nothing to save)"
-                if before_steps
-                else "without saving"
-            )
-            print(f"rl-launch ppo: {guard.signal_name}: stopped {what}", file=sys.stderr)
-            return guard.exit_code
-        return 130
-    except ray.exceptions.RayError as error:
-        print(f"rl-launch ppo: error: {_diagnosis(error, roles, trainer, log_dir)}", file=sys.stderr)
-        return 1
-    finally:
-        if roles is not None and ray.is_initialized():
-            roles.shutdown()
-        if started_ray and ray.is_initialized():
+
+    def cleanup(self) -> None:
+        import ray
+
+        if self.roles is not None and ray.is_initialized():
+            self.roles.shutdown()
+        if self.started_ray and ray.is_initialized():
             ray.shutdown()
-        if guard is not None:
-            guard.finish()
+        if self.guard is not None:
+            self.guard.finish()
+
+    def diagnose(self, error: BaseException) -> str:
+        """Which actor failed, where its log is, why, and what the run saved before it stopped."""
+        names = self.roles.actor_names() if self.roles is not None else {}
+        _, text = describe_actor_failure(error, names, self.log_dir)
+        cause = death_cause(error, names, self.log_dir)
+        lines = [text, *([f"  why: {cause}"] if cause is not None else [])]
+        if self.trainer is not None:
+            lines += [f"  {line}" for line in self.trainer.after_failure(error)]
+        return "\n".join(lines)
 
 
-def _diagnosis(
-    error: BaseException, roles: Roles | None, trainer: PPOTrainer | None, log_dir: str | None
-) -> str:
-    """Which actor failed, where its log is, why, and what the run saved before it stopped."""
-    names = roles.actor_names() if roles is not None else {}
-    _, text = describe_actor_failure(error, names, log_dir)
-    cause = death_cause(error, names, log_dir)
-    lines = [text, *([f"  why: {cause}"] if cause is not None else [])]
-    if trainer is not None:
-        lines += [f"  {line}" for line in trainer.after_failure(error)]
-    return "\n".join(lines)
+def describe_algorithm(config: PPOConfig) -> str:
+    """The start-up line of the algorithm: its components and where the old log-probs come from."""
+    return (
+        f"algorithm: {describe_components(config)}; old log-probs "
+        + ("from the training forward" if old_logprobs_from_training(config) else "from a separate forward")
+        + (
+            "; learners run a prompt shared by several samples once (model.share_prefix)"
+            if learners_share_prefix(config)
+            else ""
+        )
+    )
+
+
+def describe_score_normalization(normalization: tuple[float, float] | None, path: str | None) -> str:
+    """The start-up line of reward.normalize model."""
+    if normalization is None:
+        return (
+            f"reward.normalize model: {path}/config.json has no usable mean "
+            "and std; the reward model's scores stay raw"
+        )
+    return f"reward.normalize model: scores ← (s − {normalization[0]:g}) / {normalization[1]:g}"
+
+
+def run(config: PPOConfig) -> int:
+    """Run `rl-launch ppo` with a resolved config that passed `components.check_components` (the
+    command line checks it once, for --print-config and the run alike); the process exit code
+    (0 on success)."""
+    return run_recipe(PPORecipe(config))

@@ -88,7 +88,7 @@ def gloo_interface_towards(master_addr: str) -> str | None:
     gloo otherwise binds to what the host name resolves to, which on many machines is a loopback
     address (127.0.1.1), and then no rank on another node can reach this one.
     """
-    from rl_data.transport import local_address
+    from rl_data.sync.broadcast import local_address
 
     return interface_with_address(local_address(master_addr))
 

@@ -27,8 +27,8 @@ time, rl-launch version, configuration and fingerprint, and one entry per resume
 Configurations are handled as nested dicts (`msgspec.to_builtins(config)`), so this module does
 not depend on the exact fields of `PPOConfig`; keys are named by their dotted path
 (`algo.advantage.estimator`). The one exception is reading an older `run.json` format, whose
-configuration's former keys `rl_launch.aliases.migrate_former_keys` rewrites. It imports neither Ray nor torch (`rl_learner` is imported when
-checkpoints are listed; that import stays light).
+configuration's former keys `rl_launch.former.migrate_former_keys` rewrites. It imports neither
+Ray nor torch (`rl_learner` is imported when checkpoints are listed; that import stays light).
 
 Typical use by the driver, before Ray starts:
 
@@ -83,7 +83,7 @@ RUN_FILE = "run.json"
 RUN_FORMAT = 2
 # Format 2 (rl-launch's rollout correction became `algo.policy.correction` and its options): a
 # format-1 run.json is read with its configuration's former keys rewritten
-# (`rl_launch.aliases.migrate_former_keys`), its fingerprint kept in `earlier_fingerprints`.
+# (`rl_launch.former.migrate_former_keys`), its fingerprint kept in `earlier_fingerprints`.
 _READABLE_FORMATS = (1, 2)
 # Keys of TrainingState.extra that tie a checkpoint to the run that wrote it.
 RUN_ID_KEY = "run_id"
@@ -383,7 +383,7 @@ def read_run_manifest(output_dir: str | os.PathLike[str]) -> RunManifest | None:
             f"{manifest.version} that wrote it"
         )
     if manifest.format == 1:
-        from .aliases import migrate_former_keys
+        from .former import migrate_former_keys
 
         try:
             config, _ = migrate_former_keys(manifest.config)
@@ -686,7 +686,19 @@ def prepare_run_folder(
                 "start it in another --log.output_dir"
             )
         return start_fresh(f"no checkpoint in {ckpt_root}: starting at step 0")
+    return _resume_run(output_dir, ckpt_root, config, fingerprint, manifest, roles)
 
+
+def _resume_run(
+    output_dir: Path,
+    ckpt_root: Path,
+    config: dict[str, Any],
+    fingerprint: str,
+    manifest: RunManifest,
+    roles: Sequence[str],
+) -> RunPlan:
+    """`prepare_run_folder`'s resume of the run `manifest` describes: the configuration checked
+    against it, the checkpoint chosen, `run.json` rewritten with a `resumes` entry."""
     differences = config_differences(manifest.config, config)
     if differences:
         raise RunFolderError(

@@ -501,19 +501,18 @@ def run_command(parser: Any, args: Any, extras: list[str]) -> int:
     A bad option or value prints `rl-launch serve-rm: error: <message>` and returns 2 before the
     model loads; a model that cannot be loaded returns 1 with the loader's message.
     """
-    from .options import check_unknown_args, dump_config, load_config, overrides_from_namespace
+    from .command import run_command
+    from .options import check_unknown_args, load_config, overrides_from_namespace
 
-    try:
+    def resolve() -> ServeRMConfig:
         check_unknown_args(ServeRMConfig, extras)
-        config = load_config(ServeRMConfig, args.config, overrides_from_namespace(ServeRMConfig, args))
-    except (ConfigError, FileNotFoundError) as error:
-        print(f"{parser.prog}: error: {error}", file=sys.stderr)
-        return 2
-    if args.print_config:
-        sys.stdout.write(dump_config(config))
-        return 0
-    try:
-        return serve(config, prog=parser.prog)
-    except (OSError, ValueError) as error:  # a missing / wrong model folder, a port in use
-        print(f"{parser.prog}: error: {error}", file=sys.stderr)
-        return 1
+        return load_config(ServeRMConfig, args.config, overrides_from_namespace(ServeRMConfig, args))
+
+    def run(config: ServeRMConfig) -> int:
+        try:
+            return serve(config, prog=parser.prog)
+        except (OSError, ValueError) as error:  # a missing / wrong model folder, a port in use
+            print(f"{parser.prog}: error: {error}", file=sys.stderr)
+            return 1
+
+    return run_command(parser.prog, resolve, args.print_config, run)

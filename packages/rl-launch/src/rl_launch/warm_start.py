@@ -120,6 +120,22 @@ def _lr_factor(step: int, steps: int) -> float:
     return MIN_LR_RATIO + (1 - MIN_LR_RATIO) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+def _image_inputs(
+    images: Sequence[Any], batch: list[int], input_ids: torch.Tensor, image_token_id: int | None
+) -> dict[str, Any]:
+    """The forward's image arguments for the batch's examples ({} when none has an image)."""
+    from rl_data import ImageInputs
+
+    pixels = ImageInputs.concat([images[i] for i in batch])
+    if pixels is None:
+        return {}
+    return {
+        "pixel_values": pixels.pixel_values,
+        "image_grid_thw": pixels.grid_thw,
+        "mm_token_type_ids": (input_ids == image_token_id).int(),
+    }
+
+
 def sft_warm_start(
     model: Any,
     tokenizer: Any,
@@ -189,17 +205,7 @@ def sft_warm_start(
                 order = torch.randperm(len(rows), generator=generator).tolist()
             batch, order = order[:batch_size], order[batch_size:]
             input_ids, attention, response = _collate([rows[i] for i in batch], pad_id)
-            extra = {}
-            if images is not None:
-                from rl_data import ImageInputs
-
-                pixels = ImageInputs.concat([images[i] for i in batch])
-                if pixels is not None:
-                    extra = {
-                        "pixel_values": pixels.pixel_values,
-                        "image_grid_thw": pixels.grid_thw,
-                        "mm_token_type_ids": (input_ids == image_token_id).int(),
-                    }
+            extra = _image_inputs(images, batch, input_ids, image_token_id) if images is not None else {}
             logits = model(input_ids=input_ids, attention_mask=attention, **extra).logits
             # Position t predicts token t + 1: shift labels and the response mask by one.
             logprobs = logprobs_from_logits(logits[:, :-1], input_ids[:, 1:])

@@ -39,6 +39,7 @@ from .ema import WeightEMA, ema_update
 from .learner import Learner, NonFiniteError, PolicyLearner, PolicyLossConfig, ValueLearner, ValueLossConfig
 from .lora import LoraOptions, apply_lora
 from .models import load_causal_lm, load_value_model, packed_logprobs, packed_scores, packed_values
+from .sender_base import SENDERS, WeightSender
 from .senders import BroadcastSender, FileSender, IpcSender, ShmSender
 from .supervised import (
     DPOLearner,
@@ -53,7 +54,7 @@ from .supervised import (
     pack_unpaired,
     sequence_logprobs,
 )
-from .sync import SENDERS, WeightSender, make_sender, sync_layout
+from .sync import make_sender, sync_layout
 
 __all__ = [
     "SENDERS",

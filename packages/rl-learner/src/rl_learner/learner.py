@@ -68,9 +68,9 @@ from rl_algos import (
     value_loss,
 )
 from rl_data import ExperienceBatch
-from rl_data.transport import free_port
 
 from .config import DeepSpeedConfig, OptimizerConfig, build_optimizer, build_scheduler, deepspeed_config
+from .distributed import ensure_distributed
 from .models import (
     RouterCapture,
     _vision_model,
@@ -236,54 +236,6 @@ class ValueLossConfig(msgspec.Struct, frozen=True, kw_only=True):
 # --------------------------------------------------------------------------- process group
 
 
-def _ensure_distributed() -> None:
-    """Initialise torch.distributed through DeepSpeed when the caller has not (gloo on CPU, nccl on CUDA)."""
-    import deepspeed
-
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if dist.is_initialized():
-        if dist.get_world_size() == 1:
-            # DeepSpeed's engine reads LOCAL_RANK from the environment even for a group the caller made.
-            os.environ.setdefault("LOCAL_RANK", "0")
-        # DeepSpeed's own view of the group the caller made: its config reads the world size
-        # from it (a ZeRO-3 load's batch check), and it wraps the existing group.
-        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
-        return
-    _forget_deepspeeds_world_group()
-    if "RANK" not in os.environ:
-        # A single process started without a launcher: a world of one on a free local port, given
-        # directly rather than through RANK / MASTER_PORT in os.environ, which child processes
-        # would inherit and then try to listen on the same port. DeepSpeed's engine reads
-        # LOCAL_RANK from the environment; 0 is right for a world of one and harmless to inherit.
-        os.environ.setdefault("LOCAL_RANK", "0")
-        deepspeed.init_distributed(
-            dist_backend=backend,
-            auto_mpi_discovery=False,
-            verbose=False,
-            init_method=f"tcp://127.0.0.1:{free_port()}",
-            rank=0,
-            world_size=1,
-        )
-        return
-    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
-
-
-def _forget_deepspeeds_world_group() -> None:
-    """Drop DeepSpeed's clone of an earlier world group before this process makes a new world.
-
-    DeepSpeed clones the world group the first time an engine needs it
-    (`deepspeed.utils.groups._WORLD_GROUP`) and keeps the clone for the life of the process. When
-    that world ends (its process group destroyed: in the test suite, by an in-process vLLM
-    engine's tests in the same process), the next learner in the same process would broadcast
-    over the dead clone ("Group ... is not registered"); without it, DeepSpeed clones the new
-    world.
-    """
-    from deepspeed.utils import groups
-
-    if getattr(groups, "_WORLD_GROUP", None) is not None:
-        groups._WORLD_GROUP = None
-
-
 # --------------------------------------------------------------------------- step counts
 
 
@@ -364,7 +316,7 @@ class Learner:
         _choice(type(self).__name__, "on_non_finite", on_non_finite, ON_NON_FINITE)
         if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 1:
             raise ValueError(f"total_steps: {total_steps!r} is not an integer >= 1")
-        _ensure_distributed()
+        ensure_distributed()
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.sequence_parallel = self._sequence_parallel_group(model, deepspeed.sequence_parallel_size)

@@ -192,9 +192,9 @@ def _zero3_loading(zero3_config: dict[str, Any] | None):
         )
     from transformers.integrations import HfDeepSpeedConfig
 
-    from .learner import _ensure_distributed
+    from .distributed import ensure_distributed
 
-    _ensure_distributed()
+    ensure_distributed()
     keep_alive = HfDeepSpeedConfig(zero3_config)
     try:
         yield

@@ -30,6 +30,7 @@ from .agent_server import AgentServer, ServerError, SessionRecord
 from .executors import EpisodeError, MultiTurnExecutor, SingleTurnExecutor, load_agent, load_agent_class
 from .filtering import DynamicSampler, FilterResult, dynamic_sample, filter_groups, shape_rewards
 from .protocol import Engine, EngineError, Generation, SamplingParams
+from .receiver_base import RECEIVERS, TransportReceiver
 from .remote import RemoteRewardClient, RemoteRewardError
 from .rewards import (
     BatchedReward,
@@ -59,7 +60,7 @@ from .tools import (
     register_tool_parser,
     tool_from_function,
 )
-from .weights import RECEIVERS, TransportReceiver, WeightReceiver
+from .weights import WeightReceiver
 
 __all__ = [
     "RECEIVERS",

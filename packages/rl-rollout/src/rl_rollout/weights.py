@@ -21,56 +21,20 @@ them instead of copying them first (`views_outlive_receive`).
 
 from __future__ import annotations
 
-import abc
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
 from rl_algos import Registry
-from rl_data import BucketMeta, WeightSyncMeta, WeightSyncReport
-from rl_data.sync import Consume, WeightSyncError, WeightSyncSpec
+from rl_data import BucketMeta, WeightSyncReport
+from rl_data.sync import WeightSyncError, WeightSyncSpec
 
-__all__ = ["RECEIVERS", "TransportReceiver", "WeightReceiver"]
+from .receiver_base import RECEIVERS, TransportReceiver
+
+__all__ = ["WeightReceiver"]
 
 Apply = Callable[[Iterable[tuple[str, torch.Tensor]]], None]
-
-
-class TransportReceiver(abc.ABC):
-    """One transport's receiving loop, built once per engine worker from the spec.
-
-    The constructor joins the transport (a process group blocks there until every rank joined).
-    `receive(version, consume, payload, hold)` runs one sync, handing each verified bucket to
-    `consume(bucket, tensors)`, and returns the receiver's `WeightSyncReport`. `device`: where
-    the engine would like received buffers (a transport may ignore it).
-
-    payload_type: the msgspec struct each `receive` needs from the orchestrator (the "ipc"
-    transport's `IpcPayload`, one per policy rank), None when the transport carries everything.
-    views_outlive_receive: whether `hold=True` keeps the views handed to `consume` valid until
-    `release()` (the "shm" transport: they are the shared pages themselves).
-    """
-
-    payload_type: ClassVar[type | None] = None
-    views_outlive_receive: ClassVar[bool] = False
-
-    def __init__(
-        self, spec: WeightSyncSpec, rank: int, layout: WeightSyncMeta, *, device: torch.device | str | None
-    ) -> None:
-        self.spec, self.rank, self.layout, self.device = spec, rank, layout, device
-
-    @abc.abstractmethod
-    def receive(self, version: int, consume: Consume, payload: Any, *, hold: bool) -> WeightSyncReport:
-        """Receive one sync; raise `WeightSyncError` on a layout or checksum mismatch."""
-
-    def release(self) -> None:  # noqa: B027 - only transports whose views outlive receive hold anything
-        """Let the sender reuse what a `receive(..., hold=True)` kept."""
-
-    def close(self) -> None:  # noqa: B027 - a transport without resources has nothing to release
-        """Leave the transport (a process group, a mapping)."""
-
-
-RECEIVERS = Registry("weight-sync receiver")
-"""transport name -> `TransportReceiver` subclass (`rl_rollout.receivers` holds the built-ins)."""
 
 
 def _registered() -> Registry:

@@ -119,7 +119,7 @@ def _check_spec(spec: WeightSyncSpec) -> None:
     if not spec.directory:
         raise ValueError(
             "WeightSyncSpec.directory: the shm transport needs a directory of its own on a memory "
-            "file system, e.g. rl_data.shm.shm_directory()"
+            "file system, e.g. rl_data.sync.shm.shm_directory()"
         )
 
 
@@ -321,7 +321,7 @@ class ShmPublisher:
         if owner is not None and owner != mine and (owner[0] != mine[0] or _alive(owner[1])):
             raise FileExistsError(
                 f"ShmPublisher: {self.directory} belongs to process {owner[1]} on {owner[0]}; "
-                "give every run its own folder (rl_data.shm.shm_directory())"
+                "give every run its own folder (rl_data.sync.shm.shm_directory())"
             )
         for stale in list(self.directory.glob("slot-*.bin")) + list(self.directory.glob("version-*")):
             stale.unlink(missing_ok=True)

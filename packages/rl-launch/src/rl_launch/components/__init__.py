@@ -74,6 +74,7 @@ from .executors import (
 )
 from .kl import KL
 from .losses import POLICY_LOSS
+from .objective import policy_loss_config
 from .rewards import REWARD, REWARDS
 from .weight_sync import SYNC_STRATEGIES, WEIGHT_SYNC, SyncPlacement, SyncStrategy, choose_weight_sync
 
@@ -139,8 +140,6 @@ def check_components(config: PPOConfig) -> None:
             what it takes, or the combination that cannot work (k1 as a loss KL, a KL target
             with β = 0, a reward KL for an estimator that ignores token rewards, ...).
     """
-    from ..algorithm import policy_loss_config
-
     for kind in KINDS:
         for selection in kind.select(config):
             _check_selection(kind, selection)

@@ -34,31 +34,15 @@ def resolve_config(command: str, path: str | None, overrides: Mapping[str, Any])
     Raises:
         ConfigError: a missing or invalid file, an unknown preset or any invalid option.
     """
-    import msgspec
+    from ..command import resolve_with_preset
 
-    from ..options import load_config, parse_value, read_config_file
-
-    cls = COMMANDS[command]
-    data: Any = read_config_file(path) if path is not None else {}
-
-    def given(dotted: str) -> Any:
-        if dotted in overrides:
-            return overrides[dotted]
-        value = data
-        for key in dotted.split("."):
-            if not isinstance(value, Mapping) or key not in value:
-                return None
-            value = value[key]
-        return value
-
-    field = next(f for f in msgspec.structs.fields(cls) if f.name == "preset")
-    preset = given("preset")
-    preset = parse_value(str(preset) if preset is not None else "auto", field.type, name="preset")
-    if preset == "auto":
-        own = any(given(key) is not None for key in ("model.pretrain", "data.dataset"))
-        preset = "none" if own else "arithmetic"
-    settings = preset_settings(command) if preset != "none" else {}
-    return load_config(cls, path, {**overrides, "preset": preset}, base=settings)
+    return resolve_with_preset(
+        COMMANDS[command],
+        path,
+        overrides,
+        own_keys=("model.pretrain", "data.dataset"),
+        settings_of=lambda preset: preset_settings(command),
+    )
 
 
 def run(command: str, config: Any) -> int:

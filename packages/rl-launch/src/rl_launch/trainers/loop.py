@@ -13,7 +13,8 @@ stream made of passes over the data, pass k in the order `randperm(count)` seede
 the checkpoint's step left off without saving a sampler state.
 
 A command (sft.py, rm.py, dpo.py, kto.py) gives a `Task`: how to read its dataset, build its learners,
-and run one step on a list of dataset items.
+and run one step on a list of dataset items. `SupervisedRecipe` runs it as setup (set up, resume) /
+train (loop, finish) / cleanup, with the exit codes of every command (`rl_launch.command`).
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..config import ConfigError, data_sources, hf_output_dir
+from ..command import Recipe, ray_line, run_recipe
+from ..config import data_sources, hf_output_dir
 from ..learner_settings import (
     LearnerSettings,
     learner_dtype,
@@ -44,7 +46,7 @@ from ..tracking import (
     step_metrics,
 )
 
-__all__ = ["Task", "batch_positions", "run_task", "steps_of_epochs"]
+__all__ = ["SupervisedRecipe", "Task", "batch_positions", "run_task", "steps_of_epochs"]
 
 
 @dataclass(frozen=True)
@@ -129,28 +131,34 @@ def steps_of_epochs(config: Any, rows: int) -> Any:
     return msgspec.structs.replace(config, train=msgspec.structs.replace(config.train, max_steps=steps))
 
 
-def run_task(task: Task, config: Any) -> int:
-    """Run one supervised command with a resolved config; the process exit code (0 on success)."""
-    import torch
+class SupervisedRecipe(Recipe):
+    """One supervised command (`Task`) as setup / train / cleanup (`rl_launch.command.run_recipe`)."""
 
-    if not torch.cuda.is_available():
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    from rl_learner import TrainingState
+    def __init__(self, task: Task, config: Any) -> None:
+        self.task, self.config = task, config
+        self.name = f"rl-launch {task.command}"
+        self.console = StartupLines(self.name)
+        self.output_dir = Path(config.log.output_dir)
+        self.learners: Any = None
+        self.started_ray, self.log_dir, self.began_steps = False, None, False
 
-    from ..cluster import ClusterError, start_ray
-    from ..diagnosis import death_cause, describe_actor_failure
-    from ..preemption import STARTUP_STOP
-    from ..preflight import PreflightError, check_model_path
-    from ..runs import RunFolderError, checkpoint_extra, open_run_folder
-    from .learners import DriverLearner, RayLearners, learner_layout
+    @property
+    def stepping(self) -> bool:
+        return self.began_steps
 
-    name = f"rl-launch {task.command}"
-    console = StartupLines(name)
-    output_dir = Path(config.log.output_dir)
-    guard, learners, started_ray, log_dir, stepping = None, None, False, None, False
-    ray_errors: tuple[type[BaseException], ...] = ()  # Ray's, once the run uses Ray (one rank does not)
-    try:
+    def setup(self) -> None:
+        """The model and data (the preset's, opt-in), the run folder, the learners, the resumed state."""
+        import torch
+
+        if not torch.cuda.is_available():
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        from rl_learner import TrainingState
+
+        from ..preflight import check_model_path
+        from ..runs import open_run_folder
+
         quiet_third_party_output()
+        task, config, say = self.task, self.config, self.console.say
         model_path, data_path = config.model.pretrain, config.data.dataset
         if config.preset != "none":
             from .demo import build_demo
@@ -158,131 +166,151 @@ def run_task(task: Task, config: Any) -> int:
             demo = build_demo(config.preset_root)
             model_path = model_path or demo["model"]
             data_path = data_path or demo[task.preset_data]
-            console.say(f"preset {config.preset}: model and data in {Path(demo['model']).parent}")
+            say(f"preset {config.preset}: model and data in {Path(demo['model']).parent}")
         model_path = check_model_path("model.pretrain", model_path)
-        plan = open_run_folder(config, roles=[task.role], say=console.say)
+        self.plan = open_run_folder(config, roles=[task.role], say=say)
+        self._load_data(model_path, data_path)
+        torch.manual_seed(self.config.train.seed)
+        self._start_learners(model_path)
+        say(self.learners.describe(resolve_dtype(self.config)))
+        self.resumed = TrainingState(step=0)
+        if self.plan.resume:
+            folder = self.plan.checkpoints[task.role]
+            self.resumed = self.learners.load(str(folder.parent), folder.name)
 
+    def _load_data(self, model_path: str, data_path: Any) -> None:
+        """The tokenizer and the dataset; train.epochs become train.max_steps once its size is known."""
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(model_path)
-        dataset = task.load(config, tokenizer, data_path)
+        from ..preflight import PreflightError
+
+        config, say = self.config, self.console.say
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        dataset = self.dataset = self.task.load(config, self.tokenizer, data_path)
         named = ", ".join(data_sources(data_path))
         if config.data.dataset_probs is not None:
             named += " mixed " + "/".join(f"{p:g}" for p in config.data.dataset_probs)
         if len(dataset) == 0:
             raise PreflightError(f"data.dataset: {named}: no usable row ({dataset.stats.summary()})")
-        console.say(f"data: {len(dataset)} rows from {named} ({dataset.stats.summary()})")
+        say(f"data: {len(dataset)} rows from {named} ({dataset.stats.summary()})")
         if config.train.epochs is not None:
-            config = steps_of_epochs(config, len(dataset))
-            console.say(
+            config = self.config = steps_of_epochs(config, len(dataset))
+            say(
                 f"train.epochs {config.train.epochs}: train.max_steps {config.train.max_steps} "
                 f"({len(dataset)} rows, {config.train.train_batch_size} per step)"
             )
-        torch.manual_seed(config.train.seed)
-        guard = PreemptionGuard(name, config.ckpt.preemption_timeout_s)
+
+    def _start_learners(self, model_path: str) -> None:
+        """One rank in this process, or `ray.learner.num_actors` Ray ranks (Ray started or joined)."""
+        from ..cluster import start_ray
+        from ..preemption import STARTUP_STOP
+        from .learners import DriverLearner, RayLearners, learner_layout
+
+        task, config = self.task, self.config
+        self.guard = PreemptionGuard(self.name, config.ckpt.preemption_timeout_s)
         if config.ray.in_driver:
-            learners = DriverLearner(task, config, model_path, config.train.max_steps)
-            guard.install()
-        else:
-            import ray
+            self.learners = DriverLearner(task, config, model_path, config.train.max_steps)
+            self.guard.install()
+            return
+        import ray
 
-            ray_errors = (ray.exceptions.RayError,)
-            layout = learner_layout(task.role, config, use_gpus=False)
-            started_ray = start_ray(config, temp_dir=config.ray.temp_dir, layouts=[layout])
-            guard.install()  # after ray.init, which sets a SIGTERM handler of its own
-            with guard.abandonable(STARTUP_STOP):
-                console.say(
-                    f"ray: {'local cluster on 127.0.0.1' if started_ray else 'joined ' + str(config.ray.address)}"
-                )
-                log_dir = str(output_dir / "logs") if config.log.actor_output == "file" else None
-                learners = RayLearners(task, config, model_path, config.train.max_steps, log_dir=log_dir)
-                learners.start()
-        console.say(learners.describe(resolve_dtype(config)))
-        resumed = TrainingState(step=0)
-        if plan.resume:
-            folder = plan.checkpoints[task.role]
-            resumed = learners.load(str(folder.parent), folder.name)
-        start = resumed.step
+        self.ray_errors = (ray.exceptions.RayError,)
+        layout = learner_layout(task.role, config, use_gpus=False)
+        self.started_ray = start_ray(config, temp_dir=config.ray.temp_dir, layouts=[layout])
+        self.guard.install()  # after ray.init, which sets a SIGTERM handler of its own
+        with self.guard.abandonable(STARTUP_STOP):
+            self.console.say(ray_line(self.started_ray, config.ray.address))
+            self.log_dir = str(self.output_dir / "logs") if config.log.actor_output == "file" else None
+            self.learners = RayLearners(
+                task, config, model_path, config.train.max_steps, log_dir=self.log_dir
+            )
+            self.learners.start()
 
+    def save(self, step: int, metrics: dict[str, float] | None = None) -> None:
+        """Checkpoint the learners at `step` (`metrics`: the step's line, when it is not written yet)."""
+        from rl_learner import TrainingState
+
+        from ..runs import checkpoint_extra
+
+        extra = checkpoint_extra(self.plan) | ({"step_metrics": step_metrics(metrics)} if metrics else {})
+        state = TrainingState(
+            step=step, consumed_samples=step * self.config.train.train_batch_size, extra=extra
+        )
+        root = str(self.plan.ckpt_root / self.task.role)
+        self.learners.save(root, step, state, self.config.ckpt.max_ckpt_num)
+
+    def train(self) -> int:
+        """The steps after the resumed one, then the HF export and the run's outputs; the exit code."""
+        task, config, plan, guard = self.task, self.config, self.plan, self.guard
+        start = self.resumed.step
         timer = PhaseTimer()
         final = None
         saved_step = start
-        stepping = True
+        self.began_steps = True
         with Tracker.for_run(config, start_step=start, headline=task.headline) as tracker:
-            tracker.restore_step(start, resumed.extra.get("step_metrics"))
+            tracker.restore_step(start, self.resumed.extra.get("step_metrics"))
             batch = config.train.train_batch_size
-
-            def save(step: int, metrics: dict[str, float] | None = None) -> None:
-                extra = checkpoint_extra(plan) | ({"step_metrics": step_metrics(metrics)} if metrics else {})
-                state = TrainingState(step=step, consumed_samples=step * batch, extra=extra)
-                learners.save(str(plan.ckpt_root / task.role), step, state, config.ckpt.max_ckpt_num)
-
             for step in range(start + 1, config.train.max_steps + 1):
                 if guard.requested:  # before the first step: nothing new to save
                     stop = guard.preempted(step - 1, saved=saved_step == step - 1 > 0)
-                    return _preempted(name, stop, tracker, plan)
+                    return _preempted(self.name, stop, tracker, plan)
                 timer.reset()
                 began = time.perf_counter()
-                items = [dataset[i] for i in batch_positions(step, batch, len(dataset), config.train.seed)]
+                positions = batch_positions(step, batch, len(self.dataset), config.train.seed)
+                items = [self.dataset[i] for i in positions]
                 if task.prepare is not None:
                     items = task.prepare(items)
                 with timer.phase("training"):
-                    metrics = learners.train(items)
+                    metrics = self.learners.train(items)
                 tokens = metrics.pop("tokens", 0.0)
                 metrics = {f"{task.command}/{key}": value for key, value in metrics.items()}
                 last = step == config.train.max_steps
                 if last or (config.ckpt.save_steps > 0 and step % config.ckpt.save_steps == 0):
                     with timer.phase("checkpoint"):
-                        save(step, metrics)
+                        self.save(step, metrics)
                     saved_step = step
                 elapsed = time.perf_counter() - began
-                tracker.log(
-                    step,
-                    metrics
-                    | timer.metrics()
-                    | {"time/step": elapsed, "throughput/tokens_per_s": tokens / elapsed},
-                )
+                timing = {"time/step": elapsed, "throughput/tokens_per_s": tokens / elapsed}
+                tracker.log(step, metrics | timer.metrics() | timing)
                 if guard.requested and not last:  # SIGTERM / Ctrl-C: the step is done, save it
                     if saved_step < step:
-                        save(step)
-                    return _preempted(name, guard.preempted(step, saved=True), tracker, plan)
+                        self.save(step)
+                    return _preempted(self.name, guard.preempted(step, saved=True), tracker, plan)
             if config.ckpt.save_hf_model:
                 final = hf_output_dir(config)
-                learners.export(str(final), tokenizer)
+                self.learners.export(str(final), self.tokenizer)
             summary = tracker.close()
-        print_outputs(output_dir, summary, plan.ckpt_root, final=final, log_dir=log_dir)
+        print_outputs(self.output_dir, summary, plan.ckpt_root, final=final, log_dir=self.log_dir)
         return 0
-    except (ConfigError, PreflightError, RunFolderError, ClusterError) as error:
-        print(f"{name}: error: {error}", file=sys.stderr)
-        return 2 if isinstance(error, (ConfigError, RunFolderError)) else 1
-    except KeyboardInterrupt:
-        if guard is not None and guard.requested:
-            what = (
-                "during start-up, before the first step (nothing to save)"
-                if not stepping
-                else "without saving"
-            )
-            print(f"{name}: {guard.signal_name}: stopped {what}", file=sys.stderr)
-            return guard.exit_code
-        return 130
-    except ray_errors as error:
-        names = {} if learners is None or isinstance(learners, DriverLearner) else learners.actor_names()
-        _, text = describe_actor_failure(error, names, log_dir)
-        cause = death_cause(error, names, log_dir)
-        lines = [text, *([f"  why: {cause}"] if cause is not None else [])]
-        if stepping:  # the start finished: steps may have been saved
-            lines.append(f"  {_last_checkpoint(plan, task.role)}")
-        print(f"{name}: error: " + "\n".join(lines), file=sys.stderr)
-        return 1
-    finally:
-        if learners is not None:
-            learners.close()
-        if started_ray:
+
+    def cleanup(self) -> None:
+        if self.learners is not None:
+            self.learners.close()
+        if self.started_ray:
             import ray
 
             ray.shutdown()
-        if guard is not None:
-            guard.finish()
+        if self.guard is not None:
+            self.guard.finish()
+
+    def diagnose(self, error: BaseException) -> str:
+        """Which actor failed, where its log is, why, and the checkpoint a resume continues from."""
+        from ..diagnosis import death_cause, describe_actor_failure
+        from .learners import DriverLearner
+
+        learners = self.learners
+        names = {} if learners is None or isinstance(learners, DriverLearner) else learners.actor_names()
+        _, text = describe_actor_failure(error, names, self.log_dir)
+        cause = death_cause(error, names, self.log_dir)
+        lines = [text, *([f"  why: {cause}"] if cause is not None else [])]
+        if self.began_steps:  # the start finished: steps may have been saved
+            lines.append(f"  {_last_checkpoint(self.plan, self.task.role)}")
+        return "\n".join(lines)
+
+
+def run_task(task: Task, config: Any) -> int:
+    """Run one supervised command with a resolved config; the process exit code (0 on success)."""
+    return run_recipe(SupervisedRecipe(task, config))
 
 
 def _last_checkpoint(plan: Any, role: str) -> str:

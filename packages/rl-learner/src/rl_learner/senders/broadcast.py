@@ -10,7 +10,7 @@ from rl_data import WeightSyncReport
 from rl_data.sync import WeightSyncSpec
 from rl_data.sync.broadcast import SyncGroup, broadcast_buckets
 
-from ..sync import SENDERS, WeightSender
+from ..sender_base import SENDERS, WeightSender
 
 __all__ = ["BroadcastSender"]
 

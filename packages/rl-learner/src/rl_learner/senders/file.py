@@ -9,7 +9,7 @@ from rl_data.errors import check_integer
 from rl_data.sync import WeightSyncSpec
 from rl_data.sync.file import write_buckets
 
-from ..sync import SENDERS, WeightSender
+from ..sender_base import SENDERS, WeightSender
 
 __all__ = ["FileSender"]
 

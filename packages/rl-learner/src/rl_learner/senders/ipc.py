@@ -11,7 +11,7 @@ from rl_data import WeightSyncReport
 from rl_data.sync import WeightSyncSpec
 from rl_data.sync.ipc import IpcPayload, share_buckets
 
-from ..sync import SENDERS, WeightSender
+from ..sender_base import SENDERS, WeightSender
 
 __all__ = ["IpcSender"]
 

@@ -9,14 +9,14 @@ from rl_data.errors import check_integer
 from rl_data.sync import WeightSyncSpec
 from rl_data.sync.shm import ShmPublisher
 
-from ..sync import SENDERS, WeightSender
+from ..sender_base import SENDERS, WeightSender
 
 __all__ = ["ShmSender"]
 
 
 @SENDERS.register("shm")
 class ShmSender(WeightSender):
-    """Shared memory for engines on the sender's machine (`rl_data.shm.ShmPublisher` in `spec.directory`).
+    """Shared memory for engines on the sender's machine (`rl_data.sync.shm.ShmPublisher` in `spec.directory`).
 
     The sending rank owns the folder: the constructor creates it with `slots` slot files of the
     layout's size (pre-faulted, so a send writes into resident pages: `slots` x the layout's
@@ -25,7 +25,7 @@ class ShmSender(WeightSender):
     load bucket i while bucket i+1 is packed; `close` removes the folder. Receivers
     (`rl_rollout.WeightReceiver`) may call `receive(version)` before or while `send` runs: they
     wait for the version and then for each bucket. The report's checksums are
-    `rl_data.shm.page_checksum`s, compared with the receivers' by `compare_checksums`. A
+    `rl_data.sync.shm.page_checksum`s, compared with the receivers' by `compare_checksums`. A
     receiver still reading the slot a send wants makes it wait, up to
     `spec.timeout_s`; with 2 slots that happens only to a receiver two versions behind.
     """

@@ -78,7 +78,8 @@ import torch
 
 from rl_data import ImageInputs, WeightSyncReport, check_layout_shapes
 from rl_data.errors import check_integer
-from rl_data.transport import IpcPayload, WeightSyncSpec
+from rl_data.sync import WeightSyncSpec
+from rl_data.sync.ipc import IpcPayload
 from rl_data.vision import VISION_MODEL_TYPES, is_vision_model, vision_token_ids
 
 from ..protocol import (

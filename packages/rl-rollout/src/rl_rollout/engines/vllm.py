@@ -82,7 +82,8 @@ from typing import Any
 import msgspec
 
 from rl_data import ImageInputs, WeightSyncReport, check_layout_shapes, encode, safetensors_shapes
-from rl_data.transport import IpcPayload, WeightSyncSpec
+from rl_data.sync import WeightSyncSpec
+from rl_data.sync.ipc import IpcPayload
 from rl_data.vision import VisionProcessor, is_vision_model
 
 from ..protocol import (

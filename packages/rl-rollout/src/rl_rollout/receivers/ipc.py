@@ -8,7 +8,7 @@ from rl_data import WeightSyncReport
 from rl_data.sync import Consume
 from rl_data.sync.ipc import IpcPayload, read_ipc_buckets
 
-from ..weights import RECEIVERS, TransportReceiver
+from ..receiver_base import RECEIVERS, TransportReceiver
 
 __all__ = ["IpcReceiver"]
 

@@ -10,7 +10,7 @@ from rl_data import WeightSyncMeta, WeightSyncReport
 from rl_data.sync import Consume, WeightSyncSpec
 from rl_data.sync.shm import ShmReader
 
-from ..weights import RECEIVERS, TransportReceiver
+from ..receiver_base import RECEIVERS, TransportReceiver
 
 __all__ = ["ShmReceiver"]
 

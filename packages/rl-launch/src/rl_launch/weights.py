@@ -1,0 +1,169 @@
+"""The policy's weights to the engines, at run time: start once, send every step, settle at the end.
+
+`WeightSync.start` resolves `rollout.weight_sync` (auto from the `Placement`), runs the chosen
+strategy's start in the driver (`rl_launch.components.weight_sync`, given a typed `SyncContext`)
+and has policy rank 0 and every engine worker join the spec it returns. `send(version)` is one
+sync; in async mode an engine takes a version after the generations queued before it, so the
+receipts of a sync are compared later (`settle`). `sweep` removes what a killed sender left.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rl_data import compare_checksums
+
+from .actors import RECEIVE_GROUP
+from .components.weight_sync import SYNC_STRATEGIES, SyncContext, SyncPlacement, choose_weight_sync
+from .config import PPOConfig
+from .handoff import HandOff
+from .placement import Placement
+
+__all__ = ["WeightSync", "weight_sync_strategy"]
+
+NONE_DESCRIPTION = "none (the engines keep the weights they started with; the run is off-policy after step 1)"
+
+
+def sync_placement(config: PPOConfig, placement: Placement) -> SyncPlacement:
+    """The facts `weight_sync.choose_weight_sync` decides auto from."""
+    from .components import ENGINES
+
+    return SyncPlacement(
+        device=placement.device,
+        engine_receives=ENGINES[config.rollout.engine].receives_weights,
+        engines_on_policy_gpus=bool(placement.engines)
+        and all(rank is not None for rank in placement.engine_policy_ranks()),
+        engines_on_policy_node=all(node == placement.policy_node for node in placement.engine_nodes),
+    )
+
+
+def weight_sync_strategy(config: PPOConfig, placement: Placement) -> str:
+    """`rollout.weight_sync`, with auto resolved from the placement (`weight_sync.choose_weight_sync`):
+    none for an engine that cannot receive, ipc for engines on the policy's GPUs, broadcast
+    across GPUs (NCCL) or nodes (gloo), shm for CPU engines on the node of policy rank 0."""
+    chosen = config.rollout.weight_sync
+    return choose_weight_sync(sync_placement(config, placement)) if chosen == "auto" else chosen
+
+
+def _sync_metrics(report: Any) -> dict[str, float]:
+    return {"sync/seconds": float(report.seconds), "sync/gigabytes": report.num_bytes / 1e9}
+
+
+class WeightSync:
+    """Policy DP rank 0 sends, every engine worker receives (`weight_sync.SYNC_STRATEGIES`).
+
+    `name`: the resolved strategy ("none": nothing is sent), `policy` / `engines`: the policy's
+    and the engines' `ActorGroup`s, `placement`: where they run, `hand_off`: the hybrid engine
+    (a sync needs the engines awake), `spec`: the `WeightSyncSpec` both sides joined."""
+
+    def __init__(
+        self,
+        config: PPOConfig,
+        name: str,
+        policy: Any,
+        engines: Any,
+        placement: Placement,
+        hand_off: HandOff,
+        spec: Any = None,
+    ) -> None:
+        self.config, self.name, self.policy, self.engines = config, name, policy, engines
+        self.placement, self.hand_off, self.spec = placement, hand_off, spec
+        self._receipts: list[tuple[Any, list]] = []  # async mode: syncs whose receipts are not compared yet
+
+    @classmethod
+    def start(
+        cls, config: PPOConfig, policy: Any, engines: Any, placement: Placement, hand_off: HandOff, dtype: str
+    ) -> tuple[WeightSync, str]:
+        """The strategy's rendezvous, joined by both sides; the sync and its start-up description."""
+        import ray
+
+        name = weight_sync_strategy(config, placement)
+        if name == "none":
+            return cls(config, name, policy, engines, placement, hand_off), NONE_DESCRIPTION
+        layout = policy.call("sync_layout", dtype)[0]
+        context = SyncContext(config, placement, lambda fn: ray.get(policy.actors[0].prepare_sync.remote(fn)))
+        spec, description = SYNC_STRATEGIES[name].start(context, layout)
+        sizes = placement.engine_sync_sizes
+        offsets = [1 + sum(sizes[:i]) for i in range(len(sizes))]
+        futures = policy.submit("init_sync", spec)
+        futures += engines.submit("init_sync", per_rank=[(spec, offset) for offset in offsets])
+        ray.get(futures)
+        return cls(config, name, policy, engines, placement, hand_off, spec), description
+
+    def send(self, version: int) -> dict[str, float]:
+        """Send the policy's weights to every engine as `version`; time, size and checksum match.
+
+        How is the strategy's data (`weight_sync.SyncStrategy`): with `sender_first` the engines
+        start receiving once the sender returned; with `per_rank_payload` (CUDA IPC) every policy
+        rank returns a payload with its report, each engine receives the payload of the rank on
+        its GPU, then the ranks release them. Every policy rank returns (report, payload): the
+        report is None off the sending ranks, the payload None where the transport carries it all.
+        """
+        import ray
+
+        if self.name == "none":
+            return {}
+        if self.hand_off.engines_asleep:
+            raise RuntimeError("WeightSync.send: the engines are asleep; call hand_off.to_generation() first")
+        strategy = SYNC_STRATEGIES[self.name]
+        # partial rollout: the engines take the weights now, between two decoding steps of the
+        # generations in flight, instead of after them
+        group = RECEIVE_GROUP if self.config.rollout.partial_rollout else None
+
+        sent = self.policy.submit("sync", version)
+        if strategy.per_rank_payload:
+            shared = ray.get(sent)
+            reports = [report for report, _ in shared]
+            ranks = self.placement.engine_policy_ranks()
+            received = self.engines.submit(
+                "receive", per_rank=[(version, shared[rank][1]) for rank in ranks], concurrency_group=group
+            )
+            received = ray.get(received)
+            ray.get(self.policy.submit("release_sync"))
+            report = reports[0]
+            mismatched = sum(
+                len(compare_checksums(reports[rank], other))
+                for rank, other in zip(ranks, received, strict=True)
+            )
+        else:
+            if strategy.sender_first:  # a reader does not wait for the data: it must be sent first
+                ray.get(sent)
+            received = self.engines.submit("receive", version, concurrency_group=group)
+            report = ray.get(sent)[0][0]
+            if self.config.rollout.async_train:
+                self._receipts.append((report, received))
+                return _sync_metrics(report) | self._settle_receipts(wait=False)
+            mismatched = sum(len(compare_checksums(report, other)) for other in ray.get(received))
+        return _sync_metrics(report) | {"health/sync_checksum_match": float(mismatched == 0)}
+
+    def _settle_receipts(self, *, wait: bool) -> dict[str, float]:
+        """Async mode: an engine receives a version after the generations queued before it, so the
+        driver does not wait for that: each sync's receipts are compared once they are all in (at
+        a later step's sync, oldest first). `health/sync_checksum_match` covers the versions
+        settled in this call (absent when none was); `sync/unsettled_versions` counts the rest.
+        `wait`: settle every version (the end of the run)."""
+        import ray
+
+        settled = []
+        while self._receipts:
+            futures = self._receipts[0][1]
+            if not wait and len(ray.wait(futures, num_returns=len(futures), timeout=0)[0]) < len(futures):
+                break
+            settled.append(self._receipts.pop(0))
+        metrics = {"sync/unsettled_versions": float(len(self._receipts))}
+        if settled:
+            mismatched = sum(
+                len(compare_checksums(sent, other)) for sent, futures in settled for other in ray.get(futures)
+            )
+            metrics["health/sync_checksum_match"] = float(mismatched == 0)
+        return metrics
+
+    def settle(self) -> dict[str, float]:
+        """Wait for the receipts async mode has not compared yet; their metrics ({} when none)."""
+        return self._settle_receipts(wait=True) if self._receipts else {}
+
+    def sweep(self) -> None:
+        """After the actors are gone: what a killed policy rank left (shm: its folder)."""
+        strategy = SYNC_STRATEGIES.get(self.name) if self.spec is not None else None
+        if strategy is not None and strategy.sweep is not None:
+            strategy.sweep(self.spec)

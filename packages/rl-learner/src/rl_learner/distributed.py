@@ -1,0 +1,64 @@
+"""torch.distributed for a learner: the process group DeepSpeed needs, made once per process.
+
+`ensure_distributed()` is called before a learner builds its model (`rl_learner.learner`) and
+before a ZeRO-3 model is constructed partitioned (`rl_learner.models._zero3_loading`).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from rl_data.sync.broadcast import free_port
+
+__all__ = ["ensure_distributed"]
+
+
+def ensure_distributed() -> None:
+    """Initialise torch.distributed through DeepSpeed when the caller has not (gloo on CPU, nccl on CUDA)."""
+    import deepspeed
+
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if dist.is_initialized():
+        if dist.get_world_size() == 1:
+            # DeepSpeed's engine reads LOCAL_RANK from the environment even for a group the caller made.
+            os.environ.setdefault("LOCAL_RANK", "0")
+        # DeepSpeed's own view of the group the caller made: its config reads the world size
+        # from it (a ZeRO-3 load's batch check), and it wraps the existing group.
+        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
+        return
+    _forget_deepspeeds_world_group()
+    if "RANK" not in os.environ:
+        # A single process started without a launcher: a world of one on a free local port, given
+        # directly rather than through RANK / MASTER_PORT in os.environ, which child processes
+        # would inherit and then try to listen on the same port. DeepSpeed's engine reads
+        # LOCAL_RANK from the environment; 0 is right for a world of one and harmless to inherit.
+        os.environ.setdefault("LOCAL_RANK", "0")
+        deepspeed.init_distributed(
+            dist_backend=backend,
+            auto_mpi_discovery=False,
+            verbose=False,
+            init_method=f"tcp://127.0.0.1:{free_port()}",
+            rank=0,
+            world_size=1,
+        )
+        return
+    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
+
+
+def _forget_deepspeeds_world_group() -> None:
+    """Drop DeepSpeed's clone of an earlier world group before this process makes a new world.
+
+    DeepSpeed clones the world group the first time an engine needs it
+    (`deepspeed.utils.groups._WORLD_GROUP`) and keeps the clone for the life of the process. When
+    that world ends (its process group destroyed: in the test suite, by an in-process vLLM
+    engine's tests in the same process), the next learner in the same process would broadcast
+    over the dead clone ("Group ... is not registered"); without it, DeepSpeed clones the new
+    world.
+    """
+    from deepspeed.utils import groups
+
+    if getattr(groups, "_WORLD_GROUP", None) is not None:
+        groups._WORLD_GROUP = None
