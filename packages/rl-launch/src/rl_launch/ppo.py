@@ -201,9 +201,11 @@ class PPOTrainer:
         """The weights go to the engines as the next version. `settle`: also wait for the receipts
         async mode has not compared yet (the last step), so every version is checked."""
         self.version += 1
-        metrics = self.roles.weights.send(self.version)
+        # the supervisor restarts an engine that died meanwhile and sends the version again
+        weights = self.roles.supervisor or self.roles.weights
+        metrics = weights.send(self.version)
         if settle:
-            late = self.roles.weights.settle()
+            late = weights.settle()
             key = "health/sync_checksum_match"
             if key in late:
                 metrics[key] = min(late[key], metrics.get(key, 1.0))
@@ -381,12 +383,14 @@ class PPOTrainer:
                 if not self.policy_frozen(step):
                     metrics |= self.sync(settle=last)
                 elif last:  # nothing to send; async mode still compares the receipts it waits for
-                    metrics |= self.roles.weights.settle()
+                    metrics |= (self.roles.supervisor or self.roles.weights).settle()
             hand_off.offload_learners(timer)  # then the learners' states leave the GPU for the generation
             if self.eval_data is not None and (step % cfg.eval.eval_steps == 0 or last):
                 with timer.phase("eval"):
                     metrics |= self.rollouts.evaluate(self.eval_data)
             metrics |= self.rollouts.engine_activity()  # the engines' idle time since the last step's line
+            if self.roles.supervisor is not None:  # engine/restarts, engine/restart_s
+                metrics |= self.roles.supervisor.metrics()
             consumed += len(records)
             best = self.new_best(step, metrics)
             if best:
@@ -530,7 +534,8 @@ def run(config: PPOConfig) -> int:
             loader = PromptLoader(
                 train_data, batch_size=config.rollout.prompts_per_round, seed=config.train.seed, shuffle=True
             )
-            rollouts = Rollouts(config, roles.engines, loader)
+            roles.supervisor.notify, roles.supervisor.log_dir = console.warn, log_dir
+            rollouts = Rollouts(config, roles.supervisor, loader)
             rollouts.log_dir, rollouts.notify = log_dir, console.warn
             normalization = None
             if config.reward.normalize == "model":
