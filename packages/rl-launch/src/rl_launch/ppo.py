@@ -618,6 +618,13 @@ def _diagnosis(
     _, text = describe_actor_failure(error, names, log_dir)
     cause = death_cause(error, names, log_dir)
     lines = [text, *([f"  why: {cause}"] if cause is not None else [])]
+    supervisor = roles.supervisor if roles is not None else None
+    if supervisor is not None and supervisor.restarts:
+        engines = ", ".join(f"engine-{restart.index}" for restart in supervisor.restarts)
+        lines.append(
+            f"  engine restarts: {len(supervisor.restarts)} of rollout.engine_restarts = {supervisor.limit} "
+            f"used in this run ({engines})"
+        )
     if trainer is not None:
         lines += [f"  {line}" for line in trainer.after_failure(error)]
     return "\n".join(lines)
