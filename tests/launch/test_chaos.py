@@ -20,8 +20,8 @@ step; a dead engine lets the learners save it; a dead policy leaves the last che
   /dev/shm folder of its weight sync (a killed policy's folder is swept at shutdown).
   (These runs pass `--rollout.engine_restarts 0`, so that a dead engine stops the run.)
 
-The engine-restart case: with the default `rollout.engine_restarts`, the vLLM engine actor's
-process SIGKILLed mid-run is restarted in place (`rl_launch.supervisor`) and the run finishes every
+The engine-restart case: with the default `rollout.engine_restarts`, the engine actor's process
+(vLLM with the shm weight sync; HF with the broadcast one, whose group is formed again) SIGKILLed mid-run is restarted in place (`rl_launch.supervisor`) and the run finishes every
 step with exit 0; the console says which engine died, why, and how long its restart took; the
 metrics go on from the step it died in (every step once, in order; engine/restarts 1 from then
 on). It prints the seconds from the kill to the driver noticing it (detect), of the restart
@@ -263,17 +263,24 @@ def _timed_lines(stream, lines: list[tuple[float, str]]) -> threading.Thread:
     return thread
 
 
-def test_a_killed_vllm_engine_is_restarted_and_the_run_logs_every_step_once(
-    tiny_checkpoint, ray_temp, tmp_path
+@pytest.mark.parametrize(
+    ("engine", "weight_sync"),
+    [("vllm", "auto"), ("hf", "broadcast")],
+    ids=["vllm-shm", "hf-broadcast"],  # the broadcast group is formed again with the new engine
+)
+def test_a_killed_engine_is_restarted_and_the_run_logs_every_step_once(
+    tiny_checkpoint, ray_temp, tmp_path, engine, weight_sync
 ):
-    pytest.importorskip("vllm")
+    if engine == "vllm":
+        pytest.importorskip("vllm")
     ray_dir, env = ray_temp
     prompts = write_sum_prompts(tmp_path / "train.jsonl", 32)
     run_dir = tmp_path / "run"
     args = [
         *_args(tiny_checkpoint, prompts, run_dir, ray_dir)[:-2],  # the default rollout.engine_restarts
-        "--rollout.engine", "vllm",
-        "--rollout.enforce_eager", "true",
+        "--rollout.engine", engine,
+        "--rollout.weight_sync", weight_sync,
+        *(["--rollout.enforce_eager", "true"] if engine == "vllm" else []),
         "--train.max_steps", str(RESTART_STEPS),
     ]  # fmt: skip
     process = subprocess.Popen(
