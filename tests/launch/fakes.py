@@ -361,6 +361,9 @@ class ToyLearner:
     def sync_layout(self, dtype: str) -> None:
         return None
 
+    def init_sync(self, spec: Any) -> None:
+        self.synced_with = [*getattr(self, "synced_with", []), spec]
+
     def sync(self, version: int) -> tuple[WeightSyncReport, None]:
         """(report, payload) like `LearnerWorker.sync`; a toy transport has no payload."""
         if self.rank == 0:

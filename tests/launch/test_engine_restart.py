@@ -164,3 +164,29 @@ def test_a_hung_engine_handed_to_restart_is_replaced_and_its_calls_answer_from_t
     assert payload is not None
     assert len(run.engines[1].generated) == 1
     assert run.tracker.warnings[0].startswith("engine-0 did not answer within 30 s")
+
+
+def test_a_strategy_whose_group_needs_every_engine_starts_again_for_all_and_resends_the_version(monkeypatch):
+    """`SyncStrategy.whole_group` (broadcast): the survivors and the sender join a new group with
+    the restarted engine, and the last version goes to every engine before any serves again."""
+    from rl_launch.components.weight_sync import SYNC_STRATEGIES, SyncStrategy
+
+    starts = []
+
+    def start(context, layout):
+        starts.append(len(starts))
+        return f"group-{len(starts)}", "a toy group"
+
+    monkeypatch.setitem(SYNC_STRATEGIES, "toygroup", SyncStrategy(start=start, whole_group=True))
+    run = fake_run(config(**{"rollout.weight_sync": "toygroup", "rollout.rollout_batch_size": 4}), engines=2)
+    run.engines[1].die_on_generate = 2  # step 2's generation
+    tracker = run.fit()
+    assert tracker.steps() == [1, 2, 3, 4]
+    survivor, new = run.engines[0], run.engines[2]
+    assert starts == [0]  # once, for the restart (the fakes skip the run's first start)
+    assert run.learners["policy"][0].synced_with == ["group-1"]
+    assert survivor.synced_with == [("group-1", 1)]
+    assert new.synced_with == [("group-1", 2)]
+    # both got version 1 again before step 2's prompts of the dead engine were generated again
+    assert [call["version"] for call in new.generated] == [1, 2, 3]
+    assert survivor.version == new.version == 4
