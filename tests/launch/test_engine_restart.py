@@ -106,11 +106,17 @@ def test_once_the_restarts_are_spent_the_next_death_stops_the_run():
         return engine
 
     run.roles.engines.make_worker = dying_engine
-    with pytest.raises(RayActorError):
+    with pytest.raises(RayActorError) as stopped:
         run.fit()
     assert run.roles.engines.replaced == [0]
     assert run.tracker.steps() == [1, 2, 3]
     assert run.trainer.saved_after_failure == 3
+    from rl_launch.ppo import _diagnosis
+
+    assert (
+        "  engine restarts: 1 of rollout.engine_restarts = 1 used in this run (engine-0)"
+        in _diagnosis(stopped.value, run.roles, None, None).splitlines()
+    )
 
 
 def test_an_engine_that_dies_in_the_weight_sync_is_restarted_and_the_version_sent_again():
