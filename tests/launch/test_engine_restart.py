@@ -196,3 +196,17 @@ def test_a_strategy_whose_group_needs_every_engine_starts_again_for_all_and_rese
     # both got version 1 again before step 2's prompts of the dead engine were generated again
     assert [call["version"] for call in new.generated] == [1, 2, 3]
     assert survivor.version == new.version == 4
+
+
+def test_streaming_issues_the_dead_engines_groups_in_the_pool_again():
+    settings = {"rollout.async_train": True, "rollout.streaming": True}
+    reference = fake_run(config(**settings))
+    reference.fit()
+    run = fake_run(config(**settings))
+    run.engines[0].die_on_generate = 5  # a group of the pool, while earlier ones are not yet trained
+    tracker = run.fit()
+    assert tracker.steps() == [1, 2, 3, 4]
+    assert tracker.warnings[1].startswith("engine-0 restarted in ")
+    assert sorted(g for step in trained(run) for g in step[0]) == sorted(
+        g for step in trained(reference) for g in step[0]
+    )
