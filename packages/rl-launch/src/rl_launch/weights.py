@@ -114,8 +114,8 @@ class WeightSync:
         A strategy whose every receiver takes part in every send (`SyncStrategy.whole_group`:
         broadcast) starts again for the sender and every engine, and that version goes to all of
         them (the others get the weights they hold); otherwise the new engine joins the spec alone
-        and receives it alone (shm and file: the published version stays readable; ipc: the ranks
-        pack it again). The dead engine's receipts are dropped. Metrics as `send`'s. `send` False:
+        and the sender sends that version again to it alone (shm and file publish the version
+        number again, ipc packs it again; the other engines do not read it). The dead engine's receipts are dropped. Metrics as `send`'s. `send` False:
         only join (the caller sends a version to every engine next: a sync that an engine's death
         interrupted, sent again)."""
         import ray
