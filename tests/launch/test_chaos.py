@@ -264,12 +264,14 @@ def _timed_lines(stream, lines: list[tuple[float, str]]) -> threading.Thread:
 
 
 @pytest.mark.parametrize(
-    ("engine", "weight_sync"),
-    [("vllm", "auto"), ("hf", "broadcast")],
-    ids=["vllm-shm", "hf-broadcast"],  # the broadcast group is formed again with the new engine
+    ("engine", "weight_sync", "mode"),
+    [("vllm", "auto", []), ("hf", "broadcast", []), ("hf", "shm", ["--rollout.async_train", "true"])],
+    # broadcast: the group is formed again with the new engine; async: the steps in flight on the
+    # dead engine are issued again and its weight-sync receipts dropped
+    ids=["vllm-shm", "hf-broadcast", "hf-shm-async"],
 )
 def test_a_killed_engine_is_restarted_and_the_run_logs_every_step_once(
-    tiny_checkpoint, ray_temp, tmp_path, engine, weight_sync
+    tiny_checkpoint, ray_temp, tmp_path, engine, weight_sync, mode
 ):
     if engine == "vllm":
         pytest.importorskip("vllm")
@@ -281,6 +283,7 @@ def test_a_killed_engine_is_restarted_and_the_run_logs_every_step_once(
         "--rollout.engine", engine,
         "--rollout.weight_sync", weight_sync,
         *(["--rollout.enforce_eager", "true"] if engine == "vllm" else []),
+        *mode,
         "--train.max_steps", str(RESTART_STEPS),
     ]  # fmt: skip
     process = subprocess.Popen(
