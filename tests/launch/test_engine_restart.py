@@ -210,3 +210,26 @@ def test_streaming_issues_the_dead_engines_groups_in_the_pool_again():
     assert sorted(g for step in trained(run) for g in step[0]) == sorted(
         g for step in trained(reference) for g in step[0]
     )
+
+
+def test_an_engine_whose_vllm_engine_core_died_is_restarted_though_its_actor_lives():
+    import types
+
+    class EngineDeadError(Exception):  # vLLM's, as Ray reports it from the actor (RayTaskError)
+        actor_id = "e0"
+
+    run = fake_run(config())
+    run.roles.engines.actors[0]._actor_id = types.SimpleNamespace(hex=lambda: "e0")
+    engine = run.engines[0]
+    original = engine.generate
+
+    def generate(*args):
+        if len(engine.generated) == 1:
+            raise EngineDeadError("EngineCore encountered an issue. See stack trace for the root cause.")
+        return original(*args)
+
+    engine.generate = generate
+    tracker = run.fit()
+    assert tracker.steps() == [1, 2, 3, 4]
+    assert run.roles.engines.replaced == [0]
+    assert tracker.warnings[0].startswith("engine-0 failed: EngineCore encountered an issue")

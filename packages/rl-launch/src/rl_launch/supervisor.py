@@ -5,9 +5,10 @@ At scale an engine dies every few hours (the OOM killer, a crashed kernel, a los
 used the engines' `ActorGroup` (same `submit` / `submit_to` / `actors`, plus `get`) and, when a
 call on an engine fails because the engine died:
 
-    detect    Ray's `RayActorError` names the dead actor; any other failure of an engine call is a
-              death only when a probe (`RolloutWorker.alive`, in `ACTIVITY_GROUP`) of that engine
-              fails so, and errors of live engines go up as before
+    detect    Ray's `RayActorError` names the dead actor (vLLM's `EngineDeadError` from an engine
+              actor counts: its engine core died); any other failure of an engine call is a death
+              only when a probe (`RolloutWorker.alive`, in `ACTIVITY_GROUP`) of that engine fails
+              so, and errors of live engines go up as before
     restart   `Roles.restart_engine(i)`: what the dead actor left is swept (vLLM's engine core),
               a new actor starts from the same spec on the same placement bundle
     re-sync   `WeightSync.rejoin(i)`: it joins the weight sync and receives the last version sent
@@ -74,6 +75,16 @@ class _Call:
 
 def _died(error: BaseException) -> bool:
     return "RayActorError" in {cls.__name__ for cls in type(error).__mro__}
+
+
+def _engine_dead(error: BaseException) -> bool:
+    """vLLM's `EngineDeadError` (its engine core died: the actor lives on but cannot generate), as
+    Ray reports it from the actor (a `RayTaskError` whose cause it is)."""
+    return any(
+        "EngineDeadError" in {cls.__name__ for cls in type(each).__mro__}
+        for each in (error, getattr(error, "cause", None))
+        if each is not None
+    )
 
 
 class EngineSupervisor:
@@ -205,8 +216,11 @@ class EngineSupervisor:
                 ids[actor._actor_id.hex()] = index
             except AttributeError:  # the in-process fakes have no actor ids
                 continue
-        named = ids.get(getattr(error, "actor_id", None))
-        if _died(error) and named is not None:
+        actor_id = getattr(error, "actor_id", None)
+        named = ids.get(
+            actor_id.hex() if hasattr(actor_id, "hex") and not isinstance(actor_id, str) else actor_id
+        )
+        if named is not None and (_died(error) or _engine_dead(error)):
             return [named]
         if not (_died(error) or is_actor_failure(error)):
             return []
@@ -282,7 +296,7 @@ class EngineSupervisor:
 
         names = self.roles.actor_names()
         name, text = describe_actor_failure(why, names, self.log_dir)
-        text = text.splitlines()[0].removeprefix(f"{name or 'a Ray actor'} ")
+        text = text.splitlines()[0].removeprefix(f"{name or 'a Ray actor'} ").rstrip(".")
         reason = death_cause(why, names, self.log_dir)
         return text + (f"; why: {reason}" if reason else "")
 
