@@ -527,14 +527,14 @@ def fake_run(
     roles.placement = Placement.of(
         device, [engine.ready() for engine in toy_engines], [("node-0", ())] * ranks
     )
-    roles.hand_off = hand_off_for(config, roles.groups, roles.engines, device)
+    tracker = RecordingTracker()
+    roles.supervisor = EngineSupervisor(config, roles, notify=tracker.warnings.append)
+    roles.hand_off = hand_off_for(config, roles.groups, roles.supervisor, device)
     # the strategy as `WeightSync.start` resolves it, without its rendezvous (the toys need none)
     strategy = weight_sync_strategy(config, roles.placement)
     roles.weights = WeightSync(
         config, strategy, roles.groups["policy"], roles.engines, roles.placement, roles.hand_off
     )
-    tracker = RecordingTracker()
-    roles.supervisor = EngineSupervisor(config, roles, notify=tracker.warnings.append)
     data = list(prompts if prompts is not None else toy_prompts(4 * config.rollout.rollout_batch_size))
     loader = PromptLoader(
         data, batch_size=config.rollout.prompts_per_round, seed=config.train.seed, shuffle=shuffle

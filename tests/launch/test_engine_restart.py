@@ -233,3 +233,24 @@ def test_an_engine_whose_vllm_engine_core_died_is_restarted_though_its_actor_liv
     assert tracker.steps() == [1, 2, 3, 4]
     assert run.roles.engines.replaced == [0]
     assert tracker.warnings[0].startswith("engine-0 failed: EngineCore encountered an issue")
+
+
+def test_a_hybrid_engine_that_died_before_its_sleep_is_restarted_synced_and_put_to_sleep():
+    run = fake_run(config(**{"ray.colocate": "all"}), device="cuda")
+    engine = run.engines[0]
+    original = engine.sleep
+
+    def sleep(level=1):
+        if len(engine.generated) == 2:  # after step 2's generation
+            engine.dead = True
+            raise RayActorError("The actor died unexpectedly before finishing this task")
+        return original(level)
+
+    engine.sleep = sleep
+    tracker = run.fit()
+    assert tracker.steps() == [1, 2, 3, 4]
+    new = run.engines[1]
+    assert new.version == 4
+    assert [call["version"] for call in new.generated] == [2, 3]
+    assert "weights of version 1 in" in tracker.warnings[1]  # then the sleep call issued again
+    assert not new.asleep  # awake after the last step's wake-up

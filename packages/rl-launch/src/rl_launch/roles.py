@@ -8,9 +8,8 @@ the step loop calls besides its own methods:
                 (`rl_launch.placement.Placement`)
     weights     the policy's weights to the engines: start / send / settle
                 (`rl_launch.weights.WeightSync`, made by `init_weight_sync`)
-    supervisor  the engines as the rollouts call them, a dead one restarted in place
-                (`rl_launch.supervisor.EngineSupervisor`, made by `init_weight_sync`;
-                `restart_engine` starts one again)
+    supervisor  the engines as the rollouts and the hand-off call them, a dead one restarted in
+                place (`rl_launch.supervisor.EngineSupervisor`; `restart_engine` starts one again)
     hand_off    the hybrid engine's GPU memory hand-over, a no-op without `ray.colocate all`
                 (`rl_launch.handoff`)
 
@@ -133,7 +132,7 @@ class Roles:
         self.placement: Placement | None = None  # where the actors run, once started
         self.hand_off: HandOff = HandOff()  # the hybrid engine once started (`ray.colocate all`)
         self.weights: WeightSync | None = None  # the policy's weights to the engines (`init_weight_sync`)
-        self.supervisor: EngineSupervisor | None = None  # restarts a dead engine (`init_weight_sync`)
+        self.supervisor: EngineSupervisor | None = None  # restarts a dead engine (`start`)
         self.engine_helpers: list[Any] = []  # rl_launch.leftovers.HelperProcesses per engine
         self._engines_closing: list | None = None  # the engines' `close` calls (`close_engines`)
         self.started = False  # every actor finished its start (`start` returned)
@@ -200,7 +199,8 @@ class Roles:
         self.engine_helpers = ray.get(self.engines.submit("helpers"))  # swept at shutdown
         self.started = True
         self.placement = Placement.of(self.device, engines, self.groups["policy"].call("location"))
-        self.hand_off = hand_off_for(cfg, self.groups, self.engines, self.device)
+        self.supervisor = EngineSupervisor(cfg, self)
+        self.hand_off = hand_off_for(cfg, self.groups, self.supervisor, self.device)
 
     def init_weight_sync(self) -> str:
         """Policy DP rank 0 sends, every engine worker receives (`rl_launch.weights.WeightSync`); a
@@ -208,7 +208,6 @@ class Roles:
         self.weights, description = WeightSync.start(
             self.config, self.groups["policy"], self.engines, self.placement, self.hand_off, self.dtype
         )
-        self.supervisor = EngineSupervisor(self.config, self)
         return description
 
     def restart_engine(self, index: int) -> None:
