@@ -13,9 +13,10 @@ call on an engine fails because the engine died:
               a new actor starts from the same spec on the same placement bundle
     re-sync   `WeightSync.rejoin(i)`: it joins the weight sync and receives the last version sent
               before it serves (broadcast: the group is formed again with every engine)
-    re-issue  the generation calls that were in flight on the dead engine are submitted again to
-              the new one with the same arguments (prompts, sampling seed, group ids), and `get`
-              returns their results in place of the lost ones
+    re-issue  the calls made through the supervisor that were in flight on the dead engine (the
+              generations, with their prompts, sampling seed and group ids; the hybrid engine's
+              sleep / wake-up; `activity`) are submitted again to the new one with the same
+              arguments, and `get` returns their results in place of the lost ones
 
 A death found by a weight sync (`send`, `settle`) restarts the engine and sends that version
 again to every engine. Each restart writes two console lines (`notify`): when the death is found
