@@ -18,6 +18,9 @@ The workers are toys with the real workers' method signatures (`rl_launch.actors
 
 - `ToyEngine`: n responses of `response_length` tokens per prompt, rewards from `reward(prompt,
   sample)`, stamped with the policy version it last received; remembers every generate call.
+  `die_on_generate = k`: its k-th generate call (from 1) kills it, and that call and every later
+  one fail as a dead Ray actor's do (`RayActorError`); `FakeGroup.replace` puts a new one in its
+  place (`rl_launch.supervisor`), from the group's `make_worker`.
 - `ToyLearner`: log-probs / values / scores of constant value, a `train_step` that counts
   updates and remembers which groups it saw, a "weight" (the update count) that `sync` puts on
   a `Wire` and the engines read back as their checksum, checkpoints kept in a dict.
@@ -79,9 +82,18 @@ def _wait(futures: Sequence[Done], num_returns: int = 1, timeout: float | None =
     return done[:num_returns], [future for future in futures if future not in done[:num_returns]]
 
 
+class RayError(Exception):
+    """`ray.exceptions.RayError` of the fake module (`rl_launch.diagnosis.is_actor_failure`)."""
+
+
+class RayActorError(RayError):
+    """What `ray.get` raises for a call on a dead actor (`rl_launch.diagnosis` knows it by name)."""
+
+
 FAKE_RAY = types.ModuleType("ray", "ray.get and ray.wait over `Done` values (tests/launch/fakes.py)")
 FAKE_RAY.get = _get
 FAKE_RAY.wait = _wait
+FAKE_RAY.exceptions = types.SimpleNamespace(RayError=RayError, RayActorError=RayActorError)
 
 
 def use_fake_ray(monkeypatch: Any) -> None:
@@ -110,8 +122,12 @@ class _Handle:
 class FakeGroup:
     """`rl_launch.actors.ActorGroup` over in-process workers (one per rank)."""
 
-    def __init__(self, role: str, workers: Sequence[Any], log: CallLog) -> None:
+    def __init__(
+        self, role: str, workers: Sequence[Any], log: CallLog, make_worker: Callable[[], Any] | None = None
+    ) -> None:
         self.role, self.workers, self.log = role, list(workers), log
+        self.make_worker = make_worker  # a new worker for `replace`
+        self.replaced: list[int] = []  # the ranks `replace` started again, in order
         self.actors = [_Handle(self, rank) for rank in range(len(self.workers))]
         self.late: set[str] = set()  # methods whose results `ray.wait(timeout=0)` sees as not ready
         # which generate calls a blocking `ray.wait` sees as still running (it then finishes the
@@ -128,8 +144,11 @@ class FakeGroup:
         ready = method not in self.late and not (
             method == "generate" and self.slow is not None and self.slow(rank, args)
         )
+        worker = self.workers[rank]
+        if getattr(worker, "dead", False):
+            return Done(error=RayActorError(f"The actor {self.role}-{rank} died unexpectedly (a fake death)"))
         try:
-            return Done(getattr(self.workers[rank], method)(*args), ready=ready)
+            return Done(getattr(worker, method)(*args), ready=ready)
         except Exception as error:  # re-raised by ray.get, as Ray does
             return Done(error=error)
 
@@ -150,6 +169,16 @@ class FakeGroup:
 
     def call(self, method: str, *args: Any, per_rank: Sequence[tuple] | None = None) -> list:
         return _get(self.submit(method, *args, per_rank=per_rank))
+
+    def get(self, futures: Sequence[Done]) -> list:
+        return _get(list(futures))
+
+    def replace(self, rank: int) -> Any:
+        if self.make_worker is None:
+            raise RuntimeError(f"FakeGroup {self.role}: replace({rank}) without make_worker")
+        self.workers[rank] = self.make_worker()
+        self.replaced.append(rank)
+        return self.actors[rank]
 
     def terminate(self) -> list[Done]:
         self.terminated = True
@@ -192,6 +221,9 @@ class ToyEngine:
         self.generated: list[dict[str, Any]] = []  # one entry per generate call
         self.corrupt = False  # receive reports a checksum that differs from the one sent
         self.asleep = False
+        self.die_on_generate: int | None = None  # this generate call (from 1) kills the engine
+        self.dead = False  # every call fails as a dead actor's (`FakeGroup.run`)
+        self.synced_with: list[Any] = []  # the specs `init_sync` joined
 
     def ready(self) -> Any:
         from rl_launch.placement import EngineReady
@@ -204,6 +236,9 @@ class ToyEngine:
         prompts = decode(samples, list[PromptSample])
         if self.asleep:
             raise RuntimeError("ToyEngine.generate: the engine is asleep")
+        if self.die_on_generate is not None and len(self.generated) + 1 >= self.die_on_generate:
+            self.dead = True
+            raise RayActorError("The actor died unexpectedly before finishing this task (a fake SIGKILL)")
         self.generated.append(
             {
                 "indices": [prompt.index for prompt in prompts],
@@ -243,7 +278,13 @@ class ToyEngine:
         return encode(records)
 
     def init_sync(self, spec: Any, rank: int) -> None:
-        pass
+        self.synced_with.append((spec, rank))
+
+    def alive(self) -> bool:
+        return True
+
+    def helpers(self) -> None:
+        return None
 
     def receive(self, version: int, payload: Any = None) -> WeightSyncReport:
         self.version = version
@@ -320,6 +361,9 @@ class ToyLearner:
     def sync_layout(self, dtype: str) -> None:
         return None
 
+    def init_sync(self, spec: Any) -> None:
+        self.synced_with = [*getattr(self, "synced_with", []), spec]
+
     def sync(self, version: int) -> tuple[WeightSyncReport, None]:
         """(report, payload) like `LearnerWorker.sync`; a toy transport has no payload."""
         if self.rank == 0:
@@ -366,6 +410,7 @@ class RecordingTracker:
         self.completions: list[tuple[int, list]] = []
         self.messages: list[str] = []
         self.restored: list[tuple[int, dict]] = []
+        self.warnings: list[str] = []  # the console's warning lines (an engine's restart)
 
     def restore_step(self, step: int, metrics: dict | None) -> None:
         if metrics:
@@ -451,6 +496,7 @@ def fake_run(
     from rl_launch.roles import Roles
     from rl_launch.rollouts import Rollouts
     from rl_launch.runs import RunPlan
+    from rl_launch.supervisor import EngineSupervisor
     from rl_launch.weights import WeightSync, weight_sync_strategy
 
     log, wire = CallLog(), Wire()
@@ -471,11 +517,19 @@ def fake_run(
     }
     roles.groups = {name: FakeGroup(name, workers, log) for name, workers in learners.items()}
     toy_engines = [ToyEngine(wire, reward=reward) for _ in range(engines)]
-    roles.engines = FakeGroup("engine", toy_engines, log)
+
+    def new_engine() -> ToyEngine:  # a restarted engine (`Roles.restart_engine`)
+        engine = ToyEngine(wire, reward=reward)
+        toy_engines.append(engine)
+        return engine
+
+    roles.engines = FakeGroup("engine", list(toy_engines), log, make_worker=new_engine)
     roles.placement = Placement.of(
         device, [engine.ready() for engine in toy_engines], [("node-0", ())] * ranks
     )
-    roles.hand_off = hand_off_for(config, roles.groups, roles.engines, device)
+    tracker = RecordingTracker()
+    roles.supervisor = EngineSupervisor(config, roles, notify=tracker.warnings.append)
+    roles.hand_off = hand_off_for(config, roles.groups, roles.supervisor, device)
     # the strategy as `WeightSync.start` resolves it, without its rendezvous (the toys need none)
     strategy = weight_sync_strategy(config, roles.placement)
     roles.weights = WeightSync(
@@ -485,7 +539,7 @@ def fake_run(
     loader = PromptLoader(
         data, batch_size=config.rollout.prompts_per_round, seed=config.train.seed, shuffle=shuffle
     )
-    rollouts = Rollouts(config, roles.engines, loader)
+    rollouts = Rollouts(config, roles.supervisor, loader)
     plan = RunPlan(
         run_id="fake",
         fingerprint="fake",
@@ -499,4 +553,4 @@ def fake_run(
     )
     eval_data = list(eval_prompts) if eval_prompts else None
     trainer = PPOTrainer(config, roles, rollouts, eval_data, plan, tokenizer=ToyTokenizer())
-    return FakeRun(trainer, roles, rollouts, toy_engines, learners, log, wire, store)
+    return FakeRun(trainer, roles, rollouts, toy_engines, learners, log, wire, store, tracker)

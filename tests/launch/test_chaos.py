@@ -18,6 +18,14 @@ step; a dead engine lets the learners save it; a dead policy leaves the last che
   actor); a dead actor's diagnosis named it, why, its log and the checkpoint a resume continues
   from; and the stop left nothing: no Ray process of its temp folder, no actor process, no
   /dev/shm folder of its weight sync (a killed policy's folder is swept at shutdown).
+  (These runs pass `--rollout.engine_restarts 0`, so that a dead engine stops the run.)
+
+The engine-restart case: with the default `rollout.engine_restarts`, the engine actor's process
+(vLLM with the shm weight sync; HF with the broadcast one, whose group is formed again) SIGKILLed mid-run is restarted in place (`rl_launch.supervisor`) and the run finishes every
+step with exit 0; the console says which engine died, why, and how long its restart took; the
+metrics go on from the step it died in (every step once, in order; engine/restarts 1 from then
+on). It prints the seconds from the kill to the driver noticing it (detect), of the restart
+(start and weight sync) and from the restart to that step's line (resume).
 """
 
 from __future__ import annotations
@@ -26,9 +34,11 @@ import os
 import random
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import pytest
@@ -36,6 +46,7 @@ import ray
 
 from rl_launch.cli import main
 from tests.launch.launching import (
+    actor_pid,
     actor_pids,
     comparable,
     interrupt_after_step,
@@ -72,6 +83,7 @@ def _args(tiny_checkpoint, prompts, run_dir, ray_dir) -> list[str]:
         "--log.output_dir", str(run_dir),
         "--log.progress_bar", "false",
         "--ray.temp_dir", ray_dir,
+        "--rollout.engine_restarts", "0",
     ]  # fmt: skip
 
 
@@ -233,3 +245,104 @@ def test_a_run_stopped_at_random_and_resumed_each_time_logs_what_an_uninterrupte
     assert "--ckpt.load_checkpoint true" in refusal, refusal[-2000:]
     assert not ray.is_initialized()
     print(f"chaos seed {seed}: {'; '.join(history)}; {time.monotonic() - began:.0f} s in all")
+
+
+RESTART_STEPS = 4
+RESTART_AFTER = 2  # the engine is killed once this step's line is written
+
+
+def _timed_lines(stream, lines: list[tuple[float, str]]) -> threading.Thread:
+    """Read `stream` line by line on a thread, appending (unix time, line) to `lines`."""
+
+    def read() -> None:
+        for line in stream:
+            lines.append((time.time(), line.rstrip("\n")))
+
+    thread = threading.Thread(target=read, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.parametrize(
+    ("engine", "weight_sync", "mode"),
+    [("vllm", "auto", []), ("hf", "broadcast", []), ("hf", "shm", ["--rollout.async_train", "true"])],
+    # broadcast: the group is formed again with the new engine; async: the steps in flight on the
+    # dead engine are issued again and its weight-sync receipts dropped
+    ids=["vllm-shm", "hf-broadcast", "hf-shm-async"],
+)
+def test_a_killed_engine_is_restarted_and_the_run_logs_every_step_once(
+    tiny_checkpoint, ray_temp, tmp_path, engine, weight_sync, mode
+):
+    if engine == "vllm":
+        pytest.importorskip("vllm")
+    ray_dir, env = ray_temp
+    prompts = write_sum_prompts(tmp_path / "train.jsonl", 32)
+    run_dir = tmp_path / "run"
+    args = [
+        *_args(tiny_checkpoint, prompts, run_dir, ray_dir)[:-2],  # the default rollout.engine_restarts
+        "--rollout.engine", engine,
+        "--rollout.weight_sync", weight_sync,
+        *(["--rollout.enforce_eager", "true"] if engine == "vllm" else []),
+        *mode,
+        "--train.max_steps", str(RESTART_STEPS),
+    ]  # fmt: skip
+    process = subprocess.Popen(
+        [sys.executable, "-m", "rl_launch.cli", "ppo", *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    out: list[tuple[float, str]] = []
+    err: list[tuple[float, str]] = []
+    readers = [_timed_lines(process.stdout, out), _timed_lines(process.stderr, err)]
+    try:
+        deadline = time.monotonic() + 600
+        metrics = run_dir / "metrics.jsonl"
+        while not (metrics.exists() and any(line["step"] >= RESTART_AFTER for line in read_metrics(run_dir))):
+            assert process.poll() is None, "\n".join(line for _, line in err[-60:])
+            assert time.monotonic() < deadline, f"step {RESTART_AFTER} did not appear within 600 s"
+            time.sleep(0.02)
+        old_pid = actor_pid(run_dir, "engine-0")
+        killed_at = time.time()
+        os.kill(old_pid, signal.SIGKILL)
+        process.wait(timeout=600)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    for reader in readers:
+        reader.join(timeout=10)
+    console = "\n".join(line for _, line in err)
+    assert process.returncode == 0, console[-6000:]
+
+    logged = read_metrics(run_dir)
+    assert [line["step"] for line in logged] == list(range(1, RESTART_STEPS + 1)), console[-3000:]
+    died = [(when, line) for when, line in err if "engine-0 died" in line]
+    restarted = [(when, line) for when, line in err if "engine-0 restarted in" in line]
+    assert len(died) == 1, console[-6000:]
+    assert len(restarted) == 1, console[-6000:]
+    assert "restarting it (restart 1 of 3, rollout.engine_restarts)" in died[0][1]
+    assert "why: its process ended with no error in its log, as SIGKILL ends one" in died[0][1]
+    assert "generation call" in restarted[0][1]
+    # the step the engine died in is logged once, with the restart; the steps before without one
+    restarts = [line["engine/restarts"] for line in logged]
+    first = restarts.index(1.0) + 1
+    assert first == RESTART_AFTER + 1, restarts
+    assert restarts == [0.0] * RESTART_AFTER + [1.0] * (RESTART_STEPS - RESTART_AFTER)
+    assert logged[first - 1]["engine/restart_s"] > 0.0
+    # a new engine process wrote its start into the same log; the killed one is gone
+    pids = actor_pids(run_dir, "engine-0")
+    assert pids[:1] == [old_pid], pids
+    assert len(pids) == 2, pids
+    assert not _alive(old_pid), pids
+    assert logged[-1]["health/sync_checksum_match"] == 1.0
+    detect = died[0][0] - killed_at
+    restart = restarted[0][0] - died[0][0]
+    resume = logged[first - 1]["time"] - restarted[0][0]
+    print(
+        f"engine restart: detect {detect:.2f} s, restart {restart:.2f} s "
+        f"(engine/restart_s {logged[first - 1]['engine/restart_s']:.2f}), resume {resume:.2f} s "
+        f"(to step {first}'s line); {restarted[0][1]}"
+    )

@@ -12,6 +12,7 @@ group and calls a method on every rank at once.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import socket
@@ -262,6 +263,10 @@ class LearnerWorker:
         """Join the weight-sync transport of `spec` (blocks until every engine has joined a group)."""
         from rl_learner import make_sender
 
+        if self.sender is not None:  # a new group after an engine restart (`WeightSync.rejoin`)
+            with contextlib.suppress(Exception):  # its peers may be gone
+                self.sender.close()
+            self.sender = None
         try:
             self.sender = make_sender(spec, self.learner.engine)
         finally:
@@ -678,6 +683,11 @@ class RolloutWorker:
         """(seconds with no generate call in flight, wall seconds) since the last call (`EngineActivity`)."""
         return self.busy.window()
 
+    def alive(self) -> bool:
+        """True: the driver's probe of a live engine (`rl_launch.supervisor`, in `ACTIVITY_GROUP`, so
+        it answers while the engine generates); a dead one's call raises instead."""
+        return True
+
     def init_sync(self, spec: Any, rank: int) -> None:
         self.engine.init_weight_sync(spec, rank=rank)
 
@@ -748,8 +758,9 @@ class ActorGroup:
             if concurrency_groups
             else ray.remote(actor_class)
         )
-        self.actors = [
-            remote_class.options(
+
+        def start(rank: int) -> Any:
+            return remote_class.options(
                 num_gpus=num_gpus,
                 num_cpus=num_cpus,
                 name=None,
@@ -757,9 +768,10 @@ class ActorGroup:
                     placement_group=placement_group, placement_group_bundle_index=rank
                 ),
                 runtime_env={"env_vars": env} if env else None,
-            ).remote(*args)
-            for rank, args in enumerate(args_per_rank)
-        ]
+            ).remote(*args_per_rank[rank])
+
+        self._start = start
+        self.actors = [start(rank) for rank in range(len(args_per_rank))]
 
     def __len__(self) -> int:
         return len(self.actors)
@@ -788,9 +800,14 @@ class ActorGroup:
 
     def call(self, method: str, *args: Any, per_rank: Sequence[tuple] | None = None) -> list:
         """`submit` and wait for every actor's result."""
+        return self.get(self.submit(method, *args, per_rank=per_rank))
+
+    def get(self, futures: Sequence[Any]) -> list:
+        """The results of calls on these actors (`ray.get`; `rl_launch.supervisor` restarts an engine
+        that died instead)."""
         import ray
 
-        return ray.get(self.submit(method, *args, per_rank=per_rank))
+        return ray.get(list(futures))
 
     def terminate(self) -> list:
         """Ask every actor to exit once the calls queued before this one are done (Ray's graceful
@@ -802,6 +819,16 @@ class ActorGroup:
 
         for actor in self.actors:
             ray.kill(actor, no_restart=True)
+
+    def replace(self, rank: int) -> Any:
+        """Kill actor `rank` (dead already, or hung) and start a new one from the same arguments on
+        the same placement bundle, in its place in `actors`; the new actor (its start under way)."""
+        import ray
+
+        with contextlib.suppress(Exception):  # it died already
+            ray.kill(self.actors[rank], no_restart=True)
+        self.actors[rank] = self._start(rank)
+        return self.actors[rank]
 
 
 def _exported_processor(model_path: str) -> Any:

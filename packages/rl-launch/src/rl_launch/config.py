@@ -320,6 +320,13 @@ class RolloutConfig(_Section):
     """How long one weight sync may wait for its peers (the broadcast group's collectives, a shm
     reader waiting for a version). In async mode an engine receives after the generations queued
     before it, so this bounds a generation too; it is not ray.startup_timeout_s."""
+    engine_restarts: NonNegativeInt = 3
+    """How many times in a run a rollout engine that died (killed, OOM, crashed) is restarted in place
+    (`rl_launch.supervisor`): a new engine actor on the same placement bundle, joined to the weight
+    sync and given the current policy version before it serves, then the generation calls that were
+    in flight on the dead one are issued again; the console and the metrics (engine/restarts,
+    engine/restart_s) say so. 0: a dead engine ends the run with its diagnosis and a checkpoint of
+    the last finished step, as a dead learner always does."""
     async_train: bool = False
     """Generate ahead of training: step t + k's rollouts are submitted before step t trains, on the
     weights the engines hold then. Records carry the policy version they came from, and the

@@ -88,11 +88,10 @@ class HybridEngine(HandOff):
         """Once generation (and eval) are done: the engines sleep (level 1: vLLM keeps the weights in
         host memory and drops its KV cache), then the learners reload their DeepSpeed states for the
         forwards and training."""
-        import ray
-
         with _phase(timer, "sleep", self.swapping):
             if self.config.ray.engine_sleep and not self.engines_asleep:
-                ray.get(self.engines.submit("sleep", 1))
+                # the engines' `get`: an engine that died is restarted, then put to sleep (`rl_launch.supervisor`)
+                self.engines.get(self.engines.submit("sleep", 1))
                 self.engines_asleep = True
             if self.learners_offloaded:
                 self._move_learner_states("reload_states")
@@ -101,11 +100,9 @@ class HybridEngine(HandOff):
     def wake_engines(self, timer: Any = None) -> None:
         """After training: the engines wake (before the weight sync, which needs them awake; the
         learners still hold their states, so the sync reads the weights on the GPU)."""
-        import ray
-
         with _phase(timer, "wake", self.swapping):
             if self.engines_asleep:
-                ray.get(self.engines.submit("wake_up"))
+                self.engines.get(self.engines.submit("wake_up"))
                 self.engines_asleep = False
 
     def offload_learners(self, timer: Any = None) -> None:

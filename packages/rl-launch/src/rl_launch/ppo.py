@@ -202,9 +202,11 @@ class PPOTrainer:
         """The weights go to the engines as the next version. `settle`: also wait for the receipts
         async mode has not compared yet (the last step), so every version is checked."""
         self.version += 1
-        metrics = self.roles.weights.send(self.version)
+        # the supervisor restarts an engine that died meanwhile and sends the version again
+        weights = self.roles.supervisor or self.roles.weights
+        metrics = weights.send(self.version)
         if settle:
-            late = self.roles.weights.settle()
+            late = weights.settle()
             key = "health/sync_checksum_match"
             if key in late:
                 metrics[key] = min(late[key], metrics.get(key, 1.0))
@@ -382,12 +384,14 @@ class PPOTrainer:
                 if not self.policy_frozen(step):
                     metrics |= self.sync(settle=last)
                 elif last:  # nothing to send; async mode still compares the receipts it waits for
-                    metrics |= self.roles.weights.settle()
+                    metrics |= (self.roles.supervisor or self.roles.weights).settle()
             hand_off.offload_learners(timer)  # then the learners' states leave the GPU for the generation
             if self.eval_data is not None and (step % cfg.eval.eval_steps == 0 or last):
                 with timer.phase("eval"):
                     metrics |= self.rollouts.evaluate(self.eval_data)
             metrics |= self.rollouts.engine_activity()  # the engines' idle time since the last step's line
+            if self.roles.supervisor is not None:  # engine/restarts, engine/restart_s
+                metrics |= self.roles.supervisor.metrics()
             consumed += len(records)
             best = self.new_best(step, metrics)
             if best:
@@ -534,7 +538,8 @@ class PPORecipe(Recipe):
         loader = PromptLoader(
             train_data, batch_size=config.rollout.prompts_per_round, seed=config.train.seed, shuffle=True
         )
-        rollouts = Rollouts(config, roles.engines, loader)
+        roles.supervisor.notify, roles.supervisor.log_dir = self.console.warn, self.log_dir
+        rollouts = Rollouts(config, roles.supervisor, loader)
         rollouts.log_dir, rollouts.notify = self.log_dir, self.console.warn
         normalization = None
         if config.reward.normalize == "model":
@@ -596,6 +601,13 @@ class PPORecipe(Recipe):
         _, text = describe_actor_failure(error, names, self.log_dir)
         cause = death_cause(error, names, self.log_dir)
         lines = [text, *([f"  why: {cause}"] if cause is not None else [])]
+        supervisor = self.roles.supervisor if self.roles is not None else None
+        if supervisor is not None and supervisor.restarts:
+            engines = ", ".join(f"engine-{restart.index}" for restart in supervisor.restarts)
+            lines.append(
+                f"  engine restarts: {len(supervisor.restarts)} of rollout.engine_restarts = {supervisor.limit} "
+                f"used in this run ({engines})"
+            )
         if self.trainer is not None:
             lines += [f"  {line}" for line in self.trainer.after_failure(error)]
         return "\n".join(lines)

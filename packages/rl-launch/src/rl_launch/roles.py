@@ -8,6 +8,8 @@ the step loop calls besides its own methods:
                 (`rl_launch.placement.Placement`)
     weights     the policy's weights to the engines: start / send / settle
                 (`rl_launch.weights.WeightSync`, made by `init_weight_sync`)
+    supervisor  the engines as the rollouts and the hand-off call them, a dead one restarted in
+                place (`rl_launch.supervisor.EngineSupervisor`; `restart_engine` starts one again)
     hand_off    the hybrid engine's GPU memory hand-over, a no-op without `ray.colocate all`
                 (`rl_launch.handoff`)
 
@@ -42,6 +44,7 @@ from .learner_settings import frozen_offload, learner_dtype
 from .placement import Placement
 from .rendezvous import local_ranks
 from .specs import engine_concurrency_groups, engine_spec, header_variables, learner_specs
+from .supervisor import EngineSupervisor
 from .weights import WeightSync
 
 __all__ = ["TRAINED_ROLES", "Roles"]
@@ -129,6 +132,7 @@ class Roles:
         self.placement: Placement | None = None  # where the actors run, once started
         self.hand_off: HandOff = HandOff()  # the hybrid engine once started (`ray.colocate all`)
         self.weights: WeightSync | None = None  # the policy's weights to the engines (`init_weight_sync`)
+        self.supervisor: EngineSupervisor | None = None  # restarts a dead engine (`start`)
         self.engine_helpers: list[Any] = []  # rl_launch.leftovers.HelperProcesses per engine
         self._engines_closing: list | None = None  # the engines' `close` calls (`close_engines`)
         self.started = False  # every actor finished its start (`start` returned)
@@ -195,7 +199,8 @@ class Roles:
         self.engine_helpers = ray.get(self.engines.submit("helpers"))  # swept at shutdown
         self.started = True
         self.placement = Placement.of(self.device, engines, self.groups["policy"].call("location"))
-        self.hand_off = hand_off_for(cfg, self.groups, self.engines, self.device)
+        self.supervisor = EngineSupervisor(cfg, self)
+        self.hand_off = hand_off_for(cfg, self.groups, self.supervisor, self.device)
 
     def init_weight_sync(self) -> str:
         """Policy DP rank 0 sends, every engine worker receives (`rl_launch.weights.WeightSync`); a
@@ -204,6 +209,24 @@ class Roles:
             self.config, self.groups["policy"], self.engines, self.placement, self.hand_off, self.dtype
         )
         return description
+
+    def restart_engine(self, index: int) -> None:
+        """Engine `index` again, in place (`rl_launch.supervisor`): what the old actor left is swept
+        (its process if it hangs, vLLM's engine core, shared memory), a new actor starts from the
+        same spec on the same placement bundle, and this returns once it is ready (at most
+        `ray.startup_timeout_s`). The placement stays: same bundle, same node and devices."""
+        import ray
+
+        from .leftovers import sweep
+
+        if index < len(self.engine_helpers):
+            with contextlib.suppress(Exception):  # a hung actor's process is killed here too
+                sweep([self.engine_helpers[index]])
+        self.engines.replace(index)
+        ready = self.engines.submit_to(index, "ready")
+        _wait_started([ready], self.config.ray.startup_timeout_s)
+        if index < len(self.engine_helpers):
+            self.engine_helpers[index] = ray.get(self.engines.submit_to(index, "helpers"))
 
     # ------------------------------------------------------------------------------------------
     # The step's calls

@@ -299,9 +299,7 @@ class Rollouts:
     def engine_activity(self) -> dict[str, float]:
         """time/engine_idle_fraction: Σ idle / Σ wall over the engines since the last call
         (time with no generate call in flight; `rl_launch.actors.EngineActivity`)."""
-        import ray
-
-        windows = ray.get(self.engines.submit("activity", concurrency_group=ACTIVITY_GROUP))
+        windows = self.engines.get(self.engines.submit("activity", concurrency_group=ACTIVITY_GROUP))
         wall = sum(wall for _, wall in windows)
         return {"time/engine_idle_fraction": sum(idle for idle, _ in windows) / wall} if wall > 0 else {}
 
@@ -312,11 +310,15 @@ class Rollouts:
         baseline's reward in each record when the estimator needs one and they are for training)."""
         size = math.ceil(len(prompts) / len(self.engines))
         futures = []
-        for index, actor in enumerate(self.engines.actors):
+        for index in range(len(self.engines)):
             chunk = prompts[index * size : (index + 1) * size]
             if chunk:
                 greedy = self.greedy_baseline and for_training
-                futures.append(actor.generate.remote(encode(chunk), sampling, self.next_group_id, greedy))
+                futures.append(
+                    self.engines.submit_to(
+                        index, "generate", encode(chunk), sampling, self.next_group_id, greedy
+                    )
+                )
                 self._engine_of[id(futures[-1])] = index
                 self.next_group_id += len(chunk)
         return futures
@@ -335,7 +337,12 @@ class Rollouts:
                     waited += every
                     self.notify(self.stall_line(pending, waited))
         try:
-            return [record for payload in ray.get(futures) for record in decode(payload, list[Trajectory])]
+            # the engines' `get`: with `rl_launch.supervisor`, a dead engine's calls are issued again
+            return [
+                record
+                for payload in self.engines.get(futures)
+                for record in decode(payload, list[Trajectory])
+            ]
         finally:
             for future in futures:
                 self._engine_of.pop(id(future), None)

@@ -4,7 +4,9 @@
 strategy's start in the driver (`rl_launch.components.weight_sync`, given a typed `SyncContext`)
 and has policy rank 0 and every engine worker join the spec it returns. `send(version)` is one
 sync; in async mode an engine takes a version after the generations queued before it, so the
-receipts of a sync are compared later (`settle`). `sweep` removes what a killed sender left.
+receipts of a sync are compared later (`settle`). `rejoin(index)` joins an engine restarted in
+place (`rl_launch.supervisor`) and gives it the last version sent before it serves. `sweep`
+removes what a killed sender left.
 """
 
 from __future__ import annotations
@@ -68,27 +70,74 @@ class WeightSync:
     ) -> None:
         self.config, self.name, self.policy, self.engines = config, name, policy, engines
         self.placement, self.hand_off, self.spec = placement, hand_off, spec
-        self._receipts: list[tuple[Any, list]] = []  # async mode: syncs whose receipts are not compared yet
+        # async mode: syncs whose receipts are not compared yet, (report, {engine index: receipt})
+        self._receipts: list[tuple[Any, dict[int, Any]]] = []
+        self.version = 0  # the last version a send finished (the engines' start: 0)
+        self.layout: Any = None  # policy rank 0's WeightSyncMeta, for a restart of the strategy
 
     @classmethod
     def start(
         cls, config: PPOConfig, policy: Any, engines: Any, placement: Placement, hand_off: HandOff, dtype: str
     ) -> tuple[WeightSync, str]:
         """The strategy's rendezvous, joined by both sides; the sync and its start-up description."""
-        import ray
 
         name = weight_sync_strategy(config, placement)
         if name == "none":
             return cls(config, name, policy, engines, placement, hand_off), NONE_DESCRIPTION
-        layout = policy.call("sync_layout", dtype)[0]
-        context = SyncContext(config, placement, lambda fn: ray.get(policy.actors[0].prepare_sync.remote(fn)))
-        spec, description = SYNC_STRATEGIES[name].start(context, layout)
-        sizes = placement.engine_sync_sizes
-        offsets = [1 + sum(sizes[:i]) for i in range(len(sizes))]
-        futures = policy.submit("init_sync", spec)
-        futures += engines.submit("init_sync", per_rank=[(spec, offset) for offset in offsets])
+        sync = cls(config, name, policy, engines, placement, hand_off)
+        sync.layout = policy.call("sync_layout", dtype)[0]
+        return sync, sync._start_strategy()
+
+    def _start_strategy(self) -> str:
+        """The strategy's rendezvous, joined by policy rank 0 and every engine; its description."""
+        import ray
+
+        policy = self.policy
+        context = SyncContext(
+            self.config, self.placement, lambda fn: ray.get(policy.actors[0].prepare_sync.remote(fn))
+        )
+        self.spec, description = SYNC_STRATEGIES[self.name].start(context, self.layout)
+        futures = policy.submit("init_sync", self.spec)
+        futures += self.engines.submit("init_sync", per_rank=[(self.spec, o) for o in self._offsets()])
         ray.get(futures)
-        return cls(config, name, policy, engines, placement, hand_off, spec), description
+        return description
+
+    def _offsets(self) -> list[int]:
+        """Each engine's first receiver rank (rank 0 is the sender)."""
+        sizes = self.placement.engine_sync_sizes
+        return [1 + sum(sizes[:i]) for i in range(len(sizes))]
+
+    def rejoin(self, index: int, *, send: bool = True) -> dict[str, float]:
+        """Engine `index`, restarted in place, joins the sync and receives the last version sent
+        (`self.version`; nothing at 0: it loaded the starting weights) before it serves.
+
+        A strategy whose every receiver takes part in every send (`SyncStrategy.whole_group`:
+        broadcast) starts again for the sender and every engine, and that version goes to all of
+        them (the others get the weights they hold); otherwise the new engine joins the spec alone
+        and the sender sends that version again to it alone (shm and file publish the version
+        number again, ipc packs it again; the other engines do not read it). The dead engine's receipts are dropped. Metrics as `send`'s. `send` False:
+        only join (the caller sends a version to every engine next: a sync that an engine's death
+        interrupted, sent again)."""
+        import ray
+
+        for _, receipts in self._receipts:
+            receipts.pop(index, None)
+        if self.name == "none":
+            return {}
+        if SYNC_STRATEGIES[self.name].whole_group:
+            self._start_strategy()
+            targets = list(range(len(self.engines)))
+        else:
+            ray.get(self.engines.submit_to(index, "init_sync", self.spec, self._offsets()[index]))
+            targets = [index]
+        if self.version == 0 or not send:
+            return {}
+        report, received, mismatched = self._transfer(self.version, targets)
+        if mismatched is None:
+            mismatched = sum(
+                len(compare_checksums(report, other)) for other in ray.get(list(received.values()))
+            )
+        return _sync_metrics(report) | {"health/sync_checksum_match": float(mismatched == 0)}
 
     def send(self, version: int) -> dict[str, float]:
         """Send the policy's weights to every engine as `version`; time, size and checksum match.
@@ -105,6 +154,24 @@ class WeightSync:
             return {}
         if self.hand_off.engines_asleep:
             raise RuntimeError("WeightSync.send: the engines are asleep; call hand_off.to_generation() first")
+        report, received, mismatched = self._transfer(version, list(range(len(self.engines))))
+        self.version = version
+        if mismatched is None and self.config.rollout.async_train:
+            self._receipts.append((report, received))
+            return _sync_metrics(report) | self._settle_receipts(wait=False)
+        if mismatched is None:
+            mismatched = sum(
+                len(compare_checksums(report, other)) for other in ray.get(list(received.values()))
+            )
+        return _sync_metrics(report) | {"health/sync_checksum_match": float(mismatched == 0)}
+
+    def _transfer(self, version: int, targets: list[int]) -> tuple[Any, dict[int, Any], int | None]:
+        """One send of `version` to the engines `targets`: (the sender's report, {engine index: the
+        future of its report}, None), the receipts not waited for; with per-rank payloads, which
+        are released once every engine has its weights, (rank 0's report, {}, the number of
+        checksums that differ between each engine and the rank whose payload it took)."""
+        import ray
+
         strategy = SYNC_STRATEGIES[self.name]
         # partial rollout: the engines take the weights now, between two decoding steps of the
         # generations in flight, instead of after them
@@ -113,28 +180,26 @@ class WeightSync:
         sent = self.policy.submit("sync", version)
         if strategy.per_rank_payload:
             shared = ray.get(sent)
-            reports = [report for report, _ in shared]
             ranks = self.placement.engine_policy_ranks()
-            received = self.engines.submit(
-                "receive", per_rank=[(version, shared[rank][1]) for rank in ranks], concurrency_group=group
-            )
-            received = ray.get(received)
+            received = {
+                index: self.engines.submit_to(
+                    index, "receive", version, shared[ranks[index]][1], concurrency_group=group
+                )
+                for index in targets
+            }
+            reports = dict(zip(received, ray.get(list(received.values())), strict=True))
             ray.get(self.policy.submit("release_sync"))
-            report = reports[0]
             mismatched = sum(
-                len(compare_checksums(reports[rank], other))
-                for rank, other in zip(ranks, received, strict=True)
+                len(compare_checksums(shared[ranks[index]][0], other)) for index, other in reports.items()
             )
-        else:
-            if strategy.sender_first:  # a reader does not wait for the data: it must be sent first
-                ray.get(sent)
-            received = self.engines.submit("receive", version, concurrency_group=group)
-            report = ray.get(sent)[0][0]
-            if self.config.rollout.async_train:
-                self._receipts.append((report, received))
-                return _sync_metrics(report) | self._settle_receipts(wait=False)
-            mismatched = sum(len(compare_checksums(report, other)) for other in ray.get(received))
-        return _sync_metrics(report) | {"health/sync_checksum_match": float(mismatched == 0)}
+            return shared[0][0], {}, mismatched
+        if strategy.sender_first:  # a reader does not wait for the data: it must be sent first
+            ray.get(sent)
+        received = {
+            index: self.engines.submit_to(index, "receive", version, concurrency_group=group)
+            for index in targets
+        }
+        return ray.get(sent)[0][0], received, None
 
     def _settle_receipts(self, *, wait: bool) -> dict[str, float]:
         """Async mode: an engine receives a version after the generations queued before it, so the
@@ -146,14 +211,20 @@ class WeightSync:
 
         settled = []
         while self._receipts:
-            futures = self._receipts[0][1]
-            if not wait and len(ray.wait(futures, num_returns=len(futures), timeout=0)[0]) < len(futures):
+            futures = list(self._receipts[0][1].values())
+            if (
+                futures
+                and not wait
+                and len(ray.wait(futures, num_returns=len(futures), timeout=0)[0]) < len(futures)
+            ):
                 break
             settled.append(self._receipts.pop(0))
         metrics = {"sync/unsettled_versions": float(len(self._receipts))}
         if settled:
             mismatched = sum(
-                len(compare_checksums(sent, other)) for sent, futures in settled for other in ray.get(futures)
+                len(compare_checksums(sent, other))
+                for sent, futures in settled
+                for other in ray.get(list(futures.values()))
             )
             metrics["health/sync_checksum_match"] = float(mismatched == 0)
         return metrics

@@ -11,6 +11,7 @@ the step's sync never names a transport:
 | `sender_first`     | the receivers start only once the sender returned (a reader does not wait for the data) | file |
 | `per_rank_payload` | every policy rank sends; each engine receives the payload of the policy rank on its GPU, then the ranks `release` | ipc |
 | `sweep`            | `sweep(spec)`, in the driver after the actors are gone: removes what a killed sender left (its `close` never ran) | shm |
+| `whole_group`      | every receiver takes part in every send (a process group): an engine restarted mid-run re-forms the group with all of them (`WeightSync.rejoin`); else it joins alone | broadcast |
 
 "none" needs no strategy; "auto" is `choose_weight_sync` of the placement
 (`rl_launch.weights.sync_placement`). A plugin (`--plugin`, imported in the driver and every
@@ -68,13 +69,17 @@ class SyncStrategy:
     receives the one of the policy rank on its GPU (`Placement.engine_policy_ranks`), and the ranks
     then `release_sync`. sweep: `sweep(spec)` removes what a sender killed outright (SIGKILL, OOM)
     left behind, called by the driver at shutdown after the actors are gone; it must leave alone
-    what a live process still uses (another run's, or a sender that closed normally).
+    what a live process still uses (another run's, or a sender that closed normally). whole_group:
+    every receiver takes part in every send (a process group whose member died is broken), so an
+    engine restarted mid-run is joined by starting the strategy again for the sender and every
+    engine (`rl_launch.weights.WeightSync.rejoin`); without it the new engine joins the spec alone.
     """
 
     start: Start
     sender_first: bool = False
     per_rank_payload: bool = False
     sweep: Callable[[Any], None] | None = None
+    whole_group: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,7 +145,7 @@ def _shm_directory(worker: Any) -> str:
 # The built-in strategies.
 
 
-@SYNC_STRATEGIES.register("broadcast")
+@SYNC_STRATEGIES.register("broadcast", whole_group=True)
 def broadcast_sync(context: SyncContext, layout: Any) -> tuple[Any, str]:
     """A process group of policy rank 0 and every engine worker (NCCL on GPUs, gloo on CPU) that
     meets at rank 0's node, on a port held there; the weights go in buckets."""
