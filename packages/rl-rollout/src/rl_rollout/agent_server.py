@@ -206,6 +206,8 @@ def _content_text(content: Any, where: str) -> str:
 
 def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
     """Tool calls as `{"id", "type": "function", "function": {"name", "arguments": dict}}`."""
+    from .tools import decode_call_json
+
     if calls is None:
         return []
     if not isinstance(calls, list):
@@ -218,10 +220,9 @@ def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
             raise _bad(f"{field}: expected {{'function': {{'name': str, 'arguments': ...}}}}", field)
         arguments = function.get("arguments", {})
         if isinstance(arguments, str):
-            try:
-                arguments = json.loads(arguments) if arguments.strip() else {}
-            except json.JSONDecodeError as error:
-                raise _bad(f"{field}.function.arguments: not valid JSON ({error})", field) from None
+            arguments, problem = decode_call_json(arguments) if arguments.strip() else ({}, None)
+            if problem is not None:
+                raise _bad(f"{field}.function.arguments: {problem}", field)
         if not isinstance(arguments, Mapping):
             raise _bad(f"{field}.function.arguments: expected a JSON object", field)
         normalised.append(
@@ -714,9 +715,9 @@ class AgentServer:
     def _parse_tool_calls(self, text: str) -> tuple[str, list[dict[str, Any]], int]:
         """(content without the call markup, OpenAI tool_calls, malformed calls) by the server's
         tool parser. Call ids are unique within the server (the parser numbers calls per turn)."""
-        from .tools import TOOL_PARSERS
+        from .tools import TOOL_PARSERS, parse_safely
 
-        parsed = TOOL_PARSERS[self.tool_parser_name].parse(text)
+        parsed = parse_safely(TOOL_PARSERS[self.tool_parser_name], text)
         calls = [
             {
                 "id": f"call_{uuid.uuid4().hex[:12]}_{call.id}",

@@ -71,6 +71,7 @@ from rl_data import ImageInputs, PromptSample, Trajectory
 from rl_data.errors import check_integer
 from rl_data.vision import IMAGE_PLACEHOLDER
 
+from .bounded import LoopWatchdog, UserLoop
 from .protocol import Engine, Generation, SamplingParams
 from .rewards import ON_ERROR, RewardFunction, load_python_file
 
@@ -89,6 +90,8 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 FEEDBACK_MODES = ("text", "chat")
+LOOP_BLOCK_WARNING_S = 10.0
+"""Seconds an executor's event loop may go without a tick before the blocking code is named."""
 
 
 class EpisodeError(RuntimeError):
@@ -569,6 +572,7 @@ class MultiTurnExecutor:
         self.max_concurrency = max_concurrency
         self.on_error, self.fallback = on_error, float(fallback)
         self._groups = _GroupCounter(first_group_id)
+        self._timeouts = 0
         self.last_metrics: dict[str, float] = {}
 
     @property
@@ -612,11 +616,13 @@ class MultiTurnExecutor:
 
     # -- one episode -------------------------------------------------------------------------
 
-    async def _episode(self, sample: PromptSample, sample_number: int, episode: _Episode) -> None:
-        env = await _make_env(self.env_factory)
+    async def _episode(
+        self, sample: PromptSample, sample_number: int, episode: _Episode, user: UserLoop
+    ) -> None:
+        env = await user.call(_make_env, self.env_factory)  # the environment's code runs on `user`
         prompt_text = _prompt_text(sample, self.tokenizer)
-        reset = await _maybe_await(
-            env.reset({"observation": prompt_text, "prompt": prompt_text, "label": sample.label})
+        reset = await user.call(
+            env.reset, {"observation": prompt_text, "prompt": prompt_text, "label": sample.label}
         )
         if not isinstance(reset, Mapping) or not isinstance(reset.get("observation"), str):
             raise EpisodeError(f"reset() must return {{'observation': str}}, got {reset!r}")
@@ -670,7 +676,7 @@ class MultiTurnExecutor:
                 "label": sample.label,
                 "sampling_params": sampling,
             }
-            result = await _maybe_await(env.step(states))
+            result = await user.call(env.step, states)
             if not isinstance(result, Mapping):
                 raise EpisodeError(f"step() returned a {type(result).__name__}, expected a dict")
             missing = [key for key in ("rewards", "done") if key not in result]
@@ -729,7 +735,9 @@ class MultiTurnExecutor:
                 return
         episode.finish_reason = "length"
 
-    async def _execute_episode(self, sample: PromptSample, sample_number: int, episode: _Episode) -> None:
+    async def _execute_episode(
+        self, sample: PromptSample, sample_number: int, episode: _Episode, user: UserLoop | None
+    ) -> None:
         """One episode by the agent file's own `AgentExecutor.execute` (`rl_rollout.agent_execute`)."""
         from .agent_execute import EngineAdapter, episode_fields, vllm_sampling_params
 
@@ -813,13 +821,22 @@ class MultiTurnExecutor:
     ) -> tuple[_Episode, str | None]:
         episode = _Episode(prompt_ids=sample.prompt_ids.tolist(), images=sample.images)
         async with semaphore:
+            # the environment's own loop and thread: a step that blocks holds only this episode,
+            # and the deadline below fires on time (the thread is abandoned, never joined)
+            user = None if self._execute is not None else UserLoop(f"rl-episode-{sample_number}")
             try:
                 run = self._execute_episode if self._execute is not None else self._episode
-                await asyncio.wait_for(run(sample, sample_number, episode), self.episode_timeout_s)
+                await asyncio.wait_for(run(sample, sample_number, episode, user), self.episode_timeout_s)
                 return episode, None
             except Exception as error:
                 if isinstance(error, (asyncio.TimeoutError, TimeoutError)):
-                    reason = f"timed out after {self.episode_timeout_s} s"
+                    self._timeouts += 1
+                    stuck = (
+                        f"; abandoned, the environment was at {user.stuck()}"
+                        if user and user.busy_since
+                        else ""
+                    )
+                    reason = f"timed out after {self.episode_timeout_s} s{stuck}"
                 else:
                     reason = f"failed: {error!r}"
                 where = f"MultiTurnExecutor: episode {sample_number} of sample ({_describe(sample)}) {reason}"
@@ -827,6 +844,9 @@ class MultiTurnExecutor:
                     raise EpisodeError(where) from error
                 logger.warning("%s; reward = fallback %s", where, self.fallback)
                 return episode, where
+            finally:
+                if user is not None:
+                    user.close()
 
     async def arun(
         self, samples: Sequence[PromptSample], *, group_ids: Sequence[int] | None = None
@@ -838,14 +858,16 @@ class MultiTurnExecutor:
         groups = self._groups.take(len(samples), group_ids, "MultiTurnExecutor")
         semaphore = asyncio.Semaphore(self.max_concurrency)
         started = time.monotonic()
+        self._timeouts = 0
         jobs = [self._guarded(s, j, semaphore) for s in samples for j in range(self.sampling.n)]
         tasks = [asyncio.ensure_future(job) for job in jobs]
-        try:
-            results = await asyncio.gather(*tasks)
-        except BaseException:
-            for task in tasks:
-                task.cancel()
-            raise
+        async with LoopWatchdog(LOOP_BLOCK_WARNING_S, name="MultiTurnExecutor") as watchdog:
+            try:
+                results = await asyncio.gather(*tasks)
+            except BaseException:
+                for task in tasks:
+                    task.cancel()
+                raise
         records = []
         for position, (episode, error) in enumerate(results):
             sample = samples[position // self.sampling.n]
@@ -877,6 +899,8 @@ class MultiTurnExecutor:
                 )
             )
         self.last_metrics = _episode_metrics(records, started)
+        self.last_metrics["rollout/episode_timeouts"] = float(self._timeouts)
+        self.last_metrics["rollout/loop_blocked"] = float(watchdog.blocked)
         return records
 
     def run(

@@ -1,0 +1,275 @@
+"""Unattended runs: user code that blocks is abandoned on time, model output never crashes a parser.
+
+Every stuck call here blocks for 600 s (or until the test releases it at the end), far longer
+than the bound asserted (30 s): the tests check "abandoned, not joined", not speed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+import pytest
+
+from rl_rollout import AgentServerExecutor
+from rl_rollout.agent_server import ServerError, normalise_messages
+from rl_rollout.bounded import CallTimeout, LoopWatchdog, UserThreads
+from rl_rollout.executors import MultiTurnExecutor
+from rl_rollout.protocol import SamplingParams
+from rl_rollout.tools import (
+    MAX_CALL_NESTING,
+    TOOL_PARSERS,
+    ParsedToolCalls,
+    call_tool,
+    parse_safely,
+    tool_from_function,
+)
+
+from .test_executors import ScriptedEngine, make_samples
+
+BOUND_S = 30.0  # what "returned on time" means here; the stuck code blocks 600 s
+RELEASE = threading.Event()  # set at the end of the module, so no stuck thread outlives the tests
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_stuck_threads():
+    yield
+    RELEASE.set()
+
+
+def _block(seconds: float = 600.0) -> None:
+    RELEASE.wait(seconds)
+
+
+@pytest.fixture(scope="module")
+def samples(tokenizer):
+    return make_samples(tokenizer, ["What is 2 + 2?", "What is 3 * 4?", "What is 1 + 1?"], [4, "stuck", 2])
+
+
+class SyncStuckOnOneLabel:
+    """A sync environment whose step blocks (a `time.sleep`-like call) for the sample labelled "stuck"."""
+
+    def reset(self, states):
+        return {"observation": states["observation"]}
+
+    def step(self, states):
+        if states["label"] == "stuck":
+            _block()
+        return {"rewards": 1.0, "environment_feedback": "", "done": True}
+
+
+class AsyncBlockingOnOneLabel:
+    """An async environment that blocks its event loop (no await) for the sample labelled "stuck"."""
+
+    async def reset(self, states):
+        return {"observation": states["observation"]}
+
+    async def step(self, states):
+        if states["label"] == "stuck":
+            _block()  # as requests.post / subprocess.run / time.sleep would
+        return {"rewards": 1.0, "environment_feedback": "", "done": True}
+
+
+@pytest.mark.parametrize("env", [SyncStuckOnOneLabel, AsyncBlockingOnOneLabel], ids=["sync", "async"])
+def test_a_blocking_env_step_times_out_on_time_and_the_run_continues(tokenizer, samples, env):
+    executor = MultiTurnExecutor(
+        ScriptedEngine(tokenizer),
+        tokenizer,
+        SamplingParams(),
+        env=env,
+        episode_timeout_s=2.0,
+        on_error="fallback",
+        fallback=-1.0,
+    )
+    started = time.monotonic()
+    records = executor.run(samples)
+    elapsed = time.monotonic() - started
+    assert elapsed < BOUND_S
+    stuck = records[1]
+    assert stuck.finish_reason == "abort"
+    assert stuck.reward == -1.0
+    error = stuck.extra["episode_error"]
+    assert "timed out after 2.0 s; abandoned, the environment was at" in error
+    assert "test_unattended.py:" in error
+    assert "in _block for" in error
+    assert [r.finish_reason for r in (records[0], records[2])] == ["stop", "stop"]
+    assert [r.reward for r in (records[0], records[2])] == [1.0, 1.0]
+    assert executor.last_metrics["rollout/episode_timeouts"] == 1.0
+    # the run goes on: the next batch runs although a thread of the last one is still stuck
+    again = executor.run([samples[0], samples[2]])
+    assert [r.reward for r in again] == [1.0, 1.0]
+
+
+def test_a_sleeping_tool_returns_on_time_and_is_not_joined():
+    def sleeps(x: int) -> int:
+        """Blocks."""
+        _block()
+        return x
+
+    async def blocks_its_loop(x: int) -> int:
+        """An async tool that blocks instead of awaiting."""
+        _block()
+        return x
+
+    for function in (sleeps, blocks_its_loop):
+        started = time.monotonic()
+        result = asyncio.run(call_tool(tool_from_function(function), {"x": 1}, 0.5))  # includes the shutdown
+        assert time.monotonic() - started < BOUND_S
+        assert (result.error, result.content) == (
+            "timeout",
+            f"Error: {function.__name__} timed out after 0.5 s.",
+        )
+
+
+def test_stuck_calls_do_not_starve_the_next_ones():
+    threads = UserThreads(2, name="test")
+
+    def quick(x: int) -> int:
+        return x + 1
+
+    async def main():
+        stuck = await asyncio.gather(
+            *[threads.call(_block, timeout_s=0.2) for _ in range(6)], return_exceptions=True
+        )
+        assert all(isinstance(error, CallTimeout) for error in stuck)
+        assert "_block() did not return within 0.2 s; abandoned after" in str(stuck[0])
+        assert "test_unattended.py" in str(stuck[0])  # where the thread is stuck
+        return await asyncio.wait_for(threads.call(quick, 41, timeout_s=BOUND_S), BOUND_S)
+
+    assert asyncio.run(main()) == 42
+    assert threads.abandoned_running == 6
+    assert threads.abandoned_total == 6
+
+
+def test_too_many_abandoned_calls_refuse_new_ones():
+    threads = UserThreads(4, max_abandoned=2, name="test")
+
+    async def main():
+        for _ in range(2):
+            with pytest.raises(CallTimeout):
+                await threads.call(_block, timeout_s=0.05)
+        with pytest.raises(CallTimeout, match="2 abandoned calls are still running"):
+            await threads.call(int, "1", timeout_s=5.0)
+
+    asyncio.run(main())
+
+
+def test_a_call_that_raises_hands_its_exception_to_the_caller():
+    async def main():
+        return await UserThreads(1).call(int, "not a number", timeout_s=5.0)
+
+    with pytest.raises(ValueError, match="invalid literal"):
+        asyncio.run(main())
+
+
+def test_the_watchdog_names_code_that_blocks_the_loop():
+    async def blocks_the_loop():
+        async with LoopWatchdog(0.3, name="test") as watchdog:
+            time.sleep(1.5)  # the code under test: blocks the loop it runs on
+            await asyncio.sleep(0)
+        return watchdog
+
+    watchdog = asyncio.run(blocks_the_loop())
+    assert watchdog.blocked == 1
+    assert watchdog.blocked_s >= 0.3
+    assert "test_unattended.py" in watchdog.last_block
+    assert "in blocks_the_loop" in watchdog.last_block
+    assert "blocked the test event loop for" in watchdog.last_block
+
+
+# ----------------------------------------------------------------------------------------------
+# Parsers: any model output is at worst a malformed call.
+
+HUGE_INTEGER = '<tool_call>{"name": "add", "arguments": {"a": ' + "9" * 5000 + "}}</tool_call>"
+DEEP_NESTING = '<tool_call>{"name": "add", "arguments": {"a": ' + "[" * 5000 + "]" * 5000 + "}}</tool_call>"
+
+
+@pytest.mark.parametrize(
+    ("text", "error"),
+    [
+        (HUGE_INTEGER, "tool call 0: not usable JSON (ValueError"),
+        (DEEP_NESTING, f"tool call 0: nested too deep (5002 levels of brackets; at most {MAX_CALL_NESTING})"),
+        (
+            '<tool_call>{"name": "add", "arguments": "' + "x" * 70_000 + '"}</tool_call>',
+            "tool call 0: too long (70032 characters; at most 65536)",
+        ),
+    ],
+    ids=["5000-digit integer", "5000 nested brackets", "too long"],
+)
+def test_hostile_model_output_is_a_malformed_call(text, error):
+    parsed = TOOL_PARSERS["hermes"].parse(text)
+    assert parsed.calls == []
+    assert len(parsed.errors) == 1
+    assert parsed.errors[0].startswith(error)
+
+
+def test_arguments_given_as_a_hostile_string_are_a_malformed_call():
+    arguments = json.dumps({"a": int("9" * 1000)})[:-1] + "9" * 4000 + "}"
+    text = '<tool_call>{"name": "add", "arguments": ' + json.dumps(arguments) + "}</tool_call>"
+    parsed = TOOL_PARSERS["hermes"].parse(text)
+    assert parsed.calls == []
+    assert parsed.errors[0].startswith('tool call 0 (add): "arguments" is a string that is not usable JSON')
+
+
+def test_a_parser_that_raises_gives_a_tool_error():
+    class Fragile:
+        name = "fragile"
+
+        def parse(self, text):
+            raise RecursionError("maximum recursion depth exceeded")
+
+    parsed = parse_safely(Fragile(), "<call>[[[[")
+    assert isinstance(parsed, ParsedToolCalls)
+    assert parsed.attempted
+    assert parsed.errors == [
+        "the tool calls could not be read (fragile parser: RecursionError: maximum recursion depth exceeded)"
+    ]
+
+
+def test_agent_server_refuses_hostile_tool_call_arguments_as_a_bad_request():
+    arguments = '{"a": ' + "9" * 5000 + "}"
+    messages = [
+        {"role": "user", "content": "add"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"id": "c", "type": "function", "function": {"name": "add", "arguments": arguments}}
+            ],
+        },
+    ]
+    with pytest.raises(
+        ServerError, match=r"tool_calls\[0\].function.arguments: not usable JSON \(ValueError"
+    ):
+        normalise_messages(messages)
+
+
+async def agent_blocking_on_one_label(client, prompt, label):
+    await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": prompt}])
+    if label == "1":
+        _block()  # requests.post / time.sleep in an async agent: blocks its loop
+    return 1.0
+
+
+def test_an_agent_that_blocks_its_loop_times_out_on_time_and_the_others_finish(tokenizer):
+    pytest.importorskip("fastapi")
+    from .test_agent_server import ScriptEngine, samples_for
+
+    executor = AgentServerExecutor(
+        ScriptEngine(tokenizer),
+        tokenizer,
+        SamplingParams(n=1, max_new_tokens=4),
+        agent=agent_blocking_on_one_label,
+        episode_timeout_s=2.0,
+        on_error="fallback",
+        fallback=-1.0,
+    )
+    started = time.monotonic()
+    ok, stuck, also_ok = executor.run(samples_for(tokenizer, ["a", "b", "c"]))
+    assert time.monotonic() - started < BOUND_S
+    assert [ok.reward, also_ok.reward] == [1.0, 1.0]
+    assert (stuck.reward, stuck.finish_reason) == (-1.0, "abort")
+    assert "timed out after 2.0 s; abandoned, run_agent was at" in stuck.extra["episode_error"]
+    assert "in _block for" in stuck.extra["episode_error"]
