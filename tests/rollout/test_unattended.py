@@ -7,13 +7,21 @@ than the bound asserted (30 s): the tests check "abandoned, not joined", not spe
 from __future__ import annotations
 
 import asyncio
+import http.server
 import json
 import threading
 import time
 
 import pytest
 
-from rl_rollout import AgentServerExecutor
+from rl_rollout import (
+    AgentServerExecutor,
+    BatchedReward,
+    ExactMatchReward,
+    PerSampleReward,
+    RemoteRewardClient,
+    RewardTimeout,
+)
 from rl_rollout.agent_server import ServerError, normalise_messages
 from rl_rollout.bounded import CallTimeout, LoopWatchdog, UserThreads
 from rl_rollout.executors import MultiTurnExecutor
@@ -273,3 +281,65 @@ def test_an_agent_that_blocks_its_loop_times_out_on_time_and_the_others_finish(t
     assert (stuck.reward, stuck.finish_reason) == (-1.0, "abort")
     assert "timed out after 2.0 s; abandoned, run_agent was at" in stuck.extra["episode_error"]
     assert "in _block for" in stuck.extra["episode_error"]
+
+
+# ----------------------------------------------------------------------------------------------
+# Rewards: a deadline per sample (per call for batched functions), the on_error policy, counted.
+
+
+def test_a_per_sample_reward_past_its_deadline_falls_back_on_that_sample_alone():
+    def score(query, prompt, label):
+        if label == "stuck":
+            _block()
+        return 1.0
+
+    lenient = PerSampleReward(score, name="score", on_error="fallback", fallback=-1.0, timeout_s=0.5)
+    started = time.monotonic()
+    output = lenient(["a", "b", "c"], ["", "", ""], [1, "stuck", 2])
+    assert time.monotonic() - started < BOUND_S
+    assert output.rewards == [1.0, -1.0, 1.0]
+    assert output.fallback_indices == [1]
+    assert output.timeout_indices == [1]
+    assert lenient.metrics()["reward/timeouts"] == 1.0
+    strict = PerSampleReward(score, name="score", timeout_s=0.5)
+    with pytest.raises(RewardTimeout, match=r"score: sample 1: score\(\) did not return within 0.5 s"):
+        strict(["a", "b"], ["", ""], [1, "stuck"])
+
+
+def test_a_rule_reward_and_a_batched_reward_take_a_deadline():
+    class Stuck(ExactMatchReward):
+        def score(self, response, label):
+            _block()
+
+    output = Stuck(on_error="fallback", fallback=0.5, timeout_s=0.2)(["x"], [""], ["x"])
+    assert (output.rewards, output.timeout_indices) == ([0.5], [0])
+
+    def batch(queries, prompts, labels):
+        _block()
+
+    output = BatchedReward(batch, on_error="fallback", timeout_s=0.2)(["x", "y"], ["", ""], [0, 0])
+    assert (output.rewards, output.timeout_indices) == ([0.0, 0.0], [0, 1])
+
+
+class _Silent(http.server.BaseHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+    def do_POST(self):
+        RELEASE.wait(600)
+
+
+def test_a_remote_reward_that_never_answers_is_counted_as_a_timeout():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Silent)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/reward"
+        client = RemoteRewardClient(url, timeout_s=0.2, max_retries=0, on_error="fallback", fallback=-1.0)
+        output = client(["q a", "q b"], ["q", "q"], [None, None])
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert output.rewards == [-1.0, -1.0]
+    assert output.timeout_indices == [0, 1]
+    assert client.metrics()["reward/timeouts"] == 2.0

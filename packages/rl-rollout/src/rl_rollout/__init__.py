@@ -40,6 +40,7 @@ from .rewards import (
     RewardError,
     RewardFunction,
     RewardOutput,
+    RewardTimeout,
     WeightedSumReward,
     load_reward_function,
 )
@@ -85,6 +86,7 @@ __all__ = [
     "RewardError",
     "RewardFunction",
     "RewardOutput",
+    "RewardTimeout",
     "SamplingParams",
     "ServerError",
     "SessionRecord",

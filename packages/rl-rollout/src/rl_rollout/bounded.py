@@ -15,6 +15,8 @@ that calls `requests.post` / `time.sleep`, freezes whatever event loop runs it, 
   `reset` and `step` (sync or async, sharing that loop, so a client opened in `reset` works in
   `step`) run there, and the caller's loop awaits them with a deadline. A step that blocks blocks
   only its own episode; `close()` stops the loop without waiting for a stuck call.
+- `call_with_deadline(function, *args, timeout_s=...)` is the same for synchronous callers (a
+  reward function called from an executor): a daemon thread, waited for `timeout_s`, abandoned.
 - `LoopWatchdog` notices that a loop has not ticked for `threshold_s` and logs once per stall the
   file, function and seconds of the frame that blocks it (the loop thread's stack): code that
   must run on the caller's loop (an agent file's own `execute`) is named when it blocks.
@@ -36,7 +38,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CallTimeout", "LoopWatchdog", "UserLoop", "UserThreads", "where_stuck"]
+__all__ = ["CallTimeout", "LoopWatchdog", "UserLoop", "UserThreads", "call_with_deadline", "where_stuck"]
 
 logger = logging.getLogger(__name__)
 
@@ -74,11 +76,39 @@ def where_stuck(thread_id: int | None) -> str:
 
 def _describe_call(function: Callable[..., Any]) -> str:
     name = getattr(function, "__qualname__", None) or type(function).__qualname__
-    return f"{name}()"
+    return f"{name.rsplit('<locals>.', 1)[-1]}()"  # a nested function by its own name
 
 
 async def _await_if_needed(value: Any) -> Any:
     return await value if inspect.isawaitable(value) else value
+
+
+def call_with_deadline(function: Callable[..., Any], *args: Any, timeout_s: float, **kwargs: Any) -> Any:
+    """`function(*args, **kwargs)` from synchronous code, on a daemon thread waited for `timeout_s`
+    seconds: its result, what it raised, or `CallTimeout` naming where it is stuck (the thread is
+    abandoned, never joined)."""
+    outcome: list[Any] = []
+    done = threading.Event()
+
+    def target() -> None:
+        try:
+            outcome.append((True, function(*args, **kwargs)))
+        except BaseException as raised:  # handed to the caller, whatever it is
+            outcome.append((False, raised))
+        done.set()
+
+    thread = threading.Thread(target=target, name=f"rl-deadline-{_describe_call(function)}", daemon=True)
+    started = time.monotonic()
+    thread.start()
+    if not done.wait(timeout_s):
+        raise CallTimeout(
+            f"{_describe_call(function)} did not return within {timeout_s:g} s; abandoned after "
+            f"{time.monotonic() - started:.1f} s, stuck at {where_stuck(thread.ident)}"
+        )
+    returned, value = outcome[0]
+    if not returned:
+        raise value
+    return value
 
 
 class UserThreads:
