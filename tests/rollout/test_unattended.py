@@ -11,6 +11,7 @@ import http.server
 import json
 import threading
 import time
+import urllib.request
 
 import pytest
 
@@ -22,10 +23,10 @@ from rl_rollout import (
     RemoteRewardClient,
     RewardTimeout,
 )
-from rl_rollout.agent_server import ServerError, normalise_messages
+from rl_rollout.agent_server import AgentServer, ServerError, normalise_messages
 from rl_rollout.bounded import CallTimeout, LoopWatchdog, UserThreads
 from rl_rollout.executors import MultiTurnExecutor
-from rl_rollout.protocol import SamplingParams
+from rl_rollout.protocol import Engine, SamplingParams
 from rl_rollout.tools import (
     MAX_CALL_NESTING,
     TOOL_PARSERS,
@@ -343,3 +344,75 @@ def test_a_remote_reward_that_never_answers_is_counted_as_a_timeout():
     assert output.rewards == [-1.0, -1.0]
     assert output.timeout_indices == [0, 1]
     assert client.metrics()["reward/timeouts"] == 2.0
+
+
+# ----------------------------------------------------------------------------------------------
+# The agent server: a body cap, a deadline per request, errors without internals.
+
+
+class _StuckEngine(Engine):
+    """Never answers (an engine that hangs), except that it can be told to raise."""
+
+    name = "StuckEngine"
+
+    def __init__(self, raises=None):
+        self.raises = raises
+
+    @property
+    def max_model_len(self):
+        return 512
+
+    def generate(self, prompts, params):
+        raise NotImplementedError("the server uses agenerate")
+
+    async def agenerate(self, prompt, params):
+        if self.raises is not None:
+            raise self.raises
+        await asyncio.sleep(600)
+
+
+def test_agent_server_answers_a_stuck_request_504_at_its_deadline_and_stays_healthy(tokenizer):
+    pytest.importorskip("fastapi")
+    from .test_agent_server import chat
+
+    with AgentServer(_StuckEngine(), tokenizer, request_timeout_s=1.0) as server:
+        session = server.open_session()
+        started = time.monotonic()
+        status, answer = chat(server, session, [{"role": "user", "content": "hi"}])
+        assert time.monotonic() - started < BOUND_S
+        assert status == 504
+        assert answer["error"]["code"] == "timeout"
+        assert answer["error"]["message"] == "the request took longer than 1 s"
+        assert server.peek(session).requests == 0  # the session is as it was
+        with urllib.request.urlopen(server.url + "/health", timeout=10) as response:
+            assert json.loads(response.read())["status"] == "ok"
+
+
+def test_agent_server_refuses_a_huge_or_hostile_body(tokenizer):
+    pytest.importorskip("fastapi")
+    from .test_agent_server import ScriptEngine, post
+
+    with AgentServer(ScriptEngine(tokenizer), tokenizer, max_body_bytes=16384) as server:
+        url = server.url + "/v1/chat/completions"
+        session = {"X-Session-ID": server.open_session()}
+        status, answer = post(
+            url, {"model": "policy", "messages": [{"role": "user", "content": "x" * 20_000}]}, session
+        )
+        assert status == 413
+        assert answer["error"]["code"] == "too_large"
+        assert "max_body_bytes is 16384" in answer["error"]["message"]
+        for hostile in (b'{"model": ' + b"9" * 5000 + b"}", b"[" * 5000 + b"]" * 5000):
+            status, answer = post(url, hostile, session)
+            assert status == 400
+            assert "not usable JSON" in answer["error"]["message"]
+
+
+def test_agent_server_errors_do_not_echo_internals(tokenizer):
+    pytest.importorskip("fastapi")
+    from .test_agent_server import chat
+
+    engine = _StuckEngine(raises=RuntimeError("/home/alice/secret-path/model.bin: token hf_abc"))
+    with AgentServer(engine, tokenizer) as server:
+        status, answer = chat(server, server.open_session(), [{"role": "user", "content": "hi"}])
+    assert status == 500
+    assert answer["error"]["message"] == "engine: the generation failed (RuntimeError; see the server's log)"

@@ -189,7 +189,13 @@ class AgentServerExecutor:
         self.model_name, self.tool_parser = model_name, tool_parser
         self._groups = _GroupCounter(first_group_id)
         self.server = AgentServer(
-            engine, tokenizer, sampling, max_length=limit, model_name=model_name, tool_parser=tool_parser
+            engine,
+            tokenizer,
+            sampling,
+            max_length=limit,
+            model_name=model_name,
+            tool_parser=tool_parser,
+            request_timeout_s=self.episode_timeout_s,  # no request outlives its episode
         )
         self.last_metrics: dict[str, float] = {}
 
