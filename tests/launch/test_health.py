@@ -113,3 +113,31 @@ def test_fallbacks_never_stop_a_run_that_turned_it_off():
     health = monitor(max_fallback_fraction="none")
     for step in range(1, 10):
         assert health.check(step, {"reward/fallback_fraction": 1.0}) == []
+
+
+def test_a_run_whose_reward_server_is_dead_stops_instead_of_training_on_constants(monkeypatch):
+    """Through the real step loop: every record of every step is a fallback of remote_0 (a dead
+    reward server under reward.on_error fallback); the run stops at step 3 naming the server."""
+    from rl_data import Trajectory, decode, encode
+    from tests.launch.fakes import fake_run, use_fake_ray
+    from tests.launch.test_step_loop import config
+
+    use_fake_ray(monkeypatch)
+    url = "http://127.0.0.1:9/reward"
+    run = fake_run(config(**{"train.max_steps": 5, "reward.remote_url": url, "reward.on_error": "fallback"}))
+    engine = run.engines[0]
+    generate = engine.generate
+
+    def dead_server(*args, **kwargs):
+        records = decode(generate(*args, **kwargs), list[Trajectory])
+        for record in records:
+            record.extra["reward_fallback_sources"] = ["remote_0"]
+        return encode(records)
+
+    monkeypatch.setattr(engine, "generate", dead_server)
+    with pytest.raises(
+        HealthError, match=rf"steps 1-3 trained mostly on fallback rewards.*reward.remote_url {url}"
+    ):
+        run.fit()
+    assert run.tracker.steps() == [1, 2, 3]
+    assert [metrics["reward/fallback_fraction"] for _, metrics in run.tracker.logged] == [1.0, 1.0, 1.0]
