@@ -7,6 +7,7 @@ than the bound asserted (30 s): the tests check "abandoned, not joined", not spe
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import http.server
 import json
 import threading
@@ -139,9 +140,11 @@ def test_stuck_calls_do_not_starve_the_next_ones():
         return x + 1
 
     async def main():
-        stuck = await asyncio.gather(
-            *[threads.call(_block, timeout_s=0.2) for _ in range(6)], return_exceptions=True
-        )
+        stuck = []
+        for _ in range(3):  # six stuck calls, two at a time: each pair fills both slots
+            stuck += await asyncio.gather(
+                *[threads.call(_block, timeout_s=0.2) for _ in range(2)], return_exceptions=True
+            )
         assert all(isinstance(error, CallTimeout) for error in stuck)
         assert "_block() did not return within 0.2 s; abandoned after" in str(stuck[0])
         assert "test_unattended.py" in str(stuck[0])  # where the thread is stuck
@@ -150,6 +153,24 @@ def test_stuck_calls_do_not_starve_the_next_ones():
     assert asyncio.run(main()) == 42
     assert threads.abandoned_running == 6
     assert threads.abandoned_total == 6
+
+
+def test_the_wait_for_a_slot_counts_against_the_deadline():
+    threads = UserThreads(1, name="test")
+
+    async def main():
+        holder = asyncio.ensure_future(threads.call(_block, timeout_s=BOUND_S))
+        await asyncio.sleep(0.1)
+        started = time.monotonic()
+        with pytest.raises(CallTimeout, match=r"found none of the 1 slots of test free within 0\.2 s"):
+            await threads.call(int, "1", timeout_s=0.2)
+        assert time.monotonic() - started < BOUND_S
+        holder.cancel()  # abandons the stuck call: its slot is free again
+        with contextlib.suppress(asyncio.CancelledError):
+            await holder
+        return await threads.call(int, "7", timeout_s=BOUND_S)
+
+    assert asyncio.run(main()) == 7
 
 
 def test_too_many_abandoned_calls_refuse_new_ones():

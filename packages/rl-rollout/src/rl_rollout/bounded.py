@@ -6,7 +6,8 @@ that calls `requests.post` / `time.sleep`, freezes whatever event loop runs it, 
 
 - `UserThreads.call(function, *args, timeout_s=...)` runs one call on a daemon thread of its own
   (an async function on a fresh event loop in that thread). At most `max_workers` calls run at a
-  time; a call past its deadline raises `CallTimeout` at once, naming where the thread is stuck
+  time (the wait for a free slot counts against the call's deadline); a call past its deadline
+  raises `CallTimeout` at once, naming where the thread is stuck
   (file, line, function) and for how long, and its slot is freed: six stuck calls never starve the
   next ones. The stuck thread runs on in the background (a daemon: it never delays the exit) and
   is counted in `abandoned_running`; when more than `max_abandoned` are still running, new calls
@@ -153,7 +154,15 @@ class UserThreads:
                 f"(max_abandoned={self.max_abandoned}); refusing {_describe_call(function)}"
             )
         loop = asyncio.get_running_loop()
-        await self._take_slot()
+        started = time.monotonic()
+        try:  # the deadline covers the wait for a slot too: a call never takes longer than timeout_s
+            await asyncio.wait_for(self._take_slot(), timeout_s)
+        except (asyncio.TimeoutError, TimeoutError):
+            raise CallTimeout(
+                f"{_describe_call(function)} found none of the {self.max_workers} slots of {self.name} "
+                f"free within {timeout_s:g} s"
+            ) from None
+        remaining = None if timeout_s is None else max(0.0, timeout_s - (time.monotonic() - started))
         future: asyncio.Future = loop.create_future()
         released = threading.Event()
 
@@ -184,14 +193,13 @@ class UserThreads:
                 loop.call_soon_threadsafe(settle, result, error)
 
         thread = threading.Thread(target=target, name=f"{self.name}-{_describe_call(function)}", daemon=True)
-        started = time.monotonic()
         try:
             thread.start()
         except BaseException:
             release()
             raise
         try:
-            return await asyncio.wait_for(asyncio.shield(future), timeout_s)
+            return await asyncio.wait_for(asyncio.shield(future), remaining)
         except (asyncio.TimeoutError, TimeoutError):
             if future.done():
                 return future.result()
