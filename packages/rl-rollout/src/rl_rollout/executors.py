@@ -33,7 +33,10 @@ log-prob 0). Its `ImageInputs` join the episode's images (the prompt's first,
 cuts an image's run: the cut moves before it and the image is dropped.
 Earlier turns are never re-tokenised: the engine always continues from the exact ids it produced.
 Episodes run concurrently (asyncio, `engine.agenerate`), each with its own environment instance
-and a hard timeout. finish_reason: the last action's reason when the environment says done,
+and a hard timeout. An environment's code (its factory, `reset`, `step`, sync or async) runs on an
+event loop and daemon thread of the episode's own (`rl_rollout.bounded.UserLoop`), never on the
+executor's loop: a step that blocks (`time.sleep`, `requests.post`) holds only its episode, the
+timeout fires on time, and the episode is abandoned, its error naming where the step was stuck. finish_reason: the last action's reason when the environment says done,
 "length" when max_turns or max_length ends the episode, "abort" for a failed episode kept with the
 fallback reward (`on_error="fallback"`).
 
@@ -502,7 +505,8 @@ class MultiTurnExecutor:
         `feedback_role` turn with the tokenizer's chat template, followed by the generation prompt.
         A step's "environment_messages" are rendered by the chat template in either mode.
       action_skip_special_tokens: how `action_text` is decoded for `step` (vLLM's default: True).
-      episode_timeout_s: hard limit per episode (reset, generation and steps).
+      episode_timeout_s: hard limit per episode (reset, generation and steps); it fires however
+        the environment blocks (`rollout/episode_timeouts` counts the episodes it ended).
       max_concurrency: episodes in flight at once.
       on_error: "raise" (an `EpisodeError` naming the sample) or "fallback" (the episode ends,
         finish "abort", reward = fallback; counted in `last_metrics`).
