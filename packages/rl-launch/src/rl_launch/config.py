@@ -911,7 +911,8 @@ class HealthConfig(_Section):
     reward server retrying, a stuck engine); None: never."""
     engine_stall_stop_s: Positive | None = 3600.0
     """Stop the run (exit code 1, with a diagnosis naming the engines and their logs' last line)
-    when a step's generation has waited this many seconds on the engines; None: wait forever."""
+    when a step's generation has waited this many seconds on the engines (streaming: since the last
+    group finished), checked every min(this, engine_stall_warn_s) seconds; None: wait forever."""
     max_fallback_fraction: UnitInterval | None = 0.5
     """Stop the run when more than this fraction of a step's samples got a fallback reward (a
     failed reward source under reward.on_error fallback, a failed episode under the executor's
