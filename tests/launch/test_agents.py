@@ -141,6 +141,7 @@ def test_a_blocking_environment_step_times_out_and_the_run_goes_on(tiny_checkpoi
     assert [line["step"] for line in metrics] == [1, 2]  # the run went on past the stuck steps
     first = metrics[0]
     assert first["rollout/episode_failures"] == 2.0  # the sync and the async step, abandoned at 2 s
+    assert first["rollout/episode_timeouts"] == 2.0
     assert first["reward/fallbacks/episode"] == 2.0
     assert first["reward/fallback_fraction"] == 0.5
     log = (run_dir / "logs" / "engine-0.log").read_text()

@@ -107,6 +107,8 @@ def test_a_blocking_env_step_times_out_on_time_and_the_run_continues(tokenizer, 
     assert [r.finish_reason for r in (records[0], records[2])] == ["stop", "stop"]
     assert [r.reward for r in (records[0], records[2])] == [1.0, 1.0]
     assert executor.last_metrics["rollout/episode_timeouts"] == 1.0
+    assert stuck.extra["episode_timeout"] is True
+    assert "episode_timeout" not in records[0].extra
     # the run goes on: the next batch runs although a thread of the last one is still stuck
     again = executor.run([samples[0], samples[2]])
     assert [r.reward for r in again] == [1.0, 1.0]

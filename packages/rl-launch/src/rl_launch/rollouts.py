@@ -70,6 +70,7 @@ def rollout_metrics(records: list[Trajectory]) -> dict[str, float]:
       action, cut at rollout.generate_max_len; an episode ended by max_turns or max_length).
     When records carry them: rollout/turns_mean (mean extra["turns"]), rollout/episode_failures
     (#records with extra["episode_error"]: failed episodes kept with the fallback reward),
+    rollout/episode_timeouts (those of them that the episode timeout ended, extra["episode_timeout"]),
     rollout/reward_fallbacks (#records with extra["reward_fallback"]), and rollout/agent/<key> =
     the mean of each numeric entry of the agent's extra_logs (its last step's). Records of
     tool-calling episodes (extra["tools"]) add `rl_rollout.tool_metrics`: rollout/tools/calls_mean,
@@ -90,6 +91,8 @@ def rollout_metrics(records: list[Trajectory]) -> dict[str, float]:
     if turns:
         metrics["rollout/turns_mean"] = sum(turns) / len(turns)
         metrics["rollout/episode_failures"] = float(sum("episode_error" in r.extra for r in records))
+        if any("episode_timeout" in r.extra for r in records):  # of those, ended by the episode timeout
+            metrics["rollout/episode_timeouts"] = float(sum("episode_timeout" in r.extra for r in records))
     if any("reward_fallback" in record.extra for record in records):
         metrics["rollout/reward_fallbacks"] = float(
             sum(bool(r.extra.get("reward_fallback")) for r in records)

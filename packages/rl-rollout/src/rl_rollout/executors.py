@@ -485,6 +485,7 @@ class _Episode(msgspec.Struct, kw_only=True):
     versions: list[int] = msgspec.field(default_factory=list)  # per response token
     extra_logs: dict[str, Any] = msgspec.field(default_factory=dict)
     images: ImageInputs | None = None  # the prompt's, then every image an environment returned
+    timed_out: bool = False  # ended by episode_timeout_s (abandoned)
 
 
 class MultiTurnExecutor:
@@ -576,7 +577,6 @@ class MultiTurnExecutor:
         self.max_concurrency = max_concurrency
         self.on_error, self.fallback = on_error, float(fallback)
         self._groups = _GroupCounter(first_group_id)
-        self._timeouts = 0
         self.last_metrics: dict[str, float] = {}
 
     @property
@@ -834,7 +834,7 @@ class MultiTurnExecutor:
                 return episode, None
             except Exception as error:
                 if isinstance(error, (asyncio.TimeoutError, TimeoutError)):
-                    self._timeouts += 1
+                    episode.timed_out = True
                     stuck = (
                         f"; abandoned, the environment was at {user.stuck()}"
                         if user and user.busy_since
@@ -862,7 +862,6 @@ class MultiTurnExecutor:
         groups = self._groups.take(len(samples), group_ids, "MultiTurnExecutor")
         semaphore = asyncio.Semaphore(self.max_concurrency)
         started = time.monotonic()
-        self._timeouts = 0
         jobs = [self._guarded(s, j, semaphore) for s in samples for j in range(self.sampling.n)]
         tasks = [asyncio.ensure_future(job) for job in jobs]
         async with LoopWatchdog(LOOP_BLOCK_WARNING_S, name="MultiTurnExecutor") as watchdog:
@@ -885,6 +884,8 @@ class MultiTurnExecutor:
             if error is not None:
                 extra["episode_error"] = error
                 reward, score, finish = self.fallback, self.fallback, "abort"
+                if episode.timed_out:
+                    extra["episode_timeout"] = True
             records.append(
                 Trajectory(
                     prompt_ids=episode.prompt_ids,
@@ -903,7 +904,9 @@ class MultiTurnExecutor:
                 )
             )
         self.last_metrics = _episode_metrics(records, started)
-        self.last_metrics["rollout/episode_timeouts"] = float(self._timeouts)
+        self.last_metrics["rollout/episode_timeouts"] = float(
+            sum("episode_timeout" in r.extra for r in records)
+        )
         self.last_metrics["rollout/loop_blocked"] = float(watchdog.blocked)
         return records
 
