@@ -439,3 +439,37 @@ def test_agent_server_errors_do_not_echo_internals(tokenizer):
         status, answer = chat(server, server.open_session(), [{"role": "user", "content": "hi"}])
     assert status == 500
     assert answer["error"]["message"] == "engine: the generation failed (RuntimeError; see the server's log)"
+
+
+STUCK_EXECUTE_AGENT = """
+from openrlhf.utils.agent import AgentExecutorBase
+
+from tests.rollout.test_unattended import _block
+
+
+class AgentExecutor(AgentExecutorBase):
+    async def execute(self, prompt, label, sampling_params, max_length, hf_tokenizer, llm_engine):
+        _block()  # blocks the file's own event loop (requests.post in an async execute)
+"""
+
+
+def test_an_agent_file_whose_execute_blocks_its_loop_times_out_on_time_naming_it(tokenizer, tmp_path):
+    path = tmp_path / "stuck_execute.py"
+    path.write_text(STUCK_EXECUTE_AGENT)
+    executor = MultiTurnExecutor(
+        ScriptedEngine(tokenizer),
+        tokenizer,
+        SamplingParams(),
+        env=path,
+        episode_timeout_s=1.0,
+        on_error="fallback",
+    )
+    started = time.monotonic()
+    records = executor.run(make_samples(tokenizer, ["What is 2 + 2?"], [4]))
+    assert time.monotonic() - started < BOUND_S
+    assert records[0].finish_reason == "abort"
+    assert (
+        "timed out after 1.0 s; abandoned, the agent file's event loop was at"
+        in records[0].extra["episode_error"]
+    )
+    assert "test_unattended.py" in records[0].extra["episode_error"]

@@ -39,7 +39,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CallTimeout", "LoopWatchdog", "UserLoop", "UserThreads", "call_with_deadline", "where_stuck"]
+__all__ = [
+    "CallTimeout",
+    "LoopWatchdog",
+    "UserLoop",
+    "UserThreads",
+    "call_with_deadline",
+    "user_code_at",
+    "where_stuck",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -56,13 +64,26 @@ def _user_frame(frame: Any) -> Any:
     frame itself when every frame is ours)."""
     innermost = frame
     while frame is not None:
-        filename = str(frame.f_code.co_filename)
-        module = str(frame.f_globals.get("__name__", ""))
-        ours = filename.startswith(_OWN_FILES) or module.split(".")[0] in _OWN_MODULES
-        if not ours:
+        if not _is_ours(frame):
             return frame
         frame = frame.f_back
     return innermost
+
+
+def _is_ours(frame: Any) -> bool:
+    filename = str(frame.f_code.co_filename)
+    module = str(frame.f_globals.get("__name__", ""))
+    return filename.startswith(_OWN_FILES) or module.split(".")[0] in _OWN_MODULES
+
+
+def user_code_at(thread_id: int | None) -> str | None:
+    """`file:line in function` of the innermost user frame the thread `thread_id` is running, or
+    None when it runs none (an event loop waiting for work, a thread that has ended)."""
+    frame = sys._current_frames().get(thread_id) if thread_id is not None else None
+    user = _user_frame(frame) if frame is not None else None
+    if user is None or _is_ours(user):
+        return None
+    return f"{user.f_code.co_filename}:{user.f_lineno} in {user.f_code.co_name}"
 
 
 def where_stuck(thread_id: int | None) -> str:

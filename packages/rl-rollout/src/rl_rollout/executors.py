@@ -74,7 +74,7 @@ from rl_data import ImageInputs, PromptSample, Trajectory
 from rl_data.errors import check_integer
 from rl_data.vision import IMAGE_PLACEHOLDER
 
-from .bounded import LoopWatchdog, UserLoop
+from .bounded import LoopWatchdog, UserLoop, user_code_at
 from .protocol import Engine, Generation, SamplingParams
 from .rewards import ON_ERROR, RewardFunction, load_python_file
 
@@ -746,14 +746,23 @@ class MultiTurnExecutor:
         from .agent_execute import EngineAdapter, episode_fields, vllm_sampling_params
 
         seed = None if self.sampling.seed is None else self.sampling.seed + sample_number * self.max_turns
-        result = await self.execute_agent.agent.execute(
-            _prompt_text(sample, self.tokenizer),
-            sample.label,
-            vllm_sampling_params(self.sampling, seed),
-            self.max_length,
-            self.tokenizer,
-            EngineAdapter(self.engine, self.tokenizer),
-        )
+        agent = self.execute_agent
+
+        async def on_the_agents_loop() -> Any:
+            return await _maybe_await(
+                agent.agent.execute(
+                    _prompt_text(sample, self.tokenizer),
+                    sample.label,
+                    vllm_sampling_params(self.sampling, seed),
+                    self.max_length,
+                    self.tokenizer,
+                    EngineAdapter(self.engine, self.tokenizer),
+                )
+            )
+
+        # the episode runs on the file's own loop; this loop only waits, so the episode timeout
+        # fires even when the file's code blocks that loop (which the timeout's error then names)
+        result = await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(on_the_agents_loop(), agent.loop))
         try:
             fields = episode_fields(result)
         except ValueError as error:
@@ -840,6 +849,8 @@ class MultiTurnExecutor:
                         if user and user.busy_since
                         else ""
                     )
+                    if self._execute is not None and (at := user_code_at(self.execute_agent.thread.ident)):
+                        stuck = f"; abandoned, the agent file's event loop was at {at}"
                     reason = f"timed out after {self.episode_timeout_s} s{stuck}"
                 else:
                     reason = f"failed: {error!r}"
@@ -914,6 +925,5 @@ class MultiTurnExecutor:
         self, samples: Sequence[PromptSample], *, group_ids: Sequence[int] | None = None
     ) -> list[Trajectory]:
         """`arun` from synchronous code (no event loop may be running in this thread)."""
-        # the file's AgentExecutor keeps its loop across calls
-        runner = self.execute_agent.run if self._execute is not None else asyncio.run
-        return _run_sync(self.arun(samples, group_ids=group_ids), "MultiTurnExecutor", runner)
+        # an agent file's own execute runs on its AgentExecutor's loop, kept across calls (_execute_episode)
+        return _run_sync(self.arun(samples, group_ids=group_ids), "MultiTurnExecutor")
