@@ -75,3 +75,75 @@ def test_a_two_turn_agent_trains_with_environment_tokens_masked_out_of_the_loss(
         assert 0.0 <= line["reward/mean"] <= 1.0
         assert 0.0 <= line["reward/greedy_baseline_mean"] <= 1.0  # from one greedy episode per prompt
         assert line["health/sync_checksum_match"] == 1.0
+
+
+STUCK_AGENT = '''
+import asyncio
+import itertools
+import time
+
+from openrlhf.utils.agent import AgentInstanceBase
+
+COUNTER = itertools.count()
+
+
+class AgentInstance(AgentInstanceBase):
+    """The first instance of each import blocks in a sync step, the second in an async one (no await);
+    the others answer at once: done, reward 1."""
+
+    def __init__(self, *args, **kwargs):
+        self.number = next(COUNTER)
+
+    async def reset(self, states, **kwargs):
+        return {"observation": states["observation"]}
+
+    def step(self, states, **kwargs):
+        if self.number == 0:
+            time.sleep(600)  # a sync step that blocks
+        return self._step(states)
+
+    async def _step(self, states):
+        if self.number == 1:
+            time.sleep(600)  # an async step that blocks its loop
+        return {"rewards": 1.0, "environment_feedback": "", "done": True}
+'''
+
+
+def test_a_blocking_environment_step_times_out_and_the_run_goes_on(tiny_checkpoint, ray_temp, tmp_path):
+    ray_dir, env = ray_temp
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"Say {a}.", "label": str(a)}) + "\n" for a in range(8)))
+    agent = tmp_path / "stuck_agent.py"
+    agent.write_text(STUCK_AGENT)
+    run_dir = tmp_path / "run"
+    args = [
+        "--preset", "none",
+        "--model.pretrain", str(tiny_checkpoint),
+        "--data.prompt_data", str(prompts),
+        "--data.prompt_max_len", "64",
+        "--rollout.agent_func_path", str(agent),
+        "--rollout.executor_options.episode_timeout_s", "2",
+        "--rollout.executor_options.on_error", "fallback",
+        "--algo.advantage.estimator", "grpo",
+        "--rollout.n_samples_per_prompt", "2",
+        "--rollout.rollout_batch_size", "2",
+        "--rollout.generate_max_len", "4",
+        "--train.max_steps", "2",
+        "--ckpt.save_hf_model", "false",
+        "--log.output_dir", str(run_dir),
+        "--log.progress_bar", "false",
+        "--ray.temp_dir", ray_dir,
+        "--rollout.engine", "hf",
+    ]  # fmt: skip
+    result = launch(args, env)
+    assert result.returncode == 0, result.stderr[-4000:]
+    metrics = read_metrics(run_dir)
+    assert [line["step"] for line in metrics] == [1, 2]  # the run went on past the stuck steps
+    first = metrics[0]
+    assert first["rollout/episode_failures"] == 2.0  # the sync and the async step, abandoned at 2 s
+    assert first["rollout/episode_timeouts"] == 2.0
+    assert first["reward/fallbacks/episode"] == 2.0
+    assert first["reward/fallback_fraction"] == 0.5
+    log = (run_dir / "logs" / "engine-0.log").read_text()
+    assert "timed out after 2.0 s; abandoned, the environment was at" in log
+    assert "stuck_agent.py" in log

@@ -358,6 +358,10 @@ def test_rollout_metrics_count_failed_and_cut_episodes_and_single_turn_records()
         "rollout/turns_mean": 2.0,
         "rollout/episode_failures": 1.0,
         "rollout/agent/hits": 0.5,
+        "reward/fallbacks": 1.0,  # the failed episode trains on the fallback reward
+        "reward/fallback_fraction": 1 / 3,
+        "reward/timeouts": 0.0,
+        "reward/fallbacks/episode": 1.0,
     }
     single = [record([1, 1, 1], reward_fallback=True), record([1, 1], finish="length", reward_fallback=False)]
     assert rollout_metrics(single) == {
@@ -365,7 +369,17 @@ def test_rollout_metrics_count_failed_and_cut_episodes_and_single_turn_records()
         "rollout/env_tokens_mean": 0.0,
         "rollout/truncated": 1.0,
         "rollout/reward_fallbacks": 1.0,
+        "reward/fallbacks": 1.0,
+        "reward/fallback_fraction": 0.5,
+        "reward/timeouts": 0.0,
+        "reward/fallbacks/reward": 1.0,
     }
+    sources = [
+        record([1], reward_fallback_sources=["remote_0"], reward_timeout_sources=["remote_0"]),
+        record([1]),
+    ]
+    assert rollout_metrics(sources)["reward/fallbacks/remote_0"] == 1.0
+    assert rollout_metrics(sources)["reward/timeouts"] == 1.0
 
 
 # ------------------------------------------------------------------------- the README example

@@ -91,3 +91,53 @@ def test_a_run_whose_updates_are_all_non_finite_stops_after_the_bound(tiny_check
     assert result.returncode == 1, result.stderr[-3000:]
     assert "rl-launch ppo: stopped: every policy update of steps 1-2 was skipped" in result.stderr
     assert [line["step"] for line in read_metrics(run_dir)] == [1, 2]  # the steps it ran are logged
+
+
+def test_steps_that_train_mostly_on_fallbacks_stop_the_run_naming_the_source():
+    health = monitor(max_fallback_fraction="0.5", max_fallback_steps="2")
+    config = health.config
+    dead = {"reward/fallback_fraction": 0.75, "reward/fallbacks/function": 3.0, "reward/timeouts": 3.0}
+    assert health.check(1, dead) == []
+    assert health.check(2, {"reward/fallback_fraction": 0.25}) == []  # the source came back: no streak
+    assert health.check(3, dead) == []
+    with pytest.raises(HealthError) as stopped:
+        health.check(4, {**dead, "reward/fallbacks/episode": 1.0})
+    message = str(stopped.value)
+    assert "steps 3-4 trained mostly on fallback rewards (75% of step 4's samples" in message
+    assert f"reward.function ({config.reward.function or 'the preset'}): 3 samples" in message
+    assert "failed episodes (rollout.executor" in message
+    assert "reward/timeouts = 3" in message
+
+
+def test_fallbacks_never_stop_a_run_that_turned_it_off():
+    health = monitor(max_fallback_fraction="none")
+    for step in range(1, 10):
+        assert health.check(step, {"reward/fallback_fraction": 1.0}) == []
+
+
+def test_a_run_whose_reward_server_is_dead_stops_instead_of_training_on_constants(monkeypatch):
+    """Through the real step loop: every record of every step is a fallback of remote_0 (a dead
+    reward server under reward.on_error fallback); the run stops at step 3 naming the server."""
+    from rl_data import Trajectory, decode, encode
+    from tests.launch.fakes import fake_run, use_fake_ray
+    from tests.launch.test_step_loop import config
+
+    use_fake_ray(monkeypatch)
+    url = "http://127.0.0.1:9/reward"
+    run = fake_run(config(**{"train.max_steps": 5, "reward.remote_url": url, "reward.on_error": "fallback"}))
+    engine = run.engines[0]
+    generate = engine.generate
+
+    def dead_server(*args, **kwargs):
+        records = decode(generate(*args, **kwargs), list[Trajectory])
+        for record in records:
+            record.extra["reward_fallback_sources"] = ["remote_0"]
+        return encode(records)
+
+    monkeypatch.setattr(engine, "generate", dead_server)
+    with pytest.raises(
+        HealthError, match=rf"steps 1-3 trained mostly on fallback rewards.*reward.remote_url {url}"
+    ):
+        run.fit()
+    assert run.tracker.steps() == [1, 2, 3]
+    assert [metrics["reward/fallback_fraction"] for _, metrics in run.tracker.logged] == [1.0, 1.0, 1.0]

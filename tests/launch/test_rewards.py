@@ -277,3 +277,81 @@ def test_the_readme_reward_command_parses_to_what_it_documents(capsys):
     assert reward["weights"] == [1.0, 0.5, 0.5]
     assert reward["headers_env"] == {"Authorization": "RM_TOKEN"}
     assert (reward["overlong_buffer_len"], reward["stop_properly_penalty_coef"]) == (256, 0.0)
+
+
+# ------------------------------------------------------------------------- bounded reward sources
+
+
+def _stuck_reward_file(tmp_path):
+    """A reward file whose reward_func sleeps for as long as the test runs (until released)."""
+    reward_file = tmp_path / "stuck_reward.py"
+    reward_file.write_text(
+        "import threading\n"
+        "RELEASE = threading.Event()\n"
+        "def reward_func(queries, prompts, labels):\n"
+        "    RELEASE.wait(600)\n"
+        "    return [1.0] * len(queries)\n"
+    )
+    return reward_file
+
+
+def _spec(reward: RewardConfig) -> EngineSpec:
+    return EngineSpec(
+        kind="hf",
+        model_path="unused",
+        dtype="fp32",
+        max_model_len=8,
+        seed=0,
+        reward_function=reward.function,
+        reward=reward,
+    )
+
+
+def test_a_reward_function_that_never_returns_times_out_and_is_counted(tmp_path):
+    import sys
+    import time
+
+    from rl_launch.rollouts import rollout_metrics
+    from rl_rollout import RewardTimeout
+
+    reward_file = _stuck_reward_file(tmp_path)
+    lenient = RewardConfig(
+        function=str(reward_file), function_timeout_s=1.0, on_error="fallback", fallback=-1.0
+    )
+    reward_fn = build_reward(_spec(lenient))
+    started = time.monotonic()
+    output = reward_fn(["p0 a", "p1 b"], ["p0", "p1"], [None, None])
+    assert time.monotonic() - started < 30.0  # the function blocks 600 s: abandoned, not joined
+    assert output.rewards == [-1.0, -1.0]
+    assert output.timeout_indices == [0, 1]
+    records = _records(2)
+    reward_fn.annotate(records)
+    assert records[0].extra["reward_fallback_sources"] == ["function"]
+    assert records[0].extra["reward_timeout_sources"] == ["function"]
+    metrics = rollout_metrics(records)
+    assert metrics["reward/timeouts"] == 2.0
+    assert metrics["reward/fallbacks"] == 2.0
+    assert metrics["reward/fallback_fraction"] == 1.0
+    assert metrics["reward/fallbacks/function"] == 2.0
+    strict = build_reward(_spec(RewardConfig(function=str(reward_file), function_timeout_s=0.5)))
+    with pytest.raises(
+        RewardTimeout, match=r"stuck_reward.py:reward_func: reward_func\(\) did not return within 0.5 s"
+    ):
+        strict(["p0 a"], ["p0"], [None])
+    for module in list(sys.modules.values()):  # release the abandoned threads
+        if getattr(module, "__file__", None) == str(reward_file):
+            module.RELEASE.set()
+
+
+def test_a_registered_reward_that_raises_follows_reward_on_error(monkeypatch):
+    from rl_launch.components import REWARDS
+    from rl_rollout import BatchedReward
+
+    def broken(queries, prompts, labels):
+        raise ZeroDivisionError("the grader broke")
+
+    monkeypatch.setitem(REWARDS, "broken_for_test", lambda: BatchedReward(broken, name="broken"))
+    spec = _spec(RewardConfig(function="broken_for_test", on_error="fallback", fallback=-2.0))
+    output = build_reward(spec)(["q a"], ["q"], [None])
+    assert output.rewards == [-2.0]
+    assert output.fallback_indices == [0]

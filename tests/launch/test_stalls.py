@@ -76,3 +76,28 @@ def test_a_generation_that_stalls_prints_a_line_naming_the_engine_and_its_log(mo
         for waited in (0.5, 1)
     ]
     assert run.tracker.steps() == [1]
+
+
+def test_a_generation_past_engine_stall_stop_s_stops_the_run_naming_the_engine(monkeypatch, tmp_path):
+    from rl_launch.health import HealthError
+
+    use_fake_ray(monkeypatch)
+    run = fake_run(
+        config(**{"train.max_steps": 1, "health.engine_stall_warn_s": 0.5, "health.engine_stall_stop_s": 1.0})
+    )
+    (tmp_path / "engine-0.log").write_text("engine-0: pid 1\nstuck in the reward\n")
+    lines: list[str] = []
+    run.rollouts.notify, run.rollouts.log_dir = lines.append, str(tmp_path)
+    fake_ray = sys.modules["ray"]
+    monkeypatch.setattr(fake_ray, "wait", lambda futures, num_returns=1, timeout=None: ([], list(futures)))
+    with pytest.raises(HealthError) as stopped:
+        run.fit()  # before: a warning line every 0.5 s, forever
+    log = tmp_path.resolve() / "engine-0.log"
+    assert str(stopped.value).startswith(
+        f"generation has waited 1 s on engine-0 (health.engine_stall_stop_s = 1); "
+        f"last line of {log}: stuck in the reward: the run stops"
+    )
+    assert lines == [
+        f"warning: generation has waited 0.5 s on engine-0 (health.engine_stall_warn_s = 0.5); "
+        f"last line of {log}: stuck in the reward"
+    ]

@@ -348,6 +348,8 @@ def build_reward(spec: EngineSpec) -> RewardSources:
     `rl_rollout.RemoteRewardClient` per URL of `reward.remote_url`, with the request options of
     the reward section. The values of `reward.headers_env` name environment variables of this
     actor; their values become the headers (a missing variable is an error naming the option).
+    `spec.reward_function` runs with the deadline `reward.function_timeout_s` per call and the
+    policy `reward.on_error` / `reward.fallback` (`rl_rollout.BatchedReward`), as the servers do.
     """
     from rl_rollout import BatchedReward, RemoteRewardClient, WeightedSumReward, load_reward_function
 
@@ -364,7 +366,15 @@ def build_reward(spec: EngineSpec) -> RewardSources:
     functions: list[Any] = []
     name = spec.reward_function
     if name is not None:
-        functions.append(REWARDS[name]() if name in REWARDS else load_reward_function(name))
+        policy = {
+            "on_error": reward.on_error,
+            "fallback": reward.fallback,
+            "timeout_s": reward.function_timeout_s,
+        }
+        if name in REWARDS:
+            functions.append(BatchedReward(REWARDS[name](), name=f"reward.function {name}", **policy))
+        else:
+            functions.append(load_reward_function(name, **policy))
     elif not reward.urls:
         functions.append(BatchedReward(lambda queries, prompts, labels: [0.0] * len(queries), name="zero"))
     for url in reward.urls:
@@ -401,9 +411,15 @@ class _KeepExtraLogs:
     def extra_logs(self) -> dict[str, Any]:
         return getattr(self._local, "extra_logs", {})
 
+    @property
+    def failed(self) -> tuple[list[int], list[int]]:
+        """(fallback indices, timeout indices) of this thread's last call."""
+        return getattr(self._local, "failed", ([], []))
+
     def __call__(self, queries: Any, prompts: Any, labels: Any) -> Any:
         output = self.function(queries, prompts, labels)
         self._local.extra_logs = output.extra_logs
+        self._local.failed = (list(output.fallback_indices), list(output.timeout_indices))
         return output
 
 
@@ -415,7 +431,9 @@ class RewardSources:
     `record.extra["reward_logs"]` = {key: value} from the sources' `extra_logs`: a list of B numbers
     gives each record its own; a number, or a list of another length (one value per request),
     gives every record the mean. Values that are not numbers are left out. The driver averages
-    both over a step (`rl_launch.algorithm.reward_metrics`). The last call is remembered per
+    both over a step (`rl_launch.algorithm.reward_metrics`). A record some source gave a fallback
+    gets `record.extra["reward_fallback_sources"]` (their names) and, when it was for a timeout,
+    `record.extra["reward_timeout_sources"]` (`rl_launch.rollouts.rollout_metrics` counts them). The last call is remembered per
     thread: a streaming engine runs several generate calls at once, each scores and annotates its own.
     """
 
@@ -444,10 +462,22 @@ class RewardSources:
                 values = _numbers(value)
                 if values:
                     logs[str(key)] = values if len(values) == size else [sum(values) / len(values)] * size
+        fell_back: dict[int, list[str]] = {}
+        timed_out: dict[int, list[str]] = {}
+        for name, source in self.sources.items():
+            fallbacks, timeouts = source.failed
+            for index in fallbacks:
+                fell_back.setdefault(index, []).append(name)
+            for index in timeouts:
+                timed_out.setdefault(index, []).append(name)
         for index, record in enumerate(records):
             record.extra["reward_sources"] = {source: float(r[index]) for source, r in per_source.items()}
             if logs:
                 record.extra["reward_logs"] = {key: values[index] for key, values in logs.items()}
+            if index in fell_back:  # which sources gave this record a fallback (rollout_metrics)
+                record.extra["reward_fallback_sources"] = fell_back[index]
+            if index in timed_out:
+                record.extra["reward_timeout_sources"] = timed_out[index]
 
 
 def _numbers(value: Any) -> list[float]:

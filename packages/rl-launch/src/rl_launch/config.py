@@ -487,10 +487,16 @@ class RewardConfig(_Section):
     """Extra attempts of a request that failed on a connection error, a timeout or HTTP 5xx."""
     timeout_s: Positive = 60.0
     """Seconds one request to a reward server may take (each attempt)."""
+    function_timeout_s: Positive | None = 300.0
+    """Seconds reward.function may take on one call (the samples of one generation call): past it
+    the call is abandoned (it runs on a thread of its own, so signal-based timeouts inside it do
+    not work) and follows reward.on_error, counted in reward/timeouts; None: no deadline, inline."""
     on_error: Literal["raise", "fallback"] = "raise"
-    """A request that failed for good stops the run (raise) or gives its samples `reward.fallback`."""
+    """A reward source that failed for good (a request to a reward server; reward.function raising
+    or past reward.function_timeout_s) stops the run (raise) or gives its samples `reward.fallback`
+    (counted in reward/fallbacks; health.max_fallback_fraction stops a run that trains on them)."""
     fallback: float = 0.0
-    """Reward of the samples of a failed request under on_error fallback."""
+    """Reward of the samples of a failed source under on_error fallback."""
     headers_env: dict[str, str] = msgspec.field(default_factory=dict)
     """HTTP headers of the requests to reward servers: header name -> the NAME of an environment
     variable holding its value, read in the rollout actors (`--reward.headers_env.Authorization
@@ -910,6 +916,16 @@ class HealthConfig(_Section):
     """Print a console line when the engines have not answered a generation call for this many
     seconds (and again every as many), naming the engines and the last line of their logs (a
     reward server retrying, a stuck engine); None: never."""
+    engine_stall_stop_s: Positive | None = 3600.0
+    """Stop the run (exit code 1, with a diagnosis naming the engines and their logs' last line)
+    when a step's generation has waited this many seconds on the engines (streaming: since the last
+    group finished), checked every min(this, engine_stall_warn_s) seconds; None: wait forever."""
+    max_fallback_fraction: UnitInterval | None = 0.5
+    """Stop the run when more than this fraction of a step's samples got a fallback reward (a
+    failed reward source under reward.on_error fallback, a failed episode under the executor's
+    on_error fallback) for health.max_fallback_steps steps in a row, naming the sources; None: never."""
+    max_fallback_steps: PositiveInt = 3
+    """Steps in a row over health.max_fallback_fraction that stop the run."""
 
 
 class LogConfig(_Section):

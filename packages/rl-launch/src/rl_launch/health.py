@@ -9,7 +9,11 @@ and raises `HealthError` (the run stops, exit code 1, the message a diagnosis) f
 - the engines' and the learner's log-probs of the sampled tokens drifting apart
   (`health/logprob_mismatch_mean` above `health.logprob_mismatch_warn`: a warning, at most once
   per ten steps; above `health.logprob_mismatch_stop`: a stop). Right after a weight sync the two
-  compute the same policy, so a large gap is a broken sync, a dtype or a kernel mismatch.
+  compute the same policy, so a large gap is a broken sync, a dtype or a kernel mismatch;
+- more than `health.max_fallback_fraction` of a step's samples trained on a fallback reward
+  (`reward/fallback_fraction`: a dead reward server or a failing reward function under
+  `reward.on_error fallback`, failing episodes) for `health.max_fallback_steps` steps in a row: the
+  run would train on constants. The diagnosis names the failing sources.
 """
 
 from __future__ import annotations
@@ -31,7 +35,45 @@ class HealthMonitor:
     def __init__(self, config: PPOConfig) -> None:
         self.config = config
         self.skipped_streak: list[int] = []
+        self.fallback_streak: list[int] = []
         self.last_warning_step: int | None = None
+
+    def _check_fallbacks(self, step: int, metrics: Mapping[str, float]) -> None:
+        """Stop a run whose steps train mostly on fallback rewards (`health.max_fallback_fraction`)."""
+        health, fraction = self.config.health, metrics.get("reward/fallback_fraction")
+        if health.max_fallback_fraction is None or fraction is None:
+            return
+        if fraction > health.max_fallback_fraction:
+            self.fallback_streak.append(step)
+        else:
+            self.fallback_streak = []
+        if len(self.fallback_streak) < health.max_fallback_steps:
+            return
+        first, last = self.fallback_streak[0], self.fallback_streak[-1]
+        prefix = "reward/fallbacks/"
+        failing = {key[len(prefix) :]: value for key, value in metrics.items() if key.startswith(prefix)}
+        named = "; ".join(
+            f"{self._source_name(source)}: {count:g} samples" for source, count in failing.items() if count
+        )
+        raise HealthError(
+            f"steps {first}-{last} trained mostly on fallback rewards ({fraction:.0%} of step {last}'s samples; "
+            f"health.max_fallback_fraction = {health.max_fallback_fraction:g} for health.max_fallback_steps = "
+            f"{health.max_fallback_steps} steps in a row), from {named or 'unnamed sources'} "
+            f"(reward/timeouts = {metrics.get('reward/timeouts', 0.0):g}). The rewards are constants, not "
+            "the task's: check the sources named (a reward server that is down, a reward function that raises "
+            "or runs past reward.function_timeout_s, episodes that fail: see the rollout workers' logs)"
+        )
+
+    def _source_name(self, source: str) -> str:
+        """A reward source of `reward/fallbacks/<source>` as the options name it."""
+        reward = self.config.reward
+        if source == "function":
+            return f"reward.function ({reward.function or 'the preset'!s})"
+        if source.startswith("remote_") and source[7:].isdigit() and int(source[7:]) < len(reward.urls):
+            return f"reward.remote_url {reward.urls[int(source[7:])]}"
+        if source == "episode":
+            return f"failed episodes (rollout.executor {self.config.rollout.executor or 'by the preset'})"
+        return source
 
     def check(self, step: int, metrics: Mapping[str, float]) -> list[str]:
         """Warnings for the console after `step`; raises HealthError when the run must stop."""
@@ -52,6 +94,7 @@ class HealthMonitor:
                 f"({self.config.algo.policy.loss!r} with {self.config.algo.policy.options or 'its defaults'}); "
                 "health.max_skipped_steps sets how many such steps in a row stop the run"
             )
+        self._check_fallbacks(step, metrics)
         mismatch = metrics.get("health/logprob_mismatch_mean")
         if mismatch is not None:
             if health.logprob_mismatch_stop is not None and mismatch > health.logprob_mismatch_stop:

@@ -54,6 +54,7 @@ from .actors import ACTIVITY_GROUP, GENERATE_GROUP, ActorGroup
 from .components import estimator_needs
 from .config import PPOConfig
 from .evaluation import eval_metrics
+from .health import HealthError
 
 __all__ = ["InFlight", "Rollouts", "StreamGroup", "completion_rows", "drop_stale", "rollout_metrics"]
 
@@ -69,10 +70,12 @@ def rollout_metrics(records: list[Trajectory]) -> dict[str, float]:
       action, cut at rollout.generate_max_len; an episode ended by max_turns or max_length).
     When records carry them: rollout/turns_mean (mean extra["turns"]), rollout/episode_failures
     (#records with extra["episode_error"]: failed episodes kept with the fallback reward),
+    rollout/episode_timeouts (those of them that the episode timeout ended, extra["episode_timeout"]),
     rollout/reward_fallbacks (#records with extra["reward_fallback"]), and rollout/agent/<key> =
     the mean of each numeric entry of the agent's extra_logs (its last step's). Records of
     tool-calling episodes (extra["tools"]) add `rl_rollout.tool_metrics`: rollout/tools/calls_mean,
-    call_rate, limit_reached and errors/<kind>.
+    call_rate, limit_reached and errors/<kind>. Always `fallback_metrics`: reward/fallbacks,
+    reward/fallback_fraction, reward/timeouts, reward/fallbacks/<source>.
     """
     if not records:
         return {}
@@ -88,6 +91,8 @@ def rollout_metrics(records: list[Trajectory]) -> dict[str, float]:
     if turns:
         metrics["rollout/turns_mean"] = sum(turns) / len(turns)
         metrics["rollout/episode_failures"] = float(sum("episode_error" in r.extra for r in records))
+        if any("episode_timeout" in r.extra for r in records):  # of those, ended by the episode timeout
+            metrics["rollout/episode_timeouts"] = float(sum("episode_timeout" in r.extra for r in records))
     if any("reward_fallback" in record.extra for record in records):
         metrics["rollout/reward_fallbacks"] = float(
             sum(bool(r.extra.get("reward_fallback")) for r in records)
@@ -98,7 +103,41 @@ def rollout_metrics(records: list[Trajectory]) -> dict[str, float]:
             if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
                 agent.setdefault(f"rollout/agent/{key}", []).append(float(value))
     metrics |= {name: sum(values) / len(values) for name, values in agent.items()}
-    return metrics | tool_metrics(records)
+    return metrics | tool_metrics(records) | fallback_metrics(records)
+
+
+def fallback_sources(record: Trajectory) -> list[str]:
+    """Why `record`'s reward is a fallback: the reward sources that failed on it (`function`,
+    `remote_0`, ...; "reward" when the executor says so without naming one) and "episode" for a
+    failed episode (multi-turn, tool-calling, agent executors); [] when its reward is its own."""
+    extra = record.extra
+    sources = list(extra.get("reward_fallback_sources") or [])
+    if not sources and extra.get("reward_fallback"):
+        sources.append("reward")
+    if "episode_error" in extra:
+        sources.append("episode")
+    return sources
+
+
+def fallback_metrics(records: list[Trajectory]) -> dict[str, float]:
+    """reward/fallbacks (#records whose reward is a fallback), reward/fallback_fraction (their
+    share: `health.max_fallback_fraction` stops a run that trains on them), reward/timeouts
+    (#records a reward source timed out on) and reward/fallbacks/<source> per failing source."""
+    if not records:
+        return {}
+    counts: dict[str, int] = {}
+    fell_back = 0
+    for record in records:
+        sources = fallback_sources(record)
+        fell_back += bool(sources)
+        for source in sources:
+            counts[source] = counts.get(source, 0) + 1
+    metrics = {
+        "reward/fallbacks": float(fell_back),
+        "reward/fallback_fraction": fell_back / len(records),
+        "reward/timeouts": float(sum(bool(r.extra.get("reward_timeout_sources")) for r in records)),
+    }
+    return metrics | {f"reward/fallbacks/{source}": float(count) for source, count in sorted(counts.items())}
 
 
 @dataclass
@@ -325,17 +364,18 @@ class Rollouts:
 
     def collect(self, futures: list) -> list[Trajectory]:
         """The records of generation `futures`; a line to `notify` every
-        `health.engine_stall_warn_s` seconds they keep the driver waiting."""
+        `health.engine_stall_warn_s` seconds they keep the driver waiting, and `HealthError` (the
+        run stops, naming the engines) once they have kept it `health.engine_stall_stop_s`."""
         import ray
 
-        every = self.config.health.engine_stall_warn_s
-        if every is not None and self.notify is not None:
+        every = self._wait_slice()
+        if every is not None:
             waited, pending = 0.0, list(futures)
             while pending:
                 _, pending = ray.wait(pending, num_returns=len(pending), timeout=every)
                 if pending:
                     waited += every
-                    self.notify(self.stall_line(pending, waited))
+                    self._stalled(pending, waited)
         try:
             # the engines' `get`: with `rl_launch.supervisor`, a dead engine's calls are issued again
             return [
@@ -347,16 +387,42 @@ class Rollouts:
             for future in futures:
                 self._engine_of.pop(id(future), None)
 
-    def stall_line(self, pending: list, waited: float) -> str:
+    def _wait_slice(self) -> float | None:
+        """How long one `ray.wait` may block: the warning period (when a line has somewhere to
+        go) or less, so that the stop deadline is seen on time; None: wait without a bound."""
+        health = self.config.health
+        warn = health.engine_stall_warn_s if self.notify is not None else None
+        stop = health.engine_stall_stop_s
+        slices = [value for value in (warn, stop) if value is not None]
+        return min(slices) if slices else None
+
+    def _stalled(self, pending: list, waited: float) -> None:
+        """`waited` seconds on `pending`: a warning line each warning period (when it falls due),
+        `HealthError` at `health.engine_stall_stop_s`."""
+        health = self.config.health
+        stop = health.engine_stall_stop_s
+        if stop is not None and waited >= stop - 1e-9:
+            raise HealthError(
+                f"{self.stall_line(pending, waited, option='engine_stall_stop_s')}: the run stops, as a step "
+                "whose generation never ends would hold it forever (a hung engine, a reward or an environment "
+                "that never returns; see that log). Raise health.engine_stall_stop_s (or set it to none) when "
+                "a step's generation legitimately takes longer"
+            )
+        warn = health.engine_stall_warn_s
+        if warn is not None and self.notify is not None:
+            due = math.floor(waited / warn + 1e-9) > math.floor((waited - self._wait_slice()) / warn + 1e-9)
+            if due:
+                self.notify(self.stall_line(pending, waited))
+
+    def stall_line(self, pending: list, waited: float, option: str = "engine_stall_warn_s") -> str:
         """ "generation has waited 120 s on engine-0 ...; the last line of its log: ..." """
         from .diagnosis import log_tail
 
         engines = sorted({self._engine_of.get(id(future), -1) for future in pending})
         names = ", ".join(f"engine-{index}" if index >= 0 else "an engine" for index in engines)
-        line = (
-            f"warning: generation has waited {waited:g} s on {names} "
-            f"(health.engine_stall_warn_s = {self.config.health.engine_stall_warn_s:g})"
-        )
+        limit = getattr(self.config.health, option)
+        head = "warning: generation has" if option == "engine_stall_warn_s" else "generation has"
+        line = f"{head} waited {waited:g} s on {names} (health.{option} = {limit:g})"
         if self.log_dir is not None and engines and engines[0] >= 0:
             path = Path(self.log_dir).resolve() / f"engine-{engines[0]}.log"
             last = log_tail(path, 1)
@@ -419,7 +485,7 @@ class Rollouts:
         kept: list[list[Trajectory]] = []
         taken: list[Trajectory] = []
         seen = stale_groups = stale_records = rounds = 0
-        every = self.config.health.engine_stall_warn_s
+        every = self._wait_slice()
         waited = 0.0
         while len(kept) < r.rollout_batch_size:
             if not self.pool:
@@ -433,9 +499,9 @@ class Rollouts:
             ready, _ = ray.wait(futures, num_returns=wanted, timeout=every)
             if not ready:
                 waited += every
-                if self.notify is not None:
-                    self.notify(self.stall_line(futures, waited))
+                self._stalled(futures, waited)
                 continue
+            waited = 0.0  # progress: a stall is counted from the last group that finished
             finished = {id(future) for future in ready}
             done = [group for group in self.pool.values() if id(group.future) in finished]
             by_group: dict[int, list[Trajectory]] = {group.group_id: [] for group in done}

@@ -41,6 +41,7 @@ from .rewards import (
     RewardError,
     RewardFunction,
     RewardOutput,
+    RewardTimeout,
     WeightedSumReward,
     load_reward_function,
 )
@@ -86,6 +87,7 @@ __all__ = [
     "RewardError",
     "RewardFunction",
     "RewardOutput",
+    "RewardTimeout",
     "SamplingParams",
     "ServerError",
     "SessionRecord",

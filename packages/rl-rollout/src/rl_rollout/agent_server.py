@@ -115,9 +115,12 @@ class ServerError(Exception):
         self.status, self.message, self.param, self.code = status, message, param, code
 
     def body(self) -> dict[str, Any]:
-        kind = {400: "invalid_request_error", 404: "not_found_error", 409: "conflict_error"}.get(
-            self.status, "server_error"
-        )
+        kind = {
+            400: "invalid_request_error",
+            404: "not_found_error",
+            409: "conflict_error",
+            413: "invalid_request_error",
+        }.get(self.status, "server_error")
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
 
@@ -184,6 +187,18 @@ def _bad(message: str, param: str | None, code: str = "invalid_value") -> Server
     return ServerError(400, message, param=param, code=code)
 
 
+MAX_BODY_BYTES = 8 << 20
+"""`AgentServer`'s default cap on a request body (8 MiB)."""
+
+
+def _too_large(size: int, limit: int) -> ServerError:
+    return ServerError(
+        413,
+        f"the request body has more than {limit} bytes ({size} so far); max_body_bytes is {limit}",
+        code="too_large",
+    )
+
+
 def _content_text(content: Any, where: str) -> str:
     if content is None:
         return ""
@@ -206,6 +221,8 @@ def _content_text(content: Any, where: str) -> str:
 
 def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
     """Tool calls as `{"id", "type": "function", "function": {"name", "arguments": dict}}`."""
+    from .tools import decode_call_json
+
     if calls is None:
         return []
     if not isinstance(calls, list):
@@ -218,10 +235,9 @@ def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
             raise _bad(f"{field}: expected {{'function': {{'name': str, 'arguments': ...}}}}", field)
         arguments = function.get("arguments", {})
         if isinstance(arguments, str):
-            try:
-                arguments = json.loads(arguments) if arguments.strip() else {}
-            except json.JSONDecodeError as error:
-                raise _bad(f"{field}.function.arguments: not valid JSON ({error})", field) from None
+            arguments, problem = decode_call_json(arguments) if arguments.strip() else ({}, None)
+            if problem is not None:
+                raise _bad(f"{field}.function.arguments: {problem}", field)
         if not isinstance(arguments, Mapping):
             raise _bad(f"{field}.function.arguments: expected a JSON object", field)
         normalised.append(
@@ -305,6 +321,10 @@ class AgentServer:
       model_name: the one model served; a request naming another is refused.
       tool_parser: name in `rl_rollout.tools.TOOL_PARSERS` used on replies to requests with tools.
       skip_special_tokens: how a reply's text is decoded (vLLM's default: True).
+      max_body_bytes: the largest request body; a larger one is refused with 413 before it is
+        read in full (its Content-Length, or the bytes as they arrive).
+      request_timeout_s: a deadline per request (its generation included): past it the request
+        is answered 504, code "timeout", and the session is left as before the request; None: none.
     """
 
     def __init__(
@@ -317,7 +337,18 @@ class AgentServer:
         model_name: str = "policy",
         tool_parser: str = "hermes",
         skip_special_tokens: bool = True,
+        max_body_bytes: int = MAX_BODY_BYTES,
+        request_timeout_s: float | None = 600.0,
     ) -> None:
+        if not isinstance(max_body_bytes, int) or isinstance(max_body_bytes, bool) or max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes: {max_body_bytes!r} is not allowed; expected an integer >= 1")
+        if request_timeout_s is not None and not (
+            isinstance(request_timeout_s, (int, float)) and 0 < request_timeout_s < math.inf
+        ):
+            raise ValueError(
+                f"request_timeout_s: {request_timeout_s!r} is not allowed; expected a number > 0 or None"
+            )
+        self.max_body_bytes, self.request_timeout_s = max_body_bytes, request_timeout_s
         if not isinstance(engine, Engine):
             raise TypeError(f"engine: expected an rl_rollout Engine, got {type(engine).__name__}")
         sampling = SamplingParams() if sampling is None else sampling
@@ -638,8 +669,13 @@ class AgentServer:
             [generation] = (await self.engine.agenerate(prompt, params))[:1]
         except EngineError as error:
             raise ServerError(500, f"engine: {error}", code="engine_error") from error
-        except Exception as error:
-            raise ServerError(500, f"engine: {type(error).__name__}: {error}", code="engine_error") from error
+        except Exception as error:  # the details go to the server's log, not to the client
+            logger.exception("AgentServer: the engine failed on a request")
+            raise ServerError(
+                500,
+                f"engine: the generation failed ({type(error).__name__}; see the server's log)",
+                code="engine_error",
+            ) from error
         self._append(session, delta_ids, new_prompt, generation)
         text = self.tokenizer.decode(generation.token_ids, skip_special_tokens=self.skip_special_tokens)
         message: dict[str, Any] = {"role": "assistant", "content": text}
@@ -714,9 +750,9 @@ class AgentServer:
     def _parse_tool_calls(self, text: str) -> tuple[str, list[dict[str, Any]], int]:
         """(content without the call markup, OpenAI tool_calls, malformed calls) by the server's
         tool parser. Call ids are unique within the server (the parser numbers calls per turn)."""
-        from .tools import TOOL_PARSERS
+        from .tools import TOOL_PARSERS, parse_safely
 
-        parsed = TOOL_PARSERS[self.tool_parser_name].parse(text)
+        parsed = parse_safely(TOOL_PARSERS[self.tool_parser_name], text)
         calls = [
             {
                 "id": f"call_{uuid.uuid4().hex[:12]}_{call.id}",
@@ -769,10 +805,31 @@ class AgentServer:
             return error_response(ServerError(error.status_code, f"{request.url.path}: {error.detail}"))
 
         async def json_body(request: Request) -> Any:
+            limit = server.max_body_bytes
+            declared = request.headers.get("content-length", "")
+            if declared.isdigit() and int(declared) > limit:
+                raise _too_large(int(declared), limit)
+            body = bytearray()
+            async for chunk in request.stream():  # counted as it arrives: no unbounded read
+                body += chunk
+                if len(body) > limit:
+                    raise _too_large(len(body), limit)
             try:
-                return await request.json()
+                return json.loads(body)
             except (json.JSONDecodeError, UnicodeDecodeError) as error:
                 raise _bad(f"the request body is not valid JSON: {error}", None) from None
+            except (ValueError, RecursionError) as error:  # a huge integer, a deep nesting
+                raise _bad(f"the request body is not usable JSON ({type(error).__name__})", None) from None
+
+        async def within_deadline(coroutine: Any) -> Any:
+            if server.request_timeout_s is None:
+                return await coroutine
+            try:
+                return await asyncio.wait_for(coroutine, server.request_timeout_s)
+            except (asyncio.TimeoutError, TimeoutError):
+                raise ServerError(
+                    504, f"the request took longer than {server.request_timeout_s:g} s", code="timeout"
+                ) from None
 
         @app.get("/health")
         async def health() -> dict[str, Any]:
@@ -785,21 +842,26 @@ class AgentServer:
         @app.post("/tokenize")
         async def tokenize(request: Request) -> JSONResponse:
             try:
-                return JSONResponse(server.tokenize(await json_body(request)))
+                return JSONResponse(server.tokenize(await within_deadline(json_body(request))))
             except ServerError as error:
                 return error_response(error)
 
         @app.post("/v1/chat/completions")
         async def chat(request: Request) -> JSONResponse:
             try:
-                body = await json_body(request)
-                return JSONResponse(await server.chat(body, request.headers.get(SESSION_HEADER)))
+                session = request.headers.get(SESSION_HEADER)
+
+                async def answer() -> dict[str, Any]:
+                    return await server.chat(await json_body(request), session)
+
+                return JSONResponse(await within_deadline(answer()))
             except ServerError as error:
                 return error_response(error)
             except asyncio.CancelledError:
                 raise
-            except Exception as error:  # a bug here: still an OpenAI-shaped answer
+            except Exception as error:  # a bug here: an OpenAI-shaped answer, the details in the log
                 logger.exception("AgentServer: chat completion failed")
-                return error_response(ServerError(500, f"{type(error).__name__}: {error}", code="internal"))
+                message = f"internal error ({type(error).__name__}; see the server's log)"
+                return error_response(ServerError(500, message, code="internal"))
 
         return app

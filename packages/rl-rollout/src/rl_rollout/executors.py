@@ -33,7 +33,10 @@ log-prob 0). Its `ImageInputs` join the episode's images (the prompt's first,
 cuts an image's run: the cut moves before it and the image is dropped.
 Earlier turns are never re-tokenised: the engine always continues from the exact ids it produced.
 Episodes run concurrently (asyncio, `engine.agenerate`), each with its own environment instance
-and a hard timeout. finish_reason: the last action's reason when the environment says done,
+and a hard timeout. An environment's code (its factory, `reset`, `step`, sync or async) runs on an
+event loop and daemon thread of the episode's own (`rl_rollout.bounded.UserLoop`), never on the
+executor's loop: a step that blocks (`time.sleep`, `requests.post`) holds only its episode, the
+timeout fires on time, and the episode is abandoned, its error naming where the step was stuck. finish_reason: the last action's reason when the environment says done,
 "length" when max_turns or max_length ends the episode, "abort" for a failed episode kept with the
 fallback reward (`on_error="fallback"`).
 
@@ -71,6 +74,7 @@ from rl_data import ImageInputs, PromptSample, Trajectory
 from rl_data.errors import check_integer
 from rl_data.vision import IMAGE_PLACEHOLDER
 
+from .bounded import LoopWatchdog, UserLoop, user_code_at
 from .protocol import Engine, Generation, SamplingParams
 from .rewards import ON_ERROR, RewardFunction, load_python_file
 
@@ -89,6 +93,8 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 FEEDBACK_MODES = ("text", "chat")
+LOOP_BLOCK_WARNING_S = 10.0
+"""Seconds an executor's event loop may go without a tick before the blocking code is named."""
 
 
 class EpisodeError(RuntimeError):
@@ -479,6 +485,7 @@ class _Episode(msgspec.Struct, kw_only=True):
     versions: list[int] = msgspec.field(default_factory=list)  # per response token
     extra_logs: dict[str, Any] = msgspec.field(default_factory=dict)
     images: ImageInputs | None = None  # the prompt's, then every image an environment returned
+    timed_out: bool = False  # ended by episode_timeout_s (abandoned)
 
 
 class MultiTurnExecutor:
@@ -499,7 +506,8 @@ class MultiTurnExecutor:
         `feedback_role` turn with the tokenizer's chat template, followed by the generation prompt.
         A step's "environment_messages" are rendered by the chat template in either mode.
       action_skip_special_tokens: how `action_text` is decoded for `step` (vLLM's default: True).
-      episode_timeout_s: hard limit per episode (reset, generation and steps).
+      episode_timeout_s: hard limit per episode (reset, generation and steps); it fires however
+        the environment blocks (`rollout/episode_timeouts` counts the episodes it ended).
       max_concurrency: episodes in flight at once.
       on_error: "raise" (an `EpisodeError` naming the sample) or "fallback" (the episode ends,
         finish "abort", reward = fallback; counted in `last_metrics`).
@@ -612,11 +620,13 @@ class MultiTurnExecutor:
 
     # -- one episode -------------------------------------------------------------------------
 
-    async def _episode(self, sample: PromptSample, sample_number: int, episode: _Episode) -> None:
-        env = await _make_env(self.env_factory)
+    async def _episode(
+        self, sample: PromptSample, sample_number: int, episode: _Episode, user: UserLoop
+    ) -> None:
+        env = await user.call(_make_env, self.env_factory)  # the environment's code runs on `user`
         prompt_text = _prompt_text(sample, self.tokenizer)
-        reset = await _maybe_await(
-            env.reset({"observation": prompt_text, "prompt": prompt_text, "label": sample.label})
+        reset = await user.call(
+            env.reset, {"observation": prompt_text, "prompt": prompt_text, "label": sample.label}
         )
         if not isinstance(reset, Mapping) or not isinstance(reset.get("observation"), str):
             raise EpisodeError(f"reset() must return {{'observation': str}}, got {reset!r}")
@@ -670,7 +680,7 @@ class MultiTurnExecutor:
                 "label": sample.label,
                 "sampling_params": sampling,
             }
-            result = await _maybe_await(env.step(states))
+            result = await user.call(env.step, states)
             if not isinstance(result, Mapping):
                 raise EpisodeError(f"step() returned a {type(result).__name__}, expected a dict")
             missing = [key for key in ("rewards", "done") if key not in result]
@@ -729,19 +739,30 @@ class MultiTurnExecutor:
                 return
         episode.finish_reason = "length"
 
-    async def _execute_episode(self, sample: PromptSample, sample_number: int, episode: _Episode) -> None:
+    async def _execute_episode(
+        self, sample: PromptSample, sample_number: int, episode: _Episode, user: UserLoop | None
+    ) -> None:
         """One episode by the agent file's own `AgentExecutor.execute` (`rl_rollout.agent_execute`)."""
         from .agent_execute import EngineAdapter, episode_fields, vllm_sampling_params
 
         seed = None if self.sampling.seed is None else self.sampling.seed + sample_number * self.max_turns
-        result = await self.execute_agent.agent.execute(
-            _prompt_text(sample, self.tokenizer),
-            sample.label,
-            vllm_sampling_params(self.sampling, seed),
-            self.max_length,
-            self.tokenizer,
-            EngineAdapter(self.engine, self.tokenizer),
-        )
+        agent = self.execute_agent
+
+        async def on_the_agents_loop() -> Any:
+            return await _maybe_await(
+                agent.agent.execute(
+                    _prompt_text(sample, self.tokenizer),
+                    sample.label,
+                    vllm_sampling_params(self.sampling, seed),
+                    self.max_length,
+                    self.tokenizer,
+                    EngineAdapter(self.engine, self.tokenizer),
+                )
+            )
+
+        # the episode runs on the file's own loop; this loop only waits, so the episode timeout
+        # fires even when the file's code blocks that loop (which the timeout's error then names)
+        result = await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(on_the_agents_loop(), agent.loop))
         try:
             fields = episode_fields(result)
         except ValueError as error:
@@ -813,13 +834,24 @@ class MultiTurnExecutor:
     ) -> tuple[_Episode, str | None]:
         episode = _Episode(prompt_ids=sample.prompt_ids.tolist(), images=sample.images)
         async with semaphore:
+            # the environment's own loop and thread: a step that blocks holds only this episode,
+            # and the deadline below fires on time (the thread is abandoned, never joined)
+            user = None if self._execute is not None else UserLoop(f"rl-episode-{sample_number}")
             try:
                 run = self._execute_episode if self._execute is not None else self._episode
-                await asyncio.wait_for(run(sample, sample_number, episode), self.episode_timeout_s)
+                await asyncio.wait_for(run(sample, sample_number, episode, user), self.episode_timeout_s)
                 return episode, None
             except Exception as error:
                 if isinstance(error, (asyncio.TimeoutError, TimeoutError)):
-                    reason = f"timed out after {self.episode_timeout_s} s"
+                    episode.timed_out = True
+                    stuck = (
+                        f"; abandoned, the environment was at {user.stuck()}"
+                        if user and user.busy_since
+                        else ""
+                    )
+                    if self._execute is not None and (at := user_code_at(self.execute_agent.thread.ident)):
+                        stuck = f"; abandoned, the agent file's event loop was at {at}"
+                    reason = f"timed out after {self.episode_timeout_s} s{stuck}"
                 else:
                     reason = f"failed: {error!r}"
                 where = f"MultiTurnExecutor: episode {sample_number} of sample ({_describe(sample)}) {reason}"
@@ -827,6 +859,9 @@ class MultiTurnExecutor:
                     raise EpisodeError(where) from error
                 logger.warning("%s; reward = fallback %s", where, self.fallback)
                 return episode, where
+            finally:
+                if user is not None:
+                    user.close()
 
     async def arun(
         self, samples: Sequence[PromptSample], *, group_ids: Sequence[int] | None = None
@@ -840,12 +875,13 @@ class MultiTurnExecutor:
         started = time.monotonic()
         jobs = [self._guarded(s, j, semaphore) for s in samples for j in range(self.sampling.n)]
         tasks = [asyncio.ensure_future(job) for job in jobs]
-        try:
-            results = await asyncio.gather(*tasks)
-        except BaseException:
-            for task in tasks:
-                task.cancel()
-            raise
+        async with LoopWatchdog(LOOP_BLOCK_WARNING_S, name="MultiTurnExecutor") as watchdog:
+            try:
+                results = await asyncio.gather(*tasks)
+            except BaseException:
+                for task in tasks:
+                    task.cancel()
+                raise
         records = []
         for position, (episode, error) in enumerate(results):
             sample = samples[position // self.sampling.n]
@@ -859,6 +895,8 @@ class MultiTurnExecutor:
             if error is not None:
                 extra["episode_error"] = error
                 reward, score, finish = self.fallback, self.fallback, "abort"
+                if episode.timed_out:
+                    extra["episode_timeout"] = True
             records.append(
                 Trajectory(
                     prompt_ids=episode.prompt_ids,
@@ -877,12 +915,15 @@ class MultiTurnExecutor:
                 )
             )
         self.last_metrics = _episode_metrics(records, started)
+        self.last_metrics["rollout/episode_timeouts"] = float(
+            sum("episode_timeout" in r.extra for r in records)
+        )
+        self.last_metrics["rollout/loop_blocked"] = float(watchdog.blocked)
         return records
 
     def run(
         self, samples: Sequence[PromptSample], *, group_ids: Sequence[int] | None = None
     ) -> list[Trajectory]:
         """`arun` from synchronous code (no event loop may be running in this thread)."""
-        # the file's AgentExecutor keeps its loop across calls
-        runner = self.execute_agent.run if self._execute is not None else asyncio.run
-        return _run_sync(self.arun(samples, group_ids=group_ids), "MultiTurnExecutor", runner)
+        # an agent file's own execute runs on its AgentExecutor's loop, kept across calls (_execute_episode)
+        return _run_sync(self.arun(samples, group_ids=group_ids), "MultiTurnExecutor")

@@ -37,9 +37,23 @@ from typing import Any
 
 import msgspec
 
-from .rewards import RewardError, RewardOutput, _check_on_error, _loggable, check_reward_inputs
+from .rewards import (
+    RewardError,
+    RewardOutput,
+    RewardTimeout,
+    _check_on_error,
+    _loggable,
+    check_reward_inputs,
+)
 
-__all__ = ["BALANCING", "RemoteRewardClient", "RemoteRewardError", "RewardRequest", "RewardResponse"]
+__all__ = [
+    "BALANCING",
+    "RemoteRewardClient",
+    "RemoteRewardError",
+    "RemoteRewardTimeout",
+    "RewardRequest",
+    "RewardResponse",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +62,10 @@ BALANCING = ("least_loaded", "round_robin")
 
 class RemoteRewardError(RewardError):
     """A remote reward request failed for good; the message names the endpoint, batch and field."""
+
+
+class RemoteRewardTimeout(RemoteRewardError, RewardTimeout):
+    """A remote reward request failed for good by time: the deadline, or a last attempt unanswered."""
 
 
 class RewardRequest(msgspec.Struct):
@@ -69,9 +87,9 @@ class RewardResponse(msgspec.Struct):
 class _Retryable(Exception):
     """An attempt failed in a way worth retrying (connection, timeout, 5xx); `down`: unreachable."""
 
-    def __init__(self, message: str, *, down: bool = False) -> None:
+    def __init__(self, message: str, *, down: bool = False, timed_out: bool = False) -> None:
         super().__init__(message)
-        self.down = down
+        self.down, self.timed_out = down, timed_out
 
 
 class _Endpoint:
@@ -168,7 +186,7 @@ class RemoteRewardClient:
         self._next = 0
         self._encoder = msgspec.json.Encoder()
         self._decoder = msgspec.json.Decoder(RewardResponse)
-        self.num_calls = self.num_samples = self.num_fallbacks = self.num_retries = 0
+        self.num_calls = self.num_samples = self.num_fallbacks = self.num_retries = self.num_timeouts = 0
 
     # -- endpoint choice ---------------------------------------------------------------------
 
@@ -213,7 +231,9 @@ class RemoteRewardClient:
         except (urllib.error.URLError, OSError) as error:
             reason = getattr(error, "reason", error)
             if isinstance(reason, TimeoutError) or isinstance(error, TimeoutError):
-                raise _Retryable(f"{where}: no answer from {endpoint.url} within {timeout:.3g} s") from None
+                raise _Retryable(
+                    f"{where}: no answer from {endpoint.url} within {timeout:.3g} s", timed_out=True
+                ) from None
             raise _Retryable(f"{where}: cannot reach {endpoint.url}: {reason!r}", down=True) from None
         try:
             return self._decoder.decode(payload)
@@ -253,6 +273,7 @@ class RemoteRewardClient:
                 f"{where_batch}: labels or texts cannot be sent as JSON: {error}"
             ) from None
         last_error = "no attempt was made"
+        last_timed_out = False
         avoid = None
         for attempt in range(self.max_retries + 1):
             remaining = deadline - time.monotonic()
@@ -266,7 +287,7 @@ class RemoteRewardClient:
                 return self._check(answer, size, endpoint, where)
             except _Retryable as error:
                 failed, down = True, error.down
-                last_error = str(error)
+                last_error, last_timed_out = str(error), error.timed_out
                 avoid = endpoint
             except RemoteRewardError:
                 failed = True
@@ -285,10 +306,10 @@ class RemoteRewardClient:
                 )
                 time.sleep(pause)
         if time.monotonic() >= deadline:
-            raise RemoteRewardError(
+            raise RemoteRewardTimeout(
                 f"{where_batch}: deadline of {self.deadline_s} s passed; last error: {last_error}"
             )
-        raise RemoteRewardError(
+        raise (RemoteRewardTimeout if last_timed_out else RemoteRewardError)(
             f"{where_batch}: gave up after {self.max_retries + 1} attempts; last error: {last_error}"
         )
 
@@ -304,6 +325,7 @@ class RemoteRewardClient:
         scores = [self.fallback] * batch_size
         extra_logs: dict[str, Any] = {}
         fallbacks: list[int] = []
+        timeouts: list[int] = []
         if not starts:
             return RewardOutput(rewards=[], scores=[])
         pool = ThreadPoolExecutor(
@@ -338,7 +360,7 @@ class RemoteRewardClient:
                 error = (
                     future.exception()
                     if future in done
-                    else RemoteRewardError(
+                    else RemoteRewardTimeout(
                         f"{self.name}, batch of samples [{start}, {end}): no answer within {self.deadline_s} s"
                     )
                 )
@@ -346,10 +368,19 @@ class RemoteRewardClient:
                     raise error
                 logger.warning("%s; %d samples get reward %s", error, end - start, self.fallback)
                 fallbacks.extend(range(start, end))
+                if isinstance(error, RewardTimeout):
+                    timeouts.extend(range(start, end))
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
         self.num_fallbacks += len(fallbacks)
-        return RewardOutput(rewards=rewards, scores=scores, extra_logs=extra_logs, fallback_indices=fallbacks)
+        self.num_timeouts += len(timeouts)
+        return RewardOutput(
+            rewards=rewards,
+            scores=scores,
+            extra_logs=extra_logs,
+            fallback_indices=fallbacks,
+            timeout_indices=timeouts,
+        )
 
     def metrics(self) -> dict[str, float]:
         """Running counts: calls, samples, fallbacks, retries, and requests / failures per endpoint."""
@@ -357,6 +388,7 @@ class RemoteRewardClient:
             "reward/calls": float(self.num_calls),
             "reward/samples": float(self.num_samples),
             "reward/fallbacks": float(self.num_fallbacks),
+            "reward/timeouts": float(self.num_timeouts),
             "reward/retries": float(self.num_retries),
         }
         for endpoint in self.endpoints:

@@ -54,6 +54,7 @@ __all__ = [
     "RewardError",
     "RewardFunction",
     "RewardOutput",
+    "RewardTimeout",
     "RuleReward",
     "WeightedSumReward",
     "check_reward_inputs",
@@ -73,18 +74,45 @@ class RewardError(ValueError):
     """A reward function failed or returned something unusable; the message says which and where."""
 
 
+class RewardTimeout(RewardError):
+    """A reward function ran past its deadline (`timeout_s`); its thread was abandoned."""
+
+
+def _check_timeout(timeout_s: float | None) -> float | None:
+    if timeout_s is None:
+        return None
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, numbers.Real) or not 0 < timeout_s < math.inf:
+        raise ValueError(f"timeout_s: {timeout_s!r} is not allowed; expected a number > 0 or None")
+    return float(timeout_s)
+
+
+def _call(
+    function: Callable[..., Any], args: tuple, kwargs: Mapping[str, Any], timeout_s: float | None
+) -> Any:
+    """`function(*args, **kwargs)`, inline without a deadline, else on an abandoned-at-the-deadline
+    thread (`rl_rollout.bounded.call_with_deadline`): `CallTimeout` when it runs past it."""
+    if timeout_s is None:
+        return function(*args, **kwargs)
+    from .bounded import call_with_deadline
+
+    return call_with_deadline(function, *args, timeout_s=timeout_s, **kwargs)
+
+
 class RewardOutput(msgspec.Struct, kw_only=True):
     """Rewards for one batch of B samples.
 
     rewards: [B] floats used for training. scores: [B] task scores (logging, dynamic filtering).
     extra_logs: name -> value or [B] values, for the metrics logger. fallback_indices: samples
-    whose reward is the configured fallback because the function failed on them.
+    whose reward is the configured fallback because the function failed on them;
+    timeout_indices: those of them whose function ran past its deadline.
     """
 
     rewards: list[float]
     scores: list[float]
     extra_logs: dict[str, Any] = msgspec.field(default_factory=dict)
     fallback_indices: list[int] = msgspec.field(default_factory=list)
+    timeout_indices: list[int] = msgspec.field(default_factory=list)
+    """The fallbacks whose reason was a timeout (a subset of `fallback_indices`)."""
 
     @property
     def num_fallbacks(self) -> int:
@@ -153,6 +181,7 @@ class _ErrorPolicy:
         self.num_calls = 0
         self.num_samples = 0
         self.num_fallbacks = 0
+        self.num_timeouts = 0
 
     def fail(self, message: str) -> None:
         """Raise (on_error="raise") or log the problem (on_error="fallback")."""
@@ -161,12 +190,13 @@ class _ErrorPolicy:
         logger.warning("%s; using fallback reward %s", message, self.fallback)
 
     def metrics(self) -> dict[str, float]:
-        """Running counts since construction: calls, samples, fallbacks and the fallback rate."""
+        """Running counts since construction: calls, samples, fallbacks, timeouts and the fallback rate."""
         rate = self.num_fallbacks / self.num_samples if self.num_samples else 0.0
         return {
             "reward/calls": float(self.num_calls),
             "reward/samples": float(self.num_samples),
             "reward/fallbacks": float(self.num_fallbacks),
+            "reward/timeouts": float(self.num_timeouts),
             "reward/fallback_rate": rate,
         }
 
@@ -191,7 +221,14 @@ def _check_values(
 def _finish(
     raw: Any, batch_size: int, where: str, policy: _ErrorPolicy, bad: set[int] | None = None
 ) -> RewardOutput:
-    """Validate a raw OpenRLHF-style result (dict or bare rewards) into a RewardOutput."""
+    """Validate a raw OpenRLHF-style result (dict or bare rewards) into a RewardOutput; a
+    `RewardOutput` (a wrapped `RewardFunction`'s) is checked already and kept."""
+    if isinstance(raw, RewardOutput):
+        if len(raw.rewards) != batch_size or len(raw.scores) != batch_size:
+            raise RewardError(
+                f"{where}: returned {len(raw.rewards)} rewards for a batch of {batch_size} samples"
+            )
+        return raw
     bad = set() if bad is None else bad
     if isinstance(raw, Mapping):
         if "rewards" not in raw:
@@ -233,10 +270,13 @@ def _loggable(extra_logs: Mapping[str, Any]) -> dict[str, Any]:
 class BatchedReward:
     """A checked `RewardFunction` around a raw batched callable (an OpenRLHF `reward_func`).
 
-    `fn(queries, prompts, labels, **kwargs)` may return {"rewards", "scores", "extra_logs"} or
-    bare rewards (tensor or list). `name` appears in every error ("reward.py:reward_func").
+    `fn(queries, prompts, labels, **kwargs)` may return {"rewards", "scores", "extra_logs"},
+    bare rewards (tensor or list), or a `RewardOutput` (any `RewardFunction` wrapped for its
+    deadline and error policy). `name` appears in every error ("reward.py:reward_func").
     With on_error="fallback", an exception or a wrong-length result gives the whole batch the
-    fallback; a bad single value gives that sample the fallback.
+    fallback; a bad single value gives that sample the fallback. With `timeout_s`, a call that
+    runs past it on a batch is abandoned (`RewardTimeout`, or the batch's fallback, counted in
+    `timeout_indices` and `metrics()["reward/timeouts"]`); None: no deadline, run inline.
     """
 
     def __init__(
@@ -247,6 +287,7 @@ class BatchedReward:
         on_error: str = "raise",
         fallback: float = 0.0,
         kwargs: Mapping[str, Any] | None = None,
+        timeout_s: float | None = None,
     ) -> None:
         if not callable(fn):
             raise TypeError(f"fn: expected a callable, got {type(fn).__name__}")
@@ -254,13 +295,23 @@ class BatchedReward:
         self.name = name or getattr(fn, "__qualname__", type(fn).__name__)
         self.kwargs = dict(kwargs or {})
         self.policy = _ErrorPolicy(self.name, on_error, fallback)
+        self.timeout_s = _check_timeout(timeout_s)
 
     def __call__(self, queries: Sequence[str], prompts: Sequence[str], labels: Sequence[Any]) -> RewardOutput:
+        from .bounded import CallTimeout
+
         batch_size = check_reward_inputs(queries, prompts, labels, self.name)
         self.policy.num_calls += 1
         self.policy.num_samples += batch_size
+        timed_out = False
         try:
-            raw = self.fn(list(queries), list(prompts), list(labels), **self.kwargs)
+            try:
+                raw = _call(
+                    self.fn, (list(queries), list(prompts), list(labels)), self.kwargs, self.timeout_s
+                )
+            except CallTimeout as error:
+                timed_out = True
+                raise RewardTimeout(f"{self.name}: {error}") from None
             output = _finish(raw, batch_size, self.name, self.policy)
         except Exception as error:
             message = error.args[0] if isinstance(error, RewardError) else f"{self.name}: raised {error!r}"
@@ -275,8 +326,10 @@ class BatchedReward:
                 rewards=[self.policy.fallback] * batch_size,
                 scores=[self.policy.fallback] * batch_size,
                 fallback_indices=list(range(batch_size)),
+                timeout_indices=list(range(batch_size)) if timed_out else [],
             )
         self.policy.num_fallbacks += output.num_fallbacks
+        self.policy.num_timeouts += len(output.timeout_indices)
         return output
 
     def metrics(self) -> dict[str, float]:
@@ -288,7 +341,8 @@ class PerSampleReward:
 
     `fn` may also return a `(reward, score)` pair. A failure (exception, non-finite or
     non-numeric value) concerns only its sample: an error naming the sample index, or the
-    fallback for that sample alone.
+    fallback for that sample alone. With `timeout_s` each sample's call has that deadline: past
+    it the sample is abandoned (`RewardTimeout`, or its fallback, counted in `timeout_indices`).
     """
 
     def __init__(
@@ -298,21 +352,32 @@ class PerSampleReward:
         name: str | None = None,
         on_error: str = "raise",
         fallback: float = 0.0,
+        timeout_s: float | None = None,
     ) -> None:
         if not callable(fn):
             raise TypeError(f"fn: expected a callable, got {type(fn).__name__}")
         self.fn = fn
         self.name = name or getattr(fn, "__qualname__", type(fn).__name__)
         self.policy = _ErrorPolicy(self.name, on_error, fallback)
+        self.timeout_s = _check_timeout(timeout_s)
 
     def __call__(self, queries: Sequence[str], prompts: Sequence[str], labels: Sequence[Any]) -> RewardOutput:
+        from .bounded import CallTimeout
+
         batch_size = check_reward_inputs(queries, prompts, labels, self.name)
         self.policy.num_calls += 1
         self.policy.num_samples += batch_size
-        rewards, scores, bad = [], [], []
+        rewards, scores, bad, timeouts = [], [], [], []
         for index, (query, prompt, label) in enumerate(zip(queries, prompts, labels, strict=True)):
             try:
-                value = self.fn(query, prompt, label)
+                value = _call(self.fn, (query, prompt, label), {}, self.timeout_s)
+            except CallTimeout as error:
+                message = f"{self.name}: sample {index}: {error}"
+                if self.policy.on_error == "raise":
+                    raise RewardTimeout(message) from None
+                self.policy.fail(message)
+                timeouts.append(index)
+                value = None
             except Exception as error:
                 if self.policy.on_error == "raise":
                     raise RewardError(f"{self.name}: raised {error!r} on sample {index}") from error
@@ -328,7 +393,8 @@ class PerSampleReward:
             rewards.append(reward)
             scores.append(score)
         self.policy.num_fallbacks += len(bad)
-        return RewardOutput(rewards=rewards, scores=scores, fallback_indices=bad)
+        self.policy.num_timeouts += len(timeouts)
+        return RewardOutput(rewards=rewards, scores=scores, fallback_indices=bad, timeout_indices=timeouts)
 
     def metrics(self) -> dict[str, float]:
         return self.policy.metrics()
@@ -399,11 +465,13 @@ def load_reward_function(
     on_error: str = "raise",
     fallback: float = 0.0,
     kwargs: Mapping[str, Any] | None = None,
+    timeout_s: float | None = None,
 ) -> BatchedReward:
     """The `reward_func(queries, prompts, labels)` of an OpenRLHF-style Python file, checked.
 
     Raises FileNotFoundError / ImportError / AttributeError / TypeError naming the file when it
     is missing, fails to import, lacks `function_name` or defines it as something not callable.
+    `timeout_s` bounds one call on a batch (`BatchedReward`).
     """
     module = load_python_file(path, "reward function")
     fn = getattr(module, function_name, None)
@@ -417,7 +485,12 @@ def load_reward_function(
             f"reward function file {str(path)!r}: {function_name!r} is a {type(fn).__name__}, not a function"
         )
     return BatchedReward(
-        fn, name=f"{path}:{function_name}", on_error=on_error, fallback=fallback, kwargs=kwargs
+        fn,
+        name=f"{path}:{function_name}",
+        on_error=on_error,
+        fallback=fallback,
+        kwargs=kwargs,
+        timeout_s=timeout_s,
     )
 
 
@@ -523,12 +596,15 @@ class RuleReward:
 
     name = "rule"
 
-    def __init__(self, *, on_error: str = "raise", fallback: float = 0.0) -> None:
+    def __init__(
+        self, *, on_error: str = "raise", fallback: float = 0.0, timeout_s: float | None = None
+    ) -> None:
         self._per_sample = PerSampleReward(
             lambda query, prompt, label: self.score(response_text(query, prompt), label),
             name=self.name,
             on_error=on_error,
             fallback=fallback,
+            timeout_s=timeout_s,
         )
 
     def score(self, response: str, label: Any) -> float:
@@ -670,6 +746,7 @@ class WeightedSumReward:
         rewards, scores = [0.0] * batch_size, [0.0] * batch_size
         extra_logs: dict[str, Any] = {}
         fallbacks: set[int] = set()
+        timeouts: set[int] = set()
         for key, (function, weight) in self.components.items():
             output = function(queries, prompts, labels)
             if len(output.rewards) != batch_size or len(output.scores) != batch_size:
@@ -684,6 +761,11 @@ class WeightedSumReward:
                 scores = list(output.scores)
             extra_logs[key] = list(output.rewards)
             fallbacks.update(output.fallback_indices)
+            timeouts.update(output.timeout_indices)
         return RewardOutput(
-            rewards=rewards, scores=scores, extra_logs=extra_logs, fallback_indices=sorted(fallbacks)
+            rewards=rewards,
+            scores=scores,
+            extra_logs=extra_logs,
+            fallback_indices=sorted(fallbacks),
+            timeout_indices=sorted(timeouts),
         )

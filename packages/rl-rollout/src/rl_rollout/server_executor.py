@@ -43,6 +43,7 @@ from rl_data import PromptSample, Trajectory
 from rl_data.errors import check_integer
 
 from .agent_server import AgentServer, SessionRecord, require_agent_extra
+from .bounded import UserLoop
 from .executors import (
     EpisodeError,
     _check_samples,
@@ -188,24 +189,48 @@ class AgentServerExecutor:
         self.model_name, self.tool_parser = model_name, tool_parser
         self._groups = _GroupCounter(first_group_id)
         self.server = AgentServer(
-            engine, tokenizer, sampling, max_length=limit, model_name=model_name, tool_parser=tool_parser
+            engine,
+            tokenizer,
+            sampling,
+            max_length=limit,
+            model_name=model_name,
+            tool_parser=tool_parser,
+            request_timeout_s=self.episode_timeout_s,  # no request outlives its episode
         )
         self.last_metrics: dict[str, float] = {}
 
+    async def _run_agent(self, session: str, prompt: str, label: Any) -> Any:
+        """One `run_agent` call with a client of its own (on the episode's own loop)."""
+        import openai
+
+        client = openai.AsyncOpenAI(
+            base_url=self.server.url + "/v1",
+            api_key="EMPTY",
+            max_retries=0,
+            timeout=self.episode_timeout_s,
+            default_headers={"X-Session-ID": session},
+        )
+        try:
+            return await self.agent(client, prompt, label)
+        finally:
+            await client.close()
+
     async def _episode(
-        self, client: Any, sample: PromptSample, sample_number: int, semaphore: asyncio.Semaphore
+        self, sample: PromptSample, sample_number: int, semaphore: asyncio.Semaphore
     ) -> tuple[SessionRecord, float, float, dict[str, Any], str | None]:
         server = self.server
         seed = (
             None if self.sampling.seed is None else self.sampling.seed + sample_number * SESSION_SEED_STRIDE
         )
         session = server.open_session(seed=seed)
-        episode_client = client.with_options(default_headers={"X-Session-ID": session})
         reward, score, logs, error = self.fallback, self.fallback, {}, None
         async with semaphore:
+            # run_agent on a loop and thread of its own: an agent that blocks (time.sleep,
+            # requests.post) holds only its episode, and the deadline fires on time
+            user = UserLoop(f"rl-agent-episode-{sample_number}")
             try:
                 result = await asyncio.wait_for(
-                    self.agent(episode_client, _prompt_text(sample, self.tokenizer), sample.label),
+                    user.call(self._run_agent, session, _prompt_text(sample, self.tokenizer), sample.label),
                     self.episode_timeout_s,
                 )
                 reward, score, logs = _agent_result(result)
@@ -213,7 +238,8 @@ class AgentServerExecutor:
                     raise EpisodeError("run_agent made no chat completion request in its session")
             except Exception as failure:
                 if isinstance(failure, (asyncio.TimeoutError, TimeoutError)):
-                    reason = f"timed out after {self.episode_timeout_s} s"
+                    stuck = f"; abandoned, run_agent was at {user.stuck()}" if user.busy_since else ""
+                    reason = f"timed out after {self.episode_timeout_s} s{stuck}"
                 else:
                     reason = f"failed: {failure!r}"
                 where = (
@@ -224,6 +250,8 @@ class AgentServerExecutor:
                     raise EpisodeError(where) from failure
                 logger.warning("%s; reward = fallback %s", where, self.fallback)
                 reward, score, logs, error = self.fallback, self.fallback, {}, where
+            finally:
+                user.close()
         return server.close_session(session), reward, score, logs, error
 
     async def arun(
@@ -235,17 +263,12 @@ class AgentServerExecutor:
         if not samples:
             return []
         groups = self._groups.take(len(samples), group_ids, "AgentServerExecutor")
-        import openai
-
         started = time.monotonic()
         server = self.server
         await asyncio.to_thread(server.start)
-        client = openai.AsyncOpenAI(
-            base_url=server.url + "/v1", api_key="EMPTY", max_retries=0, timeout=self.episode_timeout_s
-        )
         semaphore = asyncio.Semaphore(self.max_concurrency)
         tasks = [
-            asyncio.ensure_future(self._episode(client, sample, number, semaphore))
+            asyncio.ensure_future(self._episode(sample, number, semaphore))
             for sample in samples
             for number in range(self.sampling.n)
         ]
@@ -254,7 +277,6 @@ class AgentServerExecutor:
         finally:
             for task in tasks:
                 task.cancel()
-            await client.close()
             await asyncio.to_thread(server.stop)
         records = []
         for position, (session, reward, score, logs, error) in enumerate(results):

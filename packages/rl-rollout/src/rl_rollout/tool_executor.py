@@ -43,10 +43,20 @@ import msgspec
 from rl_data import PromptSample, Trajectory
 from rl_data.errors import check_integer
 
+from .bounded import UserThreads
 from .executors import MultiTurnExecutor, _prompt_text, _run_sync
 from .protocol import Engine, SamplingParams
 from .rewards import RewardFunction
-from .tools import TOOL_ERRORS, TOOL_PARSERS, Tool, ToolCallParser, call_tool, load_tools, openai_tool_schemas
+from .tools import (
+    TOOL_ERRORS,
+    TOOL_PARSERS,
+    Tool,
+    ToolCallParser,
+    call_tool,
+    load_tools,
+    openai_tool_schemas,
+    parse_safely,
+)
 
 __all__ = [
     "TOOLS_IN_PROMPT",
@@ -117,8 +127,9 @@ class ToolEnvironment:
         tool_timeout_s: float,
         max_tool_calls: int,
         prompt: Callable[[str], str] | None = None,
+        threads: UserThreads | None = None,
     ) -> None:
-        self.tools, self.parser, self.prompt = tools, parser, prompt
+        self.tools, self.parser, self.prompt, self.threads = tools, parser, prompt, threads
         self.tool_timeout_s, self.max_tool_calls = tool_timeout_s, max_tool_calls
         self.counts = dict.fromkeys(TOOL_COUNTS, 0)
 
@@ -127,7 +138,7 @@ class ToolEnvironment:
         return {"observation": self.prompt(observation) if self.prompt is not None else observation}
 
     async def step(self, states: dict[str, Any]) -> dict[str, Any]:
-        parsed = self.parser.parse(states["action_text"])
+        parsed = parse_safely(self.parser, states["action_text"])
         done = {"rewards": 0.0, "environment_messages": [], "done": True}
         if not parsed.attempted:
             return {**done, "extra_logs": dict(self.counts)}
@@ -142,6 +153,7 @@ class ToolEnvironment:
                     self.tool_timeout_s,
                     name=call.name,
                     call_id=call.id,
+                    threads=self.threads,
                 )
                 for call in parsed.calls
             ]
@@ -241,6 +253,8 @@ class ToolCallExecutor:
         self.reward_fn, self.tokenizer = reward_fn, tokenizer
         self._by_name = {tool.name: tool for tool in self.tools}
         self._prompt: ToolPrompt | None = None
+        # the run's tool calls, at most max_concurrency at a time; a timed-out one frees its slot
+        self.tool_threads = UserThreads(max_concurrency, name="rl-tool")
         self.episodes = MultiTurnExecutor(
             engine,
             tokenizer,
@@ -271,6 +285,7 @@ class ToolCallExecutor:
             tool_timeout_s=self.tool_timeout_s,
             max_tool_calls=self.max_tool_calls,
             prompt=self._prompt,
+            threads=self.tool_threads,
         )
 
     async def arun(

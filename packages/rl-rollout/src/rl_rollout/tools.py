@@ -33,13 +33,13 @@ and a description of each malformed one. `hermes` reads Qwen / Hermes calls:
 `call_tool(tool, arguments, timeout_s)` runs one call and always returns a `ToolResult`, never
 raises: an unknown tool, arguments that do not fit the schema, an exception inside the tool and
 a timeout each give a result whose text tells the model what went wrong (`error` names the
-kind, one of `TOOL_ERRORS`). Synchronous functions run in a worker thread; a timed-out thread
-cannot be stopped and finishes in the background, its result discarded.
+kind, one of `TOOL_ERRORS`). Every tool runs on a daemon thread of its own (async ones on that
+thread's event loop); a call past its timeout is abandoned at once, never joined: its thread
+finishes in the background, its result discarded, and it holds no slot (`rl_rollout.bounded`).
 """
 
 from __future__ import annotations
 
-import asyncio
 import inspect
 import json
 import math
@@ -52,11 +52,15 @@ from typing import Any, Literal, Protocol, Union, runtime_checkable
 
 import msgspec
 
+from .bounded import CallTimeout, UserThreads
 from .rewards import load_python_file
 
 __all__ = [
+    "MAX_CALL_CHARS",
+    "MAX_CALL_NESTING",
     "TOOL_ERRORS",
     "TOOL_PARSERS",
+    "TOOL_THREADS",
     "HermesToolParser",
     "ParsedToolCalls",
     "Tool",
@@ -65,8 +69,10 @@ __all__ = [
     "ToolResult",
     "call_tool",
     "check_arguments",
+    "decode_call_json",
     "load_tools",
     "openai_tool_schemas",
+    "parse_safely",
     "register_tool_parser",
     "tool_from_function",
 ]
@@ -379,6 +385,66 @@ def _short(text: str, limit: int = 120) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+MAX_CALL_CHARS = 65_536
+"""The most characters one call's JSON may have; a longer one is malformed, never parsed."""
+MAX_CALL_NESTING = 64
+"""The deepest nesting of brackets one call's JSON may have; a deeper one is malformed, never parsed."""
+
+
+def _nesting(text: str) -> int:
+    """The deepest nesting of `[` / `{` in `text` outside JSON strings (a linear scan, no recursion)."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for char in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif char == "\\":
+                escaped = True
+            elif char == '"':
+                in_string = False
+        elif char == '"':
+            in_string = True
+        elif char in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif char in "]}":
+            depth -= 1
+    return deepest
+
+
+def decode_call_json(text: str) -> tuple[Any, str | None]:
+    """(the decoded value, None), or (None, why it is malformed), for model-written JSON.
+
+    Size caps come first (`MAX_CALL_CHARS`, `MAX_CALL_NESTING`), then `json.loads`; any exception
+    it raises (bad JSON, an integer too long to convert, a recursion limit) is a malformed call."""
+    if len(text) > MAX_CALL_CHARS:
+        return None, f"too long ({len(text)} characters; at most {MAX_CALL_CHARS})"
+    depth = _nesting(text)
+    if depth > MAX_CALL_NESTING:
+        return None, f"nested too deep ({depth} levels of brackets; at most {MAX_CALL_NESTING})"
+    try:
+        return json.loads(text), None
+    except json.JSONDecodeError as error:
+        return None, f"not valid JSON ({error.msg} at character {error.pos})"
+    except Exception as error:  # ValueError (a 5,000-digit integer), RecursionError, ...
+        return None, f"not usable JSON ({type(error).__name__}: {_short(str(error))})"
+
+
+def parse_safely(parser: ToolCallParser, text: str) -> ParsedToolCalls:
+    """`parser.parse(text)`, where a parser that raises on the model's text (a plugin's, say) gives
+    one malformed call saying so instead of an exception: the model sees a tool error."""
+    try:
+        parsed = parser.parse(text)
+    except Exception as error:
+        message = f"the tool calls could not be read ({parser.name} parser: {type(error).__name__}: {_short(str(error))})"
+        return ParsedToolCalls(content=text.strip(), errors=[message])
+    if not isinstance(parsed, ParsedToolCalls):
+        message = f"the {parser.name} tool parser returned a {type(parsed).__name__}, not ParsedToolCalls"
+        return ParsedToolCalls(content=text.strip(), errors=[message])
+    return parsed
+
+
 def check_call_payload(payload: Any, position: int) -> tuple[ToolCall | None, str | None]:
     """A decoded call object `{"name": str, "arguments": object}` as a `ToolCall`, or an error.
 
@@ -391,13 +457,10 @@ def check_call_payload(payload: Any, position: int) -> tuple[ToolCall | None, st
         return None, f'tool call {position}: missing "name" (a non-empty string)'
     arguments = payload.get("arguments", payload.get("parameters", {}))
     if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments) if arguments.strip() else {}
-        except json.JSONDecodeError as error:
-            return (
-                None,
-                f'tool call {position} ({name}): "arguments" is a string that is not JSON: {error.msg}',
-            )
+        arguments, problem = decode_call_json(arguments) if arguments.strip() else ({}, None)
+        if problem is not None:
+            return None, f'tool call {position} ({name}): "arguments" is a string that is {problem}'
+
     if not isinstance(arguments, dict):
         return None, (
             f'tool call {position} ({name}): "arguments" must be a JSON object, got {type(arguments).__name__}'
@@ -432,14 +495,10 @@ class HermesToolParser:
             end = text.find(self.close_tag, body_start)
             body = text[body_start:] if end < 0 else text[body_start:end]
             cursor = len(text) if end < 0 else end + len(self.close_tag)
-            try:
-                payload = json.loads(body)
-            except json.JSONDecodeError as error:
+            payload, problem = decode_call_json(body)
+            if problem is not None:
                 missing = "no closing </tool_call>; " if end < 0 else ""
-                errors.append(
-                    f"tool call {position}: {missing}not valid JSON ({error.msg} at character {error.pos}): "
-                    f"{_short(body.strip())!r}"
-                )
+                errors.append(f"tool call {position}: {missing}{problem}: {_short(body.strip())!r}")
             else:
                 call, error_text = check_call_payload(payload, position)
                 if call is not None:
@@ -559,27 +618,41 @@ class _ToolRaised(Exception):
         self.error = error
 
 
-async def _run(function: Callable[..., Any], arguments: Mapping[str, Any]) -> Any:
-    """Call `function(**arguments)`: a coroutine function in this loop, anything else in a thread."""
+TOOL_THREADS = UserThreads(16, name="rl-tool")
+"""Where `call_tool` runs tools unless given its own `UserThreads` (16 calls at a time; a call
+that timed out is abandoned and frees its slot)."""
+
+
+async def _run(
+    threads: UserThreads, function: Callable[..., Any], arguments: Mapping[str, Any], timeout_s: float
+) -> Any:
+    """`function(**arguments)` on a thread of `threads` (an async function on that thread's own
+    event loop), so neither a sleeping sync tool nor a blocking async one holds the caller's loop."""
     try:
-        if inspect.iscoroutinefunction(function) or inspect.iscoroutinefunction(type(function).__call__):
-            return await function(**arguments)
-        value = await asyncio.to_thread(function, **arguments)
-        return await value if inspect.isawaitable(value) else value
+        return await threads.call(function, timeout_s=timeout_s, **arguments)
+    except CallTimeout:
+        raise
     except Exception as error:
         raise _ToolRaised(error) from error
 
 
 async def call_tool(
-    tool: Tool | None, arguments: Mapping[str, Any], timeout_s: float, *, name: str = "", call_id: str = ""
+    tool: Tool | None,
+    arguments: Mapping[str, Any],
+    timeout_s: float,
+    *,
+    name: str = "",
+    call_id: str = "",
+    threads: UserThreads | None = None,
 ) -> ToolResult:
     """Run one call; every failure becomes a `ToolResult` whose text the model can read.
 
     `tool` None (or a tool without a function) is "unknown_tool" (`name` says what was asked
     for). Arguments that do not fit the schema are "bad_arguments" (the tool is not run), and so
     is a TypeError raised by binding them to the function's signature. An exception inside the
-    tool is "exception" (its type and message), running past `timeout_s` is "timeout". Sync
-    functions run in a worker thread (`asyncio.to_thread`); async ones in this event loop.
+    tool is "exception" (its type and message), running past `timeout_s` is "timeout": the call
+    is abandoned at its deadline (never joined, `rl_rollout.bounded`). Every tool runs on a
+    thread of `threads` (default `TOOL_THREADS`), async ones on that thread's own event loop.
     """
     if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
         raise ValueError(f"timeout_s: {timeout_s!r} is not allowed; expected a number > 0")
@@ -605,8 +678,8 @@ async def call_tool(
             call_id=call_id,
         )
     try:
-        value = await asyncio.wait_for(_run(tool.function, arguments), timeout_s)
-    except (asyncio.TimeoutError, TimeoutError):
+        value = await _run(threads or TOOL_THREADS, tool.function, arguments, timeout_s)
+    except CallTimeout:
         return ToolResult(
             name=asked,
             content=f"Error: {asked} timed out after {timeout_s:g} s.",
