@@ -206,7 +206,7 @@ def run_task(task: Task, config: Any) -> int:
 
         timer = PhaseTimer()
         final = None
-        saved_step = start
+        saved_step, saved_at = start, time.monotonic()
         stepping = True
         with Tracker.for_run(config, start_step=start, headline=task.headline) as tracker:
             tracker.restore_step(start, resumed.extra.get("step_metrics"))
@@ -231,10 +231,10 @@ def run_task(task: Task, config: Any) -> int:
                 tokens = metrics.pop("tokens", 0.0)
                 metrics = {f"{task.command}/{key}": value for key, value in metrics.items()}
                 last = step == config.train.max_steps
-                if last or (config.ckpt.save_steps > 0 and step % config.ckpt.save_steps == 0):
+                if last or config.ckpt.save_due(step, time.monotonic() - saved_at):
                     with timer.phase("checkpoint"):
                         save(step, metrics)
-                    saved_step = step
+                    saved_step, saved_at = step, time.monotonic()
                 elapsed = time.perf_counter() - began
                 tracker.log(
                     step,
