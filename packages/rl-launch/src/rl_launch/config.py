@@ -224,6 +224,9 @@ class DataConfig(_Section):
     {"type": "image"} message parts (rl_data.vision). None: text prompts."""
     max_images_per_prompt: PositiveInt = 1
     """Most images a prompt may have; a row with more is a bad row (see skip_bad_rows)."""
+    image_root: str | None = None
+    """Folder the image paths of data.image_key must stay in (an absolute path or ../ leading out
+    of it is a bad row); None: each data file's own folder; / allows any path."""
     skip_bad_rows: bool = False
     """Leave out rows with a missing, empty or malformed prompt or a missing label, counted on the
     start-up line; false: such a row stops the run, naming the file, the row and the key."""
