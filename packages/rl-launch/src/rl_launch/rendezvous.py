@@ -3,8 +3,9 @@
 The ranks of a role form one torch.distributed world. Its rendezvous store lives in the actor of
 rank 0: that actor opens a `TCPStore` on a port the OS picks on its own node (port 0: the store's
 socket holds the port from the start, so no other process can take it in between), listening at
-its node's address only (not on every interface), and reports that address (`ray.util.get_node_ip_address()`) and that port. The driver hands the pair to
-every rank, and all of them build the default process group from it. Nothing is probed on the
+its node's address (`ray.util.get_node_ip_address()`) only, not on every interface, and reports
+that address and port. The driver hands the pair to every rank, and all of them build the default
+process group from it. Nothing is probed on the
 driver, whose loopback and free ports say nothing about the nodes the actors run on.
 
 `LOCAL_RANK` is what DeepSpeed reads as the device ordinal (`cuda:<LOCAL_RANK>`): on a GPU actor
