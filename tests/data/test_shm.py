@@ -382,3 +382,59 @@ def test_a_sender_failing_mid_version_fails_its_waiting_receivers_at_once(direct
         sent = publisher.publish(packer(1), version=1)  # the same version again, whole this time
         received: dict[str, torch.Tensor] = {}
         assert compare_checksums(sent, reader.read(collect(received), version=1)) == []
+
+
+# ----------------------------------------------------------------------------- owners
+
+
+def _owner_folder(root: pathlib.Path, name: str, line: str) -> pathlib.Path:
+    folder = root / f"rl-weights-{name}"
+    folder.mkdir()
+    (folder / "owner").write_text(line)
+    return folder
+
+
+def test_the_stale_sweep_needs_this_boot_pid_namespace_and_a_gone_pid_and_start_time(tmp_path):
+    from rl_data.sync.shm import ProcessIdentity, process_start_time, remove_if_stale
+
+    me = ProcessIdentity.of()
+    if "-" in (me.boot_id, me.pid_namespace):
+        pytest.skip("needs /proc/sys/kernel/random/boot_id and /proc/self/ns/pid")
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()  # a pid that no longer exists here
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        start = process_start_time(live.pid)
+
+        def owner(pid: int, start_time: int, **changes: str) -> str:
+            fields = {"boot_id": me.boot_id, "pid_namespace": me.pid_namespace, **changes}
+            identity = ProcessIdentity(me.host, pid, fields["boot_id"], fields["pid_namespace"], start_time)
+            return identity.line()
+
+        kept = {
+            # another container sharing /dev/shm and the host name, not the pids: its live sender
+            "other-namespace": owner(ended.pid, 1, pid_namespace="4026531999"),
+            "other-boot": owner(ended.pid, 1, boot_id="00000000-0000-0000-0000-000000000000"),
+            "live": owner(live.pid, start),
+            "older-file": f"{me.host} {ended.pid}\n",  # host and pid only: cannot tell
+            "other-host": owner(ended.pid, 1).replace(me.host, me.host + "-elsewhere", 1),
+        }
+        removed = {"gone": owner(ended.pid, 1), "recycled-pid": owner(live.pid, start + 1)}
+        folders = {name: _owner_folder(tmp_path, name, line) for name, line in {**kept, **removed}.items()}
+        swept = {name for name, folder in folders.items() if remove_if_stale(folder)}
+        assert swept == set(removed)
+        assert all(folders[name].is_dir() for name in kept)
+        assert sorted(remove_stale_directories(tmp_path)) == []  # what is left stays
+    finally:
+        live.kill()
+        live.wait()
+
+
+def test_a_senders_folder_is_private_to_its_user_and_names_its_identity(directory):
+    from rl_data.sync.shm import ProcessIdentity
+
+    with ShmPublisher(directory, worker.layout()):
+        assert os.stat(directory).st_mode & 0o777 == 0o700
+        owner = ProcessIdentity.parse((pathlib.Path(directory) / "owner").read_text())
+        assert owner == ProcessIdentity.of()
+        assert not owner.certainly_gone()

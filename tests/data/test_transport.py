@@ -199,3 +199,53 @@ def test_reserved_port_refuses_other_binders_but_a_tcpstore_serves_on_it():
 
 def test_local_address_towards_loopback_is_loopback():
     assert local_address("127.0.0.1") == "127.0.0.1"
+
+
+def _listening_addresses(port: int) -> set[str]:
+    """The local addresses this process listens at on TCP `port` (from /proc/net/tcp and tcp6)."""
+    found = set()
+    for table, width in (("/proc/net/tcp", 8), ("/proc/net/tcp6", 32)):
+        try:
+            lines = pathlib.Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            local, state = line.split()[1], line.split()[3]
+            address, _, hex_port = local.partition(":")
+            if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
+                found.add("any" if int(address, 16) == 0 else address.rjust(width, "0"))
+    return found
+
+
+def test_the_sync_group_store_listens_at_its_host_only_not_on_every_interface():
+    from rl_data.sync.broadcast import SyncGroup, master_store
+
+    loopback = "0100007F"  # 127.0.0.1 as /proc/net/tcp writes it
+    group = SyncGroup(host="127.0.0.1", port=free_port(), rank=0, world_size=1, timeout_s=30)
+    try:
+        assert _listening_addresses(group._store.port) == {loopback}
+    finally:
+        group.close()
+    import datetime
+
+    store = master_store("127.0.0.1", 0, 1, datetime.timedelta(seconds=10))
+    assert _listening_addresses(store.port) == {loopback}
+
+
+def test_a_store_on_a_reserved_port_listens_at_the_host_the_holder_reserved_it_for():
+    import datetime
+
+    import torch.distributed as dist
+
+    from rl_data.sync.broadcast import master_store
+
+    holder = reserve_port()  # every address, never listening: the port is held, nothing listens
+    port = holder.getsockname()[1]
+    try:
+        server = master_store("127.0.0.1", port, 2, datetime.timedelta(seconds=10))
+        client = dist.TCPStore("127.0.0.1", port, 2, is_master=False, timeout=datetime.timedelta(seconds=10))
+        client.set("key", "value")
+        assert server.get("key") == b"value"
+        assert _listening_addresses(port) == {"0100007F"}
+    finally:
+        holder.close()

@@ -202,3 +202,98 @@ def test_prompt_dataset_reads_a_hub_image_column(processor):
     assert red.images.pil_images()[0].getpixel((0, 0)) == (255, 0, 0)
     assert green.images.pil_images()[0].getpixel((0, 0)) == (0, 128, 0)
     assert torch.equal(red.prompt_ids, green.prompt_ids)  # same size, same layout
+
+
+# ----------------------------------------------------------------------------- untrusted rows
+
+
+def _write_rows(path, rows) -> None:
+    import json
+
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+
+def test_image_paths_outside_the_data_folder_are_refused_naming_the_row_and_key(processor, tmp_path):
+    from rl_data import DataError
+    from rl_data.datasets import PromptDataset
+
+    data, outside = tmp_path / "data", tmp_path / "elsewhere"
+    data.mkdir()
+    outside.mkdir()
+    _image("red").save(outside / "red.png")
+    _image("blue").save(data / "blue.png")
+    for bad in (str(outside / "red.png"), "../elsewhere/red.png", "sub/../../elsewhere/red.png"):
+        path = data / "rows.jsonl"
+        _write_rows(
+            path,
+            [
+                {"prompt": "<image>Colour?", "images": ["blue.png"]},
+                {"prompt": "<image>Colour?", "images": [bad]},
+            ],
+        )
+        with pytest.raises(
+            DataError, match=r"rows\.jsonl.*row 1.*images.*outside .*data.*image_root"
+        ) as refused:
+            PromptDataset(path, processor.tokenizer, image_key="images", processor=processor)
+        assert bad in str(refused.value)
+        skipped = PromptDataset(
+            path, processor.tokenizer, image_key="images", processor=processor, on_bad_row="skip"
+        )
+        assert len(skipped) == 1
+        for root in (tmp_path, "/"):  # allowed by the user: a folder that holds both, or anywhere
+            allowed = PromptDataset(
+                path, processor.tokenizer, image_key="images", processor=processor, image_root=root
+            )
+            assert allowed[1].images.pil_images()[0].getpixel((0, 0)) == (255, 0, 0)
+
+
+@pytest.fixture
+def image_server(monkeypatch):
+    """(base URL, requests served): a local HTTP server of /red.png and /huge.png."""
+    import http.server
+    import threading
+
+    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE", "http_proxy", "HTTP_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    buffer = io.BytesIO()
+    _image("red").save(buffer, format="PNG")
+    bodies = {"/red.png": buffer.getvalue(), "/huge.png": buffer.getvalue() + b"\0" * 4096}
+    served = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            served.append(self.path)
+            body = bodies[self.path]
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", served, len(bodies["/red.png"])
+    server.shutdown()
+    server.server_close()
+
+
+def test_an_image_url_is_fetched_once_and_its_bytes_are_capped(
+    processor, tmp_path, image_server, monkeypatch
+):
+    from rl_data import DataError, vision
+    from rl_data.datasets import PromptDataset
+
+    base, served, size = image_server
+    path = tmp_path / "rows.jsonl"
+    _write_rows(path, [{"prompt": "<image>Colour?", "images": [f"{base}/red.png"]}])
+    dataset = PromptDataset(path, processor.tokenizer, image_key="images", processor=processor)
+    for _ in range(3):
+        assert dataset[0].images.pil_images()[0].getpixel((0, 0)) == (255, 0, 0)
+    assert served == ["/red.png"]  # at load, never again when sampled
+    monkeypatch.setattr(vision, "MAX_URL_BYTES", size + 100)
+    _write_rows(path, [{"prompt": "<image>Colour?", "images": [f"{base}/huge.png"]}])
+    with pytest.raises(DataError, match=r"row 0.*huge\.png sends more than \d+ bytes"):
+        PromptDataset(path, processor.tokenizer, image_key="images", processor=processor)

@@ -103,22 +103,22 @@ def test_the_sweep_leaves_other_hosts_recycled_pids_and_segments_in_use_alone(se
 
 
 def test_the_shm_sync_sweep_removes_the_folder_of_a_killed_policy_and_nothing_else(tmp_path):
-    import socket
     import types
 
+    import msgspec
+
+    from rl_data.sync.shm import ProcessIdentity
     from rl_launch.components.weight_sync import SYNC_STRATEGIES
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
+    me = ProcessIdentity.of()
+    gone = msgspec.structs.replace(me, pid=dead.pid, start_time=1)
     folders = {}
-    for name, pid in (
-        ("rl-weights-run", dead.pid),
-        ("rl-weights-run-2", dead.pid),
-        ("rl-weights-live", os.getpid()),
-    ):
+    for name, owner in (("rl-weights-run", gone), ("rl-weights-run-2", gone), ("rl-weights-live", me)):
         folders[name] = tmp_path / name
         folders[name].mkdir()
-        (folders[name] / "owner").write_text(f"{socket.gethostname()} {pid}")
+        (folders[name] / "owner").write_text(owner.line())
     sweep_folder = SYNC_STRATEGIES["shm"].sweep
     for name in ("rl-weights-run", "rl-weights-live"):
         sweep_folder(types.SimpleNamespace(transport="shm", directory=str(folders[name])))  # a WeightSyncSpec
@@ -126,3 +126,32 @@ def test_the_shm_sync_sweep_removes_the_folder_of_a_killed_policy_and_nothing_el
     assert folders["rl-weights-live"].exists()  # a live sender's (it removes its own at close)
     assert folders["rl-weights-run-2"].exists()  # another run's: not this run's to sweep
     assert SYNC_STRATEGIES["broadcast"].sweep is None
+
+
+def test_the_sweep_leaves_a_record_from_another_pid_namespace_or_boot_alone():
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        here = HelperProcesses.of_this_process()
+        start = next(start for pid, start in here.processes if pid == sleeper.pid)
+        if "-" in (here.boot_id, here.pid_namespace):
+            pytest.skip("needs /proc/sys/kernel/random/boot_id and /proc/self/ns/pid")
+        other_container = HelperProcesses(
+            host=here.host, processes=((sleeper.pid, start),), boot_id=here.boot_id, pid_namespace="1"
+        )
+        other_boot = HelperProcesses(
+            host=here.host, processes=((sleeper.pid, start),), boot_id="x", pid_namespace=here.pid_namespace
+        )
+        unknown = HelperProcesses(host=here.host, processes=((sleeper.pid, start),))  # an older record
+        assert sweep([other_container, other_boot, unknown]) == []
+        assert sleeper.poll() is None
+        ours = HelperProcesses(
+            host=here.host,
+            processes=((sleeper.pid, start),),
+            boot_id=here.boot_id,
+            pid_namespace=here.pid_namespace,
+        )
+        assert sweep([ours]) == [f"killed process {sleeper.pid}"]
+        assert sleeper.wait(timeout=30) == -9
+    finally:
+        sleeper.kill()
+        sleeper.wait()

@@ -282,3 +282,28 @@ def test_a_run_preempted_again_and_again_ends_where_an_uninterrupted_one_does(se
     ]
     # no update is lost or repeated: a preemption abandons a step only before it trains
     assert trained == whole.learners["policy"][0].trained
+
+
+# ----------------------------------------------------------------------------- durability defaults
+
+
+def test_defaults_save_every_30_minutes_and_stop_within_kubernetes_grace():
+    from rl_launch.config import CheckpointConfig
+
+    defaults = CheckpointConfig()
+    assert defaults.save_steps == -1
+    assert defaults.save_minutes == 30.0
+    assert defaults.preemption_timeout_s == 25.0 < 30.0  # Kubernetes' default grace period
+    assert not defaults.save_due(7, seconds_since_save=29 * 60)
+    assert defaults.save_due(7, seconds_since_save=30 * 60)
+    every_two = CheckpointConfig(save_steps=2, save_minutes=None)
+    assert [every_two.save_due(step, 10**9) for step in (1, 2, 3, 4)] == [False, True, False, True]
+
+
+def test_a_time_based_checkpoint_is_saved_with_save_steps_minus_one():
+    timed = fake_run(config(**{"train.max_steps": 3, "ckpt.save_minutes": 1e-9}), ckpt_root="/t/checkpoints")
+    timed.fit()
+    assert sorted(tag for _, tag, _ in timed.checkpoints) == ["global_step1", "global_step2", "global_step3"]
+    off = fake_run(config(**{"train.max_steps": 3, "ckpt.save_minutes": "null"}), ckpt_root="/u/checkpoints")
+    off.fit()
+    assert sorted(tag for _, tag, _ in off.checkpoints) == ["global_step3"]

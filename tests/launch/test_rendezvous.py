@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing
+import pathlib
 
 import pytest
 
@@ -46,13 +47,25 @@ def test_loopback_is_reached_through_lo():
     assert interface_with_address("203.0.113.77") is None  # TEST-NET-3: held by no interface
 
 
+def test_the_rendezvous_store_listens_at_the_node_address_only():
+    store = open_master_store(2, timeout_s=10, host="127.0.0.1")
+    listening = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in pathlib.Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            address, _, port = local.partition(":")
+            if state == "0A" and int(port, 16) == store.port:  # 0A: LISTEN
+                listening.add(address)
+    assert listening == {"0100007F"}  # 127.0.0.1; before: "::" (every interface, IPv4 and IPv6)
+
+
 def _rank(rank: int, world_size: int, ports, results) -> None:
     import torch
     import torch.distributed as dist
 
     store = None
     if rank == 0:
-        store = open_master_store(world_size, timeout_s=60)
+        store = open_master_store(world_size, timeout_s=60, host="127.0.0.1")
         for _ in range(world_size - 1):
             ports.put(store.port)
         port = store.port

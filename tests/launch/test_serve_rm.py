@@ -20,7 +20,9 @@ import json
 import random
 import re
 import shutil
+import socket
 import threading
+import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -107,9 +109,9 @@ def _post(url: str, body: bytes, **headers: str) -> tuple[int, dict]:
         return error.code, json.loads(error.read())
 
 
-def _get(url: str) -> tuple[int, dict]:
+def _get(url: str, timeout: float = 60) -> tuple[int, dict]:
     try:
-        with urllib.request.urlopen(url, timeout=60) as response:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
             return response.status, json.loads(response.read())
     except urllib.error.HTTPError as error:
         return error.code, json.loads(error.read())
@@ -318,3 +320,132 @@ def test_a_missing_model_folder_exits_1_with_the_path(tmp_path, capsys):
 def test_append_eos_needs_room_for_a_token():
     with pytest.raises(ConfigError, match=r"max_len: 1 must be >= 2 with append_eos"):
         ServeRMConfig(reward_pretrain="m", append_eos=True, max_len=1)
+
+
+# ----------------------------------------------------------------------------- unattended use
+
+
+def _slow_client(address: tuple[str, int], head: bytes) -> socket.socket:
+    """A connection that sent `head` and then nothing: it would hold a thread for ever."""
+    sock = socket.create_connection(address, timeout=30)
+    sock.sendall(head)
+    return sock
+
+
+def test_health_answers_while_slow_and_huge_clients_hold_connections(tiny_checkpoint, scorer):
+    # More stalled clients than the 8 threads of the old server, each silent for far longer than
+    # the bound asserted; a huge body is refused without being read.
+    config = _config(tiny_checkpoint, request_timeout_s=600.0, max_body_bytes=1000)
+    with RewardModelServer(config, scorer=scorer) as running:
+        stalled = [
+            _slow_client(running.address, b"POST /get_reward HTTP/1.1\r\nContent-Len") for _ in range(6)
+        ]
+        stalled += [
+            _slow_client(running.address, b"POST /get_reward HTTP/1.1\r\nContent-Length: 5000\r\n\r\n{")
+            for _ in range(6)
+        ]
+        try:
+            status, _ = _post(running.url, b'{"query": ["' + b"x" * 20000 + b'"]}')
+            assert status == 413
+            started = time.monotonic()
+            status, health = _get(_root(running) + "/health", timeout=10)
+            took = time.monotonic() - started
+            assert (status, health["status"]) == (200, "ok")
+            assert took < 5.0
+            assert _post(running.url, b'{"query": ["still scoring"]}')[0] == 200
+        finally:
+            for sock in stalled:
+                sock.close()
+
+
+def test_a_request_that_trickles_in_is_dropped_at_its_deadline(tiny_checkpoint, scorer):
+    # Old behaviour: request_timeout_s bounded each read, so a byte every 0.1 s kept it forever.
+    with RewardModelServer(_config(tiny_checkpoint, request_timeout_s=1.0), scorer=scorer) as running:
+        sock = _slow_client(running.address, b"POST /get_reward HTTP/1.1\r\nContent-Length: 100000\r\n\r\n")
+        sock.settimeout(0.1)
+        started = time.monotonic()
+        try:
+            while time.monotonic() - started < 600:  # far longer than the bound asserted below
+                try:
+                    sock.sendall(b"x")
+                    if sock.recv(1) == b"":  # the server closed the connection
+                        break
+                except TimeoutError:
+                    continue
+                except OSError:  # reset by the server
+                    break
+        finally:
+            sock.close()
+        assert time.monotonic() - started < 30
+
+
+def test_too_many_queries_get_413_and_a_full_queue_503(tiny_checkpoint, scorer):
+    config = _config(tiny_checkpoint, max_queries=3, max_queue=1)
+    with RewardModelServer(config, scorer=scorer) as running:
+        status, answer = _post(running.url, json.dumps({"query": ["a"] * 4}).encode())
+        assert status == 413
+        assert "4 queries in one request, more than 3 (max_queries)" in answer["error"]
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            with scorer.lock:  # the model is busy
+                waiting = pool.submit(_post, running.url, b'{"query": ["first"]}')
+                deadline = time.monotonic() + 30
+                while running.httpd.queue._value and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                status, answer = _post(running.url, b'{"query": ["second"]}')
+                assert status == 503
+                assert "max_queue" in answer["error"]
+            assert waiting.result(timeout=60)[0] == 200
+
+
+def test_a_nan_score_gets_500_naming_the_query_not_200_with_null(server, scorer, monkeypatch):
+    monkeypatch.setattr(scorer, "forward", lambda rows: [0.5, float("nan"), float("inf")][: len(rows)])
+    status, answer = _post(server.url, json.dumps({"query": ["a", "b", "c"]}).encode())
+    assert status == 500
+    assert re.search(r"query\[1\] nan \(not a finite number\); 2 of 3 scores", answer["error"]), answer
+    client = RemoteRewardClient(server.url, max_retries=0)
+    with pytest.raises(RemoteRewardError, match=r"query\[1\] nan"):
+        client(["a", "b"], ["", ""], [None, None])
+
+
+def test_a_failing_forward_answers_500_without_the_exception_text(server, scorer, monkeypatch):
+    def broken(rows):
+        raise RuntimeError("secret path /home/someone/model.bin")
+
+    monkeypatch.setattr(scorer, "forward", broken)
+    status, answer = _post(server.url, b'{"query": ["a"]}')
+    assert status == 500
+    assert "secret" not in answer["error"]
+    assert re.fullmatch(
+        r"scoring failed: internal error [0-9a-f]{12} \(details in the server's log\)", answer["error"]
+    )
+
+
+def test_with_api_key_env_a_request_without_the_key_gets_401(tiny_checkpoint, scorer, monkeypatch):
+    monkeypatch.setenv("RM_TEST_KEY", "s3cret-key")
+    with RewardModelServer(_config(tiny_checkpoint, api_key_env="RM_TEST_KEY"), scorer=scorer) as guarded:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret-key"}):
+            status, answer = _post(guarded.url, b'{"query": ["a"]}', **headers)
+            assert status == 401, headers
+            assert "Authorization: Bearer <key>" in answer["error"]
+            assert "s3cret" not in answer["error"]
+        assert _get(_root(guarded) + "/health")[0] == 401
+        status, answer = _post(guarded.url, b'{"query": ["a"]}', Authorization="Bearer s3cret-key")
+        assert (status, len(answer["rewards"])) == (200, 1)
+        # the header the launcher's --reward.headers_env.Authorization VAR sends
+        client = RemoteRewardClient(
+            guarded.url, max_retries=0, headers={"Authorization": "Bearer s3cret-key"}
+        )
+        assert len(client(["a", "b"], ["", ""], [None, None]).rewards) == 2
+        with pytest.raises(RemoteRewardError, match="HTTP 401"):
+            RemoteRewardClient(guarded.url, max_retries=0)(["a"], [""], [None])
+
+
+def test_api_key_env_must_be_set_and_be_a_variable_name(tiny_checkpoint, monkeypatch, capsys):
+    monkeypatch.delenv("RM_ABSENT_KEY", raising=False)
+    with pytest.raises(ConfigError, match=r"api_key_env: the environment variable RM_ABSENT_KEY is not set"):
+        ServeRMConfig(reward_pretrain="m", api_key_env="RM_ABSENT_KEY").api_key()
+    with pytest.raises(ConfigError, match=r"api_key_env: '<hidden>' must be the NAME"):
+        ServeRMConfig(reward_pretrain="m", api_key_env="Bearer abc")
+    argv = ["serve-rm", "--reward_pretrain", str(tiny_checkpoint), "--api_key_env", "RM_ABSENT_KEY"]
+    assert main(argv) == 2
+    assert "RM_ABSENT_KEY is not set" in capsys.readouterr().err

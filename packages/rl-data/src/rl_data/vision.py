@@ -17,7 +17,12 @@ placeholder per image, the form vLLM expands itself.
 Images come as paths (relative ones against the data file's folder), PIL images, bytes, or the
 `{"bytes": ..., "path": ...}` dicts of Hub datasets' `Image` feature. URLs are fetched only when
 the hub is not offline (`HF_HUB_OFFLINE` / `HF_DATASETS_OFFLINE`), and refused with a message
-saying so otherwise.
+saying so otherwise; a download stops at `MAX_URL_BYTES`.
+
+Datasets are not trusted to name any file: `resolve_image` (what `PromptDataset` applies to each
+row's images when it loads them) refuses a path outside a root folder (the data file's folder by
+default: an absolute path or `../` leading out of it), naming the row and key, and fetches a URL
+once, keeping its bytes, so sampling the prompt again never downloads it again.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ __all__ = [
     "image_token_counts",
     "is_vision_model",
     "load_image",
+    "resolve_image",
     "vision_token_ids",
 ]
 
@@ -54,6 +60,9 @@ IMAGE_PLACEHOLDER = "<image>"
 """In a prompt given as a string, where an image goes (OpenRLHF's and verl's convention)."""
 
 _OFFLINE_VARIABLES = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")
+
+MAX_URL_BYTES = 32 * 2**20
+"""Most bytes read from an image URL; a larger answer is refused (an image is rarely over a few MB)."""
 
 
 class ImageInputs(msgspec.Struct, kw_only=True):
@@ -172,13 +181,7 @@ def _open_image(value: Any, where: str, base_dir: str | os.PathLike[str] | None)
     if isinstance(value, (str, os.PathLike)):
         text = os.fspath(value)
         if text.startswith(("http://", "https://")):
-            if _is_offline():
-                raise ValueError(
-                    f"{where}: {text} is a URL and the hub is offline (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE set); "
-                    "download the images and give their paths, or unset the offline variables"
-                )
-            with urllib.request.urlopen(text, timeout=30) as response:  # http(s) only, checked above
-                return _open_image(response.read(), f"{where} ({text})", None)
+            return _open_image(_fetch(text, where), f"{where} ({text})", None)
         path = Path(text)
         if not path.is_absolute() and base_dir is not None:
             path = Path(base_dir) / path
@@ -192,6 +195,49 @@ def _open_image(value: Any, where: str, base_dir: str | os.PathLike[str] | None)
         f"{where}: expected an image (PIL image, bytes, path, URL or a {{'bytes', 'path'}} dict), "
         f"got {type(value).__name__}"
     )
+
+
+def _fetch(url: str, where: str) -> bytes:
+    """The body of an http(s) URL, at most `MAX_URL_BYTES` (ValueError naming `where` beyond)."""
+    max_bytes = MAX_URL_BYTES
+    if _is_offline():
+        raise ValueError(
+            f"{where}: {url} is a URL and the hub is offline (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE set); "
+            "download the images and give their paths, or unset the offline variables"
+        )
+    with urllib.request.urlopen(url, timeout=30) as response:  # http(s) only, checked by the callers
+        body = response.read(max_bytes + 1)
+    if len(body) > max_bytes:
+        raise ValueError(f"{where}: {url} sends more than {max_bytes} bytes, too many for an image")
+    return body
+
+
+def resolve_image(
+    value: Any, *, where: str, base_dir: str | os.PathLike[str] | None, root: str | os.PathLike[str]
+) -> Any:
+    """An image value of a dataset row, made safe to keep and to open on every sampling.
+
+    A path (or a {"path"} dict without bytes) becomes absolute, relative ones against `base_dir`
+    (the data file's folder; the working folder when None), and must lie inside `root` once `..`
+    is resolved (symbolic links are followed only when opening; root "/" allows every path); a URL
+    is fetched now (at most `MAX_URL_BYTES`) and becomes its bytes; anything else is returned as
+    it is. Raises ValueError naming `where` for a path outside `root` or an oversized URL.
+    """
+    if isinstance(value, dict) and not value.get("bytes") and value.get("path"):
+        value = value["path"]
+    if not isinstance(value, (str, os.PathLike)):
+        return value
+    text = os.fspath(value)
+    if text.startswith(("http://", "https://")):
+        return _fetch(text, where)
+    path = os.path.normpath(os.path.join(os.fspath(base_dir) if base_dir is not None else os.getcwd(), text))
+    top = os.path.normpath(os.path.abspath(root))
+    if os.path.commonpath([path, top]) != top:
+        raise ValueError(
+            f"{where}: image path {text!r} is outside {top}, the folder image paths must stay in (the data "
+            "file's folder); set image_root (--data.image_root) to a folder that holds it, / for any"
+        )
+    return path
 
 
 def encode_image(image: Any) -> bytes:

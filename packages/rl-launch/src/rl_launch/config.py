@@ -224,6 +224,9 @@ class DataConfig(_Section):
     {"type": "image"} message parts (rl_data.vision). None: text prompts."""
     max_images_per_prompt: PositiveInt = 1
     """Most images a prompt may have; a row with more is a bad row (see skip_bad_rows)."""
+    image_root: str | None = None
+    """Folder the image paths of data.image_key must stay in (an absolute path or ../ leading out
+    of it is a bad row); None: each data file's own folder; / allows any path."""
     skip_bad_rows: bool = False
     """Leave out rows with a missing, empty or malformed prompt or a missing label, counted on the
     start-up line; false: such a row stops the run, naming the file, the row and the key."""
@@ -848,7 +851,10 @@ class CheckpointConfig(_Section):
     path: str | None = None
     """Checkpoint folder (ckpt_path); None: `<log.output_dir>/checkpoints`."""
     save_steps: int = -1
-    """Save every this many steps; -1: only at the end."""
+    """Save every this many steps; -1: only at the end (and every save_minutes)."""
+    save_minutes: Positive | None = 30.0
+    """Also save at the end of the first step that finishes this many minutes after the last save
+    (or the start), so a learner that dies loses at most about this much training; None: off."""
     max_ckpt_num: PositiveInt = 3
     """Keep the newest this many checkpoints."""
     load_checkpoint: bool = False
@@ -865,11 +871,18 @@ class CheckpointConfig(_Section):
     addition to the newest max_ckpt_num; named on the console and in the summary. Steps that do
     not log the metric (evaluation every eval.eval_steps) and the step-0 evaluation of the starting
     policy are not candidates. None: no best checkpoint."""
-    preemption_timeout_s: Positive = 60.0
+    preemption_timeout_s: Positive = 25.0
     """On SIGTERM or Ctrl-C the run finishes (or abandons) the step in flight, saves a checkpoint of
     the last finished step and exits (143 / 130); past this many seconds it stops without saving.
     Keep it under the cluster's grace period (SLURM KillWait, Kubernetes
-    terminationGracePeriodSeconds). A second signal stops at once."""
+    terminationGracePeriodSeconds, 30 s by default). A second signal stops at once."""
+
+    def save_due(self, step: int, seconds_since_save: float) -> bool:
+        """Whether the loop saves after `step` (besides the last step and a best checkpoint):
+        every save_steps steps, or once save_minutes have passed since the last save."""
+        if self.save_steps > 0 and step % self.save_steps == 0:
+            return True
+        return self.save_minutes is not None and seconds_since_save >= 60.0 * self.save_minutes
 
     def __post_init__(self) -> None:
         if self.save_steps == 0 or self.save_steps < -1:

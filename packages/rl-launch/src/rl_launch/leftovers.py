@@ -11,8 +11,9 @@ whose parent is gone, may go on running.
 
 So each engine actor reports, once started, its helper processes and the shared memory they map
 (`HelperProcesses.of_this_process`); after the actors are gone the driver `sweep`s exactly those:
-it kills the processes still alive (the same pid *and* start time: never a recycled pid) and
-unlinks the segments no live process maps any more. Nothing else in /dev/shm is touched: other
+it kills the processes still alive (the same pid *and* start time: never a recycled pid, and
+only when the record was made on this host, this boot and in this pid namespace, where its pids
+mean the same processes) and unlinks the segments no live process maps any more. Nothing else in /dev/shm is touched: other
 runs on the same machine create the same kinds of names at the same time.
 """
 
@@ -21,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -40,11 +40,15 @@ class HelperProcesses(msgspec.Struct, frozen=True, kw_only=True):
     processes: (pid, start time in clock ticks since boot, from /proc/<pid>/stat) of the actor
         and each of its descendants.
     segments: names of /dev/shm entries (e.g. "psm_2c35cda3", "sem.mp-5aij8mlx").
+    boot_id, pid_namespace: the actor's boot and pid namespace (`rl_data.sync.shm.ProcessIdentity`);
+        a sweep acts only where both are its own ("" unknown: never).
     """
 
     host: str
     processes: tuple[tuple[int, int], ...] = ()
     segments: tuple[str, ...] = ()
+    boot_id: str = ""
+    pid_namespace: str = ""
 
     @classmethod
     def of_this_process(cls) -> HelperProcesses:
@@ -52,7 +56,29 @@ class HelperProcesses(msgspec.Struct, frozen=True, kw_only=True):
         pids = [os.getpid(), *_descendants(os.getpid())]
         processes = tuple((pid, start) for pid in pids if (start := _start_time(pid)) is not None)
         segments = shared_memory_mapped_by(pids)
-        return cls(host=socket.gethostname(), processes=processes, segments=tuple(sorted(segments)))
+        here = _here()
+        return cls(
+            host=here.host,
+            processes=processes,
+            segments=tuple(sorted(segments)),
+            boot_id=here.boot_id,
+            pid_namespace=here.pid_namespace,
+        )
+
+    def recorded_here(self) -> bool:
+        """Whether its pids mean this process table's: the same host, boot and pid namespace."""
+        here = _here()
+        return "-" not in (here.boot_id, here.pid_namespace) and (
+            self.host,
+            self.boot_id,
+            self.pid_namespace,
+        ) == (here.host, here.boot_id, here.pid_namespace)
+
+
+def _here():
+    from rl_data.sync.shm import ProcessIdentity
+
+    return ProcessIdentity.of()
 
 
 def _start_time(pid: int) -> int | None:
@@ -103,11 +129,11 @@ def shared_memory_mapped_by(pids: Iterable[int] | None = None) -> set[str]:
 def sweep(helpers: Iterable[HelperProcesses]) -> list[str]:
     """Kill the listed processes still alive and unlink the listed segments nobody maps; what it did.
 
-    Only entries recorded on this host are touched; a process counts as the same one only when
-    its start time matches (pids are recycled). Call after the actors are gone (killed or exited).
+    Only entries recorded on this host, boot and pid namespace are touched; a process counts as
+    the same one only when its start time matches (pids are recycled). Call after the actors are
+    gone (killed or exited).
     """
-    host = socket.gethostname()
-    mine = [entry for entry in helpers if entry.host == host]
+    mine = [entry for entry in helpers if entry.recorded_here()]
     done = []
     for entry in mine:
         for pid, start in entry.processes:

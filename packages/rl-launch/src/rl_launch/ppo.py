@@ -346,6 +346,7 @@ class PPOTrainer:
         timer = PhaseTimer()
         consumed = start.consumed_samples
         saved_step = start.step  # the newest checkpoint on disk (a resumed run's own)
+        saved_at = time.monotonic()  # ckpt.save_minutes counts from here
         tracker.restore_step(start.step, start.extra.get("step_metrics"))  # killed before its line
         abandonable = preemption.abandonable if preemption is not None else contextlib.nullcontext
         hand_off = self.roles.hand_off  # ray.colocate all: engines and learners take turns on the GPUs
@@ -397,10 +398,10 @@ class PPOTrainer:
             if best:
                 tracker.message(f"new best checkpoint: {self.describe_best()}")
             metrics["policy_version"] = float(self.version)
-            if last or best or (cfg.ckpt.save_steps > 0 and step % cfg.ckpt.save_steps == 0):
+            if last or best or cfg.ckpt.save_due(step, time.monotonic() - saved_at):
                 with timer.phase("checkpoint"):
                     self.save(step, consumed, metrics=metrics)
-                saved_step = step
+                saved_step, saved_at = step, time.monotonic()
             elapsed = time.perf_counter() - began
             metrics |= timer.metrics() | {
                 "time/step": elapsed,

@@ -10,7 +10,8 @@ loops (`PPOTrainer.fit`, the supervised `run_task`) apply them:
   region, where the signal raises `KeyboardInterrupt` at once). It then saves a checkpoint of the
   last finished step (unless that step is already saved), writes the summary, shuts the actors
   down and exits with 128 + the signal number (130 for SIGINT, 143 for SIGTERM);
-- a second signal, or `ckpt.preemption_timeout_s` seconds after the first: `KeyboardInterrupt`
+- a second signal, or `ckpt.preemption_timeout_s` seconds after the first (25 s by default, so
+  that the save ends inside Kubernetes' default 30 s grace): `KeyboardInterrupt`
   in the main thread, wherever it is: the run stops without saving (the previous checkpoint
   stays valid: checkpoints are written atomically), shuts down and exits with the same code;
 - `_HARD_EXIT_GRACE_S` later still (shutdown stuck in a dead actor): `os._exit` with that code.

@@ -227,6 +227,7 @@ def load_prompts(config: PPOConfig, inputs: Resolved, tokenizer: Any) -> tuple[P
                 image_key=data.image_key,
                 processor=processor,
                 max_images_per_prompt=data.max_images_per_prompt,
+                image_root=data.image_root,
             )
         except (FileNotFoundError, KeyError, ValueError, TypeError) as error:
             hint = ""

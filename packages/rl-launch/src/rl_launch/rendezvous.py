@@ -2,9 +2,10 @@
 
 The ranks of a role form one torch.distributed world. Its rendezvous store lives in the actor of
 rank 0: that actor opens a `TCPStore` on a port the OS picks on its own node (port 0: the store's
-socket holds the port from the start, so no other process can take it in between), and reports
-its node's address (`ray.util.get_node_ip_address()`) and that port. The driver hands the pair to
-every rank, and all of them build the default process group from it. Nothing is probed on the
+socket holds the port from the start, so no other process can take it in between), listening at
+its node's address (`ray.util.get_node_ip_address()`) only, not on every interface, and reports
+that address and port. The driver hands the pair to every rank, and all of them build the default
+process group from it. Nothing is probed on the
 driver, whose loopback and free ports say nothing about the nodes the actors run on.
 
 `LOCAL_RANK` is what DeepSpeed reads as the device ordinal (`cuda:<LOCAL_RANK>`): on a GPU actor
@@ -93,12 +94,17 @@ def gloo_interface_towards(master_addr: str) -> str | None:
     return interface_with_address(local_address(master_addr))
 
 
-def open_master_store(world_size: int, timeout_s: float) -> Any:
-    """Rank 0's rendezvous store, listening on a port the OS picks now; `.port` is that port."""
-    import torch.distributed as dist
+def open_master_store(world_size: int, timeout_s: float, host: str | None = None) -> Any:
+    """Rank 0's rendezvous store, listening on a port the OS picks now at `host` only (default:
+    the node address Ray uses, `ray.util.get_node_ip_address()`, 127.0.0.1 for a local Ray), never
+    on every interface; `.port` is that port."""
+    from rl_data.sync.broadcast import master_store
 
-    timeout = datetime.timedelta(seconds=timeout_s)
-    return dist.TCPStore("0.0.0.0", 0, world_size, is_master=True, wait_for_workers=False, timeout=timeout)
+    if host is None:
+        import ray
+
+        host = ray.util.get_node_ip_address()
+    return master_store(host, 0, world_size, datetime.timedelta(seconds=timeout_s))
 
 
 def join_process_group(

@@ -146,6 +146,7 @@ RESUMABLE_KEYS: tuple[str, ...] = (
     # ckpt.*: how often and how many to keep, and the resume switch itself. Not ckpt.path: a typo there
     # would restart a run at step 0 over its own metrics.
     "ckpt.save_steps",
+    "ckpt.save_minutes",
     "ckpt.max_ckpt_num",
     "ckpt.save_hf_model",
     "ckpt.hf_output_dir",

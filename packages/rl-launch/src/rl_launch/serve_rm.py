@@ -21,32 +21,51 @@ Queries are sorted by length and scored in right-padded batches of `batch_size` 
 on the padding, so a score does not depend on its batch-mates beyond float rounding); the score is
 read at each row's own last token, never found from the pad id (pad may equal eos).
 
-Concurrency: a fixed pool of `num_threads` handler threads reads, parses and answers requests in
-parallel, while one lock serializes tokenization and the model forward. A lock rather than a
-queue that merges concurrent requests into shared batches: the model is the bottleneck either
-way on one device, a request's `batch_size` batches already keep it busy, and with a lock a
-request's scores depend only on that request (the RL client sends large requests in parallel,
-not many tiny ones, which is where merging would pay). The tokenizer sits under the same lock
-because a fast tokenizer's Rust object must not be used from two threads at once.
+Concurrency: each connection gets its own thread, at most `num_threads` at once (one more is
+answered 503 at once by the accepting thread), and its request (headers and body) must arrive
+within `request_timeout_s` from the connection on, a deadline over the whole request, not per read:
+slow or stalled clients are dropped then, and while they are connected /health is answered by a
+thread of its own without waiting for the model. One lock serializes tokenization and the model
+forward; at most `max_queue` scoring requests wait for it or hold it (one more gets 503, which the
+client retries) and a request carries at most `max_queries` queries (more: 413), so a request's
+wait is bounded. A lock rather than a queue that merges concurrent requests into shared batches:
+the model is the bottleneck either way on one device, a request's `batch_size` batches already
+keep it busy, and with a lock a request's scores depend only on that request (the RL client sends
+large requests in parallel, not many tiny ones, which is where merging would pay). The tokenizer
+sits under the same lock because a fast tokenizer's Rust object must not be used from two threads
+at once.
+
+Authentication: with `api_key_env NAME` every request (/health included) must carry
+`Authorization: Bearer <key>`, the key being the value of the environment variable NAME when the
+server starts; others get 401. The comparison is constant-time (`hmac.compare_digest`). The
+launcher sends it with `--reward.headers_env.Authorization VAR` where VAR holds "Bearer <key>".
 
 Errors answer JSON {"error": message}: 400 for a body that is not JSON, a wrong type (the message
-names the field, e.g. `$.query[2]`), lengths that differ or a query without tokens; 404 for
-another path; 411 without Content-Length; 413 for a body over `max_body_bytes`; 500 if the
-forward fails. The server keeps serving after any of them. Bodies are decoded with msgspec into
-typed structs (no pickle anywhere). It binds to 127.0.0.1 unless `host` says otherwise: it has
-no authentication.
+names the field, e.g. `$.query[2]`), lengths that differ or a query without tokens; 401 without the
+key; 404 for another path; 411 without Content-Length; 413 for a body over `max_body_bytes` or more
+than `max_queries` queries; 500 if the forward fails (the message carries an id to find the
+traceback in the server's log, never the exception's text) or the model scores a query NaN or
+±inf (the message names the query's index); 503 when busy. The server keeps serving after any of
+them. Bodies are decoded with msgspec into typed structs (no pickle anywhere). It binds to
+127.0.0.1 unless `host` says otherwise; bound elsewhere, use `api_key_env` (see SECURITY.md).
 """
 
 from __future__ import annotations
 
+import contextlib
+import hmac
 import http.server
+import io
 import logging
 import math
+import os
+import re
 import signal
 import socket
 import sys
 import threading
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated, Any, Literal
 
@@ -83,7 +102,7 @@ class ServeRMConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     tokenizer: str | None = None
     """Tokenizer folder; None: reward_pretrain's."""
     host: str = "127.0.0.1"
-    """Address to bind; 127.0.0.1 serves this machine only (there is no authentication), 0.0.0.0 every interface."""
+    """Address to bind; 127.0.0.1 serves this machine only, 0.0.0.0 every interface (then set api_key_env)."""
     port: Annotated[int, Meta(ge=0, le=65535)] = 5000
     """TCP port; 0 picks a free one (printed at start)."""
     batch_size: PositiveInt = 16
@@ -107,12 +126,22 @@ class ServeRMConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     """Attention kernel."""
     head_seed: int = 0
     """Seed of the new score head when reward_pretrain is a causal LM without one."""
-    num_threads: PositiveInt = 8
-    """Request handler threads (requests answered concurrently; the forward runs one at a time)."""
+    num_threads: PositiveInt = 64
+    """Connections handled at once, each on its own thread (the forward runs one at a time); one
+    more is answered HTTP 503 at once."""
     max_body_bytes: PositiveInt = 64 * 2**20
     """Largest request body accepted; a larger one gets HTTP 413."""
+    max_queries: PositiveInt = 4096
+    """Most queries in one request; more get HTTP 413 (split the request)."""
+    max_queue: PositiveInt = 32
+    """Scoring requests that may wait for the model or hold it; one more gets HTTP 503 (retried by
+    the client)."""
     request_timeout_s: Positive = 60.0
-    """Seconds a connection may stay silent while its request is read before it is dropped."""
+    """Deadline in seconds for a request (headers and body) to arrive, from the connection on; a
+    client still sending then is dropped. Scoring time is not counted."""
+    api_key_env: str | None = None
+    """NAME of an environment variable holding the API key: every request must then send
+    `Authorization: Bearer <key>` (else HTTP 401). None: no authentication (keep host 127.0.0.1)."""
 
     def __post_init__(self) -> None:
         if self.reward_pretrain is None:
@@ -121,6 +150,28 @@ class ServeRMConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
             _fail("host", self.host, "must be an address to bind (127.0.0.1, 0.0.0.0, ::1, a host name)")
         if self.append_eos and self.max_len < 2:
             _fail("max_len", self.max_len, "must be >= 2 with append_eos (one token and the eos)")
+        if self.api_key_env is not None and not _ENV_NAME.fullmatch(self.api_key_env):
+            _fail(
+                "api_key_env",
+                "<hidden>",
+                "must be the NAME of an environment variable (letters, digits, _), not the key",
+            )
+
+    def api_key(self) -> bytes | None:
+        """The key that requests must send (the value of `api_key_env`), None without one.
+
+        Raises:
+          ConfigError: the variable is not set or empty.
+        """
+        if self.api_key_env is None:
+            return None
+        value = os.environ.get(self.api_key_env, "")
+        if not value:
+            raise ConfigError(f"api_key_env: the environment variable {self.api_key_env} is not set or empty")
+        return value.encode()
+
+
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 class ScoreRequest(msgspec.Struct):
@@ -137,6 +188,10 @@ class _ErrorBody(msgspec.Struct):
 
 class BadRequest(ValueError):
     """A request the server cannot score; answered with HTTP 400 and this message."""
+
+
+class NonFiniteScore(ValueError):
+    """The model scored a query NaN or ±inf; answered with HTTP 500 and this message."""
 
 
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -269,7 +324,7 @@ class RewardModelScorer:
             raw = self.forward(self.encode(texts))
             self.num_requests += 1
             self.num_samples += len(texts)
-        return [(value - self.mean) / self.std for value in raw]
+        return check_finite([(value - self.mean) / self.std for value in raw])
 
     def health(self) -> dict[str, Any]:
         return {
@@ -288,6 +343,17 @@ class RewardModelScorer:
         }
 
 
+def check_finite(scores: list[float]) -> list[float]:
+    """`scores` unchanged when every one is finite; NonFiniteScore naming the first that is not."""
+    for index, value in enumerate(scores):
+        if not math.isfinite(value):
+            raise NonFiniteScore(
+                f"the reward model scored query[{index}] {value} (not a finite number); "
+                f"{sum(not math.isfinite(v) for v in scores)} of {len(scores)} scores are not finite"
+            )
+    return scores
+
+
 def check_request(request: ScoreRequest) -> None:
     """Raise BadRequest when "prompts" or "labels" has a different length than "query"."""
     for name in ("prompts", "labels"):
@@ -298,6 +364,23 @@ def check_request(request: ScoreRequest) -> None:
             )
 
 
+class _DeadlineReader(io.RawIOBase):
+    """A socket's bytes, each read bounded by what is left until `deadline` (time.monotonic)."""
+
+    def __init__(self, sock: socket.socket, deadline: float) -> None:
+        self.sock, self.deadline = sock, deadline
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        remaining = self.deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError("the request did not arrive within request_timeout_s")
+        self.sock.settimeout(remaining)
+        return self.sock.recv_into(buffer)
+
+
 class _Handler(http.server.BaseHTTPRequestHandler):
     server: _PooledHTTPServer
     server_version = "rl-launch-serve-rm"
@@ -305,54 +388,101 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     _decoder = msgspec.json.Decoder(ScoreRequest)
 
     def setup(self) -> None:
-        self.timeout = self.server.request_timeout_s
-        super().setup()
+        # The request (line, headers, body) must arrive before one deadline: a per-read timeout
+        # lets a client that sends a byte now and then hold the thread for ever.
+        self.connection = self.request
+        self.rfile = io.BufferedReader(
+            _DeadlineReader(self.connection, time.monotonic() + self.server.request_timeout_s)
+        )
+        self.wfile = self.connection.makefile("wb")  # flushed by finish()
 
     def log_message(self, format: str, *args: Any) -> None:
         logger.debug("%s %s", self.address_string(), format % args)
 
-    def _answer(self, code: int, body: Any) -> None:
+    def _answer(self, code: int, body: Any, headers: tuple[tuple[str, str], ...] = ()) -> None:
         payload = self._encoder.encode(body)
+        self.connection.settimeout(self.server.request_timeout_s)  # a client that never reads
         self.send_response(code)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(payload)))
+        for name, value in headers:
+            self.send_header(name, value)
         self.end_headers()
         self.wfile.write(payload)
 
-    def _error(self, code: int, message: str) -> None:
+    def _error(self, code: int, message: str, headers: tuple[tuple[str, str], ...] = ()) -> None:
         logger.info("HTTP %d to %s: %s", code, self.address_string(), message)
-        self._answer(code, _ErrorBody(error=message))
+        self._answer(code, _ErrorBody(error=message), headers)
+
+    def _authorized(self) -> bool:
+        """Whether the request carries the key (always, without api_key_env); answers 401 if not."""
+        key = self.server.api_key
+        if key is None:
+            return True
+        scheme, _, given = self.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), key):
+            return True
+        self._drain()
+        self._error(
+            401,
+            "missing or wrong API key: send the header 'Authorization: Bearer <key>' (the server's api_key_env)",
+            (("WWW-Authenticate", "Bearer"),),
+        )
+        self.close_connection = True
+        return False
+
+    def _drain(self) -> None:
+        """Read and drop a small body, so that a client that sends it before reading gets the answer."""
+        with contextlib.suppress(ValueError, OSError):
+            length = int(self.headers.get("Content-Length", "0"))
+            if 0 < length <= _DRAIN_LIMIT:
+                self.rfile.read(length)
 
     def do_GET(self) -> None:
+        if not self._authorized():
+            return
         path = self.path.partition("?")[0]
         if path == HEALTH_PATH:
             self._answer(200, self.server.scorer.health())
         else:
             self._error(404, f"no such path {path!r}; GET {HEALTH_PATH}, POST {' or '.join(REWARD_PATHS)}")
 
-    def do_POST(self) -> None:
-        from rl_rollout.remote import RewardResponse
-
-        path = self.path.partition("?")[0]
+    def _read_body(self) -> bytes | None:
+        """The request's body, or None after answering why it is refused (411, 400, 413)."""
         length_text = self.headers.get("Content-Length")
         if length_text is None:
             self._error(411, "a Content-Length header is required (chunked bodies are not accepted)")
-            return
+            return None
         try:
             length = int(length_text)
             if length < 0:
                 raise ValueError
         except ValueError:
             self._error(400, f"Content-Length {length_text!r} is not a byte count")
-            return
+            return None
         limit = self.server.max_body_bytes
         if length > limit:
             if length <= limit + _DRAIN_LIMIT:
                 self.rfile.read(length)
             self._error(413, f"request body of {length} bytes is over the limit of {limit} (max_body_bytes)")
             self.close_connection = True
+            return None
+        return self.rfile.read(length)
+
+    def do_POST(self) -> None:
+        if not self._authorized():
             return
-        body = self.rfile.read(length)
+        path = self.path.partition("?")[0]
+        try:
+            body = self._read_body()
+        except TimeoutError:
+            logger.info(
+                "dropped %s: its request did not arrive within request_timeout_s", self.address_string()
+            )
+            self.close_connection = True
+            return
+        if body is None:
+            return
         if path not in REWARD_PATHS:
             self._error(404, f"no such path {path!r}; POST {' or '.join(REWARD_PATHS)}, GET {HEALTH_PATH}")
             return
@@ -364,32 +494,78 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         except msgspec.DecodeError as error:
             self._error(400, f"request body is not valid JSON: {error} (starts {body[:60]!r})")
             return
+        if len(request.query) > self.server.max_queries:
+            self._error(
+                413,
+                f"{len(request.query)} queries in one request, more than {self.server.max_queries} "
+                "(max_queries); split it",
+            )
+            return
+        self._score(request)
+
+    def _score(self, request: ScoreRequest) -> None:
+        from rl_rollout.remote import RewardResponse
+
+        if not self.server.queue.acquire(blocking=False):
+            self._error(
+                503,
+                f"busy: {self.server.max_queue} requests already wait for the model (max_queue); retry later",
+            )
+            return
         try:
             check_request(request)
             rewards = self.server.scorer.score(request.query)
         except BadRequest as error:
             self._error(400, str(error))
             return
-        except Exception as error:  # any failure: answer 500 and keep serving
-            logger.exception("scoring a batch of %d queries failed", len(request.query))
-            self._error(500, f"scoring failed: {type(error).__name__}: {error}")
+        except NonFiniteScore as error:
+            logger.error("%s", error)
+            self._error(500, str(error))
             return
+        except Exception:  # any failure: answer 500 and keep serving; the details stay in the log
+            incident = uuid.uuid4().hex[:12]
+            logger.exception(
+                "scoring a batch of %d queries failed (incident %s)", len(request.query), incident
+            )
+            self._error(500, f"scoring failed: internal error {incident} (details in the server's log)")
+            return
+        finally:
+            self.server.queue.release()
         self._answer(200, RewardResponse(rewards=rewards, scores=list(rewards), extra_logs={}))
 
 
+_BUSY = (
+    b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n"
+    b"Content-Length: 72\r\n\r\n"
+    b'{"error":"busy: every connection thread is taken (num_threads); retry"}\n'
+)
+
+
 class _PooledHTTPServer(http.server.HTTPServer):
-    """An HTTPServer whose requests run on a fixed pool of threads (not one new thread each)."""
+    """An HTTPServer whose connections run on a bounded pool of threads (not one new thread each,
+    without bound); a connection beyond `num_threads` is answered 503 by the accepting thread."""
 
     def __init__(self, address: tuple[str, int], scorer: RewardModelScorer, config: ServeRMConfig) -> None:
         if ":" in address[0]:
             self.address_family = socket.AF_INET6
         self.scorer = scorer
         self.max_body_bytes = config.max_body_bytes
+        self.max_queries = config.max_queries
+        self.max_queue = config.max_queue
         self.request_timeout_s = config.request_timeout_s
+        self.api_key = config.api_key()
+        self.queue = threading.BoundedSemaphore(config.max_queue)
+        self.connections = threading.BoundedSemaphore(config.num_threads)
         self.pool = ThreadPoolExecutor(max_workers=config.num_threads, thread_name_prefix="serve-rm")
         super().__init__(address, _Handler)
 
     def process_request(self, request: Any, client_address: Any) -> None:
+        if not self.connections.acquire(blocking=False):
+            with contextlib.suppress(OSError):
+                request.settimeout(0.5)
+                request.sendall(_BUSY)
+            self.shutdown_request(request)
+            return
         self.pool.submit(self._process, request, client_address)
 
     def _process(self, request: Any, client_address: Any) -> None:
@@ -399,6 +575,7 @@ class _PooledHTTPServer(http.server.HTTPServer):
             self.handle_error(request, client_address)
         finally:
             self.shutdown_request(request)
+            self.connections.release()
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         logger.warning("connection from %s failed", client_address, exc_info=True)
@@ -465,8 +642,11 @@ def serve(config: ServeRMConfig, *, prog: str = "rl-launch serve-rm") -> int:
     started = time.monotonic()
     server = RewardModelServer(config)
     host, _ = server.address
-    if host not in ("127.0.0.1", "::1", "localhost"):
-        print(f"{prog}: warning: bound to {host}; anyone who reaches it can query the model", file=sys.stderr)
+    if host not in ("127.0.0.1", "::1", "localhost") and config.api_key_env is None:
+        print(
+            f"{prog}: warning: bound to {host} without api_key_env; anyone who reaches it can query the model",
+            file=sys.stderr,
+        )
     print(
         f"{prog}: serving {config.reward_pretrain} at {server.url} (health: GET {HEALTH_PATH}; "
         f"loaded in {time.monotonic() - started:.1f} s)",
@@ -506,7 +686,10 @@ def run_command(parser: Any, args: Any, extras: list[str]) -> int:
 
     def resolve() -> ServeRMConfig:
         check_unknown_args(ServeRMConfig, extras)
-        return load_config(ServeRMConfig, args.config, overrides_from_namespace(ServeRMConfig, args))
+        config = load_config(ServeRMConfig, args.config, overrides_from_namespace(ServeRMConfig, args))
+        if not args.print_config:
+            config.api_key()  # a missing key variable fails before the model loads
+        return config
 
     def run(config: ServeRMConfig) -> int:
         try:

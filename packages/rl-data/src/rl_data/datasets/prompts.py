@@ -82,6 +82,10 @@ class PromptDataset:
             `processor` and the chat template. None: text only.
         processor: the model's `rl_data.vision.VisionProcessor` (with `image_key`).
         max_images_per_prompt: the most images a row may have; a row with more is a bad row.
+        image_root: the folder every image path must stay in (`rl_data.vision.resolve_image`):
+            an absolute path or `../` leading out of it is a bad row naming the row and key.
+            None: each data file's own folder (the working folder for rows not read from a
+            file); "/" allows any path. URLs are fetched once, when the dataset loads.
 
     With images, the stored ids hold each image's run of placeholder tokens, sized from the
     image's height and width by the processor's resize rule (pixels are not read when loading);
@@ -116,6 +120,7 @@ class PromptDataset:
         image_key: str | None = None,
         processor: Any = None,
         max_images_per_prompt: int = 1,
+        image_root: str | os.PathLike[str] | None = None,
     ) -> None:
         check_choice("overlong", overlong, OVERLONG_POLICIES)
         check_integer("max_images_per_prompt", max_images_per_prompt, 1)
@@ -160,6 +165,7 @@ class PromptDataset:
             processor,
             max_images_per_prompt,
         )
+        self.image_root = image_root
         self.stats = DatasetStats()
 
         dataset = as_dataset(data, cache_dir=cache_dir)
@@ -307,7 +313,7 @@ class PromptDataset:
         self, row: dict[str, Any], source: str, row_number: Any
     ) -> tuple[str, list[Any], list[int]]:
         """(text with one placeholder per image, the row's images, tokens of each); DataError for a bad row."""
-        from ..vision import image_size
+        from ..vision import image_size, resolve_image
 
         value = row.get(self.input_key)
         prompt = (
@@ -325,20 +331,23 @@ class PromptDataset:
                 row=row_number,
                 key=self.image_key,
             )
-        base_dir = os.path.dirname(source) if os.path.isfile(source) else None
+        base_dir = os.path.dirname(os.path.abspath(source)) if os.path.isfile(source) else None
+        root = self.image_root if self.image_root is not None else base_dir or os.getcwd()
         try:
             text, images = self.processor.render_text(
                 prompt, images, system_prompt=self.system_prompt, where=where
             )
-            counts = [
-                self.processor.image_tokens_for_size(
-                    *image_size(image, where=f"{where}, image {i}", base_dir=base_dir)
-                )
+            images = [  # paths confined to root and absolute, URLs fetched once (their bytes kept)
+                resolve_image(image, where=f"{where}, image {i}", base_dir=base_dir, root=root)
                 for i, image in enumerate(images)
             ]
-        except (ValueError, TypeError, FileNotFoundError) as error:
+            counts = [
+                self.processor.image_tokens_for_size(*image_size(image, where=f"{where}, image {i}"))
+                for i, image in enumerate(images)
+            ]
+        except (ValueError, TypeError, OSError) as error:
             raise DataError(str(error), source=source, row=row_number, key=self.image_key) from None
-        return text, [_with_base_dir(image, base_dir) for image in images], counts
+        return text, images, counts
 
     def _fit_length(
         self, ids: list[int], source: str, row: int, has_images: bool = False
@@ -424,11 +433,3 @@ class PromptDataset:
 
     def __repr__(self) -> str:
         return f"PromptDataset({len(self)} prompts, {self.num_tokens} tokens; {self.stats.summary()})"
-
-
-def _with_base_dir(image: Any, base_dir: str | None) -> Any:
-    """A relative image path made absolute against the data file's folder (other values unchanged)."""
-    relative = (
-        isinstance(image, str) and not image.startswith(("http://", "https://")) and not os.path.isabs(image)
-    )
-    return os.path.join(base_dir, image) if base_dir is not None and relative else image

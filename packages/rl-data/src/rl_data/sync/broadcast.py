@@ -26,8 +26,10 @@ wire, the receiver posts bucket i+1 while it applies bucket i.
 from __future__ import annotations
 
 import datetime
+import os
 import socket
 import time
+from typing import Any
 
 import torch
 
@@ -51,7 +53,9 @@ __all__ = [
     "SyncGroup",
     "broadcast_buckets",
     "free_port",
+    "listening_socket",
     "local_address",
+    "master_store",
     "receive_buckets",
     "reserve_port",
 ]
@@ -99,6 +103,47 @@ def reserve_port(host: str = "") -> socket.socket:
     return holder
 
 
+def listening_socket(host: str, port: int = 0) -> socket.socket:
+    """A TCP socket listening at `host:port` only (port 0: the OS picks one), with SO_REUSEADDR.
+
+    torch's `TCPStore` server binds every interface whatever host it is given; handed this socket
+    (`master_store`) it listens where the run's nodes meet and nowhere else (127.0.0.1 locally).
+    """
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    listener = socket.socket(family, kind, proto)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(address)
+        listener.listen(socket.SOMAXCONN)
+    except BaseException:
+        listener.close()
+        raise
+    return listener
+
+
+def master_store(host: str, port: int, world_size: int | None, timeout: datetime.timedelta) -> Any:
+    """The server side of a `torch.distributed.TCPStore`, listening at `host:port` only (port 0:
+    the OS picks; `.port` says which). The store owns the socket from then on."""
+    import torch.distributed as dist
+
+    listener = listening_socket(host, port)
+    bound = listener.getsockname()[1]
+    fd = listener.detach()
+    try:
+        return dist.TCPStore(
+            host,
+            bound,
+            world_size,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=timeout,
+            master_listen_fd=fd,
+        )
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def local_address(peer: str) -> str:
     """The IPv4 address of this machine that packets to `peer` leave from (the routing table's
     choice; a UDP `connect` sends nothing). A receiver on another node binds its gloo device
@@ -120,7 +165,8 @@ def _unsigned(value: int) -> int:
 class SyncGroup:
     """A process group of its own for weight sync, outside `torch.distributed`'s default group.
 
-    Rank 0 (the sender) hosts the rendezvous store at `host:port`; every rank blocks in the
+    Rank 0 (the sender) hosts the rendezvous store at `host:port`, listening at that address
+    only (`master_store`); every rank blocks in the
     constructor until all `world_size` ranks have joined or `timeout_s` passes. gloo moves CPU
     tensors, NCCL CUDA tensors (`device` is where this rank's buffers live). With gloo, rank 0
     listens at `host` and every other rank at its own address towards `host` (`local_address`),
@@ -149,9 +195,10 @@ class SyncGroup:
         timeout = datetime.timedelta(seconds=timeout_s)
         self.rank, self.world_size, self.backend = rank, world_size, backend
         self.device = torch.device(device if device is not None else ("cpu" if backend == "gloo" else "cuda"))
-        self._store = dist.TCPStore(
-            host, port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False
-        )
+        if rank == 0:  # listening at `host` only, not on every interface
+            self._store = master_store(host, port, world_size, timeout)
+        else:
+            self._store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
         if backend == "gloo":
             options = dist.ProcessGroupGloo._Options()
             options._timeout = timeout

@@ -9,7 +9,8 @@ own `load_weights` makes the one copy into its parameters).
 
 Files under `directory`, one folder per run (`shm_directory()` names a fresh one under /dev/shm):
 
-    owner                  "<hostname> <pid>" of the sender (for `remove_stale_directories`)
+    owner                  "<hostname> <pid> <boot id> <pid namespace> <start time>" of the
+                           sender (`ProcessIdentity`, for `remove_stale_directories`)
     slot-<k>.bin           k = 0 .. slots-1: a header page (`header_bytes`), then one version's
                            buckets, each at a page-aligned offset (`slot_offsets`)
     version-<v>.msgpack    a `ShmVersion`: the slot holding version v and the layout stamped with v
@@ -55,8 +56,14 @@ behind; versions must increase from one send to the next for that ordering to ho
 
 Cleanup: `ShmPublisher.close()` removes the folder, and so does interpreter exit (a finalizer).
 A sender killed outright (SIGKILL, OOM) leaves it behind: `remove_stale_directories(root)`
-removes the folders whose owner process on this host is gone (`remove_if_stale(folder)`: one
-folder), and `shm_directory()` runs it before naming a new folder. A receiver waiting on a bucket of a killed sender times out. The
+removes the folders whose owner process is certainly gone (`remove_if_stale(folder)`: one
+folder), and `shm_directory()` runs it before naming a new folder. "Certainly gone": the owner
+file names this host name, this boot (/proc/sys/kernel/random/boot_id) and this pid namespace
+(the inode of /proc/self/ns/pid), so its pid means the same process table as ours, and no process
+has that pid with the recorded start time (/proc/<pid>/stat field 22; pids are recycled).
+Containers that share /dev/shm and a host name but not their pids (another pid namespace) never
+remove each other's folders; an owner file without those fields (an older version's) is left
+alone. The folder is created 0700: only its user reads the weights. A receiver waiting on a bucket of a killed sender times out. The
 memory itself returns to the system once the last receiver has unmapped it (`ShmReader.close()`).
 """
 
@@ -95,12 +102,14 @@ from .base import (
 __all__ = [
     "DEFAULT_PREFIX",
     "PAGE_BYTES",
+    "ProcessIdentity",
     "ShmPublisher",
     "ShmReader",
     "ShmVersion",
     "WeightSyncTimeout",
     "header_bytes",
     "page_checksum",
+    "process_start_time",
     "remove_if_stale",
     "remove_stale_directories",
     "shm_directory",
@@ -209,21 +218,95 @@ def _default_root() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") else os.environ.get("TMPDIR", "/tmp")
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, owned by someone else
-        return True
-    return True
+_UNKNOWN = "-"
 
 
-def _owner_of(folder: pathlib.Path) -> tuple[str, int] | None:
+def _read_first_line(path: str) -> str:
     try:
-        host, pid = (folder / _OWNER).read_text().split()
-        return host, int(pid)
-    except (OSError, ValueError):
+        with open(path) as file:
+            return file.readline().strip() or _UNKNOWN
+    except OSError:
+        return _UNKNOWN
+
+
+def _pid_namespace() -> str:
+    try:
+        return str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        return _UNKNOWN
+
+
+def process_start_time(pid: int) -> int | None:
+    """Process `pid`'s start time in clock ticks after boot (/proc/<pid>/stat field 22); None when
+    there is no such process (in this pid namespace)."""
+    try:
+        with open(f"/proc/{pid}/stat") as file:
+            stat = file.read()
+        return int(stat.rsplit(")", 1)[1].split()[19])  # field 22, after the command name
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class ProcessIdentity(msgspec.Struct, frozen=True):
+    """Who a process is, beyond a pid: a pid names the same process only on the same host, boot
+    and pid namespace, and only while its start time is the recorded one ("-": unknown)."""
+
+    host: str
+    pid: int
+    boot_id: str
+    pid_namespace: str
+    start_time: int | None
+
+    @classmethod
+    def of(cls, pid: int | None = None) -> ProcessIdentity:
+        """This process (or process `pid` of this host, boot and pid namespace)."""
+        pid = os.getpid() if pid is None else pid
+        return cls(
+            host=socket.gethostname(),
+            pid=pid,
+            boot_id=_read_first_line("/proc/sys/kernel/random/boot_id"),
+            pid_namespace=_pid_namespace(),
+            start_time=process_start_time(pid),
+        )
+
+    def line(self) -> str:
+        start = _UNKNOWN if self.start_time is None else str(self.start_time)
+        return f"{self.host} {self.pid} {self.boot_id} {self.pid_namespace} {start}\n"
+
+    @classmethod
+    def parse(cls, text: str) -> ProcessIdentity | None:
+        """The identity an owner file holds; None for anything else (an older two-field file too)."""
+        fields = text.split()
+        if len(fields) != 5 or not fields[1].isdigit():
+            return None
+        start = int(fields[4]) if fields[4].isdigit() else None
+        return cls(
+            host=fields[0], pid=int(fields[1]), boot_id=fields[2], pid_namespace=fields[3], start_time=start
+        )
+
+    def same_process_table(self) -> bool:
+        """Whether this identity's pid means a process of our own process table (same host, boot
+        and pid namespace, all known)."""
+        here = ProcessIdentity.of()
+        known = _UNKNOWN not in (self.boot_id, self.pid_namespace, here.boot_id, here.pid_namespace)
+        return known and (self.host, self.boot_id, self.pid_namespace) == (
+            here.host,
+            here.boot_id,
+            here.pid_namespace,
+        )
+
+    def certainly_gone(self) -> bool:
+        """The process is gone for sure: its pid is in our process table and no process there has
+        that pid with that start time. Anything unknown counts as alive."""
+        if self.start_time is None or not self.same_process_table():
+            return False
+        return process_start_time(self.pid) != self.start_time
+
+
+def _owner_of(folder: pathlib.Path) -> ProcessIdentity | None:
+    try:
+        return ProcessIdentity.parse((folder / _OWNER).read_text())
+    except OSError:
         return None
 
 
@@ -232,20 +315,22 @@ def remove_stale_directories(
 ) -> list[str]:
     """Remove the folders `root/<prefix>*` whose owner (the sender that wrote them) is dead.
 
-    Only folders with an owner file naming this host and a process id that no longer exists are
-    removed; anything else (another host's, a live sender's, a folder without an owner file) is
-    left alone. Returns the removed paths. `root` defaults to /dev/shm.
+    Only folders whose owner file names a process that is certainly gone
+    (`ProcessIdentity.certainly_gone`: this host, boot and pid namespace, and no process with its
+    pid and start time) are removed; anything else (another host's or container's, a live
+    sender's, a folder without an owner file or with an older one) is left alone. Returns the
+    removed paths. `root` defaults to /dev/shm.
     """
     root_path = pathlib.Path(root if root is not None else _default_root())
     return [str(folder) for folder in root_path.glob(f"{prefix}*") if remove_if_stale(folder)]
 
 
 def remove_if_stale(folder: str | os.PathLike) -> bool:
-    """Remove one shm folder if its owner (the sender that wrote it) is dead: its owner file names
-    this host and a process id that no longer exists. Whether it was removed."""
+    """Remove one shm folder if its owner (the sender that wrote it) is certainly gone (see
+    `remove_stale_directories`). Whether it was removed."""
     path = pathlib.Path(folder)
     owner = _owner_of(path)
-    if path.is_dir() and owner is not None and owner[0] == socket.gethostname() and not _alive(owner[1]):
+    if path.is_dir() and owner is not None and owner.certainly_gone():
         shutil.rmtree(path, ignore_errors=True)
         return True
     return False
@@ -315,17 +400,19 @@ class ShmPublisher:
             raise
 
     def _claim(self) -> None:
-        self.directory.mkdir(parents=True, exist_ok=True)
+        self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         owner = _owner_of(self.directory)
-        mine = (socket.gethostname(), os.getpid())
-        if owner is not None and owner != mine and (owner[0] != mine[0] or _alive(owner[1])):
+        mine = ProcessIdentity.of()
+        if owner is not None and owner != mine and not owner.certainly_gone():
             raise FileExistsError(
-                f"ShmPublisher: {self.directory} belongs to process {owner[1]} on {owner[0]}; "
-                "give every run its own folder (rl_data.sync.shm.shm_directory())"
+                f"ShmPublisher: {self.directory} belongs to process {owner.pid} on {owner.host} "
+                f"(pid namespace {owner.pid_namespace}); give every run its own folder "
+                "(rl_data.sync.shm.shm_directory())"
             )
+        os.chmod(self.directory, 0o700)  # the weights are this user's only
         for stale in list(self.directory.glob("slot-*.bin")) + list(self.directory.glob("version-*")):
             stale.unlink(missing_ok=True)
-        (self.directory / _OWNER).write_text(f"{socket.gethostname()} {os.getpid()}\n")
+        (self.directory / _OWNER).write_text(mine.line())
 
     def _allocate(self, path: pathlib.Path) -> tuple[pathlib.Path, int, mmap.mmap, torch.Tensor]:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)

@@ -245,7 +245,7 @@ class SupervisedRecipe(Recipe):
         start = self.resumed.step
         timer = PhaseTimer()
         final = None
-        saved_step = start
+        saved_step, saved_at = start, time.monotonic()
         self.began_steps = True
         with Tracker.for_run(config, start_step=start, headline=task.headline) as tracker:
             tracker.restore_step(start, self.resumed.extra.get("step_metrics"))
@@ -265,10 +265,10 @@ class SupervisedRecipe(Recipe):
                 tokens = metrics.pop("tokens", 0.0)
                 metrics = {f"{task.command}/{key}": value for key, value in metrics.items()}
                 last = step == config.train.max_steps
-                if last or (config.ckpt.save_steps > 0 and step % config.ckpt.save_steps == 0):
+                if last or config.ckpt.save_due(step, time.monotonic() - saved_at):
                     with timer.phase("checkpoint"):
                         self.save(step, metrics)
-                    saved_step = step
+                    saved_step, saved_at = step, time.monotonic()
                 elapsed = time.perf_counter() - began
                 timing = {"time/step": elapsed, "throughput/tokens_per_s": tokens / elapsed}
                 tracker.log(step, metrics | timer.metrics() | timing)
