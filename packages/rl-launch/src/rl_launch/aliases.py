@@ -63,6 +63,7 @@ and the configuration of a format-1 `run.json` (so an old run folder resumes).
 from __future__ import annotations
 
 import dataclasses
+import os
 import shlex
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -106,6 +107,9 @@ class Context:
     """The rl-launch command the line is for."""
     options: Mapping[str, str] = dataclasses.field(default_factory=dict)
     """rl-launch's own options written on the command line (no dashes) -> their last value."""
+    environment: dict[str, str] = dataclasses.field(default_factory=dict)
+    """Variables a flag puts into the run's environment (`--logger.wandb.key` → WANDB_API_KEY):
+    `expand_aliases` sets them in this process, whose environment the run and its actors inherit."""
 
 
 Expansion = "Pairs | str | tuple[Pairs, str]"
@@ -132,6 +136,8 @@ class Alias:
     """The rl-launch commands whose OpenRLHF counterpart has this flag with this meaning."""
     note: str = ""
     """Printed with the rewrite every time (a translation that is not a plain rename)."""
+    secret: bool = False
+    """Its value is a credential: notes and errors show `***` in its place."""
 
     def expand(self, values: tuple[str, ...], context: Context) -> Pairs | str | tuple[Pairs, str]:
         if self.convert is None:
@@ -382,20 +388,26 @@ def _multiturn(values: tuple[str, ...], context: Context) -> Pairs:
     return [("data.messages_key", column)]
 
 
+# OpenRLHF's defaults of --<role>.num_nodes and --<role>.num_gpus_per_node, for the one a script leaves out
+_OPENRLHF_NUM_NODES, _OPENRLHF_GPUS = "1", "8"
+
+
 def _num_actors(entity: str, target: str | None = None) -> Convert:
     """OpenRLHF places num_nodes × num_gpus_per_node ranks of a role; rl-launch counts them
     (`target`: ppo's ray.<role>.num_actors by default)."""
     nodes_flag, gpus_flag = f"{entity}.num_nodes", f"{entity}.num_gpus_per_node"
     target = target or f"ray.{_ROLES[entity]}.num_actors"
 
-    def convert(values: tuple[str, ...], context: Context) -> Pairs:
+    def convert(values: tuple[str, ...], context: Context) -> Pairs | tuple[Pairs, str]:
         nodes, gpus = context.given.get(nodes_flag), context.given.get(gpus_flag)
-        if nodes is None or gpus is None:
-            raise ValueError(
-                f"give --{nodes_flag} and --{gpus_flag} together (their product is the number of "
-                f"ranks, --{target}), or give --{target} itself"
-            )
-        return [(target, str(_int(nodes[0]) * _int(gpus[0])))]
+        pairs = [
+            (target, str(_int((nodes or (_OPENRLHF_NUM_NODES,))[0]) * _int((gpus or (_OPENRLHF_GPUS,))[0])))
+        ]
+        if nodes is None:
+            return pairs, f"--{nodes_flag} not given: OpenRLHF's default {_OPENRLHF_NUM_NODES}"
+        if gpus is None:
+            return pairs, f"--{gpus_flag} not given: OpenRLHF's default {_OPENRLHF_GPUS}"
+        return pairs
 
     return convert
 
@@ -478,13 +490,18 @@ def _best_metric_key(values: tuple[str, ...], context: Context) -> Pairs | str:
     return [("ckpt.best_metric_key", key)]
 
 
-def _wandb_key(values: tuple[str, ...], context: Context) -> Pairs:
+def _wandb_key(values: tuple[str, ...], context: Context) -> Pairs | tuple[Pairs, str]:
     # The value is an API key or True (use the stored login); a key is never echoed back.
-    if values[0].strip().lower() in ("true", "1"):
+    key = values[0].strip()
+    if key.lower() in ("true", "1"):
         return [("log.use_wandb", "true")]
-    raise ValueError(
-        "rl-launch takes no wandb API key on the command line: log in once (`wandb login`, or "
-        "WANDB_API_KEY in the environment) and give --logger.wandb.key True or --log.use_wandb"
+    if not key:
+        raise ValueError("an empty key; give the API key, or True to use the stored login (`wandb login`)")
+    context.environment["WANDB_API_KEY"] = key
+    return [("log.use_wandb", "true")], (
+        "the key goes into the run's environment as WANDB_API_KEY; a key on a command line is visible "
+        "to other users of this machine (its process list, shell history): `wandb login` or WANDB_API_KEY "
+        "in the environment keep it off"
     )
 
 
@@ -620,8 +637,9 @@ def _alias(
     remark: str = "",
     commands: tuple[str, ...] = PPO,
     note: str = "",
+    secret: bool = False,
 ) -> Alias:
-    return Alias(flag, targets, nargs, convert, remark, commands, note)
+    return Alias(flag, targets, nargs, convert, remark, commands, note, secret)
 
 
 _PACKING = "sequences are packed into micro-batches of at most --train.micro_batch_tokens tokens"
@@ -1054,7 +1072,7 @@ ALIASES: tuple[Alias, ...] = (
             f"{entity}.{part}",
             f"ray.{role}.num_actors",
             convert=_num_actors(entity),
-            remark="num_nodes × num_gpus_per_node",
+            remark="num_nodes × num_gpus_per_node; OpenRLHF's 1 node, 8 GPUs for the one not given",
         )
         for entity, role in _ROLES.items()
         for part in ("num_nodes", "num_gpus_per_node")
@@ -1126,7 +1144,8 @@ ALIASES: tuple[Alias, ...] = (
         "log.use_wandb",
         convert=_wandb_key,
         commands=TRAINERS,
-        remark="True only; log in to wandb beforehand",
+        remark="True: the stored login; a key: WANDB_API_KEY of the run (visible to other users of the machine)",
+        secret=True,
     ),
     _alias("logger.wandb.project", "log.wandb_project", commands=TRAINERS),
     _alias("logger.wandb.run_name", "log.run_name", commands=TRAINERS),
@@ -1356,6 +1375,8 @@ def expand_aliases(argv: Sequence[str], command: str = "ppo") -> tuple[list[str]
         output.extend(argv[position : occurrence.start])
         position = occurrence.end
         original = argv[occurrence.start : occurrence.end]
+        if occurrence.alias.secret:
+            original = [argv[occurrence.start].partition("=")[0], "***"]
         try:
             expansion = occurrence.alias.expand(occurrence.values, context)
         except ValueError as error:
@@ -1389,6 +1410,7 @@ def expand_aliases(argv: Sequence[str], command: str = "ppo") -> tuple[list[str]
     output.extend(argv[position:])
     if problems:
         raise _failure(problems)
+    os.environ.update(context.environment)
     return output, notes
 
 
