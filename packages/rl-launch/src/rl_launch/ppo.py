@@ -471,7 +471,7 @@ def run(config: PPOConfig) -> int:
 
     from .cluster import ClusterError, start_ray
     from .plugins import import_plugins, resolve_plugins
-    from .preflight import PreflightError, check_context, resolve_inputs
+    from .preflight import PreflightError, check_context, check_packages, resolve_inputs, settle_attention
     from .prompts import describe_data
     from .runs import RunFolderError, open_run_folder
 
@@ -482,6 +482,10 @@ def run(config: PPOConfig) -> int:
         plugins = resolve_plugins(config.plugins)
         import_plugins(plugins)
         check_components(config)
+        config, attention_note = settle_attention(config)
+        if attention_note is not None:
+            console.say(attention_note)
+        check_packages(config)
         preset = None
         if config.preset != "none":
             from .presets import prepare_preset

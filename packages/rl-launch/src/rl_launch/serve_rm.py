@@ -512,6 +512,11 @@ def run_command(parser: Any, args: Any, extras: list[str]) -> int:
     if args.print_config:
         sys.stdout.write(dump_config(config))
         return 0
+    from .preflight import settle_attention
+
+    config, attention_note = settle_attention(config, section=None)
+    if attention_note is not None:
+        print(f"{parser.prog}: {attention_note}", file=sys.stderr)
     try:
         return serve(config, prog=parser.prog)
     except (OSError, ValueError) as error:  # a missing / wrong model folder, a port in use

@@ -140,7 +140,7 @@ def run_task(task: Task, config: Any) -> int:
     from ..cluster import ClusterError, start_ray
     from ..diagnosis import death_cause, describe_actor_failure
     from ..preemption import STARTUP_STOP
-    from ..preflight import PreflightError, check_model_path
+    from ..preflight import PreflightError, check_model_path, check_packages, settle_attention
     from ..runs import RunFolderError, checkpoint_extra, open_run_folder
     from .learners import DriverLearner, RayLearners, learner_layout
 
@@ -151,6 +151,10 @@ def run_task(task: Task, config: Any) -> int:
     ray_errors: tuple[type[BaseException], ...] = ()  # Ray's, once the run uses Ray (one rank does not)
     try:
         quiet_third_party_output()
+        config, attention_note = settle_attention(config)
+        if attention_note is not None:
+            console.say(attention_note)
+        check_packages(config)
         model_path, data_path = config.model.pretrain, config.data.dataset
         if config.preset != "none":
             from .demo import build_demo
