@@ -434,6 +434,8 @@ def test_every_flag_is_listed_once_per_command():
         "data.image_key",
         "data.max_images_per_prompt",
         "actor.freeze_visual_encoder",
+        # the MoE load-balancing loss is --model.aux_loss_coef in sft, rm and dpo, --actor.aux_loss_coef in ppo
+        "model.aux_loss_coef",
     }
 
 

@@ -1101,6 +1101,12 @@ ALIASES: tuple[Alias, ...] = (
     ),
     # Supervised losses (OpenRLHF's model.* flags of train_rm / train_dpo).
     _alias("model.beta", "loss.beta", commands=("dpo",)),
+    _alias(
+        "model.aux_loss_coef",
+        "loss.aux_loss_coef",
+        commands=SUPERVISED,
+        remark="the MoE load-balancing loss of the trained model (Mixtral, Qwen2-MoE, ...)",
+    ),
     _alias("model.ipo_enable", "loss.loss_type", nargs=0, convert=_ipo, commands=("dpo",), remark="→ ipo"),
     _alias("model.label_smoothing", "loss.label_smoothing", commands=("dpo",)),
     _alias(
@@ -1195,8 +1201,8 @@ UNSUPPORTED: Mapping[str, str] = {
     "model.gradient_checkpointing_reentrant": "the reentrant variant of gradient checkpointing is not an option here",
     "actor.freeze_visual_encoder": _NO_VISION,
     "model.aux_loss_coef": (
-        "sft, rm and dpo have no MoE load-balancing loss term yet; rl-launch ppo's policy has one "
-        "(--actor.aux_loss_coef → --algo.policy.aux_loss_coef)"
+        "it is the flag of OpenRLHF's sft, rm and dpo; rl-launch ppo's policy takes OpenRLHF's "
+        "--actor.aux_loss_coef (→ --algo.policy.aux_loss_coef)"
     ),
     "critic.save_value_network": "the critic is kept in checkpoints only, not exported",
     **{f"{prefix}muon.no_nesterov": _NO_NESTEROV for prefix in ("actor.", "critic.", "")},
