@@ -396,12 +396,15 @@ class Run:
 
 PPO_STEPS = (*PPO_SIZES, "--train.max_steps", "2")
 EPISODE_STEPS = (*PPO_SIZES, "--train.num_episodes", "1")  # 4 prompts, 2 a step
+# 4 samples a prompt: the agent's reward (its answer's length odd) then differs within almost every
+# group, which the scripts' dynamic filtering keeps
+AGENT_STEPS = (*EPISODE_STEPS, "--rollout.n_samples_per_prompt", "4")
 RUNS = {
     # train_ppo_ray_hybrid_engine.sh trains end to end in test_ppo_runs.py (5 steps, every learner role)
     "train_ppo_with_reward_fn.sh": Run(PPO_STEPS, needs=("wandb",)),
     "train_dapo_ray_hybrid_engine.sh": Run(PPO_STEPS),
-    "train_reinforce_baseline_hybrid_engine.sh": Run(EPISODE_STEPS, needs=("tensorboard",)),
-    "train_reinforce_baseline_ray_agent_async.sh": Run(EPISODE_STEPS, needs=("tensorboard",)),
+    "train_reinforce_baseline_hybrid_engine.sh": Run(AGENT_STEPS, needs=("tensorboard",)),
+    "train_reinforce_baseline_ray_agent_async.sh": Run(AGENT_STEPS, needs=("tensorboard",)),
     "train_prorlv2_math_hybrid_engine.sh": Run((*EPISODE_STEPS, "--eval.steps", "-1")),
     "train_vlm_math_hybrid_engine.sh": Run(
         EPISODE_STEPS,
@@ -425,8 +428,8 @@ def one_gpu(flags: list[str]) -> list[str]:
 
 @pytest.fixture(scope="module")
 def run_places(tiny_checkpoint, tiny_vl_checkpoint, tmp_path_factory):
-    """`places` for runs: 4 rows of each file (two steps of 2), a reward that differs between the
-    samples of a prompt (DAPO's dynamic filtering keeps such groups), an MoE checkpoint."""
+    """`places` for runs: 4 rows of each file (two steps of 2), rewards that differ between the
+    samples of a prompt (the scripts' dynamic filtering keeps only such groups), an MoE checkpoint."""
     from rl_data.tiny import build_tiny_checkpoint
     from tests.launch.agent_files import TWO_TURN_AGENT
 
@@ -441,11 +444,14 @@ def run_places(tiny_checkpoint, tiny_vl_checkpoint, tmp_path_factory):
     for name, lines in rows.items():
         (folder / f"{name}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in lines))
         paths[name] = str(folder / f"{name}.jsonl")
-    (folder / "reward_func.py").write_text(
+    (folder / "reward_func.py").write_text(  # a batch holds each prompt's samples side by side
         "import torch\n\ndef reward_func(queries, prompts, labels):\n"
-        "    return torch.tensor([float(len(query) % 2) for query in queries])\n"
+        "    return torch.tensor([float(index % 2) for index in range(len(queries))])\n"
     )
-    (folder / "agent_func.py").write_text(TWO_TURN_AGENT)
+    scored = 'reward = 1.0 if re.search(r"[0-9]", states["action_text"]) else 0.0'
+    assert scored in TWO_TURN_AGENT
+    agent = TWO_TURN_AGENT.replace(scored, 'reward = float(len(states["action_text"]) % 2)')
+    (folder / "agent_func.py").write_text(agent)
     paths["reward"], paths["agent"] = str(folder / "reward_func.py"), str(folder / "agent_func.py")
     return paths
 

@@ -1082,7 +1082,7 @@ ALIASES: tuple[Alias, ...] = (
             f"actor.{part}",
             "ray.learner.num_actors",
             convert=_num_actors("actor", "ray.learner.num_actors"),
-            remark="num_nodes × num_gpus_per_node: the trained model's Ray ranks",
+            remark="num_nodes × num_gpus_per_node: the trained model's Ray ranks; OpenRLHF's 1 node, 8 GPUs for the one not given",
             commands=SUPERVISED,
         )
         for part in ("num_nodes", "num_gpus_per_node")
