@@ -1331,6 +1331,10 @@ def expand_aliases(argv: Sequence[str], command: str = "ppo") -> tuple[list[str]
     combine into (`--ray.colocate`, `--ray.policy.num_actors`) are written once, at the first of
     those flags. Arguments after a bare `--` are left alone.
 
+    Variables a flag puts into the run's environment (`--logger.wandb.key <key>` →
+    WANDB_API_KEY) are set in this process's environment, which the run and its actors inherit; a
+    secret value is written `***` in the notes.
+
     Returns:
         (the new argument list, one note per rewritten flag: `"<as written> → <what it became>"`,
         with what a translation adds after a colon, or `"<as written> → dropped: <why>"`).
