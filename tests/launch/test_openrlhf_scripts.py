@@ -396,9 +396,10 @@ class Run:
 
 PPO_STEPS = (*PPO_SIZES, "--train.max_steps", "2")
 EPISODE_STEPS = (*PPO_SIZES, "--train.num_episodes", "1")  # 4 prompts, 2 a step
-# 4 samples a prompt: the agent's reward (its answer's length odd) then differs within almost every
-# group, which the scripts' dynamic filtering keeps
-AGENT_STEPS = (*EPISODE_STEPS, "--rollout.n_samples_per_prompt", "4")
+# Room for the agent's second turn (its feedback is ~20 tokens; an episode cut at the first is
+# scored 0), and 4 samples a prompt: the agent's reward (its answer's length odd) then differs
+# within almost every group, which the scripts' dynamic filtering keeps
+AGENT_STEPS = (*EPISODE_STEPS, "--data.max_len", "160", "--rollout.n_samples_per_prompt", "4")
 RUNS = {
     # train_ppo_ray_hybrid_engine.sh trains end to end in test_ppo_runs.py (5 steps, every learner role)
     "train_ppo_with_reward_fn.sh": Run(PPO_STEPS, needs=("wandb",)),
