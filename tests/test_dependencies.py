@@ -45,7 +45,7 @@ ALLOWED: dict[str, tuple[set[str], set[str]]] = {
             "peft",
             "safetensors",
         },
-        {"torch", "rl-data", "rl-algos", "deepspeed", "transformers", "peft"},
+        {"torch", "rl-data", "rl-algos", "deepspeed", "transformers", "accelerate", "peft"},
     ),
     "rl_launch": (
         {

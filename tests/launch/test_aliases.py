@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import typing
 
@@ -165,8 +166,18 @@ def test_nodes_times_gpus_per_node_is_the_number_of_actors():
         ]
     )
     assert argv == ["--ray.policy.num_actors", "8", "--ray.reward_model.num_actors", "1"]
-    with pytest.raises(ValueError, match=r"give --ref\.num_nodes and --ref\.num_gpus_per_node together"):
-        expand_aliases(["--ref.num_gpus_per_node", "8"])
+
+
+def test_a_lone_num_gpus_per_node_or_num_nodes_takes_openrlhfs_default_for_the_other():
+    argv, notes = expand_aliases(["--actor.num_gpus_per_node", "2", "--ref.num_nodes", "2"])
+    assert argv == ["--ray.policy.num_actors", "2", "--ray.ref.num_actors", "16"]
+    assert notes == [
+        "--actor.num_gpus_per_node 2 → --ray.policy.num_actors 2: --actor.num_nodes not given: "
+        "OpenRLHF's default 1",
+        "--ref.num_nodes 2 → --ray.ref.num_actors 16: --ref.num_gpus_per_node not given: OpenRLHF's default 8",
+    ]
+    argv, _ = expand_aliases(["--actor.num_gpus_per_node", "2"], "sft")
+    assert argv == ["--ray.learner.num_actors", "2"]
 
 
 def test_is_correction_switch_and_type_become_one_mode():
@@ -287,11 +298,16 @@ def test_agent_func_path_is_the_agent_file_of_the_multi_turn_executor():
     assert "train.agent_func_path" not in UNSUPPORTED
 
 
-def test_wandb_key_true_turns_wandb_on_and_a_key_is_refused_without_echoing_it():
+def test_wandb_key_true_turns_wandb_on_and_a_key_goes_into_the_environment_without_echoing_it(monkeypatch):
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
     assert expand_aliases(["--logger.wandb.key", "True"])[0] == ["--log.use_wandb", "true"]
-    with pytest.raises(ValueError, match="wandb login") as error:
-        expand_aliases(["--logger.wandb.key", "secret-api-key-123"])
-    assert "secret-api-key-123" not in str(error.value)
+    assert "WANDB_API_KEY" not in os.environ
+    argv, notes = expand_aliases(["--logger.wandb.key=secret-api-key-123"])
+    assert argv == ["--log.use_wandb", "true"]
+    assert os.environ["WANDB_API_KEY"] == "secret-api-key-123"
+    assert "secret-api-key-123" not in "".join(notes)
+    assert notes[0].startswith("--logger.wandb.key '***' → --log.use_wandb true: the key goes into the run's")
+    assert "visible to other users of this machine" in notes[0]
 
 
 def test_reward_normalize_enable_normalises_the_reward_models_score_and_is_dropped_without_one():
@@ -418,6 +434,8 @@ def test_every_flag_is_listed_once_per_command():
         "data.image_key",
         "data.max_images_per_prompt",
         "actor.freeze_visual_encoder",
+        # the MoE load-balancing loss is --model.aux_loss_coef in sft, rm and dpo, --actor.aux_loss_coef in ppo
+        "model.aux_loss_coef",
     }
 
 

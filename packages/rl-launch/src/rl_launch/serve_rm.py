@@ -692,6 +692,11 @@ def run_command(parser: Any, args: Any, extras: list[str]) -> int:
         return config
 
     def run(config: ServeRMConfig) -> int:
+        from .preflight import settle_attention
+
+        config, attention_note = settle_attention(config, section=None)
+        if attention_note is not None:
+            print(f"{parser.prog}: {attention_note}", file=sys.stderr)
         try:
             return serve(config, prog=parser.prog)
         except (OSError, ValueError) as error:  # a missing / wrong model folder, a port in use

@@ -26,6 +26,11 @@ where log π_w is the summed log-probability of the chosen response tokens. n_pa
 step's sequence count (`loss_normalizer` in a sequence mode), exact because `pack_pairs` keeps
 both sides of a pair in one micro-batch and each side has at least one response token.
 
+With `aux_loss_coef` c > 0 (an MoE model: Mixtral, Qwen2-MoE, ...), SFT, RM and DPO add the
+load-balancing loss of the routers as the policy learner does (`rl_algos.load_balancing_loss`
+over each micro-batch's routed tokens): L += c · Σ_j (A_j / A) · L_aux,j, A_j the target tokens
+of micro-batch j and A those of the whole step on every rank (`_LoadBalancing`).
+
 Pair metrics (accuracy, margins) are means over the step's pairs: each micro-batch adds its
 sums, reduced over ranks once after the update, then divided by the global pair count.
 
@@ -38,19 +43,20 @@ the group's first rank only.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
 import msgspec
 import torch
 
-from rl_algos import aggregate_loss, dpo_loss, kto_loss, reward_model_loss, sft_loss
+from rl_algos import aggregate_loss, dpo_loss, kto_loss, load_balancing_loss, reward_model_loss, sft_loss
 from rl_algos.preference import DPO_LOSS_TYPES
 from rl_data import ExperienceBatch
 from rl_data.packing import cu_seqlens_from_lengths, position_ids_from_cu_seqlens
 
 from .learner import PolicyLearner, ValueLearner
-from .models import packed_logprobs, packed_scores
+from .models import RouterCapture, packed_logprobs, packed_scores
 
 __all__ = [
     "SFT_AGGREGATIONS",
@@ -207,6 +213,53 @@ class _PairMetrics:
         return out
 
 
+class _LoadBalancing:
+    """The MoE load-balancing term of one supervised step (module docstring): router logits
+    captured during each micro-batch's forward, c · (A_j / A) · L_aux,j added to its loss, logged
+    as aux_loss (L_aux) and loss_aux (the term). Inactive (adds nothing) when c is 0.
+
+    Raises ValueError for c < 0, for sequence parallelism (each rank's routers see only its slice
+    of the tokens) and, through `RouterCapture`, for a model without MoE routers."""
+
+    def __init__(self, learner: Any, micro_batches: Sequence[ExperienceBatch], coef: float) -> None:
+        if not coef >= 0:
+            raise ValueError(f"aux_loss_coef must be >= 0, got {coef!r}")
+        self.coef, self.routers, self.total = float(coef), None, 1.0
+        if self.coef == 0:
+            return
+        if learner.sequence_parallel is not None:
+            raise ValueError(
+                "aux_loss_coef: the MoE load-balancing loss is not supported with sequence_parallel_size "
+                f"{learner.sequence_parallel.size} (each rank's routers see only its slice of the tokens); "
+                "set aux_loss_coef 0 or sequence_parallel_size 1"
+            )
+        self.routers = RouterCapture(learner.engine)
+        local = torch.tensor([sum(float(batch.num_actions) for batch in micro_batches)], dtype=torch.float64)
+        self.total = max(float(learner._agree(local)[0]), 1.0)
+
+    def capture(self) -> Any:
+        """Around a micro-batch's forward: records the routers' logits."""
+        return self.routers if self.routers is not None else contextlib.nullcontext()
+
+    def add(
+        self, batch: ExperienceBatch, total: torch.Tensor, metrics: dict[str, Any]
+    ) -> tuple[torch.Tensor, dict[str, Any]]:
+        """The micro-batch's loss and metrics with the term added (unchanged when inactive)."""
+        if self.routers is None:
+            return total, metrics
+        aux = load_balancing_loss(self.routers.logits, self.routers.top_k)
+        term = self.coef * aux * (float(batch.num_actions) / self.total)
+        metrics = {**metrics, "aux_loss": aux.detach(), "loss_aux": term.detach()}
+        metrics["loss"] = metrics["loss"] + term.detach()  # the full loss, as minimised
+        return total + term.to(total.dtype), metrics
+
+    def dummy(self, metrics: dict[str, Any]) -> dict[str, Any]:
+        """The metric keys of `add` for a rank without a micro-batch (the same keys on every rank)."""
+        if self.routers is None:
+            return metrics
+        return {**metrics, "aux_loss": torch.zeros(()), "loss_aux": torch.zeros(())}
+
+
 # --------------------------------------------------------------------------- SFT
 
 
@@ -214,25 +267,32 @@ class SFTLearner(PolicyLearner):
     """A causal LM trained on demonstrations (micro-batches from `pack_sequences`)."""
 
     def sft_step(
-        self, micro_batches: Sequence[ExperienceBatch], *, aggregation: str = "token-mean"
+        self,
+        micro_batches: Sequence[ExperienceBatch],
+        *,
+        aggregation: str = "token-mean",
+        aux_loss_coef: float = 0.0,
     ) -> dict[str, float]:
-        """One optimizer step minimising the NLL of the target tokens (module docstring).
+        """One optimizer step minimising the NLL of the target tokens (module docstring), plus
+        the MoE load-balancing term when `aux_loss_coef` > 0.
 
         Returns metrics, equal on every rank: loss (the full-batch loss), nll (token-mean NLL of
-        the step, whatever the aggregation), grad_norm, lr, tokens (target tokens), sequences,
-        skipped.
+        the step, whatever the aggregation), aux_loss and loss_aux (with aux_loss_coef > 0),
+        grad_norm, lr, tokens (target tokens), sequences, skipped.
         """
         if aggregation not in SFT_AGGREGATIONS:
             raise ValueError(f"aggregation: {aggregation!r} is not one of {', '.join(SFT_AGGREGATIONS)}")
+        balance = _LoadBalancing(self, micro_batches, aux_loss_coef)
 
         def forward_loss(batch: ExperienceBatch, normalizer: torch.Tensor):
-            logprobs = packed_logprobs(
-                self.engine,
-                batch,
-                only_actions=True,
-                share_prefix=self.ds.shares_prefix,
-                sequence_parallel=self.sequence_parallel,
-            )
+            with balance.capture():
+                logprobs = packed_logprobs(
+                    self.engine,
+                    batch,
+                    only_actions=True,
+                    share_prefix=self.ds.shares_prefix,
+                    sequence_parallel=self.sequence_parallel,
+                )
             view, mask = batch.response_view(logprobs), batch.response_action_mask()
             if aggregation == "token-mean":
                 total, metrics = sft_loss(view, mask, normalizer=normalizer)
@@ -240,11 +300,13 @@ class SFTLearner(PolicyLearner):
             else:
                 total = aggregate_loss(-view, mask, aggregation, normalizer=normalizer)
                 nll = -torch.where(mask, view, 0.0).sum().detach() / mask.sum().clamp(min=1)
-            return total, {"loss": total.detach(), "nll": nll}
+            return balance.add(batch, total, {"loss": total.detach(), "nll": nll})
 
         def dummy_loss():
             logits = self._empty_batch_logits()
-            return logits.float().sum() * 0.0, {"loss": torch.zeros(()), "nll": torch.zeros(())}
+            return logits.float().sum() * 0.0, balance.dummy(
+                {"loss": torch.zeros(()), "nll": torch.zeros(())}
+            )
 
         return self._train_step(
             micro_batches, mode=aggregation, inputs=[], forward_loss=forward_loss, dummy_loss=dummy_loss
@@ -301,8 +363,11 @@ _DPO_METRICS = (
 class DPOLearner(PolicyLearner):
     """The policy of DPO / cDPO / IPO; its frozen reference is a `PolicyLearner(optimizer=None)`."""
 
-    def dpo_step(self, micro_batches: Sequence[ExperienceBatch], loss: DPOLossConfig) -> dict[str, float]:
-        """One optimizer step of the DPO loss over pair micro-batches (`pack_pairs`).
+    def dpo_step(
+        self, micro_batches: Sequence[ExperienceBatch], loss: DPOLossConfig, *, aux_loss_coef: float = 0.0
+    ) -> dict[str, float]:
+        """One optimizer step of the DPO loss over pair micro-batches (`pack_pairs`), plus the
+        MoE load-balancing term when `aux_loss_coef` > 0 (aux_loss and loss_aux in the metrics).
 
         Each micro-batch needs `ref_logprobs`: the reference's token log-probs
         (`reference.logprobs(micro_batches, only_actions=True)`).
@@ -315,16 +380,18 @@ class DPOLearner(PolicyLearner):
         if not isinstance(loss, DPOLossConfig):
             raise TypeError(f"loss must be a DPOLossConfig, got {type(loss).__name__}")
         pair_metrics = _PairMetrics(_DPO_METRICS)
+        balance = _LoadBalancing(self, micro_batches, aux_loss_coef)
 
         def forward_loss(batch: ExperienceBatch, normalizer: torch.Tensor):
             pairs = _pair_count(batch)
-            logprobs = packed_logprobs(
-                self.engine,
-                batch,
-                only_actions=True,
-                share_prefix=self.ds.shares_prefix,
-                sequence_parallel=self.sequence_parallel,
-            )
+            with balance.capture():
+                logprobs = packed_logprobs(
+                    self.engine,
+                    batch,
+                    only_actions=True,
+                    share_prefix=self.ds.shares_prefix,
+                    sequence_parallel=self.sequence_parallel,
+                )
             policy = sequence_logprobs(batch, logprobs)
             reference = sequence_logprobs(batch, batch.ref_logprobs.to(policy.dtype))
             losses, metrics = dpo_loss(
@@ -342,11 +409,11 @@ class DPOLearner(PolicyLearner):
                 metrics["rejected_logps"] = policy[pairs:].float().mean()
             if self.counts_for_group:  # an SP group's ranks hold the same pairs: count them once
                 pair_metrics.add(metrics, pairs)
-            return total, {"loss": total.detach()}
+            return balance.add(batch, total, {"loss": total.detach()})
 
         def dummy_loss():
             logits = self._empty_batch_logits()
-            return logits.float().sum() * 0.0, {"loss": torch.zeros(())}
+            return logits.float().sum() * 0.0, balance.dummy({"loss": torch.zeros(())})
 
         out = self._train_step(
             micro_batches,
@@ -495,38 +562,45 @@ class RewardModelLearner(ValueLearner):
     """A reward model (`load_value_model`: causal-LM backbone + scalar `score` head) trained on pairs."""
 
     def reward_step(
-        self, micro_batches: Sequence[ExperienceBatch], *, use_margin: bool = False
+        self,
+        micro_batches: Sequence[ExperienceBatch],
+        *,
+        use_margin: bool = False,
+        aux_loss_coef: float = 0.0,
     ) -> dict[str, float]:
         """One optimizer step of the Bradley–Terry loss over pair micro-batches (`pack_pairs`);
         the score of a sequence is the head at its last token (`packed_scores`). With
-        `use_margin`, each pair's margin (`rewards[i]`) is subtracted inside the sigmoid.
+        `use_margin`, each pair's margin (`rewards[i]`) is subtracted inside the sigmoid; with
+        `aux_loss_coef` > 0 the MoE load-balancing term is added (aux_loss, loss_aux).
 
         Returns metrics, equal on every rank: loss; per-pair means accuracy (r_w > r_l),
         chosen_reward, rejected_reward, reward_margin (r_w − r_l); pairs, grad_norm, lr, tokens,
         sequences, skipped.
         """
         pair_metrics = _PairMetrics(_RM_METRICS)
+        balance = _LoadBalancing(self, micro_batches, aux_loss_coef)
 
         def forward_loss(batch: ExperienceBatch, normalizer: torch.Tensor):
             pairs = _pair_count(batch)
-            scores = packed_scores(
-                self.engine,
-                batch,
-                share_prefix=self.ds.shares_prefix,
-                sequence_parallel=self.sequence_parallel,
-            )
+            with balance.capture():
+                scores = packed_scores(
+                    self.engine,
+                    batch,
+                    share_prefix=self.ds.shares_prefix,
+                    sequence_parallel=self.sequence_parallel,
+                )
             margin = batch.rewards[:pairs].to(scores.device) if use_margin else None
             losses, metrics = reward_model_loss(scores[:pairs], scores[pairs:], margin=margin)
             total = losses.sum() / (normalizer / 2)
             if self.counts_for_group:  # an SP group's ranks hold the same pairs: count them once
                 pair_metrics.add(metrics, pairs)
-            return total, {"loss": total.detach()}
+            return balance.add(batch, total, {"loss": total.detach()})
 
         def dummy_loss():
             scores = packed_scores(
                 self.engine, ExperienceBatch.empty(), sequence_parallel=self.sequence_parallel
             )
-            return scores.sum() * 0.0, {"loss": torch.zeros(())}
+            return scores.sum() * 0.0, balance.dummy({"loss": torch.zeros(())})
 
         out = self._train_step(
             micro_batches,

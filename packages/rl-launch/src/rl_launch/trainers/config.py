@@ -24,6 +24,7 @@ from ..config import (
     CheckpointConfig,
     LogConfig,
     ModelConfig,
+    NonNegative,
     Positive,
     PositiveInt,
     ResourceConfig,
@@ -172,11 +173,19 @@ class SFTLossSection(_Section):
     aggregation: Literal["token-mean", "seq-mean-token-mean"] = "token-mean"
     """token-mean: NLL averaged over every response token of the step (OpenRLHF's SFT);
     seq-mean-token-mean: averaged per sequence first."""
+    aux_loss_coef: NonNegative = 0.0
+    """c of the MoE load-balancing loss of the trained model's routers (OpenRLHF's
+    --model.aux_loss_coef): the loss gets + c·L_aux (rl_algos.load_balancing_loss), logged as
+    <command>/aux_loss and <command>/loss_aux. 0: off. Needs an MoE model (Mixtral, Qwen2-MoE, ...)."""
 
 
 class RMLossSection(_Section):
     use_margin: bool = False
     """Bradley-Terry with a margin: −log σ(r_w − r_l − m), m from `data.margin_key` (Llama 2)."""
+    aux_loss_coef: NonNegative = 0.0
+    """c of the MoE load-balancing loss of the trained model's routers (OpenRLHF's
+    --model.aux_loss_coef): the loss gets + c·L_aux (rl_algos.load_balancing_loss), logged as
+    <command>/aux_loss and <command>/loss_aux. 0: off. Needs an MoE model (Mixtral, Qwen2-MoE, ...)."""
 
 
 class DPOLossSection(_Section):
@@ -186,6 +195,10 @@ class DPOLossSection(_Section):
     """beta, the implicit reward scale (strength of the pull towards the reference model)."""
     label_smoothing: Annotated[float, Meta(ge=0, lt=0.5)] = 0.0
     """cDPO: assumed probability that a preference label is flipped; 0 is plain DPO (sigmoid only)."""
+    aux_loss_coef: NonNegative = 0.0
+    """c of the MoE load-balancing loss of the trained model's routers (OpenRLHF's
+    --model.aux_loss_coef): the loss gets + c·L_aux (rl_algos.load_balancing_loss), logged as
+    <command>/aux_loss and <command>/loss_aux. 0: off. Needs an MoE model (Mixtral, Qwen2-MoE, ...)."""
 
     def __post_init__(self) -> None:
         if self.loss_type == "ipo" and self.label_smoothing > 0:

@@ -43,7 +43,7 @@ def _build(config: DPOConfig, model_path: str, total_steps: int):
         batches = [pack_pairs(part) for part in micro]
         for batch, values in zip(batches, reference.logprobs(batches, only_actions=True), strict=True):
             batch.ref_logprobs = values
-        return learner.dpo_step(batches, loss)
+        return learner.dpo_step(batches, loss, aux_loss_coef=config.loss.aux_loss_coef)
 
     return learner, step
 

@@ -154,11 +154,16 @@ class SupervisedRecipe(Recipe):
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
         from rl_learner import TrainingState
 
-        from ..preflight import check_model_path
+        from ..preflight import check_model_path, check_packages, settle_attention
         from ..runs import open_run_folder
 
         quiet_third_party_output()
         task, config, say = self.task, self.config, self.console.say
+        config, attention_note = settle_attention(config)
+        self.config = config
+        if attention_note is not None:
+            say(attention_note)
+        check_packages(config)
         model_path, data_path = config.model.pretrain, config.data.dataset
         if config.preset != "none":
             from .demo import build_demo

@@ -35,7 +35,11 @@ def _build(config: RMConfig, model_path: str, total_steps: int):
     learner = build_learner(RewardModelLearner, config, model_path, total_steps, value=True)
 
     def step(micro: list[list[Any]]) -> dict[str, float]:
-        return learner.reward_step([pack_pairs(part) for part in micro], use_margin=config.loss.use_margin)
+        return learner.reward_step(
+            [pack_pairs(part) for part in micro],
+            use_margin=config.loss.use_margin,
+            aux_loss_coef=config.loss.aux_loss_coef,
+        )
 
     return learner, step
 

@@ -50,7 +50,9 @@ def _build(config: SFTConfig, model_path: str, total_steps: int):
 
     def step(micro: list[list[Any]]) -> dict[str, float]:
         batches = [pack_sequences([(s.input_ids, s.loss_mask) for s in part]) for part in micro]
-        return learner.sft_step(batches, aggregation=config.loss.aggregation)
+        return learner.sft_step(
+            batches, aggregation=config.loss.aggregation, aux_loss_coef=config.loss.aux_loss_coef
+        )
 
     return learner, step
 

