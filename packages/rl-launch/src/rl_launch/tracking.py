@@ -64,6 +64,7 @@ __all__ = [
     "TrackingError",
     "print_outputs",
     "quiet_third_party_output",
+    "third_party_bars_off",
 ]
 
 METRICS_FILE = "metrics.jsonl"
@@ -129,6 +130,31 @@ def quiet_third_party_output() -> None:
 
         datasets.disable_progress_bars()
         datasets.logging.set_verbosity_error()
+
+
+@contextlib.contextmanager
+def third_party_bars_off() -> Iterator[None]:
+    """transformers' progress bars (and the Hugging Face hub's, which they switch with them) off
+    for the block and as they were after it: a preset's build saves its model without "Writing
+    model shards 0% ... 100%" on the console, and a caller's own bars come back."""
+    try:
+        from huggingface_hub import utils as hub_utils
+        from transformers.utils import logging as transformers_logging
+    except ImportError:
+        yield
+        return
+    bars_on, hub_bars_off = (
+        transformers_logging.is_progress_bar_enabled(),
+        hub_utils.are_progress_bars_disabled(),
+    )
+    transformers_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if bars_on:
+            transformers_logging.enable_progress_bar()
+            if hub_bars_off:
+                hub_utils.disable_progress_bars()
 
 
 class PhaseTimer:

@@ -20,6 +20,7 @@ def ensure_distributed() -> None:
     """Initialise torch.distributed through DeepSpeed when the caller has not (gloo on CPU, nccl on CUDA)."""
     import deepspeed
 
+    _without_shared_memory_allreduce()
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if dist.is_initialized():
         if dist.get_world_size() == 1:
@@ -46,6 +47,29 @@ def ensure_distributed() -> None:
         )
         return
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
+
+
+def _without_shared_memory_allreduce() -> None:
+    """On DeepSpeed's CPU accelerator, leave out its shared-memory allreduce op (`deepspeed_shm_comm`).
+
+    DeepSpeed's torch backend compiles that op with ninja when it first starts in a process (35-55 s
+    on 2 cores, most of a CPU learner's start on a fresh machine), for `inference_all_reduce`, the
+    AutoTP inference path, which no learner here calls: training's collectives go through gloo. The
+    backend skips the op when the accelerator offers no builder for it (`build_shm_op` in
+    `deepspeed/comm/torch.py`), and with it the probe of every op's compatibility. So a CPU
+    accelerator that offers every other builder is installed through DeepSpeed's public
+    `set_accelerator`, before the backend starts; a process whose backend started earlier keeps it.
+    """
+    from deepspeed.accelerator import get_accelerator, set_accelerator
+    from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+
+    class GlooCPUAccelerator(CPU_Accelerator):
+        def get_op_builder(self, class_name: str) -> Any:
+            return None if class_name == "ShareMemCommBuilder" else super().get_op_builder(class_name)
+
+    current = get_accelerator()
+    if type(current) is CPU_Accelerator:
+        set_accelerator(GlooCPUAccelerator())
 
 
 def _forget_deepspeeds_world_group() -> None:

@@ -20,6 +20,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ..tracking import third_party_bars_off
+
 __all__ = ["cached_build", "recipe_hash"]
 
 
@@ -38,6 +40,7 @@ def cached_build(
     success the staging folder becomes `folder` and the marker is written; on any error or
     interruption the staging folder is removed and the error propagates. A caller that finds
     another process building the same folder waits for it (the lock) and reads its marker.
+    The build runs with transformers' progress bars off (`tracking.third_party_bars_off`).
     """
     folder = Path(folder)
     marker_path = folder / marker
@@ -54,7 +57,8 @@ def cached_build(
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir()
         try:
-            content = build(staging)
+            with third_party_bars_off():  # the console keeps the run's own lines
+                content = build(staging)
             staging.rename(folder)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
