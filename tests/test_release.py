@@ -101,6 +101,17 @@ def test_public_api_matches_the_committed_snapshots():
     )
 
 
+def test_a_changed_signature_fails_the_snapshot_with_a_diff(tmp_path):
+    committed = (ROOT / "tests" / "api" / "rl_algos.txt").read_text()
+    line = next(line for line in committed.splitlines() if line.startswith("  def masked_sum("))
+    (tmp_path / "rl_algos.txt").write_text(committed.replace(line, line.replace("dim:", "axis:"), 1))
+    command = [sys.executable, "tests/api/snapshot.py", "--folder", str(tmp_path), "rl_algos"]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert f"\n-{line.replace('dim:', 'axis:')}\n" in result.stdout
+    assert f"\n+{line}\n" in result.stdout
+
+
 @pytest.mark.slow
 def test_rl_algos_installs_alone_next_to_torch_and_runs_its_readme_example(released, tmp_path):
     # The proof that rl-algos needs torch only: a fresh venv (no site packages) with torch and the

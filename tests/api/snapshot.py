@@ -110,21 +110,22 @@ def snapshot(package: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def snapshot_path(package: str) -> pathlib.Path:
-    return FOLDER / f"{package}.txt"
+def snapshot_path(package: str, folder: pathlib.Path = FOLDER) -> pathlib.Path:
+    return folder / f"{package}.txt"
 
 
-def diff(package: str) -> str:
+def diff(package: str, folder: pathlib.Path = FOLDER) -> str:
     """A unified diff from the committed file to the API as it is now ('' when equal)."""
-    path = snapshot_path(package)
+    path = snapshot_path(package, folder)
     old = path.read_text() if path.exists() else ""
     new = snapshot(package)
+    label = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
     return "".join(
         difflib.unified_diff(
             old.splitlines(keepends=True),
             new.splitlines(keepends=True),
-            f"{path.relative_to(ROOT)} (committed)",
-            f"{path.relative_to(ROOT)} (now)",
+            f"{label} (committed)",
+            f"{label} (now)",
         )
     )
 
@@ -132,15 +133,16 @@ def diff(package: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--write", action="store_true", help="rewrite the committed files")
+    parser.add_argument("--folder", type=pathlib.Path, default=FOLDER, help="where the files are (tests/api)")
     parser.add_argument("packages", nargs="*", default=list(PACKAGES.values()), help="import names")
     args = parser.parse_args(argv)
     changed = 0
     for package in args.packages:
         if args.write:
-            snapshot_path(package).write_text(snapshot(package))
-            print(f"wrote {snapshot_path(package).relative_to(ROOT)}")
+            snapshot_path(package, args.folder).write_text(snapshot(package))
+            print(f"wrote {snapshot_path(package, args.folder)}")
             continue
-        text = diff(package)
+        text = diff(package, args.folder)
         if text:
             changed += 1
             sys.stdout.write(text)
