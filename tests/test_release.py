@@ -120,7 +120,10 @@ def test_rl_algos_installs_alone_next_to_torch_and_runs_its_readme_example(relea
         pytest.skip("no pip next to this interpreter")
     built, _ = released
     start = time.monotonic()
-    line = release_check.install_alone(built["rl-algos"], tmp_path)
+    try:
+        line = release_check.install_alone(built["rl-algos"], tmp_path)
+    finally:
+        shutil.rmtree(tmp_path / "venv", ignore_errors=True)  # ~1 GB with torch
     assert line.startswith(f"ok {workspace_version('rl-algos')} "), line
     assert str(tmp_path / "venv") in line  # imported from the venv, not from this checkout
     print(f"rl-algos alone in a fresh venv: {time.monotonic() - start:.1f} s")
