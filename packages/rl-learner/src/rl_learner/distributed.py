@@ -7,6 +7,7 @@ before a ZeRO-3 model is constructed partitioned (`rl_learner.models._zero3_load
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 import torch.distributed as dist
