@@ -475,14 +475,11 @@ class PPORecipe(Recipe):
 
     def setup(self) -> None:
         """Inputs and run folder, then Ray (the data loads meanwhile), the actors and the trainer."""
-        import ray
-
         from .cluster import start_ray
         from .plugins import import_plugins, resolve_plugins
         from .preflight import check_context, check_packages, resolve_inputs, settle_attention
         from .runs import open_run_folder
 
-        self.ray_errors = (ray.exceptions.RayError,)
         config, say = self.config, self.console.say
         self.plugins = resolve_plugins(config.plugins)
         import_plugins(self.plugins)  # checked with the config (`check_components`), needed here too
@@ -490,7 +487,10 @@ class PPORecipe(Recipe):
         self.config = config
         if attention_note is not None:
             say(attention_note)
-        check_packages(config)
+        check_packages(config)  # before Ray is imported: a missing package is named, not Ray's error
+        import ray
+
+        self.ray_errors = (ray.exceptions.RayError,)
         preset = None
         if config.preset != "none":
             from .presets import prepare_preset
