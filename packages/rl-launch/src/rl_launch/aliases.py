@@ -1309,6 +1309,30 @@ def _failure(problems: list[str]) -> ValueError:
     return ValueError("OpenRLHF flags rl-launch cannot take:\n  " + "\n  ".join(problems))
 
 
+def _scan(argv: list[str], flags: dict, refused: dict) -> tuple[list[_Occurrence], list[str]]:
+    """The OpenRLHF flags of `argv` with their values, and a problem per refused or malformed one."""
+    problems: list[str] = []
+    occurrences: list[_Occurrence] = []
+    index = 0
+    while index < len(argv):
+        token = argv[index]
+        name, equals, inline = token[2:].partition("=") if token.startswith("--") else ("", "", "")
+        if name in refused:
+            problems.append(f"--{name} (OpenRLHF) is not supported by rl-launch: {refused[name]}")
+        elif name in flags:
+            alias = flags[name]
+            try:
+                values, end = _take_values(argv, index, alias, inline if equals else None)
+            except ValueError as error:
+                problems.append(f"--{name} (OpenRLHF) {error}")
+            else:
+                occurrences.append(_Occurrence(alias, index, end, values))
+                index = end
+                continue
+        index += 1
+    return occurrences, problems
+
+
 def expand_aliases(argv: Sequence[str], command: str = "ppo") -> tuple[list[str], list[str]]:
     """Rewrite the OpenRLHF 0.11 flags of `argv` into `rl-launch <command>` options (`aliases_of`).
 
@@ -1335,26 +1359,7 @@ def expand_aliases(argv: Sequence[str], command: str = "ppo") -> tuple[list[str]
     argv = list(argv)
     flags, refused = aliases_of(command), refusals_of(command)
     stop = argv.index("--") if "--" in argv else len(argv)
-    problems: list[str] = []
-    occurrences: list[_Occurrence] = []
-    index = 0
-    while index < stop:
-        token = argv[index]
-        name, equals, inline = token[2:].partition("=") if token.startswith("--") else ("", "", "")
-        if name in refused:
-            problems.append(f"--{name} (OpenRLHF) is not supported by rl-launch: {refused[name]}")
-        elif name in flags:
-            alias = flags[name]
-            try:
-                values, end = _take_values(argv[:stop], index, alias, inline if equals else None)
-            except ValueError as error:
-                problems.append(f"--{name} (OpenRLHF) {error}")
-            else:
-                occurrences.append(_Occurrence(alias, index, end, values))
-                index = end
-                continue
-        index += 1
-
+    occurrences, problems = _scan(argv[:stop], flags, refused)
     options = _own_options(argv[:stop], flags)
     given = {o.alias.flag: o.values for o in occurrences}
     context = Context(

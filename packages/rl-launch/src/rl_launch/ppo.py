@@ -603,20 +603,27 @@ class PPORecipe(Recipe):
 
     def diagnose(self, error: BaseException) -> str:
         """Which actor failed, where its log is, why, and what the run saved before it stopped."""
-        names = self.roles.actor_names() if self.roles is not None else {}
-        _, text = describe_actor_failure(error, names, self.log_dir)
-        cause = death_cause(error, names, self.log_dir)
-        lines = [text, *([f"  why: {cause}"] if cause is not None else [])]
-        supervisor = self.roles.supervisor if self.roles is not None else None
-        if supervisor is not None and supervisor.restarts:
-            engines = ", ".join(f"engine-{restart.index}" for restart in supervisor.restarts)
-            lines.append(
-                f"  engine restarts: {len(supervisor.restarts)} of rollout.engine_restarts = {supervisor.limit} "
-                f"used in this run ({engines})"
-            )
-        if self.trainer is not None:
-            lines += [f"  {line}" for line in self.trainer.after_failure(error)]
-        return "\n".join(lines)
+        return _diagnosis(error, self.roles, self.trainer, self.log_dir)
+
+
+def _diagnosis(
+    error: BaseException, roles: Roles | None, trainer: PPOTrainer | None, log_dir: str | None
+) -> str:
+    """`PPORecipe.diagnose`: the failed actor, its log, why, the restarts used, what was saved."""
+    names = roles.actor_names() if roles is not None else {}
+    _, text = describe_actor_failure(error, names, log_dir)
+    cause = death_cause(error, names, log_dir)
+    lines = [text, *([f"  why: {cause}"] if cause is not None else [])]
+    supervisor = roles.supervisor if roles is not None else None
+    if supervisor is not None and supervisor.restarts:
+        engines = ", ".join(f"engine-{restart.index}" for restart in supervisor.restarts)
+        lines.append(
+            f"  engine restarts: {len(supervisor.restarts)} of rollout.engine_restarts = {supervisor.limit} "
+            f"used in this run ({engines})"
+        )
+    if trainer is not None:
+        lines += [f"  {line}" for line in trainer.after_failure(error)]
+    return "\n".join(lines)
 
 
 def describe_algorithm(config: PPOConfig) -> str:
