@@ -52,3 +52,20 @@ def arithmetic_teacher(preset_root):
     from rl_launch.presets.arithmetic import build_teacher
 
     return str(preset_root), build_teacher(preset_root)
+
+
+@pytest.fixture
+def fake_ray_one_thread(monkeypatch):
+    """The PPO step loop on in-process fake actors (`tests.launch.fakes`): `import ray` gives the
+    fake, and torch runs one thread. The toy tensors hold a few dozen numbers: with two threads on a
+    busy machine, each tiny op waits for the other thread (torch.repeat_interleave: ~10 ms instead of
+    ~10 us)."""
+    import torch
+
+    from tests.launch.fakes import use_fake_ray
+
+    use_fake_ray(monkeypatch)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -9,20 +9,12 @@ as an uninterrupted run would.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from rl_launch.config import PPOConfig
 from rl_launch.options import load_config
-from tests.launch.fakes import RayActorError, fake_run, use_fake_ray
+from tests.launch.fakes import RayActorError, fake_run
 
-
-@pytest.fixture(autouse=True)
-def _no_ray(monkeypatch):
-    use_fake_ray(monkeypatch)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("fake_ray_one_thread")
 
 
 def config(**overrides) -> PPOConfig:

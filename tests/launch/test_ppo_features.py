@@ -8,21 +8,13 @@ import types
 from pathlib import Path
 
 import pytest
-import torch
 
 from rl_launch.config import ConfigError, PPOConfig
 from rl_launch.options import load_config
 from rl_launch.trainers.config import SFTConfig
-from tests.launch.fakes import fake_run, use_fake_ray
+from tests.launch.fakes import fake_run
 
-
-@pytest.fixture(autouse=True)
-def _no_ray(monkeypatch):
-    use_fake_ray(monkeypatch)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("fake_ray_one_thread")
 
 
 def config(**overrides) -> PPOConfig:

@@ -10,22 +10,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 from rl_launch.config import ConfigError, PPOConfig
 from rl_launch.options import load_config
-from tests.launch.fakes import FakeRun, fake_run, toy_prompts, use_fake_ray
+from tests.launch.fakes import FakeRun, fake_run, toy_prompts
 
-
-@pytest.fixture(autouse=True)
-def _no_ray(monkeypatch):
-    use_fake_ray(monkeypatch)
-    # The toy tensors hold a few dozen numbers: one thread. With two on a busy machine, each
-    # tiny op waits for the other thread (torch.repeat_interleave: ~10 ms instead of ~10 us).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("fake_ray_one_thread")
 
 
 def config(**overrides) -> PPOConfig:
