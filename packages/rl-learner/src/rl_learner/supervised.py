@@ -190,6 +190,17 @@ def _pair_count(batch: ExperienceBatch) -> int:
     return batch.num_sequences // 2
 
 
+def _action_logprobs(learner: Any, batch: ExperienceBatch) -> torch.Tensor:
+    """The policy's log-probs at the action tokens of a packed micro-batch (SFT, DPO and KTO)."""
+    return packed_logprobs(
+        learner.engine,
+        batch,
+        only_actions=True,
+        share_prefix=learner.ds.shares_prefix,
+        sequence_parallel=learner.sequence_parallel,
+    )
+
+
 class _PairMetrics:
     """Per-pair metric sums of this rank's micro-batches, reduced over ranks after the step."""
 
@@ -286,13 +297,7 @@ class SFTLearner(PolicyLearner):
 
         def forward_loss(batch: ExperienceBatch, normalizer: torch.Tensor):
             with balance.capture():
-                logprobs = packed_logprobs(
-                    self.engine,
-                    batch,
-                    only_actions=True,
-                    share_prefix=self.ds.shares_prefix,
-                    sequence_parallel=self.sequence_parallel,
-                )
+                logprobs = _action_logprobs(self, batch)
             view, mask = batch.response_view(logprobs), batch.response_action_mask()
             if aggregation == "token-mean":
                 total, metrics = sft_loss(view, mask, normalizer=normalizer)
@@ -385,13 +390,7 @@ class DPOLearner(PolicyLearner):
         def forward_loss(batch: ExperienceBatch, normalizer: torch.Tensor):
             pairs = _pair_count(batch)
             with balance.capture():
-                logprobs = packed_logprobs(
-                    self.engine,
-                    batch,
-                    only_actions=True,
-                    share_prefix=self.ds.shares_prefix,
-                    sequence_parallel=self.sequence_parallel,
-                )
+                logprobs = _action_logprobs(self, batch)
             policy = sequence_logprobs(batch, logprobs)
             reference = sequence_logprobs(batch, batch.ref_logprobs.to(policy.dtype))
             losses, metrics = dpo_loss(
@@ -493,13 +492,7 @@ class KTOLearner(PolicyLearner):
         sums = torch.zeros(4, dtype=torch.float64)
 
         def forward_loss(batch: ExperienceBatch, normalizer: torch.Tensor):
-            logprobs = packed_logprobs(
-                self.engine,
-                batch,
-                only_actions=True,
-                share_prefix=self.ds.shares_prefix,
-                sequence_parallel=self.sequence_parallel,
-            )
+            logprobs = _action_logprobs(self, batch)
             policy = sequence_logprobs(batch, logprobs)
             reference = sequence_logprobs(batch, batch.ref_logprobs.to(policy.dtype))
             desirable = batch.rewards.to(policy.device) > 0.5
