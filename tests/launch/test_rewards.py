@@ -157,15 +157,7 @@ def test_two_servers_and_a_file_are_weighted_batched_authorised_and_logged(tmp_p
             retries=0,
             headers_env={"Authorization": "RL_TEST_REWARD_TOKEN"},
         )
-        spec = EngineSpec(
-            kind="hf",
-            model_path="unused",
-            dtype="fp32",
-            max_model_len=8,
-            seed=0,
-            reward_function=reward.function,
-            reward=reward,
-        )
+        spec = _spec(reward)
         reward_fn = build_reward(spec)
         queries = ["p0 abc", "p1 de", "p2 f", "p3 "]
         prompts = ["p0", "p1", "p2", "p3"]
