@@ -93,18 +93,44 @@ def declared_closure(distribution: str, extras: tuple[str, ...] = ()) -> set[str
     return names
 
 
+def _installed_at(distribution: importlib.metadata.Distribution) -> dict[str, set[str]]:
+    """Top-level module name -> where `distribution` installed it (a folder ends in a separator;
+    "" where its files are not listed, which hides the name wherever it is found)."""
+    places: dict[str, set[str]] = {}
+    for file in distribution.files or ():
+        top = file.parts[0]
+        if top in ("..", "__pycache__") or top.endswith((".dist-info", ".egg-info", ".pth", ".data")):
+            continue
+        folder = len(file.parts) > 1
+        if not folder and not top.endswith((".py", ".so", ".pyd")):
+            continue
+        module = top if folder else top.split(".")[0]
+        places.setdefault(module, set()).add(str(distribution.locate_file(top)) + (os.sep if folder else ""))
+    return places
+
+
 def write_guard(folder: pathlib.Path, distribution: str, extras: tuple[str, ...] = ()) -> pathlib.Path:
-    """The guard file of tests/declared_only/sitecustomize.py: the top-level modules of every
-    distribution outside the closure (the workspace packages' by their import names)."""
+    """The guard file of tests/declared_only/sitecustomize.py: where every distribution outside
+    the closure installed its top-level modules (the workspace packages' source folders)."""
     allowed = declared_closure(distribution, extras)
-    modules: dict[str, set[str]] = {}
+    refused: dict[str, set[str]] = {}
+    for installed in importlib.metadata.distributions():
+        name = installed.metadata["Name"]
+        if name is None or _normalize(name) in allowed or _normalize(name) in WORKSPACE:
+            continue
+        for module, places in _installed_at(installed).items():
+            refused.setdefault(module, set()).update(places)
     for module, owners in importlib.metadata.packages_distributions().items():
-        modules.setdefault(module, set()).update(_normalize(owner) for owner in owners)
+        if {_normalize(owner) for owner in owners} & (allowed | set(WORKSPACE)):
+            refused.pop(module, None)  # a namespace an allowed distribution shares (google)
+        elif module not in refused:
+            refused[module] = {""}
     for owner, module in WORKSPACE.items():
-        modules[module] = {owner}
-    refused = sorted(module for module, owners in modules.items() if not owners & allowed)
+        if owner not in allowed:
+            refused[module] = {str(ROOT / "packages" / owner / "src" / module) + os.sep}
     path = folder / "guard.json"
-    path.write_text(json.dumps({"refused_modules": refused, "allowed_distributions": sorted(allowed)}))
+    guard = {"refused_modules": {module: sorted(places) for module, places in sorted(refused.items())}}
+    path.write_text(json.dumps({**guard, "allowed_distributions": sorted(allowed)}))
     return path
 
 
@@ -147,6 +173,23 @@ def test_the_guard_hides_undeclared_modules_and_their_metadata(tmp_path):
     )
     result = run_declared_only(tmp_path, "rl-algos", [sys.executable, "-c", probe])
     assert result.returncode == 0, result.stderr + result.stdout
+
+
+def test_the_guard_hides_a_module_by_where_it_was_found_not_by_its_name(tmp_path):
+    """Ray imports colorama from its own copy (ray/thirdparty_files, put on sys.path by
+    `import ray`) and declares no colorama: a colorama distribution that something else installed
+    stays hidden, Ray's copy does not (the guard once hid both, and `import ray` failed)."""
+    if "ray" not in declared_closure("rl-launch"):
+        pytest.skip("rl-launch declares no ray here")
+    probe = (
+        "import importlib.metadata, sys\n"
+        "installed = {d.metadata['Name'].lower() for d in importlib.metadata.distributions()}\n"
+        "assert 'colorama' not in installed, 'colorama metadata'\n"
+        "import ray.exceptions, colorama\n"
+        "assert 'thirdparty_files' in colorama.__file__, colorama.__file__\n"
+    )
+    result = run_declared_only(tmp_path, "rl-launch", [sys.executable, "-c", probe])
+    assert result.returncode == 0, result.stderr[-4000:] + result.stdout
 
 
 ZERO3_STEP = """

@@ -4,11 +4,13 @@ names a guard file written by tests/test_declared_dependencies.py, the process s
 distributions in it, as if nothing else were installed.
 
 Each finder on `sys.meta_path` (the builtin and frozen importers aside) is wrapped: a top-level
-module of a distribution outside the set is not found (`import` raises ModuleNotFoundError,
-`importlib.util.find_spec` returns None, as for a missing package), and `importlib.metadata`
-does not list such a distribution (`version("accelerate")` raises PackageNotFoundError, as
-transformers' dependency checks expect where it is missing). Modules already imported by `site`
-(.pth files) stay.
+module that a distribution outside the set installed is not found (`import` raises
+ModuleNotFoundError, `importlib.util.find_spec` returns None, as for a missing package), and
+`importlib.metadata` does not list such a distribution (`version("accelerate")` raises
+PackageNotFoundError, as transformers' dependency checks expect where it is missing). A module
+is hidden by where it was found, not by its name: Ray puts its own copy of colorama on
+`sys.path` (ray/thirdparty_files), which stays importable while the colorama distribution that
+another package pulled in is hidden. Modules already imported by `site` (.pth files) stay.
 """
 
 from __future__ import annotations
@@ -23,17 +25,27 @@ def _normalize(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
-class _DeclaredOnly:
-    """A meta-path finder that hides `refused` top-level modules and undeclared distributions."""
+def _found_at(spec) -> list[str]:
+    """The files and folders a module spec was found at."""
+    places = [] if spec.origin is None else [spec.origin]
+    return places + list(spec.submodule_search_locations or ())
 
-    def __init__(self, inner, refused: frozenset[str], allowed: frozenset[str]) -> None:
+
+class _DeclaredOnly:
+    """A meta-path finder that hides the top-level modules found where `refused` says an
+    undeclared distribution installed them (module name -> paths), and undeclared distributions."""
+
+    def __init__(self, inner, refused: dict[str, tuple[str, ...]], allowed: frozenset[str]) -> None:
         self.inner, self.refused, self.allowed = inner, refused, allowed
 
     def find_spec(self, name, path=None, target=None):
-        if name.partition(".")[0] in self.refused:
-            return None
         find = getattr(self.inner, "find_spec", None)
-        return None if find is None else find(name, path, target)
+        spec = None if find is None else find(name, path, target)
+        hidden = self.refused.get(name)  # top-level names only: a hidden package's submodules
+        if spec is not None and hidden is not None:  # cannot be reached without it
+            if any(place.startswith(hidden) for place in _found_at(spec)):
+                return None
+        return spec
 
     def find_distributions(self, *args, **kwargs):
         find = getattr(self.inner, "find_distributions", None)
@@ -51,7 +63,7 @@ class _DeclaredOnly:
 def _install(path: str) -> None:
     with open(path) as file:
         guard = json.load(file)
-    refused = frozenset(guard["refused_modules"])
+    refused = {module: tuple(paths) for module, paths in guard["refused_modules"].items()}
     allowed = frozenset(guard["allowed_distributions"])
     wrapped = []
     for finder in sys.meta_path:
