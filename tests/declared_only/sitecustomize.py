@@ -41,10 +41,14 @@ class _DeclaredOnly:
     def find_spec(self, name, path=None, target=None):
         find = getattr(self.inner, "find_spec", None)
         spec = None if find is None else find(name, path, target)
-        hidden = self.refused.get(name)  # top-level names only: a hidden package's submodules
-        if spec is not None and hidden is not None:  # cannot be reached without it
-            if any(place.startswith(hidden) for place in _found_at(spec)):
-                return None
+        # top-level names only: a hidden package's submodules cannot be reached without it
+        hidden = self.refused.get(name)
+        if (
+            spec is not None
+            and hidden is not None
+            and any(place.startswith(hidden) for place in _found_at(spec))
+        ):
+            return None
         return spec
 
     def find_distributions(self, *args, **kwargs):
