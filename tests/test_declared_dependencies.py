@@ -12,7 +12,9 @@ in that process and in every Python process it starts (Ray's workers inherit its
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
+import importlib.util
 import json
 import os
 import pathlib
@@ -109,22 +111,41 @@ def _installed_at(distribution: importlib.metadata.Distribution) -> dict[str, se
     return places
 
 
+@functools.cache
+def _startup_path() -> tuple[str, ...]:
+    """sys.path of a fresh interpreter: where the guarded process finds distributions at start.
+    This process's sys.path may hold more (`import ray` puts ray/thirdparty_files on it, with the
+    dist-info of Ray's own colorama, which would then be refused wherever it is found)."""
+    probe = "import json, sys; print(json.dumps(sys.path))"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    return tuple(json.loads(out.stdout))
+
+
+def _top_level_names(distribution: importlib.metadata.Distribution) -> set[str]:
+    """The modules `distribution` puts at the top (its top_level.txt, else its files' first parts)."""
+    declared = (distribution.read_text("top_level.txt") or "").split()
+    if declared:
+        return set(declared)
+    return {f.parts[0] if len(f.parts) > 1 else f.name.split(".")[0] for f in distribution.files or ()}
+
+
 def write_guard(folder: pathlib.Path, distribution: str, extras: tuple[str, ...] = ()) -> pathlib.Path:
     """The guard file of tests/declared_only/sitecustomize.py: where every distribution outside
     the closure installed its top-level modules (the workspace packages' source folders)."""
     allowed = declared_closure(distribution, extras)
     refused: dict[str, set[str]] = {}
-    for installed in importlib.metadata.distributions():
-        name = installed.metadata["Name"]
-        if name is None or _normalize(name) in allowed or _normalize(name) in WORKSPACE:
+    shared: set[str] = set()  # names an allowed distribution also provides (the google namespace)
+    for installed in importlib.metadata.distributions(path=list(_startup_path())):
+        name = _normalize(installed.metadata["Name"] or "")
+        if name in allowed or name in WORKSPACE:
+            shared |= _top_level_names(installed)
             continue
         for module, places in _installed_at(installed).items():
             refused.setdefault(module, set()).update(places)
-    for module, owners in importlib.metadata.packages_distributions().items():
-        if {_normalize(owner) for owner in owners} & (allowed | set(WORKSPACE)):
-            refused.pop(module, None)  # a namespace an allowed distribution shares (google)
-        elif module not in refused:
-            refused[module] = {""}
+        for module in _top_level_names(installed):
+            refused.setdefault(module, {""})
+    for module in shared:
+        refused.pop(module, None)
     for owner, module in WORKSPACE.items():
         if owner not in allowed:
             refused[module] = {str(ROOT / "packages" / owner / "src" / module) + os.sep}
@@ -175,12 +196,15 @@ def test_the_guard_hides_undeclared_modules_and_their_metadata(tmp_path):
     assert result.returncode == 0, result.stderr + result.stdout
 
 
-def test_the_guard_hides_a_module_by_where_it_was_found_not_by_its_name(tmp_path):
+def test_the_guard_hides_a_module_by_where_it_was_found_not_by_its_name(tmp_path, monkeypatch):
     """Ray imports colorama from its own copy (ray/thirdparty_files, put on sys.path by
     `import ray`) and declares no colorama: a colorama distribution that something else installed
-    stays hidden, Ray's copy does not (the guard once hid both, and `import ray` failed)."""
+    stays hidden, Ray's copy does not (the guard once hid both, and `import ray` failed), also
+    when `import ray` in this process has put Ray's copy and its dist-info on this sys.path."""
     if "ray" not in declared_closure("rl-launch"):
         pytest.skip("rl-launch declares no ray here")
+    ray_folder = pathlib.Path(importlib.util.find_spec("ray").origin).parent
+    monkeypatch.syspath_prepend(str(ray_folder / "thirdparty_files"))
     probe = (
         "import importlib.metadata, sys\n"
         "installed = {d.metadata['Name'].lower() for d in importlib.metadata.distributions()}\n"
