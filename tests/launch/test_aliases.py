@@ -214,37 +214,31 @@ def test_gamma_and_lambd_follow_the_estimator_openrlhf_would_run():
 
 
 @pytest.mark.parametrize("estimator", ["group_norm", "rloo", "dr_grpo"])
-def test_a_group_estimator_with_the_kl_in_the_reward_becomes_openrlhfs_reward_to_go_form(estimator):
+def test_a_group_estimator_keeps_its_name_here_and_the_kl_coefficient_is_renamed(estimator):
+    # One place translates a group estimator with the KL in the reward, whichever spelling set the
+    # coefficient: rl_launch.validation.kl_in_reward_form (tests/launch/test_config_validation.py).
     argv, notes = expand_aliases(["--algo.advantage.estimator", estimator, "--algo.kl.init_coef", "0.01"])
-    assert argv == [
-        *("--algo.advantage.estimator", "group_reward_to_go", "--algo.advantage.options.preset", estimator),
-        *("--algo.kl.init_kl_coef", "0.01"),
-    ]
-    assert notes[0] == (
-        f"--algo.advantage.estimator {estimator} → --algo.advantage.estimator group_reward_to_go "
-        f"--algo.advantage.options.preset {estimator}"
-    )
-    # Without a KL in the reward the outcome estimator of that name is OpenRLHF's: untouched.
-    for rest in ([], ["--algo.kl.init_coef", "0"], ["--algo.kl.init_coef", "0.01", "--algo.kl.use_loss"]):
-        argv, _ = expand_aliases([f"--algo.advantage.estimator={estimator}", *rest])
-        assert argv[0] == f"--algo.advantage.estimator={estimator}"
+    assert argv == ["--algo.advantage.estimator", estimator, "--algo.kl.init_kl_coef", "0.01"]
+    assert notes == ["--algo.kl.init_coef 0.01 → --algo.kl.init_kl_coef 0.01"]
     argv, _ = expand_aliases(["--algo.advantage.estimator", "flash_reinforce", "--algo.kl.init_coef", "0.01"])
     assert argv[:2] == ["--algo.advantage.estimator", "flash_reinforce"]  # takes the KL under its name
 
 
 @needs_final_config
-def test_openrlhf_group_norm_with_the_kl_in_the_reward_passes_check_components():
+def test_openrlhf_group_norm_with_the_kl_in_the_reward_is_prepared_into_its_reward_to_go_form():
     from rl_launch.cli import resolve_ppo_config
-    from rl_launch.components import check_components
+    from rl_launch.validation import prepare
 
     argv, _ = expand_aliases(["--algo.advantage.estimator", "group_norm", "--algo.kl.init_coef", "0.01"])
     overrides = dict(zip((name.removeprefix("--") for name in argv[::2]), argv[1::2], strict=True))
     cfg = resolve_ppo_config(
         None, {"model.pretrain": "/models/never-loaded", "data.prompt_data": "/data/x.jsonl", **overrides}
     )
-    check_components(cfg)
+    notes: list[str] = []
+    cfg = prepare(cfg, say=notes.append)
     assert cfg.algo.advantage.estimator == "group_reward_to_go"
     assert cfg.algo.advantage.options == {"preset": "group_norm"}
+    assert len(notes) == 1
 
 
 def test_unbiased_gradient_carries_openrlhfs_weight_cap_of_ten():

@@ -58,8 +58,10 @@ def test_critic_warmup_zero_changes_nothing():
 
 
 def test_critic_warmup_needs_a_critic():
+    from rl_launch.components import check_components  # the estimator decides: checked after decoding
+
     with pytest.raises(ConfigError, match=r"train\.critic_warmup_steps: 2 needs a critic"):
-        config(**{"train.critic_warmup_steps": 2})
+        check_components(config(**{"train.critic_warmup_steps": 2}))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -153,3 +153,27 @@ def test_plus_kl_estimators_are_registry_names():
 def test_unbiased_gradient_kl_option_is_accepted():
     config = PolicyLossConfig(kl_coef=0.01, kl_options={"unbiased_gradient": True})
     assert config.kl_options == {"unbiased_gradient": True}
+
+
+def test_the_options_are_dry_run_once_per_option_set_not_per_construction(monkeypatch):
+    # The launcher builds the config every step (β from the KL controller) and every rank
+    # unpickles it: the correction's and the KL's options are dry-run once, not each time.
+    import pickle
+
+    import rl_learner.learner as learner
+
+    calls: list[str] = []
+    real_kl, real_tis = learner.kl_penalty, CORRECTIONS["tis"]
+    monkeypatch.setattr(learner, "_CHECKED_OPTIONS", {})
+    monkeypatch.setattr(learner, "kl_penalty", lambda *a, **k: calls.append("kl") or real_kl(*a, **k))
+    monkeypatch.setitem(CORRECTIONS, "tis", lambda *a, **k: calls.append("tis") or real_tis(*a, **k))
+    options = {"kl_options": {"value_clamp": 5.0}, "correction": "tis", "correction_options": {"high": 2.0}}
+    for step in range(5):
+        pickle.loads(pickle.dumps(PolicyLossConfig(kl_coef=0.01 * step, **options)))
+    assert calls == ["tis", "kl"]
+    PolicyLossConfig(kl_coef=0.01, **{**options, "kl_options": {"value_clamp": 4.0}})  # another set
+    assert calls == ["tis", "kl", "tis", "kl"]
+    with pytest.raises(ValueError, match=r"PolicyLossConfig.kl_options: .*value_clamp must be > 0"):
+        PolicyLossConfig(kl_options={"value_clamp": -1.0})  # a refused set is never remembered
+    with pytest.raises(ValueError, match=r"PolicyLossConfig.kl_options: .*value_clamp must be > 0"):
+        PolicyLossConfig(kl_options={"value_clamp": -1.0})

@@ -46,12 +46,13 @@ without an alias for the flag (`refusals_of`); `expand_aliases` refuses them wit
 option". OpenRLHF flags whose name is already an rl-launch option (`--algo.advantage.estimator`,
 `--rollout.n_samples_per_prompt`, `--rollout.temperature`, `--train.max_epochs`, `--ckpt.path`,
 ...) pass through untouched; every OpenRLHF estimator name is registered in `rl_algos` under the
-same name (`group_norm` is grpo's alias). Two such names take a second meaning in OpenRLHF:
+same name (`group_norm` is grpo's alias). One such name takes a second meaning in OpenRLHF:
 `--reward.remote_url path.py` names a local reward function file there, which is
-`--reward.function path.py` here (an http(s) URL stays as it is); and `--algo.advantage.estimator
-group_norm` / `rloo` / `dr_grpo` with the KL in the reward (`--algo.kl.init_coef` > 0 without
-`--algo.kl.use_loss`) is a KL-regularised estimator there, `--algo.advantage.estimator
-group_reward_to_go --algo.advantage.options.preset <name>` here (without that KL it stays as it is).
+`--reward.function path.py` here (an http(s) URL stays as it is). `--algo.advantage.estimator
+group_norm` / `rloo` / `dr_grpo` with the KL in the reward is a KL-regularised estimator there;
+it is one here too, whichever spelling sets the coefficient (`--algo.kl.init_coef`,
+`--algo.kl.init_kl_coef`, a config file): `rl_launch.validation.kl_in_reward_form` runs it as
+`group_reward_to_go` with `algo.advantage.options.preset <name>` and prints a note saying so.
 
 rl-launch's own former option names are rewritten the same way, with a note, by
 `rl_launch.former` (a module of its own, so that resuming an old run folder does not import this
@@ -206,23 +207,6 @@ def _lambd(values: tuple[str, ...], context: Context) -> Pairs | str:
     if context.estimator is not None and context.estimator != "gae":
         return f"lambda is GAE's; OpenRLHF ignores it for {context.estimator}"
     return [("algo.advantage.options.lam", values[0])]
-
-
-# OpenRLHF runs these through compute_reward (the KL as per-token rewards, then reward-to-go):
-# rl_algos' group_reward_to_go with the preset of the same name. The outcome-only estimators of
-# those names differ only when the KL goes into the reward, which they refuse.
-_REWARD_TO_GO_ESTIMATORS = ("group_norm", "rloo", "dr_grpo")
-
-
-def _advantage_estimator(values: tuple[str, ...], context: Context) -> Pairs:
-    name = values[0]
-    try:
-        kl_coef = float(context.given.get("algo.kl.init_coef", ("0",))[0])
-    except ValueError:
-        kl_coef = 0.0  # argparse names the bad value of --algo.kl.init_kl_coef
-    if name in _REWARD_TO_GO_ESTIMATORS and kl_coef > 0 and "algo.kl.use_loss" not in context.given:
-        return [("algo.advantage.estimator", "group_reward_to_go"), ("algo.advantage.options.preset", name)]
-    return [("algo.advantage.estimator", name)]
 
 
 def _unbiased_gradient(values: tuple[str, ...], context: Context) -> Pairs | str:
@@ -816,13 +800,14 @@ ALIASES: tuple[Alias, ...] = (
         convert=_reward_normalize,
         remark="the reward model's score by its config.json's mean and std; dropped without a reward model",
     ),
-    # Advantage estimator (`--algo.advantage.estimator` is the same name here).
+    # Advantage estimator: the same option here. group_norm / rloo / dr_grpo with the KL in the
+    # reward become group_reward_to_go once the config is decoded, whichever spelling gave the KL
+    # coefficient (`rl_launch.validation.kl_in_reward_form`, with a note).
     _alias(
         "algo.advantage.estimator",
         "algo.advantage.estimator",
-        "algo.advantage.options.preset",
-        convert=_advantage_estimator,
-        remark="group_norm / rloo / dr_grpo with the KL in the reward → group_reward_to_go with that preset",
+        remark="group_norm / rloo / dr_grpo with the KL in the reward run as group_reward_to_go with that "
+        "preset, with a note, however the KL coefficient is spelled",
     ),
     _alias(
         "algo.advantage.gamma",
@@ -1364,8 +1349,8 @@ def expand_aliases(argv: Sequence[str], command: str = "ppo") -> tuple[list[str]
     given = {o.alias.flag: o.values for o in occurrences}
     context = Context(
         given,
-        # the estimator flag has the same name here; it is an alias (for group_norm with the KL in
-        # the reward) where the command has it, else one of the command's own options
+        # the estimator flag has the same name here: one of the command's own options, or an alias
+        # where a command has one
         given.get("algo.advantage.estimator", (options.get("algo.advantage.estimator"),))[0],
         command=command,
         options=options,

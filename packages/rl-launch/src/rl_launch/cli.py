@@ -25,7 +25,7 @@ import sys
 from collections.abc import Callable, Mapping
 from typing import Any, NoReturn
 
-from .command import given, resolve_with_preset, run_command
+from .command import resolve_with_preset, run_command
 from .config import ConfigError, PPOConfig
 from .options import (
     HelpFormatter,
@@ -113,29 +113,17 @@ def build_main_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Arg
 
 
 def resolve_ppo_config(path: str | None, overrides: Mapping[str, Any]) -> PPOConfig:
-    """The `PPOConfig` of a command line: preset settings < file < dotted overrides.
+    """The `PPOConfig` of a command line, decoded: preset settings < file < dotted overrides.
 
     The preset is chosen first (the `preset` override, else the file's, else auto), so that its
     settings can sit under the file. auto is arithmetic when neither `model.pretrain` nor
-    `data.prompt_data` is given, else none; "none" contributes nothing. The plugins are imported
-    before the config is checked, so the names they register are known.
+    `data.prompt_data` is given, else none; "none" contributes nothing. Decoding consults no
+    registry and imports no plugin: the names of components are checked afterwards, once, by
+    `rl_launch.validation.prepare` (which imports the config's plugins first).
 
     Raises:
-        ConfigError: a missing or invalid file, an unknown preset, a plugin that does not import,
-            or any invalid option.
+        ConfigError: a missing or invalid file, an unknown preset, or any invalid option.
     """
-    from .plugins import import_plugins, resolve_plugins
-
-    plugins = given(path, overrides, "plugins")
-    if plugins:
-        try:
-            import_plugins(
-                resolve_plugins(
-                    parse_value(plugins, list[str], name="plugins") if isinstance(plugins, str) else plugins
-                )
-            )
-        except ValueError as error:
-            raise ConfigError(str(error)) from None
     return resolve_with_preset(
         PPOConfig,
         path,
@@ -183,13 +171,12 @@ def _ppo_overrides(args: argparse.Namespace, extras: list[str]) -> dict[str, Any
 
 
 def _resolve_ppo(args: argparse.Namespace, extras: list[str]) -> PPOConfig:
-    """The config of `ppo`, every component's name and options checked: the one check of the run
-    and of --print-config (`rl_launch.ppo.run` trusts it)."""
-    from .components import check_components
+    """The config of `ppo`, decoded, then prepared (plugins imported, every component's name and
+    options checked, a note for each translation): the one check of the run and of
+    --print-config (`rl_launch.ppo.run` trusts it)."""
+    from .validation import prepare
 
-    config = resolve_ppo_config(args.config, _ppo_overrides(args, extras))
-    check_components(config)
-    return config
+    return prepare(resolve_ppo_config(args.config, _ppo_overrides(args, extras)))
 
 
 def _run_ppo(config: PPOConfig) -> int:

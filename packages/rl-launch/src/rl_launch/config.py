@@ -12,6 +12,11 @@ component accepts by `rl_launch.components.check_components`.
 The string under each field is its documentation: `rl-launch ppo --help` prints it with the
 default. A wrong value raises `ConfigError` naming the dotted field and the allowed values, before
 anything slow (Ray, engines, models) starts.
+
+Decoding checks plain values only (types, ranges, combinations of fields), so a config decodes
+without its plugins imported: a name a registry resolves (estimator, loss, correction, KL
+estimator, engine, executor, weight sync) is checked once, after the plugins are imported, by
+`rl_launch.validation.prepare` (each component kind's check in `rl_launch.components`).
 """
 
 from __future__ import annotations
@@ -25,14 +30,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
-from rl_algos import (
-    ADVANTAGE_ESTIMATORS,
-    AGGREGATION_MODES,
-    CORRECTIONS,
-    KL_ESTIMATORS,
-    POLICY_LOSSES,
-    StraightThroughKL,
-)
+from rl_algos import AGGREGATION_MODES
 from rl_algos.estimators import estimator_inputs
 
 from .errors import ConfigError
@@ -59,7 +57,7 @@ __all__ = [
 
 # Ranges are msgspec constraints, checked while the config is decoded; a value outside fails as
 # `train.max_steps: expected int >= 1 (value: 0)`. `__post_init__` keeps the checks that span
-# several fields or need a registry.
+# several fields; none needs a registry (`rl_launch.validation` checks the names).
 PositiveInt = Annotated[int, Meta(ge=1)]
 NonNegativeInt = Annotated[int, Meta(ge=0)]
 Positive = Annotated[float, Meta(gt=0)]
@@ -610,9 +608,6 @@ class AdvantageConfig(_Section):
     does not take is an error; unset ones keep the estimator's defaults (`rl-launch components`
     lists them; rl-launch whitens gae advantages by default, as OpenRLHF)."""
 
-    def __post_init__(self) -> None:
-        _one_of("algo.advantage.estimator", self.estimator, ADVANTAGE_ESTIMATORS)
-
 
 class KLConfig(_Section):
     init_kl_coef: NonNegative = 0.0
@@ -634,14 +629,6 @@ class KLConfig(_Section):
     """Target KL of the adaptive controller; None keeps beta fixed."""
     kl_horizon: PositiveInt = 10000
     """Horizon (samples) of the adaptive controller."""
-
-    def __post_init__(self) -> None:
-        # A "+" estimator (k2's gradient) changes nothing in a reward, which carries no gradient.
-        in_reward = [
-            name for name, entry in KL_ESTIMATORS.items() if not isinstance(entry, StraightThroughKL)
-        ]
-        _one_of("algo.kl.reward_estimator", self.reward_estimator, in_reward)
-        _one_of("algo.kl.loss_estimator", self.loss_estimator, KL_ESTIMATORS)
 
 
 class PolicyConfig(_Section):
@@ -674,9 +661,7 @@ class PolicyConfig(_Section):
     0.5, 5.0, level token, gating ratio). With auto they are tis's, unused when auto picks none."""
 
     def __post_init__(self) -> None:
-        _one_of("algo.policy.loss", self.loss, POLICY_LOSSES)
-        _one_of("algo.policy.aggregation", self.aggregation, AGGREGATION_MODES)
-        _one_of("algo.policy.correction", self.correction, [*CORRECTIONS, "auto", "none"])
+        _one_of("algo.policy.aggregation", self.aggregation, AGGREGATION_MODES)  # a fixed tuple
 
 
 class DistillConfig(_Section):
@@ -698,9 +683,6 @@ class DistillConfig(_Section):
     """KL estimator of the loss term (mode loss), a name in rl_algos.KL_ESTIMATORS: k2 (its gradient
     under the student's samples is the reverse KL's), k3 (its gradient is the forward KL's), a "+"
     variant; k1 is refused (zero expected gradient)."""
-
-    def __post_init__(self) -> None:
-        _one_of("algo.distill.estimator", self.estimator, KL_ESTIMATORS)
 
 
 class AlgoConfig(_Section):
@@ -1047,31 +1029,16 @@ class PPOConfig(_Section):
                     f"{' and '.join(f'{name} false' for name in sleeping)} to keep both sides resident and "
                     "overlap them, or use ray.colocate none or a pair)",
                 )
-        if self.train.critic_warmup_steps and not self.needs_critic:
-            _fail(
-                "train.critic_warmup_steps",
-                self.train.critic_warmup_steps,
-                f"needs a critic, and algo.advantage.estimator {self.algo.advantage.estimator} uses none "
-                "(gae does); leave it 0",
-            )
         sp = self.model.sequence_parallel_size
         if sp > 1:
-            used = {
+            used = {  # the critic's, which the estimator decides: `rl_launch.validation`
                 "policy": True,
-                "critic": self.needs_critic,
                 "ref": self.needs_reference,
                 "teacher": self.needs_teacher,
                 "reward_model": self.model.reward_pretrain is not None,
             }
             for role in (role for role, needed in used.items() if needed):
-                actors = getattr(self.ray, role).num_actors
-                if actors % sp:
-                    _fail(
-                        f"ray.{role}.num_actors",
-                        actors,
-                        f"must be a multiple of model.sequence_parallel_size {sp}: the ranks of a learner "
-                        "form groups of that many, each sharing its micro-batches",
-                    )
+                check_sequence_parallel_actors(self, role)
             if self.algo.policy.aux_loss_coef > 0:
                 _fail(
                     "algo.policy.aux_loss_coef",
@@ -1095,7 +1062,8 @@ class PPOConfig(_Section):
 
     @property
     def needs_critic(self) -> bool:
-        """The estimator takes `values` (gae, or a plugin's that does): the run starts a critic."""
+        """The estimator takes `values` (gae, or a plugin's that does): the run starts a critic.
+        A registry lookup: valid once the plugins are imported and the name checked (`prepare`)."""
         return "values" in estimator_inputs(self.algo.advantage.estimator)
 
     @property
@@ -1106,6 +1074,19 @@ class PPOConfig(_Section):
     def needs_teacher(self) -> bool:
         """model.teacher_pretrain is given: the run starts a teacher and distils (algo.distill)."""
         return self.model.teacher_pretrain is not None
+
+
+def check_sequence_parallel_actors(config: PPOConfig, role: str) -> None:
+    """`ray.<role>.num_actors` of a learner role the run starts is a multiple of
+    `model.sequence_parallel_size` (ConfigError otherwise)."""
+    sp, actors = config.model.sequence_parallel_size, getattr(config.ray, role).num_actors
+    if actors % sp:
+        _fail(
+            f"ray.{role}.num_actors",
+            actors,
+            f"must be a multiple of model.sequence_parallel_size {sp}: the ranks of a learner "
+            "form groups of that many, each sharing its micro-batches",
+        )
 
 
 def hf_output_dir(config: Any) -> pathlib.Path:

@@ -482,7 +482,7 @@ class PPORecipe(Recipe):
 
         config, say = self.config, self.console.say
         self.plugins = resolve_plugins(config.plugins)
-        import_plugins(self.plugins)  # checked with the config (`check_components`), needed here too
+        import_plugins(self.plugins)  # already imported by `validation.prepare`: a no-op then
         config, attention_note = settle_attention(config)
         self.config = config
         if attention_note is not None:
@@ -650,7 +650,7 @@ def describe_score_normalization(normalization: tuple[float, float] | None, path
 
 
 def run(config: PPOConfig) -> int:
-    """Run `rl-launch ppo` with a resolved config that passed `components.check_components` (the
-    command line checks it once, for --print-config and the run alike); the process exit code
-    (0 on success)."""
+    """Run `rl-launch ppo` with a config that passed `rl_launch.validation.prepare` (the command
+    line prepares it once, for --print-config and the run alike; nothing here checks it again);
+    the process exit code (0 on success)."""
     return run_recipe(PPORecipe(config))

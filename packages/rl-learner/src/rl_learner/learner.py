@@ -117,7 +117,12 @@ def _non_negative(owner: str, field: str, value: float) -> None:
 
 
 class PolicyLossConfig(msgspec.Struct, frozen=True, kw_only=True):
-    """What `PolicyLearner.train_step` minimises."""
+    """What `PolicyLearner.train_step` minimises.
+
+    Checked when built (a ValueError names the field): the names against the registries, the
+    numbers, and a dry run of the correction's and the KL's options on a 1×1 batch, done once per
+    process for each option set, so a config built again every step with another `kl_coef` (an
+    adaptive KL controller) and sent to every rank does not dry-run them again."""
 
     name: str = "ppo"
     """Policy loss, a name in `rl_algos.POLICY_LOSSES` (ppo, gspo, gmpo, cispo, sapo, reinforce, ...)."""
@@ -191,25 +196,66 @@ class PolicyLossConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(
                 f"{owner}.correction: {self.correction!r} is not 'none' nor one of {', '.join(sorted(CORRECTIONS))}"
             )
-        else:
-            # The correction checks its own options (e.g. a divergence gating needs low = 0).
-            one = torch.zeros(1, 1)
-            try:
-                CORRECTIONS[self.correction](one, one, torch.ones(1, 1), **self.correction_options)
-            except (TypeError, ValueError) as error:
-                raise ValueError(
-                    f"{owner}.correction_options: {self.correction_options!r} for correction "
-                    f"{self.correction!r}: {error}"
-                ) from None
-        if self.kl_options:
-            one = torch.zeros(1, 1)
-            extra = {"old_logprobs": one} if self.kl_options.get("unbiased_gradient") else {}
-            try:
-                kl_penalty(one, one, self.kl_estimator, **self.kl_options, **extra)
-            except (TypeError, ValueError) as error:
-                raise ValueError(f"{owner}.kl_options: {self.kl_options!r}: {error}") from None
+        _dry_run_options_once(self)
         if not isinstance(self.temperature, (int, float)) or not self.temperature > 0:
             raise ValueError(f"{owner}.temperature: {self.temperature!r} is not a number > 0")
+
+
+_CHECKED_OPTIONS: dict[bytes, None] = {}
+"""Keys (`_options_key`) of the option sets this process has dry-run, oldest first (bounded)."""
+_CHECKED_OPTIONS_LIMIT = 64
+
+
+def _options_key(config: PolicyLossConfig) -> bytes | None:
+    """What the dry runs of `config` depend on: the correction and the KL estimator (by name and
+    by the function registered under it) and their options; None when the options do not encode
+    (then every construction dry-runs them)."""
+    try:
+        return msgspec.json.encode(
+            (
+                config.correction,
+                id(CORRECTIONS.get(config.correction)),
+                config.correction_options,
+                config.kl_estimator,
+                id(KL_ESTIMATORS.get(config.kl_estimator)),
+                config.kl_options,
+            ),
+            order="sorted",
+        )
+    except (TypeError, msgspec.EncodeError):
+        return None
+
+
+def _dry_run_options_once(config: PolicyLossConfig) -> None:
+    """Dry-run the correction's and the KL's options on a 1×1 batch, once per process for each
+    option set: a config built again with the same options (every step, with the adaptive β of a
+    KL controller) and unpickled on every rank does not run them again.
+
+    Raises ValueError naming `PolicyLossConfig.correction_options` or `.kl_options`."""
+    key = _options_key(config)
+    if key is not None and key in _CHECKED_OPTIONS:
+        return
+    owner = type(config).__name__
+    one = torch.zeros(1, 1)
+    if config.correction != "none":
+        # The correction checks its own options (e.g. a divergence gating needs low = 0).
+        try:
+            CORRECTIONS[config.correction](one, one, torch.ones(1, 1), **config.correction_options)
+        except (TypeError, ValueError) as error:
+            raise ValueError(
+                f"{owner}.correction_options: {config.correction_options!r} for correction "
+                f"{config.correction!r}: {error}"
+            ) from None
+    if config.kl_options:
+        extra = {"old_logprobs": one} if config.kl_options.get("unbiased_gradient") else {}
+        try:
+            kl_penalty(one, one, config.kl_estimator, **config.kl_options, **extra)
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"{owner}.kl_options: {config.kl_options!r}: {error}") from None
+    if key is not None:
+        if len(_CHECKED_OPTIONS) >= _CHECKED_OPTIONS_LIMIT:
+            del _CHECKED_OPTIONS[next(iter(_CHECKED_OPTIONS))]
+        _CHECKED_OPTIONS[key] = None
 
 
 class ValueLossConfig(msgspec.Struct, frozen=True, kw_only=True):

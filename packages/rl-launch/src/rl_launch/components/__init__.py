@@ -124,8 +124,9 @@ KINDS: tuple[ComponentKind, ...] = (
 
 
 def _check_selection(kind: ComponentKind, selection: Selection) -> None:
-    if selection.name not in kind.registry and selection.name not in selection.allowed:
-        allowed = ", ".join([*selection.allowed, *sorted(kind.registry)])
+    names = kind.registry if selection.names is None else selection.names
+    if selection.name not in names and selection.name not in selection.allowed:
+        allowed = ", ".join([*selection.allowed, *sorted(names)])
         raise ConfigError(f"{selection.key}: {selection.name!r} is not one of {allowed}")
     if selection.options_key is not None and selection.takes is not None:
         owner, name = selection.options_owner or (kind.singular, selection.name)
@@ -133,16 +134,23 @@ def _check_selection(kind: ComponentKind, selection: Selection) -> None:
 
 
 def check_components(config: PPOConfig) -> None:
-    """Check every component's name and options and dry-run the math on a tiny batch.
+    """Check every component's name and options and dry-run the math on a tiny batch: the one
+    place a registered name is checked (decoding a config looks up none), once per run, by
+    `rl_launch.validation.prepare` after the plugins are imported.
+
+    Every kind's names and options first, so a kind's own checks may look up any name the config
+    gives (the estimator's inputs, the KL estimator's entry); then each kind's checks.
 
     Raises:
-        ConfigError: naming the dotted option (`algo.policy.options.epsilon`), the component and
-            what it takes, or the combination that cannot work (k1 as a loss KL, a KL target
-            with β = 0, a reward KL for an estimator that ignores token rewards, ...).
+        ConfigError: naming the dotted option (`algo.policy.options.epsilon`), the given name and
+            the registered ones, the component and what it takes, or the combination that cannot
+            work (k1 as a loss KL, a KL target with β = 0, a reward KL for an estimator that
+            ignores token rewards, ...).
     """
     for kind in KINDS:
         for selection in kind.select(config):
             _check_selection(kind, selection)
+    for kind in KINDS:
         if kind.check is not None:
             kind.check(config)
     try:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import inspect
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from rl_algos import Registry
@@ -143,6 +143,9 @@ class Selection:
     options_owner: tuple[str, str] | None = None
     """(kind, name) that takes the options when it is not the component itself (the KL options
     belong to `kl_penalty`, whichever estimator it computes)."""
+    names: Collection[str] | None = None
+    """The registered names valid here; None: every name of the kind's registry (the KL in the
+    reward takes no straight-through "+" variant: it carries no gradient)."""
 
 
 @dataclasses.dataclass(frozen=True)

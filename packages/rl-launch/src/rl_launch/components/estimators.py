@@ -19,6 +19,7 @@ import torch
 from rl_algos import ADVANTAGE_ESTIMATORS, compute_advantages
 from rl_algos.estimators import BATCH_FIELDS, estimator_inputs
 
+from ..config import check_sequence_parallel_actors
 from ..errors import ConfigError
 from .base import ComponentKind, Selection, component_options, dry_run, format_options
 
@@ -107,7 +108,8 @@ def tiny_batch() -> dict[str, torch.Tensor]:
 
 def _select(config: PPOConfig) -> list[Selection]:
     advantage = config.algo.advantage
-    takes = component_options(ADVANTAGE_ESTIMATORS[advantage.estimator], inputs=ESTIMATOR_INPUTS)
+    fn = ADVANTAGE_ESTIMATORS.get(advantage.estimator)  # None: an unknown name, refused by the caller
+    takes = component_options(fn, inputs=ESTIMATOR_INPUTS) if fn is not None else None
     return [
         Selection(
             "algo.advantage.estimator",
@@ -127,6 +129,7 @@ def _check(config: PPOConfig) -> None:
             "baseline; with model.reward_pretrain the sampled rewards include the reward model's score "
             "and the baseline would not: use grpo, rloo or reinforce_baseline with a reward model"
         )
+    _check_critic(config)
     batch = tiny_batch()
     if estimator_takes(name, "reward_clip"):
         batch["reward_clip"] = config.reward.clip
@@ -136,6 +139,18 @@ def _check(config: PPOConfig) -> None:
         f"advantage estimator {name!r}",
         lambda: compute_advantages(name, **batch, **options),
     )
+
+
+def _check_critic(config: PPOConfig) -> None:
+    """What depends on whether the estimator takes `values` (a critic): the critic warm-up and
+    the critic's ranks under sequence parallelism."""
+    if config.train.critic_warmup_steps and not config.needs_critic:
+        raise ConfigError(
+            f"train.critic_warmup_steps: {config.train.critic_warmup_steps!r} needs a critic, and "
+            f"algo.advantage.estimator {config.algo.advantage.estimator} uses none (gae does); leave it 0"
+        )
+    if config.model.sequence_parallel_size > 1 and config.needs_critic:
+        check_sequence_parallel_actors(config, "critic")
 
 
 def _describe(config: PPOConfig) -> str:

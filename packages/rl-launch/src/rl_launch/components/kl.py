@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from rl_algos import KL_ESTIMATORS, kl_penalty
+from rl_algos import KL_ESTIMATORS, StraightThroughKL, kl_penalty
 
 from ..errors import ConfigError
 from .base import ComponentKind, Selection, component_options, dry_run
@@ -26,6 +26,12 @@ _REWARD_INPUTS = frozenset({"estimator", "old_logprobs", "unbiased_gradient"})
 _LOSS_INPUTS = frozenset({"estimator", "old_logprobs"})
 
 
+def _in_reward() -> list[str]:
+    """The KL estimators a reward may use: a "+" one (k2's gradient) changes nothing in a reward,
+    which carries no gradient."""
+    return [name for name, entry in KL_ESTIMATORS.items() if not isinstance(entry, StraightThroughKL)]
+
+
 def _select(config: PPOConfig) -> list[Selection]:
     kl = config.algo.kl
     return [
@@ -36,6 +42,7 @@ def _select(config: PPOConfig) -> list[Selection]:
             kl.reward_options,
             component_options(kl_penalty, inputs=_REWARD_INPUTS),
             options_owner=("KL penalty", "kl_penalty"),
+            names=_in_reward(),
         ),
         Selection(
             "algo.kl.loss_estimator",

@@ -26,11 +26,8 @@ def _options_of(name: str) -> dict[str, Any]:
 
 def _select(config: PPOConfig) -> list[Selection]:
     policy = config.algo.policy
-    return [
-        Selection(
-            "algo.policy.loss", policy.loss, "algo.policy.options", policy.options, _options_of(policy.loss)
-        )
-    ]
+    takes = _options_of(policy.loss) if policy.loss in POLICY_LOSSES else None  # none: refused by the caller
+    return [Selection("algo.policy.loss", policy.loss, "algo.policy.options", policy.options, takes)]
 
 
 def _check(config: PPOConfig) -> None:
