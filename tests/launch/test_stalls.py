@@ -82,9 +82,9 @@ def test_a_generation_past_engine_stall_stop_s_stops_the_run_naming_the_engine(m
     from rl_launch.health import HealthError
 
     use_fake_ray(monkeypatch)
-    run = fake_run(
-        config(**{"train.max_steps": 1, "health.engine_stall_warn_s": 0.5, "health.engine_stall_stop_s": 1.0})
-    )
+    stall = {"health.engine_stall_warn_s": 0.5, "health.engine_stall_stop_s": 1.0}
+    # with engine restarts (test_engine_restart): the hung engine is restarted instead
+    run = fake_run(config(**{"train.max_steps": 1, "rollout.engine_restarts": 0, **stall}))
     (tmp_path / "engine-0.log").write_text("engine-0: pid 1\nstuck in the reward\n")
     lines: list[str] = []
     run.rollouts.notify, run.rollouts.log_dir = lines.append, str(tmp_path)
@@ -97,6 +97,7 @@ def test_a_generation_past_engine_stall_stop_s_stops_the_run_naming_the_engine(m
         f"generation has waited 1 s on engine-0 (health.engine_stall_stop_s = 1); "
         f"last line of {log}: stuck in the reward: the run stops"
     )
+    assert "and rollout.engine_restarts is 0 (a hung engine is not restarted)" in str(stopped.value)
     assert lines == [
         f"warning: generation has waited 0.5 s on engine-0 (health.engine_stall_warn_s = 0.5); "
         f"last line of {log}: stuck in the reward"

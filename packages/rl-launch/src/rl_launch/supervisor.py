@@ -26,9 +26,11 @@ this run) and engine/restart_s (the seconds restarts took since the last step's 
 restarts are spent, the next death goes up as with N = 0: the run stops with its diagnosis
 after the learners save the last finished step. A learner's death is never restarted.
 
-A hung engine (one that does not answer within a deadline the caller keeps) is handed to
-`restart(index, why)`: it is killed and restarted the same way, and the caller's next `get` of
-its futures returns the re-issued calls' results.
+A hung engine (one that does not answer within a deadline the caller keeps: the rollouts'
+`health.engine_stall_stop_s`) is handed to `restart(index, why)`: its actor is killed (its calls
+are never waited on again), it is restarted and re-synced the same way, and the caller's next
+`get` of its futures (or `ray.wait` on `current(future)`) returns the re-issued calls' results.
+`metrics()` counts the restarts by cause too: engine/restarts/dead, engine/restarts/hung.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ class EngineRestart:
 
     index: int
     cause: str
+    kind: str  # "dead" (the engine died: Ray or vLLM said so) or "hung" (a caller's deadline passed)
     start_s: float  # the new actor, from the kill until it was ready
     sync_s: float  # joining the weight sync and receiving the last version
     version: int  # the policy version it was given
@@ -110,8 +113,8 @@ class EngineSupervisor:
         self._replaced: dict[int, tuple[Any, Any]] = {}  # id(lost future) -> (it, its re-issued call)
         self._unlogged_s = 0.0  # restart seconds since the last `metrics()`
         # engines restarted by a sync's failure, their calls issued once it is sent again:
-        # index -> (cause, start seconds, when the sync began)
-        self._unfinished: dict[int, tuple[str, float, float]] = {}
+        # index -> (cause, kind, start seconds, when the sync began)
+        self._unfinished: dict[int, tuple[str, str, float, float]] = {}
 
     # ------------------------------------------------------------------------------------------
     # The ActorGroup the rollouts use
@@ -183,8 +186,8 @@ class EngineSupervisor:
             except Exception as error:
                 self._recover(error, send=False)
         unfinished, self._unfinished = self._unfinished, {}
-        for index, (cause, start_s, synced_from) in unfinished.items():
-            self._finish(index, cause, start_s, time.perf_counter() - synced_from, sent=True)
+        for index, (cause, kind, start_s, synced_from) in unfinished.items():
+            self._finish(index, cause, kind, start_s, time.perf_counter() - synced_from, sent=True)
         return metrics
 
     def settle(self) -> dict[str, float]:
@@ -199,9 +202,27 @@ class EngineSupervisor:
     # Restarts
 
     def metrics(self) -> dict[str, float]:
-        """engine/restarts (so far in this run) and engine/restart_s (seconds since the last call)."""
+        """engine/restarts (so far in this run), of them engine/restarts/dead (engines that died)
+        and engine/restarts/hung (engines a deadline gave up on), and engine/restart_s (seconds the
+        restarts took since the last call)."""
         took, self._unlogged_s = self._unlogged_s, 0.0
-        return {"engine/restarts": float(len(self.restarts)), "engine/restart_s": took}
+        hung = sum(restart.kind == "hung" for restart in self.restarts)
+        return {
+            "engine/restarts": float(len(self.restarts)),
+            "engine/restarts/dead": float(len(self.restarts) - hung),
+            "engine/restarts/hung": float(hung),
+            "engine/restart_s": took,
+        }
+
+    @property
+    def restarts_left(self) -> int:
+        """Restarts `rollout.engine_restarts` still allows in this run."""
+        return max(self.limit - len(self.restarts) - len(self._unfinished), 0)
+
+    def current(self, future: Any) -> Any:
+        """The call that stands for `future` now: its re-issued call on a restarted engine (after
+        any number of restarts), else `future` itself. Wait on this, never on a hung engine's call."""
+        return self._current(future)
 
     def dead_engines(self, error: BaseException) -> list[int]:
         """The indices of the engines that died, as far as `error` and a probe tell: the actor a
@@ -250,11 +271,13 @@ class EngineSupervisor:
     def restart(self, index: int, why: BaseException | str, *, send: bool = True) -> EngineRestart | None:
         """Kill engine `index` (dead already, or hung: `why` says so in words), start it again on
         its bundle, join it to the weight sync and give it the last version sent, then issue its
-        lost calls again; the record. With `send` False (a sync found the death) it only joins:
+        lost calls again; the record. `why` a string: the engine hung (the caller's words, counted
+        in engine/restarts/hung); an error: it died. With `send` False (a sync found the death) it only joins:
         `send` sends the version to every engine again and then issues the calls (None here).
         Raises RuntimeError when `rollout.engine_restarts` are spent."""
         name = f"engine-{index}"
         cause = self._cause(why)
+        kind = "hung" if isinstance(why, str) else "dead"
         if len(self.restarts) + len(self._unfinished) >= self.limit:
             raise RuntimeError(f"{name} {cause}; rollout.engine_restarts = {self.limit} restarts are spent")
         count = len(self.restarts) + len(self._unfinished) + 1
@@ -268,18 +291,20 @@ class EngineSupervisor:
         if not send:
             if weights is not None:
                 weights.rejoin(index, send=False)
-            self._unfinished[index] = (cause, started - began, started)
+            self._unfinished[index] = (cause, kind, started - began, started)
             return None
         if weights is not None:
             weights.rejoin(index)
         return self._finish(
-            index, cause, started - began, time.perf_counter() - started, sent=weights is not None
+            index, cause, kind, started - began, time.perf_counter() - started, sent=weights is not None
         )
 
-    def _finish(self, index: int, cause: str, start_s: float, sync_s: float, *, sent: bool) -> EngineRestart:
+    def _finish(
+        self, index: int, cause: str, kind: str, start_s: float, sync_s: float, *, sent: bool
+    ) -> EngineRestart:
         """Issue engine `index`'s lost calls again, keep the record, say it on the console."""
         version = self.roles.weights.version if self.roles.weights is not None else 0
-        record = EngineRestart(index, cause, start_s, sync_s, version, self._reissue(index))
+        record = EngineRestart(index, cause, kind, start_s, sync_s, version, self._reissue(index))
         self.restarts.append(record)
         self._unlogged_s += record.seconds
         given = f"weights of version {version} in {sync_s:.1f} s" if sent else "no weight sync"
