@@ -507,7 +507,7 @@ def fake_run(
     device: str = "cpu",
 ) -> FakeRun:
     """Build the loop of `config` over toy workers: `ranks` per learner role (policy, plus ref /
-    teacher / critic when the config needs them; the teacher's log-probs are −1.5, the others'
+    teacher / critic / reward_model when the config needs them; the reward model scores 0.5; the teacher's log-probs are −1.5, the others'
     −1), `engines` toy engines. Call under `use_fake_ray`.
 
     `resume_from` (role -> checkpoint folder) and `checkpoints` (an earlier run's store) make the
@@ -533,6 +533,7 @@ def fake_run(
         + (["ref"] if config.needs_reference else [])
         + (["teacher"] if config.needs_teacher else [])
         + (["critic"] if config.needs_critic else [])
+        + (["reward_model"] if config.model.reward_pretrain is not None else [])
     )
     # a teacher that likes every sampled token less than the policy does: d_t = −1 − (−1.5) = 0.5
     logprob = {"teacher": -1.5}

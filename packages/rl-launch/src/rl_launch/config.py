@@ -496,9 +496,14 @@ class RewardConfig(_Section):
     """Seconds reward.function may take on one call (the samples of one generation call): past it
     the call is abandoned (it runs on a thread of its own, so signal-based timeouts inside it do
     not work) and follows reward.on_error, counted in reward/timeouts; None: no deadline, inline."""
+    model_timeout_s: Positive | None = 1800.0
+    """Seconds the reward model (model.reward_pretrain) may take to score one step's samples, from when
+    the learners' forwards are asked: past it its scores are abandoned and follow reward.on_error
+    (fallback: the step's samples get the score reward.fallback, counted in reward/timeouts and
+    reward/fallbacks/model), as a forward of it that raises does; None: no deadline."""
     on_error: Literal["raise", "fallback"] = "raise"
     """A reward source that failed for good (a request to a reward server; reward.function raising
-    or past reward.function_timeout_s) stops the run (raise) or gives its samples `reward.fallback`
+    or past reward.function_timeout_s; the reward model raising or past reward.model_timeout_s) stops the run (raise) or gives its samples `reward.fallback`
     (counted in reward/fallbacks; health.max_fallback_fraction stops a run that trains on them)."""
     fallback: float = 0.0
     """Reward of the samples of a failed source under on_error fallback."""

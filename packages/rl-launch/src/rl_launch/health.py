@@ -60,8 +60,9 @@ class HealthMonitor:
             f"health.max_fallback_fraction = {health.max_fallback_fraction:g} for health.max_fallback_steps = "
             f"{health.max_fallback_steps} steps in a row), from {named or 'unnamed sources'} "
             f"(reward/timeouts = {metrics.get('reward/timeouts', 0.0):g}). The rewards are constants, not "
-            "the task's: check the sources named (a reward server that is down, a reward function that raises "
-            "or runs past reward.function_timeout_s, episodes that fail: see the rollout workers' logs)"
+            "the task's: check the sources named (a reward server that is down, a reward function or model that "
+            "raises or runs past reward.function_timeout_s / model_timeout_s, episodes that fail: see the "
+            "rollout workers' logs)"
         )
 
     def _source_name(self, source: str) -> str:
@@ -71,6 +72,8 @@ class HealthMonitor:
             return f"reward.function ({reward.function or 'the preset'!s})"
         if source.startswith("remote_") and source[7:].isdigit() and int(source[7:]) < len(reward.urls):
             return f"reward.remote_url {reward.urls[int(source[7:])]}"
+        if source == "model":
+            return f"the reward model ({self.config.model.reward_pretrain}; reward.model_timeout_s = {reward.model_timeout_s})"
         if source == "episode":
             return f"failed episodes (rollout.executor {self.config.rollout.executor or 'by the preset'})"
         return source

@@ -41,8 +41,9 @@ from .config import PPOConfig, hf_output_dir
 from .diagnosis import death_cause, describe_actor_failure, failed_actor_name, is_actor_failure
 from .health import HealthMonitor
 from .preemption import STARTUP_STOP, Preempted, PreemptionGuard
+from .reward_model import RewardModelError, fallback_scores
 from .roles import Roles
-from .rollouts import Rollouts, completion_rows
+from .rollouts import Rollouts, completion_rows, fallback_metrics
 from .tracking import PhaseTimer, StartupLines, Tracker, print_outputs, quiet_third_party_output, step_metrics
 
 __all__ = ["PPORecipe", "PPOTrainer", "run", "steps_of_episodes"]
@@ -95,12 +96,16 @@ class PPOTrainer:
     def make_experience(self, records: list[Trajectory]) -> tuple[ExperienceBatch, dict[str, float]]:
         """The learners' forwards (all roles at once), then the advantages of the chosen estimator."""
         batch = build_experience(records)
-        scores = self.roles.forwards(
-            batch,
-            old_logprobs=not old_logprobs_from_training(self.config),
-            temperature=self.config.rollout.temperature,
-        )
-        rewards, metrics = batch.rewards.clone(), reward_metrics(records)
+        try:
+            scores = self.roles.forwards(
+                batch,
+                old_logprobs=not old_logprobs_from_training(self.config),
+                temperature=self.config.rollout.temperature,
+            )
+        except RewardModelError as failure:  # past reward.model_timeout_s, or its forward raised
+            scores = fallback_scores(self.config, failure, records)  # reward.on_error
+        rewards = batch.rewards.clone()
+        metrics = reward_metrics(records) | fallback_metrics(records)  # with the reward model's fallbacks
         if scores is not None:
             metrics["reward/model_mean"] = float(scores.mean())
             if self.score_normalization is not None:
