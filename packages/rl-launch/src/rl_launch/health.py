@@ -22,11 +22,21 @@ from collections.abc import Mapping
 
 from .config import PPOConfig
 
-__all__ = ["HealthError", "HealthMonitor"]
+__all__ = ["EngineHung", "HealthError", "HealthMonitor"]
 
 
 class HealthError(RuntimeError):
     """The run stops: its steps cannot make progress (the message says why and what to check)."""
+
+
+class EngineHung(HealthError):
+    """Rollout engines that did not answer a call within its deadline: `engines` (their indices)
+    and `what` (the call, the seconds, the option that sets them). `rl_launch.supervisor` restarts
+    them while `rollout.engine_restarts` allow; raised past that, the run stops with this message."""
+
+    def __init__(self, engines: list[int], what: str) -> None:
+        self.engines, self.what = list(engines), what
+        super().__init__(f"{', '.join(f'engine-{index}' for index in self.engines)} hung: {what}")
 
 
 class HealthMonitor:

@@ -26,11 +26,21 @@ this run) and engine/restart_s (the seconds restarts took since the last step's 
 restarts are spent, the next death goes up as with N = 0: the run stops with its diagnosis
 after the learners save the last finished step. A learner's death is never restarted.
 
-A hung engine (one that does not answer within a deadline the caller keeps: the rollouts'
-`health.engine_stall_stop_s`) is handed to `restart(index, why)`: its actor is killed (its calls
-are never waited on again), it is restarted and re-synced the same way, and the caller's next
-`get` of its futures (or `ray.wait` on `current(future)`) returns the re-issued calls' results.
-`metrics()` counts the restarts by cause too: engine/restarts/dead, engine/restarts/hung.
+A hung engine is restarted the same way (its actor killed, its calls never waited on again,
+the re-issued calls' results standing in for theirs); an engine is hung when
+
+    generation    a step's generation waited `health.engine_stall_stop_s` on it (the rollouts
+                  hand it to `restart(index, why)`; their next `get`, or a `ray.wait` on
+                  `current(future)`, sees the re-issued calls)
+    get           any other call through `get` (activity, sleep, wake-up) is still out after
+                  `health.engine_stall_stop_s`
+    weight sync   its receipt is still out after `rollout.weight_sync_timeout_s` + a margin
+                  (`EngineHung` from `WeightSync`), or a sync failed and it does not answer a
+                  probe within `PROBE_S`
+
+`metrics()` counts the restarts by cause too: engine/restarts/dead, engine/restarts/hung. Once
+the restarts are spent, a hung engine stops the run with `EngineHung` (a `HealthError`) naming
+it, how long it kept the run waiting and the options to raise.
 """
 
 from __future__ import annotations
@@ -42,6 +52,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from .actors import ACTIVITY_GROUP
+from .health import EngineHung
 
 __all__ = ["EngineRestart", "EngineSupervisor"]
 
@@ -151,14 +162,21 @@ class EngineSupervisor:
         ]
 
     def get(self, futures: Sequence[Any]) -> list:
-        """`ray.get(futures)`; when an engine died, it is restarted (`restart`), the calls lost
-        with it are issued again and their results stand in for the lost ones. Any other error,
-        and a death once `rollout.engine_restarts` are spent, is raised as it came."""
+        """`ray.get(futures)`; when an engine died, or has calls still out after
+        `health.engine_stall_stop_s` (hung), it is restarted (`restart`), the calls lost with it
+        are issued again and their results stand in for the lost ones. Any other error, and a
+        death once `rollout.engine_restarts` are spent, is raised as it came (a hang as `EngineHung`)."""
         import ray
 
         futures = list(futures)
+        deadline = self.config.health.engine_stall_stop_s
         while True:
             current = [self._current(future) for future in futures]
+            if deadline is not None and current:
+                _, waiting = ray.wait(current, num_returns=len(current), timeout=deadline)
+                if waiting:
+                    self._recover(self._hung(waiting, deadline), send=True)
+                    continue
             try:
                 results = ray.get(current)
             except Exception as error:
@@ -224,10 +242,25 @@ class EngineSupervisor:
         any number of restarts), else `future` itself. Wait on this, never on a hung engine's call."""
         return self._current(future)
 
+    def _hung(self, waiting: Sequence[Any], deadline: float) -> EngineHung:
+        """The engines of the calls `waiting` (still out after `deadline` seconds of `get`)."""
+        out = {id(future) for future in waiting}
+        calls = [call for call in self._calls.values() if id(call.future) in out]
+        methods = ", ".join(sorted({call.method for call in calls})) or "a call"
+        return EngineHung(
+            sorted({call.index for call in calls}),
+            f"no answer to {methods} within {deadline:g} s (health.engine_stall_stop_s)",
+        )
+
     def dead_engines(self, error: BaseException) -> list[int]:
         """The indices of the engines that died, as far as `error` and a probe tell: the actor a
         `RayActorError` names, else every engine whose probe fails with one. [] when `error` is
         not a death (nor a failure an engine's death can cause: Ray's report of a failed call)."""
+        return self._failed_engines(error)[0]
+
+    def _failed_engines(self, error: BaseException) -> tuple[list[int], list[int]]:
+        """(dead, silent): `dead_engines`, and the engines whose probe did not answer within
+        `PROBE_S` (hung: a live engine answers `alive` from a thread of its own at once)."""
         import ray
 
         from .diagnosis import is_actor_failure
@@ -243,30 +276,55 @@ class EngineSupervisor:
             actor_id.hex() if hasattr(actor_id, "hex") and not isinstance(actor_id, str) else actor_id
         )
         if named is not None and (_died(error) or _engine_dead(error)):
-            return [named]
+            return [named], []
         if not (_died(error) or is_actor_failure(error)):
-            return []
+            return [], []
         probes = [
             self.engines.submit_to(index, "alive", concurrency_group=ACTIVITY_GROUP)
             for index in range(len(self))
         ]
-        ray.wait(probes, num_returns=len(probes), timeout=PROBE_S)
-        dead = []
+        answered, _ = ray.wait(probes, num_returns=len(probes), timeout=PROBE_S)
+        answered_ids = {id(probe) for probe in answered}
+        dead, silent = [], []
         for index, probe in enumerate(probes):
+            if id(probe) not in answered_ids:
+                silent.append(index)
+                continue
             try:
-                ray.get(probe, timeout=0)
+                ray.get(probe)
             except Exception as failure:
                 if _died(failure):
                     dead.append(index)
-        return dead
+        return dead, silent
 
     def _recover(self, error: BaseException, *, send: bool) -> None:
-        """Restart the engines `error` says died; raise `error` when none did, or no restart is left."""
-        dead = self.dead_engines(error)
-        if not dead or len(self.restarts) + len(self._unfinished) + len(dead) > self.limit:
+        """Restart the engines that `error` (or a probe after it) says died or hung; raise `error`
+        when none did, and when the restarts left cannot cover them (a hang as `EngineHung`,
+        naming the options)."""
+        if isinstance(error, EngineHung):
+            dead, hung, what = [], error.engines, error.what
+        else:
+            dead, hung = self._failed_engines(error)
+            what = f"no answer to a probe within {PROBE_S:g} s after: {str(error).strip()[:200]}"
+        if not dead and not hung:
             raise error
+        if len(dead) + len(hung) > self.restarts_left:
+            if not hung:
+                raise error
+            spent = (
+                f"rollout.engine_restarts = {self.limit} restarts are spent"
+                if self.limit
+                else "rollout.engine_restarts is 0 (a hung engine is not restarted)"
+            )
+            raise EngineHung(
+                hung,
+                f"{what}; the run stops, as {spent}. Raise rollout.engine_restarts to restart hung engines "
+                "more often, or the deadline named when an engine legitimately takes longer",
+            ) from error
         for index in dead:
             self.restart(index, error, send=send)
+        for index in hung:
+            self.restart(index, f"hung: {what}", send=send)
 
     def restart(self, index: int, why: BaseException | str, *, send: bool = True) -> EngineRestart | None:
         """Kill engine `index` (dead already, or hung: `why` says so in words), start it again on
