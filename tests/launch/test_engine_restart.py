@@ -305,6 +305,9 @@ def test_a_hung_engine_stops_the_run_naming_it_once_the_restarts_are_spent():
         "generation has waited 2 s on engine-0 (health.engine_stall_stop_s = 2): the run stops"
     )
     assert "rollout.engine_restarts = 1 restarts are spent. Raise rollout.engine_restarts" in message
+    # the learners saved the last finished step before the run stopped, and the message says so
+    assert run.trainer.saved_after_failure == 1
+    assert message.endswith(". checkpoint of step 1 saved: --ckpt.load_checkpoint true continues from it")
 
 
 def test_streaming_restarts_a_hung_engine_and_trains_every_group_once():

@@ -32,11 +32,12 @@ class HealthError(RuntimeError):
 class EngineHung(HealthError):
     """Rollout engines that did not answer a call within its deadline: `engines` (their indices)
     and `what` (the call, the seconds, the option that sets them). `rl_launch.supervisor` restarts
-    them while `rollout.engine_restarts` allow; raised past that, the run stops with this message."""
+    them while `rollout.engine_restarts` allow; raised past that, the run stops with this message
+    (`message`: a whole message of its own instead of "engine-0 hung: <what>")."""
 
-    def __init__(self, engines: list[int], what: str) -> None:
+    def __init__(self, engines: list[int], what: str, *, message: str | None = None) -> None:
         self.engines, self.what = list(engines), what
-        super().__init__(f"{', '.join(f'engine-{index}' for index in self.engines)} hung: {what}")
+        super().__init__(message or f"{', '.join(f'engine-{index}' for index in self.engines)} hung: {what}")
 
 
 class HealthMonitor:

@@ -54,7 +54,7 @@ from .actors import ACTIVITY_GROUP, GENERATE_GROUP, ActorGroup
 from .components import estimator_needs
 from .config import PPOConfig
 from .evaluation import eval_metrics
-from .health import HealthError
+from .health import EngineHung
 
 __all__ = ["InFlight", "Rollouts", "StreamGroup", "completion_rows", "drop_stale", "rollout_metrics"]
 
@@ -366,7 +366,7 @@ class Rollouts:
         """The records of generation `futures`; a line to `notify` every
         `health.engine_stall_warn_s` seconds they keep the driver waiting, and once they have kept
         it `health.engine_stall_stop_s`, the engines they wait on are restarted as hung (their
-        calls issued again, `rollout.engine_restarts`) or, with no restart left, `HealthError`
+        calls issued again, `rollout.engine_restarts`) or, with no restart left, `EngineHung`
         (the run stops, naming the engines)."""
         every = self._wait_slice()
         if every is not None:
@@ -417,7 +417,7 @@ class Rollouts:
     def _stalled(self, pending: list, waited: float) -> bool:
         """`waited` seconds on `pending`: a warning line each warning period (when it falls due); at
         `health.engine_stall_stop_s` the engines of `pending` are restarted as hung (True: their
-        calls were issued again) or, when `rollout.engine_restarts` cannot cover them, `HealthError`."""
+        calls were issued again) or, when `rollout.engine_restarts` cannot cover them, `EngineHung`."""
         health = self.config.health
         stop = health.engine_stall_stop_s
         if stop is not None and waited >= stop - 1e-9:
@@ -432,7 +432,7 @@ class Rollouts:
 
     def _restart_hung(self, pending: list, waited: float) -> None:
         """The engines `pending` waited `waited` s on are hung: each is killed, restarted, given the
-        current weights and asked its calls again (`EngineSupervisor.restart`); `HealthError` when
+        current weights and asked its calls again (`EngineSupervisor.restart`); `EngineHung` when
         the restarts left (`rollout.engine_restarts`) cannot cover them all."""
         stop = self.config.health.engine_stall_stop_s
         engines = sorted({self._engine_of.get(id(future), -1) for future in pending})
@@ -444,12 +444,15 @@ class Rollouts:
                 if limit
                 else "rollout.engine_restarts is 0 (a hung engine is not restarted)"
             )
-            raise HealthError(
-                f"{self.stall_line(pending, waited, option='engine_stall_stop_s')}: the run stops, as a step "
+            what = f"no generation answer for {waited:g} s (health.engine_stall_stop_s = {stop:g})"
+            raise EngineHung(
+                [index for index in engines if index >= 0],
+                what,
+                message=f"{self.stall_line(pending, waited, option='engine_stall_stop_s')}: the run stops, as a step "
                 "whose generation never ends would hold it forever (a hung engine, a reward or an environment "
                 f"that never returns; see that log), and {spent}. Raise rollout.engine_restarts to restart "
                 "hung engines more often, or health.engine_stall_stop_s (or set it to none) when a step's "
-                "generation legitimately takes longer"
+                "generation legitimately takes longer",
             )
         for index in engines:
             self.engines.restart(
