@@ -20,7 +20,9 @@ The workers are toys with the real workers' method signatures (`rl_launch.actors
   sample)`, stamped with the policy version it last received; remembers every generate call.
   `die_on_generate = k`: its k-th generate call (from 1) kills it, and that call and every later
   one fail as a dead Ray actor's do (`RayActorError`); `FakeGroup.replace` puts a new one in its
-  place (`rl_launch.supervisor`), from the group's `make_worker`.
+  place (`rl_launch.supervisor`), from the group's `make_worker`, and marks the old one `killed`.
+  `hang_on_generate = k`: its k-th generate call and every later one never return (a hung engine:
+  `ray.wait` never reports them, and `ray.get` on one fails the test, as it would hang the run).
 - `ToyLearner`: log-probs / values / scores of constant value, a `train_step` that counts
   updates and remembers which groups it saw, a "weight" (the update count) that `sync` puts on
   a `Wire` and the engines read back as their checksum, checkpoints kept in a dict.
@@ -54,8 +56,13 @@ class Done:
     value: Any = None
     error: BaseException | None = None
     ready: bool = True  # False: `ray.wait(..., timeout=0)` reports it as still running
+    hung: bool = False  # never finishes: no `ray.wait` reports it, `ray.get` fails the test
 
     def result(self) -> Any:
+        if self.hung:
+            raise AssertionError(
+                "ray.get on a call that never returns (a hung engine's): the run would hang here"
+            )
         if self.error is not None:
             raise self.error
         return self.value
@@ -75,6 +82,12 @@ def _wait(futures: Sequence[Done], num_returns: int = 1, timeout: float | None =
         for future in futures:
             if len(done) >= num_returns:
                 break
+            if future.hung:
+                if timeout is None:
+                    raise AssertionError(
+                        "ray.wait without a timeout on a call that never returns: the run would hang"
+                    )
+                continue
             if not future.ready:
                 future.ready = True
                 done.append(future)
@@ -148,7 +161,10 @@ class FakeGroup:
         if getattr(worker, "dead", False):
             return Done(error=RayActorError(f"The actor {self.role}-{rank} died unexpectedly (a fake death)"))
         try:
-            return Done(getattr(worker, method)(*args), ready=ready)
+            value = getattr(worker, method)(*args)
+            if value is HANG:
+                return Done(ready=False, hung=True)
+            return Done(value, ready=ready)
         except Exception as error:  # re-raised by ray.get, as Ray does
             return Done(error=error)
 
@@ -176,6 +192,7 @@ class FakeGroup:
     def replace(self, rank: int) -> Any:
         if self.make_worker is None:
             raise RuntimeError(f"FakeGroup {self.role}: replace({rank}) without make_worker")
+        self.workers[rank].killed = True  # `ray.kill`, dead already or hung
         self.workers[rank] = self.make_worker()
         self.replaced.append(rank)
         return self.actors[rank]
@@ -205,6 +222,10 @@ def alternating_reward(prompt: PromptSample, sample: int) -> float:
     return float(sample % 2)
 
 
+HANG = object()
+"""What a toy worker's method returns for a call that never returns (`FakeGroup.run`)."""
+
+
 class ToyEngine:
     """`RolloutWorker`'s methods over a deterministic toy sampler (no model, no tokenizer)."""
 
@@ -223,6 +244,8 @@ class ToyEngine:
         self.asleep = False
         self.die_on_generate: int | None = None  # this generate call (from 1) kills the engine
         self.dead = False  # every call fails as a dead actor's (`FakeGroup.run`)
+        self.hang_on_generate: int | None = None  # this generate call (from 1) and later ones never return
+        self.killed = False  # `FakeGroup.replace` put a new engine in its place
         self.synced_with: list[Any] = []  # the specs `init_sync` joined
 
     def ready(self) -> Any:
@@ -239,6 +262,8 @@ class ToyEngine:
         if self.die_on_generate is not None and len(self.generated) + 1 >= self.die_on_generate:
             self.dead = True
             raise RayActorError("The actor died unexpectedly before finishing this task (a fake SIGKILL)")
+        if self.hang_on_generate is not None and len(self.generated) + 1 >= self.hang_on_generate:
+            return HANG  # a hung call is not in `generated`: the later ones hang too
         self.generated.append(
             {
                 "indices": [prompt.index for prompt in prompts],
@@ -482,7 +507,7 @@ def fake_run(
     device: str = "cpu",
 ) -> FakeRun:
     """Build the loop of `config` over toy workers: `ranks` per learner role (policy, plus ref /
-    teacher / critic when the config needs them; the teacher's log-probs are −1.5, the others'
+    teacher / critic / reward_model when the config needs them; the reward model scores 0.5; the teacher's log-probs are −1.5, the others'
     −1), `engines` toy engines. Call under `use_fake_ray`.
 
     `resume_from` (role -> checkpoint folder) and `checkpoints` (an earlier run's store) make the
@@ -508,6 +533,7 @@ def fake_run(
         + (["ref"] if config.needs_reference else [])
         + (["teacher"] if config.needs_teacher else [])
         + (["critic"] if config.needs_critic else [])
+        + (["reward_model"] if config.model.reward_pretrain is not None else [])
     )
     # a teacher that likes every sampled token less than the policy does: d_t = −1 − (−1.5) = 0.5
     logprob = {"teacher": -1.5}

@@ -246,3 +246,157 @@ def test_a_hybrid_engine_that_died_before_its_sleep_is_restarted_synced_and_put_
     assert [call["version"] for call in new.generated] == [2, 3]
     assert "weights of version 1 in" in tracker.warnings[1]  # then the sleep call issued again
     assert not new.asleep  # awake after the last step's wake-up
+
+
+def test_an_engine_whose_generation_never_returns_is_killed_restarted_resynced_and_the_step_completes():
+    """`health.engine_stall_stop_s` on a hung engine (its call never answers, `ray.wait` never
+    reports it, and a `ray.get` of it would fail the test): the engine is killed without its call
+    being waited on again, a new one gets the current weights and the same call, and every step
+    trains what an uninterrupted run trains. The fakes' waits take no time: the deadline is counted
+    in wait slices, so the test waits for nothing."""
+    stall = {"health.engine_stall_stop_s": 1.0}
+    reference = fake_run(config(**stall))
+    reference.fit()
+    run = fake_run(config(**stall))
+    run.engines[0].hang_on_generate = 3  # step 3's generation never returns
+    tracker = run.fit()
+
+    assert tracker.steps() == [1, 2, 3, 4]
+    assert run.roles.engines.replaced == [0]
+    hung, new = run.engines[0], run.engines[1]
+    assert hung.killed
+    assert len(hung.generated) == 2  # it served steps 1 and 2, then hung
+    # the new engine joined the sync and got version 2 before it served step 3's call again
+    assert len(new.synced_with) == 1
+    assert generate_calls(new)[0] == generate_calls(reference.engines[0])[2]
+    assert trained(run) == trained(reference)
+    metrics = dict(tracker.logged)
+    assert [metrics[step]["engine/restarts/hung"] for step in (1, 2, 3, 4)] == [0.0, 0.0, 1.0, 1.0]
+    assert [metrics[step]["engine/restarts/dead"] for step in (1, 2, 3, 4)] == [0.0] * 4
+    assert metrics[3]["engine/restarts"] == 1.0
+    stuck, restarted = tracker.warnings
+    assert stuck == (
+        "engine-0 hung: no generation answer for 1 s (health.engine_stall_stop_s = 1); "
+        "restarting it (restart 1 of 3, rollout.engine_restarts)"
+    )
+    assert "weights of version 2 in" in restarted
+    assert restarted.endswith("; 1 generation call issued again")
+
+
+def test_a_hung_engine_stops_the_run_naming_it_once_the_restarts_are_spent():
+    from rl_launch.health import HealthError
+
+    run = fake_run(config(**{"rollout.engine_restarts": 1, "health.engine_stall_stop_s": 2.0}))
+    run.engines[0].hang_on_generate = 2
+    make = run.roles.engines.make_worker
+
+    def hanging_engine():
+        engine = make()
+        engine.hang_on_generate = 1  # the restarted engine hangs on its first call too
+        return engine
+
+    run.roles.engines.make_worker = hanging_engine
+    with pytest.raises(HealthError) as stopped:
+        run.fit()
+    assert run.roles.engines.replaced == [0]
+    assert run.tracker.steps() == [1]
+    message = str(stopped.value)
+    assert message.startswith(
+        "generation has waited 2 s on engine-0 (health.engine_stall_stop_s = 2): the run stops"
+    )
+    assert "rollout.engine_restarts = 1 restarts are spent. Raise rollout.engine_restarts" in message
+    # the learners saved the last finished step before the run stopped, and the message says so
+    assert run.trainer.saved_after_failure == 1
+    assert message.endswith(". checkpoint of step 1 saved: --ckpt.load_checkpoint true continues from it")
+
+
+def test_streaming_restarts_a_hung_engine_and_trains_every_group_once():
+    settings = {"rollout.async_train": True, "rollout.streaming": True, "health.engine_stall_stop_s": 1.0}
+    reference = fake_run(config(**settings))
+    reference.fit()
+    run = fake_run(config(**settings))
+    run.engines[0].hang_on_generate = 5  # a group of the pool
+    tracker = run.fit()
+    assert tracker.steps() == [1, 2, 3, 4]
+    assert run.roles.engines.replaced == [0]
+    assert tracker.warnings[0].startswith("engine-0 hung: no generation answer for 1 s")
+    assert sorted(g for step in trained(run) for g in step[0]) == sorted(
+        g for step in trained(reference) for g in step[0]
+    )
+
+
+def test_an_engine_whose_weight_sync_receipt_never_comes_is_restarted_and_the_version_sent_again():
+    from tests.launch.fakes import HANG
+
+    run = fake_run(config())
+    engine = run.engines[0]
+    original = engine.receive
+    engine.receive = lambda version, payload=None: HANG if version == 2 else original(version, payload)
+    tracker = run.fit()
+    assert tracker.steps() == [1, 2, 3, 4]
+    assert engine.killed
+    new = run.engines[1]
+    assert [call["version"] for call in new.generated] == [2, 3]  # steps 3 and 4, on the new weights
+    assert tracker.warnings[0] == (
+        "engine-0 hung: no weight-sync receipt within 1830 s (rollout.weight_sync_timeout_s = 1800 s + 30 s); "
+        "restarting it (restart 1 of 3, rollout.engine_restarts)"
+    )
+    assert "weights of version 2 in" in tracker.warnings[1]
+    metrics = dict(tracker.logged)
+    assert metrics[2]["engine/restarts/hung"] == 1.0
+    assert metrics[2]["health/sync_checksum_match"] == 1.0
+
+
+def test_an_engine_that_never_answers_a_control_call_is_restarted_past_engine_stall_stop_s():
+    from tests.launch.fakes import HANG
+
+    run = fake_run(config(**{"health.engine_stall_stop_s": 60.0}))
+    engine = run.engines[0]
+    engine.activity = lambda: HANG  # the first step's activity call never answers
+    tracker = run.fit()
+    assert tracker.steps() == [1, 2, 3, 4]
+    assert run.roles.engines.replaced == [0]
+    assert tracker.warnings[0].startswith(
+        "engine-0 hung: no answer to activity within 60 s (health.engine_stall_stop_s); restarting it"
+    )
+    assert dict(tracker.logged)[1]["time/engine_idle_fraction"] == 0.25  # the new engine's answer
+
+
+def test_a_sync_that_fails_while_an_engine_answers_no_probe_restarts_that_engine_as_hung():
+    from tests.launch.fakes import HANG, RayError
+
+    run = fake_run(config())
+    policy, engine = run.learners["policy"][0], run.engines[0]
+    original = policy.sync
+
+    def sync(version):
+        if version == 2 and not engine.killed:  # the sender's collective times out on a hung peer
+            raise RayError("the weight-sync collective timed out after 1800 s")
+        return original(version)
+
+    policy.sync = sync
+    engine_alive = engine.alive
+    engine.alive = lambda: HANG if len(engine.generated) == 2 else engine_alive()
+    tracker = run.fit()
+    assert tracker.steps() == [1, 2, 3, 4]
+    assert engine.killed
+    assert tracker.warnings[0].startswith(
+        "engine-0 hung: no answer to a probe within 10 s after: the weight-sync collective timed out"
+    )
+    assert [call["version"] for call in run.engines[1].generated] == [2, 3]
+
+
+def test_a_hung_engine_in_the_weight_sync_stops_the_run_naming_it_once_the_restarts_are_spent():
+    from rl_launch.health import EngineHung
+    from tests.launch.fakes import HANG
+
+    run = fake_run(config(**{"rollout.engine_restarts": 0}))
+    engine = run.engines[0]
+    engine.receive = lambda version, payload=None: HANG
+    with pytest.raises(EngineHung) as stopped:
+        run.fit()
+    assert str(stopped.value).startswith(
+        "engine-0 hung: no weight-sync receipt within 1830 s (rollout.weight_sync_timeout_s = 1800 s + 30 s); "
+        "the run stops, as rollout.engine_restarts is 0 (a hung engine is not restarted). Raise "
+        "rollout.engine_restarts"
+    )

@@ -60,10 +60,11 @@ def test_a_generation_that_stalls_prints_a_line_naming_the_engine_and_its_log(mo
     fake_ray = sys.modules["ray"]
     real_wait, waits = fake_ray.wait, []
 
-    def wait(futures, num_returns=1, timeout=None):  # the first two waits time out
-        waits.append(timeout)
-        if len(waits) <= 2:
-            return [], list(futures)
+    def wait(futures, num_returns=1, timeout=None):  # the first two generation waits time out
+        if timeout == 0.5:  # the warning period (the weight sync's and other calls' deadlines differ)
+            waits.append(timeout)
+            if len(waits) <= 2:
+                return [], list(futures)
         return real_wait(futures, num_returns=num_returns, timeout=timeout)
 
     monkeypatch.setattr(fake_ray, "wait", wait)
@@ -82,9 +83,9 @@ def test_a_generation_past_engine_stall_stop_s_stops_the_run_naming_the_engine(m
     from rl_launch.health import HealthError
 
     use_fake_ray(monkeypatch)
-    run = fake_run(
-        config(**{"train.max_steps": 1, "health.engine_stall_warn_s": 0.5, "health.engine_stall_stop_s": 1.0})
-    )
+    stall = {"health.engine_stall_warn_s": 0.5, "health.engine_stall_stop_s": 1.0}
+    # with engine restarts (test_engine_restart): the hung engine is restarted instead
+    run = fake_run(config(**{"train.max_steps": 1, "rollout.engine_restarts": 0, **stall}))
     (tmp_path / "engine-0.log").write_text("engine-0: pid 1\nstuck in the reward\n")
     lines: list[str] = []
     run.rollouts.notify, run.rollouts.log_dir = lines.append, str(tmp_path)
@@ -97,6 +98,7 @@ def test_a_generation_past_engine_stall_stop_s_stops_the_run_naming_the_engine(m
         f"generation has waited 1 s on engine-0 (health.engine_stall_stop_s = 1); "
         f"last line of {log}: stuck in the reward: the run stops"
     )
+    assert "and rollout.engine_restarts is 0 (a hung engine is not restarted)" in str(stopped.value)
     assert lines == [
         f"warning: generation has waited 0.5 s on engine-0 (health.engine_stall_warn_s = 0.5); "
         f"last line of {log}: stuck in the reward"

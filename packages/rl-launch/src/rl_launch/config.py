@@ -322,12 +322,14 @@ class RolloutConfig(_Section):
     reader waiting for a version). In async mode an engine receives after the generations queued
     before it, so this bounds a generation too; it is not ray.startup_timeout_s."""
     engine_restarts: NonNegativeInt = 3
-    """How many times in a run a rollout engine that died (killed, OOM, crashed) is restarted in place
-    (`rl_launch.supervisor`): a new engine actor on the same placement bundle, joined to the weight
-    sync and given the current policy version before it serves, then the generation calls that were
-    in flight on the dead one are issued again; the console and the metrics (engine/restarts,
-    engine/restart_s) say so. 0: a dead engine ends the run with its diagnosis and a checkpoint of
-    the last finished step, as a dead learner always does."""
+    """How many times in a run a rollout engine that died (killed, OOM, crashed) or hung (no answer
+    to a generation call within health.engine_stall_stop_s: its actor is killed) is restarted in
+    place (`rl_launch.supervisor`): a new engine actor on the same placement bundle, joined to the
+    weight sync and given the current policy version before it serves, then the generation calls
+    that were in flight on the old one are issued again; the console and the metrics
+    (engine/restarts, engine/restarts/dead, engine/restarts/hung, engine/restart_s) say so. 0: a dead
+    engine ends the run with its diagnosis and a checkpoint of the last finished step, as a dead
+    learner always does, and a hung one stops it at health.engine_stall_stop_s."""
     async_train: bool = False
     """Generate ahead of training: step t + k's rollouts are submitted before step t trains, on the
     weights the engines hold then. Records carry the policy version they came from, and the
@@ -492,9 +494,14 @@ class RewardConfig(_Section):
     """Seconds reward.function may take on one call (the samples of one generation call): past it
     the call is abandoned (it runs on a thread of its own, so signal-based timeouts inside it do
     not work) and follows reward.on_error, counted in reward/timeouts; None: no deadline, inline."""
+    model_timeout_s: Positive | None = 1800.0
+    """Seconds the reward model (model.reward_pretrain) may take to score one step's samples, from when
+    the learners' forwards are asked: past it its scores are abandoned and follow reward.on_error
+    (fallback: the step's samples get the score reward.fallback, counted in reward/timeouts and
+    reward/fallbacks/model), as a forward of it that raises does; None: no deadline."""
     on_error: Literal["raise", "fallback"] = "raise"
     """A reward source that failed for good (a request to a reward server; reward.function raising
-    or past reward.function_timeout_s) stops the run (raise) or gives its samples `reward.fallback`
+    or past reward.function_timeout_s; the reward model raising or past reward.model_timeout_s) stops the run (raise) or gives its samples `reward.fallback`
     (counted in reward/fallbacks; health.max_fallback_fraction stops a run that trains on them)."""
     fallback: float = 0.0
     """Reward of the samples of a failed source under on_error fallback."""
@@ -912,9 +919,11 @@ class HealthConfig(_Section):
     seconds (and again every as many), naming the engines and the last line of their logs (a
     reward server retrying, a stuck engine); None: never."""
     engine_stall_stop_s: Positive | None = 3600.0
-    """Stop the run (exit code 1, with a diagnosis naming the engines and their logs' last line)
-    when a step's generation has waited this many seconds on the engines (streaming: since the last
-    group finished), checked every min(this, engine_stall_warn_s) seconds; None: wait forever."""
+    """When a step's generation has waited this many seconds on the engines (streaming: since the
+    last group finished), checked every min(this, engine_stall_warn_s) seconds, those engines are
+    hung: each is killed and restarted, its calls issued again (rollout.engine_restarts), or, with
+    no restart left, the run stops (exit code 1, naming the engines and their logs' last line).
+    None: wait forever."""
     max_fallback_fraction: UnitInterval | None = 0.5
     """Stop the run when more than this fraction of a step's samples got a fallback reward (a
     failed reward source under reward.on_error fallback, a failed episode under the executor's

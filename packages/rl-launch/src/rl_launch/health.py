@@ -22,11 +22,22 @@ from collections.abc import Mapping
 
 from .config import PPOConfig
 
-__all__ = ["HealthError", "HealthMonitor"]
+__all__ = ["EngineHung", "HealthError", "HealthMonitor"]
 
 
 class HealthError(RuntimeError):
     """The run stops: its steps cannot make progress (the message says why and what to check)."""
+
+
+class EngineHung(HealthError):
+    """Rollout engines that did not answer a call within its deadline: `engines` (their indices)
+    and `what` (the call, the seconds, the option that sets them). `rl_launch.supervisor` restarts
+    them while `rollout.engine_restarts` allow; raised past that, the run stops with this message
+    (`message`: a whole message of its own instead of "engine-0 hung: <what>")."""
+
+    def __init__(self, engines: list[int], what: str, *, message: str | None = None) -> None:
+        self.engines, self.what = list(engines), what
+        super().__init__(message or f"{', '.join(f'engine-{index}' for index in self.engines)} hung: {what}")
 
 
 class HealthMonitor:
@@ -60,8 +71,9 @@ class HealthMonitor:
             f"health.max_fallback_fraction = {health.max_fallback_fraction:g} for health.max_fallback_steps = "
             f"{health.max_fallback_steps} steps in a row), from {named or 'unnamed sources'} "
             f"(reward/timeouts = {metrics.get('reward/timeouts', 0.0):g}). The rewards are constants, not "
-            "the task's: check the sources named (a reward server that is down, a reward function that raises "
-            "or runs past reward.function_timeout_s, episodes that fail: see the rollout workers' logs)"
+            "the task's: check the sources named (a reward server that is down, a reward function or model that "
+            "raises or runs past reward.function_timeout_s / model_timeout_s, episodes that fail: see the "
+            "rollout workers' logs)"
         )
 
     def _source_name(self, source: str) -> str:
@@ -71,6 +83,8 @@ class HealthMonitor:
             return f"reward.function ({reward.function or 'the preset'!s})"
         if source.startswith("remote_") and source[7:].isdigit() and int(source[7:]) < len(reward.urls):
             return f"reward.remote_url {reward.urls[int(source[7:])]}"
+        if source == "model":
+            return f"the reward model ({self.config.model.reward_pretrain}; reward.model_timeout_s = {reward.model_timeout_s})"
         if source == "episode":
             return f"failed episodes (rollout.executor {self.config.rollout.executor or 'by the preset'})"
         return source

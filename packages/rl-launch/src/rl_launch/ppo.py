@@ -39,10 +39,11 @@ from .components import describe_components
 from .components.objective import old_logprobs_from_training, policy_loss_config, value_loss_config
 from .config import PPOConfig, hf_output_dir
 from .diagnosis import death_cause, describe_actor_failure, failed_actor_name, is_actor_failure
-from .health import HealthMonitor
+from .health import EngineHung, HealthMonitor
 from .preemption import STARTUP_STOP, Preempted, PreemptionGuard
+from .reward_model import RewardModelError, fallback_scores
 from .roles import Roles
-from .rollouts import Rollouts, completion_rows
+from .rollouts import Rollouts, completion_rows, fallback_metrics
 from .tracking import PhaseTimer, StartupLines, Tracker, print_outputs, quiet_third_party_output, step_metrics
 
 __all__ = ["PPORecipe", "PPOTrainer", "run", "steps_of_episodes"]
@@ -95,12 +96,16 @@ class PPOTrainer:
     def make_experience(self, records: list[Trajectory]) -> tuple[ExperienceBatch, dict[str, float]]:
         """The learners' forwards (all roles at once), then the advantages of the chosen estimator."""
         batch = build_experience(records)
-        scores = self.roles.forwards(
-            batch,
-            old_logprobs=not old_logprobs_from_training(self.config),
-            temperature=self.config.rollout.temperature,
-        )
-        rewards, metrics = batch.rewards.clone(), reward_metrics(records)
+        try:
+            scores = self.roles.forwards(
+                batch,
+                old_logprobs=not old_logprobs_from_training(self.config),
+                temperature=self.config.rollout.temperature,
+            )
+        except RewardModelError as failure:  # past reward.model_timeout_s, or its forward raised
+            scores = fallback_scores(self.config, failure, records)  # reward.on_error
+        rewards = batch.rewards.clone()
+        metrics = reward_metrics(records) | fallback_metrics(records)  # with the reward model's fallbacks
         if scores is not None:
             metrics["reward/model_mean"] = float(scores.mean())
             if self.score_normalization is not None:
@@ -373,9 +378,12 @@ class PPOTrainer:
                 if preemption is None or not preemption.requested or preemption.forced:
                     raise
                 raise self.stop_for_signal(preemption, step - 1, saved_step, finished) from None
-            except Exception as error:  # an engine died or failed: the learners may still save
-                if is_actor_failure(error) and step - 1 > saved_step:
+            except Exception as error:  # an engine died, failed or hung: the learners may still save
+                if (is_actor_failure(error) or isinstance(error, EngineHung)) and step - 1 > saved_step:
                     self.save_after_failure(step - 1, finished, error)
+                    if isinstance(error, EngineHung):  # `rl-launch: stopped: ...` says what was saved
+                        saved = "; ".join(self.after_failure(error))
+                        raise EngineHung(error.engines, error.what, message=f"{error}. {saved}") from error
                 raise
             with timer.phase("training"):
                 metrics |= experience | self.train(batch, step)

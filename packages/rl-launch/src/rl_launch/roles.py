@@ -43,6 +43,7 @@ from .handoff import HandOff, hand_off_for
 from .learner_settings import frozen_offload, learner_dtype
 from .placement import Placement
 from .rendezvous import local_ranks
+from .reward_model import collect_scores
 from .specs import engine_concurrency_groups, engine_spec, header_variables, learner_specs
 from .supervisor import EngineSupervisor
 from .weights import WeightSync
@@ -256,7 +257,8 @@ class Roles:
         self, batch: ExperienceBatch, *, old_logprobs: bool, temperature: float
     ) -> torch.Tensor | None:
         """Fill the batch's old / reference / teacher log-probs and values; the reward-model scores
-        [B] or None. The teacher scores the sampled tokens at the sampling temperature, as the
+        [B] or None (`RewardModelError` past reward.model_timeout_s or when its forward raised, the
+        batch filled). The teacher scores the sampled tokens at the sampling temperature, as the
         policy and the reference do, so that d_t = log π − log π_T compares like with like.
 
         Every role that has something to compute starts at once, and one wait collects them all.
@@ -273,15 +275,18 @@ class Roles:
         if "reward_model" in self.groups:
             calls["scores"] = ("reward_model", "scores", ())
         parts = {name: self.split(batch, role) for name, (role, _, _) in calls.items()}
+        asked_at = time.monotonic()
         futures = {
             name: self.groups[role].submit(method, per_rank=[(p, *args) for p in parts[name]])
             for name, (role, method, args) in calls.items()
         }
-        results = _get_all(futures)
-        for name in calls:
-            if name != "scores":
-                setattr(batch, name, _assemble(batch, parts[name], results[name]))
-        return _assemble_scores(batch, parts["scores"], results["scores"]) if "scores" in calls else None
+        scores = futures.pop("scores", None)
+        for name, results in _get_all(futures).items():
+            setattr(batch, name, _assemble(batch, parts[name], results))
+        if scores is None:
+            return None
+        # within reward.model_timeout_s of the ask, else RewardModelError (`rl_launch.reward_model`)
+        return _assemble_scores(batch, parts["scores"], collect_scores(scores, self.config, asked_at))
 
     def train(self, mini: ExperienceBatch, losses: dict[str, Any]) -> dict[str, dict[str, float]]:
         """One optimizer step of each trained role on `mini` (at once); role -> its metrics."""

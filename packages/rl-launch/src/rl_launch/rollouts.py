@@ -54,7 +54,7 @@ from .actors import ACTIVITY_GROUP, GENERATE_GROUP, ActorGroup
 from .components import estimator_needs
 from .config import PPOConfig
 from .evaluation import eval_metrics
-from .health import HealthError
+from .health import EngineHung
 
 __all__ = ["InFlight", "Rollouts", "StreamGroup", "completion_rows", "drop_stale", "rollout_metrics"]
 
@@ -364,18 +364,19 @@ class Rollouts:
 
     def collect(self, futures: list) -> list[Trajectory]:
         """The records of generation `futures`; a line to `notify` every
-        `health.engine_stall_warn_s` seconds they keep the driver waiting, and `HealthError` (the
-        run stops, naming the engines) once they have kept it `health.engine_stall_stop_s`."""
-        import ray
-
+        `health.engine_stall_warn_s` seconds they keep the driver waiting, and once they have kept
+        it `health.engine_stall_stop_s`, the engines they wait on are restarted as hung (their
+        calls issued again, `rollout.engine_restarts`) or, with no restart left, `EngineHung`
+        (the run stops, naming the engines)."""
         every = self._wait_slice()
         if every is not None:
             waited, pending = 0.0, list(futures)
             while pending:
-                _, pending = ray.wait(pending, num_returns=len(pending), timeout=every)
+                pending = self._still_running(pending, len(pending), every)
                 if pending:
                     waited += every
-                    self._stalled(pending, waited)
+                    if self._stalled(pending, waited):
+                        waited = 0.0  # the restarted engines' calls: a new deadline
         try:
             # the engines' `get`: with `rl_launch.supervisor`, a dead engine's calls are issued again
             return [
@@ -396,23 +397,67 @@ class Rollouts:
         slices = [value for value in (warn, stop) if value is not None]
         return min(slices) if slices else None
 
-    def _stalled(self, pending: list, waited: float) -> None:
-        """`waited` seconds on `pending`: a warning line each warning period (when it falls due),
-        `HealthError` at `health.engine_stall_stop_s`."""
+    def _current(self, future: Any) -> Any:
+        """The call standing for generation `future` now: a restarted engine's re-issued call
+        (`EngineSupervisor.current`), else `future` itself."""
+        current = getattr(self.engines, "current", None)
+        return current(future) if current is not None else future
+
+    def _still_running(self, futures: list, num_returns: int, timeout: float | None) -> list:
+        """`ray.wait` on the calls standing for `futures` now (never on a hung engine's abandoned
+        call); the ones of `futures` it did not return (still running, or beyond `num_returns`),
+        in their order."""
+        import ray
+
+        current = [self._current(future) for future in futures]
+        _, running = ray.wait(current, num_returns=num_returns, timeout=timeout)
+        still = {id(call) for call in running}
+        return [future for future, call in zip(futures, current) if id(call) in still]
+
+    def _stalled(self, pending: list, waited: float) -> bool:
+        """`waited` seconds on `pending`: a warning line each warning period (when it falls due); at
+        `health.engine_stall_stop_s` the engines of `pending` are restarted as hung (True: their
+        calls were issued again) or, when `rollout.engine_restarts` cannot cover them, `EngineHung`."""
         health = self.config.health
         stop = health.engine_stall_stop_s
         if stop is not None and waited >= stop - 1e-9:
-            raise HealthError(
-                f"{self.stall_line(pending, waited, option='engine_stall_stop_s')}: the run stops, as a step "
-                "whose generation never ends would hold it forever (a hung engine, a reward or an environment "
-                "that never returns; see that log). Raise health.engine_stall_stop_s (or set it to none) when "
-                "a step's generation legitimately takes longer"
-            )
+            self._restart_hung(pending, waited)
+            return True
         warn = health.engine_stall_warn_s
         if warn is not None and self.notify is not None:
             due = math.floor(waited / warn + 1e-9) > math.floor((waited - self._wait_slice()) / warn + 1e-9)
             if due:
                 self.notify(self.stall_line(pending, waited))
+        return False
+
+    def _restart_hung(self, pending: list, waited: float) -> None:
+        """The engines `pending` waited `waited` s on are hung: each is killed, restarted, given the
+        current weights and asked its calls again (`EngineSupervisor.restart`); `EngineHung` when
+        the restarts left (`rollout.engine_restarts`) cannot cover them all."""
+        stop = self.config.health.engine_stall_stop_s
+        engines = sorted({self._engine_of.get(id(future), -1) for future in pending})
+        left = getattr(self.engines, "restarts_left", 0)
+        limit = self.config.rollout.engine_restarts
+        if -1 in engines or len(engines) > left:
+            spent = (
+                f"rollout.engine_restarts = {limit} restarts are spent"
+                if limit
+                else "rollout.engine_restarts is 0 (a hung engine is not restarted)"
+            )
+            what = f"no generation answer for {waited:g} s (health.engine_stall_stop_s = {stop:g})"
+            raise EngineHung(
+                [index for index in engines if index >= 0],
+                what,
+                message=f"{self.stall_line(pending, waited, option='engine_stall_stop_s')}: the run stops, as a step "
+                "whose generation never ends would hold it forever (a hung engine, a reward or an environment "
+                f"that never returns; see that log), and {spent}. Raise rollout.engine_restarts to restart "
+                "hung engines more often, or health.engine_stall_stop_s (or set it to none) when a step's "
+                "generation legitimately takes longer",
+            )
+        for index in engines:
+            self.engines.restart(
+                index, f"hung: no generation answer for {waited:g} s (health.engine_stall_stop_s = {stop:g})"
+            )
 
     def stall_line(self, pending: list, waited: float, option: str = "engine_stall_warn_s") -> str:
         """ "generation has waited 120 s on engine-0 ...; the last line of its log: ..." """
@@ -477,8 +522,6 @@ class Rollouts:
         filtering); the pool topped up before and after. Metrics as `generate`'s, plus
         async/pool_groups (the pool when the step began to wait), async/dropped_stale_groups and
         async/rounds_added (rounds drawn because the pool ran dry: drops, filtering)."""
-        import ray
-
         r, steps = self.config.rollout, self.config.train.max_steps
         self.top_up(steps - step + 1)
         pool_size = len(self.pool)
@@ -496,14 +539,14 @@ class Rollouts:
                 continue
             futures = [group.future for group in self.pool.values()]
             wanted = min(r.rollout_batch_size - len(kept), len(futures))
-            ready, _ = ray.wait(futures, num_returns=wanted, timeout=every)
-            if not ready:
+            running = {id(future) for future in self._still_running(futures, wanted, every)}
+            if len(running) == len(futures):
                 waited += every
-                self._stalled(futures, waited)
+                if self._stalled(futures, waited):
+                    waited = 0.0  # the restarted engines' groups: a new deadline
                 continue
             waited = 0.0  # progress: a stall is counted from the last group that finished
-            finished = {id(future) for future in ready}
-            done = [group for group in self.pool.values() if id(group.future) in finished]
+            done = [group for group in self.pool.values() if id(group.future) not in running]
             by_group: dict[int, list[Trajectory]] = {group.group_id: [] for group in done}
             for record in self.collect([group.future for group in done]):  # one ray.get for them all
                 by_group[record.group_id].append(record)

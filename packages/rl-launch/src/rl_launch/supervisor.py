@@ -26,9 +26,21 @@ this run) and engine/restart_s (the seconds restarts took since the last step's 
 restarts are spent, the next death goes up as with N = 0: the run stops with its diagnosis
 after the learners save the last finished step. A learner's death is never restarted.
 
-A hung engine (one that does not answer within a deadline the caller keeps) is handed to
-`restart(index, why)`: it is killed and restarted the same way, and the caller's next `get` of
-its futures returns the re-issued calls' results.
+A hung engine is restarted the same way (its actor killed, its calls never waited on again,
+the re-issued calls' results standing in for theirs); an engine is hung when
+
+    generation    a step's generation waited `health.engine_stall_stop_s` on it (the rollouts
+                  hand it to `restart(index, why)`; their next `get`, or a `ray.wait` on
+                  `current(future)`, sees the re-issued calls)
+    get           any other call through `get` (activity, sleep, wake-up) is still out after
+                  `health.engine_stall_stop_s`
+    weight sync   its receipt is still out after `rollout.weight_sync_timeout_s` + a margin
+                  (`EngineHung` from `WeightSync`), or a sync failed and it does not answer a
+                  probe within `PROBE_S`
+
+`metrics()` counts the restarts by cause too: engine/restarts/dead, engine/restarts/hung. Once
+the restarts are spent, a hung engine stops the run with `EngineHung` (a `HealthError`) naming
+it, how long it kept the run waiting and the options to raise.
 """
 
 from __future__ import annotations
@@ -40,6 +52,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from .actors import ACTIVITY_GROUP
+from .health import EngineHung
 
 __all__ = ["EngineRestart", "EngineSupervisor"]
 
@@ -53,6 +66,7 @@ class EngineRestart:
 
     index: int
     cause: str
+    kind: str  # "dead" (the engine died: Ray or vLLM said so) or "hung" (a caller's deadline passed)
     start_s: float  # the new actor, from the kill until it was ready
     sync_s: float  # joining the weight sync and receiving the last version
     version: int  # the policy version it was given
@@ -110,8 +124,8 @@ class EngineSupervisor:
         self._replaced: dict[int, tuple[Any, Any]] = {}  # id(lost future) -> (it, its re-issued call)
         self._unlogged_s = 0.0  # restart seconds since the last `metrics()`
         # engines restarted by a sync's failure, their calls issued once it is sent again:
-        # index -> (cause, start seconds, when the sync began)
-        self._unfinished: dict[int, tuple[str, float, float]] = {}
+        # index -> (cause, kind, start seconds, when the sync began)
+        self._unfinished: dict[int, tuple[str, str, float, float]] = {}
 
     # ------------------------------------------------------------------------------------------
     # The ActorGroup the rollouts use
@@ -148,14 +162,21 @@ class EngineSupervisor:
         ]
 
     def get(self, futures: Sequence[Any]) -> list:
-        """`ray.get(futures)`; when an engine died, it is restarted (`restart`), the calls lost
-        with it are issued again and their results stand in for the lost ones. Any other error,
-        and a death once `rollout.engine_restarts` are spent, is raised as it came."""
+        """`ray.get(futures)`; when an engine died, or has calls still out after
+        `health.engine_stall_stop_s` (hung), it is restarted (`restart`), the calls lost with it
+        are issued again and their results stand in for the lost ones. Any other error, and a
+        death once `rollout.engine_restarts` are spent, is raised as it came (a hang as `EngineHung`)."""
         import ray
 
         futures = list(futures)
+        deadline = self.config.health.engine_stall_stop_s
         while True:
             current = [self._current(future) for future in futures]
+            if deadline is not None and current:
+                _, waiting = ray.wait(current, num_returns=len(current), timeout=deadline)
+                if waiting:
+                    self._recover(self._hung(waiting, deadline), send=True)
+                    continue
             try:
                 results = ray.get(current)
             except Exception as error:
@@ -183,8 +204,8 @@ class EngineSupervisor:
             except Exception as error:
                 self._recover(error, send=False)
         unfinished, self._unfinished = self._unfinished, {}
-        for index, (cause, start_s, synced_from) in unfinished.items():
-            self._finish(index, cause, start_s, time.perf_counter() - synced_from, sent=True)
+        for index, (cause, kind, start_s, synced_from) in unfinished.items():
+            self._finish(index, cause, kind, start_s, time.perf_counter() - synced_from, sent=True)
         return metrics
 
     def settle(self) -> dict[str, float]:
@@ -199,14 +220,47 @@ class EngineSupervisor:
     # Restarts
 
     def metrics(self) -> dict[str, float]:
-        """engine/restarts (so far in this run) and engine/restart_s (seconds since the last call)."""
+        """engine/restarts (so far in this run), of them engine/restarts/dead (engines that died)
+        and engine/restarts/hung (engines a deadline gave up on), and engine/restart_s (seconds the
+        restarts took since the last call)."""
         took, self._unlogged_s = self._unlogged_s, 0.0
-        return {"engine/restarts": float(len(self.restarts)), "engine/restart_s": took}
+        hung = sum(restart.kind == "hung" for restart in self.restarts)
+        return {
+            "engine/restarts": float(len(self.restarts)),
+            "engine/restarts/dead": float(len(self.restarts) - hung),
+            "engine/restarts/hung": float(hung),
+            "engine/restart_s": took,
+        }
+
+    @property
+    def restarts_left(self) -> int:
+        """Restarts `rollout.engine_restarts` still allows in this run."""
+        return max(self.limit - len(self.restarts) - len(self._unfinished), 0)
+
+    def current(self, future: Any) -> Any:
+        """The call that stands for `future` now: its re-issued call on a restarted engine (after
+        any number of restarts), else `future` itself. Wait on this, never on a hung engine's call."""
+        return self._current(future)
+
+    def _hung(self, waiting: Sequence[Any], deadline: float) -> EngineHung:
+        """The engines of the calls `waiting` (still out after `deadline` seconds of `get`)."""
+        out = {id(future) for future in waiting}
+        calls = [call for call in self._calls.values() if id(call.future) in out]
+        methods = ", ".join(sorted({call.method for call in calls})) or "a call"
+        return EngineHung(
+            sorted({call.index for call in calls}),
+            f"no answer to {methods} within {deadline:g} s (health.engine_stall_stop_s)",
+        )
 
     def dead_engines(self, error: BaseException) -> list[int]:
         """The indices of the engines that died, as far as `error` and a probe tell: the actor a
         `RayActorError` names, else every engine whose probe fails with one. [] when `error` is
         not a death (nor a failure an engine's death can cause: Ray's report of a failed call)."""
+        return self._failed_engines(error)[0]
+
+    def _failed_engines(self, error: BaseException) -> tuple[list[int], list[int]]:
+        """(dead, silent): `dead_engines`, and the engines whose probe did not answer within
+        `PROBE_S` (hung: a live engine answers `alive` from a thread of its own at once)."""
         import ray
 
         from .diagnosis import is_actor_failure
@@ -222,39 +276,66 @@ class EngineSupervisor:
             actor_id.hex() if hasattr(actor_id, "hex") and not isinstance(actor_id, str) else actor_id
         )
         if named is not None and (_died(error) or _engine_dead(error)):
-            return [named]
+            return [named], []
         if not (_died(error) or is_actor_failure(error)):
-            return []
+            return [], []
         probes = [
             self.engines.submit_to(index, "alive", concurrency_group=ACTIVITY_GROUP)
             for index in range(len(self))
         ]
-        ray.wait(probes, num_returns=len(probes), timeout=PROBE_S)
-        dead = []
+        answered, _ = ray.wait(probes, num_returns=len(probes), timeout=PROBE_S)
+        answered_ids = {id(probe) for probe in answered}
+        dead, silent = [], []
         for index, probe in enumerate(probes):
+            if id(probe) not in answered_ids:
+                silent.append(index)
+                continue
             try:
-                ray.get(probe, timeout=0)
+                ray.get(probe)
             except Exception as failure:
                 if _died(failure):
                     dead.append(index)
-        return dead
+        return dead, silent
 
     def _recover(self, error: BaseException, *, send: bool) -> None:
-        """Restart the engines `error` says died; raise `error` when none did, or no restart is left."""
-        dead = self.dead_engines(error)
-        if not dead or len(self.restarts) + len(self._unfinished) + len(dead) > self.limit:
+        """Restart the engines that `error` (or a probe after it) says died or hung; raise `error`
+        when none did, and when the restarts left cannot cover them (a hang as `EngineHung`,
+        naming the options)."""
+        if isinstance(error, EngineHung):
+            dead, hung, what = [], error.engines, error.what
+        else:
+            dead, hung = self._failed_engines(error)
+            what = f"no answer to a probe within {PROBE_S:g} s after: {str(error).strip()[:200]}"
+        if not dead and not hung:
             raise error
+        if len(dead) + len(hung) > self.restarts_left:
+            if not hung:
+                raise error
+            spent = (
+                f"rollout.engine_restarts = {self.limit} restarts are spent"
+                if self.limit
+                else "rollout.engine_restarts is 0 (a hung engine is not restarted)"
+            )
+            raise EngineHung(
+                hung,
+                f"{what}; the run stops, as {spent}. Raise rollout.engine_restarts to restart hung engines "
+                "more often, or the deadline named when an engine legitimately takes longer",
+            ) from error
         for index in dead:
             self.restart(index, error, send=send)
+        for index in hung:
+            self.restart(index, f"hung: {what}", send=send)
 
     def restart(self, index: int, why: BaseException | str, *, send: bool = True) -> EngineRestart | None:
         """Kill engine `index` (dead already, or hung: `why` says so in words), start it again on
         its bundle, join it to the weight sync and give it the last version sent, then issue its
-        lost calls again; the record. With `send` False (a sync found the death) it only joins:
+        lost calls again; the record. `why` a string: the engine hung (the caller's words, counted
+        in engine/restarts/hung); an error: it died. With `send` False (a sync found the death) it only joins:
         `send` sends the version to every engine again and then issues the calls (None here).
         Raises RuntimeError when `rollout.engine_restarts` are spent."""
         name = f"engine-{index}"
         cause = self._cause(why)
+        kind = "hung" if isinstance(why, str) else "dead"
         if len(self.restarts) + len(self._unfinished) >= self.limit:
             raise RuntimeError(f"{name} {cause}; rollout.engine_restarts = {self.limit} restarts are spent")
         count = len(self.restarts) + len(self._unfinished) + 1
@@ -268,18 +349,20 @@ class EngineSupervisor:
         if not send:
             if weights is not None:
                 weights.rejoin(index, send=False)
-            self._unfinished[index] = (cause, started - began, started)
+            self._unfinished[index] = (cause, kind, started - began, started)
             return None
         if weights is not None:
             weights.rejoin(index)
         return self._finish(
-            index, cause, started - began, time.perf_counter() - started, sent=weights is not None
+            index, cause, kind, started - began, time.perf_counter() - started, sent=weights is not None
         )
 
-    def _finish(self, index: int, cause: str, start_s: float, sync_s: float, *, sent: bool) -> EngineRestart:
+    def _finish(
+        self, index: int, cause: str, kind: str, start_s: float, sync_s: float, *, sent: bool
+    ) -> EngineRestart:
         """Issue engine `index`'s lost calls again, keep the record, say it on the console."""
         version = self.roles.weights.version if self.roles.weights is not None else 0
-        record = EngineRestart(index, cause, start_s, sync_s, version, self._reissue(index))
+        record = EngineRestart(index, cause, kind, start_s, sync_s, version, self._reissue(index))
         self.restarts.append(record)
         self._unlogged_s += record.seconds
         given = f"weights of version {version} in {sync_s:.1f} s" if sent else "no weight sync"

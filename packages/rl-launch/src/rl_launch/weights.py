@@ -7,6 +7,11 @@ sync; in async mode an engine takes a version after the generations queued befor
 receipts of a sync are compared later (`settle`). `rejoin(index)` joins an engine restarted in
 place (`rl_launch.supervisor`) and gives it the last version sent before it serves. `sweep`
 removes what a killed sender left.
+
+The driver waits for the engines' receipts at most `rollout.weight_sync_timeout_s` +
+`RECEIPT_MARGIN_S` (an engine's receive gives up on its peers within weight_sync_timeout_s and
+says so); an engine that has not answered by then is hung (`EngineHung`, which the supervisor
+restarts it for), never waited on forever.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from .actors import RECEIVE_GROUP
 from .components.weight_sync import SYNC_STRATEGIES, SyncContext, SyncPlacement, choose_weight_sync
 from .config import PPOConfig
 from .handoff import HandOff
+from .health import EngineHung
 from .placement import Placement
 
 __all__ = ["WeightSync", "weight_sync_strategy"]
@@ -45,6 +51,11 @@ def weight_sync_strategy(config: PPOConfig, placement: Placement) -> str:
     across GPUs (NCCL) or nodes (gloo), shm for CPU engines on the node of policy rank 0."""
     chosen = config.rollout.weight_sync
     return choose_weight_sync(sync_placement(config, placement)) if chosen == "auto" else chosen
+
+
+RECEIPT_MARGIN_S = 30.0
+"""Seconds beyond rollout.weight_sync_timeout_s the driver waits for an engine's receipt (the
+engine's own timeout error on its way back)."""
 
 
 def _sync_metrics(report: Any) -> dict[str, float]:
@@ -134,9 +145,7 @@ class WeightSync:
             return {}
         report, received, mismatched = self._transfer(self.version, targets)
         if mismatched is None:
-            mismatched = sum(
-                len(compare_checksums(report, other)) for other in ray.get(list(received.values()))
-            )
+            mismatched = sum(len(compare_checksums(report, other)) for other in self._receipts_of(received))
         return _sync_metrics(report) | {"health/sync_checksum_match": float(mismatched == 0)}
 
     def send(self, version: int) -> dict[str, float]:
@@ -148,7 +157,6 @@ class WeightSync:
         its GPU, then the ranks release them. Every policy rank returns (report, payload): the
         report is None off the sending ranks, the payload None where the transport carries it all.
         """
-        import ray
 
         if self.name == "none":
             return {}
@@ -160,9 +168,7 @@ class WeightSync:
             self._receipts.append((report, received))
             return _sync_metrics(report) | self._settle_receipts(wait=False)
         if mismatched is None:
-            mismatched = sum(
-                len(compare_checksums(report, other)) for other in ray.get(list(received.values()))
-            )
+            mismatched = sum(len(compare_checksums(report, other)) for other in self._receipts_of(received))
         return _sync_metrics(report) | {"health/sync_checksum_match": float(mismatched == 0)}
 
     def _transfer(self, version: int, targets: list[int]) -> tuple[Any, dict[int, Any], int | None]:
@@ -187,7 +193,7 @@ class WeightSync:
                 )
                 for index in targets
             }
-            reports = dict(zip(received, ray.get(list(received.values())), strict=True))
+            reports = dict(zip(received, self._receipts_of(received), strict=True))
             ray.get(self.policy.submit("release_sync"))
             mismatched = sum(
                 len(compare_checksums(shared[ranks[index]][0], other)) for index, other in reports.items()
@@ -224,10 +230,29 @@ class WeightSync:
             mismatched = sum(
                 len(compare_checksums(sent, other))
                 for sent, futures in settled
-                for other in ray.get(list(futures.values()))
+                for other in self._receipts_of(futures)
             )
             metrics["health/sync_checksum_match"] = float(mismatched == 0)
         return metrics
+
+    def _receipts_of(self, received: dict[int, Any]) -> list:
+        """The engines' receipts ({engine index: future}), in order, waited for at most
+        rollout.weight_sync_timeout_s + RECEIPT_MARGIN_S; `EngineHung` naming the engines still out."""
+        import ray
+
+        futures = list(received.values())
+        if not futures:
+            return []
+        limit = self.config.rollout.weight_sync_timeout_s + RECEIPT_MARGIN_S
+        _, waiting = ray.wait(futures, num_returns=len(futures), timeout=limit)
+        if waiting:
+            out = {id(future) for future in waiting}
+            raise EngineHung(
+                [index for index, future in received.items() if id(future) in out],
+                f"no weight-sync receipt within {limit:g} s (rollout.weight_sync_timeout_s = "
+                f"{self.config.rollout.weight_sync_timeout_s:g} s + {RECEIPT_MARGIN_S:g} s)",
+            )
+        return ray.get(futures)
 
     def settle(self) -> dict[str, float]:
         """Wait for the receipts async mode has not compared yet; their metrics ({} when none)."""
