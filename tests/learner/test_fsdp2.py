@@ -14,9 +14,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from rl_data import compare_checksums
 from rl_data.sync import WeightSyncSpec
 from rl_data.sync.broadcast import free_port
-from rl_data import compare_checksums
 from rl_learner import (
     DeepSpeedConfig,
     OptimizerConfig,

@@ -227,7 +227,7 @@ class Fsdp2Engine:
         if with_optimizer:
             set_optimizer_state_dict(self.module, self.optimizer, state["optimizer"])
         scheduler = folder / "scheduler.json"
-        if load_lr_scheduler_states and not load_module_only and self.lr_scheduler is not None:
-            if scheduler.is_file():
-                self.lr_scheduler.load_state_dict(json.loads(scheduler.read_text()))
+        with_scheduler = load_lr_scheduler_states and not load_module_only and self.lr_scheduler is not None
+        if with_scheduler and scheduler.is_file():
+            self.lr_scheduler.load_state_dict(json.loads(scheduler.read_text()))
         return os.fspath(folder), {}
