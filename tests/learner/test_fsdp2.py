@@ -1,11 +1,14 @@
 """The FSDP2 learner backend (`DeepSpeedConfig.backend = "fsdp2"`, `rl_learner.fsdp2`) in this
 process, on a one-rank gloo world: a `fully_shard` policy takes the same step as DeepSpeed's
 ZeRO-0 learner, saves and resumes through `rl_learner.checkpoint`, and sends its weights with the
-same checksums as the unsharded model. (Two ranks: `test_sync.py`'s FSDP2 test.)
+same checksums as the unsharded model. One slow test starts two gloo ranks (`_worker_fsdp2.py`):
+a team's own `fully_shard` loop syncing through `make_sender`, and the FSDP2 learner's step on
+two ranks against this process's one-rank step.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import sys
@@ -14,14 +17,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from rl_data import compare_checksums
+from rl_data import WeightSyncReport, compare_checksums, decode
 from rl_data.sync import WeightSyncSpec
 from rl_data.sync.broadcast import free_port
+from rl_data.sync.file import read_buckets
+from rl_data.tiny import build_tiny_model
 from rl_learner import (
     DeepSpeedConfig,
     OptimizerConfig,
     PolicyLearner,
-    PolicyLossConfig,
     TrainingState,
     ValueLearner,
     load_checkpoint,
@@ -34,10 +38,11 @@ from rl_learner.sync import make_sender, sync_layout
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 from _helpers_core import experience, fill_policy_slots, tiny_critic, tiny_policy
+from _worker_fsdp2 import LOSS, OPTIMIZER, SMALL_BUCKETS
+
+from tests.learner.single_rank import start_ranks, wait_ranks
 
 FSDP2 = DeepSpeedConfig(backend="fsdp2", dtype="fp32")
-OPTIMIZER = OptimizerConfig(lr=1e-3, warmup_ratio=0.0)
-LOSS = PolicyLossConfig(kl_coef=0.05, entropy_coef=0.01)
 
 
 @pytest.fixture(scope="module")
@@ -139,3 +144,42 @@ def test_fsdp2_refuses_value_models_and_what_it_does_not_do_yet(world, tokenizer
         _learner(tokenizer, DeepSpeedConfig(backend="fsdp2", dtype="fp16"))
     with pytest.raises(ValueError, match=r"DeepSpeedConfig.backend: 'fsdp' is not one of"):
         DeepSpeedConfig(backend="fsdp")
+
+
+@pytest.mark.slow  # two gloo ranks in processes of their own (~10-60 s to start on 2 busy cores)
+def test_two_fsdp2_ranks_sync_the_unsharded_weights_and_step_like_one_rank(world, tokenizer, batch, tmp_path):
+    worker = pathlib.Path(__file__).with_name("_worker_fsdp2.py")
+    wait_ranks(start_ranks(worker, tmp_path, 2), timeout=600)
+
+    # A team's own fully_shard loop: rank 0 sent, rank 1 joined the gathers and returned None.
+    infos = [json.loads((tmp_path / f"rank-{rank}.json").read_text()) for rank in (0, 1)]
+    assert [(info["is_sender"], info["report_is_none"]) for info in infos] == [(True, False), (False, True)]
+    assert infos[0]["sharded"]  # DTensor shards, gathered bucket by bucket
+    assert infos[0]["buckets"] > 2
+    sent = decode((tmp_path / "report.msgpack").read_bytes(), WeightSyncReport)
+    full = decode((tmp_path / "state.msgpack").read_bytes(), dict[str, torch.Tensor])
+    plain = build_tiny_model(tokenizer, seed=1)  # the same weights, unsharded, sent the same way
+    plain.load_state_dict(full)
+    layout = sync_layout(plain, bucket_bytes=SMALL_BUCKETS)
+    spec = WeightSyncSpec(transport="file", layout=layout, directory=str(tmp_path / "plain"))
+    assert compare_checksums(FileSender(plain, spec).send(version=3), sent) == []
+    received: dict[str, torch.Tensor] = {}
+    report = read_buckets(
+        tmp_path / "sync",
+        layout,
+        lambda bucket, tensors: received.update({k: v.clone() for k, v in tensors.items()}),
+        version=3,
+    )
+    assert compare_checksums(sent, report) == []
+    assert received.keys() == full.keys()
+    assert all(torch.equal(received[name], full[name]) for name in full)
+
+    # The FSDP2 learner: micro-batch r on rank r gives one rank's step over both micro-batches.
+    metrics = json.loads((tmp_path / "learner-metrics.json").read_text())
+    two = decode((tmp_path / "learner-state.msgpack").read_bytes(), dict[str, torch.Tensor])
+    one = _learner(tokenizer)
+    expected = one.train_step([batch.select(range(4)), batch.select(range(4, 8))], LOSS)
+    for key in ("loss", "grad_norm", "entropy", "kl", "tokens", "sequences"):
+        assert metrics[key] == pytest.approx(expected[key], rel=1e-5), key
+    for name, value in _state(one).items():
+        torch.testing.assert_close(two[name], value, rtol=1e-5, atol=1e-6, msg=name)

@@ -454,35 +454,3 @@ def test_ipc_sender_hands_engines_on_the_same_gpu_the_exact_bytes(tokenizer):
     assert compare_checksums(sent, report) == []
     expected = {name: p.detach().to(torch.bfloat16).cpu() for name, p in model.named_parameters()}
     assert_same_state(received, expected)
-
-
-@pytest.mark.slow  # two gloo ranks in processes of their own (~10 s to start)
-def test_fully_shard_model_on_two_ranks_sends_the_unsharded_models_weights(tokenizer, tmp_path):
-    from tests.learner.single_rank import start_ranks, wait_ranks
-
-    worker = pathlib.Path(__file__).with_name("_worker_fsdp2_sync.py")
-    wait_ranks(start_ranks(worker, tmp_path, 2), timeout=TIMEOUT_S)
-    infos = [json.loads((tmp_path / f"rank-{rank}.json").read_text()) for rank in (0, 1)]
-    assert [(info["is_sender"], info["report_is_none"]) for info in infos] == [(True, False), (False, True)]
-    assert infos[0]["sharded"]  # DTensor shards, gathered bucket by bucket
-    assert infos[0]["buckets"] > 2
-    sent = decode((tmp_path / "report.msgpack").read_bytes(), WeightSyncReport)
-    full = decode((tmp_path / "state.msgpack").read_bytes(), dict[str, torch.Tensor])
-
-    # The same weights in an unsharded model, sent the same way: the same bytes, bucket by bucket.
-    model = build_tiny_model(tokenizer, seed=1)
-    model.load_state_dict(full, strict=False)
-    layout = sync_layout(model, bucket_bytes=SMALL_BUCKETS)
-    plain = FileSender(
-        model, WeightSyncSpec(transport="file", layout=layout, directory=str(tmp_path / "plain"))
-    )
-    assert compare_checksums(plain.send(version=3), sent) == []
-    received: dict[str, torch.Tensor] = {}
-    report = read_buckets(
-        tmp_path / "sync",
-        layout,
-        lambda bucket, tensors: received.update({k: v.clone() for k, v in tensors.items()}),
-        version=3,
-    )
-    assert compare_checksums(sent, report) == []
-    assert_same_state(received, full)
