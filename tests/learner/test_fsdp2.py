@@ -131,6 +131,29 @@ def test_fsdp2_policy_sends_the_unsharded_models_bytes(world, tokenizer, batch, 
     assert compare_checksums(FileSender(plain, spec).send(version=1), sent) == []
 
 
+def test_fsdp2_bf16_keeps_fp32_master_weights_and_export_hf_writes_them(world, tokenizer, batch, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from rl_learner import export_hf
+    from rl_learner.models import packed_logprobs
+
+    learner = PolicyLearner(
+        tiny_policy(tokenizer, torch.bfloat16),
+        deepspeed=DeepSpeedConfig(backend="fsdp2", dtype="bf16"),
+        optimizer=OPTIMIZER,
+        total_steps=4,
+    )
+    assert {p.dtype for p in learner.module.parameters()} == {torch.float32}  # the master weights
+    with torch.no_grad():
+        exact = packed_logprobs(tiny_policy(tokenizer), batch).float()
+    computed = learner.logprobs([batch])[0]
+    assert 0 < float((computed - exact).abs().max()) < 2e-2  # a bf16 forward, not the fp32 one
+    assert learner.train_step([batch], LOSS)["skipped"] == 0.0
+    exported = AutoModelForCausalLM.from_pretrained(export_hf(learner.engine, tmp_path / "hf"))
+    weights = exported.state_dict()
+    assert all(torch.equal(weights[name], value) for name, value in _state(learner).items())
+
+
 def test_fsdp2_refuses_value_models_and_what_it_does_not_do_yet(world, tokenizer):
     with pytest.raises(ValueError, match="policy and reference models only"):
         ValueLearner(tiny_critic(tokenizer), deepspeed=FSDP2, optimizer=OPTIMIZER)
