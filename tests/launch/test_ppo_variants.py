@@ -56,6 +56,7 @@ def test_grpo_async_with_dynamic_filtering_and_evaluation_completes(
         "--ray.engine_sleep", "false",
         "--ray.learner_offload", "false",
         "--algo.advantage.estimator", "grpo",
+        "--train.backend", "fsdp2",  # the policy in torch's fully_shard, its DTensors synced
         "--train.max_steps", "3",
         "--train.actor_learning_rate", "1e-4",
         "--ckpt.save_hf_model", "false",
@@ -97,3 +98,6 @@ def test_grpo_async_with_dynamic_filtering_and_evaluation_completes(
     assert all(
         line["health/logprob_mismatch_max"] >= line["health/logprob_mismatch_mean"] >= 0 for line in metrics
     )
+    # train.backend fsdp2: the policy ran in torch's fully_shard (its DTensor weights reached the
+    # engines with matching checksums, above)
+    assert "policy rank 0: Fsdp2Engine built" in (run_dir / "logs" / "policy-0.log").read_text()

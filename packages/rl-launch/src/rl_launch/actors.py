@@ -200,6 +200,7 @@ class LearnerWorker:
             total_steps=spec.total_steps,
             on_non_finite=spec.on_non_finite,
         )
+        print(f"{spec.role} rank {self.rank}: {type(self.learner.engine).__name__} built", flush=True)
         if spec.ema_beta is not None:
             from rl_learner import WeightEMA
 

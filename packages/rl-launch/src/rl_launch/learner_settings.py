@@ -108,6 +108,7 @@ def learner_settings(
     from rl_learner import DeepSpeedConfig, LoraOptions, OptimizerConfig
 
     deepspeed = DeepSpeedConfig(
+        backend=train.backend,
         zero_stage=train.zero_stage,
         dtype=dtype,
         offload_optimizer=train.adam_offload,
@@ -161,14 +162,18 @@ def model_load_options(
     engine, `optimizer` and `world_size` included, so that transformers' `zero.Init` shards it
     the way the engine will).
     """
+    import torch
+
     from rl_learner import deepspeed_config
     from rl_learner.config import torch_dtype
 
     zero3 = None
-    if deepspeed.zero_stage == 3:
+    fsdp2 = deepspeed.backend == "fsdp2"
+    if deepspeed.zero_stage == 3 and not fsdp2:
         zero3 = deepspeed_config(deepspeed, optimizer, world_size=world_size)
+    trained_fsdp2 = fsdp2 and optimizer is not None  # fp32 master weights (rl_learner.fsdp2)
     return {
-        "dtype": torch_dtype(deepspeed.dtype),
+        "dtype": torch.float32 if trained_fsdp2 else torch_dtype(deepspeed.dtype),
         "attn_implementation": deepspeed.attn_implementation,
         "gradient_checkpointing": deepspeed.gradient_checkpointing,
         "zero3_config": zero3,

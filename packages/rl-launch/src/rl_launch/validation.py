@@ -6,7 +6,8 @@
     prepare  this module: the config's plugins imported, one meaning settled for the run (a
              printed note for each translation), then every component kind's names and options
              checked once (`rl_launch.components.check_components`: the name, the given value
-             and the registered names in each error)
+             and the registered names in each error), then what the learner backend does
+             not do yet (`rl_launch.backends.fsdp2_refusals`)
 
 `prepare` runs once per command line, for `--print-config` and the run alike (the YAML printed
 is the config that runs); `rl_launch.ppo.run` trusts its result and checks nothing again.
@@ -89,6 +90,7 @@ def prepare(config: PPOConfig, say: Callable[[str], None] = _note_on_stderr) -> 
         ConfigError: a plugin that does not resolve or import, or any component's name, options
             or combination (the message starts with the dotted option).
     """
+    from .backends import fsdp2_refusals
     from .components import check_components
     from .plugins import import_plugins, resolve_plugins
 
@@ -100,4 +102,6 @@ def prepare(config: PPOConfig, say: Callable[[str], None] = _note_on_stderr) -> 
     if note is not None:
         say(note)
     check_components(config)
+    for option, value, why in fsdp2_refusals(config):
+        raise ConfigError(f"{option}: {value!r} {why}")
     return config

@@ -75,6 +75,7 @@ import msgspec
 import numpy as np
 import torch
 
+from .dtensor import full_value, is_dtensor
 from .lora import merged_tensors
 
 __all__ = [
@@ -1044,11 +1045,15 @@ def _full_state_dict(
     copies: dict[int, torch.Tensor] = {}
     for tensor in merged_tensors(model, where="export_hf", buffers=True, tied=True):
         with _gathered(tensor.params()):
+            # FSDP2 / tensor-parallel DTensors: every rank takes part in the gather (rl_learner.dtensor)
+            gathered = full_value(tensor) if is_dtensor(tensor.param) else None
             if not keep:
                 continue
             if replace is not None and tensor.name in replace:
                 value = replace[tensor.name]
                 output[tensor.name] = value.detach().to("cpu", tensor.param.dtype, copy=True)
+            elif gathered is not None:
+                output[tensor.name] = gathered.detach().to("cpu", copy=True)
             elif tensor.adapters():
                 output[tensor.name] = tensor.value().detach().to("cpu", copy=True)
             else:

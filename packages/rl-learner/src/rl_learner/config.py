@@ -42,6 +42,7 @@ import torch
 
 __all__ = [
     "ATTN_IMPLEMENTATIONS",
+    "BACKENDS",
     "DTYPES",
     "OPTIMIZERS",
     "PREFIX_SHARING_ATTENTION",
@@ -64,6 +65,8 @@ SCHEDULERS: tuple[str, ...] = ("cosine", "constant")
 OPTIMIZERS: tuple[str, ...] = ("adamw", "muon")
 DTYPES: tuple[str, ...] = ("bf16", "fp16", "fp32")
 ZERO_STAGES: tuple[int, ...] = (0, 1, 2, 3)
+BACKENDS: tuple[str, ...] = ("deepspeed", "fsdp2")
+"""Learner backends (`DeepSpeedConfig.backend`): DeepSpeed engines (default) or torch FSDP2."""
 ATTN_IMPLEMENTATIONS: tuple[str, ...] = ("sdpa", "eager", "flash_attention_2")
 PREFIX_SHARING_ATTENTION: tuple[str, ...] = ("sdpa", "eager")
 
@@ -140,7 +143,12 @@ class OptimizerConfig(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class DeepSpeedConfig(msgspec.Struct, frozen=True, kw_only=True):
-    """How a model is sharded, stored and run by DeepSpeed."""
+    """How a model is sharded, stored and run by DeepSpeed (or by torch FSDP2: `backend`)."""
+
+    backend: str = "deepspeed"
+    """Learner backend: "deepspeed" (default), or "fsdp2": torch's `fully_shard`
+    (`rl_learner.fsdp2`; ZeRO stage, buckets and `extra` do not apply there, and what it does
+    not do yet is refused: `rl_learner.fsdp2.fsdp2_refusals`)."""
 
     zero_stage: int = 2
     """ZeRO stage: 0 (data parallel), 1 (optimizer states), 2 (+ gradients), 3 (+ parameters)."""
@@ -186,6 +194,7 @@ class DeepSpeedConfig(msgspec.Struct, frozen=True, kw_only=True):
 
     def __post_init__(self) -> None:
         owner = type(self).__name__
+        _choice(owner, "backend", self.backend, BACKENDS)
         _choice(owner, "zero_stage", self.zero_stage, ZERO_STAGES)
         _choice(owner, "dtype", self.dtype, DTYPES)
         _choice(owner, "attn_implementation", self.attn_implementation, ATTN_IMPLEMENTATIONS)

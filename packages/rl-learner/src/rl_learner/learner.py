@@ -49,7 +49,7 @@ import gc
 import math
 import os
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import msgspec
 import torch
@@ -344,6 +344,9 @@ class Learner:
     `lr` (of the next update).
     """
 
+    fsdp2_ready: ClassVar[bool] = False
+    """Whether this learner runs on the FSDP2 backend (`DeepSpeedConfig.backend = "fsdp2"`)."""
+
     def __init__(
         self,
         model: torch.nn.Module,
@@ -375,6 +378,9 @@ class Learner:
         self.deepspeed_config = deepspeed_config(
             deepspeed, optimizer, world_size=self.world_size, train=optimizer is not None
         )
+        if deepspeed.backend == "fsdp2":
+            self.engine = self._fsdp2_engine(model)
+            return
         if optimizer is None:
             model.requires_grad_(False)
             engine, *_ = deepspeed_lib.initialize(model=model, config=self.deepspeed_config)
@@ -401,6 +407,19 @@ class Learner:
                     model=model, optimizer=client, lr_scheduler=scheduler, config=self.deepspeed_config
                 )
         self.engine = engine
+
+    def _fsdp2_engine(self, model: torch.nn.Module) -> Any:
+        """The model sharded by torch FSDP2 (`rl_learner.fsdp2.Fsdp2Engine`), for `backend="fsdp2"`."""
+        from .fsdp2 import Fsdp2Engine
+
+        if not self.fsdp2_ready:
+            raise ValueError(
+                f"{type(self).__name__}: DeepSpeedConfig.backend 'fsdp2' runs policy and reference models "
+                "only yet; use backend 'deepspeed' for value and reward models"
+            )
+        if self.ds.freeze_visual_encoder and self.trainable:
+            freeze_visual_encoder(model)
+        return Fsdp2Engine(model, self.ds, self.optim, total_steps=self.total_steps, device=self.device)
 
     def _sequence_parallel_group(self, model: torch.nn.Module, size: int) -> SequenceParallelGroup | None:
         """This rank's SP group (`new_sequence_parallel_group`), after checking the model can be split."""
@@ -462,6 +481,8 @@ class Learner:
           did not build: DeepSpeed refuses), or an inference-only ZeRO-3 engine (DeepSpeed cannot
           move one without an optimizer).
         """
+        if self.ds.backend == "fsdp2":
+            return "none", "the FSDP2 backend has no state offload yet"
         if self.device.type != "cuda":
             return "none", "on CPU the DeepSpeed states already live in host memory"
         if self.trainable:
@@ -621,7 +642,7 @@ class Learner:
 
     def _uses_basic_optimizer(self) -> bool:
         """ZeRO-0 in fp32: DeepSpeed steps the client optimizer without any overflow check."""
-        return self.ds.zero_stage == 0 and self.ds.dtype == "fp32"
+        return self.ds.backend == "deepspeed" and self.ds.zero_stage == 0 and self.ds.dtype == "fp32"
 
     def _train_step(
         self,
@@ -790,6 +811,8 @@ class Learner:
 
 class PolicyLearner(Learner):
     """Actor (with an optimizer) or reference model (`optimizer=None`): log-probs and policy updates."""
+
+    fsdp2_ready = True
 
     def logprobs(
         self,

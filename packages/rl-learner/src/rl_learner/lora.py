@@ -226,9 +226,10 @@ def _loaded(module_name: str) -> Any:
 
 def _unwrap(model: Any, where: str) -> torch.nn.Module:
     """The HF model under DeepSpeed / DDP / peft wrappers (its names are the plain model's names)."""
-    deepspeed = _loaded("deepspeed")
+    deepspeed, fsdp2 = _loaded("deepspeed"), _loaded("rl_learner.fsdp2")
     for _ in range(8):
         is_engine = deepspeed is not None and isinstance(model, deepspeed.DeepSpeedEngine)
+        is_engine = is_engine or (fsdp2 is not None and isinstance(model, fsdp2.Fsdp2Engine))
         if is_engine or isinstance(model, torch.nn.parallel.DistributedDataParallel):
             model = model.module
         elif (

@@ -23,6 +23,7 @@ from rl_data.errors import check_integer
 from rl_data.sync import WeightSyncError, WeightSyncSpec
 from rl_data.weights import BucketMeta
 
+from .dtensor import dtensor_group, full_value
 from .lora import MergedTensor, merged_tensors
 
 __all__ = ["SENDERS", "WeightSender"]
@@ -150,18 +151,21 @@ class WeightSender(abc.ABC):
         self._sources = {source.name: source for source in sent_tensors(model)}
         _check_layout(self.layout, list(self._sources.values()), name)
         zero3 = _zero3_group(list(self._sources.values()))
-        self._zero3 = zero3 is not None
+        # FSDP2 / tensor-parallel DTensors: gathered bucket by bucket like ZeRO-3 (rl_learner.dtensor)
+        sharded = dtensor_group((p for s in self._sources.values() for p in s.params()), where=name)
+        self._zero3, self._dtensor = zero3 is not None, sharded is not None
+        group = zero3 if zero3 is not None else sharded
         if is_sender is None:
             if self.every_rank_sends:
                 is_sender = True
-            elif zero3 is not None:
+            elif group is not None:
                 import torch.distributed as dist
 
-                is_sender = dist.get_rank(zero3) == 0
+                is_sender = dist.get_rank(group) == 0
             else:
                 is_sender = _distributed_rank() == 0
         self.is_sender = bool(is_sender)
-        self._coordinator = _Coordinator(zero3) if zero3 is not None and not self.every_rank_sends else None
+        self._coordinator = _Coordinator(group) if group is not None and not self.every_rank_sends else None
         if self._coordinator is not None and self._coordinator.size == 1:
             self._coordinator = None
         self.last_report: WeightSyncReport | None = None
@@ -187,7 +191,7 @@ class WeightSender(abc.ABC):
         if self._coordinator is not None:
             self._coordinator.signal(bucket.index)
         with self._gathered(bucket), torch.no_grad():
-            tensors = {param.name: self._sources[param.name].value() for param in bucket.params}
+            tensors = {param.name: full_value(self._sources[param.name]) for param in bucket.params}
             return pack_bucket(bucket, tensors, out=out)
 
     def _follow(self, version: int) -> None:
@@ -203,8 +207,11 @@ class WeightSender(abc.ABC):
                 )
             if not 0 <= index < len(self.layout.buckets):
                 raise WeightSyncError(f"{type(self).__name__}.send: rank 0 announced bucket {index}, unknown")
-            with self._gathered(self.layout.buckets[index]):
-                pass
+            bucket = self.layout.buckets[index]
+            with self._gathered(bucket), torch.no_grad():
+                if self._dtensor:  # take part in rank 0's full_tensor() gathers, in its order
+                    for param in bucket.params:
+                        full_value(self._sources[param.name])
 
     def send(self, version: int) -> WeightSyncReport | None:
         """Send the model's current weights as `version`; call it on every learner rank together.

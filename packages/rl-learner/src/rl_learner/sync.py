@@ -97,7 +97,9 @@ def sync_layout(
 
     Args:
       model: an `nn.Module` (HF causal LM, or a peft model around one) or a
-        `deepspeed.DeepSpeedEngine` around one, ZeRO-3 partitioned or not.
+        `deepspeed.DeepSpeedEngine` around one, ZeRO-3 partitioned or not, or a module whose
+        parameters are DTensors (FSDP2 `fully_shard`, DTensor tensor parallelism: gathered with
+        `full_tensor()` one bucket at a time, `rl_learner.dtensor`).
       dtype: the engine's dtype; floating parameters are cast to it when packed. None keeps each
         parameter's own dtype. Non-floating parameters always keep theirs.
       bucket_bytes: target bucket size in bytes (`rl_data.plan_buckets`); the peak extra memory

@@ -274,6 +274,12 @@ class _SupervisedRoot(_Section):
         for field in ("critic_pretrain", "reward_pretrain"):
             if getattr(self.model, field) is not None:
                 _fail(f"model.{field}", getattr(self.model, field), f"does not apply to rl-launch {command}")
+        if self.train.backend != "deepspeed":
+            _fail(
+                "train.backend",
+                self.train.backend,
+                f"applies to rl-launch ppo only yet, not rl-launch {command}",
+            )
         sp, ranks = self.model.sequence_parallel_size, self.ray.learner.num_actors
         if ranks % sp:
             _fail(

@@ -1,0 +1,83 @@
+"""DTensor parameters (FSDP2 `fully_shard`, DTensor tensor parallelism) in weight sync and export.
+
+A model sharded by torch's FSDP2 (`torch.distributed.fsdp.fully_shard`) or by DTensor tensor
+parallelism (`torch.distributed.tensor.parallel.parallelize_module`) holds each parameter as a
+`DTensor`: a local shard plus its placement on a device mesh. `param.shape` is already the full
+(global) shape, so a sync layout is planned without gathering; the full tensor is
+`param.full_tensor()`, a collective over the parameter's mesh that every rank of the mesh runs
+in the same order.
+
+Weight sync (`rl_learner.sender_base`) gathers one bucket at a time: rank 0 of the mesh
+announces the next bucket (as it does for ZeRO-3), every rank computes that bucket's full
+tensors (`full_value`, in the layout's order), rank 0 packs them and the others drop them. So
+the peak extra memory of a rank is one bucket's full tensors, never the whole model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+__all__ = ["dtensor_group", "full_value", "is_dtensor"]
+
+
+def _dtensor_class() -> Any:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch built without distributed
+        return None
+    return DTensor
+
+
+def is_dtensor(tensor: Any) -> bool:
+    """Whether `tensor` is a `torch.distributed.tensor.DTensor` (an nn.Parameter around one too)."""
+    dtensor = _dtensor_class()
+    return dtensor is not None and isinstance(tensor, dtensor)
+
+
+def dtensor_group(params: Iterable[torch.Tensor], *, where: str = "sync") -> Any:
+    """The process group whose ranks gather the DTensor parameters among `params` together, or
+    None when there are none.
+
+    A one-dimensional mesh (FSDP2 alone, tensor parallelism alone) gives its own group; a mesh
+    of several dimensions (FSDP × TP) spans the whole world, whose group is returned. Every
+    DTensor parameter must live on the same mesh (else the ranks' gathers would not pair up).
+
+    Raises:
+      ValueError naming two parameters' meshes when they differ, or a multi-dimensional mesh
+      that is not the whole world.
+    """
+    meshes: dict[Any, int] = {}
+    for index, param in enumerate(params):
+        if is_dtensor(param):
+            meshes.setdefault(param.device_mesh, index)
+    if not meshes:
+        return None
+    if len(meshes) > 1:
+        shown = ", ".join(f"{mesh} (tensor {index})" for mesh, index in list(meshes.items())[:2])
+        raise ValueError(
+            f"{where}: the model's DTensor parameters live on different device meshes ({shown}); "
+            "weight sync gathers them over one mesh"
+        )
+    mesh = next(iter(meshes))
+    if mesh.ndim == 1:
+        return mesh.get_group()
+    import torch.distributed as dist
+
+    if mesh.size() != dist.get_world_size():
+        raise ValueError(
+            f"{where}: the DTensor parameters' {mesh.ndim}-D mesh has {mesh.size()} ranks, not the world's "
+            f"{dist.get_world_size()}; weight sync of a multi-dimensional mesh needs it to span the world"
+        )
+    return dist.group.WORLD
+
+
+def full_value(source: Any) -> torch.Tensor:
+    """The full tensor the engines receive for one `rl_learner.lora.MergedTensor`: its value,
+    gathered with `full_tensor()` where it is a DTensor (a collective over its mesh)."""
+    value = source.value()
+    if is_dtensor(value):
+        value = value.full_tensor()
+    return value

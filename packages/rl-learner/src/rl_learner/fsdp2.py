@@ -1,0 +1,233 @@
+"""The FSDP2 learner backend: torch's `fully_shard` behind the engine interface the learners drive.
+
+`DeepSpeedConfig.backend = "fsdp2"` makes a `Learner` (policy, reference) shard its model with
+`torch.distributed.fsdp.fully_shard` instead of wrapping it in a DeepSpeed engine. `Fsdp2Engine`
+offers what `rl_learner.learner`, `rl_learner.sync` and `rl_learner.checkpoint` call on a
+DeepSpeed engine (`module`, forward, `backward`, `step`, `was_step_applied`,
+`get_global_grad_norm`, `save_checkpoint`, `load_checkpoint`, ...), so the train step, its
+global normaliser and its non-finite handling are the same code for both backends.
+
+Sharding. Every module whose class is in the HF model's `_no_split_modules` (its decoder layers)
+is a `fully_shard` unit, then the root; parameters become DTensors sharded over a 1-D mesh of
+the learner's ranks (dim 0 split evenly). Gradients are reduce-scattered and averaged over the
+ranks, as DeepSpeed's are, so the learner's `backward(world_size · L_j)` rule holds unchanged.
+
+Precision (`DeepSpeedConfig.dtype`):
+- "bf16": fp32 sharded parameters (the optimizer's master weights) and a
+  `MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)`: forward and backward in
+  bf16 on all-gathered bf16 copies, gradients reduced in fp32;
+- "fp32": no policy;
+- "fp16": refused (it needs a loss scaler, which this backend does not have).
+
+One optimizer step: gradients accumulate over the micro-batches; the global 2-norm g of the
+sharded gradients is computed (`torch.nn.utils.get_total_norm`, a collective over the mesh); a
+non-finite g drops the update (gradients cleared, LR schedule not stepped, `was_step_applied()`
+False, as DeepSpeed's overflow path); else gradients are scaled by min(1, grad_clip / g) when
+grad_clip > 0, AdamW steps and the schedule advances.
+
+Checkpoints: `save_checkpoint(folder, tag)` writes `folder/tag/dcp/` with
+`torch.distributed.checkpoint` (model and optimizer state dicts of the sharded model, each rank
+its shards) and `folder/tag/scheduler.json`; the files go into `rl_learner.checkpoint`'s
+manifest like DeepSpeed's. Loading reads them back into the live sharded model.
+
+Not in this backend yet, refused by `fsdp2_refusals` (and by `Fsdp2Engine` when built anyway):
+value models (critic, reward model), LoRA, Muon, fp16, optimizer / parameter offload, sequence
+parallelism, the hybrid engine's state offload (`Learner.offload_plan` says "none").
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .config import DeepSpeedConfig, OptimizerConfig, build_scheduler
+
+__all__ = ["Fsdp2Engine", "fsdp2_refusals"]
+
+
+def fsdp2_refusals(ds: DeepSpeedConfig, optimizer: OptimizerConfig | None = None) -> list[tuple[str, str]]:
+    """What the FSDP2 backend does not do yet among `ds` and `optimizer`'s settings:
+    [(field, why)], empty when it can run them (or when `ds.backend` is not "fsdp2")."""
+    if ds.backend != "fsdp2":
+        return []
+    found = []
+    if ds.dtype == "fp16":
+        found.append(("dtype", "fp16 needs a loss scaler; use bf16 or fp32"))
+    if ds.offload_optimizer or ds.offload_params:
+        found.append(("offload_optimizer", "FSDP2 CPU offload is not wired in yet"))
+    if ds.sequence_parallel_size != 1:
+        found.append(("sequence_parallel_size", "Ulysses sequence parallelism runs on DeepSpeed only"))
+    if optimizer is not None and optimizer.name != "adamw":
+        found.append(("optimizer.name", f"{optimizer.name!r} is DeepSpeed's; FSDP2 trains with AdamW"))
+    return found
+
+
+def _is_lora(model: torch.nn.Module) -> bool:
+    return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
+
+
+class Fsdp2Engine:
+    """A model sharded with `fully_shard`, its AdamW and LR schedule (module docstring).
+
+    Args:
+      model: an HF model (not a peft model).
+      ds: dtype and checks (`ds.backend` must be "fsdp2").
+      optimizer: AdamW options; None for an inference-only model (parameters frozen).
+      total_steps: optimizer steps of the run (LR schedule).
+      device: this rank's device (cpu or cuda:N).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        ds: DeepSpeedConfig,
+        optimizer: OptimizerConfig | None,
+        *,
+        total_steps: int,
+        device: torch.device,
+    ) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        refused = fsdp2_refusals(ds, optimizer)
+        if refused:
+            field, why = refused[0]
+            raise ValueError(f"DeepSpeedConfig.{field} with backend 'fsdp2': {why}")
+        if _is_lora(model):
+            raise ValueError("backend 'fsdp2': LoRA models are not supported yet; use backend 'deepspeed'")
+        self.ds, self.optim, self.device = ds, optimizer, device
+        self.dp_world_size = dist.get_world_size()
+        self.mesh = init_device_mesh(device.type, (self.dp_world_size,))
+        if optimizer is None:
+            model.requires_grad_(False)
+        elif any(p.is_floating_point() and p.dtype != torch.float32 for p in model.parameters()):
+            model.to(torch.float32)  # fp32 master weights; bf16 runs through the policy below
+        model.to(device)
+        policy = MixedPrecisionPolicy()
+        if ds.dtype == "bf16":
+            policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        units = set(getattr(model, "_no_split_modules", None) or ())
+        for module in list(model.modules())[1:]:
+            if type(module).__name__ in units:
+                fully_shard(module, mesh=self.mesh, mp_policy=policy)
+        fully_shard(model, mesh=self.mesh, mp_policy=policy)
+        self.module = model
+        self.optimizer = None
+        self.lr_scheduler = None
+        if optimizer is not None:
+            trainable = [p for p in model.parameters() if p.requires_grad]
+            self.optimizer = torch.optim.AdamW(
+                trainable,
+                lr=optimizer.lr,
+                betas=tuple(optimizer.betas),
+                eps=optimizer.eps,
+                weight_decay=optimizer.weight_decay,
+            )
+            self.lr_scheduler = build_scheduler(self.optimizer, optimizer, total_steps)
+        self._applied = True
+        self._grad_norm: float | None = None
+
+    # --- what the learners call on a DeepSpeed engine ------------------------------------------
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    @property
+    def training(self) -> bool:
+        return self.module.training
+
+    def train(self, mode: bool = True) -> Fsdp2Engine:
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> Fsdp2Engine:
+        return self.train(False)
+
+    def set_gradient_accumulation_boundary(self, boundary: bool) -> None:
+        """Gradients are reduce-scattered after every micro-batch and accumulate sharded."""
+
+    def backward(self, loss: torch.Tensor, scale_wrt_gas: bool = False) -> None:
+        loss.backward()
+
+    def zero_grad(self) -> None:
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+
+    def step(self) -> None:
+        """Clip and apply the accumulated gradients, or drop them when their norm is not finite."""
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params]) if params else torch.zeros(())
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        self._grad_norm = float(norm)
+        self._applied = math.isfinite(self._grad_norm)
+        if self._applied:
+            if self.optim.grad_clip > 0 and params:
+                torch.nn.utils.clip_grads_with_norm_(params, self.optim.grad_clip, norm)
+            self.optimizer.step()
+            self.lr_scheduler.step()
+        self.zero_grad()
+
+    def was_step_applied(self) -> bool:
+        return self._applied
+
+    def get_global_grad_norm(self) -> float | None:
+        return self._grad_norm
+
+    # --- checkpoints (rl_learner.checkpoint) -----------------------------------------------------
+
+    def zero_optimization_stage(self) -> int:
+        """0 for `rl_learner.checkpoint`'s manifest: unlike a ZeRO 1-3 engine, no data-parallel
+        size is baked into the files (torch.distributed.checkpoint reshards on load)."""
+        return 0
+
+    def _state(self, optimizer: bool) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+        state = {"model": get_model_state_dict(self.module)}
+        if optimizer and self.optimizer is not None:
+            state["optimizer"] = get_optimizer_state_dict(self.module, self.optimizer)
+        return state
+
+    def save_checkpoint(
+        self, save_dir: str, tag: str, client_state: Any = None, save_latest: bool = False
+    ) -> bool:
+        import torch.distributed.checkpoint as dcp
+
+        folder = Path(save_dir) / tag
+        dcp.save(self._state(optimizer=True), checkpoint_id=str(folder / "dcp"))
+        if dist.get_rank() == 0 and self.lr_scheduler is not None:
+            (folder / "scheduler.json").write_text(json.dumps(self.lr_scheduler.state_dict()))
+        return True
+
+    def load_checkpoint(
+        self,
+        load_dir: str,
+        tag: str,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+        load_module_only: bool = False,
+    ) -> tuple[str | None, dict[str, Any]]:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+        folder = Path(load_dir) / tag
+        if not (folder / "dcp" / ".metadata").is_file():
+            return None, {}
+        with_optimizer = load_optimizer_states and not load_module_only and self.optimizer is not None
+        state = self._state(optimizer=with_optimizer)
+        dcp.load(state, checkpoint_id=str(folder / "dcp"))
+        set_model_state_dict(self.module, state["model"])
+        if with_optimizer:
+            set_optimizer_state_dict(self.module, self.optimizer, state["optimizer"])
+        scheduler = folder / "scheduler.json"
+        with_scheduler = load_lr_scheduler_states and not load_module_only and self.lr_scheduler is not None
+        if with_scheduler and scheduler.is_file():
+            self.lr_scheduler.load_state_dict(json.loads(scheduler.read_text()))
+        return os.fspath(folder), {}

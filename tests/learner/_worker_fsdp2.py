@@ -1,0 +1,97 @@
+"""One gloo rank of `test_fsdp2.py`'s two-rank test (`python _worker_fsdp2.py FOLDER`).
+
+1. A team's own FSDP2 loop: a `fully_shard` tiny model takes an AdamW step and sends its weights
+   through the "file" transport with `make_sender(spec, model).send(version=3)` on every rank.
+   Rank 0 writes the full weights (`full_tensor()`: what the unsharded model holds) and its report.
+2. The FSDP2 learner backend: `PolicyLearner(backend="fsdp2")` takes one step, rank r on
+   micro-batch r of `experience(8)` (sequences 4r..4r+3); rank 0 writes the metrics and weights.
+
+Each rank writes `rank-<r>.json` (whether it sent, whether its report is None, the number of
+buckets, whether its parameters were sharded).
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+from _helpers_core import experience, fill_policy_slots, tiny_policy
+
+from rl_data import encode
+from rl_data.sync import WeightSyncSpec
+from rl_data.tiny import build_tiny_model, build_tiny_tokenizer
+from rl_learner import DeepSpeedConfig, OptimizerConfig, PolicyLearner, PolicyLossConfig
+from rl_learner.models import packed_logprobs
+from rl_learner.sync import make_sender, sync_layout
+
+SMALL_BUCKETS = 64 * 1024  # several buckets even for the tiny model
+# test_fsdp2.py's one-rank learner is built with the same settings
+OPTIMIZER = OptimizerConfig(lr=1e-3, warmup_ratio=0.0)
+LOSS = PolicyLossConfig(kl_coef=0.05, entropy_coef=0.01)
+
+
+def own_loop(folder: pathlib.Path, tokenizer, rank: int) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    model = build_tiny_model(tokenizer, seed=0)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    tokens = torch.randint(3, len(tokenizer), (2, 12), generator=torch.Generator().manual_seed(rank))
+    model(input_ids=tokens, labels=tokens).loss.backward()
+    optimizer.step()
+
+    layout = sync_layout(model, bucket_bytes=SMALL_BUCKETS)
+    spec = WeightSyncSpec(transport="file", layout=layout, directory=str(folder / "sync"))
+    sender = make_sender(spec, model)
+    report = sender.send(version=3)
+    state = {name: param.full_tensor() for name, param in model.named_parameters()}
+    if rank == 0:
+        (folder / "state.msgpack").write_bytes(encode(state))
+        (folder / "report.msgpack").write_bytes(encode(report))
+    info = {
+        "is_sender": sender.is_sender,
+        "report_is_none": report is None,
+        "buckets": len(layout.buckets),
+        "sharded": all(param.to_local().numel() < param.numel() for param in model.parameters()),
+    }
+    (folder / f"rank-{rank}.json").write_text(json.dumps(info))
+    sender.close()
+
+
+def learner_step(folder: pathlib.Path, tokenizer, rank: int) -> None:
+    batch = experience(8)
+    with torch.no_grad():
+        fill_policy_slots(batch, packed_logprobs(tiny_policy(tokenizer), batch).float())
+    learner = PolicyLearner(
+        tiny_policy(tokenizer),
+        deepspeed=DeepSpeedConfig(backend="fsdp2", dtype="fp32"),
+        optimizer=OPTIMIZER,
+        total_steps=4,
+    )
+    metrics = learner.train_step([batch.select(range(4 * rank, 4 * rank + 4))], LOSS)
+    state = {name: p.full_tensor().detach() for name, p in learner.module.named_parameters()}
+    if rank == 0:
+        (folder / "learner-metrics.json").write_text(json.dumps(metrics))
+        (folder / "learner-state.msgpack").write_bytes(encode(state))
+
+
+def main(folder: pathlib.Path) -> None:
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    tokenizer = build_tiny_tokenizer()
+    own_loop(folder, tokenizer, rank)
+    learner_step(folder, tokenizer, rank)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(pathlib.Path(sys.argv[1]))

@@ -1,0 +1,208 @@
+"""The FSDP2 learner backend (`DeepSpeedConfig.backend = "fsdp2"`, `rl_learner.fsdp2`) in this
+process, on a one-rank gloo world: a `fully_shard` policy takes the same step as DeepSpeed's
+ZeRO-0 learner, saves and resumes through `rl_learner.checkpoint`, and sends its weights with the
+same checksums as the unsharded model. One slow test starts two gloo ranks (`_worker_fsdp2.py`):
+a team's own `fully_shard` loop syncing through `make_sender`, and the FSDP2 learner's step on
+two ranks against this process's one-rank step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from rl_data import WeightSyncReport, compare_checksums, decode
+from rl_data.sync import WeightSyncSpec
+from rl_data.sync.broadcast import free_port
+from rl_data.sync.file import read_buckets
+from rl_data.tiny import build_tiny_model
+from rl_learner import (
+    DeepSpeedConfig,
+    OptimizerConfig,
+    PolicyLearner,
+    TrainingState,
+    ValueLearner,
+    load_checkpoint,
+    save_checkpoint,
+)
+from rl_learner.fsdp2 import fsdp2_refusals
+from rl_learner.senders import FileSender
+from rl_learner.sync import make_sender, sync_layout
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+from _helpers_core import experience, fill_policy_slots, tiny_critic, tiny_policy
+from _worker_fsdp2 import LOSS, OPTIMIZER, SMALL_BUCKETS
+
+from tests.learner.single_rank import start_ranks, wait_ranks
+
+FSDP2 = DeepSpeedConfig(backend="fsdp2", dtype="fp32")
+
+
+@pytest.fixture(scope="module")
+def world():
+    """A one-rank gloo world for this module (left as it was found)."""
+    made = not dist.is_initialized()
+    if made:
+        os.environ.setdefault("LOCAL_RANK", "0")
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    yield
+    if made:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def batch(tokenizer):
+    full = experience(8)
+    with torch.no_grad():
+        from rl_learner.models import packed_logprobs
+
+        fill_policy_slots(full, packed_logprobs(tiny_policy(tokenizer), full).float())
+    return full
+
+
+def _learner(tokenizer, ds: DeepSpeedConfig = FSDP2) -> PolicyLearner:
+    return PolicyLearner(tiny_policy(tokenizer), deepspeed=ds, optimizer=OPTIMIZER, total_steps=4)
+
+
+def _state(learner) -> dict[str, torch.Tensor]:
+    return {name: p.full_tensor().detach().clone() for name, p in learner.module.named_parameters()}
+
+
+def test_fsdp2_policy_step_equals_deepspeeds_and_its_weights_are_dtensors(world, tokenizer, batch):
+    fsdp2 = _learner(tokenizer)
+    deepspeed = _learner(tokenizer, DeepSpeedConfig(zero_stage=0, dtype="fp32"))
+    assert all(hasattr(p, "full_tensor") for p in fsdp2.module.parameters())
+    torch.testing.assert_close(fsdp2.logprobs([batch])[0], deepspeed.logprobs([batch])[0], rtol=0, atol=1e-6)
+    halves = [batch.select(range(4)), batch.select(range(4, 8))]
+    got, want = fsdp2.train_step(halves, LOSS), deepspeed.train_step(halves, LOSS)
+    for key in ("loss", "grad_norm", "entropy", "kl", "tokens", "lr"):
+        assert got[key] == pytest.approx(want[key], rel=1e-5), key
+    assert got["skipped"] == 0.0
+    assert fsdp2.step == 1
+    expected = {name: p.detach() for name, p in deepspeed.module.named_parameters()}
+    for name, value in _state(fsdp2).items():
+        torch.testing.assert_close(value, expected[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_fsdp2_non_finite_advantages_skip_the_step(world, tokenizer, batch):
+    learner = _learner(tokenizer)
+    before = _state(learner)
+    broken = batch.select(range(8))
+    broken.advantages = broken.advantages.clone()
+    broken.advantages[0] = float("nan")
+    assert learner.train_step([broken], LOSS)["skipped"] == 1.0
+    assert learner.step == 0
+    assert all(torch.equal(before[name], value) for name, value in _state(learner).items())
+
+
+def test_fsdp2_checkpoint_resumes_with_the_same_next_step(world, tokenizer, batch, tmp_path):
+    learner = _learner(tokenizer)
+    learner.train_step([batch], LOSS)
+    save_checkpoint(tmp_path, 1, {"policy": learner.engine}, TrainingState(step=1), save_rng=False)
+    following = learner.train_step([batch], LOSS)
+    resumed = _learner(tokenizer)
+    assert load_checkpoint(tmp_path, {"policy": resumed.engine}, restore_rng=False).step == 1
+    assert resumed.step == 1
+    again = resumed.train_step([batch], LOSS)
+    assert again["loss"] == following["loss"]
+    assert again["grad_norm"] == following["grad_norm"]
+    assert again["lr"] == following["lr"]
+    after, want = _state(resumed), _state(learner)
+    assert all(torch.equal(after[name], want[name]) for name in want)
+
+
+def test_fsdp2_policy_sends_the_unsharded_models_bytes(world, tokenizer, batch, tmp_path):
+    learner = _learner(tokenizer)
+    learner.train_step([batch], LOSS)
+    layout = sync_layout(learner.engine, dtype=torch.bfloat16, bucket_bytes=64 * 1024)
+    spec = WeightSyncSpec(transport="file", layout=layout, directory=str(tmp_path / "fsdp2"))
+    sent = make_sender(spec, learner.engine).send(version=1)
+    plain = tiny_policy(tokenizer)
+    plain.load_state_dict(_state(learner))
+    assert sync_layout(plain, dtype=torch.bfloat16, bucket_bytes=64 * 1024) == layout
+    spec = WeightSyncSpec(transport="file", layout=layout, directory=str(tmp_path / "plain"))
+    assert compare_checksums(FileSender(plain, spec).send(version=1), sent) == []
+
+
+def test_fsdp2_bf16_keeps_fp32_master_weights_and_export_hf_writes_them(world, tokenizer, batch, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from rl_learner import export_hf
+    from rl_learner.models import packed_logprobs
+
+    learner = PolicyLearner(
+        tiny_policy(tokenizer, torch.bfloat16),
+        deepspeed=DeepSpeedConfig(backend="fsdp2", dtype="bf16"),
+        optimizer=OPTIMIZER,
+        total_steps=4,
+    )
+    assert {p.dtype for p in learner.module.parameters()} == {torch.float32}  # the master weights
+    with torch.no_grad():
+        exact = packed_logprobs(tiny_policy(tokenizer), batch).float()
+    computed = learner.logprobs([batch])[0]
+    assert 0 < float((computed - exact).abs().max()) < 2e-2  # a bf16 forward, not the fp32 one
+    assert learner.train_step([batch], LOSS)["skipped"] == 0.0
+    exported = AutoModelForCausalLM.from_pretrained(export_hf(learner.engine, tmp_path / "hf"))
+    weights = exported.state_dict()
+    assert all(torch.equal(weights[name], value) for name, value in _state(learner).items())
+
+
+def test_fsdp2_refuses_value_models_and_what_it_does_not_do_yet(world, tokenizer):
+    with pytest.raises(ValueError, match="policy and reference models only"):
+        ValueLearner(tiny_critic(tokenizer), deepspeed=FSDP2, optimizer=OPTIMIZER)
+    assert fsdp2_refusals(DeepSpeedConfig(dtype="fp16")) == []  # DeepSpeed runs it
+    refused = fsdp2_refusals(
+        DeepSpeedConfig(backend="fsdp2", dtype="fp16", zero_stage=3, offload_params=True),
+        OptimizerConfig(name="muon"),
+    )
+    assert [field for field, _ in refused] == ["dtype", "offload_optimizer", "optimizer.name"]
+    with pytest.raises(ValueError, match=r"DeepSpeedConfig.dtype with backend 'fsdp2': fp16"):
+        _learner(tokenizer, DeepSpeedConfig(backend="fsdp2", dtype="fp16"))
+    with pytest.raises(ValueError, match=r"DeepSpeedConfig.backend: 'fsdp' is not one of"):
+        DeepSpeedConfig(backend="fsdp")
+
+
+@pytest.mark.slow  # two gloo ranks in processes of their own (~10-60 s to start on 2 busy cores)
+def test_two_fsdp2_ranks_sync_the_unsharded_weights_and_step_like_one_rank(world, tokenizer, batch, tmp_path):
+    worker = pathlib.Path(__file__).with_name("_worker_fsdp2.py")
+    wait_ranks(start_ranks(worker, tmp_path, 2), timeout=600)
+
+    # A team's own fully_shard loop: rank 0 sent, rank 1 joined the gathers and returned None.
+    infos = [json.loads((tmp_path / f"rank-{rank}.json").read_text()) for rank in (0, 1)]
+    assert [(info["is_sender"], info["report_is_none"]) for info in infos] == [(True, False), (False, True)]
+    assert infos[0]["sharded"]  # DTensor shards, gathered bucket by bucket
+    assert infos[0]["buckets"] > 2
+    sent = decode((tmp_path / "report.msgpack").read_bytes(), WeightSyncReport)
+    full = decode((tmp_path / "state.msgpack").read_bytes(), dict[str, torch.Tensor])
+    plain = build_tiny_model(tokenizer, seed=1)  # the same weights, unsharded, sent the same way
+    plain.load_state_dict(full)
+    layout = sync_layout(plain, bucket_bytes=SMALL_BUCKETS)
+    spec = WeightSyncSpec(transport="file", layout=layout, directory=str(tmp_path / "plain"))
+    assert compare_checksums(FileSender(plain, spec).send(version=3), sent) == []
+    received: dict[str, torch.Tensor] = {}
+    report = read_buckets(
+        tmp_path / "sync",
+        layout,
+        lambda bucket, tensors: received.update({k: v.clone() for k, v in tensors.items()}),
+        version=3,
+    )
+    assert compare_checksums(sent, report) == []
+    assert received.keys() == full.keys()
+    assert all(torch.equal(received[name], full[name]) for name in full)
+
+    # The FSDP2 learner: micro-batch r on rank r gives one rank's step over both micro-batches.
+    metrics = json.loads((tmp_path / "learner-metrics.json").read_text())
+    two = decode((tmp_path / "learner-state.msgpack").read_bytes(), dict[str, torch.Tensor])
+    one = _learner(tokenizer)
+    expected = one.train_step([batch.select(range(4)), batch.select(range(4, 8))], LOSS)
+    for key in ("loss", "grad_norm", "entropy", "kl", "tokens", "sequences"):
+        assert metrics[key] == pytest.approx(expected[key], rel=1e-5), key
+    for name, value in _state(one).items():
+        torch.testing.assert_close(two[name], value, rtol=1e-5, atol=1e-6, msg=name)
