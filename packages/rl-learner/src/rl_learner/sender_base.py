@@ -23,6 +23,7 @@ from rl_data.errors import check_integer
 from rl_data.sync import WeightSyncError, WeightSyncSpec
 from rl_data.weights import BucketMeta
 
+from .adapter_sync import adapter_tensors
 from .lora import MergedTensor, merged_tensors
 
 __all__ = ["SENDERS", "WeightSender"]
@@ -147,7 +148,9 @@ class WeightSender(abc.ABC):
             )
         self.spec = spec
         self.layout: WeightSyncMeta = spec.layout.layout_only()
-        self._sources = {source.name: source for source in sent_tensors(model)}
+        # a spec with an adapter (LoRA adapter sync, `rl_learner.adapter_sync`) sends the adapter only
+        sources = adapter_tensors(model, where=name) if spec.adapter is not None else sent_tensors(model)
+        self._sources = {source.name: source for source in sources}
         _check_layout(self.layout, list(self._sources.values()), name)
         zero3 = _zero3_group(list(self._sources.values()))
         self._zero3 = zero3 is not None
