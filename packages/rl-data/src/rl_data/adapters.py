@@ -69,7 +69,9 @@ class LoraAdapter(msgspec.Struct, frozen=True, kw_only=True):
         config = self.peft_config
         kind = config.get("peft_type")
         if kind != "LORA":
-            raise ValueError(f"LoraAdapter.peft_config: peft_type is {kind!r}, adapter sync serves 'LORA' only")
+            raise ValueError(
+                f"LoraAdapter.peft_config: peft_type is {kind!r}, adapter sync serves 'LORA' only"
+            )
         rank = config.get("r")
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
             raise ValueError(f"LoraAdapter.peft_config: r must be an integer >= 1, got {rank!r}")
@@ -78,7 +80,9 @@ class LoraAdapter(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"LoraAdapter.peft_config: lora_alpha must be a number, got {alpha!r}")
         for flag in ("use_dora", "lora_bias"):
             if config.get(flag):
-                raise ValueError(f"LoraAdapter.peft_config: {flag} is set; adapter sync serves plain LoRA only")
+                raise ValueError(
+                    f"LoraAdapter.peft_config: {flag} is set; adapter sync serves plain LoRA only"
+                )
 
     @property
     def rank(self) -> int:
@@ -166,7 +170,9 @@ def check_adapter_shapes(
         )
 
 
-def write_peft_adapter(folder: str | os.PathLike[str], tensors: Mapping[str, torch.Tensor], adapter: LoraAdapter) -> Path:
+def write_peft_adapter(
+    folder: str | os.PathLike[str], tensors: Mapping[str, torch.Tensor], adapter: LoraAdapter
+) -> Path:
     """Write `tensors` (wire names) and `adapter` as a peft adapter folder: `adapter_config.json`
     and `adapter_model.safetensors`, what peft's `save_pretrained` writes and vLLM's `LoRARequest`
     loads. The folder appears whole (written beside it, then renamed); an existing one is replaced.
@@ -180,7 +186,9 @@ def write_peft_adapter(folder: str | os.PathLike[str], tensors: Mapping[str, tor
     try:
         state = {name: tensor.detach().contiguous().cpu() for name, tensor in tensors.items()}
         save_file(state, str(staging / "adapter_model.safetensors"))
-        (staging / "adapter_config.json").write_text(json.dumps(adapter.peft_config, indent=2, sort_keys=True))
+        (staging / "adapter_config.json").write_text(
+            json.dumps(adapter.peft_config, indent=2, sort_keys=True)
+        )
         if target.exists():
             shutil.rmtree(target)
         os.replace(staging, target)

@@ -60,8 +60,6 @@ from .supervised import (
 from .sync import make_sender, sync_layout
 
 __all__ = [
-    "adapter_layout",
-    "lora_adapter",
     "SENDERS",
     "BroadcastSender",
     "CheckpointError",
@@ -87,6 +85,7 @@ __all__ = [
     "WeightEMA",
     "WeightSender",
     "__version__",
+    "adapter_layout",
     "apply_lora",
     "build_optimizer",
     "build_scheduler",
@@ -100,6 +99,7 @@ __all__ = [
     "load_checkpoint",
     "load_checkpoint_tensors",
     "load_value_model",
+    "lora_adapter",
     "make_sender",
     "pack_pairs",
     "pack_sequences",

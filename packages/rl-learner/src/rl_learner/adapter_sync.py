@@ -99,7 +99,9 @@ def adapter_tensors(model: Any, *, where: str = "adapter sync") -> list[MergedTe
         wire = adapter_wire_name(name, adapter)
         if wire is not None:
             tensors.append(MergedTensor(name=wire, param=param, where=where))
-        elif f".{adapter}" in name and any(f".{kind}" in name for kind in ("lora_embedding_", "lora_magnitude")):
+        elif f".{adapter}" in name and any(
+            f".{kind}" in name for kind in ("lora_embedding_", "lora_magnitude")
+        ):
             raise ValueError(
                 f"{where}: {name!r} is an adapter tensor other than a linear layer's LoRA factors; "
                 "use merged sync (model.lora_sync merged)"

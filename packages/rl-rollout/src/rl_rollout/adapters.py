@@ -29,7 +29,9 @@ ENGINE_ADAPTER = "rl_policy"
 """The adapter name `inject_lora` gives the policy's adapter in an engine's model."""
 
 
-def inject_lora(model: torch.nn.Module, adapter: LoraAdapter, names: list[str], *, where: str) -> dict[str, torch.Tensor]:
+def inject_lora(
+    model: torch.nn.Module, adapter: LoraAdapter, names: list[str], *, where: str
+) -> dict[str, torch.Tensor]:
     """Inject `adapter`'s LoRA layers into `model` in place (the model keeps its class and its
     forward; peft's `inject_adapter_in_model`), frozen and in eval mode; {wire name: the live
     factor it is copied into} for the wire names `names`.
@@ -100,6 +102,11 @@ class AdapterVersions:
         return LoRARequest(
             lora_name=f"policy-v{int(version)}", lora_int_id=self.lora_id(version), lora_path=str(folder)
         )
+
+    @property
+    def superseded(self) -> bool:
+        """Whether a version other than the current one is still served (`stale` may find one)."""
+        return len(self._served) > (0 if self.current is None else 1)
 
     def stale(self, in_use: set[int]) -> list[int]:
         """LoRA ids served before the current one that no request in flight uses."""

@@ -82,12 +82,13 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from rl_data import ImageInputs, WeightSyncReport, check_layout_shapes
-from rl_data.errors import check_integer
 from rl_data.adapters import LoraAdapter, check_adapter_shapes
+from rl_data.errors import check_integer
 from rl_data.sync import WeightSyncSpec
 from rl_data.sync.ipc import IpcPayload
 from rl_data.vision import VISION_MODEL_TYPES, is_vision_model, vision_token_ids
 
+from ..adapters import inject_lora
 from ..protocol import (
     Engine,
     EngineError,
@@ -97,7 +98,6 @@ from ..protocol import (
     check_prompts,
     prompt_seed,
 )
-from ..adapters import inject_lora
 from ..weights import WeightReceiver
 
 __all__ = ["HFEngine"]
@@ -635,7 +635,9 @@ class HFEngine(Engine):
         base = {name: tuple(tensor.shape) for name, tensor in self.model.state_dict().items()}
         check_adapter_shapes(spec.layout, base, spec.adapter, where=where)
         with self._lock:
-            self._adapter_targets = inject_lora(self.model, spec.adapter, list(spec.layout.names()), where=where)
+            self._adapter_targets = inject_lora(
+                self.model, spec.adapter, list(spec.layout.names()), where=where
+            )
             self._adapter = spec.adapter
 
     def receive_weights(self, version: int, payload: IpcPayload | None = None) -> WeightSyncReport:
