@@ -79,7 +79,7 @@ def test_wire_names_round_trip_and_other_names_are_refused():
     assert (
         adapter_wire_name("base_model.model.model.layers.0.mlp.up_proj.base_layer.weight", "default") is None
     )
-    with pytest.raises(ValueError, match="not a peft LoRA factor"):
+    with pytest.raises(ValueError, match=r"not a peft LoRA factor"):
         adapter_live_name("model.layers.0.mlp.up_proj.weight", "default")
 
 
@@ -88,12 +88,12 @@ def test_adapter_sync_refuses_what_it_cannot_serve(tiny_checkpoint):
     from transformers import AutoModelForCausalLM
 
     plain = AutoModelForCausalLM.from_pretrained(tiny_checkpoint)
-    with pytest.raises(ValueError, match="needs a LoRA policy.*model.lora_sync merged"):
+    with pytest.raises(ValueError, match=r"needs a LoRA policy.*model.lora_sync merged"):
         adapter_layout(plain)
     dora = get_peft_model(plain, LoraConfig(r=2, target_modules=["q_proj"], use_dora=True))
-    with pytest.raises(ValueError, match="use_dora.*model.lora_sync merged"):
+    with pytest.raises(ValueError, match=r"use_dora.*model.lora_sync merged"):
         adapter_tensors(dora)
-    with pytest.raises(ValueError, match="use_dora is set"):
+    with pytest.raises(ValueError, match=r"use_dora is set"):
         LoraAdapter(peft_config={"peft_type": "LORA", "r": 2, "lora_alpha": 4, "use_dora": True})
 
 
@@ -106,7 +106,9 @@ def test_an_adapter_layout_that_does_not_fit_the_base_model_is_refused_naming_th
     with pytest.raises(ValueError, match=r"test: .*'model.layers.1.mlp.down_proj': lora_A \[4, 256\]"):
         check_adapter_shapes(layout, base, adapter, where="test")
     del base["model.layers.0.self_attn.q_proj.weight"]
-    with pytest.raises(ValueError, match="'model.layers.0.self_attn.q_proj' has no weight in the base model"):
+    with pytest.raises(
+        ValueError, match=r"'model.layers.0.self_attn.q_proj' has no weight in the base model"
+    ):
         check_adapter_shapes(layout, base, adapter, where="test")
 
 
@@ -133,13 +135,14 @@ def test_hf_engine_serves_each_synced_adapter_version_and_a_second_sync_replaces
         assert [g.policy_version for g in results] == [version, version]
         assert [g.token_ids for g in results] == [peft_greedy(policy, p) for p in PROMPTS], version
         outputs.append([g.token_ids for g in results])
-    assert outputs[0] != base and outputs[1] != outputs[0]
+    assert outputs[0] != base
+    assert outputs[1] != outputs[0]
     # the base weights are as loaded: only the factors changed
     base_weight = engine.model.model.layers[0].self_attn.q_proj.base_layer.weight
     assert torch.equal(
         base_weight, policy.get_base_model().model.layers[0].self_attn.q_proj.base_layer.weight
     )
-    with pytest.raises(EngineError, match="serves a LoRA adapter.*full-weight spec"):
+    with pytest.raises(EngineError, match=r"serves a LoRA adapter.*full-weight spec"):
         engine.init_weight_sync(
             WeightSyncSpec(transport="file", layout=sync_layout(policy), directory=str(tmp_path)), 1
         )
@@ -161,7 +164,7 @@ def test_hf_engine_refuses_an_adapter_for_another_model(policy, tiny_checkpoint,
     engine = HFEngine(tiny_checkpoint, dtype="float32", seed=0)
     with pytest.raises(
         EngineError,
-        match="does not fit the engine's base model: 'model.layers.0.mlp.gate_proj': lora_A \[4, 128\] and lora_B \[192, 4\]",
+        match=r"does not fit the engine's base model: 'model.layers.0.mlp.gate_proj': lora_A \[4, 128\] and lora_B \[192, 4\]",
     ):
         engine.init_weight_sync(spec, 1)
 
@@ -189,14 +192,14 @@ class _Lora:
 
 
 class _Output:
-    outputs = [_Completion()]
-    lora_request = _Lora()
+    def __init__(self, lora_request) -> None:
+        self.outputs, self.lora_request = [_Completion()], lora_request
 
 
 def test_vllm_tokens_carry_the_version_of_their_requests_adapter():
     params = SamplingParams(temperature=1.0, max_new_tokens=2, logprobs=False)
-    [sample] = _samples(_Output(), params, version=7, adapter=True)
+    [sample] = _samples(_Output(_Lora()), params, version=7, adapter=True)
     assert (sample.policy_version, sample.token_versions) == (3, None)
-    _Output.lora_request = None  # a request added before the first sync: the base model
-    [sample] = _samples(_Output(), params, version=7, adapter=True)
+    # a request added before the first sync: the base model
+    [sample] = _samples(_Output(None), params, version=7, adapter=True)
     assert sample.policy_version == 0

@@ -59,7 +59,17 @@ def vllm_engine(tiny_checkpoint):
     from rl_rollout.engines.vllm import VLLMEngine
 
     CHILDREN_BEFORE_THE_ENGINE.update(child.pid for child in psutil.Process().children(recursive=True))
-    engine = VLLMEngine(tiny_checkpoint, dtype="float32", max_model_len=256, enforce_eager=True, seed=0)
+    # LoRA enabled, for the adapter-sync test; requests without an adapter run the base weights
+    engine = VLLMEngine(
+        tiny_checkpoint,
+        dtype="float32",
+        max_model_len=256,
+        enforce_eager=True,
+        seed=0,
+        enable_lora=True,
+        max_lora_rank=8,
+        max_loras=2,
+    )
     yield engine
     engine.close()
 
@@ -219,6 +229,54 @@ def test_weight_update_from_a_sender_process_matches_transformers_with_the_new_w
     for report, sent_version in ((received, version), (restored, version + 1)):
         sent = decode((tmp_path / f"sent-{sent_version}.msgpack").read_bytes(), WeightSyncReport)
         assert compare_checksums(sent, report) == [], f"version {sent_version}"
+    assert [g[0].token_ids for g in vllm_engine.generate(test_prompts, GREEDY)] == before
+
+
+def test_a_lora_adapter_sync_changes_greedy_output_and_the_next_sync_replaces_it(
+    vllm_engine, tiny_checkpoint, test_prompts, original_state, tmp_path
+):
+    """Adapter-only sync (`rl_learner.adapter_sync` -> `rl_rollout.adapters`) over the file
+    transport: after each sync every request runs the new adapter (as peft's model greedy-decodes,
+    log-probs within the tolerance), its tokens carry that version, and the previous adapter is
+    gone from vLLM. A full-weight spec afterwards returns the engine to its base weights."""
+    from peft import get_peft_model_state_dict
+
+    from rl_learner import LoraOptions, adapter_layout, apply_lora, lora_adapter, make_sender
+
+    before = [g[0].token_ids for g in vllm_engine.generate(test_prompts, GREEDY)]
+    policy = apply_lora(hf_model(original_state, tiny_checkpoint), LoraOptions(rank=4, alpha=8.0)).eval()
+    layout = adapter_layout(policy)
+    assert set(layout.names()) == set(get_peft_model_state_dict(policy))
+    spec = WeightSyncSpec(
+        transport="file", layout=layout, directory=str(tmp_path), adapter=lora_adapter(policy)
+    )
+    vllm_engine.init_weight_sync(spec, 1)
+    adapter_sender = make_sender(spec, policy)
+    first = vllm_engine.policy_version + 1
+    served = []
+    try:
+        for version in (first, first + 1):
+            generator = torch.Generator().manual_seed(version)
+            with torch.no_grad():
+                for name, param in policy.named_parameters():
+                    if ".lora_" in name:
+                        param.copy_(torch.randn(param.shape, generator=generator) * 0.4)
+            sent = adapter_sender.send(version)
+            assert compare_checksums(sent, vllm_engine.receive_weights(version)) == []
+            assert sent.num_bytes == layout.total_bytes
+            assert vllm_engine._call(lambda engine: engine.list_loras()) == {version + 1}, version
+            tokens = assert_same_as_transformers(vllm_engine, policy, test_prompts, f"adapter v{version}")
+            results = vllm_engine.generate(test_prompts[:1], GREEDY)
+            assert results[0][0].policy_version == version
+            served.append(tokens)
+        assert served[0] != before
+        assert served[1] != served[0]
+    finally:  # back to the base weights, by a full-weight spec (the checkpoint as a newer version)
+        vllm_engine.close_weight_sync()
+        (tmp_path / "full").mkdir()
+        file_update(
+            vllm_engine, tmp_path / "full", sender.plan_layout(tiny_checkpoint), original_state, first + 2
+        )
     assert [g[0].token_ids for g in vllm_engine.generate(test_prompts, GREEDY)] == before
 
 

@@ -6,7 +6,8 @@ sends the adapter tensors alone (`rl_learner.adapter_sync`, through whichever tr
 (`rl_rollout.adapters`); with merged sync the sender merges the adapters into the base weights
 and sends the whole model (`rl_learner.sync`). The decision table (`lora_sync_mode`):
 
-    model.lora_rank 0, or rollout.weight_sync none  -> None     (nothing to choose)
+    model.lora_rank 0, rollout.weight_sync none,
+    or an engine that cannot receive weights        -> None     (nothing to choose)
     model.lora_sync merged                          -> merged
     model.lora_sync adapter                         -> adapter  (refused for an engine that cannot serve adapters)
     model.lora_sync auto                            -> adapter where the engine can serve adapters
@@ -32,13 +33,14 @@ def lora_sync_mode(config: PPOConfig) -> str | None:
     """ "adapter", "merged", or None when the run has no LoRA policy or syncs nothing (module docstring)."""
     from .components import ENGINES
 
-    if config.model.lora_rank == 0 or config.rollout.weight_sync == "none":
+    entry = ENGINES.get(config.rollout.engine)
+    receives = entry is None or entry.receives_weights
+    if config.model.lora_rank == 0 or config.rollout.weight_sync == "none" or not receives:
         return None
     chosen = config.model.lora_sync
     if chosen != "auto":
         return chosen
-    entry = ENGINES.get(config.rollout.engine)
-    return "adapter" if entry is not None and entry.lora_adapters and entry.receives_weights else "merged"
+    return "adapter" if entry is not None and entry.lora_adapters else "merged"
 
 
 def check_lora_sync(config: PPOConfig) -> None:

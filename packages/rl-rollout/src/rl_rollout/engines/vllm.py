@@ -53,7 +53,9 @@ of that version, served as a new `LoRARequest` (LoRA id version + 1) for every r
 then on; the base weights and the prefix cache stay (vLLM keys cached prefixes by LoRA id).
 Requests in flight finish with the adapter they started with, so every token of a response
 carries its request's version (from the request's `lora_request`, not vLLM's weight-version
-labels), also with partial rollout; a version is removed from vLLM once no request uses it.
+labels), also with partial rollout; a version is removed from vLLM once no request uses it. A
+later full-weight spec drops the adapters: the engine serves its base weights (version 0) until
+that spec's first sync.
 
 Sleep mode needs a GPU (vLLM's CPU worker ignores it): `supports("sleep")` is False on CPU. While
 asleep, `generate` and `receive_weights` are refused (wake before a weight sync), as `HFEngine` does.
@@ -903,11 +905,6 @@ class VLLMEngine(Engine):
             )
         if spec.adapter is not None:
             self._check_adapter_spec(spec)
-        elif self._adapters is not None:
-            raise EngineError(
-                "VLLMEngine.init_weight_sync: this engine serves a LoRA adapter since an earlier adapter sync; "
-                "it cannot take a full-weight spec (start a new engine)"
-            )
         if self._model_folder is not None:  # a hub name: vLLM's loader is the check
             try:
                 shapes = safetensors_shapes(self._model_folder)
@@ -924,6 +921,18 @@ class VLLMEngine(Engine):
         self._sync_timeout_s = spec.timeout_s + _RPC_MARGIN_S
         if spec.adapter is not None and self._adapters is None:
             self._adapters = AdapterVersions(spec.adapter)
+        elif spec.adapter is None and self._adapters is not None:
+            self._call(self._drop_adapters)
+
+    def _drop_adapters(self, engine: Any) -> None:
+        """A full-weight spec after adapter syncs, on the engine's thread: stop serving adapters (the
+        base weights, policy version 0, until the next sync). Meant between runs, with no request in
+        flight: a running request whose adapter is removed could not load it again."""
+        adapters, self._adapters = self._adapters, None
+        for lora_id in engine.list_loras():
+            engine.remove_lora(lora_id)
+        adapters.close()
+        self.policy_version = 0
 
     def _check_adapter_spec(self, spec: WeightSyncSpec) -> None:
         """A LoRA adapter sync needs an engine started with LoRA and a rank that fits."""
