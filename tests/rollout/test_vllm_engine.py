@@ -47,6 +47,9 @@ pytestmark = pytest.mark.slow
 ON_GPU = torch.cuda.is_available()
 FLOAT32_LOGPROB_ATOL = 1e-3 if ON_GPU else 1e-5
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True)
+# With a LoRA adapter vLLM adds B·(A·x) through its own (punica) kernels and peft in another order:
+# up to 1.9e-5 measured on the tiny model's long prompt (float32, CPU); 2e-4 allowed (1e-5 x 20).
+LORA_LOGPROB_ATOL = FLOAT32_LOGPROB_ATOL * 20
 
 
 CHILDREN_BEFORE_THE_ENGINE: set[int] = set()  # this process's children (Ray's, say) before the engine
@@ -116,7 +119,9 @@ def max_logprob_error(model, prompt, generation, temperature=0.0) -> float:
     return (torch.tensor(generation.logprobs, dtype=torch.float64) - expected).abs().max().item()
 
 
-def assert_same_as_transformers(engine, model, prompts, where: str) -> list[list[int]]:
+def assert_same_as_transformers(
+    engine, model, prompts, where: str, atol: float = FLOAT32_LOGPROB_ATOL
+) -> list[list[int]]:
     """Greedy vLLM responses equal transformers' greedy responses, log-probs within the tolerance."""
     results = [per_prompt[0] for per_prompt in engine.generate(prompts, GREEDY)]
     for index, (prompt, generation) in enumerate(zip(prompts, results)):
@@ -124,7 +129,7 @@ def assert_same_as_transformers(engine, model, prompts, where: str) -> list[list
             f"{where}, prompt {index}"
         )
         error = max_logprob_error(model, prompt, generation)
-        assert error <= FLOAT32_LOGPROB_ATOL, f"{where}, prompt {index}: log-probs differ by {error:.3g}"
+        assert error <= atol, f"{where}, prompt {index}: log-probs differ by {error:.3g}"
     return [generation.token_ids for generation in results]
 
 
@@ -265,7 +270,9 @@ def test_a_lora_adapter_sync_changes_greedy_output_and_the_next_sync_replaces_it
             assert compare_checksums(sent, vllm_engine.receive_weights(version)) == []
             assert sent.num_bytes == layout.total_bytes
             assert vllm_engine._call(lambda engine: engine.list_loras()) == {version + 1}, version
-            tokens = assert_same_as_transformers(vllm_engine, policy, test_prompts, f"adapter v{version}")
+            tokens = assert_same_as_transformers(
+                vllm_engine, policy, test_prompts, f"adapter v{version}", atol=LORA_LOGPROB_ATOL
+            )
             results = vllm_engine.generate(test_prompts[:1], GREEDY)
             assert results[0][0].policy_version == version
             served.append(tokens)
