@@ -7,8 +7,9 @@ import pytest
 
 from rl_launch.cli import resolve_ppo_config
 from rl_launch.components import ENGINES, check_components
+from rl_launch.components.engines import vllm_max_lora_rank
 from rl_launch.config import ConfigError
-from rl_launch.lora_sync import describe, lora_sync_mode, vllm_max_lora_rank
+from rl_launch.lora_sync import describe, lora_sync_mode
 
 BASE = {
     "model.pretrain": "/models/never-loaded",

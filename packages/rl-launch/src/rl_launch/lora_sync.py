@@ -9,7 +9,8 @@ and sends the whole model (`rl_learner.sync`). The decision table (`lora_sync_mo
     model.lora_rank 0, rollout.weight_sync none,
     or an engine that cannot receive weights        -> None     (nothing to choose)
     model.lora_sync merged                          -> merged
-    model.lora_sync adapter                         -> adapter  (refused for an engine that cannot serve adapters)
+    model.lora_sync adapter                         -> adapter  (an engine that cannot serve adapters is
+                                                       refused by the engine kind's check)
     model.lora_sync auto                            -> adapter where the engine can serve adapters
                                                        (`EngineEntry.lora_adapters`: vllm, hf), else merged
 """
@@ -18,19 +19,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .errors import ConfigError
-
 if TYPE_CHECKING:
     from .config import PPOConfig
 
-__all__ = ["VLLM_LORA_RANKS", "check_lora_sync", "lora_sync_mode", "vllm_max_lora_rank"]
-
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-"""The values vLLM takes for `max_lora_rank` (its `LoRAConfig`)."""
+__all__ = ["describe", "lora_sync_mode"]
 
 
 def lora_sync_mode(config: PPOConfig) -> str | None:
-    """ "adapter", "merged", or None when the run has no LoRA policy or syncs nothing (module docstring)."""
+    """The mode: "adapter", "merged", or None when the run has no LoRA policy or syncs nothing."""
     from .components import ENGINES
 
     entry = ENGINES.get(config.rollout.engine)
@@ -41,32 +37,6 @@ def lora_sync_mode(config: PPOConfig) -> str | None:
     if chosen != "auto":
         return chosen
     return "adapter" if entry is not None and entry.lora_adapters else "merged"
-
-
-def check_lora_sync(config: PPOConfig) -> None:
-    """ConfigError for model.lora_sync adapter with an engine that cannot serve a LoRA adapter."""
-    from .components import ENGINES
-
-    entry = ENGINES.get(config.rollout.engine)
-    if config.model.lora_sync != "adapter" or config.model.lora_rank == 0 or entry is None:
-        return
-    if not (entry.lora_adapters and entry.receives_weights):
-        able = sorted(name for name in ENGINES if ENGINES[name].lora_adapters)
-        raise ConfigError(
-            f"model.lora_sync: adapter, but rollout engine {config.rollout.engine!r} cannot serve a LoRA adapter "
-            f"on its base weights; engines that can: {', '.join(able)} (or model.lora_sync merged / auto)"
-        )
-
-
-def vllm_max_lora_rank(rank: int) -> int:
-    """The smallest `max_lora_rank` vLLM takes that holds an adapter of rank `rank`."""
-    for allowed in VLLM_LORA_RANKS:
-        if allowed >= rank:
-            return allowed
-    raise ConfigError(
-        f"model.lora_rank: {rank} is over the largest rank vLLM serves ({VLLM_LORA_RANKS[-1]}); "
-        "use model.lora_sync merged"
-    )
 
 
 def describe(mode: str | None, adapter_bytes: int, merged_bytes: int) -> str:

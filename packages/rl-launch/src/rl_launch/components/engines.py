@@ -21,7 +21,7 @@ from .base import ComponentKind, ComponentRegistry, Selection
 if TYPE_CHECKING:
     from ..config import PPOConfig
 
-__all__ = ["ENGINE", "ENGINES", "EngineEntry"]
+__all__ = ["ENGINE", "ENGINES", "VLLM_LORA_RANKS", "EngineEntry", "vllm_max_lora_rank"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,9 +94,12 @@ def _check(config: PPOConfig) -> None:
             "steps between a sync's weight load and its preemption of the requests in flight; "
             "rollout.partial_rollout needs the engine core in the actor (in_process true, the default)"
         )
-    from ..lora_sync import check_lora_sync
-
-    check_lora_sync(config)
+    if config.model.lora_sync == "adapter" and config.model.lora_rank and not entry.lora_adapters:
+        able = sorted(name for name in ENGINES if ENGINES[name].lora_adapters)
+        raise ConfigError(
+            f"model.lora_sync: adapter, but rollout engine {rollout.engine!r} cannot serve a LoRA adapter "
+            f"on its base weights; engines that can: {', '.join(able)} (or model.lora_sync merged / auto)"
+        )
     if not entry.sleeps and config.ray.colocate == "all":
         raise ConfigError(
             f"ray.colocate: all puts the engines to sleep while the learners train, but rollout engine "
@@ -116,6 +119,21 @@ ENGINE = ComponentKind(
 
 # --------------------------------------------------------------------------------------------
 # The built-in engines.
+
+
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The values vLLM takes for `max_lora_rank` (its `LoRAConfig`)."""
+
+
+def vllm_max_lora_rank(rank: int) -> int:
+    """The smallest `max_lora_rank` vLLM takes that holds an adapter of rank `rank`."""
+    for allowed in VLLM_LORA_RANKS:
+        if allowed >= rank:
+            return allowed
+    raise ConfigError(
+        f"model.lora_rank: {rank} is over the largest rank vLLM serves ({VLLM_LORA_RANKS[-1]}); "
+        "use model.lora_sync merged"
+    )
 
 
 def _vllm_accepts() -> frozenset[str]:
@@ -143,8 +161,6 @@ def vllm_engine(spec: Any, **options: Any) -> Any:
     if spec.max_num_seqs:
         settings["max_num_seqs"] = spec.max_num_seqs
     if spec.lora_rank:  # LoRA adapter sync: two versions may run side by side (rl_launch.lora_sync)
-        from ..lora_sync import vllm_max_lora_rank
-
         settings.update(enable_lora=True, max_lora_rank=vllm_max_lora_rank(spec.lora_rank), max_loras=2)
     return VLLMEngine(spec.model_path, **{**settings, **options})
 
