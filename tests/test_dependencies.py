@@ -24,14 +24,27 @@ ALLOWED: dict[str, tuple[set[str], set[str]]] = {
     "rl_algos": ({"torch"}, {"torch"}),
     "rl_data": (
         # PIL / pillow: the `vision` extra (images of VL prompts, rl_data.vision)
-        {"torch", "msgspec", "numpy", "transformers", "tokenizers", "datasets", "PIL"},
-        {"torch", "msgspec", "numpy", "transformers", "tokenizers", "datasets", "pillow"},
+        # safetensors: a LoRA adapter version written as a peft folder (rl_data.adapters)
+        {"torch", "msgspec", "numpy", "transformers", "tokenizers", "datasets", "PIL", "safetensors"},
+        {"torch", "msgspec", "numpy", "transformers", "tokenizers", "datasets", "pillow", "safetensors"},
     ),
     "rl_rollout": (
-        # fastapi / starlette / uvicorn / openai: the `agents` extra (the agent server)
-        {"torch", "msgspec", "numpy", "rl_data", "rl_algos", "transformers", "vllm"}
+        # fastapi / starlette / uvicorn / openai: the `agents` extra (the agent server); peft: the
+        # `peft` extra (HFEngine serving a LoRA adapter, rl_rollout.adapters)
+        {"torch", "msgspec", "numpy", "rl_data", "rl_algos", "transformers", "vllm", "peft"}
         | {"fastapi", "starlette", "uvicorn", "openai"},
-        {"torch", "msgspec", "rl-data", "rl-algos", "transformers", "vllm", "fastapi", "uvicorn", "openai"},
+        {
+            "torch",
+            "msgspec",
+            "rl-data",
+            "rl-algos",
+            "transformers",
+            "vllm",
+            "fastapi",
+            "uvicorn",
+            "openai",
+            "peft",
+        },
     ),
     "rl_learner": (
         {

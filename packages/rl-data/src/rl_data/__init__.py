@@ -20,6 +20,7 @@
 """
 
 from .__about__ import __version__
+from .adapters import LoraAdapter
 from .batching import MicroBatchPlan, greedy_partition, karmarkar_karp, plan_micro_batches
 from .errors import DataError
 from .experience import ExperienceBatch, build_experience, micro_batches
@@ -62,6 +63,7 @@ __all__ = [
     "Encoder",
     "ExperienceBatch",
     "ImageInputs",
+    "LoraAdapter",
     "MicroBatchPlan",
     "PackedSequences",
     "ParamMeta",

@@ -91,6 +91,9 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
     """rollout.streaming: one `generate` call per group, several at once (`GENERATE_GROUP`)."""
     vllm_logging_level: str = "ERROR"
     """VLLM_LOGGING_LEVEL in the actor, set before anything imports vLLM (the driver's, or ERROR)."""
+    lora_rank: int = 0
+    """The policy's LoRA rank when the engine serves its adapter (model.lora_sync adapter,
+    `rl_launch.lora_sync`): vLLM starts with LoRA enabled for that rank; 0: no adapter."""
 
 
 def send_output_to(log_dir: str | None, name: str) -> None:
@@ -230,6 +233,16 @@ class LearnerWorker:
         from rl_learner.config import torch_dtype
 
         return sync_layout(self.learner.engine, dtype=torch_dtype(dtype))
+
+    def adapter_layout(self, dtype: str) -> tuple[Any, Any, int]:
+        """LoRA adapter sync (`rl_learner.adapter_sync`): (the `WeightSyncMeta` of the adapter tensors
+        in `dtype`, the `LoraAdapter` the engines serve, the merged model's bytes for comparison)."""
+        from rl_learner import adapter_layout, lora_adapter, sync_layout
+        from rl_learner.config import torch_dtype
+
+        engine, wire = self.learner.engine, torch_dtype(dtype)
+        merged = sync_layout(engine, dtype=wire).total_bytes
+        return adapter_layout(engine, dtype=wire), lora_adapter(engine), merged
 
     def prepare_sync(self, fn: Any) -> Any:
         """`fn(self)` for a weight-sync strategy's start (`SyncContext.on_policy_rank_0`, rank 0): what it

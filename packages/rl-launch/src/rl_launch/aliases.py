@@ -1175,8 +1175,13 @@ UNSUPPORTED: Mapping[str, str] = {
     "ds.experts_implementation": "the MoE expert kernel is not an option here (transformers picks it)",
     "ds.use_liger_kernel": "Liger kernels are not supported",
     "ds.load_in_4bit": (
-        "4-bit (QLoRA) loading is not implemented: the learners load full-precision weights, and the "
-        "bitsandbytes package that 4-bit loading needs is not a dependency of rl-learner"
+        "QLoRA (a 4-bit base under the LoRA adapters) is not implemented: the learners load the base in "
+        "full precision (fp32 on CPU, bf16 on GPUs), and 4-bit loading (transformers' BitsAndBytesConfig) "
+        "needs the bitsandbytes package on every device, which rl-learner does not depend on and the "
+        "project's CPU environment does not hold (import bitsandbytes fails there, so its CPU backend was "
+        "not tried); the engines would also have to load the same 4-bit base to serve adapter syncs. "
+        "LoRA on the full-precision base runs: --model.lora_rank, each sync sending the adapter only "
+        "(--model.lora_sync adapter)"
     ),
     "actor.gradient_checkpointing_reentrant": "the reentrant variant of gradient checkpointing is not an option here",
     "model.gradient_checkpointing_reentrant": "the reentrant variant of gradient checkpointing is not an option here",

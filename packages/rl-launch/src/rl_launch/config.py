@@ -117,6 +117,11 @@ class ModelConfig(_Section):
     """Dropout on the LoRA adapters' input."""
     target_modules: list[str] = msgspec.field(default_factory=lambda: ["all-linear"])
     """Modules LoRA adapts (peft names), or "all-linear"."""
+    lora_sync: Literal["auto", "adapter", "merged"] = "auto"
+    """What each weight sync of a LoRA policy sends (rl_launch.lora_sync): adapter (the adapter
+    tensors only; the engines start with LoRA enabled and serve a new adapter per version on the
+    base weights they loaded once), merged (the adapters merged into the base weights, the whole
+    model), or auto: adapter where the engine can serve one (vllm, hf), else merged."""
     freeze_visual_encoder: bool = False
     """A vision-language policy (Qwen2-VL family) trains its language model only: the vision
     encoder's weights stay as loaded (rl_learner's freeze_visual_encoder says which modules)."""

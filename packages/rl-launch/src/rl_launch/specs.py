@@ -17,6 +17,7 @@ from .actors import ACTIVITY_GROUP, GENERATE_GROUP, RECEIVE_GROUP, EngineSpec, L
 from .components import executor_name
 from .config import PPOConfig
 from .learner_settings import learner_settings, role_optimizer
+from .lora_sync import lora_sync_mode
 
 __all__ = [
     "MAX_GENERATE_THREADS",
@@ -151,4 +152,5 @@ def engine_spec(
         streaming=r.streaming,
         # vLLM logs every weight reload at INFO and WARNING; that would bury the progress bar.
         vllm_logging_level=os.environ.get("VLLM_LOGGING_LEVEL", "ERROR"),
+        lora_rank=cfg.model.lora_rank if lora_sync_mode(cfg) == "adapter" else 0,
     )

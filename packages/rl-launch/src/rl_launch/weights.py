@@ -1,6 +1,7 @@
 """The policy's weights to the engines, at run time: start once, send every step, settle at the end.
 
-`WeightSync.start` resolves `rollout.weight_sync` (auto from the `Placement`), runs the chosen
+`WeightSync.start` resolves `rollout.weight_sync` (auto from the `Placement`) and, for a LoRA
+policy, `model.lora_sync` (`rl_launch.lora_sync`: the adapter only, or the merged model), runs the chosen
 strategy's start in the driver (`rl_launch.components.weight_sync`, given a typed `SyncContext`)
 and has policy rank 0 and every engine worker join the spec it returns. `send(version)` is one
 sync; in async mode an engine takes a version after the generations queued before it, so the
@@ -18,6 +19,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
+
 from rl_data import compare_checksums
 
 from .actors import RECEIVE_GROUP
@@ -25,6 +28,8 @@ from .components.weight_sync import SYNC_STRATEGIES, SyncContext, SyncPlacement,
 from .config import PPOConfig
 from .handoff import HandOff
 from .health import EngineHung
+from .lora_sync import describe as describe_lora_sync
+from .lora_sync import lora_sync_mode
 from .placement import Placement
 
 __all__ = ["WeightSync", "weight_sync_strategy"]
@@ -85,6 +90,7 @@ class WeightSync:
         self._receipts: list[tuple[Any, dict[int, Any]]] = []
         self.version = 0  # the last version a send finished (the engines' start: 0)
         self.layout: Any = None  # policy rank 0's WeightSyncMeta, for a restart of the strategy
+        self.adapter: Any = None  # LoRA adapter sync: the rl_data.LoraAdapter the engines serve
 
     @classmethod
     def start(
@@ -96,8 +102,14 @@ class WeightSync:
         if name == "none":
             return cls(config, name, policy, engines, placement, hand_off), NONE_DESCRIPTION
         sync = cls(config, name, policy, engines, placement, hand_off)
-        sync.layout = policy.call("sync_layout", dtype)[0]
-        return sync, sync._start_strategy()
+        mode = lora_sync_mode(config)
+        if mode == "adapter":  # the adapter's layout and configuration (rl_launch.lora_sync)
+            sync.layout, sync.adapter, merged_bytes = policy.call("adapter_layout", dtype)[0]
+            what = describe_lora_sync(mode, sync.layout.total_bytes, merged_bytes)
+        else:
+            sync.layout = policy.call("sync_layout", dtype)[0]
+            what = describe_lora_sync(mode, 0, sync.layout.total_bytes)
+        return sync, what + sync._start_strategy()
 
     def _start_strategy(self) -> str:
         """The strategy's rendezvous, joined by policy rank 0 and every engine; its description."""
@@ -108,6 +120,8 @@ class WeightSync:
             self.config, self.placement, lambda fn: ray.get(policy.actors[0].prepare_sync.remote(fn))
         )
         self.spec, description = SYNC_STRATEGIES[self.name].start(context, self.layout)
+        if self.adapter is not None:  # every strategy's spec carries the adapter the same way
+            self.spec = msgspec.structs.replace(self.spec, adapter=self.adapter)
         futures = policy.submit("init_sync", self.spec)
         futures += self.engines.submit("init_sync", per_rank=[(self.spec, o) for o in self._offsets()])
         ray.get(futures)

@@ -13,6 +13,8 @@
 - Weight sync, sender side (`rl_learner.sync`): bucketed broadcast, CUDA IPC, shared memory or
   files, through `rl_data.sync`, one sender per transport (`rl_learner.senders`, found by name in
   `SENDERS`); ZeRO-3 gathered per bucket, LoRA merged on the fly, cast to the engine's dtype.
+  A LoRA policy may send its adapter only (`rl_learner.adapter_sync`: `adapter_layout`,
+  `lora_adapter`, a spec with `adapter` set).
 - Supervised learners (`rl_learner.supervised`): `SFTLearner`, `RewardModelLearner`,
   `DPOLearner` (sigmoid DPO, cDPO, IPO) and `KTOLearner` on `pack_sequences` / `pack_pairs` /
   `pack_unpaired` micro-batches.
@@ -24,6 +26,7 @@
 """
 
 from .__about__ import __version__
+from .adapter_sync import adapter_layout, lora_adapter
 from .checkpoint import (
     CheckpointError,
     TrainingState,
@@ -82,6 +85,7 @@ __all__ = [
     "WeightEMA",
     "WeightSender",
     "__version__",
+    "adapter_layout",
     "apply_lora",
     "build_optimizer",
     "build_scheduler",
@@ -95,6 +99,7 @@ __all__ = [
     "load_checkpoint",
     "load_checkpoint_tensors",
     "load_value_model",
+    "lora_adapter",
     "make_sender",
     "pack_pairs",
     "pack_sequences",

@@ -23,6 +23,7 @@ from rl_data.errors import check_integer
 from rl_data.sync import WeightSyncError, WeightSyncSpec
 from rl_data.weights import BucketMeta
 
+from .adapter_sync import adapter_tensors
 from .dtensor import dtensor_group, full_value
 from .lora import MergedTensor, merged_tensors
 
@@ -148,7 +149,9 @@ class WeightSender(abc.ABC):
             )
         self.spec = spec
         self.layout: WeightSyncMeta = spec.layout.layout_only()
-        self._sources = {source.name: source for source in sent_tensors(model)}
+        # a spec with an adapter (LoRA adapter sync, `rl_learner.adapter_sync`) sends the adapter only
+        sources = adapter_tensors(model, where=name) if spec.adapter is not None else sent_tensors(model)
+        self._sources = {source.name: source for source in sources}
         _check_layout(self.layout, list(self._sources.values()), name)
         zero3 = _zero3_group(list(self._sources.values()))
         # FSDP2 / tensor-parallel DTensors: gathered bucket by bucket like ZeRO-3 (rl_learner.dtensor)

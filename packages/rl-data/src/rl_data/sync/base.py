@@ -15,6 +15,7 @@ from typing import Any
 import msgspec
 import torch
 
+from ..adapters import LoraAdapter
 from ..serialization import encode
 from ..tensors import tensor_checksum
 from ..weights import BucketMeta, WeightSyncMeta, bucket_checksum
@@ -113,6 +114,10 @@ class WeightSyncSpec(msgspec.Struct, frozen=True, kw_only=True):
     directory: str | None = None
     timeout_s: float = 600.0
     options: dict[str, Any] = msgspec.field(default_factory=dict)
+    adapter: LoraAdapter | None = None
+    """LoRA adapter sync (`rl_data.adapters`): the layout holds the policy's adapter tensors only
+    (peft's saved names), and the engines serve them on their base weights with this
+    configuration; None: the layout holds the (merged) model's weights."""
     wire_format: int = WIRE_FORMAT
     """The wire format of the message (`rl_data.wire`); another major is refused on decode."""
 

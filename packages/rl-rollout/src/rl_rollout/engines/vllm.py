@@ -46,6 +46,17 @@ and new weights: `supports("partial_rollout")` is False there, and with a vLLM t
 weight-version labels (`LLMEngine.set_weight_version`, which vLLM 0.26 lacks: a request's tokens
 then all carry the version it started under).
 
+LoRA adapter sync (a spec with `adapter`, `rl_rollout.adapters`): the engine must be started with
+`enable_lora=True` and `max_lora_rank` at least the adapter's rank (`max_loras=2` lets the old and
+the new version run side by side). Each sync's factors are written by the workers as a peft folder
+of that version, served as a new `LoRARequest` (LoRA id version + 1) for every request added from
+then on; the base weights and the prefix cache stay (vLLM keys cached prefixes by LoRA id).
+Requests in flight finish with the adapter they started with, so every token of a response
+carries its request's version (from the request's `lora_request`, not vLLM's weight-version
+labels), also with partial rollout; a version is removed from vLLM once no request uses it. A
+later full-weight spec drops the adapters: the engine serves its base weights (version 0) until
+that spec's first sync.
+
 Sleep mode needs a GPU (vLLM's CPU worker ignores it): `supports("sleep")` is False on CPU. While
 asleep, `generate` and `receive_weights` are refused (wake before a weight sync), as `HFEngine` does.
 
@@ -82,10 +93,12 @@ from typing import Any
 import msgspec
 
 from rl_data import ImageInputs, WeightSyncReport, check_layout_shapes, encode, safetensors_shapes
+from rl_data.adapters import check_adapter_shapes
 from rl_data.sync import WeightSyncSpec
 from rl_data.sync.ipc import IpcPayload
 from rl_data.vision import VisionProcessor, is_vision_model
 
+from ..adapters import AdapterVersions
 from ..protocol import (
     Engine,
     EngineError,
@@ -280,6 +293,7 @@ class _Request(msgspec.Struct):
     index: int
     future: concurrent.futures.Future
     expanded: list[int] | None = None  # a prompt with images: the ids vLLM's output must report
+    lora_id: int = 0  # LoRA adapter sync: the LoRA id of the adapter version it runs with (0: none)
 
 
 def _settle(
@@ -313,11 +327,12 @@ def _reset_prefix_cache(engine: Any, caller: str) -> None:
         raise EngineError(f"VLLMEngine.{caller}: vLLM could not reset its prefix cache")
 
 
-def _token_versions(completion: Any, version: int) -> tuple[int, list[int] | None]:
+def _token_versions(completion: Any, version: int, labelled: bool = True) -> tuple[int, list[int] | None]:
     """(policy version of the first token, per-token versions or None when all are that one) of
     a finished `CompletionOutput`, from vLLM's weight-version spans (labels: the str of our
-    versions); `version` (the engine's when the request started) where vLLM gives no span."""
-    spans = getattr(completion, "weight_versions", None) or []
+    versions); `version` (the engine's when the request started) where vLLM gives no span, or
+    for every token when not `labelled` (an adapter sync: a request keeps its adapter)."""
+    spans = (getattr(completion, "weight_versions", None) or []) if labelled else []
     count = len(completion.token_ids)
     versions: list[int] = []
     for span in spans:
@@ -329,8 +344,11 @@ def _token_versions(completion: Any, version: int) -> tuple[int, list[int] | Non
     return first, None if versions[-1] == first else versions
 
 
-def _samples(output: Any, params: SamplingParams, version: int) -> list[Generation]:
-    """One finished `vllm.RequestOutput` -> its `params.n` `Generation`s, in sample order."""
+def _samples(output: Any, params: SamplingParams, version: int, adapter: bool = False) -> list[Generation]:
+    """One finished `vllm.RequestOutput` -> its `params.n` `Generation`s, in sample order.
+    `adapter` (LoRA adapter sync): every token carries the version of the request's adapter."""
+    if adapter:
+        version = AdapterVersions.version_of(output.lora_request)
     samples = []
     for completion in sorted(output.outputs, key=lambda completion: completion.index):
         token_ids = list(completion.token_ids)
@@ -340,7 +358,7 @@ def _samples(output: Any, params: SamplingParams, version: int) -> list[Generati
                 float(entry[token].logprob)
                 for entry, token in zip(completion.logprobs, token_ids, strict=True)
             ]
-        first_version, token_versions = _token_versions(completion, version)
+        first_version, token_versions = _token_versions(completion, version, labelled=not adapter)
         samples.append(
             Generation(
                 token_ids=token_ids,
@@ -559,6 +577,7 @@ class VLLMEngine(Engine):
         config = self._engine.vllm_config.parallel_config
         self._sync_world_size = config.tensor_parallel_size * config.pipeline_parallel_size
         self._sync_timeout_s: float | None = None  # set by init_weight_sync
+        self._adapters: AdapterVersions | None = None  # LoRA adapter sync: the versions served
 
     @staticmethod
     def option_names() -> frozenset[str]:
@@ -667,6 +686,8 @@ class VLLMEngine(Engine):
                     _settle(request.future, error=EngineError(_layout_mismatch(request, output)))
                 else:
                     _settle(request.future, output)
+            if self._adapters is not None and self._adapters.superseded:
+                self._release_adapters(engine)
 
     def _fail(self, request_id: str, request: _Request, why: str) -> None:
         self._requests.pop(request_id, None)
@@ -767,9 +788,13 @@ class VLLMEngine(Engine):
                 if self._failure is not None:
                     self._fail(request_id, request, f"vLLM's engine failed earlier: {self._failure}")
                     continue
+                lora = self._adapters.current if self._adapters is not None else None
+                request.lora_id = lora.lora_int_id if lora is not None else 0
                 try:
                     vllm_params = to_vllm_sampling_params(params, prompt, max_model_len, entry, self._never)
-                    engine.add_request(request_id, self._vllm_prompt(prompt, entry), vllm_params)
+                    engine.add_request(
+                        request_id, self._vllm_prompt(prompt, entry), vllm_params, lora_request=lora
+                    )
                 except Exception as error:
                     self._fail(request_id, request, f"{type(error).__name__}: {error}")
                     continue
@@ -824,7 +849,8 @@ class VLLMEngine(Engine):
                 future.cancel()
             self._abort([request_id for request_id, _ in requests])
             raise
-        return [_samples(output, params, version) for output in outputs]
+        adapter = self._adapters is not None
+        return [_samples(output, params, version, adapter) for output in outputs]
 
     async def agenerate(
         self, prompt: Sequence[int], params: SamplingParams, images: ImageInputs | None = None
@@ -847,7 +873,7 @@ class VLLMEngine(Engine):
         except asyncio.CancelledError:
             self._abort([request_id])
             raise
-        return _samples(output, params, version)
+        return _samples(output, params, version, self._adapters is not None)
 
     # --- weight sync ---------------------------------------------------------------------------
 
@@ -877,15 +903,56 @@ class VLLMEngine(Engine):
                 f"VLLMEngine.init_weight_sync: ranks {rank}..{rank + self._sync_world_size - 1} do not fit "
                 f"in the group's world_size {spec.world_size}"
             )
+        if spec.adapter is not None:
+            self._check_adapter_spec(spec)
         if self._model_folder is not None:  # a hub name: vLLM's loader is the check
             try:
                 shapes = safetensors_shapes(self._model_folder)
-                check_layout_shapes(spec.layout, shapes, where="VLLMEngine.init_weight_sync")
+                if spec.adapter is not None:
+                    check_adapter_shapes(
+                        spec.layout, shapes, spec.adapter, where="VLLMEngine.init_weight_sync"
+                    )
+                else:
+                    check_layout_shapes(spec.layout, shapes, where="VLLMEngine.init_weight_sync")
             except ValueError as error:
                 raise EngineError(str(error)) from None
         # the workers give up after spec.timeout_s; the margin lets their own error arrive first
         self._worker_call("init_weight_sync", (encode(spec), rank), spec.timeout_s + _RPC_MARGIN_S)
         self._sync_timeout_s = spec.timeout_s + _RPC_MARGIN_S
+        if spec.adapter is not None and self._adapters is None:
+            self._adapters = AdapterVersions(spec.adapter)
+        elif spec.adapter is None and self._adapters is not None:
+            self._call(self._drop_adapters)
+
+    def _drop_adapters(self, engine: Any) -> None:
+        """A full-weight spec after adapter syncs, on the engine's thread: stop serving adapters (the
+        base weights, policy version 0, until the next sync). Meant between runs, with no request in
+        flight: a running request whose adapter is removed could not load it again."""
+        adapters, self._adapters = self._adapters, None
+        for lora_id in engine.list_loras():
+            engine.remove_lora(lora_id)
+        adapters.close()
+        self.policy_version = 0
+
+    def _check_adapter_spec(self, spec: WeightSyncSpec) -> None:
+        """A LoRA adapter sync needs an engine started with LoRA and a rank that fits."""
+        lora_config = self._live().vllm_config.lora_config
+        rank = spec.adapter.rank
+        if lora_config is None:
+            raise EngineError(
+                f"VLLMEngine.init_weight_sync: the spec sends a LoRA adapter (rank {rank}), but this engine was "
+                f"started without LoRA: start it with enable_lora=True and max_lora_rank >= {rank} (rl-launch "
+                "does when model.lora_sync is adapter), or send merged weights (model.lora_sync merged)"
+            )
+        if lora_config.max_lora_rank < rank:
+            raise EngineError(
+                f"VLLMEngine.init_weight_sync: the adapter's rank {rank} is over the engine's max_lora_rank "
+                f"{lora_config.max_lora_rank}; start it with max_lora_rank >= {rank}"
+            )
+        if self._adapters is not None and self._adapters.adapter != spec.adapter:
+            raise EngineError(
+                "VLLMEngine.init_weight_sync: a different LoRA adapter than the one this engine serves"
+            )
 
     def receive_weights(self, version: int, payload: IpcPayload | None = None) -> WeightSyncReport:
         """Receive and apply one sync on every worker, reset the prefix cache, set policy_version.
@@ -902,6 +969,10 @@ class VLLMEngine(Engine):
         self._check_awake("receive_weights")
         version = int(version)
         payload_bytes = encode(payload) if payload is not None else None
+        if self._adapters is not None:
+            return self._call(
+                lambda engine: self._receive_adapter(engine, version, payload_bytes), self._sync_timeout_s
+            )
 
         def apply(engine: Any) -> WeightSyncReport:
             reports = decode_reports(_worker_rpc(engine, "receive_weights", (version, payload_bytes)))
@@ -916,6 +987,38 @@ class VLLMEngine(Engine):
             return reports[0]
 
         return self._call(apply, self._sync_timeout_s)
+
+    def _receive_adapter(self, engine: Any, version: int, payload_bytes: bytes | None) -> WeightSyncReport:
+        """LoRA adapter sync, on the engine's thread: the workers receive the factors and write the
+        version's peft folder; it becomes the `LoRARequest` of every request added from now on
+        (requests in flight finish with the adapter they started with, so every token of a
+        response carries one version). Versions no request uses any more are removed."""
+        adapters = self._adapters
+        folder = str(adapters.folder(version))
+        reports = decode_reports(_worker_rpc(engine, "receive_adapter", (version, payload_bytes, folder)))
+        if any(report.checksums != reports[0].checksums for report in reports):
+            raise EngineError(
+                f"VLLMEngine.receive_weights: the workers received different buckets for version {version}"
+            )
+        request = adapters.request(version)
+        if adapters.current is None or adapters.current.lora_int_id != request.lora_int_id:
+            if request.lora_int_id in engine.list_loras():  # this version again (an engine rejoined)
+                engine.remove_lora(request.lora_int_id)
+            if not engine.add_lora(request):
+                raise EngineError(
+                    f"VLLMEngine.receive_weights: vLLM did not load the adapter of version {version}"
+                )
+        adapters.current = request
+        self._release_adapters(engine)
+        self.policy_version = version
+        return reports[0]
+
+    def _release_adapters(self, engine: Any) -> None:
+        """Remove from vLLM (and from disk) the adapter versions no request in flight uses."""
+        in_use = {request.lora_id for request in self._requests.values()}
+        for lora_id in self._adapters.stale(in_use):
+            engine.remove_lora(lora_id)
+            self._adapters.forget(lora_id)
 
     def close_weight_sync(self) -> None:
         """Leave the weight-sync group on every worker."""
@@ -966,4 +1069,6 @@ class VLLMEngine(Engine):
         finally:
             self._engine = None
             self._thread.join(timeout=60)
+            if self._adapters is not None:
+                self._adapters.close()
             gc.collect()  # the model's memory (and, on a GPU, its cache) goes with the last reference

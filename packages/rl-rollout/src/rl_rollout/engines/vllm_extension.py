@@ -25,6 +25,9 @@ How received tensors are applied:
   receiver holds the slot) until the load is done.
 - Elsewhere (the official vLLM on GPUs) each bucket goes straight into `model.load_weights`,
   the public route, without a staging copy.
+- LoRA adapter sync (a spec with `adapter`): `receive_adapter` stages the factors and worker 0
+  writes them as a peft folder, which the engine then serves as a `LoRARequest`; the model's own
+  weights stay as loaded.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from collections.abc import Iterable
 import torch
 
 from rl_data import WeightSyncReport, decode, encode
+from rl_data.adapters import write_peft_adapter
 from rl_data.sync import WeightSyncSpec
 from rl_data.tensors import tensor_checksum
 
@@ -111,6 +115,24 @@ class WeightSyncExtension:
             if staging:
                 with torch.no_grad():
                     self.model_runner.reload_weights(weights_iterator=self._rl_staged)
+        finally:
+            self._rl_staged = None
+            self._rl_receiver.release()
+        return encode(report)
+
+    def receive_adapter(self, version: int, payload_bytes: bytes | None, folder: str) -> bytes:
+        """LoRA adapter sync (`WeightSyncSpec.adapter`): receive one version of the adapter factors
+        and write them, on worker 0, as a peft folder at `folder` for the engine's `LoRARequest`
+        (the model's weights are not touched); returns the encoded `WeightSyncReport`."""
+        if self._rl_receiver is None or self._rl_receiver.spec.adapter is None:
+            raise RuntimeError("receive_adapter: call init_weight_sync with an adapter spec first")
+        payload_type = self._rl_receiver.payload_type
+        payload = decode(payload_bytes, payload_type) if payload_bytes is not None and payload_type else None
+        self._rl_staged = []
+        try:
+            report = self._rl_receiver.receive(int(version), payload, hold=True)
+            if int(getattr(self, "rank", 0)) == 0:
+                write_peft_adapter(folder, dict(self._rl_staged), self._rl_receiver.spec.adapter)
         finally:
             self._rl_staged = None
             self._rl_receiver.release()
