@@ -32,7 +32,9 @@ def test_routes_travel_with_their_tokens_and_survive_the_wire():
 
 def test_routes_of_the_wrong_shape_or_mixed_records_are_refused():
     with pytest.raises(ValueError, match=r"routed_experts: expected shape \[tokens = 5, layers, top_k\]"):
-        Trajectory(prompt_ids=[1, 2], response_ids=[3, 4, 5], routed_experts=torch.zeros(4, 2, 2, dtype=torch.long))
+        Trajectory(
+            prompt_ids=[1, 2], response_ids=[3, 4, 5], routed_experts=torch.zeros(4, 2, 2, dtype=torch.long)
+        )
     with pytest.raises(ValueError, match=r"must lie in \[-1, 32767\]"):
         Trajectory(prompt_ids=[1], response_ids=[3], routed_experts=torch.full((2, 1, 1), -2))
     with pytest.raises(DataError, match="either every record carries routes"):

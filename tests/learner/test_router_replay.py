@@ -105,10 +105,14 @@ def test_replaying_other_routes_changes_the_logprobs_and_the_learner_uses_them(m
 
 def test_unreported_tokens_route_freely_and_wrong_shapes_are_refused(moe):
     batch = _batch()
-    free = msgspec.structs.replace(batch, routed_experts=torch.full((batch.num_tokens, 2, 2), -1, dtype=torch.int16))
+    free = msgspec.structs.replace(
+        batch, routed_experts=torch.full((batch.num_tokens, 2, 2), -1, dtype=torch.int16)
+    )
     with torch.no_grad(), MoERouting(moe, replay=True) as routing:
         assert torch.equal(packed_logprobs(moe, free, routing=routing), packed_logprobs(moe, batch))
-        wrong = msgspec.structs.replace(batch, routed_experts=torch.zeros((batch.num_tokens, 3, 2), dtype=torch.int16))
+        wrong = msgspec.structs.replace(
+            batch, routed_experts=torch.zeros((batch.num_tokens, 3, 2), dtype=torch.int16)
+        )
         with pytest.raises(ValueError, match="the model has 2 MoE layers"):
             packed_logprobs(moe, wrong, routing=routing)
         with pytest.raises(ValueError, match="the batch has no routed_experts"):
@@ -139,7 +143,12 @@ def test_replay_makes_the_learner_route_as_the_hf_engine_on_a_near_tied_router(t
     prompts = [[1, 2, 3, 9, 10, 11], [4, 5, 6, 7, 8]]
     outputs = engine.generate(prompts, SamplingParams(n=4, temperature=1.0, max_new_tokens=24, seed=1))
     records = [
-        Trajectory(prompt_ids=p, response_ids=g.token_ids, rollout_logprobs=g.logprobs, routed_experts=g.routed_experts)
+        Trajectory(
+            prompt_ids=p,
+            response_ids=g.token_ids,
+            rollout_logprobs=g.logprobs,
+            routed_experts=g.routed_experts,
+        )
         for p, generations in zip(prompts, outputs, strict=True)
         for g in generations
     ]

@@ -40,7 +40,14 @@ from .wire import WIRE_FORMAT, check_wire_format
 __all__ = ["ExperienceBatch", "build_experience", "micro_batches"]
 
 _TOKEN_SLOTS = ("old_logprobs", "ref_logprobs", "teacher_logprobs", "values", "advantages", "returns")
-_TOKEN_FIELDS = ("input_ids", "position_ids", "action_mask", "rollout_logprobs", "routed_experts", *_TOKEN_SLOTS)
+_TOKEN_FIELDS = (
+    "input_ids",
+    "position_ids",
+    "action_mask",
+    "rollout_logprobs",
+    "routed_experts",
+    *_TOKEN_SLOTS,
+)
 _SEQUENCE_TENSORS = (
     "prompt_lengths",
     "response_lengths",

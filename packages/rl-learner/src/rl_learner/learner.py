@@ -82,7 +82,13 @@ from .models import (
     shared_prefix,
     unwrap_model,
 )
-from .routing import ROUTER_REPLAY_MODES, MoERouting, REPLAYABLE_MODEL_TYPES, routing_metric_keys, routing_metrics
+from .routing import (
+    REPLAYABLE_MODEL_TYPES,
+    ROUTER_REPLAY_MODES,
+    MoERouting,
+    routing_metric_keys,
+    routing_metrics,
+)
 from .sequence_parallel import SequenceParallelGroup, check_heads, new_sequence_parallel_group
 
 __all__ = [

@@ -90,13 +90,20 @@ class MoERouting:
 
     def load(self, routes: torch.Tensor | None) -> None:
         """The routes [R, L, K] of the next forward's row (None: route freely); clears the records."""
-        if routes is not None and (routes.dim() != 3 or tuple(routes.shape[1:]) != (self.num_layers, self.top_k)):
+        if routes is not None and (
+            routes.dim() != 3 or tuple(routes.shape[1:]) != (self.num_layers, self.top_k)
+        ):
             raise ValueError(
                 f"routed_experts: shape {tuple(routes.shape)}, but the model has {self.num_layers} MoE layers "
                 f"with top-{self.top_k} routing: expected [tokens, {self.num_layers}, {self.top_k}] (routes "
                 "recorded by an engine running another model?)"
             )
-        if routes is not None and self.num_experts and routes.numel() and int(routes.max()) >= self.num_experts:
+        if (
+            routes is not None
+            and self.num_experts
+            and routes.numel()
+            and int(routes.max()) >= self.num_experts
+        ):
             raise ValueError(
                 f"routed_experts: expert index {int(routes.max())}, but the model has {self.num_experts} experts"
             )

@@ -108,7 +108,9 @@ def _check_routes(config: PPOConfig, entry: EngineEntry) -> None:
     if config.algo.policy.router_replay == "disabled":
         return
     if entry.routes_option is None:
-        able = sorted(f"{name} ({ENGINES[name].routes_option})" for name in ENGINES if ENGINES[name].routes_option)
+        able = sorted(
+            f"{name} ({ENGINES[name].routes_option})" for name in ENGINES if ENGINES[name].routes_option
+        )
         raise ConfigError(
             f"algo.policy.router_replay: {config.algo.policy.router_replay} replays the experts the rollout "
             f"engine chose, but rollout engine {rollout.engine!r} does not report them; engines that can, with "

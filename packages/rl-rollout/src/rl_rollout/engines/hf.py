@@ -308,7 +308,8 @@ class HFEngine(Engine):
     def supports(self, feature: str) -> bool:
         super().supports(feature)  # validates the name
         return feature in ("weight_sync", "async", "sleep", "partial_rollout") or (
-            (feature == "images" and self.vision) or (feature == "routed_experts" and self._routers is not None)
+            (feature == "images" and self.vision)
+            or (feature == "routed_experts" and self._routers is not None)
         )
 
     def generate(
