@@ -352,7 +352,9 @@ class ToyLearner:
     def _per_token(self, parts: list, value: float) -> list[torch.Tensor]:
         return [torch.full(part.input_ids.shape, value) * part.action_mask for part in parts]
 
-    def logprobs(self, parts: list, temperature: float) -> list[torch.Tensor]:
+    def logprobs(
+        self, parts: list, temperature: float, router_replay: str = "disabled"
+    ) -> list[torch.Tensor]:
         return self._per_token(parts, self.logprob)
 
     def values(self, parts: list) -> list[torch.Tensor]:

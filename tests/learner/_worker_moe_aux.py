@@ -1,5 +1,7 @@
 """One rank (world size 1): policy steps of a tiny Qwen2-MoE with and without the router
-load-balancing term (`PolicyLossConfig.aux_loss_coef`); writes results.json."""
+load-balancing term (`PolicyLossConfig.aux_loss_coef`), and with routing replay
+(`PolicyLossConfig.router_replay` R3) of the model's own routes and of other routes; writes
+results.json."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from rl_algos import load_balancing_loss
 from rl_data.tiny import build_tiny_model, build_tiny_tokenizer
 from rl_learner import DeepSpeedConfig, OptimizerConfig, PolicyLearner, PolicyLossConfig
 from rl_learner.models import RouterCapture, packed_logprobs
+from rl_learner.routing import MoERouting
 
 COEF = 0.5
 
@@ -53,6 +56,7 @@ def main() -> None:
             results["on_params"] = {n: p.tolist() for n, p in after.items()}
         if name == "off":
             results["off_params"] = {n: p.tolist() for n, p in after.items()}
+    replay_runs(results, tokenizer, ds, optim, batch)
     dense = PolicyLearner(build_tiny_model(tokenizer, seed=0), deepspeed=ds, optimizer=optim, total_steps=2)
     try:
         dense.train_step([batch], PolicyLossConfig(name="ppo", aux_loss_coef=COEF))
@@ -60,6 +64,31 @@ def main() -> None:
     except ValueError as error:
         results["dense_error"] = str(error)
     (out / "results.json").write_text(json.dumps(results))
+
+
+def replay_runs(results: dict, tokenizer, ds, optim, batch) -> None:
+    """R3 on the policy's own routes (the same step as without replay), on routes of other experts
+    (another step), and the old-log-prob forward with replay; the MoE metrics of each."""
+    model = build_tiny_model(tokenizer, architecture="qwen2_moe", seed=0)
+    with torch.no_grad(), MoERouting(model, replay=False) as routing:
+        routing.load(None)
+        packed_logprobs(model, batch, routing=routing)
+        own = torch.stack(routing.own, dim=1).to(torch.int16)  # [N, L, K]
+    other = (own + 1) % model.config.num_experts
+    for name, routes in (("replay_own", own), ("replay_other", other)):
+        learner = PolicyLearner(
+            build_tiny_model(tokenizer, architecture="qwen2_moe", seed=0),
+            deepspeed=ds,
+            optimizer=optim,
+            total_steps=2,
+        )
+        batch.routed_experts = routes
+        old = learner.logprobs([batch], only_actions=True, router_replay="R3")[0]
+        results[f"{name}_old_logprobs"] = old.tolist()
+        learner.engine.zero_grad()
+        results[name] = learner.train_step([batch], PolicyLossConfig(name="ppo", router_replay="R3"))
+    batch.routed_experts = None
+    results["plain_old_logprobs"] = packed_logprobs(model, batch, only_actions=True).tolist()
 
 
 if __name__ == "__main__":

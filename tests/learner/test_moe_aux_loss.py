@@ -115,3 +115,20 @@ def test_the_aux_gradient_reaches_the_router(results):
 @pytest.mark.slow
 def test_aux_loss_on_a_dense_policy_is_refused(results):
     assert "no mixture-of-experts router" in results["dense_error"]
+
+
+@pytest.mark.slow
+def test_router_replay_in_the_learner_steps_and_old_logprobs(results):
+    """R3 through PolicyLearner (DeepSpeed): the policy's own routes give the step without replay
+    and the plain old log-probs; other routes are used (mismatch_used 0) and change both."""
+    own, other, off = results["replay_own"], results["replay_other"], results["off"]
+    assert own["loss"] == off["loss"]
+    assert own["moe_route_mismatch"] == 0.0
+    assert results["replay_own_old_logprobs"] == results["plain_old_logprobs"]
+    assert other["moe_route_mismatch"] == 1.0
+    assert other["moe_route_mismatch_used"] == 0.0
+    assert other["moe_routes_reported"] == 1.0
+    assert off["moe_routes_reported"] == 0.0
+    assert other["loss"] != off["loss"]
+    assert results["replay_other_old_logprobs"] != results["plain_old_logprobs"]
+    assert "moe_layer1/load_entropy" in off  # an MoE policy logs its expert load every step

@@ -33,7 +33,7 @@ from .group import CENTRES, GROUP_NORM_PRESETS, SCALES, SINGLETON_POLICIES, grou
 from .kl import KL_ESTIMATORS, AdaptiveKLController, FixedKLController, StraightThroughKL, kl_penalty
 from .logprobs import default_chunk_size, entropy_from_logits, logprobs_from_logits
 from .masked import last_action_index, masked_mean, masked_mean_var, masked_sum, masked_whiten
-from .moe import load_balancing_loss
+from .moe import expert_load_metrics, load_balancing_loss, replayed_gate_weights, route_mismatch
 from .objective import policy_objective
 from .policy_losses import POLICY_LOSSES, value_loss
 from .preference import dpo_loss, kto_loss, reward_model_loss
@@ -86,6 +86,7 @@ __all__ = [
     "dynamic_filter_mask",
     "entropy_from_logits",
     "expand_to_tokens",
+    "expert_load_metrics",
     "group_normalize",
     "kl_penalty",
     "kto_loss",
@@ -102,9 +103,11 @@ __all__ = [
     "overlong_penalty",
     "policy_objective",
     "prm_loss",
+    "replayed_gate_weights",
     "reverse_kl_rewards",
     "reward_model_loss",
     "rollout_correction",
+    "route_mismatch",
     "sft_loss",
     "stop_properly_penalty",
     "teacher_log_ratio",

@@ -40,7 +40,14 @@ from .wire import WIRE_FORMAT, check_wire_format
 __all__ = ["ExperienceBatch", "build_experience", "micro_batches"]
 
 _TOKEN_SLOTS = ("old_logprobs", "ref_logprobs", "teacher_logprobs", "values", "advantages", "returns")
-_TOKEN_FIELDS = ("input_ids", "position_ids", "action_mask", "rollout_logprobs", *_TOKEN_SLOTS)
+_TOKEN_FIELDS = (
+    "input_ids",
+    "position_ids",
+    "action_mask",
+    "rollout_logprobs",
+    "routed_experts",
+    *_TOKEN_SLOTS,
+)
 _SEQUENCE_TENSORS = (
     "prompt_lengths",
     "response_lengths",
@@ -62,6 +69,9 @@ class ExperienceBatch(msgspec.Struct, kw_only=True):
         rollout_logprobs: [N] float32 log-probs of the sampler at response tokens, 0 elsewhere;
                           None when no record had them. Value at t: log π(input_ids[t] | tokens
                           before t of the same sequence).
+        routed_experts:   [N, L, K] int16, the engine's top-K experts of every MoE layer at every
+                          token (`Trajectory.routed_experts`; −1 where not reported); None when
+                          the records had none. The learner replays them (`router_replay`).
     Per sequence:
         cu_seqlens:       [S+1] int32 boundaries (flash-attention convention).
         prompt_lengths, response_lengths: [S] int64.
@@ -86,6 +96,7 @@ class ExperienceBatch(msgspec.Struct, kw_only=True):
     response_lengths: torch.Tensor
     action_mask: torch.Tensor
     rollout_logprobs: torch.Tensor | None = None
+    routed_experts: torch.Tensor | None = None
     rewards: torch.Tensor
     scores: torch.Tensor
     group_ids: torch.Tensor
@@ -325,7 +336,8 @@ def build_experience(records: Sequence[Trajectory], indices: Sequence[int] | Non
     """Pack trajectories into an `ExperienceBatch` (prompt + response of each, in order).
 
     Args:
-      records: S ≥ 1 trajectories. Either all of them carry `rollout_logprobs` or none does.
+      records: S ≥ 1 trajectories. Either all of them carry `rollout_logprobs` or none does; the
+        same for `routed_experts` (of one shape [·, L, K]).
       indices: [S] positions of `records` in the list they came from; default 0..S−1.
 
     Raises:
@@ -358,6 +370,7 @@ def build_experience(records: Sequence[Trajectory], indices: Sequence[int] | Non
                 key="rollout_logprobs",
             )
 
+    routes = _routes(records)
     tokens, masks, logprobs = [], [], []
     for record in records:
         prompt_length = record.prompt_ids.numel()
@@ -387,6 +400,7 @@ def build_experience(records: Sequence[Trajectory], indices: Sequence[int] | Non
         response_lengths=response_lengths,
         action_mask=torch.cat(masks),
         rollout_logprobs=torch.cat(logprobs) if with_logprobs else None,
+        routed_experts=routes,
         rewards=torch.tensor([r.reward for r in records], dtype=torch.float32),
         scores=torch.tensor([r.score for r in records], dtype=torch.float32),
         group_ids=torch.tensor([r.group_id for r in records], dtype=torch.int64),
@@ -395,6 +409,26 @@ def build_experience(records: Sequence[Trajectory], indices: Sequence[int] | Non
         indices=index_tensor,
         **image_fields,
     )
+
+
+def _routes(records: Sequence[Trajectory]) -> torch.Tensor | None:
+    """[N, L, K] the records' `routed_experts` concatenated, or None when none has them; DataError
+    naming the record when some have them and others not, or their layers × top-k differ."""
+    first = records[0].routed_experts
+    for row, record in enumerate(records):
+        routes = record.routed_experts
+        if (routes is None) != (first is None) or (
+            routes is not None and routes.shape[1:] != first.shape[1:]
+        ):
+            raise DataError(
+                f"routed_experts: {'None' if routes is None else list(routes.shape[1:])} but record 0 has "
+                f"{'None' if first is None else list(first.shape[1:])} (layers, top_k); either every record "
+                "carries routes of one model or none does",
+                source="records",
+                row=row,
+                key="routed_experts",
+            )
+    return None if first is None else torch.cat([record.routed_experts for record in records])
 
 
 def micro_batches(

@@ -27,6 +27,23 @@ FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort")
 
 TOKEN_DTYPE = torch.int64
 LOGPROB_DTYPE = torch.float32
+ROUTE_DTYPE = torch.int16
+"""Expert indices of `routed_experts` (up to 32767 experts per layer; −1: not reported)."""
+
+
+def as_routes(value: Any, tokens: int, *, field: str, owner: str) -> torch.Tensor:
+    """`value` ([T, L, K] integers, a nested list or a tensor) as a contiguous CPU `ROUTE_DTYPE`
+    tensor with T = `tokens`; indices must be ≥ −1 (−1: the engine did not report that token)."""
+    tensor = value.detach() if isinstance(value, torch.Tensor) else torch.as_tensor(value)
+    if tensor.is_floating_point():
+        raise TypeError(f"{owner}.{field}: expected integer expert indices, got {tensor.dtype}")
+    if tensor.ndim != 3 or tensor.shape[0] != tokens:
+        raise ValueError(
+            f"{owner}.{field}: expected shape [tokens = {tokens}, layers, top_k], got {tuple(tensor.shape)}"
+        )
+    if tensor.numel() and (int(tensor.min()) < -1 or int(tensor.max()) > torch.iinfo(ROUTE_DTYPE).max):
+        raise ValueError(f"{owner}.{field}: expert indices must lie in [-1, {torch.iinfo(ROUTE_DTYPE).max}]")
+    return tensor.to(device="cpu", dtype=ROUTE_DTYPE).contiguous()
 
 
 def as_1d_tensor(value: Any, dtype: torch.dtype, *, field: str, owner: str) -> torch.Tensor:
@@ -80,6 +97,11 @@ class Trajectory(msgspec.Struct, kw_only=True):
         images:           the processed images of prompt and response (VL models), in the order
                           of their placeholder runs in prompt_ids ‖ response_ids
                           (`rl_data.vision`); None for text.
+        routed_experts:   [P+R, L, K] int16, a mixture-of-experts model's routes in the engine:
+                          the top-K experts of each of its L MoE layers for every token of
+                          prompt_ids ‖ response_ids; −1 where the engine did not report a token
+                          (the last sampled token is never run). None: no routes (a dense model
+                          or an engine that does not report them). For routing replay (R3).
     """
 
     prompt_ids: torch.Tensor
@@ -95,6 +117,7 @@ class Trajectory(msgspec.Struct, kw_only=True):
     label: Any = None
     extra: dict[str, Any] = msgspec.field(default_factory=dict)
     images: ImageInputs | None = None
+    routed_experts: torch.Tensor | None = None
     wire_format: int = WIRE_FORMAT
     """The wire format of the message (`rl_data.wire`); another major is refused on decode."""
 
@@ -130,6 +153,10 @@ class Trajectory(msgspec.Struct, kw_only=True):
                 raise ValueError(
                     f"{owner}.{field}: length {value.numel()} does not match response_ids length {length}"
                 )
+        if self.routed_experts is not None:
+            self.routed_experts = as_routes(
+                self.routed_experts, self.prompt_ids.numel() + length, field="routed_experts", owner=owner
+            )
         if self.finish_reason not in FINISH_REASONS:
             raise ValueError(f"{owner}.finish_reason: {self.finish_reason!r} is not one of {FINISH_REASONS}")
         self.reward = float(self.reward)

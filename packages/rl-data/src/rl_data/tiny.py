@@ -3,7 +3,7 @@
 Nothing here touches a model hub. `build_tiny_tokenizer` trains a byte-level BPE tokenizer with
 the `tokenizers` library on a small built-in corpus (or yours), adds the ChatML special tokens
 and a chat template, and returns a `transformers` fast tokenizer. `build_tiny_model` builds a
-randomly initialised Qwen2 or Llama causal LM sized for that tokenizer. `build_tiny_checkpoint`
+randomly initialised Qwen2, Llama, Qwen2-MoE or Qwen3-MoE causal LM sized for that tokenizer. `build_tiny_checkpoint`
 does both and saves them with `save_pretrained` into one folder that `AutoTokenizer`,
 `AutoModelForCausalLM` and vLLM all load:
 
@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-ARCHITECTURES: tuple[str, ...] = ("qwen2", "llama", "qwen2_moe")
+ARCHITECTURES: tuple[str, ...] = ("qwen2", "llama", "qwen2_moe", "qwen3_moe")
 
 SPECIAL_TOKENS: tuple[str, ...] = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 # Plain added tokens (not special): they stay in decoded text, like Qwen3's reasoning markers.
@@ -202,13 +202,17 @@ def build_tiny_model(
     tie_word_embeddings: bool = False,
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
+    num_experts: int = 8,
+    num_experts_per_tok: int = 2,
 ) -> Any:
-    """A randomly initialised causal LM (Qwen2, Llama, or Qwen2-MoE: 4 experts, top-2, with a
-    router aux loss) whose vocabulary fits `tokenizer`.
+    """A randomly initialised causal LM (Qwen2, Llama, Qwen2-MoE: 4 experts, top-2, with a
+    router aux loss, or Qwen3-MoE: `num_experts` experts, top-`num_experts_per_tok`, renormalised
+    top-k gates, no shared expert: the layout of Qwen3-30B-A3B) whose vocabulary fits `tokenizer`.
+    `num_experts` and `num_experts_per_tok` apply to qwen3_moe only.
 
     Initialisation is reproducible: the same `seed` gives bit-identical weights.
     """
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen2MoeConfig
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen2MoeConfig, Qwen3MoeConfig
 
     if architecture not in ARCHITECTURES:
         raise ValueError(f"architecture: {architecture!r} is not one of {ARCHITECTURES}")
@@ -238,6 +242,20 @@ def build_tiny_model(
             num_experts_per_tok=2,
             moe_intermediate_size=intermediate_size // 4,
             shared_expert_intermediate_size=intermediate_size // 4,
+            decoder_sparse_step=1,
+        )
+    elif architecture == "qwen3_moe":
+        if not 1 <= num_experts_per_tok <= num_experts:
+            raise ValueError(
+                f"num_experts_per_tok {num_experts_per_tok} must lie in [1, num_experts = {num_experts}]"
+            )
+        config = Qwen3MoeConfig(
+            **common,
+            head_dim=hidden_size // num_heads,
+            num_experts=num_experts,
+            num_experts_per_tok=num_experts_per_tok,
+            moe_intermediate_size=max(intermediate_size // num_experts, 8),
+            norm_topk_prob=True,
             decoder_sparse_step=1,
         )
     else:

@@ -209,9 +209,11 @@ class LearnerWorker:
 
             self.ema = WeightEMA(self.learner.engine, spec.ema_beta)
 
-    def logprobs(self, parts: list, temperature: float) -> list:
+    def logprobs(self, parts: list, temperature: float, router_replay: str = "disabled") -> list:
         """Log-probs at the action tokens (0 elsewhere): the loop reads nothing else."""
-        return self.learner.logprobs(parts, temperature=temperature, only_actions=True)
+        return self.learner.logprobs(
+            parts, temperature=temperature, only_actions=True, router_replay=router_replay
+        )
 
     def values(self, parts: list) -> list:
         return self.learner.values(parts)

@@ -661,6 +661,13 @@ class PolicyConfig(_Section):
     rl_algos.load_balancing_loss over the routers' logits of each micro-batch's packed tokens):
     the policy loss gets + c·L_aux, logged as policy/aux_loss (L_aux) and policy/loss_aux (the
     term). 0: off. Needs an MoE policy (Mixtral, Qwen2-MoE, ...); a dense one is refused."""
+    router_replay: Literal["disabled", "R3"] = "disabled"
+    """Routing replay (verl's router_replay.mode names): R3 makes the policy's forwards (old
+    log-probs and training) send every token to the experts the rollout engine chose for it, gate
+    weights recomputed over them (rl_learner.routing), so the learner routes as the engine did.
+    Needs an MoE policy and an engine recording routes: rollout.engine_options.return_routed_experts
+    true (hf) or enable_return_routed_experts true (vllm, where its runner supports it). An MoE
+    policy logs policy/moe_* every step either way (expert load, route mismatch)."""
     correction: str = "auto"
     """Rollout/learner mismatch correction by name (rl_algos.CORRECTIONS, plus any a plugin
     registers): tis (alias truncate), icepop, mask, seq-mask (kept sequences at weight 1),

@@ -265,7 +265,11 @@ class Roles:
         """
         calls = {}
         if old_logprobs:
-            calls["old_logprobs"] = ("policy", "logprobs", (temperature,))
+            calls["old_logprobs"] = (
+                "policy",
+                "logprobs",
+                (temperature, self.config.algo.policy.router_replay),
+            )
         if "ref" in self.groups:
             calls["ref_logprobs"] = ("ref", "logprobs", (temperature,))
         if "teacher" in self.groups:

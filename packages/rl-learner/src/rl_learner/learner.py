@@ -82,6 +82,13 @@ from .models import (
     shared_prefix,
     unwrap_model,
 )
+from .routing import (
+    REPLAYABLE_MODEL_TYPES,
+    ROUTER_REPLAY_MODES,
+    MoERouting,
+    routing_metric_keys,
+    routing_metrics,
+)
 from .sequence_parallel import SequenceParallelGroup, check_heads, new_sequence_parallel_group
 
 __all__ = [
@@ -166,6 +173,13 @@ class PolicyLossConfig(msgspec.Struct, frozen=True, kw_only=True):
     """c of the mixture-of-experts load-balancing term (`rl_algos.load_balancing_loss` of the
     routers' logits over each micro-batch's tokens): loss += c · Σ_j (A_j / A) · L_aux,j, A_j the
     action tokens of micro-batch j and A the step's; 0 turns it off. Needs an MoE policy."""
+    router_replay: str = "disabled"
+    """Routing replay, verl's `router_replay.mode` names (`rl_learner.routing.ROUTER_REPLAY_MODES`):
+    "R3" sends every token to the experts the rollout engine chose for it (the batch's
+    `routed_experts`, gate weights recomputed from the learner's router logits over them) in the
+    training forward; pass the same to `logprobs` for the old log-probs. Needs an MoE policy whose
+    router `rl_learner.routing` can replay and an engine that records routes. "disabled": the
+    routers choose."""
 
     def __post_init__(self) -> None:
         owner = type(self).__name__
@@ -179,6 +193,7 @@ class PolicyLossConfig(msgspec.Struct, frozen=True, kw_only=True):
         _non_negative(owner, "kl_coef", self.kl_coef)
         _non_negative(owner, "distill_coef", self.distill_coef)
         _non_negative(owner, "aux_loss_coef", self.aux_loss_coef)
+        _choice(owner, "router_replay", self.router_replay, ROUTER_REPLAY_MODES)
         for field in ("kl_estimator", "distill_estimator"):
             if getattr(self, field) not in KL_ESTIMATORS:
                 raise ValueError(
@@ -821,11 +836,15 @@ class PolicyLearner(Learner):
         temperature: float = 1.0,
         with_entropy: bool = False,
         only_actions: bool = False,
+        router_replay: str = "disabled",
     ) -> list[torch.Tensor] | list[tuple[torch.Tensor, torch.Tensor]]:
         """Log-probs [N_i] (float32, on `self.device`, no grad) of every micro-batch, in the
         `ExperienceBatch` convention; with `with_entropy`, (logprobs, entropy) pairs; with
-        `only_actions`, computed at action tokens only and 0 elsewhere (`packed_logprobs`). Every
-        rank must call this with the same number of micro-batches when ZeRO-3 shards the weights."""
+        `only_actions`, computed at action tokens only and 0 elsewhere (`packed_logprobs`); with
+        `router_replay` "R3", the batches' `routed_experts` replayed (`PolicyLossConfig.router_replay`).
+        Every rank must call this with the same number of micro-batches when ZeRO-3 shards the weights."""
+        _choice("PolicyLearner.logprobs", "router_replay", router_replay, ROUTER_REPLAY_MODES)
+        routing = self.moe_routing(replay=True) if router_replay == "R3" else None
 
         def run(batch: ExperienceBatch) -> Any:
             out = packed_logprobs(
@@ -836,10 +855,28 @@ class PolicyLearner(Learner):
                 only_actions=only_actions,
                 share_prefix=self.ds.shares_prefix,
                 sequence_parallel=self.sequence_parallel,
+                routing=routing,
             )
             return tuple(t.float() for t in out) if with_entropy else out.float()
 
-        return self._inference(micro_batches, run)
+        with routing if routing is not None else contextlib.nullcontext():
+            return self._inference(micro_batches, run)
+
+    def moe_routing(self, *, replay: bool) -> MoERouting | None:
+        """Hooks on the policy's MoE routers (`rl_learner.routing.MoERouting`), or None for a dense
+        model or one whose router the hooks do not read (only recording). With `replay`, ValueError
+        naming `router_replay` for a model that cannot replay."""
+        module = self.module
+        config = getattr(module, "config", None)
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        if replay:
+            try:
+                return MoERouting(module, replay=True)
+            except ValueError as error:
+                raise ValueError(f"PolicyLossConfig.router_replay R3: {error}") from None
+        if getattr(text, "model_type", None) not in REPLAYABLE_MODEL_TYPES:
+            return None
+        return MoERouting(module, replay=False)
 
     def _empty_batch_logits(self) -> torch.Tensor:
         """The model's logits for an empty micro-batch: a rank with fewer micro-batches than the
@@ -882,6 +919,9 @@ class PolicyLearner(Learner):
             inputs.append("teacher_logprobs")
         if loss.correction != "none" and "rollout_logprobs" not in inputs:
             inputs.append("rollout_logprobs")
+        if loss.router_replay == "R3":
+            inputs.append("routed_experts")
+        routing = self.moe_routing(replay=loss.router_replay == "R3")
 
         def terms(logprobs, entropy, old, advantages, mask, ref, teacher, rollout, normalizer):
             weights, metrics = None, {}
@@ -934,6 +974,7 @@ class PolicyLearner(Learner):
                     only_actions=True,
                     share_prefix=self.ds.shares_prefix,
                     sequence_parallel=self.sequence_parallel,
+                    routing=routing,
                 )
             view = batch.response_view
             ref = view(batch.ref_logprobs) if loss.kl_coef > 0 else None
@@ -963,9 +1004,13 @@ class PolicyLearner(Learner):
                 metrics["aux_loss"] = aux.detach()
                 metrics["loss_aux"] = term.detach()
                 metrics["loss"] = metrics["loss"] + term.detach()  # the full loss, as minimised
+            if routing is not None:
+                metrics |= routing_metrics(routing)
             return total, metrics
 
         def dummy_loss():
+            if routing is not None:
+                routing.load(None)
             logits = self._empty_batch_logits()
             zero = torch.zeros(1, 1, device=self.device)
             with torch.no_grad():
@@ -984,15 +1029,18 @@ class PolicyLearner(Learner):
                 metrics |= dict.fromkeys(("logprob_mismatch_mean", "logprob_mismatch_max"), 0.0)
             if routers is not None:
                 metrics |= dict.fromkeys(("aux_loss", "loss_aux"), 0.0)
+            if routing is not None:
+                metrics |= dict.fromkeys(routing_metric_keys(routing.num_layers), 0.0)
             return logits.float().sum() * 0.0, {k: torch.zeros(()) for k in metrics}
 
-        return self._train_step(
-            micro_batches,
-            mode=loss.aggregation,
-            inputs=inputs,
-            forward_loss=forward_loss,
-            dummy_loss=dummy_loss,
-        )
+        with routing if routing is not None else contextlib.nullcontext():
+            return self._train_step(
+                micro_batches,
+                mode=loss.aggregation,
+                inputs=inputs,
+                forward_loss=forward_loss,
+                dummy_loss=dummy_loss,
+            )
 
 
 def _check_no_dropout(model: torch.nn.Module) -> None:

@@ -105,6 +105,7 @@ from rl_data import ExperienceBatch
 from rl_data.vision import image_token_counts, is_vision_model, vision_token_ids
 
 from .config import ATTN_IMPLEMENTATIONS
+from .routing import MoERouting, row_routes
 from .sequence_parallel import SequenceParallelGroup, sum_over_group, ulysses_attention
 
 __all__ = [
@@ -122,6 +123,7 @@ __all__ = [
     "packed_model_inputs",
     "packed_scores",
     "packed_values",
+    "row_tokens",
     "shared_prefix",
     "unwrap_model",
 ]
@@ -686,6 +688,25 @@ def _packed_implementation(module: torch.nn.Module) -> str:
 # --------------------------------------------------------------------------- packed forward
 
 
+def row_tokens(
+    num_tokens: int, sharing: SharedPrefix | None, sequence_parallel: SequenceParallelGroup | None
+) -> torch.Tensor:
+    """[R] int64: the batch token each position of a packed forward's row runs, −1 for filler.
+
+    The row is the batch's N tokens, the compressed row `sharing.keep` under prefix sharing, and
+    with `sequence_parallel` this rank's slice of that row padded to a multiple of the group
+    (`packed_model_inputs`)."""
+    source = torch.arange(num_tokens)
+    if sharing is not None:
+        source = source[sharing.keep.cpu()]
+    if sequence_parallel is not None:
+        row = source.numel()
+        start, end = sequence_parallel.local_range(row)
+        filler = torch.full((sequence_parallel.padded_length(row) - row,), -1, dtype=torch.int64)
+        source = torch.cat([source, filler])[start:end]
+    return source
+
+
 def packed_model_inputs(
     model: Any,
     batch: ExperienceBatch,
@@ -746,10 +767,10 @@ def packed_model_inputs(
     positions = position_ids[None]
     if vision is not None:
         positions = torch.cat([positions, mrope_position_ids(vision, batch).to(device)])
-    source = torch.arange(input_ids.numel(), device=device)  # the batch token of each row token (−1: filler)
+    source = row_tokens(input_ids.numel(), sharing, sequence_parallel).to(device)
     if sharing is not None:
         keep = sharing.keep.to(device)
-        input_ids, positions, source = input_ids[keep], positions[:, keep], source[keep]
+        input_ids, positions = input_ids[keep], positions[:, keep]
     padding = 0
     if sequence_parallel is not None:
         row = input_ids.numel()
@@ -758,7 +779,6 @@ def packed_model_inputs(
         filler = torch.arange(padding, dtype=torch.int64, device=device)
         input_ids = torch.cat([input_ids, torch.zeros_like(filler)])[start:end]
         positions = torch.cat([positions, filler.expand(positions.shape[0], -1)], dim=1)[:, start:end]
-        source = torch.cat([source, torch.full_like(filler, -1)])[start:end]
     inputs: dict[str, Any] = {
         "input_ids": input_ids[None],
         "position_ids": positions[:, None] if vision is not None else positions,
@@ -969,6 +989,7 @@ def packed_logprobs(
     only_actions: bool = False,
     share_prefix: bool = False,
     sequence_parallel: SequenceParallelGroup | None = None,
+    routing: MoERouting | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Token log-probs (and entropies) of a causal LM over a packed batch.
 
@@ -982,6 +1003,9 @@ def packed_logprobs(
     the row (`rl_learner.sequence_parallel`) and gets the full [N] results: a token's log-prob is
     computed on the rank that holds the position before it (its label read from the full row),
     and the ranks' parts are summed over the group.
+    With `routing` (an entered `rl_learner.routing.MoERouting` of this model), the batch's
+    `routed_experts` are loaded for the forward's row: replayed when `routing.replay` (routing
+    replay, R3; a batch without them is refused), recorded against the routes used otherwise.
 
     Returns:
       logprobs [N] (float32; float64 for a float64 model), value at t = log π(x_t | x_<t), 0 at
@@ -997,6 +1021,8 @@ def packed_logprobs(
             "does not (run it with share_prefix=False: DeepSpeedConfig.share_prefix, rl-launch's model.share_prefix)"
         )
     sharing = _sharing(batch, share_prefix)
+    if routing is not None:
+        _load_routes(routing, batch, sharing, sequence_parallel)
     if sequence_parallel is not None:
         return _sequence_parallel_logprobs(
             model, batch, sharing, sequence_parallel, temperature, with_entropy, only_actions
@@ -1043,6 +1069,27 @@ def packed_logprobs(
         return logprobs
     entropy = _shift_to_tokens(entropy_from_logits(logits, temperature=temperature), batch.position_ids)
     return logprobs, entropy
+
+
+def _load_routes(
+    routing: MoERouting,
+    batch: ExperienceBatch,
+    sharing: SharedPrefix | None,
+    sequence_parallel: SequenceParallelGroup | None,
+) -> None:
+    """Load `batch.routed_experts` of the forward's row into `routing` (None for an empty batch)."""
+    if batch.num_tokens == 0:
+        routing.load(None)
+        return
+    if batch.routed_experts is None:
+        if routing.replay:
+            raise ValueError(
+                "router_replay R3: the batch has no routed_experts; the rollout engine must record them "
+                "(rl_rollout's HFEngine(return_routed_experts=True), vLLM's enable_return_routed_experts)"
+            )
+        routing.load(None)
+        return
+    routing.load(row_routes(batch.routed_experts, row_tokens(batch.num_tokens, sharing, sequence_parallel)))
 
 
 def _sequence_parallel_logprobs(

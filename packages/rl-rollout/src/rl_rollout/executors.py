@@ -255,6 +255,7 @@ class SingleTurnExecutor:
                     group_id=group,
                     policy_version=generation.policy_version,
                     token_versions=generation.token_versions,
+                    routed_experts=generation.routed_experts,
                     finish_reason=generation.finish_reason,
                     label=sample.label,
                     images=sample.images,

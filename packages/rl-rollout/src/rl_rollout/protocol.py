@@ -50,6 +50,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import msgspec
+import torch
 
 from rl_data import FINISH_REASONS, ImageInputs, WeightSyncReport
 from rl_data.sync import WeightSyncSpec
@@ -66,7 +67,7 @@ __all__ = [
     "prompt_seed",
 ]
 
-FEATURES = ("weight_sync", "sleep", "prefix_cache", "async", "partial_rollout", "images")
+FEATURES = ("weight_sync", "sleep", "prefix_cache", "async", "partial_rollout", "images", "routed_experts")
 
 
 def prompt_seed(seed: int | None, prompt: Sequence[int], images: ImageInputs | None = None) -> int | None:
@@ -158,6 +159,9 @@ class Generation(msgspec.Struct, kw_only=True):
     when the request started, for an empty response). token_versions: `[len(token_ids)]` the
     version of each token, when a weight sync landed while it was generated (partial rollout);
     None when every token is `policy_version`'s (`versions()` gives the list either way).
+    routed_experts: `[P + len(token_ids), L, K]` int16, the top-K experts of each of the L MoE
+    layers at every token of prompt ‖ response (−1 where the engine did not run the token), from
+    an engine with `supports("routed_experts")` asked for them; None otherwise.
     """
 
     token_ids: list[int]
@@ -165,6 +169,7 @@ class Generation(msgspec.Struct, kw_only=True):
     finish_reason: str
     policy_version: int = 0
     token_versions: list[int] | None = None
+    routed_experts: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.finish_reason not in FINISH_REASONS:

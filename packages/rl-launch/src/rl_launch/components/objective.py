@@ -65,6 +65,7 @@ def policy_loss_config(config: PPOConfig, *, kl_coef: float) -> PolicyLossConfig
         distill_estimator=distill.estimator,
         entropy_coef=policy.entropy_coef,
         aux_loss_coef=policy.aux_loss_coef,
+        router_replay=policy.router_replay,
         correction=correction,
         correction_options=correction_options,
         temperature=config.rollout.temperature,

@@ -63,6 +63,12 @@ weights'), its remaining budget and its `torch.Generator` (the seeded stream goe
 was); `Generation.token_versions` says which version wrote each token, and the log-probs after
 the sync are the new weights' teacher-forced ones (no KV of the old weights is ever attended to).
 
+Routes (`return_routed_experts=True`, a mixture-of-experts model; `supports("routed_experts")`):
+forward hooks on the routers (`rl_data.routes.moe_routers`) keep the top-K expert indices of every
+token each forward runs, and `Generation.routed_experts` holds them for prompt ‖ response, [P + R,
+L, K]. A token's route is the one of the forward that first ran it (a re-prefill after a weight sync
+adds only the token it runs for the first time); the last sampled token is never run: −1.
+
 Sleep (the hybrid engine's contract, on every device): `sleep` frees the engine's device memory (on
 CUDA the weights move to host memory and the cache is emptied; on CPU nothing needs to move) and
 `wake_up` restores it. While asleep, `generate` and `receive_weights` are refused with an
@@ -74,6 +80,7 @@ new ones); after `wake_up` the engine generates exactly what it did before. `age
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import queue
 import threading
@@ -84,6 +91,7 @@ import torch
 from rl_data import ImageInputs, WeightSyncReport, check_layout_shapes
 from rl_data.adapters import LoraAdapter, check_adapter_shapes
 from rl_data.errors import check_integer
+from rl_data.routes import ROUTE_DTYPE, moe_routers, unreported_routes
 from rl_data.sync import WeightSyncSpec
 from rl_data.sync.ipc import IpcPayload
 from rl_data.vision import VISION_MODEL_TYPES, is_vision_model, vision_token_ids
@@ -186,6 +194,7 @@ class HFEngine(Engine):
         pad_token_id: left-padding id (never attended to); default tokenizer / config pad, else EOS.
         seed: seeds the engine's generator, used for rows of requests without a seed.
         batch_wait_s: how long `agenerate` waits for more concurrent requests to batch together.
+        return_routed_experts: record each token's experts (an MoE model; module docstring).
     """
 
     name = "HFEngine"
@@ -203,6 +212,7 @@ class HFEngine(Engine):
         pad_token_id: int | None = None,
         seed: int | None = None,
         batch_wait_s: float = 0.005,
+        return_routed_experts: bool = False,
     ) -> None:
         check_integer("HFEngine: max_batch_size", max_batch_size, 1)
         if not batch_wait_s >= 0:
@@ -228,6 +238,12 @@ class HFEngine(Engine):
         self.model = model.to(self.device).eval()
         self.model.requires_grad_(False)
         self.tokenizer = tokenizer
+        self._routers: list[torch.nn.Module] | None = None
+        if return_routed_experts:
+            try:
+                self._routers = moe_routers(self.model)[0]
+            except ValueError as error:
+                raise ValueError(f"HFEngine: return_routed_experts: {error}") from None
         config = self.model.config
         self.vision = getattr(config, "model_type", None) in VISION_MODEL_TYPES
         self.image_token_id = int(config.image_token_id) if self.vision else None
@@ -302,7 +318,8 @@ class HFEngine(Engine):
     def supports(self, feature: str) -> bool:
         super().supports(feature)  # validates the name
         return feature in ("weight_sync", "async", "sleep", "partial_rollout") or (
-            feature == "images" and self.vision
+            (feature == "images" and self.vision)
+            or (feature == "routed_experts" and self._routers is not None)
         )
 
     def generate(
@@ -384,6 +401,7 @@ class HFEngine(Engine):
         versions_out: list[list[int]] = [[] for _ in prompts]
         finish: list[str] = ["length"] * rows
         active = list(range(rows))  # original row of each batch row
+        routes = _RouteRecorder(self._routers, rows) if self._routers is not None else None
         cache, step = None, 0
         self._let_syncs_in()
         version = self.policy_version
@@ -398,7 +416,10 @@ class HFEngine(Engine):
                     input_ids, attention, positions, [images[row] for row in active]
                 )
                 cache = None
-            output = self.model(**inputs, attention_mask=attention, past_key_values=cache, use_cache=True)
+            with routes if routes is not None else contextlib.nullcontext():
+                output = self.model(**inputs, attention_mask=attention, past_key_values=cache, use_cache=True)
+            if routes is not None:
+                routes.keep(active, attention.sum(-1).tolist(), inputs["input_ids"].shape[1])
             cache = output.past_key_values
             scores = output.logits[:, -1, :].float() / temperature  # [A, V]
             if self._never.numel():  # a VL model's placeholders are not in the policy's support
@@ -443,6 +464,7 @@ class HFEngine(Engine):
                 finish_reason=finish[row],
                 policy_version=versions_out[row][0] if versions_out[row] else version,
                 token_versions=versions_out[row] if len(set(versions_out[row])) > 1 else None,
+                routed_experts=routes.of(row, len(prompts[row]) + len(tokens_out[row])) if routes else None,
             )
             for row in range(rows)
         ]
@@ -736,6 +758,46 @@ class HFEngine(Engine):
             if self._receiver is not None:
                 self._receiver.close()
                 self._receiver = None
+
+
+class _RouteRecorder:
+    """Forward hooks on an MoE model's routers that keep, row by row, the top-K experts of every
+    token a forward runs the first time (module docstring)."""
+
+    def __init__(self, routers: list[torch.nn.Module], rows: int) -> None:
+        self._routers = routers
+        self._step: list[torch.Tensor] = []
+        self._handles: list = []
+        self._rows: list[list[torch.Tensor]] = [[] for _ in range(rows)]  # [tokens, L, K] chunks
+        self._known = [0] * rows  # tokens of each row with a route
+
+    def _hook(self, _module: torch.nn.Module, _inputs, output) -> None:
+        self._step.append(output[2].detach())
+
+    def __enter__(self) -> _RouteRecorder:
+        self._step = []
+        self._handles = [router.register_forward_hook(self._hook) for router in self._routers]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def keep(self, active: list[int], lengths: list[int], width: int) -> None:
+        """After a forward over `[A, width]` left-padded rows (`lengths` real tokens each, the
+        row's whole sequence so far): append the routes of the tokens not seen before."""
+        step = torch.stack(self._step, dim=1).to("cpu", ROUTE_DTYPE)  # [A·width, L, K]
+        step = step.reshape(len(active), width, *step.shape[1:])
+        for position, (row, length) in enumerate(zip(active, lengths)):
+            new = length - self._known[row] if width > 1 else 1
+            self._rows[row].append(step[position, width - new :])
+            self._known[row] += new
+
+    def of(self, row: int, tokens: int) -> torch.Tensor:
+        """[tokens, L, K] routes of a row's prompt ‖ response; −1 for tokens never run."""
+        kept = torch.cat(self._rows[row])
+        return torch.cat([kept, unreported_routes(tokens - kept.shape[0], *kept.shape[1:])])
 
 
 def _settle(future: asyncio.Future, result, error) -> None:

