@@ -46,7 +46,14 @@ from .rewards import (
     stop_properly_penalty,
     token_level_rewards,
 )
-from .rows import contiguous_group_ids, expand_to_tokens
+from .rows import (
+    SegmentLayout,
+    contiguous_group_ids,
+    expand_to_tokens,
+    join_segments,
+    segment_layout,
+    split_segments,
+)
 from .running import RunningMoments, merge_moments
 from .supervised import distillation_loss, prm_loss, sft_loss
 
@@ -70,6 +77,7 @@ __all__ = [
     "FixedKLController",
     "Registry",
     "RunningMoments",
+    "SegmentLayout",
     "StraightThroughKL",
     "UnknownNameError",
     "__version__",
@@ -87,6 +95,7 @@ __all__ = [
     "entropy_from_logits",
     "expand_to_tokens",
     "group_normalize",
+    "join_segments",
     "kl_penalty",
     "kto_loss",
     "last_action_index",
@@ -105,7 +114,9 @@ __all__ = [
     "reverse_kl_rewards",
     "reward_model_loss",
     "rollout_correction",
+    "segment_layout",
     "sft_loss",
+    "split_segments",
     "stop_properly_penalty",
     "teacher_log_ratio",
     "token_level_rewards",
