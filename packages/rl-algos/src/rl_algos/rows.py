@@ -17,9 +17,9 @@ statistics count the episode once and a return flows across its segments.
 
 from __future__ import annotations
 
-import torch
-
 from typing import NamedTuple
+
+import torch
 
 from ._checks import check_integer, check_ndim, check_positive, check_rows, check_tensor
 

@@ -115,10 +115,8 @@ def score_batch(
     values = batch.response_view(batch.values) if batch.values is not None else None
     group_ids, rows_mask = batch.group_ids, mask
     if episode_ids is not None:  # an episode's segments: one row for the estimator
-        layout = segment_layout(batch.response_lengths, episode_ids, mask.shape[1])
-        mask, kl, distill_rewards, values = (
-            None if value is None else join_segments(value, layout)
-            for value in (mask, kl, distill_rewards, values)
+        layout, (mask, kl, distill_rewards, values) = _joined(
+            batch, episode_ids, mask, kl, distill_rewards, values
         )
         rewards, group_ids = rewards[layout.last], group_ids[layout.first]
         baseline_rewards = None if baseline_rewards is None else baseline_rewards[layout.last]
@@ -144,12 +142,25 @@ def score_batch(
         metrics["reward/greedy_baseline_mean"] = float(baseline.mean())
     advantages, returns = compute_advantages(estimator, **inputs, **estimator_options(config))
     if episode_ids is not None:
-        advantages, returns, mask = split_segments(advantages, layout), split_segments(returns, layout), rows_mask
+        advantages, returns, mask = (
+            split_segments(advantages, layout),
+            split_segments(returns, layout),
+            rows_mask,
+        )
     batch.advantages = batch.from_response_view(advantages.float())
     batch.returns = batch.from_response_view(returns.float())
     metrics["advantages/mean"] = _masked_mean(advantages, mask)
     metrics["advantages/abs_mean"] = _masked_mean(advantages.abs(), mask)
     return metrics
+
+
+def _joined(
+    batch: ExperienceBatch, episode_ids: torch.Tensor, mask: torch.Tensor, *values: torch.Tensor | None
+) -> tuple[Any, list[torch.Tensor | None]]:
+    """The layout of `episode_ids`' episodes (`rl_algos.segment_layout`), and `mask` and each of
+    `values` (`[B, T]` response views, or None) joined into episode rows."""
+    layout = segment_layout(batch.response_lengths, episode_ids, mask.shape[1])
+    return layout, [None if value is None else join_segments(value, layout) for value in (mask, *values)]
 
 
 def score_normalization(model_path: str | os.PathLike[str]) -> tuple[float, float] | None:
