@@ -85,3 +85,27 @@ def test_a_discounted_return_runs_across_the_segments_of_an_episode():
     assert rows == [[0.0625, 0.125], [0.25], [0.5, 1.0], [0.0, 0.0, 0.0]]
     # row by row, each segment would end with the whole reward
     assert advantages(cfg, records(), joined=False)[:3] == [[0.5, 1.0], [1.0], [0.5, 1.0]]
+
+
+@pytest.mark.usefixtures("fake_ray_one_thread")
+def test_the_trainer_scores_the_segments_of_an_episode_as_one_episode():
+    # PPOTrainer.make_experience over toy actors: the records' segment marks reach score_batch
+    from rl_launch.config import PPOConfig
+    from rl_launch.options import load_config
+    from tests.launch.fakes import fake_run
+
+    settings = {
+        "preset": "arithmetic",  # validation only: nothing is prepared
+        "rollout.rollout_batch_size": "1",
+        "rollout.n_samples_per_prompt": "2",
+        "rollout.weight_sync": "broadcast",
+        "algo.advantage.estimator": "grpo",
+        "train.max_steps": "1",
+        "log.progress_bar": "false",
+    }
+    run = fake_run(load_config(PPOConfig, overrides=settings))
+    batch, _ = run.trainer.make_experience(records())
+    view = batch.response_view(batch.advantages)
+    firsts = view[:, 0].tolist()
+    a = 0.5 / (0.5**0.5)
+    assert firsts == pytest.approx([a, a, a, -a], abs=1e-5)
