@@ -130,3 +130,18 @@ def test_the_python_tool_returns_what_the_program_printed():
     assert result.content == "[killed: the program ran past 0.5 s]"
     result = asyncio.run(call_tool(tool, {"code": "raise SystemExit(3)"}, timeout_s=30))
     assert result.content == "[exit code 3]"
+
+
+def test_the_readme_sandbox_example_runs_as_written(isolated):
+    import pathlib
+    import re
+
+    if not isolated:
+        pytest.skip("this machine refuses unprivileged user namespaces (the example isolates the network)")
+    readme = pathlib.Path(__file__).resolve().parents[2] / "packages" / "rl-rollout" / "README.md"
+    text = readme.read_text()
+    start = text.index("## Code in a sandbox")
+    (example,) = re.findall(r"```python\n(.+?)```", text[start : text.index("\n## ", start + 1)], re.S)
+    namespace: dict = {}
+    exec(compile(example, "README.md", "exec"), namespace)
+    assert namespace["tool"].name == "python"
