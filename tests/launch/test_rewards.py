@@ -355,7 +355,9 @@ def test_the_code_reward_by_name_runs_the_response_against_the_label_tests():
     try:
         run_python("pass")
     except SandboxError:
-        pytest.skip("this machine refuses the sandbox's namespaces (reward.function code isolates the network)")
+        pytest.skip(
+            "this machine refuses the sandbox's namespaces (reward.function code isolates the network)"
+        )
     assert config(reward__function="code").reward.function == "code"
     reward_fn = build_reward(_spec(RewardConfig(function="code")))
     tests = ["assert f(2) == 4", "assert f(3) == 9"]

@@ -40,7 +40,14 @@ def test_a_program_runs_in_a_throwaway_folder_without_the_callers_environment(tm
     assert result.files == {"out.txt": b"hi"}  # read back by name; never a path out of the folder
     assert "RL_TEST_SECRET_TOKEN" not in names
     assert "s3cret" not in result.stdout
-    assert ast.literal_eval(names) == ["HOME", "LANG", "PATH", "PYTHONDONTWRITEBYTECODE", "PYTHONIOENCODING", "TMPDIR"]
+    assert ast.literal_eval(names) == [
+        "HOME",
+        "LANG",
+        "PATH",
+        "PYTHONDONTWRITEBYTECODE",
+        "PYTHONIOENCODING",
+        "TMPDIR",
+    ]
 
 
 def test_an_endless_loop_is_killed_at_the_deadline_with_what_it_started(tmp_path, isolated):
