@@ -116,7 +116,7 @@ def test_code_and_tests_come_from_the_response_and_the_label():
 
 
 def test_the_code_reward_is_the_pass_fraction_and_zero_past_a_limit():
-    reward = CodeReward(limits=SandboxLimits(timeout_s=1.0, memory_mb=256, network="allow"))
+    reward = CodeReward(limits=SandboxLimits(timeout_s=0.5, memory_mb=256, network="allow"))
     tests = ["assert f(1) == 2", "assert f(2) == 3", "assert f(-1) == 0"]
     responses = [
         "```python\ndef f(x):\n    return x + 1\n```",
