@@ -7,7 +7,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rl_algos import POLICY_LOSSES, aggregate_loss, contiguous_group_ids, expand_to_tokens
+from rl_algos import (
+    POLICY_LOSSES,
+    aggregate_loss,
+    contiguous_group_ids,
+    expand_to_tokens,
+    join_segments,
+    segment_layout,
+    split_segments,
+)
 
 from .test_readme_examples import python_blocks
 
@@ -34,6 +42,28 @@ def test_expand_to_tokens_puts_each_value_on_its_action_tokens_only():
 def test_expand_to_tokens_names_a_row_mismatch():
     with pytest.raises(ValueError, match="action_mask has 3 rows"):
         expand_to_tokens(torch.zeros(2), torch.ones(3, 4))
+
+
+def test_join_segments_lays_an_episodes_rows_end_to_end_and_split_inverts_it():
+    # rows 0 and 1 are segments of episode 7 (2 and 1 response tokens), row 2 is episode 9
+    layout = segment_layout(torch.tensor([2, 1, 3]), torch.tensor([7, 7, 9]), 3)
+    values = torch.tensor([[1.0, 2.0, -5.0], [3.0, -5.0, -5.0], [4.0, 5.0, 6.0]])  # -5: padding
+    joined = join_segments(values, layout)
+    assert joined.tolist() == [[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]]
+    assert (layout.first.tolist(), layout.last.tolist()) == ([0, 2], [1, 2])
+    assert split_segments(joined, layout).tolist() == [[1.0, 2.0, 0.0], [3.0, 0.0, 0.0], [4.0, 5.0, 6.0]]
+    mask = torch.tensor([[True, False, False], [True, False, False], [True, True, True]])
+    assert join_segments(mask, layout).tolist() == [[True, False, True], [True, True, True]]
+
+
+def test_segment_layout_names_what_is_wrong():
+    with pytest.raises(ValueError, match=r"lengths must be in \[0, seq = 2\]"):
+        segment_layout(torch.tensor([3]), torch.tensor([0]), 2)
+    with pytest.raises(TypeError, match="episode_ids must be an integer tensor"):
+        segment_layout(torch.tensor([1]), torch.tensor([0.5]), 2)
+    layout = segment_layout(torch.tensor([1]), torch.tensor([0]), 2)
+    with pytest.raises(ValueError, match=r"values must have shape \[1, 2\]"):
+        join_segments(torch.zeros(2, 2), layout)
 
 
 def _trl_batch():

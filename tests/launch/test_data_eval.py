@@ -17,6 +17,7 @@ from rl_launch.config import ConfigError
 from rl_launch.evaluation import eval_metrics, pass_at_k
 from rl_launch.preflight import PreflightError, resolve_inputs
 from rl_launch.prompts import describe_data, load_prompts, source_labels
+from rl_rollout.episodes import segment_extra
 
 
 def write_jsonl(path, rows):
@@ -316,6 +317,16 @@ def test_pass_and_mean_at_k_on_hand_made_records_overall_and_per_dataset():
     strict = eval_metrics(records, k=4, threshold=0.95, labels=labels)
     assert strict["eval/code/mean@4"] == pytest.approx(3 / 8)
     assert strict["eval/pass@4"] == pytest.approx(2 / 4)
+
+
+def test_an_episode_trained_as_segments_is_one_response_of_its_prompt():
+    # prompt 0: episode 0 in two segments (rl_rollout.episodes), then three one-record episodes
+    first, last = record(0, 1.0, "d"), record(0, 1.0, "d")
+    first.extra["segment"], last.extra["segment"] = segment_extra(0, 0, 2), segment_extra(0, 1, 2)
+    records = [first, last, *(record(0, 0.0, "d") for _ in range(3))]
+    metrics = eval_metrics(records, k=4, threshold=0.5)
+    assert metrics["eval/mean@4"] == pytest.approx(1 / 4)  # not 2 of 5 responses
+    assert metrics["eval/pass@4"] == 1.0
 
 
 def test_one_sample_per_prompt_and_one_dataset_keep_the_plain_metrics():

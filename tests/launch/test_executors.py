@@ -235,6 +235,19 @@ def test_agent_server_takes_a_run_agent_file_and_refuses_an_agent_class_file(tmp
         rollout__agent_func_path=str(run_agent),
         rollout__executor_options__tool_parser="xml",
     )
+    # rewritten histories (thinking templates) as segments: an option of the executor, verbatim
+    config(
+        rollout__executor="agent_server",
+        rollout__agent_func_path=str(run_agent),
+        rollout__executor_options__history="segments",
+    )
+    refused(
+        r"^rollout\.executor_options: rollout executor 'agent_server' refused its options: history: 'rewrite' "
+        r"is not allowed; expected one of \('append', 'segments'\)",
+        rollout__executor="agent_server",
+        rollout__agent_func_path=str(run_agent),
+        rollout__executor_options__history="rewrite",
+    )
 
 
 # ---------------------------------------------------------------- the rollout actor's own code

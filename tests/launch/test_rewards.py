@@ -347,3 +347,19 @@ def test_a_registered_reward_that_raises_follows_reward_on_error(monkeypatch):
     output = build_reward(spec)(["q a"], ["q"], [None])
     assert output.rewards == [-2.0]
     assert output.fallback_indices == [0]
+
+
+def test_the_code_reward_by_name_runs_the_response_against_the_label_tests():
+    from rl_rollout import SandboxError, run_python
+
+    try:
+        run_python("pass")
+    except SandboxError:
+        pytest.skip(
+            "this machine refuses the sandbox's namespaces (reward.function code isolates the network)"
+        )
+    assert config(reward__function="code").reward.function == "code"
+    reward_fn = build_reward(_spec(RewardConfig(function="code")))
+    tests = ["assert f(2) == 4", "assert f(3) == 9"]
+    queries = ["Q```python\ndef f(x):\n    return x * x\n```", "Q```python\ndef f(x):\n    return 4\n```"]
+    assert reward_fn(queries, ["Q", "Q"], [tests, tests]).rewards == [1.0, 0.5]

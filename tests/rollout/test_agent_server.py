@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import socket
 import threading
 import time
@@ -615,3 +616,94 @@ def test_execute_results_that_cannot_be_records_fail_the_episode(tokenizer, tmp_
     [record] = executor.run(samples_for(tokenizer, ["x"]))
     assert record.finish_reason == "abort"
     assert "not increasing spans within the 3" in record.extra["episode_error"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Rewritten histories: a thinking template drops earlier reasoning (history="segments").
+
+THOUGHTS = ["<think>plan a</think>one", "<think>plan b</think>two", "<think>plan c</think>three"]
+
+
+def thinking_agent(keep_reasoning):
+    """Three turns; the replies go back without their reasoning (as a reasoning parser hands them
+    over), or whole (then the Qwen3-style template drops it from earlier turns itself)."""
+
+    async def run_agent(client, prompt, label):
+        messages = [{"role": "user", "content": prompt}]
+        for turn in range(3):
+            reply = await client.chat.completions.create(model=MODEL, messages=messages)
+            content = reply.choices[0].message.content
+            sent = content if keep_reasoning else content.split("</think>")[-1]
+            messages += [{"role": "assistant", "content": sent}, {"role": "user", "content": f"next {turn}"}]
+        return {"reward": 1.0 + float(label)}
+
+    return run_agent
+
+
+def test_a_thinking_template_episode_is_refused_by_append_and_split_into_exact_segments(make_tokenizer):
+    think = make_tokenizer("chatml-think")
+    refusing = AgentServerExecutor(
+        ScriptEngine(think, THOUGHTS), think, SamplingParams(max_new_tokens=16), agent=thinking_agent(False)
+    )
+    with pytest.raises(EpisodeError, match=re.escape("messages[1] (assistant) differs")):
+        refusing.run(samples_for(think, ["a?"]))
+    engine = ScriptEngine(think, THOUGHTS)
+    executor = AgentServerExecutor(
+        engine,
+        think,
+        SamplingParams(max_new_tokens=16),
+        agent=thinking_agent(False),
+        history="segments",
+        first_group_id=4,
+    )
+    records = executor.run(samples_for(think, ["a?"]))
+    assert len(records) == len(engine.calls) == 3
+    for index, (record, (prompt, reply)) in enumerate(zip(records, engine.calls, strict=True)):
+        # each segment is exact token-in/token-out: its prompt what the engine saw, its response
+        # what the engine wrote, with the engine's log-probs; reward and group are the episode's
+        assert record.prompt_ids.tolist() == prompt
+        assert record.response_ids.tolist() == reply
+        assert record.action_mask.all()
+        assert record.rollout_logprobs.tolist() == pytest.approx([-(t + 1) / 10 for t in range(len(reply))])
+        assert (record.reward, record.group_id, record.finish_reason) == (1.0, 4, "stop")
+        assert record.extra["segment"] == {"episode": 0, "index": index, "count": 3}
+        assert record.extra["turns"] == 1
+    # a segment's prompt is the template's rendering of the conversation: earlier reasoning gone
+    text = think.decode(records[2].prompt_ids.tolist())
+    assert text == think.apply_chat_template(
+        [
+            {"role": "user", "content": "a?"},
+            {"role": "assistant", "content": "one"},
+            {"role": "user", "content": "next 0"},
+            {"role": "assistant", "content": "two"},
+            {"role": "user", "content": "next 1"},
+        ],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    assert executor.last_metrics["rollout/episodes"] == 1.0
+    assert executor.last_metrics["rollout/segments_per_episode"] == 3.0
+
+
+@pytest.mark.parametrize(("template", "segments"), [("chatml-think", 3), ("chatml", 1)])
+def test_segments_open_only_where_the_template_rewrites_the_history(make_tokenizer, template, segments):
+    tokenizer = make_tokenizer(template)
+
+    def run(history):
+        engine = ScriptEngine(tokenizer, THOUGHTS)
+        executor = AgentServerExecutor(
+            engine, tokenizer, SamplingParams(max_new_tokens=16), agent=thinking_agent(True), history=history
+        )
+        return executor.run(samples_for(tokenizer, ["a?"])), engine
+
+    records, engine = run("segments")
+    assert len(records) == segments
+    # the tokens the engine wrote, each once, in order, across the segments
+    written = [t for r in records for t, m in zip(r.response_ids.tolist(), r.action_mask.tolist()) if m]
+    assert written == [t for _, reply in engine.calls for t in reply]
+    if segments == 1:  # an append-only template: the same tokens as the append mode captures
+        [appended], _ = run("append")
+        assert records[0].prompt_ids.tolist() == appended.prompt_ids.tolist()
+        assert records[0].response_ids.tolist() == appended.response_ids.tolist()
+        assert records[0].action_mask.tolist() == appended.action_mask.tolist()
+        assert "segment" not in records[0].extra

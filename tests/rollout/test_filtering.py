@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from rl_data import PromptSample, Trajectory
+from rl_rollout.episodes import segment_extra
 from rl_rollout.filtering import DynamicSampler, dynamic_sample, filter_groups, shape_rewards
 
 
@@ -42,6 +43,17 @@ def test_rows_of_a_group_need_not_be_contiguous():
     assert [len(m) for m in kept] == [2]
     assert kept[0][0].group_id == 5
     assert filtered[0][0].group_id == 6
+
+
+def test_the_segments_of_one_episode_count_once_in_the_group_mean():
+    # episode 0 of group 7 was trained as three segments (rl_rollout.episodes), episode 1 as one
+    # record: the group's mean score is (1 + 0) / 2 = 0.5, not (1 + 1 + 1 + 0) / 4 = 0.75
+    records = group(7, [1, 1, 1, 0])
+    for index, record in enumerate(records[:3]):
+        record.extra["segment"] = segment_extra(0, index, 3)
+    kept, _ = filter_groups(records, low=0.0, high=0.6)
+    assert [len(members) for members in kept] == [4]  # the group keeps all its records
+    assert filter_groups(records[3:] + records[:3], low=0.6, high=1.0)[0] == []
 
 
 def test_refill_draws_until_the_target_and_trims_the_excess():

@@ -46,7 +46,14 @@ from .rewards import (
     stop_properly_penalty,
     token_level_rewards,
 )
-from .rows import contiguous_group_ids, expand_to_tokens
+from .rows import (
+    SegmentLayout,
+    contiguous_group_ids,
+    expand_to_tokens,
+    join_segments,
+    segment_layout,
+    split_segments,
+)
 from .running import RunningMoments, merge_moments
 from .supervised import distillation_loss, prm_loss, sft_loss
 
@@ -70,6 +77,7 @@ __all__ = [
     "FixedKLController",
     "Registry",
     "RunningMoments",
+    "SegmentLayout",
     "StraightThroughKL",
     "UnknownNameError",
     "__version__",
@@ -88,6 +96,7 @@ __all__ = [
     "expand_to_tokens",
     "expert_load_metrics",
     "group_normalize",
+    "join_segments",
     "kl_penalty",
     "kto_loss",
     "last_action_index",
@@ -108,7 +117,9 @@ __all__ = [
     "reward_model_loss",
     "rollout_correction",
     "route_mismatch",
+    "segment_layout",
     "sft_loss",
+    "split_segments",
     "stop_properly_penalty",
     "teacher_log_ratio",
     "token_level_rewards",

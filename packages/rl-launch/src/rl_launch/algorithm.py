@@ -21,9 +21,12 @@ import torch
 
 from rl_algos import (
     compute_advantages,
+    join_segments,
     kl_penalty,
     overlong_penalty,
     reverse_kl_rewards,
+    segment_layout,
+    split_segments,
     stop_properly_penalty,
     teacher_log_ratio,
     token_level_rewards,
@@ -57,6 +60,7 @@ def score_batch(
     *,
     kl_coef: float,
     baseline_rewards: torch.Tensor | None = None,
+    episode_ids: torch.Tensor | None = None,
 ) -> dict[str, float]:
     """Fill `batch.advantages` and `batch.returns` from the outcome `rewards` `[B]`; metrics back.
 
@@ -71,6 +75,12 @@ def score_batch(
     tokens is measured (`distill/kl_to_teacher`, its mean per action token); in mode reward
     −β_d·d_t joins the token rewards (`distill/reward_mean`: their per-sequence sum, averaged);
     with `algo.distill.outcome` false the outcome rewards are 0 before the estimator.
+
+    `episode_ids` `[B]` (`rl_rollout.episodes.episode_ids`): rows that are segments of one episode
+    (a history the chat template rewrote) go to the estimator as one row, their response tokens
+    end to end (`rl_algos.join_segments`), with the reward of the episode's last segment: group
+    statistics count the episode once, its return runs across its segments. The advantages go back
+    to the segments' own tokens; the loss then normalises per token as for any row.
     """
     kl_config, distill = config.algo.kl, config.algo.distill
     mask = batch.response_action_mask()
@@ -102,6 +112,14 @@ def score_batch(
         metrics["kl/mean"] = float(kl.sum(-1).mean())
     in_reward = kl is not None and not kl_config.use_kl_loss
     clip = config.reward.clip
+    values = batch.response_view(batch.values) if batch.values is not None else None
+    group_ids, rows_mask = batch.group_ids, mask
+    if episode_ids is not None:  # an episode's segments: one row for the estimator
+        layout, (mask, kl, distill_rewards, values) = _joined(
+            batch, episode_ids, mask, kl, distill_rewards, values
+        )
+        rewards, group_ids = rewards[layout.last], group_ids[layout.first]
+        baseline_rewards = None if baseline_rewards is None else baseline_rewards[layout.last]
     token_rewards = token_level_rewards(
         rewards, mask, kl=kl if in_reward else None, kl_coef=kl_coef if in_reward else 0.0, reward_clip=clip
     )
@@ -112,9 +130,9 @@ def score_batch(
     inputs: dict[str, Any] = {
         "rewards": rewards if clips_itself or not clip else rewards.clamp(-clip, clip),
         "token_rewards": token_rewards,
-        "values": batch.response_view(batch.values) if batch.values is not None else None,
+        "values": values,
         "action_mask": mask,
-        "group_ids": batch.group_ids,
+        "group_ids": group_ids,
     }
     if clips_itself:
         inputs["reward_clip"] = clip
@@ -123,11 +141,26 @@ def score_batch(
         inputs["baseline_rewards"] = baseline
         metrics["reward/greedy_baseline_mean"] = float(baseline.mean())
     advantages, returns = compute_advantages(estimator, **inputs, **estimator_options(config))
+    if episode_ids is not None:
+        advantages, returns, mask = (
+            split_segments(advantages, layout),
+            split_segments(returns, layout),
+            rows_mask,
+        )
     batch.advantages = batch.from_response_view(advantages.float())
     batch.returns = batch.from_response_view(returns.float())
     metrics["advantages/mean"] = _masked_mean(advantages, mask)
     metrics["advantages/abs_mean"] = _masked_mean(advantages.abs(), mask)
     return metrics
+
+
+def _joined(
+    batch: ExperienceBatch, episode_ids: torch.Tensor, mask: torch.Tensor, *values: torch.Tensor | None
+) -> tuple[Any, list[torch.Tensor | None]]:
+    """The layout of `episode_ids`' episodes (`rl_algos.segment_layout`), and `mask` and each of
+    `values` (`[B, T]` response views, or None) joined into episode rows."""
+    layout = segment_layout(batch.response_lengths, episode_ids, mask.shape[1])
+    return layout, [None if value is None else join_segments(value, layout) for value in (mask, *values)]
 
 
 def score_normalization(model_path: str | os.PathLike[str]) -> tuple[float, float] | None:

@@ -21,6 +21,8 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from rl_rollout.episodes import episode_ends
+
 __all__ = ["eval_metrics", "pass_at_k"]
 
 
@@ -65,7 +67,7 @@ def eval_metrics(
     if not records:
         raise ValueError("eval_metrics: no records")
     groups: dict[int, list[Any]] = {}
-    for record in records:
+    for record in episode_ends(records):  # an episode trained as segments is one response
         groups.setdefault(record.group_id, []).append(record)
     short = [len(group) for group in groups.values() if len(group) < k]
     if short:

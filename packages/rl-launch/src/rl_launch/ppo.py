@@ -32,6 +32,7 @@ import torch
 
 from rl_data import ExperienceBatch, Trajectory, build_experience
 from rl_learner import TrainingState
+from rl_rollout.episodes import episode_ids
 
 from .algorithm import learners_share_prefix, reward_metrics, score_batch, score_normalization, shape_rewards
 from .command import Recipe, ray_line, run_recipe
@@ -124,7 +125,11 @@ class PPOTrainer:
         if self.rollouts.greedy_baseline:
             baseline = torch.tensor([record.extra["baseline_reward"] for record in records])
         beta = float(self.kl.value)
-        metrics |= score_batch(self.config, batch, shaped, kl_coef=beta, baseline_rewards=baseline)
+        episodes = episode_ids(records)  # segments of one rewritten episode: one row for the estimator
+        episodes = None if episodes is None else torch.tensor(episodes)
+        metrics |= score_batch(
+            self.config, batch, shaped, kl_coef=beta, baseline_rewards=baseline, episode_ids=episodes
+        )
         if "kl/mean" in metrics:
             self.kl.update(metrics["kl/mean"], len(records))
         lengths = batch.response_lengths.float()

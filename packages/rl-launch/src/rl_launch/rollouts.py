@@ -493,14 +493,14 @@ class Rollouts:
             return records, metrics | rollout_metrics(records)
         low, high = r.dynamic_filtering_reward_range
         kept, _ = filter_groups(records, low=low, high=high)
-        seen = len(records) // r.n_samples_per_prompt
+        seen = len({record.group_id for record in records})  # an episode may be several records
         for attempt in range(1, r.max_sampling_rounds):
             if len(kept) >= r.rollout_batch_size:
                 break
             sampling = msgspec.structs.replace(self.sampling(step), seed=r.seed + step + 7919 * attempt)
             more = self.collect(self.submit(next(self.batches), sampling))
             kept += filter_groups(more, low=low, high=high)[0]
-            seen += len(more) // r.n_samples_per_prompt
+            seen += len({record.group_id for record in more})
         if not kept:
             raise RuntimeError(
                 f"dynamic filtering kept no group in {r.max_sampling_rounds} rounds (every group's mean reward "

@@ -15,6 +15,10 @@
   call parsers by name (`TOOL_PARSERS`, Hermes / Qwen `<tool_call>` built in), calls that never
   raise into the episode (`call_tool`); `ToolCallExecutor` runs tool-calling episodes (results
   are environment tokens, the final answer is scored by the run's reward function).
+- Rewritten histories (`history="segments"`): thinking templates that drop earlier reasoning
+  make an agent's episode a list of segments, one record each (`rl_rollout.episodes`).
+- A sandbox for model-written code (`run_python`: deadline, memory, output cap, no network, a
+  throwaway folder), the unit-test `CodeReward` and a `python_tool()` on it.
 - Rewards: OpenRLHF `reward_func` files, rule rewards for verifiable tasks, a remote reward client.
 - DAPO dynamic filtering that never drops accepted groups, overlong and stop-properly shaping.
 
@@ -26,7 +30,8 @@
 """
 
 from .__about__ import __version__
-from .agent_server import AgentServer, ServerError, SessionRecord
+from .agent_server import HISTORY_MODES, AgentServer, ServerError, SessionRecord
+from .code_tasks import CodeReward, python_tool, run_tests
 from .executors import EpisodeError, MultiTurnExecutor, SingleTurnExecutor, load_agent, load_agent_class
 from .filtering import DynamicSampler, FilterResult, dynamic_sample, filter_groups, shape_rewards
 from .protocol import Engine, EngineError, Generation, SamplingParams
@@ -45,6 +50,7 @@ from .rewards import (
     WeightedSumReward,
     load_reward_function,
 )
+from .sandbox import SandboxError, SandboxLimits, SandboxResult, run_python
 from .server_executor import AgentServerExecutor, load_run_agent
 from .tool_executor import ToolCallExecutor, tool_metrics
 from .tools import (
@@ -64,12 +70,14 @@ from .tools import (
 from .weights import WeightReceiver
 
 __all__ = [
+    "HISTORY_MODES",
     "RECEIVERS",
     "TOOL_ERRORS",
     "TOOL_PARSERS",
     "AgentServer",
     "AgentServerExecutor",
     "BatchedReward",
+    "CodeReward",
     "DynamicSampler",
     "Engine",
     "EngineError",
@@ -89,6 +97,9 @@ __all__ = [
     "RewardOutput",
     "RewardTimeout",
     "SamplingParams",
+    "SandboxError",
+    "SandboxLimits",
+    "SandboxResult",
     "ServerError",
     "SessionRecord",
     "SingleTurnExecutor",
@@ -110,7 +121,10 @@ __all__ = [
     "load_run_agent",
     "load_tools",
     "openai_tool_schemas",
+    "python_tool",
     "register_tool_parser",
+    "run_python",
+    "run_tests",
     "shape_rewards",
     "tool_from_function",
     "tool_metrics",

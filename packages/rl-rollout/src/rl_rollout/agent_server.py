@@ -31,6 +31,18 @@ Request k carries the whole conversation so far, messages Mₖ:
 - A request whose messages do not extend the history (an edited or shortened conversation, other
   tools) is refused with 400, code "history_mismatch", naming the first message that differs:
   a session is one trajectory. Open a new session for a new conversation.
+
+Rewritten histories (`history="segments"`). Templates of thinking models (Qwen3) drop the
+reasoning of assistant turns before the last user message, and agents often send replies back
+without it: request k's prompt is then not an extension of the tokens so far. With
+`history="segments"` every request is rendered whole, P = template(Mₖ, tools, generation prompt),
+as the model would see it at inference, and compared as text with the session's current segment
+S (its prompt's rendering, then each reply decoded with special tokens, then each delta):
+- P starts with S: the segment goes on; only P[|S|:] is tokenised (mask 0), as above;
+- otherwise the segment is closed and P's tokens open a new one (its own prompt).
+A session is then a list of segments, each exact token-in/token-out (`SessionRecord.segments`
+holds the closed ones, oldest first; the record's own fields are the last). An append-only
+template never opens a second segment, unless the client edits what it sends back.
 - The engine's reply aₖ is appended with action mask 1 and its log-probs; its finish reason and
   policy versions are kept. A request that would not fit max_length is refused with 400,
   code "context_length_exceeded", and marks the session truncated (finish reason "length").
@@ -59,11 +71,15 @@ import msgspec
 
 from .protocol import Engine, EngineError, Generation, SamplingParams
 
-__all__ = ["AgentServer", "ServerError", "SessionRecord", "require_agent_extra"]
+__all__ = ["HISTORY_MODES", "AgentServer", "ServerError", "SessionRecord", "require_agent_extra"]
 
 logger = logging.getLogger(__name__)
 
 SESSION_HEADER = "x-session-id"
+HISTORY_MODES = ("append", "segments")
+"""How a session takes request k > 0: "append" (its messages extend the history, else refused with
+history_mismatch) or "segments" (rendered whole; a rendering that does not extend the current
+segment opens a new one). See the module docstring."""
 ROLES = ("system", "user", "assistant", "tool")
 # Chat-completion fields the server honours, and those it accepts because they change nothing here.
 CHAT_FIELDS = frozenset(
@@ -135,7 +151,9 @@ class SessionRecord(msgspec.Struct, kw_only=True):
     (start, end) of each reply in response_ids. truncated: a request was refused for max_length.
     used_tools: a request offered tools. tool_calls / tool_call_errors: well-formed and malformed
     calls the parser read in the replies (a reply with only malformed calls goes back as plain
-    content).
+    content). segments: under history="segments", the segments closed before this one (each a
+    `SessionRecord` of its own prompt and replies, no segments of its own), oldest first; the
+    record's own ids, masks and replies are the last segment's.
     """
 
     session_id: str
@@ -151,11 +169,34 @@ class SessionRecord(msgspec.Struct, kw_only=True):
     used_tools: bool = False
     tool_calls: int = 0
     tool_call_errors: int = 0
+    segments: list[Any] = msgspec.field(default_factory=list)
 
     @property
     def requests(self) -> int:
-        """Replies the engine wrote in this session."""
-        return len(self.finish_reasons)
+        """Replies the engine wrote in this session (every segment's)."""
+        return len(self.finish_reasons) + sum(len(s.finish_reasons) for s in self.segments)
+
+    def all_segments(self) -> list["SessionRecord"]:
+        """The session's segments in order: the closed ones, then this record (the last)."""
+        return [*self.segments, self]
+
+    def close_segment(self) -> None:
+        """Move this record's ids, masks and replies into a closed segment; start an empty one."""
+        self.segments.append(
+            SessionRecord(
+                session_id=self.session_id,
+                prompt_ids=self.prompt_ids,
+                response_ids=self.response_ids,
+                action_mask=self.action_mask,
+                logprobs=self.logprobs,
+                versions=self.versions,
+                finish_reasons=self.finish_reasons,
+                action_ranges=self.action_ranges,
+                policy_version=self.policy_version,
+            )
+        )
+        self.prompt_ids, self.response_ids, self.action_mask, self.logprobs = [], [], [], []
+        self.versions, self.finish_reasons, self.action_ranges = [], [], []
 
     @property
     def finish_reason(self) -> str:
@@ -173,6 +214,7 @@ class _Session:
         self.ended_with_special = False  # the last reply ended with an end-of-turn token it wrote
         self.busy = False
         self.seed: int | None = None  # request k of the session samples with seed + k
+        self.text = ""  # history="segments": the current segment as text (prompt, replies, deltas)
 
     @property
     def length(self) -> int:
@@ -325,6 +367,8 @@ class AgentServer:
         read in full (its Content-Length, or the bytes as they arrive).
       request_timeout_s: a deadline per request (its generation included): past it the request
         is answered 504, code "timeout", and the session is left as before the request; None: none.
+      history: "append" or "segments" (`HISTORY_MODES`): what a request whose messages do not
+        extend the session's history does (refused, or a new segment; see the module docstring).
     """
 
     def __init__(
@@ -339,7 +383,11 @@ class AgentServer:
         skip_special_tokens: bool = True,
         max_body_bytes: int = MAX_BODY_BYTES,
         request_timeout_s: float | None = 600.0,
+        history: str = "append",
     ) -> None:
+        if history not in HISTORY_MODES:
+            raise ValueError(f"history: {history!r} is not allowed; expected one of {HISTORY_MODES}")
+        self.history = history
         if not isinstance(max_body_bytes, int) or isinstance(max_body_bytes, bool) or max_body_bytes < 1:
             raise ValueError(f"max_body_bytes: {max_body_bytes!r} is not allowed; expected an integer >= 1")
         if request_timeout_s is not None and not (
@@ -622,49 +670,19 @@ class AgentServer:
         self, session: _Session, body: Mapping, messages: list[dict[str, Any]], tools: Any
     ) -> dict[str, Any]:
         record = session.record
-        if session.history is None:
-            delta_ids = self._tokens(self._render(messages, tools))
-            new_prompt = True
-        else:
-            held = session.history
-            if len(messages) <= len(held):
-                raise _bad(
-                    f"messages: {len(messages)} messages do not extend this session's {len(held)} "
-                    "(its history with the last reply); a session's conversation only grows: open a new "
-                    "session for another conversation",
-                    "messages",
-                    "history_mismatch",
-                )
-            for position, (sent, kept) in enumerate(zip(messages, held, strict=False)):
-                if not _same_message(sent, kept):
-                    raise _bad(
-                        f"messages[{position}] ({sent['role']}) differs from the message this session holds "
-                        "there; a session's history cannot be edited: open a new session for another "
-                        "conversation",
-                        f"messages[{position}]",
-                        "history_mismatch",
-                    )
-            if (tools or None) != (session.tools or None):
-                raise _bad(
-                    "tools: differ from the tools of this session's first request; they are rendered "
-                    "once, into its prompt",
-                    "tools",
-                    "history_mismatch",
-                )
-            new = messages[len(held) :]
-            delta_ids = self._tokens(self._delta_text(new, tools, session.ended_with_special))
-            new_prompt = False
-        if session.length + len(delta_ids) >= self.max_length:
+        delta_ids, kind, text = self._next_prompt(session, messages, tools)
+        held = session.length if kind == "delta" else 0  # a new segment starts from its prompt
+        if held + len(delta_ids) >= self.max_length:
             record.truncated = True
             raise _bad(
-                f"messages: the session would hold {session.length + len(delta_ids)} tokens, which leaves "
+                f"messages: the session would hold {held + len(delta_ids)} tokens, which leaves "
                 f"no room for a reply within max_length {self.max_length}; the session is truncated",
                 "messages",
                 "context_length_exceeded",
             )
         turn_seed = None if session.seed is None else session.seed + record.requests
-        params = self._params(body, self.max_length - session.length - len(delta_ids), turn_seed)
-        prompt = record.prompt_ids + record.response_ids + delta_ids
+        params = self._params(body, self.max_length - held - len(delta_ids), turn_seed)
+        prompt = record.prompt_ids + record.response_ids + delta_ids if kind == "delta" else delta_ids
         try:
             [generation] = (await self.engine.agenerate(prompt, params))[:1]
         except EngineError as error:
@@ -676,7 +694,7 @@ class AgentServer:
                 f"engine: the generation failed ({type(error).__name__}; see the server's log)",
                 code="engine_error",
             ) from error
-        self._append(session, delta_ids, new_prompt, generation)
+        self._append(session, delta_ids, kind, generation, text)
         text = self.tokenizer.decode(generation.token_ids, skip_special_tokens=self.skip_special_tokens)
         message: dict[str, Any] = {"role": "assistant", "content": text}
         finish = generation.finish_reason
@@ -718,14 +736,60 @@ class AgentServer:
             "session_id": record.session_id,
         }
 
+    def _next_prompt(
+        self, session: _Session, messages: list[dict[str, Any]], tools: Any
+    ) -> tuple[list[int], str, str]:
+        """(ids, kind, text) of a request: kind "prompt" (the session's first request: ids are its
+        prompt), "delta" (ids go after the session's tokens) or "segment" (ids are a new segment's
+        prompt); text: the rendering those ids came from (history="segments" keeps it)."""
+        if session.history is None:
+            text = self._render(messages, tools)
+            return self._tokens(text), "prompt", text
+        if self.history == "segments":
+            text = self._render(messages, tools)
+            if text.startswith(session.text):
+                delta = text[len(session.text) :]
+                return self._tokens(delta), "delta", delta
+            return self._tokens(text), "segment", text
+        held = session.history
+        if len(messages) <= len(held):
+            raise _bad(
+                f"messages: {len(messages)} messages do not extend this session's {len(held)} "
+                "(its history with the last reply); a session's conversation only grows: open a new "
+                "session for another conversation (or serve with history='segments')",
+                "messages",
+                "history_mismatch",
+            )
+        for position, (sent, kept) in enumerate(zip(messages, held, strict=False)):
+            if not _same_message(sent, kept):
+                raise _bad(
+                    f"messages[{position}] ({sent['role']}) differs from the message this session holds "
+                    "there; a session's history cannot be edited: open a new session for another "
+                    "conversation (or serve with history='segments')",
+                    f"messages[{position}]",
+                    "history_mismatch",
+                )
+        if (tools or None) != (session.tools or None):
+            raise _bad(
+                "tools: differ from the tools of this session's first request; they are rendered "
+                "once, into its prompt",
+                "tools",
+                "history_mismatch",
+            )
+        delta = self._delta_text(messages[len(held) :], tools, session.ended_with_special)
+        return self._tokens(delta), "delta", delta
+
     def _append(
-        self, session: _Session, delta_ids: list[int], new_prompt: bool, generation: Generation
+        self, session: _Session, delta_ids: list[int], kind: str, generation: Generation, text: str
     ) -> None:
         record = session.record
         if session.record.session_id not in self._sessions:
             return  # closed while the engine worked (its episode timed out): nothing to keep
-        if new_prompt:
+        if kind == "segment":
+            record.close_segment()
+        if kind != "delta":
             record.prompt_ids = list(delta_ids)
+            session.text = text
             record.policy_version = generation.policy_version
         else:
             record.response_ids.extend(delta_ids)
@@ -733,6 +797,9 @@ class AgentServer:
             record.versions.extend(record.versions[-1:] * len(delta_ids))
             if record.logprobs is not None:
                 record.logprobs.extend([0.0] * len(delta_ids))
+            session.text += text
+        if self.history == "segments":
+            session.text += self.tokenizer.decode(generation.token_ids, skip_special_tokens=False)
         start = len(record.response_ids)
         record.response_ids.extend(generation.token_ids)
         record.action_mask.extend([True] * len(generation.token_ids))

@@ -30,6 +30,8 @@ import torch
 from rl_algos import dynamic_filter_mask, overlong_penalty, stop_properly_penalty
 from rl_data import PromptSample, Trajectory
 
+from .episodes import episode_ends
+
 __all__ = ["DynamicSampler", "FilterResult", "dynamic_sample", "filter_groups", "shape_rewards"]
 
 
@@ -63,19 +65,22 @@ def filter_groups(
 ) -> tuple[list[list[Trajectory]], list[list[Trajectory]]]:
     """Split `records` into kept and filtered groups (lists of a group's records, first-seen order).
 
-    A group is kept when low < mean(score) < high (`rl_algos.dynamic_filter_mask`).
+    A group is kept when low < mean(score) < high (`rl_algos.dynamic_filter_mask`), the mean
+    over its episodes (an episode split into segments counts once, `rl_rollout.episodes`).
     """
     groups = _groups_in_order(records)
     if not groups:
         return [], []
-    ordered = [record for members in groups.values() for record in members]
+    # one score per episode: the segments of a rewritten episode (rl_rollout.episodes) count once
+    ends = {group: episode_ends(members) for group, members in groups.items()}
+    ordered = [record for members in ends.values() for record in members]
     scores = torch.tensor([record.score for record in ordered], dtype=torch.float64)
     group_ids = torch.tensor([record.group_id for record in ordered], dtype=torch.int64)
     keep = dynamic_filter_mask(scores, group_ids, low=low, high=high).tolist()
     kept, filtered, position = [], [], 0
-    for members in groups.values():
+    for group, members in groups.items():
         (kept if keep[position] else filtered).append(members)
-        position += len(members)
+        position += len(ends[group])
     return kept, filtered
 
 

@@ -19,6 +19,14 @@ become one `rl_data.Trajectory`:
     action_mask   = 1 on every aₖ, 0 on every dₖ;  rollout_logprobs = the engine's on aₖ, 0.0 on dₖ
     reward        = what run_agent returned;  finish_reason = the last reply's ("length" if truncated)
 
+Rewritten histories (thinking templates that drop earlier reasoning, agents that send replies
+back edited): with `history="segments"` a session may hold several segments
+(`rl_rollout.agent_server`), and its episode becomes one record per segment, in order, each exact
+token-in/token-out with its own prompt, response and masks, all with the episode's reward, score
+and group id, and `extra["segment"] = {"episode": j, "index": k, "count": n}`
+(`rl_rollout.episodes`): the trainer takes an episode's segments as one episode (its advantage),
+never as more members of the group.
+
 The server runs for one `run` call (started on demand, stopped when the episodes are done, its
 port freed). An episode that raises, returns something that is not a reward, makes no request,
 or outlives `episode_timeout_s` fails: `on_error="raise"` raises `EpisodeError` naming the sample,
@@ -44,6 +52,7 @@ from rl_data.errors import check_integer
 
 from .agent_server import AgentServer, SessionRecord, require_agent_extra
 from .bounded import UserLoop
+from .episodes import segment_extra
 from .executors import (
     EpisodeError,
     _check_samples,
@@ -151,6 +160,8 @@ class AgentServerExecutor:
       model_name: the model name requests must give.
       tool_parser: how replies to requests with `tools` are parsed (`rl_rollout.tools.TOOL_PARSERS`).
       first_group_id: group id of the first prompt; later prompts count up from there.
+      history: "append" (a request must extend its session's conversation) or "segments" (a
+        rewritten history opens a new segment: one record per segment), `rl_rollout.HISTORY_MODES`.
     """
 
     def __init__(
@@ -168,6 +179,7 @@ class AgentServerExecutor:
         model_name: str = "policy",
         tool_parser: str = "hermes",
         first_group_id: int = 0,
+        history: str = "append",
     ) -> None:
         if not isinstance(engine, Engine):
             raise TypeError(f"engine: expected an rl_rollout Engine, got {type(engine).__name__}")
@@ -196,7 +208,9 @@ class AgentServerExecutor:
             model_name=model_name,
             tool_parser=tool_parser,
             request_timeout_s=self.episode_timeout_s,  # no request outlives its episode
+            history=history,
         )
+        self.history = history
         self.last_metrics: dict[str, float] = {}
 
     async def _run_agent(self, session: str, prompt: str, label: Any) -> Any:
@@ -279,37 +293,62 @@ class AgentServerExecutor:
                 task.cancel()
             await asyncio.to_thread(server.stop)
         records = []
-        for position, (session, reward, score, logs, error) in enumerate(results):
+        for position, result in enumerate(results):
             sample = samples[position // self.sampling.n]
+            group = groups[position // self.sampling.n]
+            records += self._records(sample, group, position % self.sampling.n, *result)
+        self.last_metrics = _episode_metrics(records, started)
+        if len(records) > len(results):  # rewritten histories: more records than episodes
+            self.last_metrics["rollout/episodes"] = float(len(results))
+            self.last_metrics["rollout/segments_per_episode"] = len(records) / len(results)
+        return records
+
+    def _records(
+        self,
+        sample: PromptSample,
+        group: int,
+        episode: int,
+        session: SessionRecord,
+        reward: float,
+        score: float,
+        logs: dict[str, Any],
+        error: str | None,
+    ) -> list[Trajectory]:
+        """One record per segment of an episode's session (one, unless its history was rewritten)."""
+        segments = session.all_segments()
+        records = []
+        for index, segment in enumerate(segments):
+            last = index == len(segments) - 1
             extra = {
                 **_sample_extra(sample),
-                "turns": session.requests,
-                "action_ranges": [list(r) for r in session.action_ranges],
+                "turns": len(segment.finish_reasons),
+                "action_ranges": [list(r) for r in segment.action_ranges],
                 "extra_logs": logs,
             }
-            if session.used_tools:  # counted as the tool executor's records are (rollout/tools/...)
+            if len(segments) > 1:
+                extra["segment"] = segment_extra(episode, index, len(segments))
+            if session.used_tools and last:  # once per episode, as the tool executor's (rollout/tools/...)
                 extra["tools"] = {"calls": session.tool_calls, "malformed": session.tool_call_errors}
-            finish = session.finish_reason
+            finish = session.finish_reason if last else segment.finish_reason
             if error is not None:
                 extra["episode_error"] = error
                 finish = "abort"
             records.append(
                 Trajectory(
-                    prompt_ids=session.prompt_ids or sample.prompt_ids.tolist(),
-                    response_ids=session.response_ids,
-                    rollout_logprobs=session.logprobs,
-                    action_mask=session.action_mask,
+                    prompt_ids=segment.prompt_ids or sample.prompt_ids.tolist(),
+                    response_ids=segment.response_ids,
+                    rollout_logprobs=segment.logprobs,
+                    action_mask=segment.action_mask,
                     reward=reward,
                     score=score,
-                    group_id=groups[position // self.sampling.n],
-                    policy_version=session.policy_version,
-                    token_versions=_token_versions(session),
+                    group_id=group,
+                    policy_version=segment.policy_version,
+                    token_versions=_token_versions(segment),
                     finish_reason=finish,
                     label=sample.label,
                     extra=extra,
                 )
             )
-        self.last_metrics = _episode_metrics(records, started)
         return records
 
     def run(

@@ -83,3 +83,13 @@ def exact_match_reward() -> Any:
     from rl_rollout import ExactMatchReward
 
     return ExactMatchReward()
+
+
+@REWARDS.register("code")
+def code_reward() -> Any:
+    """`rl_rollout.CodeReward`: the pass fraction of the label's tests against the response's
+    code, run in the sandbox (5 s, 512 MiB, no network; `rl_rollout.sandbox`). For other limits,
+    a reward file: `reward_func = CodeReward(limits=SandboxLimits(...))`."""
+    from rl_rollout import CodeReward
+
+    return CodeReward()
