@@ -61,7 +61,9 @@ def main() -> None:
     for name in args.shapes:
         for rank in args.ranks:
             adapter, merged = sync_bytes(name, rank, dtype)
-            print(f"| {name} | {rank} | {adapter / 2**20:,.2f} MiB | {merged / 2**20:,.1f} MiB | {merged / adapter:.1f}x |")
+            print(
+                f"| {name} | {rank} | {adapter / 2**20:,.2f} MiB | {merged / 2**20:,.1f} MiB | {merged / adapter:.1f}x |"
+            )
 
 
 if __name__ == "__main__":

