@@ -37,7 +37,7 @@ from rl_data import WeightSyncMeta, plan_buckets
 from rl_data.adapters import LoraAdapter, adapter_wire_name
 from rl_data.errors import check_integer
 
-from .lora import MergedTensor, _loaded
+from .lora import MergedTensor, _loaded, check_wire_dtype
 
 __all__ = ["adapter_layout", "adapter_tensors", "lora_adapter"]
 
@@ -152,8 +152,7 @@ def adapter_layout(
       dtype: the engine's dtype, the factors' wire dtype; None keeps theirs.
       bucket_bytes, alignment: as `rl_learner.sync_layout`'s.
     """
-    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-        raise ValueError(f"adapter_layout: dtype must be None or a floating torch.dtype, got {dtype!r}")
+    check_wire_dtype(dtype, "adapter_layout")
     check_integer("adapter_layout: bucket_bytes", bucket_bytes, 1)
     return plan_buckets(
         ((t.name, dtype or t.param.dtype, t.shape) for t in adapter_tensors(model, where="adapter_layout")),

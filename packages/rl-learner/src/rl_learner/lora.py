@@ -151,6 +151,12 @@ _ADAPTER_MARKERS = (
 )
 
 
+def check_wire_dtype(dtype: Any, where: str) -> None:
+    """ValueError naming `where` unless `dtype` (a sync layout's wire dtype) is None or floating."""
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ValueError(f"{where}: dtype must be None or a floating torch.dtype, got {dtype!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class MergedTensor:
     """One tensor of the merged model: a live parameter (or buffer), plus the LoRA layer whose

@@ -65,7 +65,7 @@ from rl_data import WeightSyncMeta, plan_buckets
 from rl_data.errors import check_integer
 from rl_data.sync import WeightSyncSpec
 
-from .lora import MergedTensor
+from .lora import MergedTensor, check_wire_dtype
 from .sender_base import SENDERS, WeightSender, sent_tensors
 
 __all__ = ["make_sender", "sync_layout"]
@@ -79,11 +79,6 @@ def _wire_dtype(source: MergedTensor, dtype: torch.dtype | None) -> torch.dtype:
     if dtype is None or not source.param.dtype.is_floating_point:
         return source.param.dtype
     return dtype
-
-
-def _check_dtype(dtype: Any, where: str) -> None:
-    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-        raise ValueError(f"{where}: dtype must be None or a floating torch.dtype, got {dtype!r}")
 
 
 def sync_layout(
@@ -110,7 +105,7 @@ def sync_layout(
       A `WeightSyncMeta` with no checksums and version 0: one entry per tensor the engine loads,
       named as in the HF checkpoint (see the module docstring for peft and tied weights).
     """
-    _check_dtype(dtype, "sync_layout")
+    check_wire_dtype(dtype, "sync_layout")
     check_integer("sync_layout: bucket_bytes", bucket_bytes, 1)
     return plan_buckets(
         ((s.name, _wire_dtype(s, dtype), s.shape) for s in sent_tensors(model)),
