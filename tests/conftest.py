@@ -62,6 +62,7 @@ os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get
 # --durations, setup included), scaled for the files cut since by what each measured alone before
 # and after the cut; the order gave 12:22 of pytest in the next fresh-clone run.
 LONGEST_FILES = (
+    "launch/test_openrlhf_scripts.py",  # ~290 s quiet (nine example scripts, each its own run)
     "launch/test_tool_calling_e2e.py",  # ~156 s (the calculator build, 50 s, then two 8-step runs)
     "launch/test_chaos.py",  # ~149 s (five rl-launch runs, one beside the others)
     "launch/test_trainers_ray.py",  # ~100 s (kto on two ZeRO-3 ranks; sft on two SP ranks, one killed, resumed)
