@@ -30,12 +30,14 @@ def fsdp2_refusals(config: Any) -> list[tuple[str, Any, str]]:
     yet; empty when train.backend is not fsdp2 or nothing is refused."""
     if config.train.backend != "fsdp2":
         return []
+    from .components.estimators import estimator_needs
+
     model, train, ray = config.model, config.train, config.ray
     asked = [
         (
             "algo.advantage.estimator",
             config.algo.advantage.estimator,
-            config.needs_critic,
+            estimator_needs(config.algo.advantage.estimator).critic,
             "needs a critic, a value model, which trains on DeepSpeed only",
         ),
         (

@@ -404,7 +404,9 @@ def check_context(config: PPOConfig, inputs: Resolved) -> str | None:
     else:
         longest, what = needed, sum_text
     models = [("model.pretrain", inputs.model_path)]
-    if config.needs_critic and inputs.critic_path != inputs.model_path:
+    from .components.estimators import estimator_needs
+
+    if estimator_needs(config.algo.advantage.estimator).critic and inputs.critic_path != inputs.model_path:
         models.append(("model.critic_pretrain", inputs.critic_path))
     if inputs.reward_model_path is not None:
         models.append(("model.reward_pretrain", inputs.reward_model_path))
