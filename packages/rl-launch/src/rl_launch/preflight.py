@@ -492,8 +492,8 @@ def check_packages(config: Any) -> None:
             raise PreflightError(f"log.{field} is on but the {module} package is not installed: {install}")
     if config.model.lora_rank > 0 and _missing("peft"):
         raise PreflightError(
-            f"model.lora_rank: {config.model.lora_rank} trains LoRA adapters, which needs the peft package, "
-            "not installed: pip install 'rl-learner[peft]' (or model.lora_rank 0 to train all weights)"
+            f"model.lora_rank: {config.model.lora_rank} trains LoRA adapters, but the peft package is not "
+            "installed: pip install 'rl-launch[peft]' (or model.lora_rank 0 to train all weights)"
         )
 
 
