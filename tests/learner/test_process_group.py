@@ -1,5 +1,5 @@
 """A learner in a process whose earlier world ended: DeepSpeed's cached clone of the old world
-group is dropped, so the new learner builds (the suite's in-process vLLM engine tests left a
+group is dropped, so the new learner builds, in a world it makes or one its caller made (the suite's in-process vLLM engine tests left a
 pytest worker's process group destroyed, and a learner after them in the same worker failed with
 "Group ... is not registered"); and a learner's start on CPU compiles no DeepSpeed op (its
 shared-memory allreduce serves only AutoTP inference). Runs in a subprocess: the process-group
@@ -29,6 +29,11 @@ learner()  # makes the world; DeepSpeed clones its group
 dist.destroy_process_group()  # the world ends
 learner()  # a new world in the same process
 print("SECOND LEARNER BUILT")
+dist.destroy_process_group()
+from rl_data.sync.broadcast import free_port  # the caller makes the next world itself (a team's own loop, tests)
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+learner()
+print("THIRD LEARNER BUILT")
 """
 
 
@@ -38,6 +43,7 @@ def test_a_learner_after_the_process_group_was_destroyed_builds_in_a_new_world(t
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "SECOND LEARNER BUILT" in done.stdout
+    assert "THIRD LEARNER BUILT" in done.stdout  # in a world its caller made, not rl_learner
 
 
 def test_a_learner_start_on_cpu_builds_no_torch_extension(tiny_checkpoint, tmp_path):

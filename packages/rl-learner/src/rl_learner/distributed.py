@@ -28,7 +28,9 @@ def ensure_distributed() -> None:
             # DeepSpeed's engine reads LOCAL_RANK from the environment even for a group the caller made.
             os.environ.setdefault("LOCAL_RANK", "0")
         # DeepSpeed's own view of the group the caller made: its config reads the world size
-        # from it (a ZeRO-3 load's batch check), and it wraps the existing group.
+        # from it (a ZeRO-3 load's batch check), and it wraps the existing group. A clone of an
+        # earlier world that the caller destroyed before making this one is dropped first.
+        _forget_deepspeeds_world_group(only_if_dead=True)
         deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
         return
     _forget_deepspeeds_world_group()
@@ -73,8 +75,10 @@ def _without_shared_memory_allreduce() -> None:
         set_accelerator(GlooCPUAccelerator())
 
 
-def _forget_deepspeeds_world_group() -> None:
-    """Drop DeepSpeed's clone of an earlier world group before this process makes a new world.
+def _forget_deepspeeds_world_group(only_if_dead: bool = False) -> None:
+    """Drop DeepSpeed's clone of an earlier world group before this process makes a new world
+    (`only_if_dead`: only where that clone belongs to a world that no longer exists, when the
+    caller made the current world itself).
 
     DeepSpeed clones the world group the first time an engine needs it
     (`deepspeed.utils.groups._WORLD_GROUP`) and keeps the clone for the life of the process. When
@@ -85,5 +89,13 @@ def _forget_deepspeeds_world_group() -> None:
     """
     from deepspeed.utils import groups
 
-    if getattr(groups, "_WORLD_GROUP", None) is not None:
-        groups._WORLD_GROUP = None
+    clone = getattr(groups, "_WORLD_GROUP", None)
+    if clone is None:
+        return
+    if only_if_dead:
+        try:
+            dist.get_process_group_ranks(clone)
+            return  # a group of the current world
+        except (KeyError, ValueError, RuntimeError):  # KeyError: torch 2.13's for an unknown group
+            pass
+    groups._WORLD_GROUP = None
