@@ -5,6 +5,7 @@
    Rank 0 writes the full weights (`full_tensor()`: what the unsharded model holds) and its report.
 2. The FSDP2 learner backend: `PolicyLearner(backend="fsdp2")` takes one step, rank r on
    micro-batch r of `experience(8)` (sequences 4r..4r+3); rank 0 writes the metrics and weights.
+3. The same for a `ValueLearner` critic (its score head's local shard shape: critic-head-<r>.json).
 
 Each rank writes `rank-<r>.json` (whether it sent, whether its report is None, the number of
 buckets, whether its parameters were sharded).
@@ -21,19 +22,27 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-from _helpers_core import experience, fill_policy_slots, tiny_policy
+from _helpers_core import experience, fill_policy_slots, fill_value_slots, tiny_critic, tiny_policy
 
 from rl_data import encode
 from rl_data.sync import WeightSyncSpec
 from rl_data.tiny import build_tiny_model, build_tiny_tokenizer
-from rl_learner import DeepSpeedConfig, OptimizerConfig, PolicyLearner, PolicyLossConfig
-from rl_learner.models import packed_logprobs
+from rl_learner import (
+    DeepSpeedConfig,
+    OptimizerConfig,
+    PolicyLearner,
+    PolicyLossConfig,
+    ValueLearner,
+    ValueLossConfig,
+)
+from rl_learner.models import packed_logprobs, packed_values
 from rl_learner.sync import make_sender, sync_layout
 
 SMALL_BUCKETS = 64 * 1024  # several buckets even for the tiny model
 # test_fsdp2.py's one-rank learner is built with the same settings
 OPTIMIZER = OptimizerConfig(lr=1e-3, warmup_ratio=0.0)
 LOSS = PolicyLossConfig(kl_coef=0.05, entropy_coef=0.01)
+VALUE_LOSS = ValueLossConfig(clip_range=0.2)
 
 
 def own_loop(folder: pathlib.Path, tokenizer, rank: int) -> None:
@@ -83,12 +92,33 @@ def learner_step(folder: pathlib.Path, tokenizer, rank: int) -> None:
         (folder / "learner-state.msgpack").write_bytes(encode(state))
 
 
+def critic_step(folder: pathlib.Path, tokenizer, rank: int) -> None:
+    """The FSDP2 critic (its [1, hidden] score head: one row on rank 0, an empty shard on rank 1)."""
+    batch = experience(8)
+    with torch.no_grad():
+        fill_value_slots(batch, packed_values(tiny_critic(tokenizer), batch).float())
+    learner = ValueLearner(
+        tiny_critic(tokenizer),
+        deepspeed=DeepSpeedConfig(backend="fsdp2", dtype="fp32"),
+        optimizer=OPTIMIZER,
+        total_steps=4,
+    )
+    head = tuple(learner.module.score.weight.to_local().shape)
+    metrics = learner.train_step([batch.select(range(4 * rank, 4 * rank + 4))], VALUE_LOSS)
+    state = {name: p.full_tensor().detach() for name, p in learner.module.named_parameters()}
+    (folder / f"critic-head-{rank}.json").write_text(json.dumps(head))
+    if rank == 0:
+        (folder / "critic-metrics.json").write_text(json.dumps(metrics))
+        (folder / "critic-state.msgpack").write_bytes(encode(state))
+
+
 def main(folder: pathlib.Path) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     tokenizer = build_tiny_tokenizer()
     own_loop(folder, tokenizer, rank)
     learner_step(folder, tokenizer, rank)
+    critic_step(folder, tokenizer, rank)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -1,7 +1,8 @@
 """The FSDP2 learner backend: torch's `fully_shard` behind the engine interface the learners drive.
 
-`DeepSpeedConfig.backend = "fsdp2"` makes a `Learner` (policy, reference) shard its model with
-`torch.distributed.fsdp.fully_shard` instead of wrapping it in a DeepSpeed engine. `Fsdp2Engine`
+`DeepSpeedConfig.backend = "fsdp2"` makes a `Learner` (policy, reference, critic, reward model;
+the supervised `SFTLearner`, `DPOLearner`, `KTOLearner`, `RewardModelLearner`) shard its model
+with `torch.distributed.fsdp.fully_shard` instead of wrapping it in a DeepSpeed engine. `Fsdp2Engine`
 offers what `rl_learner.learner`, `rl_learner.sync` and `rl_learner.checkpoint` call on a
 DeepSpeed engine (`module`, forward, `backward`, `step`, `was_step_applied`,
 `get_global_grad_norm`, `save_checkpoint`, `load_checkpoint`, ...), so the train step, its
@@ -9,8 +10,13 @@ global normaliser and its non-finite handling are the same code for both backend
 
 Sharding. Every module whose class is in the HF model's `_no_split_modules` (its decoder layers)
 is a `fully_shard` unit, then the root; parameters become DTensors sharded over a 1-D mesh of
-the learner's ranks (dim 0 split evenly). Gradients are reduce-scattered and averaged over the
-ranks, as DeepSpeed's are, so the learner's `backward(world_size · L_j)` rule holds unchanged.
+the learner's ranks (dim 0 split evenly, the last shards padded). Parameters outside the decoder
+layers (embeddings, final norm, LM head, a value model's scalar `score` head [1, hidden]) belong
+to the root unit and are sharded the same way: the score head's one row sits on rank 0, the
+other ranks hold empty shards; it is all-gathered with the root's parameters for each forward,
+so `packed_values` / `packed_scores` read its full output through their forward hook. Gradients
+are reduce-scattered and averaged over the ranks, as DeepSpeed's are, so the learner's
+`backward(world_size · L_j)` rule holds unchanged.
 
 Precision (`DeepSpeedConfig.dtype`):
 - "bf16": fp32 sharded parameters (the optimizer's master weights) and a
@@ -31,8 +37,8 @@ its shards) and `folder/tag/scheduler.json`; the files go into `rl_learner.check
 manifest like DeepSpeed's. Loading reads them back into the live sharded model.
 
 Not in this backend yet, refused by `fsdp2_refusals` (and by `Fsdp2Engine` when built anyway):
-value models (critic, reward model), LoRA, Muon, fp16, optimizer / parameter offload, sequence
-parallelism, the hybrid engine's state offload (`Learner.offload_plan` says "none").
+LoRA, Muon, fp16, optimizer / parameter offload, sequence parallelism, the hybrid engine's
+state offload (`Learner.offload_plan` says "none"), tensor parallelism.
 """
 
 from __future__ import annotations

@@ -274,12 +274,10 @@ class _SupervisedRoot(_Section):
         for field in ("critic_pretrain", "reward_pretrain"):
             if getattr(self.model, field) is not None:
                 _fail(f"model.{field}", getattr(self.model, field), f"does not apply to rl-launch {command}")
-        if self.train.backend != "deepspeed":
-            _fail(
-                "train.backend",
-                self.train.backend,
-                f"applies to rl-launch ppo only yet, not rl-launch {command}",
-            )
+        from ..backends import supervised_fsdp2_refusals
+
+        for option, value, why in supervised_fsdp2_refusals(self):
+            _fail(option, value, why)
         sp, ranks = self.model.sequence_parallel_size, self.ray.learner.num_actors
         if ranks % sp:
             _fail(
