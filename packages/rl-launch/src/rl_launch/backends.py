@@ -2,7 +2,7 @@
 
 "deepspeed" (default) builds every learner as a DeepSpeed engine; "fsdp2" shards every learner
 (policy, reference, teacher, critic, reward model; the trained models of rl-launch sft / rm /
-dpo / kto and dpo's reference) with torch's `fully_shard` (`rl_learner.fsdp2`). What the FSDP2
+dpo / kto and their references) with torch's `fully_shard` (`rl_learner.fsdp2`). What the FSDP2
 backend does not do yet is refused here, in the validation pass (`rl_launch.validation.prepare`
 for ppo, `supervised_fsdp2_refusals` from the supervised configs' check), before anything
 starts, naming the option that asks for it:
@@ -14,9 +14,13 @@ starts, naming the option that asks for it:
 | model.dtype fp16                                    | fp16 needs a loss scaler (bf16, fp32 work)   |
 | train.adam_offload, ray.ref/teacher/reward_model.offload | FSDP2 CPU offload is not wired in       |
 | train.actor_optimizer / critic_optimizer muon       | DeepSpeed's Muon                             |
+| train.deepspeed_config (non-empty)                  | DeepSpeed's keys; FSDP2 would ignore them    |
 | train.ema_beta                                      | the EMA reads a DeepSpeed engine's parameters |
 | ray.colocate all with ray.learner_offload true      | no hybrid-engine state offload yet           |
-| (sft / rm / dpo / kto) model.lora_rank, model.sequence_parallel_size, model.dtype fp16, train.adam_offload, train.actor_optimizer muon | as above |
+
+rl-launch sft / rm / dpo / kto refuse the same model.* and train.* options (LoRA, sequence
+parallelism, fp16, train.adam_offload, Muon, train.deepspeed_config); they have no reference /
+teacher offload, EMA or hybrid engine to refuse.
 """
 
 from __future__ import annotations
@@ -91,4 +95,10 @@ def _shared(config: Any) -> list[tuple[str, Any, bool, str]]:
         ("model.dtype", model.dtype, model.dtype == "fp16", "fp16 needs a loss scaler; use bf16 or fp32"),
         ("train.adam_offload", True, train.adam_offload, "FSDP2 CPU offload is not wired in yet"),
         ("train.actor_optimizer", train.actor_optimizer, train.actor_optimizer != "adamw", "is DeepSpeed's"),
+        (
+            "train.deepspeed_config",
+            dict(train.deepspeed_config),
+            bool(train.deepspeed_config),
+            "holds DeepSpeed config keys, which the FSDP2 learners do not read",
+        ),
     ]

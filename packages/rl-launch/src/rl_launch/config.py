@@ -761,9 +761,9 @@ class TrainConfig(_Section):
     max_norm: NonNegative = 1.0
     """Gradient clipping norm; 0: no clipping."""
     backend: Literal["deepspeed", "fsdp2"] = "deepspeed"
-    """Learner backend: deepspeed, or fsdp2: torch's fully_shard for the policy, reference and
-    teacher (rl-launch ppo; zero_stage and deepspeed_config do not apply; what it does not do yet
-    is refused at start: `rl_launch.backends`)."""
+    """Learner backend: deepspeed, or fsdp2: torch's fully_shard for every learner (policy,
+    reference, teacher, critic, reward model; rl-launch ppo, sft, rm, dpo, kto; zero_stage does
+    not apply; what it does not do yet is refused at start: `rl_launch.backends`)."""
     zero_stage: Literal[0, 1, 2, 3] = 2
     """DeepSpeed ZeRO stage of the policy and critic."""
     adam_offload: bool = False
