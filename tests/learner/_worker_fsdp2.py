@@ -5,6 +5,8 @@
    Rank 0 writes the full weights (`full_tensor()`: what the unsharded model holds) and its report.
 2. The FSDP2 learner backend: `PolicyLearner(backend="fsdp2")` takes one step, rank r on
    micro-batch r of `experience(8)` (sequences 4r..4r+3); rank 0 writes the metrics and weights.
+   The ranks save that state (two-ckpt/), then load the test's one-rank checkpoint of the same
+   step (one-ckpt/, resharded by torch.distributed.checkpoint) and take the next step from it.
 3. The same for a `ValueLearner` critic (its score head's local shard shape: critic-head-<r>.json).
 
 Each rank writes `rank-<r>.json` (whether it sent, whether its report is None, the number of
@@ -32,8 +34,11 @@ from rl_learner import (
     OptimizerConfig,
     PolicyLearner,
     PolicyLossConfig,
+    TrainingState,
     ValueLearner,
     ValueLossConfig,
+    load_checkpoint,
+    save_checkpoint,
 )
 from rl_learner.models import packed_logprobs, packed_values
 from rl_learner.sync import make_sender, sync_layout
@@ -90,6 +95,21 @@ def learner_step(folder: pathlib.Path, tokenizer, rank: int) -> None:
     if rank == 0:
         (folder / "learner-metrics.json").write_text(json.dumps(metrics))
         (folder / "learner-state.msgpack").write_bytes(encode(state))
+    save_checkpoint(folder / "two-ckpt", 1, {"policy": learner.engine}, TrainingState(step=1), save_rng=False)
+
+    # The one-rank checkpoint the test saved after the same step, resharded onto two ranks.
+    resumed = PolicyLearner(
+        tiny_policy(tokenizer),
+        deepspeed=DeepSpeedConfig(backend="fsdp2", dtype="fp32"),
+        optimizer=OPTIMIZER,
+        total_steps=4,
+    )
+    load_checkpoint(folder / "one-ckpt", {"policy": resumed.engine}, restore_rng=False)
+    metrics = resumed.train_step([batch.select(range(4 * rank, 4 * rank + 4))], LOSS)
+    state = {name: p.full_tensor().detach() for name, p in resumed.module.named_parameters()}
+    if rank == 0:
+        (folder / "resumed-metrics.json").write_text(json.dumps({**metrics, "step": resumed.step}))
+        (folder / "resumed-state.msgpack").write_bytes(encode(state))
 
 
 def critic_step(folder: pathlib.Path, tokenizer, rank: int) -> None:

@@ -4,8 +4,8 @@ ZeRO-0 learner, saves and resumes through `rl_learner.checkpoint`, and sends its
 same checksums as the unsharded model; a `fully_shard` critic (value head sharded with the root
 unit) and the supervised learners (sft, dpo with its frozen reference, rm) take DeepSpeed's
 step too. One slow test starts two gloo ranks (`_worker_fsdp2.py`): a team's own `fully_shard`
-loop syncing through `make_sender`, and the FSDP2 policy's and critic's steps on two ranks
-against this process's one-rank steps.
+loop syncing through `make_sender`, the FSDP2 policy's and critic's steps on two ranks against
+this process's one-rank steps, and a policy checkpoint resumed across world sizes (2 -> 1, 1 -> 2).
 """
 
 from __future__ import annotations
@@ -274,9 +274,13 @@ def test_fsdp2_refuses_what_it_does_not_do_yet(world, tokenizer):
 
 
 @pytest.mark.slow  # two gloo ranks in processes of their own (~10-60 s to start on 2 busy cores)
-def test_two_fsdp2_ranks_sync_the_unsharded_weights_and_step_like_one_rank(
+def test_two_fsdp2_ranks_sync_step_and_reshard_checkpoints_like_one_rank(
     world, tokenizer, batch, value_batch, tmp_path
 ):
+    halves = [batch.select(range(4)), batch.select(range(4, 8))]
+    one = _learner(tokenizer)
+    expected = one.train_step(halves, LOSS)
+    save_checkpoint(tmp_path / "one-ckpt", 1, {"policy": one.engine}, TrainingState(step=1), save_rng=False)
     worker = pathlib.Path(__file__).with_name("_worker_fsdp2.py")
     wait_ranks(start_ranks(worker, tmp_path, 2), timeout=600)
 
@@ -306,12 +310,27 @@ def test_two_fsdp2_ranks_sync_the_unsharded_weights_and_step_like_one_rank(
     # The FSDP2 learner: micro-batch r on rank r gives one rank's step over both micro-batches.
     metrics = json.loads((tmp_path / "learner-metrics.json").read_text())
     two = decode((tmp_path / "learner-state.msgpack").read_bytes(), dict[str, torch.Tensor])
-    one = _learner(tokenizer)
-    expected = one.train_step([batch.select(range(4)), batch.select(range(4, 8))], LOSS)
     for key in ("loss", "grad_norm", "entropy", "kl", "tokens", "sequences"):
         assert metrics[key] == pytest.approx(expected[key], rel=1e-5), key
     for name, value in _state(one).items():
         torch.testing.assert_close(two[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+    # Checkpoints reshard (torch.distributed.checkpoint): the step after a one-rank checkpoint
+    # resumed on two ranks, and after the two ranks' checkpoint resumed here on one, is one rank's
+    # next step (AdamW's moments and the schedule came back: a fresh optimizer steps differently).
+    following = one.train_step(halves, LOSS)
+    onto_two = json.loads((tmp_path / "resumed-metrics.json").read_text())
+    back = _learner(tokenizer)
+    assert load_checkpoint(tmp_path / "two-ckpt", {"policy": back.engine}, restore_rng=False).step == 1
+    onto_one = back.train_step(halves, LOSS)
+    assert (onto_two["step"], back.step) == (2, 2)
+    for key in ("loss", "grad_norm", "entropy", "kl", "lr"):
+        assert onto_two[key] == pytest.approx(following[key], rel=1e-5), key
+        assert onto_one[key] == pytest.approx(following[key], rel=1e-5), key
+    resumed = decode((tmp_path / "resumed-state.msgpack").read_bytes(), dict[str, torch.Tensor])
+    for name, value in _state(one).items():
+        torch.testing.assert_close(resumed[name], value, rtol=1e-5, atol=1e-6, msg=name)
+    torch.testing.assert_close(_state(back), _state(one), rtol=1e-5, atol=1e-6)
 
     # The critic: its score head's one row on rank 0, the same step as one rank's.
     heads = [json.loads((tmp_path / f"critic-head-{rank}.json").read_text()) for rank in (0, 1)]

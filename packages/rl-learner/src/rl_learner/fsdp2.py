@@ -34,7 +34,10 @@ grad_clip > 0, AdamW steps and the schedule advances.
 Checkpoints: `save_checkpoint(folder, tag)` writes `folder/tag/dcp/` with
 `torch.distributed.checkpoint` (model and optimizer state dicts of the sharded model, each rank
 its shards) and `folder/tag/scheduler.json`; the files go into `rl_learner.checkpoint`'s
-manifest like DeepSpeed's. Loading reads them back into the live sharded model.
+manifest like DeepSpeed's. Loading reads them back into the live sharded model at any world size:
+torch.distributed.checkpoint reshards the model and AdamW state (a checkpoint of 2 ranks resumes
+on 1 and the reverse with the same next step, tests/learner/test_fsdp2.py), which is why
+`zero_optimization_stage()` says 0 and the manifest's world-size check does not apply.
 
 Not in this backend yet, refused by `fsdp2_refusals` (and by `Fsdp2Engine` when built anyway):
 LoRA, Muon, fp16, optimizer / parameter offload, sequence parallelism, the hybrid engine's
