@@ -58,7 +58,6 @@ def test_fsdp2_reaches_every_learner_with_fp32_master_weights_for_the_trained_on
         ({"train.deepspeed_config.zero_optimization.overlap_comm": True}, "train.deepspeed_config: {"),
         ({"model.lora_rank": 4}, "model.lora_rank: 4 LoRA"),
         ({"model.dtype": "fp16"}, "model.dtype: 'fp16'"),
-        ({"train.adam_offload": True}, "train.adam_offload: True"),
         ({"ray.ref.offload": True}, "ray.ref.offload: True"),
         ({"train.actor_optimizer": "muon"}, "train.actor_optimizer: 'muon'"),
         ({"train.ema_beta": 0.99}, "train.ema_beta: 0.99"),
@@ -73,16 +72,29 @@ def test_what_fsdp2_does_not_do_yet_is_refused_naming_the_option(overrides, opti
 
 def test_fsdp2_with_the_hybrid_engine_is_taken_without_learner_offload_and_deepspeed_refuses_nothing():
     assert config(**{"ray.colocate": "all", "ray.learner_offload": False}).train.backend == "fsdp2"
+    offloaded = config(**{"train.adam_offload": True, "algo.advantage.estimator": "gae"})
+    from rl_launch.specs import learner_specs
+
+    inputs = types.SimpleNamespace(model_path="m", critic_path="m", reward_model_path="rm", teacher_path="t")
+    specs = learner_specs(offloaded, inputs, dtype="bf16", use_gpus=False, total_steps=4)
+    assert (specs["policy"].deepspeed.offload_optimizer, specs["critic"].deepspeed.offload_optimizer) == (
+        True,
+        True,
+    )
+    assert not specs["ref"].deepspeed.offload_optimizer  # a frozen model has no optimizer
     assert config(**{"train.backend": "deepspeed", "model.lora_rank": 4}).model.lora_rank == 4
 
 
 @pytest.mark.parametrize("command", ["sft", "rm", "dpo", "kto"])
 def test_the_supervised_commands_take_fsdp2_and_refuse_what_it_does_not_do_yet(command):
-    taken = resolve_config(command, None, {"train.backend": "fsdp2"})
-    assert taken.train.backend == "fsdp2"
+    taken = resolve_config(command, None, {"train.backend": "fsdp2", "train.adam_offload": "true"})
+    assert (taken.train.backend, taken.train.adam_offload) == ("fsdp2", True)
     for overrides, option in [
         ({"model.lora_rank": "8"}, "model.lora_rank: 8 LoRA"),
-        ({"train.adam_offload": "true"}, "train.adam_offload: True"),
+        (
+            {"model.sequence_parallel_size": "2", "ray.learner.num_actors": "2"},
+            "model.sequence_parallel_size: 2",
+        ),
         ({"model.dtype": "fp16"}, "model.dtype: 'fp16'"),
     ]:
         with pytest.raises(

@@ -40,7 +40,7 @@ from rl_learner import (
     save_checkpoint,
 )
 from rl_learner.fsdp2 import fsdp2_refusals
-from rl_learner.models import packed_scores, packed_values
+from rl_learner.models import packed_logprobs, packed_scores, packed_values
 from rl_learner.senders import FileSender
 from rl_learner.sync import make_sender, sync_layout
 
@@ -71,8 +71,6 @@ def world():
 def batch(tokenizer):
     full = experience(8)
     with torch.no_grad():
-        from rl_learner.models import packed_logprobs
-
         fill_policy_slots(full, packed_logprobs(tiny_policy(tokenizer), full).float())
     return full
 
@@ -145,7 +143,6 @@ def test_fsdp2_bf16_keeps_fp32_master_weights_and_export_hf_writes_them(world, t
     from transformers import AutoModelForCausalLM
 
     from rl_learner import export_hf
-    from rl_learner.models import packed_logprobs
 
     learner = PolicyLearner(
         tiny_policy(tokenizer, torch.bfloat16),
@@ -260,13 +257,34 @@ def test_fsdp2_supervised_steps_equal_deepspeeds(world, tokenizer, learner_class
         torch.testing.assert_close(value, expected[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
+def test_fsdp2_cpu_offload_takes_the_same_step_and_a_frozen_offloaded_model_the_same_logprobs(
+    world, tokenizer, batch
+):
+    offloaded = _learner(tokenizer, DeepSpeedConfig(backend="fsdp2", dtype="fp32", offload_optimizer=True))
+    plain = _learner(tokenizer)
+    assert (offloaded.engine.cpu_offload, plain.engine.cpu_offload) == (True, False)
+    got, want = offloaded.train_step([batch], LOSS), plain.train_step([batch], LOSS)
+    for key in ("loss", "grad_norm", "entropy", "kl"):
+        assert got[key] == pytest.approx(want[key], rel=1e-6), key
+    after = _state(plain)
+    assert all(torch.equal(value, after[name]) for name, value in _state(offloaded).items())
+    frozen = [
+        PolicyLearner(
+            tiny_policy(tokenizer), deepspeed=DeepSpeedConfig(backend="fsdp2", offload_params=offload)
+        )
+        for offload in (True, False)
+    ]
+    assert frozen[0].engine.cpu_offload
+    assert torch.equal(frozen[0].logprobs([batch])[0], frozen[1].logprobs([batch])[0])
+
+
 def test_fsdp2_refuses_what_it_does_not_do_yet(world, tokenizer):
     assert fsdp2_refusals(DeepSpeedConfig(dtype="fp16")) == []  # DeepSpeed runs it
     refused = fsdp2_refusals(
         DeepSpeedConfig(backend="fsdp2", dtype="fp16", zero_stage=3, offload_params=True),
         OptimizerConfig(name="muon"),
     )
-    assert [field for field, _ in refused] == ["dtype", "offload_optimizer", "optimizer.name"]
+    assert [field for field, _ in refused] == ["dtype", "optimizer.name"]
     with pytest.raises(ValueError, match=r"DeepSpeedConfig.dtype with backend 'fsdp2': fp16"):
         _learner(tokenizer, DeepSpeedConfig(backend="fsdp2", dtype="fp16"))
     with pytest.raises(ValueError, match=r"DeepSpeedConfig.backend: 'fsdp' is not one of"):

@@ -12,14 +12,18 @@ starts, naming the option that asks for it:
 | model.lora_rank > 0                                 | LoRA under fully_shard is not wired in       |
 | model.sequence_parallel_size > 1                    | Ulysses runs on DeepSpeed only               |
 | model.dtype fp16                                    | fp16 needs a loss scaler (bf16, fp32 work)   |
-| train.adam_offload, ray.ref/teacher/reward_model.offload | FSDP2 CPU offload is not wired in       |
+| ray.ref/teacher/reward_model.offload                | frozen-model CPU offload is not wired in     |
 | train.actor_optimizer / critic_optimizer muon       | DeepSpeed's Muon                             |
 | train.deepspeed_config (non-empty)                  | DeepSpeed's keys; FSDP2 would ignore them    |
 | train.ema_beta                                      | the EMA reads a DeepSpeed engine's parameters |
 | ray.colocate all with ray.learner_offload true      | no hybrid-engine state offload yet           |
 
+train.adam_offload is taken: FSDP2's `CPUOffloadPolicy` keeps the trained models' sharded
+parameters, gradients and AdamW state in host memory (FSDP2 has no optimizer-only offload;
+`rl_learner.fsdp2`).
+
 rl-launch sft / rm / dpo / kto refuse the same model.* and train.* options (LoRA, sequence
-parallelism, fp16, train.adam_offload, Muon, train.deepspeed_config); they have no reference /
+parallelism, fp16, Muon, train.deepspeed_config); they have no reference /
 teacher offload, EMA or hybrid engine to refuse.
 """
 
@@ -38,13 +42,23 @@ def fsdp2_refusals(config: Any) -> list[tuple[str, Any, str]]:
     train, ray = config.train, config.ray
     asked = [
         *_shared(config),
-        ("ray.ref.offload", True, ray.ref.offload, "FSDP2 CPU offload is not wired in yet"),
-        ("ray.teacher.offload", True, ray.teacher.offload, "FSDP2 CPU offload is not wired in yet"),
+        (
+            "ray.ref.offload",
+            True,
+            ray.ref.offload,
+            "FSDP2 CPU offload of frozen models is not wired into rl-launch yet",
+        ),
+        (
+            "ray.teacher.offload",
+            True,
+            ray.teacher.offload,
+            "FSDP2 CPU offload of frozen models is not wired into rl-launch yet",
+        ),
         (
             "ray.reward_model.offload",
             True,
             config.model.reward_pretrain is not None and ray.reward_model.offload,
-            "FSDP2 CPU offload is not wired in yet",
+            "FSDP2 CPU offload of frozen models is not wired into rl-launch yet",
         ),
         (
             "train.critic_optimizer",
@@ -93,7 +107,6 @@ def _shared(config: Any) -> list[tuple[str, Any, bool, str]]:
             "Ulysses sequence parallelism runs on DeepSpeed only",
         ),
         ("model.dtype", model.dtype, model.dtype == "fp16", "fp16 needs a loss scaler; use bf16 or fp32"),
-        ("train.adam_offload", True, train.adam_offload, "FSDP2 CPU offload is not wired in yet"),
         ("train.actor_optimizer", train.actor_optimizer, train.actor_optimizer != "adamw", "is DeepSpeed's"),
         (
             "train.deepspeed_config",

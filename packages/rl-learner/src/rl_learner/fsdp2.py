@@ -39,9 +39,15 @@ torch.distributed.checkpoint reshards the model and AdamW state (a checkpoint of
 on 1 and the reverse with the same next step, tests/learner/test_fsdp2.py), which is why
 `zero_optimization_stage()` says 0 and the manifest's world-size check does not apply.
 
+CPU offload (`ds.offload_optimizer` or `ds.offload_params`): FSDP2's `CPUOffloadPolicy` on every
+unit, which offloads the sharded parameters, their gradients and the optimizer state together
+(FSDP2 has no optimizer-only offload): they live in host memory (pinned on CUDA), each unit's
+parameters are all-gathered onto the device for its forward and backward, gradients come back
+to host memory and AdamW steps on the CPU. `cpu_offload` says whether it is on.
+
 Not in this backend yet, refused by `fsdp2_refusals` (and by `Fsdp2Engine` when built anyway):
-LoRA, Muon, fp16, optimizer / parameter offload, sequence parallelism, the hybrid engine's
-state offload (`Learner.offload_plan` says "none"), tensor parallelism.
+LoRA, Muon, fp16, sequence parallelism, the hybrid engine's state offload
+(`Learner.offload_plan` says "none"), tensor parallelism.
 """
 
 from __future__ import annotations
@@ -68,8 +74,6 @@ def fsdp2_refusals(ds: DeepSpeedConfig, optimizer: OptimizerConfig | None = None
     found = []
     if ds.dtype == "fp16":
         found.append(("dtype", "fp16 needs a loss scaler; use bf16 or fp32"))
-    if ds.offload_optimizer or ds.offload_params:
-        found.append(("offload_optimizer", "FSDP2 CPU offload is not wired in yet"))
     if ds.sequence_parallel_size != 1:
         found.append(("sequence_parallel_size", "Ulysses sequence parallelism runs on DeepSpeed only"))
     if optimizer is not None and optimizer.name != "adamw":
@@ -102,7 +106,7 @@ class Fsdp2Engine:
         device: torch.device,
     ) -> None:
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
         refused = fsdp2_refusals(ds, optimizer)
         if refused:
@@ -121,11 +125,13 @@ class Fsdp2Engine:
         policy = MixedPrecisionPolicy()
         if ds.dtype == "bf16":
             policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        self.cpu_offload = ds.offload_optimizer or ds.offload_params
+        offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if self.cpu_offload else OffloadPolicy()
         units = set(getattr(model, "_no_split_modules", None) or ())
         for module in list(model.modules())[1:]:
             if type(module).__name__ in units:
-                fully_shard(module, mesh=self.mesh, mp_policy=policy)
-        fully_shard(model, mesh=self.mesh, mp_policy=policy)
+                fully_shard(module, mesh=self.mesh, mp_policy=policy, offload_policy=offload)
+        fully_shard(model, mesh=self.mesh, mp_policy=policy, offload_policy=offload)
         self.module = model
         self.optimizer = None
         self.lr_scheduler = None

@@ -71,7 +71,10 @@ def _lora(config: Any) -> str:
 def _backend(config: Any) -> str:
     """The start-up line's name of the learner backend (`train.backend`)."""
     if config.train.backend == "fsdp2":
-        return "FSDP2 (fully_shard)"
+        offload = (
+            ", CPU offload of parameters, gradients and AdamW state" if config.train.adam_offload else ""
+        )
+        return f"FSDP2 (fully_shard{offload})"
     return f"DeepSpeed ZeRO-{config.train.zero_stage}"
 
 
