@@ -54,11 +54,9 @@ def test_fsdp2_reaches_every_learner_with_fp32_master_weights_for_the_trained_on
             {"algo.advantage.estimator": "gae", "train.critic_optimizer": "muon"},
             "train.critic_optimizer: 'muon'",
         ),
-        ({"model.reward_pretrain": "rm", "ray.reward_model.offload": True}, "ray.reward_model.offload: True"),
         ({"train.deepspeed_config.zero_optimization.overlap_comm": True}, "train.deepspeed_config: {"),
         ({"model.lora_rank": 4}, "model.lora_rank: 4 LoRA"),
         ({"model.dtype": "fp16"}, "model.dtype: 'fp16'"),
-        ({"ray.ref.offload": True}, "ray.ref.offload: True"),
         ({"train.actor_optimizer": "muon"}, "train.actor_optimizer: 'muon'"),
         ({"train.ema_beta": 0.99}, "train.ema_beta: 0.99"),
         ({"ray.colocate": "all"}, "ray.learner_offload: True with ray.colocate all"),
@@ -72,17 +70,29 @@ def test_what_fsdp2_does_not_do_yet_is_refused_naming_the_option(overrides, opti
 
 def test_fsdp2_with_the_hybrid_engine_is_taken_without_learner_offload_and_deepspeed_refuses_nothing():
     assert config(**{"ray.colocate": "all", "ray.learner_offload": False}).train.backend == "fsdp2"
-    offloaded = config(**{"train.adam_offload": True, "algo.advantage.estimator": "gae"})
+    assert config(**{"train.backend": "deepspeed", "model.lora_rank": 4}).model.lora_rank == 4
+
+
+@pytest.mark.parametrize("use_gpus", [False, True])
+def test_fsdp2_offload_reaches_the_trained_models_and_on_gpus_the_frozen_ones_at_any_zero_stage(use_gpus):
+    from rl_launch.learner_settings import frozen_offload
     from rl_launch.specs import learner_specs
 
+    offloads = {"train.adam_offload": True, "ray.ref.offload": True, "ray.reward_model.offload": True}
+    asked = config(**{**offloads, "algo.advantage.estimator": "gae", "model.reward_pretrain": "rm"})
     inputs = types.SimpleNamespace(model_path="m", critic_path="m", reward_model_path="rm", teacher_path="t")
-    specs = learner_specs(offloaded, inputs, dtype="bf16", use_gpus=False, total_steps=4)
-    assert (specs["policy"].deepspeed.offload_optimizer, specs["critic"].deepspeed.offload_optimizer) == (
-        True,
-        True,
-    )
-    assert not specs["ref"].deepspeed.offload_optimizer  # a frozen model has no optimizer
-    assert config(**{"train.backend": "deepspeed", "model.lora_rank": 4}).model.lora_rank == 4
+    specs = learner_specs(asked, inputs, dtype="bf16", use_gpus=use_gpus, total_steps=4)
+    trained = [
+        (specs[role].deepspeed.offload_optimizer, specs[role].deepspeed.offload_params)
+        for role in ("policy", "critic")
+    ]
+    frozen = [
+        (specs[role].deepspeed.offload_optimizer, specs[role].deepspeed.offload_params)
+        for role in ("ref", "reward_model")
+    ]
+    assert trained == [(True, False)] * 2  # Fsdp2Engine: CPUOffloadPolicy
+    assert frozen == [(False, use_gpus)] * 2  # at train.zero_stage 2, where DeepSpeed would not offload
+    assert frozen_offload(True, zero_stage=2, use_gpus=True, backend="deepspeed")[0] is False
 
 
 @pytest.mark.parametrize("command", ["sft", "rm", "dpo", "kto"])

@@ -278,6 +278,20 @@ def test_fsdp2_cpu_offload_takes_the_same_step_and_a_frozen_offloaded_model_the_
     assert torch.equal(frozen[0].logprobs([batch])[0], frozen[1].logprobs([batch])[0])
 
 
+def test_fsdp2_gradient_checkpointing_takes_the_same_step(world, tokenizer, batch):
+    model = tiny_policy(tokenizer)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})  # as loaded
+    checkpointed = PolicyLearner(model, deepspeed=FSDP2, optimizer=OPTIMIZER, total_steps=4)
+    plain = _learner(tokenizer)
+    assert checkpointed.module.is_gradient_checkpointing
+    got, want = checkpointed.train_step([batch], LOSS), plain.train_step([batch], LOSS)
+    for key in ("loss", "grad_norm", "entropy", "kl"):
+        assert got[key] == pytest.approx(want[key], rel=1e-6), key
+    after = _state(plain)
+    for name, value in _state(checkpointed).items():
+        torch.testing.assert_close(value, after[name], rtol=1e-6, atol=1e-7, msg=name)
+
+
 def test_fsdp2_refuses_what_it_does_not_do_yet(world, tokenizer):
     assert fsdp2_refusals(DeepSpeedConfig(dtype="fp16")) == []  # DeepSpeed runs it
     refused = fsdp2_refusals(

@@ -12,7 +12,6 @@ starts, naming the option that asks for it:
 | model.lora_rank > 0                                 | LoRA under fully_shard is not wired in       |
 | model.sequence_parallel_size > 1                    | Ulysses runs on DeepSpeed only               |
 | model.dtype fp16                                    | fp16 needs a loss scaler (bf16, fp32 work)   |
-| ray.ref/teacher/reward_model.offload                | frozen-model CPU offload is not wired in     |
 | train.actor_optimizer / critic_optimizer muon       | DeepSpeed's Muon                             |
 | train.deepspeed_config (non-empty)                  | DeepSpeed's keys; FSDP2 would ignore them    |
 | train.ema_beta                                      | the EMA reads a DeepSpeed engine's parameters |
@@ -20,7 +19,9 @@ starts, naming the option that asks for it:
 
 train.adam_offload is taken: FSDP2's `CPUOffloadPolicy` keeps the trained models' sharded
 parameters, gradients and AdamW state in host memory (FSDP2 has no optimizer-only offload;
-`rl_learner.fsdp2`).
+`rl_learner.fsdp2`); so are ray.ref/teacher/reward_model.offload, the frozen models' parameters
+in host memory on GPUs at any train.zero_stage (a no-op on CPU, said on the start-up line:
+`rl_launch.learner_settings.frozen_offload`).
 
 rl-launch sft / rm / dpo / kto refuse the same model.* and train.* options (LoRA, sequence
 parallelism, fp16, Muon, train.deepspeed_config); they have no reference /
@@ -42,24 +43,6 @@ def fsdp2_refusals(config: Any) -> list[tuple[str, Any, str]]:
     train, ray = config.train, config.ray
     asked = [
         *_shared(config),
-        (
-            "ray.ref.offload",
-            True,
-            ray.ref.offload,
-            "FSDP2 CPU offload of frozen models is not wired into rl-launch yet",
-        ),
-        (
-            "ray.teacher.offload",
-            True,
-            ray.teacher.offload,
-            "FSDP2 CPU offload of frozen models is not wired into rl-launch yet",
-        ),
-        (
-            "ray.reward_model.offload",
-            True,
-            config.model.reward_pretrain is not None and ray.reward_model.offload,
-            "FSDP2 CPU offload of frozen models is not wired into rl-launch yet",
-        ),
         (
             "train.critic_optimizer",
             train.critic_optimizer,

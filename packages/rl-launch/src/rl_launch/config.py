@@ -794,7 +794,8 @@ class ResourceConfig(_Section):
     offload: bool = False
     """ray.ref, ray.teacher and ray.reward_model only: keep the frozen model's parameters in CPU memory between
     uses (DeepSpeed ZeRO-3 offload_param, OpenRLHF's ref.offload / reward.offload). Takes effect with
-    train.zero_stage 3 on GPUs; elsewhere accepted as a no-op, said on the start-up line."""
+    train.zero_stage 3 on GPUs (with train.backend fsdp2: on GPUs at any stage, FSDP2's
+    CPUOffloadPolicy); elsewhere accepted as a no-op, said on the start-up line."""
 
 
 class RayConfig(_Section):
