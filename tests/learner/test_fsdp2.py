@@ -25,6 +25,7 @@ from rl_data.sync.broadcast import free_port
 from rl_data.sync.file import read_buckets
 from rl_data.tiny import build_tiny_model
 from rl_learner import (
+    CheckpointError,
     DeepSpeedConfig,
     DPOLearner,
     DPOLossConfig,
@@ -124,6 +125,17 @@ def test_fsdp2_checkpoint_resumes_with_the_same_next_step(world, tokenizer, batc
     assert again["lr"] == following["lr"]
     after, want = _state(resumed), _state(learner)
     assert all(torch.equal(after[name], want[name]) for name in want)
+    # Across backends the files differ: refused, naming the backend to resume with.
+    deepspeed = _learner(tokenizer, DeepSpeedConfig(zero_stage=0, dtype="fp32"))
+    with pytest.raises(
+        CheckpointError, match=r"saved by the fsdp2 learner backend and now runs on deepspeed"
+    ):
+        load_checkpoint(tmp_path, {"policy": deepspeed.engine}, restore_rng=False)
+    save_checkpoint(tmp_path / "ds", 1, {"policy": deepspeed.engine}, TrainingState(step=1), save_rng=False)
+    with pytest.raises(
+        CheckpointError, match=r"saved by the deepspeed learner backend .* --train.backend deepspeed"
+    ):
+        load_checkpoint(tmp_path / "ds", {"policy": resumed.engine}, restore_rng=False)
 
 
 def test_fsdp2_policy_sends_the_unsharded_models_bytes(world, tokenizer, batch, tmp_path):
