@@ -517,6 +517,7 @@ def fake_run(
     `device`: the run's ("cuda": the hybrid engine's learners offload their states).
     """
     from rl_data.datasets import PromptLoader
+    from rl_launch.components.estimators import estimator_needs
     from rl_launch.handoff import hand_off_for
     from rl_launch.placement import Placement
     from rl_launch.ppo import PPOTrainer
@@ -534,7 +535,7 @@ def fake_run(
         ["policy"]
         + (["ref"] if config.needs_reference else [])
         + (["teacher"] if config.needs_teacher else [])
-        + (["critic"] if config.needs_critic else [])
+        + (["critic"] if estimator_needs(config.algo.advantage.estimator).critic else [])
         + (["reward_model"] if config.model.reward_pretrain is not None else [])
     )
     # a teacher that likes every sampled token less than the policy does: d_t = −1 − (−1.5) = 0.5

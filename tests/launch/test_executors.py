@@ -250,6 +250,39 @@ def test_agent_server_takes_a_run_agent_file_and_refuses_an_agent_class_file(tmp
     )
 
 
+def test_the_agent_servers_key_and_queue_bound_reach_it_verbatim(tmp_path, monkeypatch):
+    from rl_launch.components import validation_engine
+
+    run_agent = tmp_path / "run_agent.py"
+    run_agent.write_text(RUN_AGENT)
+    monkeypatch.setenv("RL_AGENT_KEY", "k-1")
+    options = {
+        "rollout__executor_options__api_key_env": "RL_AGENT_KEY",
+        "rollout__executor_options__max_queue": "8",
+    }
+    cfg = config(rollout__executor="agent_server", rollout__agent_func_path=str(run_agent), **options)
+    assert cfg.rollout.executor_options == {"api_key_env": "RL_AGENT_KEY", "max_queue": 8}
+    executor = EXECUTORS["agent_server"].build(
+        engine=validation_engine(64), reward_fn=None, tokenizer=None, sampling=SamplingParams(),
+        first_group_id=0, agent_func_path=str(run_agent), **cfg.rollout.executor_options,
+    )  # fmt: skip
+    assert (executor.server.api_key, executor.server.max_queue) == ("k-1", 8)
+    monkeypatch.delenv("RL_AGENT_KEY")
+    refused(
+        r"^rollout\.executor_options: rollout executor 'agent_server' refused its options: api_key_env: "
+        r"the environment variable RL_AGENT_KEY is not set or empty",
+        rollout__executor="agent_server",
+        rollout__agent_func_path=str(run_agent),
+        **options,
+    )
+    refused(
+        r"^rollout\.executor_options\.max_queu: not an option of rollout executor 'agent_server'; it takes .*max_queue",
+        rollout__executor="agent_server",
+        rollout__agent_func_path=str(run_agent),
+        rollout__executor_options__max_queu="8",
+    )
+
+
 # ---------------------------------------------------------------- the rollout actor's own code
 
 

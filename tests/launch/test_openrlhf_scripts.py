@@ -413,7 +413,7 @@ RUNS = {
         model="vl_model",
     ),
     "train_sft.sh": Run(SUPERVISED_SIZES),
-    "train_sft_mixtral_lora.sh": Run(SUPERVISED_SIZES, model="moe_model"),
+    "train_sft_mixtral_lora.sh": Run(SUPERVISED_SIZES, model="moe_model", needs=("peft",)),
     "train_rm.sh": Run(SUPERVISED_SIZES),
     "train_dpo_llama.sh": Run(SUPERVISED_SIZES),
 }

@@ -80,7 +80,7 @@ def test_a_logger_without_its_package_is_refused_for_ppo_and_the_supervised_comm
 
 def test_lora_without_peft_and_the_agent_server_without_its_packages_are_refused(without):
     without("peft", "fastapi")
-    with pytest.raises(PreflightError, match=r"model\.lora_rank: 8 .* pip install 'rl-learner\[peft\]'"):
+    with pytest.raises(PreflightError, match=r"model\.lora_rank: 8 .* pip install 'rl-launch\[peft\]'"):
         check_packages(_sft(model={"pretrain": "m", "lora_rank": 8}))
     with pytest.raises(
         PreflightError,

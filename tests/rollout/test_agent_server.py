@@ -285,6 +285,84 @@ def test_a_second_request_while_the_first_is_in_flight_is_refused(tokenizer):
     assert first[0][0] == 200
 
 
+def get(url, headers=None):
+    """(status, headers, JSON) of a GET; error statuses are answers, not exceptions."""
+    request = urllib.request.Request(url, headers=headers or {})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, response.headers, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, error.headers, json.loads(error.read())
+
+
+def test_with_api_key_env_every_request_needs_the_key_and_the_refusal_does_not_echo_it(
+    tokenizer, monkeypatch
+):
+    monkeypatch.setenv("AGENT_SERVER_TEST_KEY", "s3cret-key")
+    with AgentServer(ScriptEngine(tokenizer), tokenizer, api_key_env="AGENT_SERVER_TEST_KEY") as server:
+        session = server.open_session()
+        hi = [{"role": "user", "content": "hi"}]
+        for headers in ({}, {"Authorization": "Bearer s3cret-kez"}, {"Authorization": "Basic s3cret-key"}):
+            status, answer_headers, answer = get(server.url + "/health", headers)
+            assert status == 401
+            assert answer_headers["WWW-Authenticate"] == "Bearer"
+            assert answer["error"]["code"] == "invalid_api_key"
+            assert "s3cret" not in json.dumps(answer)
+            status, answer = chat(server, session, hi)  # no key: refused before the route
+            assert (status, answer["error"]["code"]) == (401, "invalid_api_key")
+        assert server.peek(session).requests == 0
+        assert server.refusals == {"busy": 0, "unauthorized": 6}
+        assert get(server.url + "/health", {"Authorization": "Bearer s3cret-key"})[0] == 200
+        # the openai client sends its api_key as the bearer token
+        client = openai.OpenAI(
+            base_url=server.url + "/v1", api_key=server.api_key, max_retries=0,
+            default_headers={"X-Session-ID": session},
+        )  # fmt: skip
+        assert client.chat.completions.create(model=MODEL, messages=hi).choices[0].message.content
+        client.close()
+    monkeypatch.delenv("AGENT_SERVER_TEST_KEY")
+    with pytest.raises(
+        ValueError, match="the environment variable AGENT_SERVER_TEST_KEY is not set or empty"
+    ):
+        AgentServer(ScriptEngine(tokenizer), tokenizer, api_key_env="AGENT_SERVER_TEST_KEY")
+    with pytest.raises(ValueError, match="must be the NAME of an environment variable") as refused:
+        AgentServer(ScriptEngine(tokenizer), tokenizer, api_key_env="s3cret key")
+    assert "s3cret" not in str(refused.value)
+
+
+def test_past_max_queue_a_request_gets_503_at_once_with_retry_after(tokenizer):
+    gate = threading.Event()
+    with AgentServer(ScriptEngine(tokenizer, gate=gate), tokenizer, max_queue=1) as server:
+        first: list = []
+        held = server.open_session()
+        worker = threading.Thread(
+            target=lambda: first.append(chat(server, held, [{"role": "user", "content": "hi"}]))
+        )
+        worker.start()
+        while not server._sessions[held].busy:  # the first request holds the engine
+            time.sleep(0.01)
+        request = urllib.request.Request(
+            server.url + "/v1/chat/completions",
+            data=json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}).encode(),
+            headers={"Content-Type": "application/json", "X-Session-ID": server.open_session()},
+        )
+        with pytest.raises(urllib.error.HTTPError) as busy:
+            urllib.request.urlopen(request, timeout=30)
+        answer = json.loads(busy.value.read())
+        health = get(server.url + "/health")[0]  # GET routes are not bounded
+        gate.set()
+        worker.join(30)
+        assert server.refusals == {"busy": 1, "unauthorized": 0}
+        assert chat(server, server.open_session(), [{"role": "user", "content": "hi"}])[0] == 200
+    assert (busy.value.code, busy.value.headers["Retry-After"]) == (503, "1")
+    assert answer["error"]["code"] == "busy"
+    assert "max_queue" in answer["error"]["message"]
+    assert health == 200
+    assert first[0][0] == 200
+    with pytest.raises(ValueError, match="max_queue: 0 is not allowed"):
+        AgentServer(ScriptEngine(tokenizer), tokenizer, max_queue=0)
+
+
 def test_an_edited_history_is_refused_and_the_session_is_unchanged(server):
     session = server.open_session()
     first = [{"role": "user", "content": "hi"}]
@@ -448,6 +526,34 @@ def test_executor_runs_episodes_in_sessions_and_stops_its_server(tokenizer):
     with pytest.raises(ConnectionRefusedError), socket.create_connection(("127.0.0.1", port), timeout=5):
         pass
     assert not any(t.name.startswith("rl-agent-server") for t in threading.enumerate())
+
+
+async def keyed_agent(client, prompt, label):
+    """The openai client as the executor gives it, and plain HTTP with its default_headers."""
+    await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}])
+    url = str(client.base_url).rstrip("/").removesuffix("/v1") + "/health"
+    headers = {k: v for k, v in client.default_headers.items() if isinstance(v, str)}
+    with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=30) as response:
+        return float(response.status == 200)
+
+
+def test_the_executor_hands_the_server_key_to_the_agents_client(tokenizer, monkeypatch):
+    monkeypatch.setenv("AGENT_SERVER_TEST_KEY", "k-123")
+    executor = AgentServerExecutor(
+        ScriptEngine(tokenizer), tokenizer, SamplingParams(n=2, max_new_tokens=4), agent=keyed_agent,
+        api_key_env="AGENT_SERVER_TEST_KEY", max_concurrency=3,
+    )  # fmt: skip
+    records = executor.run(samples_for(tokenizer, ["a?"]))
+    assert [r.reward for r in records] == [1.0, 1.0]
+    assert (executor.server.api_key, executor.server.max_queue) == ("k-123", 12)  # 4 · max_concurrency
+    assert executor.last_metrics["rollout/server_unauthorized"] == 0.0
+    assert executor.last_metrics["rollout/server_busy"] == 0.0
+    monkeypatch.delenv("AGENT_SERVER_TEST_KEY")
+    with pytest.raises(ValueError, match="AGENT_SERVER_TEST_KEY is not set"):
+        AgentServerExecutor(
+            ScriptEngine(tokenizer), tokenizer, SamplingParams(), agent=keyed_agent,
+            api_key_env="AGENT_SERVER_TEST_KEY",
+        )  # fmt: skip
 
 
 def test_the_episodes_of_a_prompt_sample_with_seeds_of_their_own(tokenizer):

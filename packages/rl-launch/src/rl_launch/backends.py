@@ -40,13 +40,15 @@ def fsdp2_refusals(config: Any) -> list[tuple[str, Any, str]]:
     yet; empty when train.backend is not fsdp2 or nothing is refused."""
     if config.train.backend != "fsdp2":
         return []
+    from .components.estimators import estimator_needs
+
     train, ray = config.train, config.ray
     asked = [
         *_shared(config),
         (
             "train.critic_optimizer",
             train.critic_optimizer,
-            config.needs_critic and train.critic_optimizer != "adamw",
+            estimator_needs(config.algo.advantage.estimator).critic and train.critic_optimizer != "adamw",
             "is DeepSpeed's",
         ),
         ("train.ema_beta", train.ema_beta, train.ema_beta is not None, "the EMA is not wired in yet"),

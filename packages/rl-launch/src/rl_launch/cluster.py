@@ -21,14 +21,11 @@ from typing import Any
 import msgspec
 
 from .config import ConfigError, PPOConfig
+from .errors import ClusterError
 
 __all__ = ["ClusterError", "RoleLayout", "colocation_groups", "place_roles", "plan_roles", "start_ray"]
 
 logger = logging.getLogger(__name__)
-
-
-class ClusterError(RuntimeError):
-    """The cluster cannot host the run as configured (resources, placement, start-up)."""
 
 
 class RoleLayout(msgspec.Struct, frozen=True, kw_only=True):
@@ -58,13 +55,15 @@ def colocation_groups(colocate: str) -> list[set[str]]:
 
 def _roles(config: PPOConfig) -> dict[str, tuple[int, float, float]]:
     """role -> (actors, GPUs per actor, CPUs per actor) for the roles this run needs."""
+    from .components.estimators import estimator_needs
+
     ray_cfg = config.ray
     roles = {"policy": ray_cfg.policy}
     if config.needs_reference:
         roles["ref"] = ray_cfg.ref
     if config.needs_teacher:
         roles["teacher"] = ray_cfg.teacher
-    if config.needs_critic:
+    if estimator_needs(config.algo.advantage.estimator).critic:
         roles["critic"] = ray_cfg.critic
     if config.model.reward_pretrain is not None:
         roles["reward_model"] = ray_cfg.reward_model

@@ -31,7 +31,6 @@ import msgspec
 from msgspec import Meta
 
 from rl_algos import AGGREGATION_MODES
-from rl_algos.estimators import estimator_inputs
 
 from .errors import ConfigError
 
@@ -1085,12 +1084,6 @@ class PPOConfig(_Section):
                 self.train.ema_beta,
                 "needs model.lora_rank 0: the EMA averages full weights, not LoRA adapters",
             )
-
-    @property
-    def needs_critic(self) -> bool:
-        """The estimator takes `values` (gae, or a plugin's that does): the run starts a critic.
-        A registry lookup: valid once the plugins are imported and the name checked (`prepare`)."""
-        return "values" in estimator_inputs(self.algo.advantage.estimator)
 
     @property
     def needs_reference(self) -> bool:

@@ -37,6 +37,7 @@ from rl_rollout.episodes import episode_ids
 from .algorithm import learners_share_prefix, reward_metrics, score_batch, score_normalization, shape_rewards
 from .command import Recipe, ray_line, run_recipe
 from .components import describe_components
+from .components.estimators import estimator_needs
 from .components.objective import old_logprobs_from_training, policy_loss_config, value_loss_config
 from .config import PPOConfig, hf_output_dir
 from .diagnosis import death_cause, describe_actor_failure, failed_actor_name, is_actor_failure
@@ -515,7 +516,11 @@ class PPORecipe(Recipe):
         if context_note is not None:
             say(context_note)
         self.plan = open_run_folder(
-            config, roles=["policy", "critic"] if config.needs_critic else ["policy"], say=say
+            config,
+            roles=["policy", "critic"]
+            if estimator_needs(config.algo.advantage.estimator).critic
+            else ["policy"],
+            say=say,
         )
         # The tokenizer and the prompts load on a thread while Ray starts (mostly imports against
         # Ray's processes starting); a bad row is raised here once Ray is up, before any actor.

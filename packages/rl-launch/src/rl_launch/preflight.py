@@ -404,7 +404,9 @@ def check_context(config: PPOConfig, inputs: Resolved) -> str | None:
     else:
         longest, what = needed, sum_text
     models = [("model.pretrain", inputs.model_path)]
-    if config.needs_critic and inputs.critic_path != inputs.model_path:
+    from .components.estimators import estimator_needs
+
+    if estimator_needs(config.algo.advantage.estimator).critic and inputs.critic_path != inputs.model_path:
         models.append(("model.critic_pretrain", inputs.critic_path))
     if inputs.reward_model_path is not None:
         models.append(("model.reward_pretrain", inputs.reward_model_path))
@@ -490,8 +492,8 @@ def check_packages(config: Any) -> None:
             raise PreflightError(f"log.{field} is on but the {module} package is not installed: {install}")
     if config.model.lora_rank > 0 and _missing("peft"):
         raise PreflightError(
-            f"model.lora_rank: {config.model.lora_rank} trains LoRA adapters, which needs the peft package, "
-            "not installed: pip install 'rl-learner[peft]' (or model.lora_rank 0 to train all weights)"
+            f"model.lora_rank: {config.model.lora_rank} trains LoRA adapters, but the peft package is not "
+            "installed: pip install 'rl-launch[peft]' (or model.lora_rank 0 to train all weights)"
         )
 
 

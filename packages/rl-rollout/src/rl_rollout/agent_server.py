@@ -18,6 +18,18 @@ Routes (bound to 127.0.0.1 on a free port; errors are OpenAI-shaped JSON,
   header. Fields the server does not honour are refused, not ignored.
 - `GET /v1/models`, `POST /tokenize` (`{"messages"}` or `{"prompt"}` -> token ids), `GET /health`.
 
+Authentication and load (checked before any route, in this order):
+- `api_key_env` NAME: every request (/health included) must carry `Authorization: Bearer <key>`,
+  the key being the value of the environment variable NAME when the server is built (unset or
+  empty: refused then, naming NAME); others get 401, code "invalid_api_key", whose message never
+  holds a key. The comparison is constant-time (`hmac.compare_digest`). `AgentServerExecutor`
+  hands the key to each episode's `openai` client (`api_key`, and the `Authorization` header in
+  `client.default_headers`), so agents need no change.
+- `max_queue`: chat completions and /tokenize requests in flight or waiting at once; one more is
+  answered 503 at once, code "busy", with `Retry-After: 1`. GET routes are never refused for load.
+  `refusals` counts both kinds of refusal since the last `start()` (the executor reports them as
+  `rollout/server_busy` and `rollout/server_unauthorized`).
+
 Sessions and delta tokenisation. A session's buffer h is the exact ids the engine saw and wrote.
 Request k carries the whole conversation so far, messages Mₖ:
 - k = 0: h = tokens(template(M₀, tools, generation prompt)); these ids are the trajectory's prompt.
@@ -57,9 +69,12 @@ the chat template like any other new message.
 # (`request: Request`, imported inside `_app`) at run time.
 
 import asyncio
+import hmac
 import json
 import logging
 import math
+import os
+import re
 import socket
 import threading
 import time
@@ -133,6 +148,7 @@ class ServerError(Exception):
     def body(self) -> dict[str, Any]:
         kind = {
             400: "invalid_request_error",
+            401: "invalid_request_error",
             404: "not_found_error",
             409: "conflict_error",
             413: "invalid_request_error",
@@ -231,6 +247,29 @@ def _bad(message: str, param: str | None, code: str = "invalid_value") -> Server
 
 MAX_BODY_BYTES = 8 << 20
 """`AgentServer`'s default cap on a request body (8 MiB)."""
+MAX_QUEUE = 256
+"""`AgentServer`'s default bound on chat / tokenize requests in flight or waiting at once."""
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_LIMITED_PATHS = frozenset({"/v1/chat/completions", "/tokenize"})  # the routes that do work
+
+
+def read_api_key(api_key_env: str | None) -> str | None:
+    """The value of the environment variable named `api_key_env` (None: no key).
+
+    Raises:
+      ValueError: `api_key_env` is not a variable name (the message does not repeat it, in case it
+        is the key itself), or the variable is unset or empty (the message names it).
+    """
+    if api_key_env is None:
+        return None
+    if not isinstance(api_key_env, str) or not _ENV_NAME.fullmatch(api_key_env):
+        raise ValueError(
+            "api_key_env: must be the NAME of an environment variable (letters, digits, _), not the key"
+        )
+    value = os.environ.get(api_key_env, "")
+    if not value:
+        raise ValueError(f"api_key_env: the environment variable {api_key_env} is not set or empty")
+    return value
 
 
 def _too_large(size: int, limit: int) -> ServerError:
@@ -369,6 +408,11 @@ class AgentServer:
         is answered 504, code "timeout", and the session is left as before the request; None: none.
       history: "append" or "segments" (`HISTORY_MODES`): what a request whose messages do not
         extend the session's history does (refused, or a new segment; see the module docstring).
+      api_key_env: NAME of an environment variable holding the key every request must send as
+        `Authorization: Bearer <key>` (else 401); read here, an unset or empty one is refused
+        naming it. None: no authentication (the server binds 127.0.0.1 only).
+      max_queue: chat completions and /tokenize requests in flight or waiting at once; one more
+        gets 503 at once with `Retry-After` (counted in `refusals["busy"]`).
     """
 
     def __init__(
@@ -384,7 +428,14 @@ class AgentServer:
         max_body_bytes: int = MAX_BODY_BYTES,
         request_timeout_s: float | None = 600.0,
         history: str = "append",
+        api_key_env: str | None = None,
+        max_queue: int = MAX_QUEUE,
     ) -> None:
+        self._api_key = read_api_key(api_key_env)
+        if not isinstance(max_queue, int) or isinstance(max_queue, bool) or max_queue < 1:
+            raise ValueError(f"max_queue: {max_queue!r} is not allowed; expected an integer >= 1")
+        self.max_queue, self.pending = max_queue, 0
+        self.refusals = {"busy": 0, "unauthorized": 0}
         if history not in HISTORY_MODES:
             raise ValueError(f"history: {history!r} is not allowed; expected one of {HISTORY_MODES}")
         self.history = history
@@ -434,6 +485,12 @@ class AgentServer:
         return f"http://127.0.0.1:{self.port}"
 
     @property
+    def api_key(self) -> str | None:
+        """The key requests must send (the value of `api_key_env`), None without one: hand it to
+        clients as the OpenAI `api_key`."""
+        return self._api_key
+
+    @property
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
@@ -444,6 +501,7 @@ class AgentServer:
         require_agent_extra()
         import uvicorn
 
+        self.refusals = {"busy": 0, "unauthorized": 0}
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", 0))
@@ -862,6 +920,7 @@ class AgentServer:
         from starlette.exceptions import HTTPException
 
         app = FastAPI(title="rl-rollout agent server", docs_url=None, redoc_url=None, openapi_url=None)
+        app.add_middleware(_Gate, server=self)
         server = self
 
         def error_response(error: ServerError) -> JSONResponse:
@@ -932,3 +991,52 @@ class AgentServer:
                 return error_response(ServerError(500, message, code="internal"))
 
         return app
+
+
+class _Gate:
+    """ASGI middleware in front of every route: the key (401), then the bound on pending work
+    (503 with Retry-After). It runs on the server's one event loop, so its counters need no lock."""
+
+    def __init__(self, app: Any, server: AgentServer) -> None:
+        self.app, self.server = app, server
+
+    def _authorized(self, scope: Mapping[str, Any]) -> bool:
+        key = self.server.api_key
+        if key is None:
+            return True
+        given = dict(scope.get("headers") or ()).get(b"authorization", b"")
+        scheme, _, token = given.partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), key.encode())
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        from fastapi.responses import JSONResponse
+
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        server = self.server
+        if not self._authorized(scope):
+            server.refusals["unauthorized"] += 1
+            error = ServerError(
+                401,
+                "missing or wrong API key: send the header 'Authorization: Bearer <key>' "
+                "(the key in the server's api_key_env)",
+                code="invalid_api_key",
+            )
+            headers = {"WWW-Authenticate": "Bearer"}
+            return await JSONResponse(error.body(), 401, headers)(scope, receive, send)
+        if scope.get("path") not in _LIMITED_PATHS:
+            return await self.app(scope, receive, send)
+        if server.pending >= server.max_queue:
+            server.refusals["busy"] += 1
+            error = ServerError(
+                503,
+                f"busy: {server.max_queue} requests are already in flight or waiting (max_queue); "
+                "retry later",
+                code="busy",
+            )
+            return await JSONResponse(error.body(), 503, {"Retry-After": "1"})(scope, receive, send)
+        server.pending += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            server.pending -= 1

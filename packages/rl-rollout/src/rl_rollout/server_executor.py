@@ -10,7 +10,9 @@ The whole agent is one user function:
 
 `client` is an `openai.AsyncOpenAI` whose base URL is an `AgentServer` over the run's engine and
 whose every request names the episode's session (header `X-Session-ID`; plain HTTP code reads
-`client.base_url` and `client.default_headers`). Per prompt, `sampling.n` episodes run
+`client.base_url` and `client.default_headers`). With `api_key_env` the server wants a key and
+the client carries it (`client.api_key`, and `Authorization` in `client.default_headers`), so the
+agent is the same with or without one. Per prompt, `sampling.n` episodes run
 concurrently, each in its own session; when `run_agent` returns, its session's captured tokens
 become one `rl_data.Trajectory`:
 
@@ -162,6 +164,12 @@ class AgentServerExecutor:
       first_group_id: group id of the first prompt; later prompts count up from there.
       history: "append" (a request must extend its session's conversation) or "segments" (a
         rewritten history opens a new segment: one record per segment), `rl_rollout.HISTORY_MODES`.
+      api_key_env: NAME of an environment variable holding the key the server requires
+        (`AgentServer`); each episode's client is given it. Unset or empty: refused here, naming it.
+      max_queue: the server's bound on requests in flight or waiting (one more gets 503 with
+        Retry-After); None: 4 · max_concurrency, which one request per episode never reaches.
+        Refusals of a run are in `last_metrics` as `rollout/server_busy` (503) and
+        `rollout/server_unauthorized` (401), and a warning line names them.
     """
 
     def __init__(
@@ -180,6 +188,8 @@ class AgentServerExecutor:
         tool_parser: str = "hermes",
         first_group_id: int = 0,
         history: str = "append",
+        api_key_env: str | None = None,
+        max_queue: int | None = None,
     ) -> None:
         if not isinstance(engine, Engine):
             raise TypeError(f"engine: expected an rl_rollout Engine, got {type(engine).__name__}")
@@ -209,6 +219,8 @@ class AgentServerExecutor:
             tool_parser=tool_parser,
             request_timeout_s=self.episode_timeout_s,  # no request outlives its episode
             history=history,
+            api_key_env=api_key_env,
+            max_queue=4 * max_concurrency if max_queue is None else max_queue,
         )
         self.history = history
         self.last_metrics: dict[str, float] = {}
@@ -217,12 +229,16 @@ class AgentServerExecutor:
         """One `run_agent` call with a client of its own (on the episode's own loop)."""
         import openai
 
+        key = self.server.api_key
+        headers = {"X-Session-ID": session}
+        if key is not None:  # also in default_headers, for agents that speak plain HTTP
+            headers["Authorization"] = f"Bearer {key}"
         client = openai.AsyncOpenAI(
             base_url=self.server.url + "/v1",
-            api_key="EMPTY",
+            api_key="EMPTY" if key is None else key,
             max_retries=0,
             timeout=self.episode_timeout_s,
-            default_headers={"X-Session-ID": session},
+            default_headers=headers,
         )
         try:
             return await self.agent(client, prompt, label)
@@ -298,6 +314,16 @@ class AgentServerExecutor:
             group = groups[position // self.sampling.n]
             records += self._records(sample, group, position % self.sampling.n, *result)
         self.last_metrics = _episode_metrics(records, started)
+        self.last_metrics["rollout/server_busy"] = float(server.refusals["busy"])
+        self.last_metrics["rollout/server_unauthorized"] = float(server.refusals["unauthorized"])
+        if any(server.refusals.values()):
+            logger.warning(
+                "AgentServerExecutor: the agent server refused %d requests as busy (503, max_queue %d) "
+                "and %d without the API key (401) during this run",
+                server.refusals["busy"],
+                server.max_queue,
+                server.refusals["unauthorized"],
+            )
         if len(records) > len(results):  # rewritten histories: more records than episodes
             self.last_metrics["rollout/episodes"] = float(len(results))
             self.last_metrics["rollout/segments_per_episode"] = len(records) / len(results)

@@ -144,12 +144,12 @@ def _check(config: PPOConfig) -> None:
 def _check_critic(config: PPOConfig) -> None:
     """What depends on whether the estimator takes `values` (a critic): the critic warm-up and
     the critic's ranks under sequence parallelism."""
-    if config.train.critic_warmup_steps and not config.needs_critic:
+    if config.train.critic_warmup_steps and not estimator_needs(config.algo.advantage.estimator).critic:
         raise ConfigError(
             f"train.critic_warmup_steps: {config.train.critic_warmup_steps!r} needs a critic, and "
             f"algo.advantage.estimator {config.algo.advantage.estimator} uses none (gae does); leave it 0"
         )
-    if config.model.sequence_parallel_size > 1 and config.needs_critic:
+    if config.model.sequence_parallel_size > 1 and estimator_needs(config.algo.advantage.estimator).critic:
         check_sequence_parallel_actors(config, "critic")
 
 

@@ -179,7 +179,7 @@ def shm_sync(context: SyncContext, layout: Any) -> tuple[Any, str]:
     share (`rl_data.sync.shm`): zero-copy views for the engines' loaders."""
     from rl_data.sync import WeightSyncSpec
 
-    from ..cluster import ClusterError
+    from ..errors import ClusterError
 
     if any(node != context.policy_node for node in context.engine_nodes):
         raise ClusterError(
@@ -203,7 +203,7 @@ def ipc_sync(context: SyncContext, layout: Any) -> tuple[Any, str]:
     through the network (`rl_rollout.WeightReceiver` with the rank's `IpcPayload`)."""
     from rl_data.sync import WeightSyncSpec
 
-    from ..cluster import ClusterError
+    from ..errors import ClusterError
 
     if context.device != "cuda":
         raise ClusterError(
