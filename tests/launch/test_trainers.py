@@ -4,8 +4,10 @@ The e2e tests run the real CLI (`rl_launch.cli.main`, in the test's process: the
 train in the driver process, DeepSpeed on CPU with a world of one, so a process of their own
 would add only its seconds of imports) on the arithmetic demo (a tiny model built locally),
 check that the headline metric moves the right way, resume from the run's checkpoint with a
-larger train.max_steps, and load `final/` with transformers. `rl-launch sft` sent SIGTERM, in a
-process of its own, is tests/launch/test_preemption_e2e.py.
+larger train.max_steps, and load `final/` with transformers. The rm run trains LoRA adapters;
+the dpo run trains on the FSDP2 backend with CPU offload (`--train.backend fsdp2
+--train.adam_offload true`). `rl-launch sft` sent
+SIGTERM, in a process of its own, is tests/launch/test_preemption_e2e.py.
 """
 
 from __future__ import annotations
@@ -131,8 +133,12 @@ def test_demo_run_learns_resumes_and_exports(command, tmp_path, capsys, in_proce
     steps = STEPS[command]
     if command == "rm":  # LoRA adapters on the backbone, the score head trained whole, merged at export
         common += ["--model.lora_rank", "8"]
+    if command == "dpo":  # the policy (CPU-offloaded) and its frozen reference on FSDP2; DCP checkpoints
+        common += ["--train.backend", "fsdp2", "--train.adam_offload", "true"]
     first = _run(command, [*common, "--train.max_steps", str(steps)], capsys)
     assert first.returncode == 0, first.stderr[-4000:]
+    if command == "dpo":
+        assert "learner: FSDP2 (fully_shard, CPU offload of parameters" in first.stdout + first.stderr
     records = read_metrics(out)
     assert [r["step"] for r in records] == list(range(1, steps + 1))
     early, late = slice(0, 4), slice(-4, None)

@@ -5,6 +5,9 @@
    Rank 0 writes the full weights (`full_tensor()`: what the unsharded model holds) and its report.
 2. The FSDP2 learner backend: `PolicyLearner(backend="fsdp2")` takes one step, rank r on
    micro-batch r of `experience(8)` (sequences 4r..4r+3); rank 0 writes the metrics and weights.
+   The ranks save that state (two-ckpt/), then load the test's one-rank checkpoint of the same
+   step (one-ckpt/, resharded by torch.distributed.checkpoint) and take the next step from it.
+3. The same for a `ValueLearner` critic (its score head's local shard shape: critic-head-<r>.json).
 
 Each rank writes `rank-<r>.json` (whether it sent, whether its report is None, the number of
 buckets, whether its parameters were sharded).
@@ -21,19 +24,30 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-from _helpers_core import experience, fill_policy_slots, tiny_policy
+from _helpers_core import experience, fill_policy_slots, fill_value_slots, tiny_critic, tiny_policy
 
 from rl_data import encode
 from rl_data.sync import WeightSyncSpec
 from rl_data.tiny import build_tiny_model, build_tiny_tokenizer
-from rl_learner import DeepSpeedConfig, OptimizerConfig, PolicyLearner, PolicyLossConfig
-from rl_learner.models import packed_logprobs
+from rl_learner import (
+    DeepSpeedConfig,
+    OptimizerConfig,
+    PolicyLearner,
+    PolicyLossConfig,
+    TrainingState,
+    ValueLearner,
+    ValueLossConfig,
+    load_checkpoint,
+    save_checkpoint,
+)
+from rl_learner.models import packed_logprobs, packed_values
 from rl_learner.sync import make_sender, sync_layout
 
 SMALL_BUCKETS = 64 * 1024  # several buckets even for the tiny model
 # test_fsdp2.py's one-rank learner is built with the same settings
 OPTIMIZER = OptimizerConfig(lr=1e-3, warmup_ratio=0.0)
 LOSS = PolicyLossConfig(kl_coef=0.05, entropy_coef=0.01)
+VALUE_LOSS = ValueLossConfig(clip_range=0.2)
 
 
 def own_loop(folder: pathlib.Path, tokenizer, rank: int) -> None:
@@ -81,6 +95,41 @@ def learner_step(folder: pathlib.Path, tokenizer, rank: int) -> None:
     if rank == 0:
         (folder / "learner-metrics.json").write_text(json.dumps(metrics))
         (folder / "learner-state.msgpack").write_bytes(encode(state))
+    save_checkpoint(folder / "two-ckpt", 1, {"policy": learner.engine}, TrainingState(step=1), save_rng=False)
+
+    # The one-rank checkpoint the test saved after the same step, resharded onto two ranks.
+    resumed = PolicyLearner(
+        tiny_policy(tokenizer),
+        deepspeed=DeepSpeedConfig(backend="fsdp2", dtype="fp32"),
+        optimizer=OPTIMIZER,
+        total_steps=4,
+    )
+    load_checkpoint(folder / "one-ckpt", {"policy": resumed.engine}, restore_rng=False)
+    metrics = resumed.train_step([batch.select(range(4 * rank, 4 * rank + 4))], LOSS)
+    state = {name: p.full_tensor().detach() for name, p in resumed.module.named_parameters()}
+    if rank == 0:
+        (folder / "resumed-metrics.json").write_text(json.dumps({**metrics, "step": resumed.step}))
+        (folder / "resumed-state.msgpack").write_bytes(encode(state))
+
+
+def critic_step(folder: pathlib.Path, tokenizer, rank: int) -> None:
+    """The FSDP2 critic (its [1, hidden] score head: one row on rank 0, an empty shard on rank 1)."""
+    batch = experience(8)
+    with torch.no_grad():
+        fill_value_slots(batch, packed_values(tiny_critic(tokenizer), batch).float())
+    learner = ValueLearner(
+        tiny_critic(tokenizer),
+        deepspeed=DeepSpeedConfig(backend="fsdp2", dtype="fp32"),
+        optimizer=OPTIMIZER,
+        total_steps=4,
+    )
+    head = tuple(learner.module.score.weight.to_local().shape)
+    metrics = learner.train_step([batch.select(range(4 * rank, 4 * rank + 4))], VALUE_LOSS)
+    state = {name: p.full_tensor().detach() for name, p in learner.module.named_parameters()}
+    (folder / f"critic-head-{rank}.json").write_text(json.dumps(head))
+    if rank == 0:
+        (folder / "critic-metrics.json").write_text(json.dumps(metrics))
+        (folder / "critic-state.msgpack").write_bytes(encode(state))
 
 
 def main(folder: pathlib.Path) -> None:
@@ -89,6 +138,7 @@ def main(folder: pathlib.Path) -> None:
     tokenizer = build_tiny_tokenizer()
     own_loop(folder, tokenizer, rank)
     learner_step(folder, tokenizer, rank)
+    critic_step(folder, tokenizer, rank)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -1,9 +1,11 @@
 """The FSDP2 learner backend (`DeepSpeedConfig.backend = "fsdp2"`, `rl_learner.fsdp2`) in this
 process, on a one-rank gloo world: a `fully_shard` policy takes the same step as DeepSpeed's
 ZeRO-0 learner, saves and resumes through `rl_learner.checkpoint`, and sends its weights with the
-same checksums as the unsharded model. One slow test starts two gloo ranks (`_worker_fsdp2.py`):
-a team's own `fully_shard` loop syncing through `make_sender`, and the FSDP2 learner's step on
-two ranks against this process's one-rank step.
+same checksums as the unsharded model; a `fully_shard` critic (value head sharded with the root
+unit) and the supervised learners (sft, dpo with its frozen reference, rm) take DeepSpeed's
+step too. One slow test starts two gloo ranks (`_worker_fsdp2.py`): a team's own `fully_shard`
+loop syncing through `make_sender`, the FSDP2 policy's and critic's steps on two ranks against
+this process's one-rank steps, and a policy checkpoint resumed across world sizes (2 -> 1, 1 -> 2).
 """
 
 from __future__ import annotations
@@ -23,22 +25,31 @@ from rl_data.sync.broadcast import free_port
 from rl_data.sync.file import read_buckets
 from rl_data.tiny import build_tiny_model
 from rl_learner import (
+    CheckpointError,
     DeepSpeedConfig,
+    DPOLearner,
+    DPOLossConfig,
     OptimizerConfig,
     PolicyLearner,
+    RewardModelLearner,
+    SFTLearner,
     TrainingState,
     ValueLearner,
     load_checkpoint,
+    pack_pairs,
+    pack_sequences,
     save_checkpoint,
 )
 from rl_learner.fsdp2 import fsdp2_refusals
+from rl_learner.models import packed_logprobs, packed_scores, packed_values
 from rl_learner.senders import FileSender
 from rl_learner.sync import make_sender, sync_layout
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-from _helpers_core import experience, fill_policy_slots, tiny_critic, tiny_policy
-from _worker_fsdp2 import LOSS, OPTIMIZER, SMALL_BUCKETS
+from _helpers_core import experience, fill_policy_slots, fill_value_slots, tiny_critic, tiny_policy
+from _worker_fsdp2 import LOSS, OPTIMIZER, SMALL_BUCKETS, VALUE_LOSS
+from _worker_supervised import pairs, sft_samples
 
 from tests.learner.single_rank import start_ranks, wait_ranks
 
@@ -61,8 +72,6 @@ def world():
 def batch(tokenizer):
     full = experience(8)
     with torch.no_grad():
-        from rl_learner.models import packed_logprobs
-
         fill_policy_slots(full, packed_logprobs(tiny_policy(tokenizer), full).float())
     return full
 
@@ -116,6 +125,17 @@ def test_fsdp2_checkpoint_resumes_with_the_same_next_step(world, tokenizer, batc
     assert again["lr"] == following["lr"]
     after, want = _state(resumed), _state(learner)
     assert all(torch.equal(after[name], want[name]) for name in want)
+    # Across backends the files differ: refused, naming the backend to resume with.
+    deepspeed = _learner(tokenizer, DeepSpeedConfig(zero_stage=0, dtype="fp32"))
+    with pytest.raises(
+        CheckpointError, match=r"saved by the fsdp2 learner backend and now runs on deepspeed"
+    ):
+        load_checkpoint(tmp_path, {"policy": deepspeed.engine}, restore_rng=False)
+    save_checkpoint(tmp_path / "ds", 1, {"policy": deepspeed.engine}, TrainingState(step=1), save_rng=False)
+    with pytest.raises(
+        CheckpointError, match=r"saved by the deepspeed learner backend .* --train.backend deepspeed"
+    ):
+        load_checkpoint(tmp_path / "ds", {"policy": resumed.engine}, restore_rng=False)
 
 
 def test_fsdp2_policy_sends_the_unsharded_models_bytes(world, tokenizer, batch, tmp_path):
@@ -135,7 +155,6 @@ def test_fsdp2_bf16_keeps_fp32_master_weights_and_export_hf_writes_them(world, t
     from transformers import AutoModelForCausalLM
 
     from rl_learner import export_hf
-    from rl_learner.models import packed_logprobs
 
     learner = PolicyLearner(
         tiny_policy(tokenizer, torch.bfloat16),
@@ -154,15 +173,144 @@ def test_fsdp2_bf16_keeps_fp32_master_weights_and_export_hf_writes_them(world, t
     assert all(torch.equal(weights[name], value) for name, value in _state(learner).items())
 
 
-def test_fsdp2_refuses_value_models_and_what_it_does_not_do_yet(world, tokenizer):
-    with pytest.raises(ValueError, match="policy and reference models only"):
-        ValueLearner(tiny_critic(tokenizer), deepspeed=FSDP2, optimizer=OPTIMIZER)
+def _critic(tokenizer, ds: DeepSpeedConfig = FSDP2) -> ValueLearner:
+    return ValueLearner(tiny_critic(tokenizer), deepspeed=ds, optimizer=OPTIMIZER, total_steps=4)
+
+
+@pytest.fixture(scope="module")
+def value_batch(tokenizer, batch):
+    full = batch.select(range(8))
+    with torch.no_grad():
+        fill_value_slots(full, packed_values(tiny_critic(tokenizer), full).float())
+    return full
+
+
+def test_fsdp2_critic_step_equals_deepspeeds_and_its_score_head_is_sharded(world, tokenizer, value_batch):
+    fsdp2 = _critic(tokenizer)
+    deepspeed = _critic(tokenizer, DeepSpeedConfig(zero_stage=0, dtype="fp32"))
+    assert hasattr(fsdp2.module.score.weight, "full_tensor")  # the value head is a root-unit shard
+    for got, want in [
+        (fsdp2.values([value_batch])[0], deepspeed.values([value_batch])[0]),
+        (fsdp2.scores([value_batch])[0], deepspeed.scores([value_batch])[0]),
+    ]:
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    halves = [value_batch.select(range(4)), value_batch.select(range(4, 8))]
+    got, want = fsdp2.train_step(halves, VALUE_LOSS), deepspeed.train_step(halves, VALUE_LOSS)
+    for key in ("loss", "grad_norm", "value_mean", "value_clip_fraction", "tokens", "lr"):
+        assert got[key] == pytest.approx(want[key], rel=1e-5), key
+    assert (got["skipped"], fsdp2.step) == (0.0, 1)
+    expected = {name: p.detach() for name, p in deepspeed.module.named_parameters()}
+    for name, value in _state(fsdp2).items():
+        torch.testing.assert_close(value, expected[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_fsdp2_critic_resumes_and_exports_and_a_reward_model_scores_like_the_plain_model(
+    world, tokenizer, value_batch, tmp_path
+):
+    from transformers import AutoModelForSequenceClassification
+
+    from rl_learner import export_hf
+
+    critic = _critic(tokenizer)
+    critic.train_step([value_batch], VALUE_LOSS)
+    save_checkpoint(tmp_path, 1, {"critic": critic.engine}, TrainingState(step=1), save_rng=False)
+    following = critic.train_step([value_batch], VALUE_LOSS)
+    resumed = _critic(tokenizer)
+    assert load_checkpoint(tmp_path, {"critic": resumed.engine}, restore_rng=False).step == 1
+    again = resumed.train_step([value_batch], VALUE_LOSS)
+    assert (again["loss"], again["grad_norm"]) == (following["loss"], following["grad_norm"])
+    after, want = _state(resumed), _state(critic)
+    assert all(torch.equal(after[name], want[name]) for name in want)
+    exported = AutoModelForSequenceClassification.from_pretrained(export_hf(critic.engine, tmp_path / "hf"))
+    weights = exported.state_dict()
+    assert "score.weight" in weights
+    assert all(torch.equal(weights[name], value) for name, value in want.items())
+    reward = ValueLearner(tiny_critic(tokenizer, torch.bfloat16), deepspeed=DeepSpeedConfig(backend="fsdp2"))
+    assert not any(p.requires_grad for p in reward.module.parameters())
+    with torch.no_grad():
+        plain = packed_scores(tiny_critic(tokenizer, torch.bfloat16), value_batch).float()
+    torch.testing.assert_close(reward.scores([value_batch])[0], plain, rtol=0, atol=1e-6)
+
+
+def _supervised_steps(learner_class, tokenizer, ds: DeepSpeedConfig) -> dict[str, float]:
+    """One step of each supervised learner kind on its own tiny data: sft (two micro-batches),
+    dpo against a frozen reference on the same backend, and rm (pairs, with margins)."""
+    generator = torch.Generator().manual_seed(3)
+    if learner_class is SFTLearner:
+        samples = sft_samples(generator)
+        learner = SFTLearner(tiny_policy(tokenizer), deepspeed=ds, optimizer=OPTIMIZER, total_steps=4)
+        return learner, learner.sft_step([pack_sequences(samples[:3]), pack_sequences(samples[3:])])
+    data = pairs(generator)
+    micro = [pack_pairs(data[:4]), pack_pairs(data[4:])]
+    if learner_class is RewardModelLearner:
+        learner = RewardModelLearner(tiny_critic(tokenizer), deepspeed=ds, optimizer=OPTIMIZER, total_steps=4)
+        return learner, learner.reward_step(micro, use_margin=True)
+    reference = tiny_policy(tokenizer)
+    with torch.no_grad():
+        for parameter in reference.parameters():
+            parameter.add_(0.02 * torch.randn(parameter.shape, generator=generator))
+    frozen = PolicyLearner(reference, deepspeed=ds)
+    for batch, values in zip(micro, frozen.logprobs(micro, only_actions=True), strict=True):
+        batch.ref_logprobs = values
+    learner = DPOLearner(tiny_policy(tokenizer), deepspeed=ds, optimizer=OPTIMIZER, total_steps=4)
+    return learner, learner.dpo_step(micro, DPOLossConfig(beta=0.1))
+
+
+@pytest.mark.parametrize("learner_class", [SFTLearner, DPOLearner, RewardModelLearner])
+def test_fsdp2_supervised_steps_equal_deepspeeds(world, tokenizer, learner_class):
+    fsdp2, got = _supervised_steps(learner_class, tokenizer, FSDP2)
+    deepspeed, want = _supervised_steps(learner_class, tokenizer, DeepSpeedConfig(zero_stage=0, dtype="fp32"))
+    assert got.keys() == want.keys()
+    assert got["skipped"] == 0.0
+    for key, value in want.items():
+        assert got[key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
+    expected = {name: p.detach() for name, p in deepspeed.module.named_parameters()}
+    for name, value in _state(fsdp2).items():
+        torch.testing.assert_close(value, expected[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_fsdp2_cpu_offload_takes_the_same_step_and_a_frozen_offloaded_model_the_same_logprobs(
+    world, tokenizer, batch
+):
+    offloaded = _learner(tokenizer, DeepSpeedConfig(backend="fsdp2", dtype="fp32", offload_optimizer=True))
+    plain = _learner(tokenizer)
+    assert (offloaded.engine.cpu_offload, plain.engine.cpu_offload) == (True, False)
+    got, want = offloaded.train_step([batch], LOSS), plain.train_step([batch], LOSS)
+    for key in ("loss", "grad_norm", "entropy", "kl"):
+        assert got[key] == pytest.approx(want[key], rel=1e-6), key
+    after = _state(plain)
+    assert all(torch.equal(value, after[name]) for name, value in _state(offloaded).items())
+    frozen = [
+        PolicyLearner(
+            tiny_policy(tokenizer), deepspeed=DeepSpeedConfig(backend="fsdp2", offload_params=offload)
+        )
+        for offload in (True, False)
+    ]
+    assert frozen[0].engine.cpu_offload
+    assert torch.equal(frozen[0].logprobs([batch])[0], frozen[1].logprobs([batch])[0])
+
+
+def test_fsdp2_gradient_checkpointing_takes_the_same_step(world, tokenizer, batch):
+    model = tiny_policy(tokenizer)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})  # as loaded
+    checkpointed = PolicyLearner(model, deepspeed=FSDP2, optimizer=OPTIMIZER, total_steps=4)
+    plain = _learner(tokenizer)
+    assert checkpointed.module.is_gradient_checkpointing
+    got, want = checkpointed.train_step([batch], LOSS), plain.train_step([batch], LOSS)
+    for key in ("loss", "grad_norm", "entropy", "kl"):
+        assert got[key] == pytest.approx(want[key], rel=1e-6), key
+    after = _state(plain)
+    for name, value in _state(checkpointed).items():
+        torch.testing.assert_close(value, after[name], rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_fsdp2_refuses_what_it_does_not_do_yet(world, tokenizer):
     assert fsdp2_refusals(DeepSpeedConfig(dtype="fp16")) == []  # DeepSpeed runs it
     refused = fsdp2_refusals(
         DeepSpeedConfig(backend="fsdp2", dtype="fp16", zero_stage=3, offload_params=True),
         OptimizerConfig(name="muon"),
     )
-    assert [field for field, _ in refused] == ["dtype", "offload_optimizer", "optimizer.name"]
+    assert [field for field, _ in refused] == ["dtype", "optimizer.name"]
     with pytest.raises(ValueError, match=r"DeepSpeedConfig.dtype with backend 'fsdp2': fp16"):
         _learner(tokenizer, DeepSpeedConfig(backend="fsdp2", dtype="fp16"))
     with pytest.raises(ValueError, match=r"DeepSpeedConfig.backend: 'fsdp' is not one of"):
@@ -170,7 +318,13 @@ def test_fsdp2_refuses_value_models_and_what_it_does_not_do_yet(world, tokenizer
 
 
 @pytest.mark.slow  # two gloo ranks in processes of their own (~10-60 s to start on 2 busy cores)
-def test_two_fsdp2_ranks_sync_the_unsharded_weights_and_step_like_one_rank(world, tokenizer, batch, tmp_path):
+def test_two_fsdp2_ranks_sync_step_and_reshard_checkpoints_like_one_rank(
+    world, tokenizer, batch, value_batch, tmp_path
+):
+    halves = [batch.select(range(4)), batch.select(range(4, 8))]
+    one = _learner(tokenizer)
+    expected = one.train_step(halves, LOSS)
+    save_checkpoint(tmp_path / "one-ckpt", 1, {"policy": one.engine}, TrainingState(step=1), save_rng=False)
     worker = pathlib.Path(__file__).with_name("_worker_fsdp2.py")
     wait_ranks(start_ranks(worker, tmp_path, 2), timeout=600)
 
@@ -200,9 +354,36 @@ def test_two_fsdp2_ranks_sync_the_unsharded_weights_and_step_like_one_rank(world
     # The FSDP2 learner: micro-batch r on rank r gives one rank's step over both micro-batches.
     metrics = json.loads((tmp_path / "learner-metrics.json").read_text())
     two = decode((tmp_path / "learner-state.msgpack").read_bytes(), dict[str, torch.Tensor])
-    one = _learner(tokenizer)
-    expected = one.train_step([batch.select(range(4)), batch.select(range(4, 8))], LOSS)
     for key in ("loss", "grad_norm", "entropy", "kl", "tokens", "sequences"):
+        assert metrics[key] == pytest.approx(expected[key], rel=1e-5), key
+    for name, value in _state(one).items():
+        torch.testing.assert_close(two[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+    # Checkpoints reshard (torch.distributed.checkpoint): the step after a one-rank checkpoint
+    # resumed on two ranks, and after the two ranks' checkpoint resumed here on one, is one rank's
+    # next step (AdamW's moments and the schedule came back: a fresh optimizer steps differently).
+    following = one.train_step(halves, LOSS)
+    onto_two = json.loads((tmp_path / "resumed-metrics.json").read_text())
+    back = _learner(tokenizer)
+    assert load_checkpoint(tmp_path / "two-ckpt", {"policy": back.engine}, restore_rng=False).step == 1
+    onto_one = back.train_step(halves, LOSS)
+    assert (onto_two["step"], back.step) == (2, 2)
+    for key in ("loss", "grad_norm", "entropy", "kl", "lr"):
+        assert onto_two[key] == pytest.approx(following[key], rel=1e-5), key
+        assert onto_one[key] == pytest.approx(following[key], rel=1e-5), key
+    resumed = decode((tmp_path / "resumed-state.msgpack").read_bytes(), dict[str, torch.Tensor])
+    for name, value in _state(one).items():
+        torch.testing.assert_close(resumed[name], value, rtol=1e-5, atol=1e-6, msg=name)
+    torch.testing.assert_close(_state(back), _state(one), rtol=1e-5, atol=1e-6)
+
+    # The critic: its score head's one row on rank 0, the same step as one rank's.
+    heads = [json.loads((tmp_path / f"critic-head-{rank}.json").read_text()) for rank in (0, 1)]
+    assert heads == [[1, 128], [0, 128]]
+    metrics = json.loads((tmp_path / "critic-metrics.json").read_text())
+    two = decode((tmp_path / "critic-state.msgpack").read_bytes(), dict[str, torch.Tensor])
+    one = _critic(tokenizer)
+    expected = one.train_step([value_batch.select(range(4)), value_batch.select(range(4, 8))], VALUE_LOSS)
+    for key in ("loss", "grad_norm", "value_mean", "value_clip_fraction", "tokens"):
         assert metrics[key] == pytest.approx(expected[key], rel=1e-5), key
     for name, value in _state(one).items():
         torch.testing.assert_close(two[name], value, rtol=1e-5, atol=1e-6, msg=name)

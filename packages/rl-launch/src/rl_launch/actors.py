@@ -203,7 +203,10 @@ class LearnerWorker:
             total_steps=spec.total_steps,
             on_non_finite=spec.on_non_finite,
         )
-        print(f"{spec.role} rank {self.rank}: {type(self.learner.engine).__name__} built", flush=True)
+        offload = " (CPU offload)" if getattr(self.learner.engine, "cpu_offload", False) else ""
+        print(
+            f"{spec.role} rank {self.rank}: {type(self.learner.engine).__name__} built{offload}", flush=True
+        )
         if spec.ema_beta is not None:
             from rl_learner import WeightEMA
 

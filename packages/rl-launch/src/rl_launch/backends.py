@@ -1,28 +1,38 @@
 """Which learner backend a run trains on (`train.backend`), and what the FSDP2 backend refuses.
 
-"deepspeed" (default) builds every learner as a DeepSpeed engine; "fsdp2" shards the policy,
-reference and teacher with torch's `fully_shard` (`rl_learner.fsdp2`). What the FSDP2 backend
-does not do yet is refused here, in the validation pass (`rl_launch.validation.prepare`), before
-anything starts, naming the option that asks for it:
+"deepspeed" (default) builds every learner as a DeepSpeed engine; "fsdp2" shards every learner
+(policy, reference, teacher, critic, reward model; the trained models of rl-launch sft / rm /
+dpo / kto and their references) with torch's `fully_shard` (`rl_learner.fsdp2`). What the FSDP2
+backend does not do yet is refused here, in the validation pass (`rl_launch.validation.prepare`
+for ppo, `supervised_fsdp2_refusals` from the supervised configs' check), before anything
+starts, naming the option that asks for it:
 
 | option                                              | why                                          |
 | ---                                                 | ---                                          |
-| a critic (algo.advantage.estimator gae), model.reward_pretrain | value models run on DeepSpeed only |
 | model.lora_rank > 0                                 | LoRA under fully_shard is not wired in       |
 | model.sequence_parallel_size > 1                    | Ulysses runs on DeepSpeed only               |
 | model.dtype fp16                                    | fp16 needs a loss scaler (bf16, fp32 work)   |
-| train.adam_offload, ray.ref/teacher.offload         | FSDP2 CPU offload is not wired in            |
-| train.actor_optimizer muon                          | DeepSpeed's Muon                             |
+| train.actor_optimizer / critic_optimizer muon       | DeepSpeed's Muon                             |
+| train.deepspeed_config (non-empty)                  | DeepSpeed's keys; FSDP2 would ignore them    |
 | train.ema_beta                                      | the EMA reads a DeepSpeed engine's parameters |
 | ray.colocate all with ray.learner_offload true      | no hybrid-engine state offload yet           |
-| rl-launch sft / rm / dpo                            | only rl-launch ppo drives it yet             |
+
+train.adam_offload is taken: FSDP2's `CPUOffloadPolicy` keeps the trained models' sharded
+parameters, gradients and AdamW state in host memory (FSDP2 has no optimizer-only offload;
+`rl_learner.fsdp2`); so are ray.ref/teacher/reward_model.offload, the frozen models' parameters
+in host memory on GPUs at any train.zero_stage (a no-op on CPU, said on the start-up line:
+`rl_launch.learner_settings.frozen_offload`).
+
+rl-launch sft / rm / dpo / kto refuse the same model.* and train.* options (LoRA, sequence
+parallelism, fp16, Muon, train.deepspeed_config); they have no reference /
+teacher offload, EMA or hybrid engine to refuse.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["fsdp2_refusals"]
+__all__ = ["fsdp2_refusals", "supervised_fsdp2_refusals"]
 
 
 def fsdp2_refusals(config: Any) -> list[tuple[str, Any, str]]:
@@ -32,32 +42,15 @@ def fsdp2_refusals(config: Any) -> list[tuple[str, Any, str]]:
         return []
     from .components.estimators import estimator_needs
 
-    model, train, ray = config.model, config.train, config.ray
+    train, ray = config.train, config.ray
     asked = [
+        *_shared(config),
         (
-            "algo.advantage.estimator",
-            config.algo.advantage.estimator,
-            estimator_needs(config.algo.advantage.estimator).critic,
-            "needs a critic, a value model, which trains on DeepSpeed only",
+            "train.critic_optimizer",
+            train.critic_optimizer,
+            estimator_needs(config.algo.advantage.estimator).critic and train.critic_optimizer != "adamw",
+            "is DeepSpeed's",
         ),
-        (
-            "model.reward_pretrain",
-            model.reward_pretrain,
-            model.reward_pretrain is not None,
-            "is a value model",
-        ),
-        ("model.lora_rank", model.lora_rank, model.lora_rank > 0, "LoRA is not wired into fully_shard yet"),
-        (
-            "model.sequence_parallel_size",
-            model.sequence_parallel_size,
-            model.sequence_parallel_size > 1,
-            "Ulysses sequence parallelism runs on DeepSpeed only",
-        ),
-        ("model.dtype", model.dtype, model.dtype == "fp16", "fp16 needs a loss scaler; use bf16 or fp32"),
-        ("train.adam_offload", True, train.adam_offload, "FSDP2 CPU offload is not wired in yet"),
-        ("ray.ref.offload", True, ray.ref.offload, "FSDP2 CPU offload is not wired in yet"),
-        ("ray.teacher.offload", True, ray.teacher.offload, "FSDP2 CPU offload is not wired in yet"),
-        ("train.actor_optimizer", train.actor_optimizer, train.actor_optimizer != "adamw", "is DeepSpeed's"),
         ("train.ema_beta", train.ema_beta, train.ema_beta is not None, "the EMA is not wired in yet"),
         (
             "ray.learner_offload",
@@ -67,8 +60,43 @@ def fsdp2_refusals(config: Any) -> list[tuple[str, Any, str]]:
             "(set ray.learner_offload false)",
         ),
     ]
+    return _refused(asked)
+
+
+def supervised_fsdp2_refusals(config: Any) -> list[tuple[str, Any, str]]:
+    """[(option, value, why)] for what an rl-launch sft / rm / dpo / kto config asks of the FSDP2
+    backend that it does not do yet (the options it shares with ppo; the supervised commands
+    have no reference / teacher offload, EMA or hybrid engine)."""
+    if config.train.backend != "fsdp2":
+        return []
+    return _refused(_shared(config))
+
+
+def _refused(asked: list[tuple[str, Any, bool, str]]) -> list[tuple[str, Any, str]]:
     return [
         (option, value, f"{why} (train.backend fsdp2; use train.backend deepspeed)")
         for option, value, refused, why in asked
         if refused
+    ]
+
+
+def _shared(config: Any) -> list[tuple[str, Any, bool, str]]:
+    """(option, value, refused, why) of the model and train options every command shares."""
+    model, train = config.model, config.train
+    return [
+        ("model.lora_rank", model.lora_rank, model.lora_rank > 0, "LoRA is not wired into fully_shard yet"),
+        (
+            "model.sequence_parallel_size",
+            model.sequence_parallel_size,
+            model.sequence_parallel_size > 1,
+            "Ulysses sequence parallelism runs on DeepSpeed only",
+        ),
+        ("model.dtype", model.dtype, model.dtype == "fp16", "fp16 needs a loss scaler; use bf16 or fp32"),
+        ("train.actor_optimizer", train.actor_optimizer, train.actor_optimizer != "adamw", "is DeepSpeed's"),
+        (
+            "train.deepspeed_config",
+            dict(train.deepspeed_config),
+            bool(train.deepspeed_config),
+            "holds DeepSpeed config keys, which the FSDP2 learners do not read",
+        ),
     ]

@@ -760,9 +760,9 @@ class TrainConfig(_Section):
     max_norm: NonNegative = 1.0
     """Gradient clipping norm; 0: no clipping."""
     backend: Literal["deepspeed", "fsdp2"] = "deepspeed"
-    """Learner backend: deepspeed, or fsdp2: torch's fully_shard for the policy, reference and
-    teacher (rl-launch ppo; zero_stage and deepspeed_config do not apply; what it does not do yet
-    is refused at start: `rl_launch.backends`)."""
+    """Learner backend: deepspeed, or fsdp2: torch's fully_shard for every learner (policy,
+    reference, teacher, critic, reward model; rl-launch ppo, sft, rm, dpo, kto; zero_stage does
+    not apply; what it does not do yet is refused at start: `rl_launch.backends`)."""
     zero_stage: Literal[0, 1, 2, 3] = 2
     """DeepSpeed ZeRO stage of the policy and critic."""
     adam_offload: bool = False
@@ -793,7 +793,8 @@ class ResourceConfig(_Section):
     offload: bool = False
     """ray.ref, ray.teacher and ray.reward_model only: keep the frozen model's parameters in CPU memory between
     uses (DeepSpeed ZeRO-3 offload_param, OpenRLHF's ref.offload / reward.offload). Takes effect with
-    train.zero_stage 3 on GPUs; elsewhere accepted as a no-op, said on the start-up line."""
+    train.zero_stage 3 on GPUs (with train.backend fsdp2: on GPUs at any stage, FSDP2's
+    CPUOffloadPolicy); elsewhere accepted as a no-op, said on the start-up line."""
 
 
 class RayConfig(_Section):

@@ -66,21 +66,28 @@ class LearnerSettings:
         ray.reward_model.offload) asks and `frozen_offload` says it applies."""
         import msgspec
 
-        applied, _ = frozen_offload(offload, zero_stage=self.deepspeed.zero_stage, use_gpus=use_gpus)
+        applied, _ = frozen_offload(
+            offload, zero_stage=self.deepspeed.zero_stage, use_gpus=use_gpus, backend=self.deepspeed.backend
+        )
         return msgspec.structs.replace(self.inference, offload_params=applied)
 
 
-def frozen_offload(offload: bool, *, zero_stage: int, use_gpus: bool) -> tuple[bool, str]:
+def frozen_offload(
+    offload: bool, *, zero_stage: int, use_gpus: bool, backend: str = "deepspeed"
+) -> tuple[bool, str]:
     """Whether a frozen model's parameter offload is applied, and why (for the start-up line).
 
     As in OpenRLHF, where DeepSpeed ignores offload_param below ZeRO-3: it takes effect with
     train.zero_stage 3 on GPUs. On CPU the parameters already live in host memory (and DeepSpeed's
-    pinned offload buffers need CUDA), so the option is accepted and changes nothing.
+    pinned offload buffers need CUDA), so the option is accepted and changes nothing. With
+    `backend` "fsdp2" it takes effect on GPUs at any zero_stage (FSDP2's CPUOffloadPolicy).
     """
     if not offload:
         return False, "not asked"
     if not use_gpus:
         return False, "a no-op on CPU: the parameters already live in host memory"
+    if backend == "fsdp2":
+        return True, "parameters offloaded to CPU memory (FSDP2 CPUOffloadPolicy)"
     if zero_stage != 3:
         return (
             False,

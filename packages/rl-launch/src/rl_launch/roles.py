@@ -344,7 +344,12 @@ class Roles:
         frozen = (("ref", cfg.ray.ref), ("teacher", cfg.ray.teacher), ("reward_model", cfg.ray.reward_model))
         for role, section in frozen:
             if section.offload and role in self.groups:
-                _, why = frozen_offload(True, zero_stage=cfg.train.zero_stage, use_gpus=self.device == "cuda")
+                _, why = frozen_offload(
+                    True,
+                    zero_stage=cfg.train.zero_stage,
+                    use_gpus=self.device == "cuda",
+                    backend=cfg.train.backend,
+                )
                 lines.append(f"ray.{role}.offload: {why}")
         return "; ".join(lines) or None
 

@@ -982,6 +982,13 @@ def load_checkpoint_tensors(
     return load_file(str(file)) if file.is_file() else None
 
 
+def _backend(engine: Any) -> str:
+    """The learner backend of `engine`: "fsdp2" for an `rl_learner.fsdp2.Fsdp2Engine`, else "deepspeed"."""
+    from .fsdp2 import Fsdp2Engine
+
+    return "fsdp2" if isinstance(engine, Fsdp2Engine) else "deepspeed"
+
+
 def _check_compatible(folder: Path, manifest: Manifest, engines: Mapping[str, Any]) -> None:
     if set(engines) != set(manifest.engines):
         raise CheckpointError(
@@ -990,8 +997,20 @@ def _check_compatible(folder: Path, manifest: Manifest, engines: Mapping[str, An
             folder=folder,
         )
     world = _world_size()
+    files = {entry.path for entry in manifest.files}
     for name, engine in engines.items():
         saved = manifest.engines[name]
+        backend, saved_backend = (
+            _backend(engine),
+            "fsdp2" if f"{name}/dcp/.metadata" in files else "deepspeed",
+        )
+        if backend != saved_backend:
+            raise CheckpointError(
+                f"checkpoint {folder}: engine {name!r} was saved by the {saved_backend} learner backend and now "
+                f"runs on {backend}; the two write different files (DeepSpeed's, torch.distributed.checkpoint's). "
+                f"Resume with backend {saved_backend} (rl-launch: --train.backend {saved_backend})",
+                folder=folder,
+            )
         stage = int(engine.zero_optimization_stage())
         if stage != saved.zero_stage:
             raise CheckpointError(

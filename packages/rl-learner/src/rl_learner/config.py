@@ -155,9 +155,12 @@ class DeepSpeedConfig(msgspec.Struct, frozen=True, kw_only=True):
     dtype: str = "bf16"
     """Training dtype of the weights and activations: "bf16", "fp16" (dynamic loss scaling) or "fp32"."""
     offload_optimizer: bool = False
-    """Keep optimizer states on the CPU (ZeRO-Offload, stage ≥ 1); uses DeepSpeedCPUAdam."""
+    """Keep optimizer states on the CPU (ZeRO-Offload, stage ≥ 1); uses DeepSpeedCPUAdam. With
+    backend "fsdp2": FSDP2's `CPUOffloadPolicy`, which keeps the sharded parameters and gradients
+    in host memory too (`rl_learner.fsdp2`)."""
     offload_params: bool = False
-    """Keep parameters on the CPU between uses (ZeRO-3 only)."""
+    """Keep parameters on the CPU between uses (ZeRO-3 only; with backend "fsdp2": at any stage,
+    FSDP2's `CPUOffloadPolicy`)."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass instead of storing them (less memory, ~30% slower)."""
     attn_implementation: str = "sdpa"
@@ -230,9 +233,10 @@ class DeepSpeedConfig(msgspec.Struct, frozen=True, kw_only=True):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{owner}.{field}: {value!r} is not an integer >= 1")
-        if self.offload_optimizer and self.zero_stage == 0:
+        deepspeed = self.backend == "deepspeed"  # FSDP2 offloads at any zero_stage (it does not apply)
+        if deepspeed and self.offload_optimizer and self.zero_stage == 0:
             raise ValueError(f"{owner}.offload_optimizer: True needs zero_stage >= 1, got zero_stage 0")
-        if self.offload_params and self.zero_stage != 3:
+        if deepspeed and self.offload_params and self.zero_stage != 3:
             raise ValueError(
                 f"{owner}.offload_params: True needs zero_stage 3, got zero_stage {self.zero_stage}"
             )

@@ -1,7 +1,8 @@
 """The FSDP2 learner backend: torch's `fully_shard` behind the engine interface the learners drive.
 
-`DeepSpeedConfig.backend = "fsdp2"` makes a `Learner` (policy, reference) shard its model with
-`torch.distributed.fsdp.fully_shard` instead of wrapping it in a DeepSpeed engine. `Fsdp2Engine`
+`DeepSpeedConfig.backend = "fsdp2"` makes a `Learner` (policy, reference, critic, reward model;
+the supervised `SFTLearner`, `DPOLearner`, `KTOLearner`, `RewardModelLearner`) shard its model
+with `torch.distributed.fsdp.fully_shard` instead of wrapping it in a DeepSpeed engine. `Fsdp2Engine`
 offers what `rl_learner.learner`, `rl_learner.sync` and `rl_learner.checkpoint` call on a
 DeepSpeed engine (`module`, forward, `backward`, `step`, `was_step_applied`,
 `get_global_grad_norm`, `save_checkpoint`, `load_checkpoint`, ...), so the train step, its
@@ -9,8 +10,13 @@ global normaliser and its non-finite handling are the same code for both backend
 
 Sharding. Every module whose class is in the HF model's `_no_split_modules` (its decoder layers)
 is a `fully_shard` unit, then the root; parameters become DTensors sharded over a 1-D mesh of
-the learner's ranks (dim 0 split evenly). Gradients are reduce-scattered and averaged over the
-ranks, as DeepSpeed's are, so the learner's `backward(world_size · L_j)` rule holds unchanged.
+the learner's ranks (dim 0 split evenly, the last shards padded). Parameters outside the decoder
+layers (embeddings, final norm, LM head, a value model's scalar `score` head [1, hidden]) belong
+to the root unit and are sharded the same way: the score head's one row sits on rank 0, the
+other ranks hold empty shards; it is all-gathered with the root's parameters for each forward,
+so `packed_values` / `packed_scores` read its full output through their forward hook. Gradients
+are reduce-scattered and averaged over the ranks, as DeepSpeed's are, so the learner's
+`backward(world_size · L_j)` rule holds unchanged.
 
 Precision (`DeepSpeedConfig.dtype`):
 - "bf16": fp32 sharded parameters (the optimizer's master weights) and a
@@ -28,11 +34,20 @@ grad_clip > 0, AdamW steps and the schedule advances.
 Checkpoints: `save_checkpoint(folder, tag)` writes `folder/tag/dcp/` with
 `torch.distributed.checkpoint` (model and optimizer state dicts of the sharded model, each rank
 its shards) and `folder/tag/scheduler.json`; the files go into `rl_learner.checkpoint`'s
-manifest like DeepSpeed's. Loading reads them back into the live sharded model.
+manifest like DeepSpeed's. Loading reads them back into the live sharded model at any world size:
+torch.distributed.checkpoint reshards the model and AdamW state (a checkpoint of 2 ranks resumes
+on 1 and the reverse with the same next step, tests/learner/test_fsdp2.py), which is why
+`zero_optimization_stage()` says 0 and the manifest's world-size check does not apply.
+
+CPU offload (`ds.offload_optimizer` or `ds.offload_params`): FSDP2's `CPUOffloadPolicy` on every
+unit, which offloads the sharded parameters, their gradients and the optimizer state together
+(FSDP2 has no optimizer-only offload): they live in host memory (pinned on CUDA), each unit's
+parameters are all-gathered onto the device for its forward and backward, gradients come back
+to host memory and AdamW steps on the CPU. `cpu_offload` says whether it is on.
 
 Not in this backend yet, refused by `fsdp2_refusals` (and by `Fsdp2Engine` when built anyway):
-value models (critic, reward model), LoRA, Muon, fp16, optimizer / parameter offload, sequence
-parallelism, the hybrid engine's state offload (`Learner.offload_plan` says "none").
+LoRA, Muon, fp16, sequence parallelism, the hybrid engine's state offload
+(`Learner.offload_plan` says "none"), tensor parallelism.
 """
 
 from __future__ import annotations
@@ -59,8 +74,6 @@ def fsdp2_refusals(ds: DeepSpeedConfig, optimizer: OptimizerConfig | None = None
     found = []
     if ds.dtype == "fp16":
         found.append(("dtype", "fp16 needs a loss scaler; use bf16 or fp32"))
-    if ds.offload_optimizer or ds.offload_params:
-        found.append(("offload_optimizer", "FSDP2 CPU offload is not wired in yet"))
     if ds.sequence_parallel_size != 1:
         found.append(("sequence_parallel_size", "Ulysses sequence parallelism runs on DeepSpeed only"))
     if optimizer is not None and optimizer.name != "adamw":
@@ -93,7 +106,7 @@ class Fsdp2Engine:
         device: torch.device,
     ) -> None:
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
         refused = fsdp2_refusals(ds, optimizer)
         if refused:
@@ -112,11 +125,13 @@ class Fsdp2Engine:
         policy = MixedPrecisionPolicy()
         if ds.dtype == "bf16":
             policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        self.cpu_offload = ds.offload_optimizer or ds.offload_params
+        offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if self.cpu_offload else OffloadPolicy()
         units = set(getattr(model, "_no_split_modules", None) or ())
         for module in list(model.modules())[1:]:
             if type(module).__name__ in units:
-                fully_shard(module, mesh=self.mesh, mp_policy=policy)
-        fully_shard(model, mesh=self.mesh, mp_policy=policy)
+                fully_shard(module, mesh=self.mesh, mp_policy=policy, offload_policy=offload)
+        fully_shard(model, mesh=self.mesh, mp_policy=policy, offload_policy=offload)
         self.module = model
         self.optimizer = None
         self.lr_scheduler = None

@@ -429,8 +429,8 @@ class Learner:
 
         if not self.fsdp2_ready:
             raise ValueError(
-                f"{type(self).__name__}: DeepSpeedConfig.backend 'fsdp2' runs policy and reference models "
-                "only yet; use backend 'deepspeed' for value and reward models"
+                f"{type(self).__name__}: DeepSpeedConfig.backend 'fsdp2' is not wired into this learner "
+                "class (its fsdp2_ready is False); use backend 'deepspeed'"
             )
         if self.ds.freeze_visual_encoder and self.trainable:
             freeze_visual_encoder(model)
@@ -1075,6 +1075,8 @@ def _token_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 class ValueLearner(Learner):
     """Critic (with an optimizer) or reward model (`optimizer=None`): values, scores and value updates."""
+
+    fsdp2_ready = True
 
     def values(self, micro_batches: Sequence[ExperienceBatch]) -> list[torch.Tensor]:
         """Values [N_i] (float32, no grad): values[t] = V(tokens before t), 0 at sequence starts."""

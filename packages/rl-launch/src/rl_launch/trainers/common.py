@@ -90,11 +90,12 @@ def build_learner(learner_class: type, config: Any, model_path: str, total_steps
 
 
 def build_reference(config: Any, model_path: str) -> Any:
-    """The frozen reference of DPO and KTO: `model_path` whole (never LoRA), in DeepSpeed's
-    inference settings, with no optimizer."""
+    """The frozen reference of DPO and KTO: `model_path` whole (never LoRA), in the learner's
+    inference settings (DeepSpeed or FSDP2: `train.backend`), with no optimizer."""
     from rl_learner import PolicyLearner, load_causal_lm
 
     from .loop import learner_options, model_options
 
     deepspeed = learner_options(config).inference
-    return PolicyLearner(load_causal_lm(model_path, **model_options(config, deepspeed)), deepspeed=deepspeed)
+    model = load_causal_lm(model_path, **model_options(config, deepspeed, trained=False))
+    return PolicyLearner(model, deepspeed=deepspeed)

@@ -6,7 +6,9 @@ and `log` only change defaults) plus its own `data` and `loss` sections. They lo
 same `rl_launch.options` machinery: dotted flags, `--config FILE`, `--print-config`, and a
 preset under the file and the flags.
 
-The trained model runs on `ray.learner.num_actors` data-parallel DeepSpeed ranks: one rank (the
+The trained model runs on `ray.learner.num_actors` data-parallel ranks, DeepSpeed engines or
+(`--train.backend fsdp2`) torch `fully_shard` modules, whose refusals are
+`rl_launch.backends.supervised_fsdp2_refusals`: one rank (the
 default, no `ray.address`) trains in the driver process without starting Ray; more ranks, or a
 cluster to join, run as a Ray actor group placed and joined as `rl-launch ppo` places its policy
 (`rl_launch.trainers.learners`). Options of the shared sections that they cannot honour (a critic,
@@ -274,12 +276,10 @@ class _SupervisedRoot(_Section):
         for field in ("critic_pretrain", "reward_pretrain"):
             if getattr(self.model, field) is not None:
                 _fail(f"model.{field}", getattr(self.model, field), f"does not apply to rl-launch {command}")
-        if self.train.backend != "deepspeed":
-            _fail(
-                "train.backend",
-                self.train.backend,
-                f"applies to rl-launch ppo only yet, not rl-launch {command}",
-            )
+        from ..backends import supervised_fsdp2_refusals
+
+        for option, value, why in supervised_fsdp2_refusals(self):
+            _fail(option, value, why)
         sp, ranks = self.model.sequence_parallel_size, self.ray.learner.num_actors
         if ranks % sp:
             _fail(

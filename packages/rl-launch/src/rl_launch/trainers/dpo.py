@@ -1,9 +1,10 @@
 """`rl-launch dpo`: DPO, cDPO or IPO on preference pairs (`rl_learner.DPOLearner`).
 
-The reference is a frozen copy of `model.pretrain` (an inference-only DeepSpeed engine); its
-log-probs of the step's pairs are computed before the policy's update. Logged: dpo/loss,
-dpo/reward_margin (mean β·z), dpo/reward_accuracy, dpo/chosen_rewards, dpo/rejected_rewards,
-dpo/chosen_logps, dpo/rejected_logps, all on the step's batch before its update.
+The reference is a frozen copy of `model.pretrain` (an inference-only learner on the trained
+model's backend); its log-probs of the step's pairs are computed before the policy's update.
+Logged: dpo/loss, dpo/reward_margin (mean β·z), dpo/reward_accuracy, dpo/chosen_rewards,
+dpo/rejected_rewards, dpo/chosen_logps, dpo/rejected_logps, all on the step's batch before its
+update.
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
 """`rl-launch kto`: KTO on completions labelled desirable or undesirable (`rl_learner.KTOLearner`).
 
-The reference is a frozen copy of `model.pretrain` (an inference-only DeepSpeed engine). KTO's
-reference point z_ref (an estimate of KL(π ‖ π_ref)) comes from mismatched pairs: each completion
-of the step after the prompt of the next item of the step (the last after the first's), so the
-estimate does not depend on whether the completions are good. The pairs are made from the whole
-step's items before they are split over the ranks, so R ranks estimate the z_ref one rank would.
+The reference is a frozen copy of `model.pretrain` (an inference-only learner on the trained
+model's backend). KTO's reference point z_ref (an estimate of KL(π ‖ π_ref)) comes from mismatched
+pairs: each completion of the step after the prompt of the next item of the step (the last after
+the first's), so the estimate does not depend on whether the completions are good. The pairs are
+made from the whole step's items before they are split over the ranks, so R ranks estimate the
+z_ref one rank would.
 
 Logged: kto/loss, kto/kl (z_ref), kto/desirable_rewards and kto/undesirable_rewards (means of
 β·(log π − log π_ref) over each kind, before the update), kto/reward_margin (their difference),

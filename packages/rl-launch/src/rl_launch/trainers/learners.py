@@ -68,6 +68,16 @@ def _lora(config: Any) -> str:
     return f", LoRA rank {model.lora_rank} alpha {model.lora_alpha}" if model.lora_rank else ""
 
 
+def _backend(config: Any) -> str:
+    """The start-up line's name of the learner backend (`train.backend`)."""
+    if config.train.backend == "fsdp2":
+        offload = (
+            ", CPU offload of parameters, gradients and AdamW state" if config.train.adam_offload else ""
+        )
+        return f"FSDP2 (fully_shard{offload})"
+    return f"DeepSpeed ZeRO-{config.train.zero_stage}"
+
+
 def learner_layout(role: str, config: Any, *, use_gpus: bool) -> Any:
     """The `RoleLayout` of the trained model's ranks (`ray.learner`): one placement group."""
     from ..cluster import RoleLayout
@@ -93,7 +103,7 @@ class DriverLearner:
 
     def describe(self, dtype: str) -> str:
         return (
-            f"learner: DeepSpeed ZeRO-{self.config.train.zero_stage} {dtype}{_lora(self.config)} in this "
+            f"learner: {_backend(self.config)} {dtype}{_lora(self.config)} in this "
             f"process on {self.learner.device}, world size 1"
         )
 
@@ -223,7 +233,7 @@ class RayLearners:
         sp = self.config.model.sequence_parallel_size
         where = f"on {self.devices[0]}" if len(set(self.devices)) == 1 else f"on {', '.join(self.devices)}"
         return (
-            f"learner: DeepSpeed ZeRO-{self.config.train.zero_stage} {dtype}{_lora(self.config)}, {self.ranks} Ray actors "
+            f"learner: {_backend(self.config)} {dtype}{_lora(self.config)}, {self.ranks} Ray actors "
             f"(world size {self.ranks}{f', sequence parallel {sp}' if sp > 1 else ''}) on "
             f"{self.nodes} node{'s' if self.nodes > 1 else ''} {where}"
         )

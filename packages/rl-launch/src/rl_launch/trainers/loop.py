@@ -105,13 +105,17 @@ def learner_options(config: Any) -> LearnerSettings:
     )
 
 
-def model_options(config: Any, deepspeed: Any) -> dict[str, Any]:
+def model_options(config: Any, deepspeed: Any, *, trained: bool = True) -> dict[str, Any]:
     """Keyword arguments of `load_causal_lm` / `load_value_model` for this rank (the world is this
-    process alone until a Ray rank has joined its group)."""
+    process alone until a Ray rank has joined its group). `trained` False: a frozen model (dpo's
+    reference), which under FSDP2 loads in the run's dtype instead of fp32 master weights."""
     import torch.distributed as dist
 
     world_size = dist.get_world_size() if dist.is_initialized() else 1
-    return model_load_options(deepspeed, learner_options(config).optimizer, world_size=world_size)
+    optimizer = learner_options(config).optimizer
+    if not trained and deepspeed.backend == "fsdp2":
+        optimizer = None
+    return model_load_options(deepspeed, optimizer, world_size=world_size)
 
 
 def _micro_batches(items: Sequence[Any], lengths: Callable[[Any], int], budget: int) -> list[list[Any]]:
