@@ -33,7 +33,7 @@ def moe_routers(model: Any) -> tuple[list[torch.nn.Module], int]:
     if not routers:
         raise ValueError(
             f"{type(base).__name__} has no mixture-of-experts router whose logits transformers records "
-            "(router_logits): routes exist only for MoE models such as Mixtral, Qwen2-MoE or Qwen3-MoE"
+            "(router_logits): only mixture-of-experts models such as Mixtral, Qwen2-MoE or Qwen3-MoE have them"
         )
     config = getattr(base, "config", None)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config

@@ -1182,24 +1182,17 @@ class RouterCapture:
     """
 
     def __init__(self, model: Any) -> None:
+        from rl_data.routes import moe_routers
+
         module = unwrap_model(model)
         base = module.get_base_model() if hasattr(module, "get_base_model") else module
-        recorder = getattr(base, "_can_record_outputs", None) or {}
-        spec = recorder.get("router_logits")
-        target = getattr(spec, "target_class", None)
-        self.index = int(getattr(spec, "index", 0) or 0)
-        routers = [m for m in base.modules() if target is not None and isinstance(m, target)]
-        if not routers:
-            raise ValueError(
-                f"{type(base).__name__} has no mixture-of-experts router whose logits transformers records "
-                "(router_logits); the load-balancing loss needs an MoE model such as Mixtral or Qwen2-MoE"
-            )
-        config = getattr(base, "config", None)
-        self.top_k = int(getattr(config, "num_experts_per_tok", 0) or 0)
-        if self.top_k < 1:
-            raise ValueError(f"{type(base).__name__}'s config has no num_experts_per_tok >= 1")
+        spec = (getattr(base, "_can_record_outputs", None) or {}).get("router_logits")
+        self.index = int(getattr(spec, "index", 0) or 0)  # router_logits' place in the output
+        try:
+            self._routers, self.top_k = moe_routers(base)
+        except ValueError as error:
+            raise ValueError(f"{error}; the load-balancing loss needs an MoE model") from None
         self.logits: list[torch.Tensor] = []
-        self._routers = routers
         self._handles: list[Any] = []
 
     def _keep(self, _module: torch.nn.Module, _inputs: Any, output: Any) -> None:
