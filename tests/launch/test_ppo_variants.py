@@ -73,7 +73,7 @@ def test_grpo_async_with_dynamic_filtering_and_evaluation_completes(
     assert "weight sync: shared memory (/dev/shm/" in result.stdout + result.stderr  # auto on one CPU node
     assert (
         "hybrid engine (ray.colocate all): the engines stay awake, weights and KV cache resident "
-        "(ray.engine_sleep false); the learners keep their DeepSpeed states on their devices" in result.stdout
+        "(ray.engine_sleep false); the learners keep their FSDP2 states on their devices" in result.stdout
     )
     # one step ahead: step 1's batch came from version 0 with version 0 training it; every later
     # first batch was generated while the previous step trained, so it lags by one version (refills

@@ -134,9 +134,10 @@ class HybridEngine(HandOff):
         else:
             line = "hybrid engine (ray.colocate all): the engines stay awake, weights and KV cache resident (ray.engine_sleep false)"
         if not self.config.ray.learner_offload:
+            states = "FSDP2" if self.config.train.backend == "fsdp2" else "DeepSpeed"
             return (
                 line
-                + "; the learners keep their DeepSpeed states on their devices (ray.learner_offload false)"
+                + f"; the learners keep their {states} states on their devices (ray.learner_offload false)"
             )
         if self.device != "cuda":
             return (
