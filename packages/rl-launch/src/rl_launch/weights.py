@@ -102,7 +102,7 @@ class WeightSync:
         if name == "none":
             return cls(config, name, policy, engines, placement, hand_off), NONE_DESCRIPTION
         sync = cls(config, name, policy, engines, placement, hand_off)
-        mode = lora_sync_mode(config)
+        mode = lora_sync_mode(config, use_gpus=placement.device == "cuda")
         if mode == "adapter":  # the adapter's layout and configuration (rl_launch.lora_sync)
             sync.layout, sync.adapter, merged_bytes = policy.call("adapter_layout", dtype)[0]
             what = describe_lora_sync(mode, sync.layout.total_bytes, merged_bytes)
