@@ -80,16 +80,21 @@ def own_loop(folder: pathlib.Path, tokenizer, rank: int) -> None:
     sender.close()
 
 
-def learner_step(folder: pathlib.Path, tokenizer, rank: int) -> None:
-    batch = experience(8)
-    with torch.no_grad():
-        fill_policy_slots(batch, packed_logprobs(tiny_policy(tokenizer), batch).float())
-    learner = PolicyLearner(
+def fsdp2_policy(tokenizer) -> PolicyLearner:
+    """The tiny policy on the FSDP2 backend, fp32, as the test's one-rank learner is built."""
+    return PolicyLearner(
         tiny_policy(tokenizer),
         deepspeed=DeepSpeedConfig(backend="fsdp2", dtype="fp32"),
         optimizer=OPTIMIZER,
         total_steps=4,
     )
+
+
+def learner_step(folder: pathlib.Path, tokenizer, rank: int) -> None:
+    batch = experience(8)
+    with torch.no_grad():
+        fill_policy_slots(batch, packed_logprobs(tiny_policy(tokenizer), batch).float())
+    learner = fsdp2_policy(tokenizer)
     metrics = learner.train_step([batch.select(range(4 * rank, 4 * rank + 4))], LOSS)
     state = {name: p.full_tensor().detach() for name, p in learner.module.named_parameters()}
     if rank == 0:
@@ -98,12 +103,7 @@ def learner_step(folder: pathlib.Path, tokenizer, rank: int) -> None:
     save_checkpoint(folder / "two-ckpt", 1, {"policy": learner.engine}, TrainingState(step=1), save_rng=False)
 
     # The one-rank checkpoint the test saved after the same step, resharded onto two ranks.
-    resumed = PolicyLearner(
-        tiny_policy(tokenizer),
-        deepspeed=DeepSpeedConfig(backend="fsdp2", dtype="fp32"),
-        optimizer=OPTIMIZER,
-        total_steps=4,
-    )
+    resumed = fsdp2_policy(tokenizer)
     load_checkpoint(folder / "one-ckpt", {"policy": resumed.engine}, restore_rng=False)
     metrics = resumed.train_step([batch.select(range(4 * rank, 4 * rank + 4))], LOSS)
     state = {name: p.full_tensor().detach() for name, p in resumed.module.named_parameters()}

@@ -92,6 +92,7 @@ def prepare(config: PPOConfig, say: Callable[[str], None] = _note_on_stderr) -> 
     """
     from .backends import fsdp2_refusals
     from .components import check_components
+    from .config import _fail
     from .plugins import import_plugins, resolve_plugins
 
     try:
@@ -103,5 +104,5 @@ def prepare(config: PPOConfig, say: Callable[[str], None] = _note_on_stderr) -> 
         say(note)
     check_components(config)
     for option, value, why in fsdp2_refusals(config):
-        raise ConfigError(f"{option}: {value!r} {why}")
+        _fail(option, value, why)
     return config
