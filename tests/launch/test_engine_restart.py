@@ -69,7 +69,7 @@ def test_an_engine_killed_mid_step_is_restarted_resynced_and_the_run_trains_ever
     assert metrics[4]["engine/restart_s"] == 0.0
     assert metrics[3]["policy_version"] == 3  # one sync per step, the restart's re-sync not counted
     died, restarted = tracker.warnings
-    assert died.startswith("engine-0 died: The actor died unexpectedly")
+    assert died.startswith("engine-0 died: The actor engine-0 died unexpectedly"), died  # the probe's words
     assert "restarting it (restart 1 of 3, rollout.engine_restarts)" in died
     assert restarted.startswith("engine-0 restarted in ")
     assert "weights of version 2 in" in restarted
@@ -129,6 +129,31 @@ def test_an_engine_that_dies_in_the_weight_sync_is_restarted_and_the_version_sen
     assert [call["version"] for call in new.generated] == [2, 3]  # steps 3 and 4, on the new weights
     assert "weights of version 2 in" in tracker.warnings[1]  # the sync, sent again
     assert dict(tracker.logged)[2]["health/sync_checksum_match"] == 1.0
+
+
+def test_a_death_found_by_a_probe_is_reported_with_the_probes_words_not_the_failure_that_led_to_it():
+    """A broadcast's learner side can fail on the lost peer (gloo's "Connection closed by peer",
+    a task error) before Ray reports the engine dead: the probe finds the death, and the console
+    says the engine died and why, as when Ray reports it first."""
+    from tests.launch.fakes import RayError
+
+    run = fake_run(config())
+    engine = run.engines[0]
+    original = engine.receive
+
+    def receive(version, payload=None):
+        if version == 2:
+            engine.dead = True
+            raise RayError("RuntimeError: Connection closed by peer [192.0.2.2]:8082")
+        return original(version, payload)
+
+    engine.receive = receive
+    tracker = run.fit()
+    assert tracker.steps() == [1, 2, 3, 4]
+    died, restarted = tracker.warnings
+    assert died.startswith("engine-0 died: The actor engine-0 died unexpectedly"), died
+    assert "Connection closed by peer" not in died
+    assert restarted.startswith("engine-0 restarted in ")
 
 
 def test_async_mode_issues_the_dead_engines_steps_in_flight_again_with_their_group_ids():

@@ -8,7 +8,9 @@ call on an engine fails because the engine died:
     detect    Ray's `RayActorError` names the dead actor (vLLM's `EngineDeadError` from an engine
               actor counts: its engine core died); any other failure of an engine call is a death
               only when a probe (`RolloutWorker.alive`, in `ACTIVITY_GROUP`) of that engine fails
-              so, and errors of live engines go up as before
+              so (the probe's error is then the death's report: a broadcast's learner side that
+              lost its peer fails before Ray reports the engine dead), and errors of live engines
+              go up as before
     restart   `Roles.restart_engine(i)`: what the dead actor left is swept (vLLM's engine core),
               a new actor starts from the same spec on the same placement bundle
     re-sync   `WeightSync.rejoin(i)`: it joins the weight sync and receives the last version sent
@@ -256,10 +258,12 @@ class EngineSupervisor:
         """The indices of the engines that died, as far as `error` and a probe tell: the actor a
         `RayActorError` names, else every engine whose probe fails with one. [] when `error` is
         not a death (nor a failure an engine's death can cause: Ray's report of a failed call)."""
-        return self._failed_engines(error)[0]
+        return list(self._failed_engines(error)[0])
 
-    def _failed_engines(self, error: BaseException) -> tuple[list[int], list[int]]:
-        """(dead, silent): `dead_engines`, and the engines whose probe did not answer within
+    def _failed_engines(self, error: BaseException) -> tuple[dict[int, BaseException], list[int]]:
+        """(dead, silent): each dead engine's index with the error that shows its death (`error`
+        when it names the engine, else the engine's failed probe: a learner's broadcast that lost
+        its peer is not why the engine died), and the engines whose probe did not answer within
         `PROBE_S` (hung: a live engine answers `alive` from a thread of its own at once)."""
         import ray
 
@@ -276,16 +280,17 @@ class EngineSupervisor:
             actor_id.hex() if hasattr(actor_id, "hex") and not isinstance(actor_id, str) else actor_id
         )
         if named is not None and (_died(error) or _engine_dead(error)):
-            return [named], []
+            return {named: error}, []
         if not (_died(error) or is_actor_failure(error)):
-            return [], []
+            return {}, []
         probes = [
             self.engines.submit_to(index, "alive", concurrency_group=ACTIVITY_GROUP)
             for index in range(len(self))
         ]
         answered, _ = ray.wait(probes, num_returns=len(probes), timeout=PROBE_S)
         answered_ids = {id(probe) for probe in answered}
-        dead, silent = [], []
+        dead: dict[int, BaseException] = {}
+        silent: list[int] = []
         for index, probe in enumerate(probes):
             if id(probe) not in answered_ids:
                 silent.append(index)
@@ -294,7 +299,7 @@ class EngineSupervisor:
                 ray.get(probe)
             except Exception as failure:
                 if _died(failure):
-                    dead.append(index)
+                    dead[index] = failure
         return dead, silent
 
     def _recover(self, error: BaseException, *, send: bool) -> None:
@@ -302,7 +307,7 @@ class EngineSupervisor:
         when none did, and when the restarts left cannot cover them (a hang as `EngineHung`,
         naming the options)."""
         if isinstance(error, EngineHung):
-            dead, hung, what = [], error.engines, error.what
+            dead, hung, what = {}, error.engines, error.what
         else:
             dead, hung = self._failed_engines(error)
             what = f"no answer to a probe within {PROBE_S:g} s after: {str(error).strip()[:200]}"
@@ -321,8 +326,8 @@ class EngineSupervisor:
                 f"{what}; the run stops, as {spent}. Raise rollout.engine_restarts to restart hung engines "
                 "more often, or the deadline named when an engine legitimately takes longer",
             ) from error
-        for index in dead:
-            self.restart(index, error, send=send)
+        for index, death in dead.items():
+            self.restart(index, death, send=send)
         for index in hung:
             self.restart(index, f"hung: {what}", send=send)
 
