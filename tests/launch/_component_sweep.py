@@ -45,7 +45,7 @@ def main(model: str, prompts: str, reward: str, ray_dir: str, out: str) -> None:
     from rl_launch.preflight import resolve_inputs
     from rl_launch.prompts import load_prompts
     from rl_launch.roles import Roles
-    from rl_launch.rollouts import Rollouts
+    from rl_launch.rollouts import make_rollouts
 
     base = {
         "model.pretrain": model,
@@ -77,7 +77,7 @@ def main(model: str, prompts: str, reward: str, ray_dir: str, out: str) -> None:
             try:
                 case = resolve_ppo_config(None, {**base, **case_overrides(kind, name)})
                 check_components(case)
-                trainer = PPOTrainer(case, roles, Rollouts(case, roles.engines, loader), None, None)
+                trainer = PPOTrainer(case, roles, make_rollouts(case, roles.engines, loader), None, None)
                 trainer.version = version
                 records, _ = trainer.rollouts.generate(step, trainer.version)
                 batch, metrics = trainer.make_experience(records)

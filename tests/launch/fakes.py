@@ -522,7 +522,7 @@ def fake_run(
     from rl_launch.placement import Placement
     from rl_launch.ppo import PPOTrainer
     from rl_launch.roles import Roles
-    from rl_launch.rollouts import Rollouts
+    from rl_launch.rollouts import make_rollouts
     from rl_launch.runs import RunPlan
     from rl_launch.supervisor import EngineSupervisor
     from rl_launch.weights import WeightSync, weight_sync_strategy
@@ -568,7 +568,7 @@ def fake_run(
     loader = PromptLoader(
         data, batch_size=config.rollout.prompts_per_round, seed=config.train.seed, shuffle=shuffle
     )
-    rollouts = Rollouts(config, roles.supervisor, loader)
+    rollouts = make_rollouts(config, roles.supervisor, loader)
     plan = RunPlan(
         run_id="fake",
         fingerprint="fake",

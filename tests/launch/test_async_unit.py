@@ -258,3 +258,53 @@ def test_a_sync_waits_for_the_generations_running_and_holds_back_new_ones():
     for thread in (first, syncing, second):
         thread.join(5)
     assert order == ["first starts", "first ends", "sync", "second starts", "second ends"]
+
+
+def test_one_rule_accepts_a_group_in_every_mode_and_each_mode_has_its_class():
+    from types import SimpleNamespace
+
+    from rl_launch.rollouts import (
+        AsyncRollouts,
+        StreamingRollouts,
+        SyncRollouts,
+        group_verdict,
+        make_rollouts,
+        rollout_mode,
+    )
+
+    def rollout(**changes):
+        settings = dict(
+            async_train=True,
+            max_staleness=1,
+            dynamic_filtering=False,
+            dynamic_filtering_reward_range=(0.0, 1.0),
+        )
+        return SimpleNamespace(**{**settings, **changes})
+
+    fresh, behind = [_record(3, 0), _record(3, 0)], [_record(1, 0), _record(3, 0)]
+    assert group_verdict(fresh, 4, rollout()) is None
+    assert group_verdict(behind, 4, rollout()) == "stale"  # one record 3 versions behind: the whole group
+    assert group_verdict(behind, 4, rollout(max_staleness=None)) is None
+    assert group_verdict(behind, 4, rollout(async_train=False)) is None  # sync: no staleness rule
+    # dynamic filtering: a group whose every sample has the same reward is outside (0, 1)
+    same = [_record(4, 0), _record(4, 0)]
+    for record in same:
+        record.score = 1.0
+    assert group_verdict(same, 4, rollout(dynamic_filtering=True)) == "filtered"
+    assert (
+        group_verdict(same, 4, rollout(dynamic_filtering=True, dynamic_filtering_reward_range=(0.0, 1.5)))
+        is None
+    )
+    assert group_verdict(behind, 4, rollout(dynamic_filtering=True)) == "stale"  # stale is judged first
+
+    classes = {}
+    for overrides in (
+        {},
+        {"rollout.async_train": "true"},
+        {"rollout.async_train": "true", "rollout.streaming": "true"},
+    ):
+        config = _config(overrides)
+        rollouts = make_rollouts(config, engines=[object()], loader=[])
+        classes[rollout_mode(config)] = type(rollouts)
+        assert rollouts.in_flight() == []
+    assert classes == {"sync": SyncRollouts, "async": AsyncRollouts, "streaming": StreamingRollouts}

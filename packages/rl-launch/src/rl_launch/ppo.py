@@ -45,7 +45,7 @@ from .health import EngineHung, HealthMonitor
 from .preemption import STARTUP_STOP, Preempted, PreemptionGuard
 from .reward_model import RewardModelError, fallback_scores
 from .roles import Roles
-from .rollouts import Rollouts, completion_rows, fallback_metrics
+from .rollouts import Rollouts, completion_rows, fallback_metrics, make_rollouts
 from .tracking import PhaseTimer, StartupLines, Tracker, print_outputs, quiet_third_party_output, step_metrics
 
 __all__ = ["PPORecipe", "PPOTrainer", "run", "steps_of_episodes"]
@@ -563,7 +563,7 @@ class PPORecipe(Recipe):
             train_data, batch_size=config.rollout.prompts_per_round, seed=config.train.seed, shuffle=True
         )
         roles.supervisor.notify, roles.supervisor.log_dir = self.console.warn, self.log_dir
-        rollouts = Rollouts(config, roles.supervisor, loader)
+        rollouts = make_rollouts(config, roles.supervisor, loader)
         rollouts.log_dir, rollouts.notify = self.log_dir, self.console.warn
         normalization = None
         if config.reward.normalize == "model":

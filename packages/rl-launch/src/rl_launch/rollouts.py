@@ -1,7 +1,13 @@
 """Generation for the step loop: the prompt stream, the engines' futures, DAPO filtering, eval.
 
-`Rollouts.generate(step, version)` returns one step's records: `rollout.rollout_batch_size`
-prompts x `rollout.n_samples_per_prompt` responses, scored by the reward next to each engine.
+`make_rollouts(config, engines, loader)` gives the rollouts of the run's mode (`rollout_mode`):
+`SyncRollouts`, `AsyncRollouts` (whole steps ahead) or `StreamingRollouts` (a pool of groups),
+over a `Rollouts` base that holds what they share (sampling, the engines' calls and their stall
+deadlines, evaluation, the prompt stream's resume). `generate(step, version)` returns one step's
+records: `rollout.rollout_batch_size` prompts x `rollout.n_samples_per_prompt` responses, scored
+by the reward next to each engine. In every mode a finished group is trained on only when
+`group_verdict` accepts it: not staler than `rollout.max_staleness` (async modes), its mean
+reward inside the range under dynamic filtering.
 
 Async mode (`rollout.async_train`, depth d = `rollout.async_depth`): once step t's records are
 in, the generations of steps t+1 ... t+d are in flight, submitted on the weights the engines hold
@@ -56,7 +62,20 @@ from .config import PPOConfig
 from .evaluation import eval_metrics
 from .health import EngineHung
 
-__all__ = ["InFlight", "Rollouts", "StreamGroup", "completion_rows", "drop_stale", "rollout_metrics"]
+__all__ = [
+    "AsyncRollouts",
+    "InFlight",
+    "Rollouts",
+    "StreamGroup",
+    "StreamingRollouts",
+    "SyncRollouts",
+    "completion_rows",
+    "drop_stale",
+    "group_verdict",
+    "make_rollouts",
+    "rollout_metrics",
+    "rollout_mode",
+]
 
 
 def rollout_metrics(records: list[Trajectory]) -> dict[str, float]:
@@ -220,16 +239,68 @@ def drop_stale(
         ),
     }
     if records and not kept:
-        raise RuntimeError(
-            f"rollout.max_staleness = {max_staleness}: every record of this step was dropped (they are "
-            f"{min(staleness)}-{max(staleness)} versions behind the learner's {version}); an engine "
-            "has fallen behind the weight sync"
-        )
+        raise RuntimeError(_every_record_stale(records, version, max_staleness))
     return kept, metrics
 
 
+def _every_record_stale(records: Sequence[Trajectory], version: int, max_staleness: int | None) -> str:
+    staleness = [version - record.policy_version for record in records]
+    return (
+        f"rollout.max_staleness = {max_staleness}: every record of this step was dropped (they are "
+        f"{min(staleness)}-{max(staleness)} versions behind the learner's {version}); an engine "
+        "has fallen behind the weight sync"
+    )
+
+
+def _groups(records: Sequence[Trajectory]) -> dict[int, list[Trajectory]]:
+    """`records` by group id, in first-seen order (an episode may be several records)."""
+    groups: dict[int, list[Trajectory]] = {}
+    for record in records:
+        groups.setdefault(record.group_id, []).append(record)
+    return groups
+
+
+def group_verdict(records: Sequence[Trajectory], version: int, rollout: Any) -> str | None:
+    """The one rule a finished group passes to be trained on, in every rollout mode: "stale"
+    when the run is async (`rollout.async_train`) and a record of it is more than
+    `rollout.max_staleness` policy versions behind the learner's `version`, "filtered" under
+    dynamic filtering when its mean reward is outside `rollout.dynamic_filtering_reward_range`
+    (`rl_rollout.filter_groups`), None when it is accepted."""
+    if (
+        rollout.async_train
+        and rollout.max_staleness is not None
+        and any(version - record.policy_version > rollout.max_staleness for record in records)
+    ):
+        return "stale"
+    if rollout.dynamic_filtering:
+        low, high = rollout.dynamic_filtering_reward_range
+        if not filter_groups(list(records), low=low, high=high)[0]:
+            return "filtered"
+    return None
+
+
+def rollout_mode(config: PPOConfig) -> str:
+    """ "sync", "async" (whole steps ahead, `rollout.async_train`) or "streaming" (`rollout.streaming`)."""
+    r = config.rollout
+    return "streaming" if r.streaming else "async" if r.async_train else "sync"
+
+
+def make_rollouts(config: PPOConfig, engines: ActorGroup, loader: Any) -> Rollouts:
+    """The rollouts of `config`'s mode (`rollout_mode`): `SyncRollouts`, `AsyncRollouts` or
+    `StreamingRollouts`, over `engines` (the run's `EngineSupervisor` or `ActorGroup`)."""
+    modes: dict[str, type[Rollouts]] = {
+        "sync": SyncRollouts,
+        "async": AsyncRollouts,
+        "streaming": StreamingRollouts,
+    }
+    return modes[rollout_mode(config)](config, engines, loader)
+
+
 class Rollouts:
-    """The engines of a run, fed from a prompt loader."""
+    """The engines of a run, fed from a prompt loader: what every mode shares (sampling, the
+    engines' calls and their stall deadlines, evaluation, the resume of the prompt stream). A mode
+    says how a step's records are generated (`generate`), what a checkpoint keeps of what is in
+    flight (`in_flight`) and how it is submitted again (`_resubmit`); `make_rollouts` picks it."""
 
     def __init__(self, config: PPOConfig, engines: ActorGroup, loader: Any) -> None:
         self.config = config
@@ -237,9 +308,6 @@ class Rollouts:
         self.loader = loader
         self.batches: Iterator[list[PromptSample]] = iter(loader)
         self.next_group_id = 0
-        self.pending: dict[int, InFlight] = {}  # async mode: later steps' generations, by step
-        # streaming: the groups not yet trained, by group id (in stream order)
-        self.pool: dict[int, StreamGroup] = {}
         # a generation call that stalls past health.engine_stall_warn_s: a line to `notify`
         self.notify: Callable[[str], None] | None = None
         self.log_dir: str | None = None
@@ -247,15 +315,13 @@ class Rollouts:
         # ReMax: the reward of a greedy answer to each prompt is the baseline of its samples
         self.greedy_baseline = estimator_needs(config.algo.advantage.estimator).greedy_baseline
 
+    def generate(self, step: int, version: int) -> tuple[list[Trajectory], dict[str, float]]:
+        """The records of step `step` for the learner at policy version `version`, and metrics."""
+        raise NotImplementedError
+
     def in_flight(self) -> list[dict[str, Any]]:
-        """What is under way, for a checkpoint: the steps [{step, group_id, indices}], oldest first;
-        streaming: the groups not yet trained [{group_id, indices: [index]}], in stream order."""
-        if self.config.rollout.streaming:
-            return [{"group_id": group.group_id, "indices": [group.index]} for group in self.pool.values()]
-        return [
-            {"step": entry.step, "group_id": entry.group_id, "indices": entry.indices}
-            for entry in self.pending.values()
-        ]
+        """What is under way, for a checkpoint (`restart` submits it again)."""
+        return []
 
     def restart(
         self, data_state: Any, next_group_id: int, in_flight: Sequence[Mapping[str, Any]] = ()
@@ -265,27 +331,12 @@ class Rollouts:
         streaming run takes a whole-step checkpoint's steps as groups; the reverse is refused."""
         self.loader.load_state_dict(data_state)
         self.batches = iter(self.loader)
-        streaming = self.config.rollout.streaming
         for entry in in_flight:
-            if streaming:
-                for offset, index in enumerate(entry["indices"]):
-                    self.submit_group(self.loader.dataset[int(index)], int(entry["group_id"]) + offset)
-                continue
-            if "step" not in entry:
-                raise ValueError(
-                    "the checkpoint was written with rollout.streaming true (its in-flight entries are groups, "
-                    "not steps); resume it with --rollout.streaming true"
-                )
-            self.next_group_id = int(entry["group_id"])
-            prompts = [self.loader.dataset[int(index)] for index in entry["indices"]]
-            self.pending[int(entry["step"])] = self.submit_step(int(entry["step"]), prompts)
+            self._resubmit(entry)
         self.next_group_id = next_group_id
 
-    def submit_step(self, step: int, prompts: list[PromptSample]) -> InFlight:
-        """Submit the generation of step `step`'s batch."""
-        group_id = self.next_group_id
-        futures = self.submit(prompts, self.sampling(step))
-        return InFlight(step, group_id, [sample.index for sample in prompts], futures)
+    def _resubmit(self, entry: Mapping[str, Any]) -> None:
+        raise NotImplementedError
 
     def sampling(self, step: int) -> SamplingParams:
         r = self.config.rollout
@@ -298,42 +349,6 @@ class Rollouts:
             seed=r.seed + step,
             min_new_tokens=r.min_new_tokens,
         )
-
-    def submit_group(self, sample: PromptSample, group_id: int) -> StreamGroup:
-        """Streaming: submit one prompt's group to the engine with the fewest groups in the pool
-        (the lowest index on a tie), sampler seed rollout.seed + group_id; it joins the pool."""
-        load = [0] * len(self.engines)
-        for group in self.pool.values():
-            load[group.engine] += 1
-        engine = load.index(min(load))
-        sampling = msgspec.structs.replace(self.sampling(0), seed=self.config.rollout.seed + group_id)
-        future = self.engines.submit_to(
-            engine,
-            "generate",
-            encode([sample]),
-            sampling,
-            group_id,
-            self.greedy_baseline,
-            concurrency_group=GENERATE_GROUP,
-        )
-        self._engine_of[id(future)] = engine
-        group = StreamGroup(group_id, sample.index, engine, future)
-        self.pool[group_id] = group
-        return group
-
-    def draw_round(self) -> None:
-        """Streaming: the next prompts_per_round prompts of the stream join the pool."""
-        for sample in next(self.batches):
-            self.submit_group(sample, self.next_group_id)
-            self.next_group_id += 1
-
-    def top_up(self, steps_left: int) -> None:
-        """Streaming: draw rounds until the pool holds rollout.stream_pool_groups groups,
-        or what `steps_left` steps of rollout_batch_size groups can still train."""
-        r = self.config.rollout
-        target = min(r.stream_pool_groups, steps_left * r.rollout_batch_size)
-        while len(self.pool) < target:
-            self.draw_round()
 
     def engine_activity(self) -> dict[str, float]:
         """time/engine_idle_fraction: Σ idle / Σ wall over the engines since the last call
@@ -474,33 +489,106 @@ class Rollouts:
             line += f"; last line of {path}: {last[0] if last else '(empty)'}"
         return line
 
+    def evaluate(self, data: Any) -> dict[str, float]:
+        """Evaluation metrics on the evaluation prompts (`eval.*` sampling): mean reward and
+        length, pass@k and mean@k for k = eval.n_samples_per_prompt > 1, per evaluation dataset
+        when there are several (`rl_launch.evaluation`)."""
+        cfg = self.config
+        samples = [data[i] for i in range(len(data))]
+        sampling = SamplingParams(
+            n=cfg.eval.n_samples_per_prompt,
+            temperature=cfg.eval.temperature,
+            max_new_tokens=cfg.rollout.generate_max_len,
+            seed=cfg.rollout.seed,
+        )
+        group_id = self.next_group_id
+        records = self.collect(self.submit(samples, sampling, for_training=False))
+        self.next_group_id = group_id  # evaluation does not consume group ids of the training stream
+        return eval_metrics(
+            records,
+            k=cfg.eval.n_samples_per_prompt,
+            threshold=cfg.eval.correct_threshold,
+            labels=getattr(data, "labels", None),
+        )
+
+
+class SyncRollouts(Rollouts):
+    """Sync mode (and the base of async): a step's prompts are submitted when the step asks for
+    them, or were before (a checkpoint's steps in flight, submitted again on resume; async mode's
+    steps ahead), and its groups pass `group_verdict`; under dynamic filtering more rounds are
+    drawn until rollout_batch_size groups pass (at most rollout.max_sampling_rounds)."""
+
+    def __init__(self, config: PPOConfig, engines: ActorGroup, loader: Any) -> None:
+        super().__init__(config, engines, loader)
+        self.pending: dict[int, InFlight] = {}  # steps submitted before they are asked for, by step
+
+    def in_flight(self) -> list[dict[str, Any]]:
+        """The steps under way [{step, group_id, indices}], oldest first."""
+        return [
+            {"step": entry.step, "group_id": entry.group_id, "indices": entry.indices}
+            for entry in self.pending.values()
+        ]
+
+    def _resubmit(self, entry: Mapping[str, Any]) -> None:
+        if "step" not in entry:
+            raise ValueError(
+                "the checkpoint was written with rollout.streaming true (its in-flight entries are groups, "
+                "not steps); resume it with --rollout.streaming true"
+            )
+        self.next_group_id = int(entry["group_id"])
+        prompts = [self.loader.dataset[int(index)] for index in entry["indices"]]
+        self.pending[int(entry["step"])] = self.submit_step(int(entry["step"]), prompts)
+
+    def submit_step(self, step: int, prompts: list[PromptSample]) -> InFlight:
+        """Submit the generation of step `step`'s batch."""
+        group_id = self.next_group_id
+        futures = self.submit(prompts, self.sampling(step))
+        return InFlight(step, group_id, [sample.index for sample in prompts], futures)
+
     def generate(self, step: int, version: int) -> tuple[list[Trajectory], dict[str, float]]:
-        """The records of step `step` for the learner at policy version `version` (DAPO-filtered
-        if asked; in async mode without records staler than `rollout.max_staleness`) and metrics."""
-        r = self.config.rollout
-        if r.streaming:
-            return self.stream(step, version)
+        """The records of step `step` for the learner at policy version `version`: the groups of
+        its generation that `group_verdict` accepts (DAPO-filtered if asked; async: none staler
+        than `rollout.max_staleness`), and metrics."""
         entry = self.pending.pop(step, None) or self.submit_step(step, next(self.batches))
         records = self.collect(entry.futures)
-        metrics: dict[str, float] = {}
-        if r.async_train:
-            last = min(step + r.async_depth, self.config.train.max_steps)
-            for ahead in range(step + 1, last + 1):
-                if ahead not in self.pending:
-                    self.pending[ahead] = self.submit_step(ahead, next(self.batches))
-            records, metrics = drop_stale(records, version, r.max_staleness)
-        if not r.dynamic_filtering:
+        self._submit_ahead(step)
+        verdicts = {
+            group_id: group_verdict(members, version, self.config.rollout)
+            for group_id, members in _groups(records).items()
+        }
+        stale = [record for record in records if verdicts[record.group_id] == "stale"]
+        metrics = self._staleness(records, stale, version)
+        if not self.config.rollout.dynamic_filtering:
+            records = [record for record in records if verdicts[record.group_id] is None]
             return records, metrics | rollout_metrics(records)
-        low, high = r.dynamic_filtering_reward_range
-        kept, _ = filter_groups(records, low=low, high=high)
-        seen = len({record.group_id for record in records})  # an episode may be several records
+        records, filtered = self._filled(step, version, records, verdicts)
+        return records, metrics | filtered | rollout_metrics(records)
+
+    def _submit_ahead(self, step: int) -> None:
+        """Async mode submits the steps after `step` here; sync mode waits to be asked."""
+
+    def _staleness(
+        self, records: list[Trajectory], stale: list[Trajectory], version: int
+    ) -> dict[str, float]:
+        """Async mode's async/* metrics of a step's records (`stale`: those of stale groups); none in sync mode."""
+        return {}
+
+    def _filled(
+        self, step: int, version: int, records: list[Trajectory], verdicts: dict[int, str | None]
+    ) -> tuple[list[Trajectory], dict[str, float]]:
+        """Dynamic filtering: the step's accepted groups, topped up by rounds drawn after it until
+        rollout_batch_size groups pass (at most max_sampling_rounds in all), the first
+        rollout_batch_size of them in stream order; filter/* metrics."""
+        r = self.config.rollout
+        kept = [members for group_id, members in _groups(records).items() if verdicts[group_id] is None]
+        seen = sum(verdict != "stale" for verdict in verdicts.values())  # an episode may be several records
         for attempt in range(1, r.max_sampling_rounds):
             if len(kept) >= r.rollout_batch_size:
                 break
             sampling = msgspec.structs.replace(self.sampling(step), seed=r.seed + step + 7919 * attempt)
-            more = self.collect(self.submit(next(self.batches), sampling))
-            kept += filter_groups(more, low=low, high=high)[0]
-            seen += len({record.group_id for record in more})
+            more = _groups(self.collect(self.submit(next(self.batches), sampling)))
+            kept += [members for members in more.values() if group_verdict(members, version, r) is None]
+            seen += len(more)
         if not kept:
             raise RuntimeError(
                 f"dynamic filtering kept no group in {r.max_sampling_rounds} rounds (every group's mean reward "
@@ -508,16 +596,89 @@ class Rollouts:
             )
         surplus = max(len(kept) - r.rollout_batch_size, 0)
         kept = kept[: r.rollout_batch_size]
-        metrics |= {
+        metrics = {
             "filter/groups_seen": float(seen),
             "filter/groups_kept": float(len(kept)),
             "filter/groups_surplus": float(surplus),
         }
-        records = [record for group in kept for record in group]
-        return records, metrics | rollout_metrics(records)
+        return [record for group in kept for record in group], metrics
 
-    def stream(self, step: int, version: int) -> tuple[list[Trajectory], dict[str, float]]:
-        """Streaming: step `step`'s records, the first rollout_batch_size groups to finish that are
+
+class AsyncRollouts(SyncRollouts):
+    """Async mode (`rollout.async_train`): once step t's records are in, the generations of steps
+    t+1 ... t+async_depth are in flight; a step's groups staler than rollout.max_staleness are
+    dropped (`group_verdict`), with the async/* staleness metrics of `drop_stale`."""
+
+    def _submit_ahead(self, step: int) -> None:
+        last = min(step + self.config.rollout.async_depth, self.config.train.max_steps)
+        for ahead in range(step + 1, last + 1):
+            if ahead not in self.pending:
+                self.pending[ahead] = self.submit_step(ahead, next(self.batches))
+
+    def _staleness(
+        self, records: list[Trajectory], stale: list[Trajectory], version: int
+    ) -> dict[str, float]:
+        _, metrics = drop_stale(records, version, None)
+        if records and len(stale) == len(records):
+            raise RuntimeError(_every_record_stale(records, version, self.config.rollout.max_staleness))
+        return metrics | {"async/dropped_stale": float(len(stale))}
+
+
+class StreamingRollouts(Rollouts):
+    """Streaming (`rollout.streaming`): a pool of groups in flight, each its own engine call; a step
+    takes the first rollout_batch_size finished groups that `group_verdict` accepts."""
+
+    def __init__(self, config: PPOConfig, engines: ActorGroup, loader: Any) -> None:
+        super().__init__(config, engines, loader)
+        self.pool: dict[int, StreamGroup] = {}  # the groups not yet trained, by group id (in stream order)
+
+    def in_flight(self) -> list[dict[str, Any]]:
+        """The groups not yet trained [{group_id, indices: [index]}], in stream order."""
+        return [{"group_id": group.group_id, "indices": [group.index]} for group in self.pool.values()]
+
+    def _resubmit(self, entry: Mapping[str, Any]) -> None:
+        """A group again, or a whole-step checkpoint's step as its groups."""
+        for offset, index in enumerate(entry["indices"]):
+            self.submit_group(self.loader.dataset[int(index)], int(entry["group_id"]) + offset)
+
+    def submit_group(self, sample: PromptSample, group_id: int) -> StreamGroup:
+        """Streaming: submit one prompt's group to the engine with the fewest groups in the pool
+        (the lowest index on a tie), sampler seed rollout.seed + group_id; it joins the pool."""
+        load = [0] * len(self.engines)
+        for group in self.pool.values():
+            load[group.engine] += 1
+        engine = load.index(min(load))
+        sampling = msgspec.structs.replace(self.sampling(0), seed=self.config.rollout.seed + group_id)
+        future = self.engines.submit_to(
+            engine,
+            "generate",
+            encode([sample]),
+            sampling,
+            group_id,
+            self.greedy_baseline,
+            concurrency_group=GENERATE_GROUP,
+        )
+        self._engine_of[id(future)] = engine
+        group = StreamGroup(group_id, sample.index, engine, future)
+        self.pool[group_id] = group
+        return group
+
+    def draw_round(self) -> None:
+        """Streaming: the next prompts_per_round prompts of the stream join the pool."""
+        for sample in next(self.batches):
+            self.submit_group(sample, self.next_group_id)
+            self.next_group_id += 1
+
+    def top_up(self, steps_left: int) -> None:
+        """Streaming: draw rounds until the pool holds rollout.stream_pool_groups groups,
+        or what `steps_left` steps of rollout_batch_size groups can still train."""
+        r = self.config.rollout
+        target = min(r.stream_pool_groups, steps_left * r.rollout_batch_size)
+        while len(self.pool) < target:
+            self.draw_round()
+
+    def generate(self, step: int, version: int) -> tuple[list[Trajectory], dict[str, float]]:
+        """Step `step`'s records, the first rollout_batch_size groups to finish that are
         at most max_staleness behind `version` (and inside the reward range under dynamic
         filtering); the pool topped up before and after. Metrics as `generate`'s, plus
         async/pool_groups (the pool when the step began to wait), async/dropped_stale_groups and
@@ -555,17 +716,12 @@ class Rollouts:
                 records = by_group[group.group_id]
                 taken += records
                 seen += 1
-                if r.max_staleness is not None and any(
-                    version - record.policy_version > r.max_staleness for record in records
-                ):
+                verdict = group_verdict(records, version, r)
+                if verdict == "stale":
                     stale_groups += 1
                     stale_records += len(records)
-                    continue
-                if r.dynamic_filtering:
-                    low, high = r.dynamic_filtering_reward_range
-                    if not filter_groups(records, low=low, high=high)[0]:
-                        continue
-                kept.append(records)
+                elif verdict is None:
+                    kept.append(records)
         if not kept:
             why = (
                 f"every group's mean reward was outside {r.dynamic_filtering_reward_range}; widen "
@@ -590,25 +746,3 @@ class Rollouts:
         if r.dynamic_filtering:
             metrics |= {"filter/groups_seen": float(seen), "filter/groups_kept": float(len(kept))}
         return records, metrics | rollout_metrics(records)
-
-    def evaluate(self, data: Any) -> dict[str, float]:
-        """Evaluation metrics on the evaluation prompts (`eval.*` sampling): mean reward and
-        length, pass@k and mean@k for k = eval.n_samples_per_prompt > 1, per evaluation dataset
-        when there are several (`rl_launch.evaluation`)."""
-        cfg = self.config
-        samples = [data[i] for i in range(len(data))]
-        sampling = SamplingParams(
-            n=cfg.eval.n_samples_per_prompt,
-            temperature=cfg.eval.temperature,
-            max_new_tokens=cfg.rollout.generate_max_len,
-            seed=cfg.rollout.seed,
-        )
-        group_id = self.next_group_id
-        records = self.collect(self.submit(samples, sampling, for_training=False))
-        self.next_group_id = group_id  # evaluation does not consume group ids of the training stream
-        return eval_metrics(
-            records,
-            k=cfg.eval.n_samples_per_prompt,
-            threshold=cfg.eval.correct_threshold,
-            labels=getattr(data, "labels", None),
-        )
