@@ -8,6 +8,7 @@ import types
 from pathlib import Path
 
 import pytest
+import torch
 
 from rl_launch.config import ConfigError, PPOConfig
 from rl_launch.options import load_config
@@ -206,6 +207,31 @@ def test_offload_is_accepted_as_a_no_op_on_cpu_and_below_zero3(device, stage, wh
     assert frozen_offload(True, zero_stage=stage, use_gpus=device == "cuda") == (False, why)
     roles.groups = {"ref": object()}
     assert roles.describe_offload() == f"ray.ref.offload: {why}"
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_adam_offload_is_deepspeeds_zero_offload_on_gpus_and_a_no_op_said_so_on_cpu(device):
+    """On CPU the optimizer states are in host memory already: no offload section, so DeepSpeed
+    builds no CPU Adam op (a minute of compiling); the start-up line says so."""
+    from rl_learner import build_optimizer, deepspeed_config
+
+    roles, specs = _specs(device, **{"train.zero_stage": 3, "train.adam_offload": True})
+    for role in ("policy", "critic"):
+        assert specs[role].deepspeed.offload_optimizer is (device == "cuda")
+    zero = deepspeed_config(specs["policy"].deepspeed, world_size=1)["zero_optimization"]
+    assert ("offload_optimizer" in zero) is (device == "cuda")
+    roles.groups = {"policy": object()}
+    why = (
+        "optimizer states offloaded to CPU memory (ZeRO-Offload, DeepSpeedCPUAdam)"
+        if device == "cuda"
+        else "a no-op on CPU: the optimizer states already live in host memory (no CPU Adam op to build)"
+    )
+    assert roles.describe_offload() == f"train.adam_offload: {why}"
+    if device == "cpu":
+        optimizer = build_optimizer(
+            [torch.nn.Parameter(torch.zeros(2))], specs["policy"].optimizer, specs["policy"].deepspeed
+        )
+        assert type(optimizer) is torch.optim.AdamW
 
 
 def test_offload_defaults_off_and_is_refused_for_trained_roles():

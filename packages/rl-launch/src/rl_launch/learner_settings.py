@@ -6,6 +6,7 @@ sft` / `rm` / `dpo` (`trainers.loop`) build their DeepSpeed learners from the sa
 
     dtype     = learner_dtype(model.dtype, use_gpus=...)            "auto": bf16 on GPUs, fp32 on CPU
     settings  = learner_settings(model, train, dtype=dtype,         DeepSpeedConfig (with
+                    use_gpus=...,
                     **role_optimizer(train, "actor"))               train.deepspeed_config merged
                                                                     last), OptimizerConfig (AdamW
                                                                     or Muon, the role's lr), LoRA
@@ -33,6 +34,7 @@ __all__ = [
     "learner_dtype",
     "learner_settings",
     "model_load_options",
+    "optimizer_offload",
     "role_optimizer",
 ]
 
@@ -96,6 +98,28 @@ def frozen_offload(
     return True, "parameters offloaded to CPU memory (ZeRO-3 offload_param)"
 
 
+def optimizer_offload(asked: bool, *, use_gpus: bool, backend: str = "deepspeed") -> tuple[bool, str]:
+    """Whether the trained models' optimizer offload (train.adam_offload) is applied, and why (for
+    the start-up line).
+
+    On GPUs DeepSpeed's ZeRO-Offload keeps the optimizer states in CPU memory and steps them with
+    DeepSpeedCPUAdam, as OpenRLHF's --adam_offload does. With DeepSpeed on CPU the states already
+    live in host memory: the option is accepted and changes nothing, and DeepSpeed's CPU Adam op
+    (a minute of compiling at a machine's first start) is not built. FSDP2's CPUOffloadPolicy is
+    applied on either device (parameters, gradients and AdamW state).
+    """
+    if not asked:
+        return False, "not asked"
+    if backend == "fsdp2":
+        return True, "parameters, gradients and AdamW state in CPU memory (FSDP2 CPUOffloadPolicy)"
+    if not use_gpus:
+        return (
+            False,
+            "a no-op on CPU: the optimizer states already live in host memory (no CPU Adam op to build)",
+        )
+    return True, "optimizer states offloaded to CPU memory (ZeRO-Offload, DeepSpeedCPUAdam)"
+
+
 def learner_settings(
     model: ModelConfig,
     train: TrainConfig,
@@ -104,13 +128,15 @@ def learner_settings(
     lr: float,
     optimizer: str = "adamw",
     muon_lr: float = 0.02,
+    use_gpus: bool = True,
 ) -> LearnerSettings:
     """The learner settings of the `model` and `train` sections, with resolved `dtype` and peak `lr`.
 
     `lr`, `optimizer` and `muon_lr` are passed because a run has one of each per trained role
     (`train.actor_learning_rate`, `train.actor_optimizer`, `train.actor_muon_learning_rate`
-    and the critic's; `role_optimizer` reads them); everything else comes from the sections as
-    they are.
+    and the critic's; `role_optimizer` reads them); `use_gpus`, whether the learners run on GPUs,
+    decides whether train.adam_offload applies (`optimizer_offload`); everything else comes from
+    the sections as they are.
     """
     from rl_learner import DeepSpeedConfig, LoraOptions, OptimizerConfig
 
@@ -118,7 +144,7 @@ def learner_settings(
         backend=train.backend,
         zero_stage=train.zero_stage,
         dtype=dtype,
-        offload_optimizer=train.adam_offload,
+        offload_optimizer=optimizer_offload(train.adam_offload, use_gpus=use_gpus, backend=train.backend)[0],
         gradient_checkpointing=model.gradient_checkpointing,
         attn_implementation=model.attn_implementation,
         share_prefix=model.share_prefix,

@@ -74,8 +74,12 @@ def learner_specs(
     cfg: PPOConfig, inputs: Any, *, dtype: str, use_gpus: bool, total_steps: int
 ) -> dict[str, LearnerSpec]:
     """Every learner role's spec (`rl_launch.actors.LearnerSpec`); the run starts those it needs."""
-    actor = learner_settings(cfg.model, cfg.train, dtype=dtype, **role_optimizer(cfg.train, "actor"))
-    critic = learner_settings(cfg.model, cfg.train, dtype=dtype, **role_optimizer(cfg.train, "critic"))
+    actor = learner_settings(
+        cfg.model, cfg.train, dtype=dtype, use_gpus=use_gpus, **role_optimizer(cfg.train, "actor")
+    )
+    critic = learner_settings(
+        cfg.model, cfg.train, dtype=dtype, use_gpus=use_gpus, **role_optimizer(cfg.train, "critic")
+    )
     ds = actor.deepspeed
     common = {"dtype": dtype, "seed": cfg.train.seed}
     return {

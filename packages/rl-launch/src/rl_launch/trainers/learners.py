@@ -29,6 +29,7 @@ from typing import Any
 import msgspec
 
 from ..actors import LearnerWorker
+from ..learner_settings import optimizer_offload
 
 __all__ = ["DriverLearner", "RayLearners", "SupervisedWorker", "learner_layout", "plan_items"]
 
@@ -68,14 +69,17 @@ def _lora(config: Any) -> str:
     return f", LoRA rank {model.lora_rank} alpha {model.lora_alpha}" if model.lora_rank else ""
 
 
-def _backend(config: Any) -> str:
-    """The start-up line's name of the learner backend (`train.backend`)."""
+def _backend(config: Any, *, use_gpus: bool) -> str:
+    """The start-up line's name of the learner backend (`train.backend`), with train.adam_offload's effect."""
     if config.train.backend == "fsdp2":
         offload = (
             ", CPU offload of parameters, gradients and AdamW state" if config.train.adam_offload else ""
         )
         return f"FSDP2 (fully_shard{offload})"
-    return f"DeepSpeed ZeRO-{config.train.zero_stage}"
+    line = f"DeepSpeed ZeRO-{config.train.zero_stage}"
+    if config.train.adam_offload:
+        line += f" (train.adam_offload: {optimizer_offload(True, use_gpus=use_gpus)[1]})"
+    return line
 
 
 def learner_layout(role: str, config: Any, *, use_gpus: bool) -> Any:
@@ -103,7 +107,8 @@ class DriverLearner:
 
     def describe(self, dtype: str) -> str:
         return (
-            f"learner: {_backend(self.config)} {dtype}{_lora(self.config)} in this "
+            f"learner: {_backend(self.config, use_gpus=self.learner.device.type == 'cuda')} {dtype}"
+            f"{_lora(self.config)} in this "
             f"process on {self.learner.device}, world size 1"
         )
 
@@ -233,7 +238,8 @@ class RayLearners:
         sp = self.config.model.sequence_parallel_size
         where = f"on {self.devices[0]}" if len(set(self.devices)) == 1 else f"on {', '.join(self.devices)}"
         return (
-            f"learner: {_backend(self.config)} {dtype}{_lora(self.config)}, {self.ranks} Ray actors "
+            f"learner: {_backend(self.config, use_gpus='cuda' in self.devices[0])} {dtype}"
+            f"{_lora(self.config)}, {self.ranks} Ray actors "
             f"(world size {self.ranks}{f', sequence parallel {sp}' if sp > 1 else ''}) on "
             f"{self.nodes} node{'s' if self.nodes > 1 else ''} {where}"
         )

@@ -100,8 +100,14 @@ def resolve_dtype(config: Any) -> str:
 def learner_options(config: Any) -> LearnerSettings:
     """The trained learner's settings (`learner_settings`) with the actor's optimizer settings
     (`train.actor_learning_rate`, `train.actor_optimizer`, `train.actor_muon_learning_rate`)."""
+    import torch
+
     return learner_settings(
-        config.model, config.train, dtype=resolve_dtype(config), **role_optimizer(config.train, "actor")
+        config.model,
+        config.train,
+        dtype=resolve_dtype(config),
+        use_gpus=torch.cuda.is_available(),
+        **role_optimizer(config.train, "actor"),
     )
 
 
