@@ -111,18 +111,23 @@ def test_once_the_restarts_are_spent_the_next_death_stops_the_run():
     )
 
 
-def test_an_engine_that_dies_in_the_weight_sync_is_restarted_and_the_version_sent_again():
-    run = fake_run(config())
+def dies_in_sync(run, version: int, error: Exception) -> None:
+    """`run`'s engine dies in the weight sync of `version`, its call failing with `error`."""
     engine = run.engines[0]
     original = engine.receive
 
-    def receive(version, payload=None):
-        if version == 2:  # step 2's sync
+    def receive(sent, payload=None):
+        if sent == version:
             engine.dead = True
-            raise RayActorError("The actor died unexpectedly before finishing this task")
-        return original(version, payload)
+            raise error
+        return original(sent, payload)
 
     engine.receive = receive
+
+
+def test_an_engine_that_dies_in_the_weight_sync_is_restarted_and_the_version_sent_again():
+    run = fake_run(config())
+    dies_in_sync(run, 2, RayActorError("The actor died unexpectedly before finishing this task"))  # step 2's
     tracker = run.fit()
     assert tracker.steps() == [1, 2, 3, 4]
     new = run.engines[1]
@@ -138,16 +143,7 @@ def test_a_death_found_by_a_probe_is_reported_with_the_probes_words_not_the_fail
     from tests.launch.fakes import RayError
 
     run = fake_run(config())
-    engine = run.engines[0]
-    original = engine.receive
-
-    def receive(version, payload=None):
-        if version == 2:
-            engine.dead = True
-            raise RayError("RuntimeError: Connection closed by peer [192.0.2.2]:8082")
-        return original(version, payload)
-
-    engine.receive = receive
+    dies_in_sync(run, 2, RayError("RuntimeError: Connection closed by peer [192.0.2.2]:8082"))
     tracker = run.fit()
     assert tracker.steps() == [1, 2, 3, 4]
     died, restarted = tracker.warnings
