@@ -11,9 +11,8 @@ import torch
 
 from rl_launch.config import ConfigError, PPOConfig
 from rl_launch.learner_settings import model_load_options
-from rl_launch.options import load_config
 from rl_launch.trainers import resolve_config
-from rl_launch.validation import prepare
+from tests.launch.configs import ppo_config
 
 BASE = {
     "preset": "arithmetic",
@@ -25,9 +24,7 @@ BASE = {
 
 
 def config(**overrides) -> PPOConfig:
-    """The config `rl-launch ppo` runs: decoded, then its one validation pass."""
-    decoded = load_config(PPOConfig, overrides={**BASE, **{k: str(v) for k, v in overrides.items()}})
-    return prepare(decoded, say=lambda note: None)
+    return ppo_config(BASE, **overrides)
 
 
 def test_fsdp2_reaches_every_learner_with_fp32_master_weights_for_the_trained_ones():

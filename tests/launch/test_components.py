@@ -13,7 +13,7 @@ import yaml
 from rl_algos import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
 from rl_data import ExperienceBatch, Trajectory, build_experience
 from rl_launch.algorithm import score_batch
-from rl_launch.cli import main, resolve_ppo_config
+from rl_launch.cli import main
 from rl_launch.components import (
     ENGINES,
     REWARDS,
@@ -24,6 +24,7 @@ from rl_launch.components import (
 from rl_launch.components.objective import old_logprobs_from_training, policy_loss_config
 from rl_launch.components.weight_sync import SyncPlacement, choose_weight_sync
 from rl_launch.config import ConfigError
+from tests.launch.configs import ppo_config
 
 BASE = {
     "model.pretrain": "/models/never-loaded",
@@ -35,9 +36,7 @@ BASE = {
 
 
 def config(**overrides: str):
-    cfg = resolve_ppo_config(None, {**BASE, **{key.replace("__", "."): v for key, v in overrides.items()}})
-    check_components(cfg)
-    return cfg
+    return ppo_config(BASE, **overrides)
 
 
 def refused(pattern: str, **overrides: str) -> None:

@@ -8,12 +8,12 @@ import torch
 
 from rl_data import Trajectory, build_experience
 from rl_launch.algorithm import score_batch
-from rl_launch.cli import resolve_ppo_config
 from rl_launch.cluster import plan_roles
-from rl_launch.components import check_components, describe_components
+from rl_launch.components import describe_components
 from rl_launch.components.objective import old_logprobs_from_training, policy_loss_config
 from rl_launch.config import ConfigError
 from rl_launch.preflight import PreflightError, check_teacher_tokenizer
+from tests.launch.configs import ppo_config
 
 BASE = {
     "model.pretrain": "/models/never-loaded",
@@ -26,10 +26,7 @@ BASE = {
 
 
 def config(**overrides: str):
-    settings = {**BASE, **{key.replace("__", "."): value for key, value in overrides.items()}}
-    cfg = resolve_ppo_config(None, {key: value for key, value in settings.items() if value is not None})
-    check_components(cfg)
-    return cfg
+    return ppo_config(BASE, **overrides)
 
 
 def test_distill_options_without_a_teacher_are_refused():

@@ -12,12 +12,13 @@ import pytest
 import torch
 
 from rl_data import PromptSample, Trajectory, decode, encode
-from rl_launch.cli import main, resolve_ppo_config
-from rl_launch.components import EXECUTORS, check_components, executor_name, executor_options
+from rl_launch.cli import main
+from rl_launch.components import EXECUTORS, executor_name, executor_options
 from rl_launch.config import ConfigError
 from rl_launch.rollouts import rollout_metrics
 from rl_rollout import SamplingParams
 from tests.launch.agent_files import FEEDBACK, RUN_AGENT, TWO_TURN_AGENT
+from tests.launch.configs import ppo_config
 
 BASE = {
     "model.pretrain": "/models/never-loaded",
@@ -36,9 +37,7 @@ def agent_file(tmp_path):
 
 
 def config(**overrides: str):
-    cfg = resolve_ppo_config(None, {**BASE, **{key.replace("__", "."): v for key, v in overrides.items()}})
-    check_components(cfg)
-    return cfg
+    return ppo_config(BASE, **overrides)
 
 
 def refused(pattern: str, **overrides: str) -> None:

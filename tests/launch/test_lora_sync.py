@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from rl_launch.cli import resolve_ppo_config
-from rl_launch.components import ENGINES, check_components
+from rl_launch.components import ENGINES
 from rl_launch.components.engines import vllm_max_lora_rank
 from rl_launch.config import ConfigError
 from rl_launch.lora_sync import describe, lora_sync_mode
+from tests.launch.configs import ppo_config
 
 BASE = {
     "model.pretrain": "/models/never-loaded",
@@ -22,9 +22,7 @@ BASE = {
 
 
 def config(**overrides: str):
-    cfg = resolve_ppo_config(None, {**BASE, **{key.replace("__", "."): v for key, v in overrides.items()}})
-    check_components(cfg)
-    return cfg
+    return ppo_config(BASE, **overrides)
 
 
 @pytest.mark.parametrize(

@@ -13,10 +13,9 @@ import torch
 from rl_data import Trajectory, build_experience
 from rl_launch.actors import EngineSpec, build_reward
 from rl_launch.algorithm import reward_metrics, score_batch, shape_rewards
-from rl_launch.cli import resolve_ppo_config
-from rl_launch.components import check_components
 from rl_launch.config import ConfigError, RewardConfig
 from rl_launch.preflight import PreflightError, resolve_inputs
+from tests.launch.configs import ppo_config
 from tests.launch.reward_servers import reward_server
 
 BASE = {
@@ -29,9 +28,7 @@ BASE = {
 
 
 def config(**overrides: str):
-    cfg = resolve_ppo_config(None, {**BASE, **{key.replace("__", "."): v for key, v in overrides.items()}})
-    check_components(cfg)
-    return cfg
+    return ppo_config(BASE, **overrides)
 
 
 def refused(pattern: str, **overrides: str) -> ConfigError:

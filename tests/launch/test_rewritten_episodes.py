@@ -8,9 +8,8 @@ import torch
 
 from rl_data import Trajectory, build_experience
 from rl_launch.algorithm import score_batch
-from rl_launch.cli import resolve_ppo_config
-from rl_launch.components import check_components
 from rl_rollout.episodes import episode_ids, segment_extra
+from tests.launch.configs import ppo_config
 
 BASE = {
     "model.pretrain": "/models/never-loaded",
@@ -21,9 +20,7 @@ BASE = {
 
 
 def config(estimator: str, **options: str):
-    cfg = resolve_ppo_config(None, {**BASE, "algo.advantage.estimator": estimator, **options})
-    check_components(cfg)
-    return cfg
+    return ppo_config(BASE, **{"algo.advantage.estimator": estimator, **options})
 
 
 def records() -> list[Trajectory]:
