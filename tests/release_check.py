@@ -19,7 +19,9 @@ temporary folder, or --out) and checks, reading the built files only (nothing is
 
 `--install DIST` then makes a fresh virtual environment (`python -m venv`, no site packages),
 installs torch==2.13.0 and that wheel alone, and runs the first Python example of the package's
-README there (rl-algos: the proof that it needs torch and nothing else).
+README there (rl-algos: the proof that it needs torch and nothing else). The slow release test then
+adds TRL to that venv and runs rl-algos' "Coming from TRL" classes inside TRL's GRPOTrainer
+(`install_trl_and_run_recipe`, tests/trl_recipe_driver.py).
 
 Builder: hatchling in this interpreter if it has it, else `hatch build` (hatch on PATH: CI
 installs it to run the suite).
