@@ -19,7 +19,9 @@ temporary folder, or --out) and checks, reading the built files only (nothing is
 
 `--install DIST` then makes a fresh virtual environment (`python -m venv`, no site packages),
 installs torch==2.13.0 and that wheel alone, and runs the first Python example of the package's
-README there (rl-algos: the proof that it needs torch and nothing else).
+README there (rl-algos: the proof that it needs torch and nothing else). The slow release test then
+adds TRL to that venv and runs rl-algos' "Coming from TRL" classes inside TRL's GRPOTrainer
+(`install_trl_and_run_recipe`, tests/trl_recipe_driver.py).
 
 Builder: hatchling in this interpreter if it has it, else `hatch build` (hatch on PATH: CI
 installs it to run the suite).
@@ -40,6 +42,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import time
 import zipfile
 from dataclasses import dataclass
 
@@ -307,8 +310,36 @@ def install_alone(built: Built, folder: pathlib.Path) -> str:
     return _run([python, str(driver), str(example)], env, folder).strip().splitlines()[-1]
 
 
-def _run(command: list[str], env: dict[str, str], cwd: pathlib.Path) -> str:
-    result = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True)
+# rl-algos' README "Coming from TRL" classes inside TRL: the venv of `install_alone` plus TRL and
+# the transformers of this environment; tests/trl_recipe_driver.py trains a tiny local model there.
+TRL_PIN = "trl==1.16.0"
+
+
+def install_trl_and_run_recipe(folder: pathlib.Path, checkpoint: pathlib.Path) -> tuple[float, list[str]]:
+    """Into the venv `install_alone` left in folder: TRL_PIN and this environment's transformers;
+    then the README's TRL classes trained inside TRL on the checkpoint (offline). Returns the
+    seconds the install took and the driver's `ok ...` lines."""
+    from importlib.metadata import version
+
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
+    env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", HF_HOME=str(folder / "hf"))
+    python = str(folder / "venv" / "bin" / "python")
+    pins = [TORCH_PIN, TRL_PIN, f"transformers=={version('transformers')}"]
+    start = time.monotonic()
+    _run([python, "-m", "pip", "install", "-q", "--no-compile", *pins], env, folder)
+    installed = time.monotonic() - start
+    driver = ROOT / "tests" / "trl_recipe_driver.py"
+    readme = package_dir("rl-algos") / "README.md"
+    command = [python, str(driver), str(readme), str(checkpoint), str(folder / "trl-out")]
+    output = _run(command, env, folder)
+    return installed, [line for line in output.splitlines() if line.startswith("ok ")]
+
+
+def _run(command: list[str], env: dict[str, str], cwd: pathlib.Path, timeout: float = 900) -> str:
+    try:
+        result = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as error:
+        raise ReleaseCheckError(f"{' '.join(command)} did not finish in {timeout} s") from error
     if result.returncode != 0:
         raise ReleaseCheckError(
             f"{' '.join(command)} failed ({result.returncode}):\n{result.stdout}{result.stderr}"

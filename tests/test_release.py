@@ -113,20 +113,30 @@ def test_a_changed_signature_fails_the_snapshot_with_a_diff(tmp_path):
 
 
 @pytest.mark.slow
-def test_rl_algos_installs_alone_next_to_torch_and_runs_its_readme_example(released, tmp_path):
+def test_rl_algos_installs_alone_next_to_torch_and_runs_its_readme_examples_then_inside_trl(
+    released, tiny_checkpoint, tmp_path
+):
     # The proof that rl-algos needs torch only: a fresh venv (no site packages) with torch and the
-    # built wheel, nothing else; the README's first example runs there and trains.
+    # built wheel, nothing else; the README's first example runs there and trains. Then the same
+    # venv gets TRL (a TRL user's environment): the README's "Coming from TRL" classes train a tiny
+    # model inside TRL's GRPOTrainer, their loss and gradient equal to TRL's on every micro-batch
+    # (tests/trl_recipe_driver.py).
     if shutil.which("pip") is None and not (pathlib.Path(sys.executable).parent / "pip").exists():
         pytest.skip("no pip next to this interpreter")
     built, _ = released
     start = time.monotonic()
     try:
         line = release_check.install_alone(built["rl-algos"], tmp_path)
+        assert line.startswith(f"ok {workspace_version('rl-algos')} "), line
+        assert str(tmp_path / "venv") in line  # imported from the venv, not from this checkout
+        alone = time.monotonic()
+        installed, lines = release_check.install_trl_and_run_recipe(tmp_path, tiny_checkpoint)
     finally:
         shutil.rmtree(tmp_path / "venv", ignore_errors=True)  # ~1 GB with torch
-    assert line.startswith(f"ok {workspace_version('rl-algos')} "), line
-    assert str(tmp_path / "venv") in line  # imported from the venv, not from this checkout
-    print(f"rl-algos alone in a fresh venv: {time.monotonic() - start:.1f} s")
+    assert [line.split(":")[0] for line in lines] == ["ok dapo/ppo", "ok cispo", "ok grpo+sequence/gspo"]
+    print(f"rl-algos alone in a fresh venv: {alone - start:.1f} s; {release_check.TRL_PIN} installed "
+          f"there: {installed:.1f} s; the recipe inside TRL: {time.monotonic() - alone - installed:.1f} s",
+          *lines, sep="\n")  # fmt: skip
 
 
 def test_the_top_readme_lists_the_versions_being_released():

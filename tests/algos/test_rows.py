@@ -1,8 +1,12 @@
 """From TRL's layout (groups as consecutive rows, one advantage per row) to rl_algos': the helpers,
-and the README's "Coming from TRL" recipe giving the loss TRL 1.16's GRPOTrainer computes (its
-formulas written out here from its `_compute_loss`, as TRL is not a test dependency)."""
+and the README's "Coming from TRL" classes giving the loss and advantages TRL 1.16's GRPOTrainer
+computes (its formulas written out here from its `_compute_loss`, on a stand-in for the trainer;
+tests/trl_recipe_driver.py runs the same classes inside TRL, in the slow release test)."""
 
 from __future__ import annotations
+
+import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -94,21 +98,89 @@ def _trl_advantages(rewards, generations):
     return (rewards - mean) / (std + 1e-4)
 
 
-def test_readme_trl_recipe_gives_trl_cispo_loss_and_gradient():
-    (block,) = [block for block in python_blocks() if "contiguous_group_ids(" in block]
-    namespace = _trl_batch()
-    exec(block, namespace)
+class _FakeGRPOTrainer:
+    """What the README's TRL classes use of TRL 1.16's GRPOTrainer, for the fast tier (the slow
+    tests/trl_recipe_driver.py runs them inside TRL itself)."""
+
+    def __init__(self, *, logps=None, rewards_per_func=None, rows=0, process_index=0, num_processes=1,
+                 accumulation=1, steps_per_generation=1, num_generations=1):  # fmt: skip
+        self.accelerator = SimpleNamespace(num_processes=num_processes, process_index=process_index)
+        self.args = SimpleNamespace(steps_per_generation=steps_per_generation)
+        self.current_gradient_accumulation_steps = accumulation
+        self.max_completion_length = 5
+        self.num_generations = self.num_generations_eval = num_generations
+        self.model = SimpleNamespace(training=True)
+        self.logps, self.rewards_per_func, self.rows = logps, rewards_per_func, rows
+        if rewards_per_func is not None:
+            self.reward_weights = torch.tensor([1.0, 0.5])
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep):
+        assert input_ids.shape == attention_mask.shape
+        assert logits_to_keep == self.logps.shape[1]
+        return self.logps, None, None
+
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        return self.rewards_per_func
+
+    def _generate_and_score_completions(self, inputs):
+        self._calculate_rewards(inputs, None, None, None)
+        return {"advantages": torch.full((self.rows,), float("nan"))}
+
+
+def _readme_trl_classes(monkeypatch) -> dict:
+    monkeypatch.setitem(sys.modules, "trl", SimpleNamespace(GRPOTrainer=_FakeGRPOTrainer))
+    namespace: dict = {}
+    for block in [block for block in python_blocks() if "GRPOTrainer" in block]:
+        exec(block, namespace)
+    return namespace
+
+
+def test_readme_trl_loss_class_gives_trl_cispo_loss_and_gradient(monkeypatch):
+    classes = _readme_trl_classes(monkeypatch)
     batch = _trl_batch()
     logps, old, mask = batch["per_token_logps"], batch["old_per_token_logps"], batch["completion_mask"]
-    advantages = _trl_advantages(batch["rewards"], batch["num_generations"])[:, None]
-    clamped = torch.clamp((logps - old).exp(), max=5.0).detach()  # TRL: epsilon_high=5.0
-    per_token = -clamped * advantages * logps
-    normalizer = batch["num_items_in_batch"] / 1 * 2 / 2
-    expected = (per_token * mask).sum() / normalizer
-    torch.testing.assert_close(namespace["loss"], expected)
-    (ours,) = torch.autograd.grad(namespace["loss"], namespace["per_token_logps"])
+    advantages = _trl_advantages(batch["rewards"], batch["num_generations"])
+    generation_tokens = mask.sum() * 2 + 3  # this micro-batch is one of two (steps_per_generation)
+    trainer = classes["RLAlgosGRPOTrainer"](
+        logps=logps, accumulation=2, steps_per_generation=2, loss=("cispo", {"epsilon_high": 4.0})
+    )
+    inputs = {
+        "prompt_ids": torch.zeros(6, 2, dtype=torch.long),
+        "prompt_mask": torch.ones(6, 2, dtype=torch.long),
+        "completion_ids": torch.zeros(6, 5, dtype=torch.long),
+        "completion_mask": mask,
+        "advantages": advantages,
+        "num_items_in_batch": generation_tokens,
+        "old_per_token_logps": old,
+    }
+    loss = trainer.compute_loss(None, inputs)
+    # TRL 1.16, loss_type="cispo", epsilon_high=5.0
+    clamped = torch.clamp((logps - old).exp(), max=5.0).detach()
+    per_token = -clamped * advantages[:, None] * logps
+    expected = (per_token * mask).sum() / (generation_tokens / 1 * 2 / 2)
+    torch.testing.assert_close(loss, expected)
+    (ours,) = torch.autograd.grad(loss, logps)
     (theirs,) = torch.autograd.grad(expected, logps)
     torch.testing.assert_close(ours, theirs)
+
+
+def test_readme_trl_advantages_class_gives_trl_advantages_and_this_ranks_slice(monkeypatch):
+    classes = _readme_trl_classes(monkeypatch)
+    rewards_per_func = torch.tensor([[1.0, 0.0], [0.0, 2.0], [0.5, 0.0], [2.0, 0.0]] * 2)
+    rewards_per_func[4:] *= torch.tensor([[1.0], [3.0], [0.0], [1.0]])
+    rewards = rewards_per_func[:, 0] + 0.5 * rewards_per_func[:, 1]  # reward_weights [1, 0.5]
+    options = {"rewards_per_func": rewards_per_func, "rows": 2, "process_index": 1, "num_processes": 4}
+    trl_like = classes["RLAlgosAdvantagesGRPOTrainer"](
+        num_generations=4, estimator=("grpo", {"preset": "trl"}), **options
+    )
+    advantages = trl_like._generate_and_score_completions({})["advantages"]
+    torch.testing.assert_close(advantages, _trl_advantages(rewards, 4)[2:4])
+    rloo = classes["RLAlgosAdvantagesGRPOTrainer"](num_generations=4, **options)  # the default: RLOO
+    grouped = rewards.view(2, 4)
+    others = (grouped.sum(1, keepdim=True) - grouped) / 3
+    torch.testing.assert_close(
+        rloo._generate_and_score_completions({})["advantages"], (grouped - others).flatten()[2:4]
+    )
 
 
 def test_trl_sequence_level_importance_sampling_equals_gspo():
