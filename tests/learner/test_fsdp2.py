@@ -5,7 +5,8 @@ same checksums as the unsharded model; a `fully_shard` critic (value head sharde
 unit) and the supervised learners (sft, dpo with its frozen reference, rm) take DeepSpeed's
 step too. One slow test starts two gloo ranks (`_worker_fsdp2.py`): a team's own `fully_shard`
 loop syncing through `make_sender`, the FSDP2 policy's and critic's steps on two ranks against
-this process's one-rank steps, and a policy checkpoint resumed across world sizes (2 -> 1, 1 -> 2).
+this process's one-rank steps, a policy checkpoint resumed across world sizes (2 -> 1, 1 -> 2),
+and FSDP × TP = 1 × 2 (`tensor_parallel_size=2`): one rank's step, and the unsharded model's checksums.
 """
 
 from __future__ import annotations
@@ -324,6 +325,7 @@ def test_two_fsdp2_ranks_sync_step_and_reshard_checkpoints_like_one_rank(
     halves = [batch.select(range(4)), batch.select(range(4, 8))]
     one = _learner(tokenizer)
     expected = one.train_step(halves, LOSS)
+    after_one_step = _state(one)
     save_checkpoint(tmp_path / "one-ckpt", 1, {"policy": one.engine}, TrainingState(step=1), save_rng=False)
     worker = pathlib.Path(__file__).with_name("_worker_fsdp2.py")
     wait_ranks(start_ranks(worker, tmp_path, 2), timeout=600)
@@ -375,6 +377,25 @@ def test_two_fsdp2_ranks_sync_step_and_reshard_checkpoints_like_one_rank(
     for name, value in _state(one).items():
         torch.testing.assert_close(resumed[name], value, rtol=1e-5, atol=1e-6, msg=name)
     torch.testing.assert_close(_state(back), _state(one), rtol=1e-5, atol=1e-6)
+
+    # FSDP × TP = 1 × 2: half of each layer's heads per rank, one rank's step, and the weights it
+    # sends have the checksums of the unsharded model holding them.
+    tp = json.loads((tmp_path / "tp-metrics.json").read_text())
+    assert (tp["q_proj_local"], tp["q_proj"]) == ([64, 128], [128, 128])
+    for key in ("loss", "grad_norm", "entropy", "kl", "tokens", "sequences"):
+        assert tp[key] == pytest.approx(expected[key], rel=1e-5), key
+    tp_state = decode((tmp_path / "tp-state.msgpack").read_bytes(), dict[str, torch.Tensor])
+    # AdamW's first step moves a weight by about lr · g / (|g| + eps): an element whose gradient is
+    # near eps carries the round-off of the split matmuls' other summation order into its update
+    # (up to 7e-6 seen), so the weights agree to 1% of one step's lr (1e-3) rather than to 1e-6.
+    for name, value in after_one_step.items():
+        torch.testing.assert_close(tp_state[name], value, rtol=1e-5, atol=1e-5, msg=name)
+    plain = build_tiny_model(tokenizer, seed=0)
+    plain.load_state_dict(tp_state)
+    layout = sync_layout(plain, bucket_bytes=SMALL_BUCKETS)
+    spec = WeightSyncSpec(transport="file", layout=layout, directory=str(tmp_path / "tp-plain"))
+    tp_sent = decode((tmp_path / "tp-report.msgpack").read_bytes(), WeightSyncReport)
+    assert compare_checksums(FileSender(plain, spec).send(version=5), tp_sent) == []
 
     # The critic: its score head's one row on rank 0, the same step as one rank's.
     heads = [json.loads((tmp_path / f"critic-head-{rank}.json").read_text()) for rank in (0, 1)]
