@@ -511,8 +511,6 @@ def test_openrlhf_script_trains_two_steps_with_one_gpu_and_local_paths(name, run
         assert "train.epochs 1: train.max_steps 2" in output
         assert (tmp_path / "out" / "final" / "config.json").is_file()  # the script's --ckpt.output_dir
     if "--ds.adam_offload" in SCRIPTS[name].flags:  # on CPU: taken, a no-op, no CPU Adam op built
-        assert (
-            "train.adam_offload: a no-op on CPU: the optimizer states already live in host memory" in output
-        )
+        assert "train.adam_offload: a no-op on CPU: the optimizer states already live in host memory" in output
     if "flash_attention_2" in SCRIPTS[name].flags:
         assert "attn_implementation flash_attention_2: the flash-attn package is not installed here" in output
