@@ -121,8 +121,8 @@ def worker(args: argparse.Namespace) -> None:
     data_rank = rank // ds.tensor_parallel_size  # a TP group's ranks share their micro-batch
     batch = micro_batch(args, seed=data_rank)
     import deepspeed  # noqa: F401  # libraries the learners import lazily: before the baseline
-    import torch.distributed.fsdp  # noqa: F401
-    import torch.distributed.tensor.parallel  # noqa: F401
+    import torch.distributed.fsdp
+    import torch.distributed.tensor.parallel
     import transformers.models.qwen2.modeling_qwen2  # noqa: F401
 
     before = reset_peak()
@@ -231,7 +231,9 @@ def main() -> None:
             f"peak memory per rank {fsdp2['peak_mib'] / zero3['peak_mib']:.2f}x"
         )
     if {"tp1", "tp2"} <= results.keys():
-        print(f"tp2 / tp1: peak memory per rank {results['tp2']['peak_mib'] / results['tp1']['peak_mib']:.2f}x")
+        print(
+            f"tp2 / tp1: peak memory per rank {results['tp2']['peak_mib'] / results['tp1']['peak_mib']:.2f}x"
+        )
 
 
 if __name__ == "__main__":

@@ -133,7 +133,9 @@ def test_tensor_parallelism_reaches_every_learner_and_its_groups_share_micro_bat
     inputs = types.SimpleNamespace(model_path="m", critic_path="m", reward_model_path="rm", teacher_path="t")
     specs = learner_specs(config(**TP), inputs, dtype="fp32", use_gpus=False, total_steps=4)
     assert {specs[role].deepspeed.tensor_parallel_size for role in ("policy", "ref")} == {2}
-    plan = plan_items(list("abcd"), [5, 5, 5, 5], ranks=4, sequence_parallel=1, max_tokens=5, tensor_parallel=2)
+    plan = plan_items(
+        list("abcd"), [5, 5, 5, 5], ranks=4, sequence_parallel=1, max_tokens=5, tensor_parallel=2
+    )
     assert plan[0] == plan[1] != plan[2] == plan[3]  # ranks 0, 1 and 2, 3: two TP groups
     assert sorted(item for micro in plan[0] + plan[2] for item in micro) == list("abcd")
 
@@ -142,7 +144,10 @@ def test_tensor_parallelism_reaches_every_learner_and_its_groups_share_micro_bat
     ("overrides", "refusal"),
     [
         ({"train.backend": "deepspeed"}, r"train.tensor_parallel_size: 2 needs train.backend fsdp2 .*AutoTP"),
-        ({"ray.ref.num_actors": 1}, r"ray.ref.num_actors: 1 must be a multiple of train.tensor_parallel_size 2"),
+        (
+            {"ray.ref.num_actors": 1},
+            r"ray.ref.num_actors: 1 must be a multiple of train.tensor_parallel_size 2",
+        ),
         ({"train.adam_offload": True}, r"train.adam_offload: True with train.tensor_parallel_size 2"),
         ({"train.tensor_parallel_size": 4, "ray.policy.num_actors": 4, "ray.ref.num_actors": 4}, None),
     ],
@@ -158,7 +163,10 @@ def test_tensor_parallelism_is_refused_at_validation_naming_the_option(overrides
         refusal = r"model.pretrain: .* cannot be split by .* 4: num_key_value_heads 2 is not divisible by"
     with pytest.raises(ConfigError, match=refusal):
         config(**{**TP, "model.pretrain": str(folder), "data.prompt_data": "p.jsonl", **overrides})
-    assert config(**{**TP, "model.pretrain": str(folder), "data.prompt_data": "p.jsonl"}).train.backend == "fsdp2"
+    assert (
+        config(**{**TP, "model.pretrain": str(folder), "data.prompt_data": "p.jsonl"}).train.backend
+        == "fsdp2"
+    )
 
 
 def test_openrlhfs_ds_tensor_parallel_size_is_taken_as_fsdp2_tensor_parallelism_with_a_note():
@@ -172,6 +180,8 @@ def test_openrlhfs_ds_tensor_parallel_size_is_taken_as_fsdp2_tensor_parallelism_
     with pytest.raises(ConfigError, match=r"train.tensor_parallel_size: 2 needs train.backend fsdp2"):
         resolve_config("sft", None, {"train.tensor_parallel_size": "2", "ray.learner.num_actors": "2"})
     taken = resolve_config(
-        "dpo", None, {"train.backend": "fsdp2", "train.tensor_parallel_size": "2", "ray.learner.num_actors": "2"}
+        "dpo",
+        None,
+        {"train.backend": "fsdp2", "train.tensor_parallel_size": "2", "ray.learner.num_actors": "2"},
     )
     assert taken.train.tensor_parallel_size == 2
