@@ -174,7 +174,7 @@ def test_openrlhfs_ds_tensor_parallel_size_is_taken_as_fsdp2_tensor_parallelism_
 
     argv, notes = expand_aliases(["--train.backend", "fsdp2", "--ds.tensor_parallel_size", "2"], "ppo")
     assert argv == ["--train.backend", "fsdp2", "--train.tensor_parallel_size", "2"]
-    assert "DeepSpeed AutoTP does not train in these learners" in " ".join(notes)
+    assert "DeepSpeed AutoTP is not wired into these learners" in " ".join(notes)
     _, notes = expand_aliases(["--ds.tensor_parallel_size", "2"], "sft")
     assert "it needs --train.backend fsdp2" in " ".join(notes)
     with pytest.raises(ConfigError, match=r"train.tensor_parallel_size: 2 needs train.backend fsdp2"):

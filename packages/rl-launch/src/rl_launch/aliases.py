@@ -194,7 +194,7 @@ def _always(reason: str, value: str | None = None) -> Convert:
 
 
 def _tensor_parallel(values: tuple[str, ...], context: Context) -> Pairs | tuple[Pairs, str]:
-    """--ds.tensor_parallel_size N: DeepSpeed AutoTP does not train here; the FSDP2 learners' TP does."""
+    """--ds.tensor_parallel_size N: DeepSpeed AutoTP is not wired into the learners; the FSDP2 learners' TP is."""
     pairs = [("train.tensor_parallel_size", values[0])]
     if _int(values[0]) == 1:
         return pairs
@@ -203,7 +203,7 @@ def _tensor_parallel(values: tuple[str, ...], context: Context) -> Pairs | tuple
         "" if backend == "fsdp2" else "; it needs --train.backend fsdp2 (refused at start under deepspeed)"
     )
     return pairs, (
-        "DeepSpeed AutoTP does not train in these learners: taken as the FSDP2 learners' DTensor tensor "
+        "DeepSpeed AutoTP is not wired into these learners: taken as the FSDP2 learners' DTensor tensor "
         f"parallelism (q/k/v/gate/up split by columns, o/down by rows, over groups of {values[0]} "
         f"consecutive ranks that share their micro-batches){where}"
     )

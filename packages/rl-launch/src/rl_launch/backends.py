@@ -25,7 +25,8 @@ in host memory on GPUs at any train.zero_stage (a no-op on CPU, said on the star
 
 train.tensor_parallel_size tp > 1 (`tensor_parallel_refusals`, both backends) is refused:
 - under train.backend deepspeed: its learners are data-parallel only (DeepSpeed's AutoTP
-  training is not wired in);
+  trains a step on gloo here, with ZeRO-1, but is not wired into the learners: their weight sync,
+  checkpoints and HF export would need its split layers gathered);
 - with train.adam_offload (CPU offload of 2-D mesh parameters is not verified);
 - where a learner role's ray.<role>.num_actors is not a multiple of tp (ppo: the policy, critic,
   reference, teacher and reward model the run starts; sft / rm / dpo / kto: ray.learner);
@@ -126,7 +127,8 @@ def tensor_parallel_refusals(config: Any, roles: dict[str, bool] | None = None) 
     if train.backend != "fsdp2":
         why = (
             f"needs train.backend fsdp2 (DTensor tensor parallelism); the {train.backend} learners are "
-            "data-parallel only (DeepSpeed's AutoTP training is not wired in); add --train.backend fsdp2"
+            "data-parallel only (DeepSpeed's AutoTP is not wired into them: weight sync, checkpoints and HF "
+            "export would need its split layers gathered); add --train.backend fsdp2"
         )
         return [(option, tp, why)]
     found = []

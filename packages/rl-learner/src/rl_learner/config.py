@@ -245,7 +245,8 @@ class DeepSpeedConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(
                 f"{owner}.tensor_parallel_size: {self.tensor_parallel_size} needs backend 'fsdp2' "
                 "(DTensor tensor parallelism); the DeepSpeed learners are data-parallel only "
-                "(DeepSpeed's AutoTP training is not wired in)"
+                "(DeepSpeed's AutoTP trains a step on gloo here, but is not wired into these learners: their "
+                "weight sync, checkpoints and HF export would need its split layers gathered)"
             )
         if deepspeed and self.offload_optimizer and self.zero_stage == 0:
             raise ValueError(f"{owner}.offload_optimizer: True needs zero_stage >= 1, got zero_stage 0")
