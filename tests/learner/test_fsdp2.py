@@ -408,3 +408,23 @@ def test_two_fsdp2_ranks_sync_step_and_reshard_checkpoints_like_one_rank(
         assert metrics[key] == pytest.approx(expected[key], rel=1e-5), key
     for name, value in _state(one).items():
         torch.testing.assert_close(two[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_tensor_parallelism_needs_whole_groups_and_sync_gathers_over_one_meshs_parts(world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    from rl_learner.dtensor import dtensor_group
+    from rl_learner.fsdp2 import Fsdp2Engine
+
+    ds = DeepSpeedConfig(backend="fsdp2", dtype="fp32", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size: 2 does not divide the world size 1"):
+        Fsdp2Engine(torch.nn.Linear(2, 2), ds, None, total_steps=1, device=torch.device("cpu"))
+    # FSDP x TP: split matrices on the dp x tp mesh, the rest on its dp part -> one gather group
+    grid = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
+    on_grid = distribute_tensor(torch.ones(2), grid, [Replicate(), Replicate()])
+    on_part = distribute_tensor(torch.ones(2), grid["dp"], [Replicate()])
+    assert dtensor_group([on_grid, on_part]) is dist.group.WORLD
+    other = distribute_tensor(torch.ones(2), init_device_mesh("cpu", (1,)), [Replicate()])
+    with pytest.raises(ValueError, match=r"live on different device meshes"):
+        dtensor_group([on_grid, other])
