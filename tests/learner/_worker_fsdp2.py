@@ -9,7 +9,7 @@
    step (one-ckpt/, resharded by torch.distributed.checkpoint) and take the next step from it.
 3. The same for a `ValueLearner` critic (its score head's local shard shape: critic-head-<r>.json).
 4. FSDP × TP = 1 × 2 (`tensor_parallel_size=2`): the policy's step over both micro-batches on each
-   rank, its weights and a "file" sync of them (tp-*).
+   rank, its weights, a "file" sync of them and its checkpoint (tp-*); the critic's step.
 
 Each rank writes `rank-<r>.json` (whether it sent, whether its report is None, the number of
 buckets, whether its parameters were sharded).
@@ -158,11 +158,25 @@ def tensor_parallel_step(folder: pathlib.Path, tokenizer, rank: int) -> None:
     sender = make_sender(spec, learner.module)
     report = sender.send(version=5)
     sender.close()
+    save_checkpoint(folder / "tp-ckpt", 1, {"policy": learner.engine}, TrainingState(step=1), save_rng=False)
     if rank == 0:
         info = {**metrics, "q_proj_local": list(q_proj.to_local().shape), "q_proj": list(q_proj.shape)}
         (folder / "tp-metrics.json").write_text(json.dumps(info))
         (folder / "tp-state.msgpack").write_bytes(encode(state))
         (folder / "tp-report.msgpack").write_bytes(encode(report))
+
+    values = experience(8)  # the critic: its score head whole on both ranks
+    with torch.no_grad():
+        fill_value_slots(values, packed_values(tiny_critic(tokenizer), values).float())
+    critic = ValueLearner(
+        tiny_critic(tokenizer),
+        deepspeed=DeepSpeedConfig(backend="fsdp2", dtype="fp32", tensor_parallel_size=2),
+        optimizer=OPTIMIZER,
+        total_steps=4,
+    )
+    metrics = critic.train_step([values.select(range(4)), values.select(range(4, 8))], VALUE_LOSS)
+    if rank == 0:
+        (folder / "tp-critic-metrics.json").write_text(json.dumps(metrics))
 
 
 def main(folder: pathlib.Path) -> None:

@@ -6,7 +6,8 @@ unit) and the supervised learners (sft, dpo with its frozen reference, rm) take 
 step too. One slow test starts two gloo ranks (`_worker_fsdp2.py`): a team's own `fully_shard`
 loop syncing through `make_sender`, the FSDP2 policy's and critic's steps on two ranks against
 this process's one-rank steps, a policy checkpoint resumed across world sizes (2 -> 1, 1 -> 2),
-and FSDP × TP = 1 × 2 (`tensor_parallel_size=2`): one rank's step, and the unsharded model's checksums.
+and FSDP × TP = 1 × 2 (`tensor_parallel_size=2`): one rank's policy and critic steps, the unsharded
+model's checksums, and a TP checkpoint resumed on one rank.
 """
 
 from __future__ import annotations
@@ -396,6 +397,11 @@ def test_two_fsdp2_ranks_sync_step_and_reshard_checkpoints_like_one_rank(
     spec = WeightSyncSpec(transport="file", layout=layout, directory=str(tmp_path / "tp-plain"))
     tp_sent = decode((tmp_path / "tp-report.msgpack").read_bytes(), WeightSyncReport)
     assert compare_checksums(FileSender(plain, spec).send(version=5), tp_sent) == []
+    tp_back = _learner(tokenizer)  # the TP ranks' checkpoint resumes on one rank without TP
+    assert load_checkpoint(tmp_path / "tp-ckpt", {"policy": tp_back.engine}, restore_rng=False).step == 1
+    tp_onto_one = tp_back.train_step(halves, LOSS)
+    for key in ("loss", "grad_norm", "entropy", "kl", "lr"):
+        assert tp_onto_one[key] == pytest.approx(following[key], rel=1e-5), key
 
     # The critic: its score head's one row on rank 0, the same step as one rank's.
     heads = [json.loads((tmp_path / f"critic-head-{rank}.json").read_text()) for rank in (0, 1)]
@@ -406,6 +412,9 @@ def test_two_fsdp2_ranks_sync_step_and_reshard_checkpoints_like_one_rank(
     expected = one.train_step([value_batch.select(range(4)), value_batch.select(range(4, 8))], VALUE_LOSS)
     for key in ("loss", "grad_norm", "value_mean", "value_clip_fraction", "tokens"):
         assert metrics[key] == pytest.approx(expected[key], rel=1e-5), key
+    tp_critic = json.loads((tmp_path / "tp-critic-metrics.json").read_text())  # FSDP x TP = 1 x 2
+    for key in ("loss", "grad_norm", "value_mean", "value_clip_fraction", "tokens"):
+        assert tp_critic[key] == pytest.approx(expected[key], rel=1e-5), key
     for name, value in _state(one).items():
         torch.testing.assert_close(two[name], value, rtol=1e-5, atol=1e-6, msg=name)
 
