@@ -361,8 +361,8 @@ class Learner:
       on_non_finite: "skip" or "raise" (module docstring).
 
     Attributes: `engine` (DeepSpeed engine), `module` (the transformers model), `rank`,
-    `world_size`, `device`, `deepspeed_config` (the dict DeepSpeed got), `step` (updates applied),
-    `lr` (of the next update).
+    `world_size`, `sequence_parallel` / `tensor_parallel` (this rank's group or None), `device`,
+    `deepspeed_config` (the dict DeepSpeed got), `step` (updates applied), `lr` (of the next update).
     """
 
     fsdp2_ready: ClassVar[bool] = False
@@ -399,8 +399,10 @@ class Learner:
         self.deepspeed_config = deepspeed_config(
             deepspeed, optimizer, world_size=self.world_size, train=optimizer is not None
         )
+        self.tensor_parallel = None  # this rank's TP group (FSDP2 with tensor_parallel_size > 1)
         if deepspeed.backend == "fsdp2":
             self.engine = self._fsdp2_engine(model)
+            self.tensor_parallel = self.engine.tensor_parallel
             return
         if optimizer is None:
             model.requires_grad_(False)
@@ -471,9 +473,7 @@ class Learner:
     def _batch_group(self) -> Any:
         """This rank's group of ranks that share micro-batches: its sequence-parallel group, its
         tensor-parallel group (FSDP2 with tensor_parallel_size > 1), or None."""
-        if self.sequence_parallel is not None:
-            return self.sequence_parallel
-        return getattr(self.engine, "tensor_parallel", None)
+        return self.sequence_parallel if self.sequence_parallel is not None else self.tensor_parallel
 
     @property
     def gradient_ranks(self) -> int:

@@ -27,7 +27,8 @@ anything is built; `apply_tensor_parallel` splits the layers.
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from typing import Any, ClassVar
 
 import torch
 
@@ -52,6 +53,7 @@ COLUMN_PARALLEL = (
 ROW_PARALLEL = ("self_attn.o_proj", "mlp.down_proj")
 
 
+@dataclasses.dataclass(frozen=True)
 class TensorParallelGroup:
     """This rank's TP group: `size` consecutive global ranks that share a micro-batch.
 
@@ -62,10 +64,10 @@ class TensorParallelGroup:
       kind: "tensor-parallel" (for messages; a sequence-parallel group says "sequence-parallel").
     """
 
-    kind = "tensor-parallel"
-
-    def __init__(self, group: Any, size: int, rank: int) -> None:
-        self.group, self.size, self.rank = group, size, rank
+    group: Any
+    size: int
+    rank: int
+    kind: ClassVar[str] = "tensor-parallel"
 
 
 def layer_plan() -> dict[str, Any]:
