@@ -118,3 +118,67 @@ def test_a_supervised_fsdp2_reference_loads_in_the_run_dtype_and_the_trained_mod
     settings = learner_options(dpo)
     assert model_options(dpo, settings.deepspeed)["dtype"] == torch.float32
     assert model_options(dpo, settings.inference, trained=False)["dtype"] == torch.bfloat16
+
+
+TP = {"train.tensor_parallel_size": 2, "ray.policy.num_actors": 2, "ray.ref.num_actors": 2}
+
+
+def test_tensor_parallelism_reaches_every_learner_and_its_groups_share_micro_batches():
+    from rl_launch.specs import learner_specs
+    from rl_launch.trainers.learners import plan_items
+
+    inputs = types.SimpleNamespace(model_path="m", critic_path="m", reward_model_path="rm", teacher_path="t")
+    specs = learner_specs(config(**TP), inputs, dtype="fp32", use_gpus=False, total_steps=4)
+    assert {specs[role].deepspeed.tensor_parallel_size for role in ("policy", "ref")} == {2}
+    plan = plan_items(
+        list("abcd"), [5, 5, 5, 5], ranks=4, sequence_parallel=1, max_tokens=5, tensor_parallel=2
+    )
+    assert plan[0] == plan[1] != plan[2] == plan[3]  # ranks 0, 1 and 2, 3: two TP groups
+    assert sorted(item for micro in plan[0] + plan[2] for item in micro) == list("abcd")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "refusal"),
+    [
+        ({"train.backend": "deepspeed"}, r"train.tensor_parallel_size: 2 needs train.backend fsdp2 .*AutoTP"),
+        (
+            {"ray.ref.num_actors": 1},
+            r"ray.ref.num_actors: 1 must be a multiple of train.tensor_parallel_size 2",
+        ),
+        ({"train.adam_offload": True}, r"train.adam_offload: True with train.tensor_parallel_size 2"),
+        ({"train.tensor_parallel_size": 4, "ray.policy.num_actors": 4, "ray.ref.num_actors": 4}, None),
+    ],
+)
+def test_tensor_parallelism_is_refused_at_validation_naming_the_option(overrides, refusal, tmp_path):
+    import json
+
+    folder = tmp_path / "model"  # a Qwen2 checkpoint's config: 4 query heads, 2 key-value heads
+    folder.mkdir()
+    heads = {"num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 512}
+    (folder / "config.json").write_text(json.dumps({"model_type": "qwen2", **heads}))
+    if refusal is None:
+        refusal = r"model.pretrain: .* cannot be split by .* 4: num_key_value_heads 2 is not divisible by"
+    with pytest.raises(ConfigError, match=refusal):
+        config(**{**TP, "model.pretrain": str(folder), "data.prompt_data": "p.jsonl", **overrides})
+    assert (
+        config(**{**TP, "model.pretrain": str(folder), "data.prompt_data": "p.jsonl"}).train.backend
+        == "fsdp2"
+    )
+
+
+def test_openrlhfs_ds_tensor_parallel_size_is_taken_as_fsdp2_tensor_parallelism_with_a_note():
+    from rl_launch.aliases import expand_aliases
+
+    argv, notes = expand_aliases(["--train.backend", "fsdp2", "--ds.tensor_parallel_size", "2"], "ppo")
+    assert argv == ["--train.backend", "fsdp2", "--train.tensor_parallel_size", "2"]
+    assert "DeepSpeed AutoTP is not wired into these learners" in " ".join(notes)
+    _, notes = expand_aliases(["--ds.tensor_parallel_size", "2"], "sft")
+    assert "it needs --train.backend fsdp2" in " ".join(notes)
+    with pytest.raises(ConfigError, match=r"train.tensor_parallel_size: 2 needs train.backend fsdp2"):
+        resolve_config("sft", None, {"train.tensor_parallel_size": "2", "ray.learner.num_actors": "2"})
+    taken = resolve_config(
+        "dpo",
+        None,
+        {"train.backend": "fsdp2", "train.tensor_parallel_size": "2", "ray.learner.num_actors": "2"},
+    )
+    assert taken.train.tensor_parallel_size == 2

@@ -8,6 +8,8 @@
    The ranks save that state (two-ckpt/), then load the test's one-rank checkpoint of the same
    step (one-ckpt/, resharded by torch.distributed.checkpoint) and take the next step from it.
 3. The same for a `ValueLearner` critic (its score head's local shard shape: critic-head-<r>.json).
+4. FSDP × TP = 1 × 2 (`tensor_parallel_size=2`): the policy's step over both micro-batches on each
+   rank, its weights, a "file" sync of them and its checkpoint (tp-*); the critic's step.
 
 Each rank writes `rank-<r>.json` (whether it sent, whether its report is None, the number of
 buckets, whether its parameters were sharded).
@@ -132,6 +134,51 @@ def critic_step(folder: pathlib.Path, tokenizer, rank: int) -> None:
         (folder / "critic-state.msgpack").write_bytes(encode(state))
 
 
+def tensor_parallel_step(folder: pathlib.Path, tokenizer, rank: int) -> None:
+    """FSDP × TP = 1 × 2: both ranks take the same two micro-batches (one TP group), each holding
+    half of every decoder layer's heads and MLP columns; rank 0 writes the metrics, the full
+    weights and the report of a "file" sync of them (gathered bucket by bucket)."""
+    batch = experience(8)
+    with torch.no_grad():
+        fill_policy_slots(batch, packed_logprobs(tiny_policy(tokenizer), batch).float())
+    learner = PolicyLearner(
+        tiny_policy(tokenizer),
+        deepspeed=DeepSpeedConfig(backend="fsdp2", dtype="fp32", tensor_parallel_size=2),
+        optimizer=OPTIMIZER,
+        total_steps=4,
+    )
+    q_proj = learner.module.model.layers[0].self_attn.q_proj.weight
+    metrics = learner.train_step([batch.select(range(4)), batch.select(range(4, 8))], LOSS)
+    state = {name: p.full_tensor().detach() for name, p in learner.module.named_parameters()}
+    spec = WeightSyncSpec(
+        transport="file",
+        layout=sync_layout(learner.module, bucket_bytes=SMALL_BUCKETS),
+        directory=str(folder / "tp-sync"),
+    )
+    sender = make_sender(spec, learner.module)
+    report = sender.send(version=5)
+    sender.close()
+    save_checkpoint(folder / "tp-ckpt", 1, {"policy": learner.engine}, TrainingState(step=1), save_rng=False)
+    if rank == 0:
+        info = {**metrics, "q_proj_local": list(q_proj.to_local().shape), "q_proj": list(q_proj.shape)}
+        (folder / "tp-metrics.json").write_text(json.dumps(info))
+        (folder / "tp-state.msgpack").write_bytes(encode(state))
+        (folder / "tp-report.msgpack").write_bytes(encode(report))
+
+    values = experience(8)  # the critic: its score head whole on both ranks
+    with torch.no_grad():
+        fill_value_slots(values, packed_values(tiny_critic(tokenizer), values).float())
+    critic = ValueLearner(
+        tiny_critic(tokenizer),
+        deepspeed=DeepSpeedConfig(backend="fsdp2", dtype="fp32", tensor_parallel_size=2),
+        optimizer=OPTIMIZER,
+        total_steps=4,
+    )
+    metrics = critic.train_step([values.select(range(4)), values.select(range(4, 8))], VALUE_LOSS)
+    if rank == 0:
+        (folder / "tp-critic-metrics.json").write_text(json.dumps(metrics))
+
+
 def main(folder: pathlib.Path) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -139,6 +186,7 @@ def main(folder: pathlib.Path) -> None:
     own_loop(folder, tokenizer, rank)
     learner_step(folder, tokenizer, rank)
     critic_step(folder, tokenizer, rank)
+    tensor_parallel_step(folder, tokenizer, rank)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -5,7 +5,9 @@ same checksums as the unsharded model; a `fully_shard` critic (value head sharde
 unit) and the supervised learners (sft, dpo with its frozen reference, rm) take DeepSpeed's
 step too. One slow test starts two gloo ranks (`_worker_fsdp2.py`): a team's own `fully_shard`
 loop syncing through `make_sender`, the FSDP2 policy's and critic's steps on two ranks against
-this process's one-rank steps, and a policy checkpoint resumed across world sizes (2 -> 1, 1 -> 2).
+this process's one-rank steps, a policy checkpoint resumed across world sizes (2 -> 1, 1 -> 2),
+and FSDP × TP = 1 × 2 (`tensor_parallel_size=2`): one rank's policy and critic steps, the unsharded
+model's checksums, and a TP checkpoint resumed on one rank.
 """
 
 from __future__ import annotations
@@ -324,6 +326,7 @@ def test_two_fsdp2_ranks_sync_step_and_reshard_checkpoints_like_one_rank(
     halves = [batch.select(range(4)), batch.select(range(4, 8))]
     one = _learner(tokenizer)
     expected = one.train_step(halves, LOSS)
+    after_one_step = _state(one)
     save_checkpoint(tmp_path / "one-ckpt", 1, {"policy": one.engine}, TrainingState(step=1), save_rng=False)
     worker = pathlib.Path(__file__).with_name("_worker_fsdp2.py")
     wait_ranks(start_ranks(worker, tmp_path, 2), timeout=600)
@@ -376,6 +379,30 @@ def test_two_fsdp2_ranks_sync_step_and_reshard_checkpoints_like_one_rank(
         torch.testing.assert_close(resumed[name], value, rtol=1e-5, atol=1e-6, msg=name)
     torch.testing.assert_close(_state(back), _state(one), rtol=1e-5, atol=1e-6)
 
+    # FSDP × TP = 1 × 2: half of each layer's heads per rank, one rank's step, and the weights it
+    # sends have the checksums of the unsharded model holding them.
+    tp = json.loads((tmp_path / "tp-metrics.json").read_text())
+    assert (tp["q_proj_local"], tp["q_proj"]) == ([64, 128], [128, 128])
+    for key in ("loss", "grad_norm", "entropy", "kl", "tokens", "sequences"):
+        assert tp[key] == pytest.approx(expected[key], rel=1e-5), key
+    tp_state = decode((tmp_path / "tp-state.msgpack").read_bytes(), dict[str, torch.Tensor])
+    # AdamW's first step moves a weight by about lr · g / (|g| + eps): an element whose gradient is
+    # near eps carries the round-off of the split matmuls' other summation order into its update
+    # (up to 7e-6 seen), so the weights agree to 1% of one step's lr (1e-3) rather than to 1e-6.
+    for name, value in after_one_step.items():
+        torch.testing.assert_close(tp_state[name], value, rtol=1e-5, atol=1e-5, msg=name)
+    plain = build_tiny_model(tokenizer, seed=0)
+    plain.load_state_dict(tp_state)
+    layout = sync_layout(plain, bucket_bytes=SMALL_BUCKETS)
+    spec = WeightSyncSpec(transport="file", layout=layout, directory=str(tmp_path / "tp-plain"))
+    tp_sent = decode((tmp_path / "tp-report.msgpack").read_bytes(), WeightSyncReport)
+    assert compare_checksums(FileSender(plain, spec).send(version=5), tp_sent) == []
+    tp_back = _learner(tokenizer)  # the TP ranks' checkpoint resumes on one rank without TP
+    assert load_checkpoint(tmp_path / "tp-ckpt", {"policy": tp_back.engine}, restore_rng=False).step == 1
+    tp_onto_one = tp_back.train_step(halves, LOSS)
+    for key in ("loss", "grad_norm", "entropy", "kl", "lr"):
+        assert tp_onto_one[key] == pytest.approx(following[key], rel=1e-5), key
+
     # The critic: its score head's one row on rank 0, the same step as one rank's.
     heads = [json.loads((tmp_path / f"critic-head-{rank}.json").read_text()) for rank in (0, 1)]
     assert heads == [[1, 128], [0, 128]]
@@ -385,5 +412,28 @@ def test_two_fsdp2_ranks_sync_step_and_reshard_checkpoints_like_one_rank(
     expected = one.train_step([value_batch.select(range(4)), value_batch.select(range(4, 8))], VALUE_LOSS)
     for key in ("loss", "grad_norm", "value_mean", "value_clip_fraction", "tokens"):
         assert metrics[key] == pytest.approx(expected[key], rel=1e-5), key
+    tp_critic = json.loads((tmp_path / "tp-critic-metrics.json").read_text())  # FSDP x TP = 1 x 2
+    for key in ("loss", "grad_norm", "value_mean", "value_clip_fraction", "tokens"):
+        assert tp_critic[key] == pytest.approx(expected[key], rel=1e-5), key
     for name, value in _state(one).items():
         torch.testing.assert_close(two[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_tensor_parallelism_needs_whole_groups_and_sync_gathers_over_one_meshs_parts(world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    from rl_learner.dtensor import dtensor_group
+    from rl_learner.fsdp2 import Fsdp2Engine
+
+    ds = DeepSpeedConfig(backend="fsdp2", dtype="fp32", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size: 2 does not divide the world size 1"):
+        Fsdp2Engine(torch.nn.Linear(2, 2), ds, None, total_steps=1, device=torch.device("cpu"))
+    # FSDP x TP: split matrices on the dp x tp mesh, the rest on its dp part -> one gather group
+    grid = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
+    on_grid = distribute_tensor(torch.ones(2), grid, [Replicate(), Replicate()])
+    on_part = distribute_tensor(torch.ones(2), grid["dp"], [Replicate()])
+    assert dtensor_group([on_grid, on_part]) is dist.group.WORLD
+    other = distribute_tensor(torch.ones(2), init_device_mesh("cpu", (1,)), [Replicate()])
+    with pytest.raises(ValueError, match=r"live on different device meshes"):
+        dtensor_group([on_grid, other])

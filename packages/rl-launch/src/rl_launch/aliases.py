@@ -193,6 +193,22 @@ def _always(reason: str, value: str | None = None) -> Convert:
     return convert
 
 
+def _tensor_parallel(values: tuple[str, ...], context: Context) -> Pairs | tuple[Pairs, str]:
+    """--ds.tensor_parallel_size N: DeepSpeed AutoTP is not wired into the learners; the FSDP2 learners' TP is."""
+    pairs = [("train.tensor_parallel_size", values[0])]
+    if _int(values[0]) == 1:
+        return pairs
+    backend = context.options.get("train.backend")
+    where = (
+        "" if backend == "fsdp2" else "; it needs --train.backend fsdp2 (refused at start under deepspeed)"
+    )
+    return pairs, (
+        "DeepSpeed AutoTP is not wired into these learners: taken as the FSDP2 learners' DTensor tensor "
+        f"parallelism (q/k/v/gate/up split by columns, o/down by rows, over groups of {values[0]} "
+        f"consecutive ranks that share their micro-batches){where}"
+    )
+
+
 # OpenRLHF sets gamma to 1.0 for these estimators, whatever the flag says; lambd is gae's alone.
 _UNDISCOUNTED_ESTIMATORS = ("rloo", "reinforce_baseline", "group_norm", "dr_grpo", "flash_reinforce")
 
@@ -987,8 +1003,10 @@ ALIASES: tuple[Alias, ...] = (
     _alias("ds.adam_offload", "train.adam_offload", nargs=0, commands=TRAINERS),
     _alias(
         "ds.tensor_parallel_size",
-        convert=_always("the learners are data-parallel (ZeRO), without tensor parallelism", value="1"),
+        "train.tensor_parallel_size",
+        convert=_tensor_parallel,
         commands=TRAINERS,
+        remark="DTensor tensor parallelism of the FSDP2 learners (--train.backend fsdp2), not DeepSpeed AutoTP",
     ),
     # DeepSpeed config keys, passed through (merged into the config every learner builds).
     _alias(

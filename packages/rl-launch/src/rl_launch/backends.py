@@ -23,6 +23,18 @@ parameters, gradients and AdamW state in host memory (FSDP2 has no optimizer-onl
 in host memory on GPUs at any train.zero_stage (a no-op on CPU, said on the start-up line:
 `rl_launch.learner_settings.frozen_offload`).
 
+train.tensor_parallel_size tp > 1 (`tensor_parallel_refusals`, both backends) is refused:
+- under train.backend deepspeed: its learners are data-parallel only (DeepSpeed's AutoTP
+  trains a step on gloo here, with ZeRO-1, but is not wired into the learners: their weight sync,
+  checkpoints and HF export would need its split layers gathered);
+- with train.adam_offload (CPU offload of 2-D mesh parameters is not verified);
+- where a learner role's ray.<role>.num_actors is not a multiple of tp (ppo: the policy, critic,
+  reference, teacher and reward model the run starts; sft / rm / dpo / kto: ray.learner);
+- where a model's config.json (model.pretrain and the critic / reward / teacher models, read when
+  the option names a local folder) is not a Qwen2 / Llama model or its head counts or MLP width do
+  not divide by tp (the message names the field); a model that is built later (a preset's, a hub
+  id) is checked the same way when its learner builds it.
+
 rl-launch sft / rm / dpo / kto refuse the same model.* and train.* options (LoRA, sequence
 parallelism, fp16, Muon, train.deepspeed_config); they have no reference /
 teacher offload, EMA or hybrid engine to refuse.
@@ -32,7 +44,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["fsdp2_refusals", "supervised_fsdp2_refusals"]
+__all__ = ["fsdp2_refusals", "supervised_fsdp2_refusals", "tensor_parallel_refusals"]
 
 
 def fsdp2_refusals(config: Any) -> list[tuple[str, Any, str]]:
@@ -100,3 +112,71 @@ def _shared(config: Any) -> list[tuple[str, Any, bool, str]]:
             "holds DeepSpeed config keys, which the FSDP2 learners do not read",
         ),
     ]
+
+
+def tensor_parallel_refusals(config: Any, roles: dict[str, bool] | None = None) -> list[tuple[str, Any, str]]:
+    """[(option, value, why)] for what stands in the way of train.tensor_parallel_size (module
+    docstring), for any command's config; empty when it is 1 or nothing does.
+
+    `roles`: {ray section: whether the run starts that learner}; None for the supervised commands'
+    one learner (ray.learner)."""
+    train, tp = config.train, config.train.tensor_parallel_size
+    if tp == 1:
+        return []
+    option = "train.tensor_parallel_size"
+    if train.backend != "fsdp2":
+        why = (
+            f"needs train.backend fsdp2 (DTensor tensor parallelism); the {train.backend} learners are "
+            "data-parallel only (DeepSpeed's AutoTP is not wired into them: weight sync, checkpoints and HF "
+            "export would need its split layers gathered); add --train.backend fsdp2"
+        )
+        return [(option, tp, why)]
+    found = []
+    if train.adam_offload:
+        found.append(
+            (
+                "train.adam_offload",
+                True,
+                f"with {option} {tp}: CPU offload of tensor-parallel "
+                "parameters is not verified yet (set train.adam_offload false)",
+            )
+        )
+    for role in [role for role, started in (roles or {"learner": True}).items() if started]:
+        actors = getattr(config.ray, role).num_actors
+        if actors % tp:
+            found.append(
+                (
+                    f"ray.{role}.num_actors",
+                    actors,
+                    f"must be a multiple of {option} {tp}: the ranks "
+                    "of a learner form tensor-parallel groups of that many",
+                )
+            )
+    for field in ("pretrain", "critic_pretrain", "reward_pretrain", "teacher_pretrain"):
+        reasons = _model_refusals(getattr(config.model, field, None), tp)
+        if reasons:
+            found.append(
+                (
+                    f"model.{field}",
+                    getattr(config.model, field),
+                    f"cannot be split by {option} {tp}: {'; '.join(reasons)}",
+                )
+            )
+    return found
+
+
+def _model_refusals(path: str | None, tp: int) -> list[str]:
+    """`rl_learner.tensor_parallel_refusals` of the model at `path` when it is a local folder with a
+    config.json; [] otherwise (the learner checks it when it builds the model)."""
+    import json
+    import pathlib
+
+    config = pathlib.Path(path) / "config.json" if path else None
+    if config is None or not config.is_file():
+        return []
+    from rl_learner.tensor_parallel import tensor_parallel_refusals as model_refusals
+
+    try:
+        return model_refusals(json.loads(config.read_text()), tp)
+    except (OSError, ValueError) as error:
+        return [f"its {config} cannot be read ({error})"]

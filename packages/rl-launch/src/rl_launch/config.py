@@ -765,6 +765,12 @@ class TrainConfig(_Section):
     """Learner backend: deepspeed, or fsdp2: torch's fully_shard for every learner (policy,
     reference, teacher, critic, reward model; rl-launch ppo, sft, rm, dpo, kto; zero_stage does
     not apply; what it does not do yet is refused at start: `rl_launch.backends`)."""
+    tensor_parallel_size: PositiveInt = 1
+    """Tensor parallelism of every learner (train.backend fsdp2): groups of this many consecutive
+    ranks split each decoder layer's attention heads and MLP columns (DTensor column / row plans,
+    Qwen2 / Llama family; `rl_learner.tensor_parallel`) and share their micro-batches, FSDP2 shards
+    over the groups (a dp x tp mesh). Each learner role's num_actors must be a multiple of it, and
+    the model's head counts and MLP width must divide by it. OpenRLHF's ds.tensor_parallel_size."""
     zero_stage: Literal[0, 1, 2, 3] = 2
     """DeepSpeed ZeRO stage of the policy and critic."""
     adam_offload: bool = False

@@ -150,6 +150,7 @@ def learner_settings(
         share_prefix=model.share_prefix,
         micro_batch_tokens=train.micro_batch_tokens,
         sequence_parallel_size=model.sequence_parallel_size,
+        tensor_parallel_size=train.tensor_parallel_size,
         extra=dict(train.deepspeed_config),
     )
     optim = OptimizerConfig(

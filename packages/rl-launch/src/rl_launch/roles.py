@@ -241,17 +241,20 @@ class Roles:
         holding ≤ micro_batch_tokens of them, rounded up to a multiple of sp), and every rank of a
         group gets its group's micro-batches (ranks g·sp .. g·sp + sp − 1 form group g). A sequence
         longer than that budget (a long rollout) is trained in a micro-batch of its own
-        (`on_too_long="alone"`), never dropped: it needs the memory of its own length."""
+        (`on_too_long="alone"`), never dropped: it needs the memory of its own length. With
+        train.tensor_parallel_size tp > 1 the ranks form groups of tp the same way (ranks g·tp ..
+        g·tp + tp − 1 share group g's micro-batches), each micro-batch up to micro_batch_tokens."""
         ranks = len(self.groups[role])
         sp = self.config.model.sequence_parallel_size
+        shared = sp * self.config.train.tensor_parallel_size  # ranks that get the same micro-batches
         plan = plan_micro_batches(
             batch.sequence_lengths.tolist(),
             max_tokens=self.config.train.micro_batch_tokens * sp,
-            num_ranks=ranks // sp,
+            num_ranks=ranks // shared,
             on_too_long="alone",
             groups=batch.group_ids.tolist() if learners_share_prefix(self.config) else None,
         )
-        return [micro_batches(batch, plan, rank // sp) for rank in range(ranks)]
+        return [micro_batches(batch, plan, rank // shared) for rank in range(ranks)]
 
     def forwards(
         self, batch: ExperienceBatch, *, old_logprobs: bool, temperature: float
@@ -356,6 +359,17 @@ class Roles:
                 lines.append(f"ray.{role}.offload: {why}")
         return "; ".join(lines) or None
 
+    def describe_tensor_parallel(self) -> str | None:
+        """The start-up words of train.tensor_parallel_size (None when it is 1)."""
+        tp = self.config.train.tensor_parallel_size
+        if tp == 1:
+            return None
+        groups = ", ".join(f"{role} {len(group) // tp}" for role, group in self.groups.items())
+        return (
+            f"tensor parallel: {tp} ranks split each decoder layer and share each micro-batch "
+            f"(FSDP2 dp x tp mesh; data-parallel groups: {groups})"
+        )
+
     def describe_sequence_parallel(self) -> str | None:
         """The start-up words of model.sequence_parallel_size (None when it is 1)."""
         cfg = self.config
@@ -375,8 +389,8 @@ class Roles:
         context = self.placement.describe_engine_context() if self.placement is not None else None
         if context is not None:
             line += f" ({context})"
-        parallel = self.describe_sequence_parallel()
-        line = line if parallel is None else f"{line}; {parallel}"
+        for parallel in (self.describe_sequence_parallel(), self.describe_tensor_parallel()):
+            line = line if parallel is None else f"{line}; {parallel}"
         hybrid = self.hand_off.describe()
         line = line if hybrid is None else f"{line}; {hybrid}"
         offload = self.describe_offload()

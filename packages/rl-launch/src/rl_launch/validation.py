@@ -7,7 +7,8 @@
              printed note for each translation), then every component kind's names and options
              checked once (`rl_launch.components.check_components`: the name, the given value
              and the registered names in each error), then what the learner backend does
-             not do yet (`rl_launch.backends.fsdp2_refusals`)
+             not do yet (`rl_launch.backends.fsdp2_refusals`) and what stands in the way of
+             train.tensor_parallel_size (`rl_launch.backends.tensor_parallel_refusals`)
 
 `prepare` runs once per command line, for `--print-config` and the run alike (the YAML printed
 is the config that runs); `rl_launch.ppo.run` trusts its result and checks nothing again.
@@ -26,7 +27,7 @@ from .errors import ConfigError
 if TYPE_CHECKING:
     from .config import PPOConfig
 
-__all__ = ["REWARD_TO_GO_FORMS", "kl_in_reward_form", "prepare"]
+__all__ = ["REWARD_TO_GO_FORMS", "kl_in_reward_form", "learner_roles", "prepare"]
 
 REWARD_TO_GO_FORMS = ("group_norm", "rloo", "dr_grpo")
 """Outcome estimators that OpenRLHF runs, with the KL in the reward, through its compute_reward
@@ -90,7 +91,7 @@ def prepare(config: PPOConfig, say: Callable[[str], None] = _note_on_stderr) -> 
         ConfigError: a plugin that does not resolve or import, or any component's name, options
             or combination (the message starts with the dotted option).
     """
-    from .backends import fsdp2_refusals
+    from .backends import fsdp2_refusals, tensor_parallel_refusals
     from .components import check_components
     from .config import _fail
     from .plugins import import_plugins, resolve_plugins
@@ -103,6 +104,22 @@ def prepare(config: PPOConfig, say: Callable[[str], None] = _note_on_stderr) -> 
     if note is not None:
         say(note)
     check_components(config)
-    for option, value, why in fsdp2_refusals(config):
+    for option, value, why in [
+        *fsdp2_refusals(config),
+        *tensor_parallel_refusals(config, learner_roles(config)),
+    ]:
         _fail(option, value, why)
     return config
+
+
+def learner_roles(config: PPOConfig) -> dict[str, bool]:
+    """{ray section of a learner role: whether the run starts it}."""
+    from .components.estimators import estimator_needs
+
+    return {
+        "policy": True,
+        "critic": estimator_needs(config.algo.advantage.estimator).critic,
+        "ref": config.needs_reference,
+        "teacher": config.needs_teacher,
+        "reward_model": config.model.reward_pretrain is not None,
+    }

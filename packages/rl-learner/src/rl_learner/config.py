@@ -185,6 +185,12 @@ class DeepSpeedConfig(msgspec.Struct, frozen=True, kw_only=True):
     consecutive ranks (world size a multiple of sp), every rank of a group gets the same
     micro-batches, and each runs 1/sp of the tokens. The model's query and key-value head counts
     must divide by sp; attention must be sdpa or eager."""
+    tensor_parallel_size: int = 1
+    """tp: ranks that split each decoder layer's matrices (backend "fsdp2" only; Qwen2 / Llama
+    family; `rl_learner.tensor_parallel`), ≥ 1; 1 turns it off. The learner's ranks form a dp × tp
+    mesh (world size a multiple of tp): ranks [g·tp, (g+1)·tp) split the layers between them and get
+    the same micro-batches, and FSDP2 shards over dp on top. The model's query and key-value head
+    counts and MLP width must divide by tp."""
     reduce_bucket_size: int = 500_000_000
     """ZeRO gradient reduce bucket, in elements."""
     zero3_max_live_parameters: int = 1_000_000_000
@@ -225,6 +231,7 @@ class DeepSpeedConfig(msgspec.Struct, frozen=True, kw_only=True):
             )
         for field in (
             "sequence_parallel_size",
+            "tensor_parallel_size",
             "micro_batch_tokens",
             "reduce_bucket_size",
             "zero3_max_live_parameters",
@@ -234,6 +241,13 @@ class DeepSpeedConfig(msgspec.Struct, frozen=True, kw_only=True):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{owner}.{field}: {value!r} is not an integer >= 1")
         deepspeed = self.backend == "deepspeed"  # FSDP2 offloads at any zero_stage (it does not apply)
+        if deepspeed and self.tensor_parallel_size != 1:
+            raise ValueError(
+                f"{owner}.tensor_parallel_size: {self.tensor_parallel_size} needs backend 'fsdp2' "
+                "(DTensor tensor parallelism); the DeepSpeed learners are data-parallel only "
+                "(DeepSpeed's AutoTP trains a step on gloo here, but is not wired into these learners: their "
+                "weight sync, checkpoints and HF export would need its split layers gathered)"
+            )
         if deepspeed and self.offload_optimizer and self.zero_stage == 0:
             raise ValueError(f"{owner}.offload_optimizer: True needs zero_stage >= 1, got zero_stage 0")
         if deepspeed and self.offload_params and self.zero_stage != 3:

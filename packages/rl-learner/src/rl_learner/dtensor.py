@@ -43,11 +43,13 @@ def dtensor_group(params: Iterable[torch.Tensor], *, where: str = "sync") -> Any
 
     A one-dimensional mesh (FSDP2 alone, tensor parallelism alone) gives its own group; a mesh
     of several dimensions (FSDP × TP) spans the whole world, whose group is returned. Every
-    DTensor parameter must live on the same mesh (else the ranks' gathers would not pair up).
+    DTensor parameter must live on one mesh or on sub-meshes of one mesh (FSDP × TP: the split
+    matrices on the dp × tp mesh, the others on its dp mesh), which then spans the world; else
+    the ranks' gathers would not pair up.
 
     Raises:
-      ValueError naming two parameters' meshes when they differ, or a multi-dimensional mesh
-      that is not the whole world.
+      ValueError naming two parameters' meshes when they are not parts of one mesh, or a
+      multi-dimensional mesh that is not the whole world.
     """
     meshes: dict[Any, int] = {}
     for index, param in enumerate(params):
@@ -55,13 +57,14 @@ def dtensor_group(params: Iterable[torch.Tensor], *, where: str = "sync") -> Any
             meshes.setdefault(param.device_mesh, index)
     if not meshes:
         return None
-    if len(meshes) > 1:
+    roots = {_root_mesh(mesh) for mesh in meshes}
+    if len(roots) > 1:
         shown = ", ".join(f"{mesh} (tensor {index})" for mesh, index in list(meshes.items())[:2])
         raise ValueError(
             f"{where}: the model's DTensor parameters live on different device meshes ({shown}); "
             "weight sync gathers them over one mesh"
         )
-    mesh = next(iter(meshes))
+    mesh = next(iter(meshes)) if len(meshes) == 1 else roots.pop()
     if mesh.ndim == 1:
         return mesh.get_group()
     import torch.distributed as dist
@@ -72,6 +75,12 @@ def dtensor_group(params: Iterable[torch.Tensor], *, where: str = "sync") -> Any
             f"{dist.get_world_size()}; weight sync of a multi-dimensional mesh needs it to span the world"
         )
     return dist.group.WORLD
+
+
+def _root_mesh(mesh: Any) -> Any:
+    """The mesh `mesh` was sliced from (`grid["dp"]` → `grid`), or `mesh` itself."""
+    root = getattr(mesh, "_get_root_mesh", None)  # torch's own accessor (private in torch 2.13)
+    return root() if root is not None else mesh
 
 
 def full_value(source: Any) -> torch.Tensor:

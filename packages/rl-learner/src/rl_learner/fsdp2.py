@@ -47,7 +47,13 @@ to host memory and AdamW steps on the CPU. `cpu_offload` says whether it is on.
 
 Not in this backend yet, refused by `fsdp2_refusals` (and by `Fsdp2Engine` when built anyway):
 LoRA, Muon, fp16, sequence parallelism, the hybrid engine's state offload
-(`Learner.offload_plan` says "none"), tensor parallelism.
+(`Learner.offload_plan` says "none"), CPU offload with tensor parallelism.
+
+Tensor parallelism (`DeepSpeedConfig.tensor_parallel_size` = tp > 1, `rl_learner.tensor_parallel`):
+the ranks form a dp × tp mesh; each decoder layer is split over its TP group with DTensor
+column / row plans before `fully_shard` shards every parameter over dp. `mesh` is the dp mesh,
+`dp_world_size` = world / tp, `tensor_parallel` this rank's TP group (None without TP); the
+gradient norm is summed over the two meshes the parameters live on.
 """
 
 from __future__ import annotations
@@ -62,6 +68,7 @@ import torch
 import torch.distributed as dist
 
 from .config import DeepSpeedConfig, OptimizerConfig, build_scheduler
+from .tensor_parallel import TensorParallelGroup, apply_tensor_parallel
 
 __all__ = ["Fsdp2Engine", "fsdp2_refusals"]
 
@@ -78,7 +85,36 @@ def fsdp2_refusals(ds: DeepSpeedConfig, optimizer: OptimizerConfig | None = None
         found.append(("sequence_parallel_size", "Ulysses sequence parallelism runs on DeepSpeed only"))
     if optimizer is not None and optimizer.name != "adamw":
         found.append(("optimizer.name", f"{optimizer.name!r} is DeepSpeed's; FSDP2 trains with AdamW"))
+    if ds.tensor_parallel_size > 1 and (ds.offload_optimizer or ds.offload_params):
+        found.append(
+            (
+                "tensor_parallel_size",
+                "CPU offload of tensor-parallel (2-D mesh) parameters is not verified yet",
+            )
+        )
     return found
+
+
+def _grads_by_mesh(model: torch.nn.Module) -> dict[Any, list[torch.nn.Parameter]]:
+    """The parameters with a gradient, grouped by their DTensor mesh (None: plain tensors), in the
+    model's order (the same on every rank). With tensor parallelism the split matrices live on the
+    dp × tp mesh and the others on the dp mesh; torch's norms and clipping take one mesh at a time."""
+    groups: dict[Any, list[torch.nn.Parameter]] = {}
+    for param in model.parameters():
+        if param.grad is not None:
+            groups.setdefault(getattr(param, "device_mesh", None), []).append(param)
+    return groups
+
+
+def _global_norm(by_mesh: dict[Any, list[torch.nn.Parameter]]) -> float:
+    """‖g‖₂ over every gradient: √Σ_meshes ‖g_mesh‖₂² (each a collective over its mesh)."""
+    total = 0.0
+    for params in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        total += float(norm) ** 2
+    return math.sqrt(total)
 
 
 def _is_lora(model: torch.nn.Module) -> bool:
@@ -115,13 +151,29 @@ class Fsdp2Engine:
         if _is_lora(model):
             raise ValueError("backend 'fsdp2': LoRA models are not supported yet; use backend 'deepspeed'")
         self.ds, self.optim, self.device = ds, optimizer, device
-        self.dp_world_size = dist.get_world_size()
-        self.mesh = init_device_mesh(device.type, (self.dp_world_size,))
+        world, tp = dist.get_world_size(), ds.tensor_parallel_size
+        if world % tp:
+            raise ValueError(
+                f"DeepSpeedConfig.tensor_parallel_size: {tp} does not divide the world size {world}; the "
+                "ranks of a learner must form whole tensor-parallel groups (ranks = dp × tp)"
+            )
+        self.dp_world_size = world // tp
+        self.tensor_parallel: TensorParallelGroup | None = None
+        if tp == 1:
+            self.mesh = init_device_mesh(device.type, (world,))
+        else:  # a dp × tp mesh: TP groups are consecutive ranks (rl_learner.tensor_parallel)
+            grid = init_device_mesh(device.type, (world // tp, tp), mesh_dim_names=("dp", "tp"))
+            self.mesh = grid["dp"]
+            self.tensor_parallel = TensorParallelGroup(
+                grid["tp"].get_group(), tp, grid["tp"].get_local_rank()
+            )
         if optimizer is None:
             model.requires_grad_(False)
         elif any(p.is_floating_point() and p.dtype != torch.float32 for p in model.parameters()):
             model.to(torch.float32)  # fp32 master weights; bf16 runs through the policy below
         model.to(device)
+        if self.tensor_parallel is not None:
+            apply_tensor_parallel(model, grid["tp"])
         policy = MixedPrecisionPolicy()
         if ds.dtype == "bf16":
             policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -176,15 +228,14 @@ class Fsdp2Engine:
 
     def step(self) -> None:
         """Clip and apply the accumulated gradients, or drop them when their norm is not finite."""
-        params = [p for p in self.module.parameters() if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params]) if params else torch.zeros(())
-        if hasattr(norm, "full_tensor"):
-            norm = norm.full_tensor()
-        self._grad_norm = float(norm)
+        by_mesh = _grads_by_mesh(self.module)
+        self._grad_norm = _global_norm(by_mesh)
         self._applied = math.isfinite(self._grad_norm)
         if self._applied:
-            if self.optim.grad_clip > 0 and params:
-                torch.nn.utils.clip_grads_with_norm_(params, self.optim.grad_clip, norm)
+            if self.optim.grad_clip > 0:
+                norm = torch.tensor(self._grad_norm)
+                for params in by_mesh.values():
+                    torch.nn.utils.clip_grads_with_norm_(params, self.optim.grad_clip, norm)
             self.optimizer.step()
             self.lr_scheduler.step()
         self.zero_grad()

@@ -31,6 +31,12 @@ still holds with world_size = sp × dp: DeepSpeed averages over all ranks, the f
 turns the average into that sum. Only the first rank of a group adds to the counts (`StepCounts`)
 and the metrics, so n_global counts each micro-batch once.
 
+Tensor parallelism (FSDP2 with `DeepSpeedConfig.tensor_parallel_size` = tp > 1;
+`rl_learner.tensor_parallel`). Groups of tp consecutive ranks share micro-batches the same way (same
+check, first rank counts), but each rank computes the whole loss L_j and its exact share of the
+gradient; FSDP2 averages over the dp = world_size / tp ranks only, so the factor is dp
+(`gradient_ranks`).
+
 Non-finite values. Before any forward the inputs (advantages, old/reference/rollout log-probs,
 values, returns) are checked; each loss is checked after its forward; the gradient norm is
 checked before the update. All ranks agree through an all-reduce. With `on_non_finite="skip"`
@@ -355,8 +361,8 @@ class Learner:
       on_non_finite: "skip" or "raise" (module docstring).
 
     Attributes: `engine` (DeepSpeed engine), `module` (the transformers model), `rank`,
-    `world_size`, `device`, `deepspeed_config` (the dict DeepSpeed got), `step` (updates applied),
-    `lr` (of the next update).
+    `world_size`, `sequence_parallel` / `tensor_parallel` (this rank's group or None), `device`,
+    `deepspeed_config` (the dict DeepSpeed got), `step` (updates applied), `lr` (of the next update).
     """
 
     fsdp2_ready: ClassVar[bool] = False
@@ -393,8 +399,10 @@ class Learner:
         self.deepspeed_config = deepspeed_config(
             deepspeed, optimizer, world_size=self.world_size, train=optimizer is not None
         )
+        self.tensor_parallel = None  # this rank's TP group (FSDP2 with tensor_parallel_size > 1)
         if deepspeed.backend == "fsdp2":
             self.engine = self._fsdp2_engine(model)
+            self.tensor_parallel = self.engine.tensor_parallel
             return
         if optimizer is None:
             model.requires_grad_(False)
@@ -458,7 +466,21 @@ class Learner:
     def counts_for_group(self) -> bool:
         """Whether this rank adds its micro-batches to the step's counts and metrics: the first
         rank of its SP group (the group's ranks hold the same micro-batches), every rank without SP."""
-        return self.sequence_parallel is None or self.sequence_parallel.rank == 0
+        group = self._batch_group
+        return group is None or group.rank == 0
+
+    @property
+    def _batch_group(self) -> Any:
+        """This rank's group of ranks that share micro-batches: its sequence-parallel group, its
+        tensor-parallel group (FSDP2 with tensor_parallel_size > 1), or None."""
+        return self.sequence_parallel if self.sequence_parallel is not None else self.tensor_parallel
+
+    @property
+    def gradient_ranks(self) -> int:
+        """The ranks the engine averages gradients over, so the backward factor that turns that
+        average into a sum (module docstring): the world, or with tensor parallelism its dp ranks
+        (a TP group's ranks compute one micro-batch's gradient together)."""
+        return self.world_size // self.ds.tensor_parallel_size
 
     @property
     def module(self) -> torch.nn.Module:
@@ -578,9 +600,10 @@ class Learner:
         """ValueError on every rank when the ranks of some SP group were not given the same
         micro-batches (count, tokens, token ids): they would split different rows, or wait for each
         other forever. The group compares fingerprints; one world all-reduce then tells every rank."""
-        if self.sequence_parallel is None:
+        shared = self._batch_group
+        if shared is None:
             return
-        group = self.sequence_parallel.group
+        group = shared.group
         fingerprint = torch.tensor(
             [
                 len(batches),
@@ -602,9 +625,9 @@ class Learner:
         if mismatched.item():
             rank = self.world_size - int(mismatched.item())
             raise ValueError(
-                f"micro_batches: the {self.sequence_parallel.size} ranks of rank {rank}'s sequence-parallel "
+                f"micro_batches: the {shared.size} ranks of rank {rank}'s {shared.kind} "
                 f"group were given different micro-batches (this is rank {self.rank}); every rank of a group "
-                "must get the same ones (plan micro-batches over world_size / sequence_parallel_size "
+                f"must get the same ones (plan micro-batches over world_size / {shared.size} "
                 "data-parallel groups)"
             )
 
@@ -773,7 +796,7 @@ class Learner:
                     # Make every gradient NaN so that DeepSpeed's overflow path drops the update
                     # and clears its gradient buffers on every rank.
                     loss = loss * float("nan")
-            self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
+            self.engine.backward(loss * self.gradient_ranks, scale_wrt_gas=False)
 
         if problems:
             if self._uses_basic_optimizer():

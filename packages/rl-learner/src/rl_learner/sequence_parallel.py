@@ -43,7 +43,7 @@ replicated here).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -72,6 +72,7 @@ class SequenceParallelGroup:
     group: Any
     size: int
     rank: int
+    kind: ClassVar[str] = "sequence-parallel"
 
     def padded_length(self, num_tokens: int) -> int:
         """N_pad = sp·⌈N / sp⌉, at least sp (an empty row still gives every rank one token)."""

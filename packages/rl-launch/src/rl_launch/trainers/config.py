@@ -276,9 +276,9 @@ class _SupervisedRoot(_Section):
         for field in ("critic_pretrain", "reward_pretrain"):
             if getattr(self.model, field) is not None:
                 _fail(f"model.{field}", getattr(self.model, field), f"does not apply to rl-launch {command}")
-        from ..backends import supervised_fsdp2_refusals
+        from ..backends import supervised_fsdp2_refusals, tensor_parallel_refusals
 
-        for option, value, why in supervised_fsdp2_refusals(self):
+        for option, value, why in [*supervised_fsdp2_refusals(self), *tensor_parallel_refusals(self)]:
             _fail(option, value, why)
         sp, ranks = self.model.sequence_parallel_size, self.ray.learner.num_actors
         if ranks % sp:

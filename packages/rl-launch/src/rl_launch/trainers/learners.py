@@ -35,25 +35,30 @@ __all__ = ["DriverLearner", "RayLearners", "SupervisedWorker", "learner_layout",
 
 
 def plan_items(
-    items: Sequence[Any], lengths: Sequence[int], *, ranks: int, sequence_parallel: int, max_tokens: int
+    items: Sequence[Any],
+    lengths: Sequence[int],
+    *,
+    ranks: int,
+    sequence_parallel: int,
+    max_tokens: int,
+    tensor_parallel: int = 1,
 ) -> list[list[list[Any]]]:
     """Each rank's micro-batches of `items` (plan[rank][j] = the items of micro-batch j).
 
-    R ranks in R / sp groups of sp; each micro-batch holds at most sp × `max_tokens` tokens (an
-    item longer than that is a micro-batch of its own: trained, never dropped).
+    R ranks in R / (sp·tp) groups of sp·tp consecutive ranks that get the same micro-batches; each
+    micro-batch holds at most sp × `max_tokens` tokens (an item longer than that is a micro-batch
+    of its own: trained, never dropped).
     """
     from rl_data import plan_micro_batches
 
+    shared = sequence_parallel * tensor_parallel
     plan = plan_micro_batches(
         list(lengths),
         max_tokens=max_tokens * sequence_parallel,
-        num_ranks=ranks // sequence_parallel,
+        num_ranks=ranks // shared,
         on_too_long="alone",
     )
-    return [
-        [[items[i] for i in micro] for micro in plan.ranks[rank // sequence_parallel]]
-        for rank in range(ranks)
-    ]
+    return [[[items[i] for i in micro] for micro in plan.ranks[rank // shared]] for rank in range(ranks)]
 
 
 class _SupervisedSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -235,12 +240,13 @@ class RayLearners:
         self.nodes = len({node_id for node_id, _, _ in nodes})
 
     def describe(self, dtype: str) -> str:
-        sp = self.config.model.sequence_parallel_size
+        sp, tp = self.config.model.sequence_parallel_size, self.config.train.tensor_parallel_size
         where = f"on {self.devices[0]}" if len(set(self.devices)) == 1 else f"on {', '.join(self.devices)}"
         return (
             f"learner: {_backend(self.config, use_gpus='cuda' in self.devices[0])} {dtype}"
             f"{_lora(self.config)}, {self.ranks} Ray actors "
-            f"(world size {self.ranks}{f', sequence parallel {sp}' if sp > 1 else ''}) on "
+            f"(world size {self.ranks}{f', sequence parallel {sp}' if sp > 1 else ''}"
+            f"{f', tensor parallel {tp}' if tp > 1 else ''}) on "
             f"{self.nodes} node{'s' if self.nodes > 1 else ''} {where}"
         )
 
@@ -263,6 +269,7 @@ class RayLearners:
             ranks=self.ranks,
             sequence_parallel=self.config.model.sequence_parallel_size,
             max_tokens=self.config.train.micro_batch_tokens,
+            tensor_parallel=self.config.train.tensor_parallel_size,
         )
         return self._call("train", per_rank=[(micro,) for micro in plan])[0]
 
