@@ -129,10 +129,17 @@ def _top_level_names(distribution: importlib.metadata.Distribution) -> set[str]:
     return {f.parts[0] if len(f.parts) > 1 else f.name.split(".")[0] for f in distribution.files or ()}
 
 
-def write_guard(folder: pathlib.Path, distribution: str, extras: tuple[str, ...] = ()) -> pathlib.Path:
+def write_guard(
+    folder: pathlib.Path, distribution: str | tuple[str, ...], extras: tuple[str, ...] = ()
+) -> pathlib.Path:
     """The guard file of tests/declared_only/sitecustomize.py: where every distribution outside
-    the closure installed its top-level modules (the workspace packages' source folders)."""
-    allowed = declared_closure(distribution, extras)
+    the closure installed its top-level modules (the workspace packages' source folders). Several
+    distributions (a recipe that installs two packages): the union of their closures, `extras`
+    the first one's."""
+    names = (distribution,) if isinstance(distribution, str) else distribution
+    allowed = set().union(
+        *(declared_closure(name, extras if not index else ()) for index, name in enumerate(names))
+    )
     refused: dict[str, set[str]] = {}
     shared: set[str] = set()  # names an allowed distribution also provides (the google namespace)
     for installed in importlib.metadata.distributions(path=list(_startup_path())):
@@ -157,7 +164,7 @@ def write_guard(folder: pathlib.Path, distribution: str, extras: tuple[str, ...]
 
 def run_declared_only(
     folder: pathlib.Path,
-    distribution: str,
+    distribution: str | tuple[str, ...],
     command: list[str],
     extras: tuple[str, ...] = (),
     env: dict[str, str] | None = None,
