@@ -32,7 +32,7 @@ def reward_func(queries, prompts, labels):
 """
 
 
-def test_grpo_async_with_dynamic_filtering_and_evaluation_completes(
+def test_grpo_async_with_dynamic_filtering_evaluation_and_fsdp2_tensor_parallel_completes(
     tiny_checkpoint, prompts, ray_temp, tmp_path
 ):
     ray_dir, env = ray_temp
@@ -57,6 +57,9 @@ def test_grpo_async_with_dynamic_filtering_and_evaluation_completes(
         "--ray.learner_offload", "false",
         "--algo.advantage.estimator", "grpo",
         "--train.backend", "fsdp2",  # the policy in torch's fully_shard, its DTensors synced
+        "--train.tensor_parallel_size", "2",  # over a 1 x 2 mesh: its layers split column / row-wise
+        "--ray.policy.num_actors", "2",
+        "--rollout.num_engines", "2",  # ray.colocate all: one engine per policy rank
         "--train.max_steps", "3",
         "--train.actor_learning_rate", "1e-4",
         "--ckpt.save_hf_model", "false",
@@ -101,3 +104,6 @@ def test_grpo_async_with_dynamic_filtering_and_evaluation_completes(
     # train.backend fsdp2: the policy ran in torch's fully_shard (its DTensor weights reached the
     # engines with matching checksums, above)
     assert "policy rank 0: Fsdp2Engine built" in (run_dir / "logs" / "policy-0.log").read_text()
+    # train.tensor_parallel_size 2: the two policy ranks are one TP group (one data-parallel group)
+    assert "tensor parallel: 2 ranks split each decoder layer and share each micro-batch" in result.stdout
+    assert "data-parallel groups: policy 1" in result.stdout
