@@ -169,15 +169,22 @@ def run_declared_only(
     extras: tuple[str, ...] = (),
     env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess:
+    env = {**(env or os.environ), **declared_only_env(folder, distribution, extras)}
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, cwd=folder)
+
+
+def declared_only_env(
+    folder: pathlib.Path, distribution: str | tuple[str, ...], extras: tuple[str, ...] = ()
+) -> dict[str, str]:
+    """The variables that put a process (and every Python process it starts) under the guard of
+    `distribution`'s declared closure (its guard file written into `folder`)."""
     guard = write_guard(folder, distribution, extras)
-    env = {
-        **(env or os.environ),
+    return {
         "RL_DECLARED_ONLY_FILE": str(guard),
         "PYTHONPATH": os.pathsep.join([str(GUARD), *filter(None, [os.environ.get("PYTHONPATH")])]),
         "DS_ACCELERATOR": "cpu",
         "OMP_NUM_THREADS": "1",
     }
-    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, cwd=folder)
 
 
 def test_the_closure_follows_requirements_and_named_extras_only():

@@ -33,16 +33,18 @@ def single_rank_env() -> dict[str, str]:
     return rank_env(0, 1, free_port())
 
 
-def start_ranks(worker: pathlib.Path, folder: pathlib.Path, world: int, *args: str) -> list:
-    """Start `world` gloo ranks of `worker folder *args` writing logs into `folder`:
-    [(process, log file, folder)]."""
+def start_ranks(
+    worker: pathlib.Path, folder: pathlib.Path, world: int, *args: str, env: dict[str, str] | None = None
+) -> list:
+    """Start `world` gloo ranks of `worker folder *args` writing logs into `folder`, with `env`'s
+    variables added to each rank's: [(process, log file, folder)]."""
     port = free_port()
     started = []
     for rank in range(world):
         log = open(folder / f"log{rank}.txt", "w")  # noqa: SIM115 (closed by wait_ranks)
         command = [sys.executable, str(worker), str(folder), *args]
         process = subprocess.Popen(
-            command, env=rank_env(rank, world, port), stdout=log, stderr=subprocess.STDOUT
+            command, env={**rank_env(rank, world, port), **(env or {})}, stdout=log, stderr=subprocess.STDOUT
         )
         started.append((process, log, folder))
     return started

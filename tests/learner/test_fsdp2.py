@@ -54,6 +54,7 @@ from _worker_fsdp2 import LOSS, OPTIMIZER, SMALL_BUCKETS, VALUE_LOSS
 from _worker_supervised import pairs, sft_samples
 
 from tests.learner.single_rank import start_ranks, wait_ranks
+from tests.test_declared_dependencies import declared_only_env
 
 FSDP2 = DeepSpeedConfig(backend="fsdp2", dtype="fp32")
 
@@ -329,7 +330,9 @@ def test_two_fsdp2_ranks_sync_step_and_reshard_checkpoints_like_one_rank(
     after_one_step = _state(one)
     save_checkpoint(tmp_path / "one-ckpt", 1, {"policy": one.engine}, TrainingState(step=1), save_rng=False)
     worker = pathlib.Path(__file__).with_name("_worker_fsdp2.py")
-    wait_ranks(start_ranks(worker, tmp_path, 2), timeout=600)
+    # the ranks see only what `pip install rl-learner` installs: a team's own FSDP2 loop needs no more
+    only_rl_learner = declared_only_env(tmp_path, "rl-learner")
+    wait_ranks(start_ranks(worker, tmp_path, 2, env=only_rl_learner), timeout=600)
 
     # A team's own fully_shard loop: rank 0 sent, rank 1 joined the gathers and returned None.
     infos = [json.loads((tmp_path / f"rank-{rank}.json").read_text()) for rank in (0, 1)]
