@@ -320,6 +320,38 @@ def test_fsdp2_refuses_what_it_does_not_do_yet(world, tokenizer):
         DeepSpeedConfig(backend="fsdp")
 
 
+def _engine_serves_the_sync(tokenizer, folder: pathlib.Path, layout, sent, trained) -> None:
+    """The own loop's sync (version 3 in `folder`/sync) into a running rl-rollout engine that
+    started from the loop's initial weights: it takes the same checksums, then holds `trained`'s
+    weights and answers greedy prompts as an engine serving `trained` does."""
+    from rl_rollout import SamplingParams
+    from rl_rollout.engines import HFEngine
+
+    def engine_of(model, name: str) -> HFEngine:
+        model.save_pretrained(folder / name)
+        tokenizer.save_pretrained(folder / name)
+        return HFEngine(str(folder / name), dtype="float32", max_model_len=64, seed=0)
+
+    engine, reference = (
+        engine_of(build_tiny_model(tokenizer, seed=0), "initial"),
+        engine_of(trained, "trained"),
+    )
+    try:
+        greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=8)
+        prompts = [[5, 6, 7, 8], [9, 10, 11]]
+        engine.init_weight_sync(
+            WeightSyncSpec(transport="file", layout=layout, directory=str(folder / "sync")), 1
+        )
+        assert compare_checksums(engine.receive_weights(3), sent) == []
+        served = engine.model.state_dict()
+        assert all(torch.equal(served[name], value) for name, value in trained.state_dict().items())
+        answers = [[g.token_ids for g in row] for row in engine.generate(prompts, greedy)]
+        assert answers == [[g.token_ids for g in row] for row in reference.generate(prompts, greedy)]
+    finally:
+        engine.close()
+        reference.close()
+
+
 @pytest.mark.slow  # two gloo ranks in processes of their own (~10-60 s to start on 2 busy cores)
 def test_two_fsdp2_ranks_sync_step_and_reshard_checkpoints_like_one_rank(
     world, tokenizer, batch, value_batch, tmp_path
@@ -356,6 +388,7 @@ def test_two_fsdp2_ranks_sync_step_and_reshard_checkpoints_like_one_rank(
     assert compare_checksums(sent, report) == []
     assert received.keys() == full.keys()
     assert all(torch.equal(received[name], full[name]) for name in full)
+    _engine_serves_the_sync(tokenizer, tmp_path, layout, sent, plain)
 
     # The FSDP2 learner: micro-batch r on rank r gives one rank's step over both micro-batches.
     metrics = json.loads((tmp_path / "learner-metrics.json").read_text())
