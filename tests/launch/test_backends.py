@@ -182,3 +182,26 @@ def test_openrlhfs_ds_tensor_parallel_size_is_taken_as_fsdp2_tensor_parallelism_
         {"train.backend": "fsdp2", "train.tensor_parallel_size": "2", "ray.learner.num_actors": "2"},
     )
     assert taken.train.tensor_parallel_size == 2
+
+
+@pytest.mark.parametrize("command", ["ppo", "sft"])
+def test_the_zero_stage_fsdp2_does_not_use_is_said_at_start_not_dropped_silently(command):
+    from rl_launch.cli import resolve_ppo_config
+    from rl_launch.trainers.learners import _backend
+    from rl_launch.validation import prepare
+
+    said = "train.zero_stage 3: not used by train.backend fsdp2, which shards parameters, gradients"
+    if command == "ppo":
+        notes: list[str] = []
+        prepare(resolve_ppo_config(None, {**BASE, "train.zero_stage": "3"}), say=notes.append)
+        assert [note for note in notes if note.startswith(said)], notes
+        notes.clear()
+        prepare(resolve_ppo_config(None, {**BASE, "train.backend": "deepspeed"}), say=notes.append)
+        assert not [note for note in notes if "zero_stage" in note], notes
+        return
+    taken = resolve_config(command, None, {"train.backend": "fsdp2", "train.zero_stage": "3"})
+    assert said in _backend(taken, use_gpus=False)
+    assert (
+        _backend(resolve_config(command, None, {"train.zero_stage": "3"}), use_gpus=False)
+        == "DeepSpeed ZeRO-3"
+    )

@@ -17,6 +17,9 @@ starts, naming the option that asks for it:
 | train.ema_beta                                      | the EMA reads a DeepSpeed engine's parameters |
 | ray.colocate all with ray.learner_offload true      | no hybrid-engine state offload yet           |
 
+train.zero_stage is not used by FSDP2 (it shards as ZeRO-3 does), said on the start-up line
+(`zero_stage_note`).
+
 train.adam_offload is taken: FSDP2's `CPUOffloadPolicy` keeps the trained models' sharded
 parameters, gradients and AdamW state in host memory (FSDP2 has no optimizer-only offload;
 `rl_learner.fsdp2`); so are ray.ref/teacher/reward_model.offload, the frozen models' parameters
@@ -44,7 +47,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["fsdp2_refusals", "supervised_fsdp2_refusals", "tensor_parallel_refusals"]
+__all__ = ["fsdp2_refusals", "supervised_fsdp2_refusals", "tensor_parallel_refusals", "zero_stage_note"]
 
 
 def fsdp2_refusals(config: Any) -> list[tuple[str, Any, str]]:
@@ -82,6 +85,19 @@ def supervised_fsdp2_refusals(config: Any) -> list[tuple[str, Any, str]]:
     if config.train.backend != "fsdp2":
         return []
     return _refused(_shared(config))
+
+
+def zero_stage_note(config: Any) -> str | None:
+    """The start-up note of an FSDP2 run (None under DeepSpeed): train.zero_stage is not used, as
+    FSDP2 shards every learner's parameters, gradients and optimizer states over its data-parallel
+    ranks, ZeRO-3's layout. Said on every FSDP2 run: a default stage cannot be told from a chosen
+    one (ppo's default is 2, the supervised commands' presets set 0)."""
+    if config.train.backend != "fsdp2":
+        return None
+    return (
+        f"train.zero_stage {config.train.zero_stage}: not used by train.backend fsdp2, which shards "
+        "parameters, gradients and optimizer states over the data-parallel ranks (ZeRO-3's layout)"
+    )
 
 
 def _refused(asked: list[tuple[str, Any, bool, str]]) -> list[tuple[str, Any, str]]:

@@ -91,7 +91,7 @@ def prepare(config: PPOConfig, say: Callable[[str], None] = _note_on_stderr) -> 
         ConfigError: a plugin that does not resolve or import, or any component's name, options
             or combination (the message starts with the dotted option).
     """
-    from .backends import fsdp2_refusals, tensor_parallel_refusals
+    from .backends import fsdp2_refusals, tensor_parallel_refusals, zero_stage_note
     from .components import check_components
     from .config import _fail
     from .plugins import import_plugins, resolve_plugins
@@ -101,8 +101,9 @@ def prepare(config: PPOConfig, say: Callable[[str], None] = _note_on_stderr) -> 
     except ValueError as error:
         raise ConfigError(str(error)) from None
     config, note = kl_in_reward_form(config)
-    if note is not None:
-        say(note)
+    for line in (note, zero_stage_note(config)):
+        if line is not None:
+            say(line)
     check_components(config)
     for option, value, why in [
         *fsdp2_refusals(config),

@@ -29,6 +29,7 @@ from typing import Any
 import msgspec
 
 from ..actors import LearnerWorker
+from ..backends import zero_stage_note
 from ..learner_settings import optimizer_offload
 
 __all__ = ["DriverLearner", "RayLearners", "SupervisedWorker", "learner_layout", "plan_items"]
@@ -80,7 +81,8 @@ def _backend(config: Any, *, use_gpus: bool) -> str:
         offload = (
             ", CPU offload of parameters, gradients and AdamW state" if config.train.adam_offload else ""
         )
-        return f"FSDP2 (fully_shard{offload})"
+        note = zero_stage_note(config)
+        return f"FSDP2 (fully_shard{offload})" + (f"; {note}" if note else "")
     line = f"DeepSpeed ZeRO-{config.train.zero_stage}"
     if config.train.adam_offload:
         line += f" (train.adam_offload: {optimizer_offload(True, use_gpus=use_gpus)[1]})"
