@@ -375,8 +375,25 @@ def test_the_rollout_worker_runs_an_openai_api_agent_through_the_agent_server(ti
         second = tokenizer.decode(response[second_start:end], skip_special_tokens=True)
         assert record.reward == float(any(c.isdigit() for c in second))
         assert record.extra["extra_logs"] == {"second_turn": 1.0}
-    assert rollout_metrics(records)["rollout/turns_mean"] == 2.0
+    metrics = rollout_metrics(records)
+    assert metrics["rollout/turns_mean"] == 2.0
+    # the server's refusals reach the step's metrics (none here), carried by the call's first record
+    assert records[0].extra["call_counters"]["rollout/server_busy"] == 0.0
+    assert (metrics["rollout/server_busy"], metrics["rollout/server_unauthorized"]) == (0.0, 0.0)
     assert not any(t.name.startswith("rl-agent-server") for t in threading.enumerate())
+
+
+def test_the_executors_call_counters_are_summed_over_a_steps_calls():
+    first, second, third = (
+        Trajectory(prompt_ids=torch.tensor([1]), response_ids=torch.tensor([2])) for _ in range(3)
+    )
+    first.extra["call_counters"] = {"rollout/server_busy": 2.0, "rollout/server_unauthorized": 1.0}
+    third.extra["call_counters"] = {"rollout/server_busy": 3.0, "rollout/loop_blocked": 1.0, "other": 9.0}
+    metrics = rollout_metrics([first, second, third])
+    assert metrics["rollout/server_busy"] == 5.0
+    assert metrics["rollout/server_unauthorized"] == 1.0
+    assert metrics["rollout/loop_blocked"] == 1.0
+    assert "other" not in metrics
 
 
 def test_rollout_metrics_count_failed_and_cut_episodes_and_single_turn_records():

@@ -510,6 +510,12 @@ def _numbers(value: Any) -> list[float]:
     return out
 
 
+CALL_COUNTERS = ("rollout/server_busy", "rollout/server_unauthorized", "rollout/loop_blocked")
+"""Counts an executor keeps of one `generate` call (its `last_metrics`) that no record carries:
+the agent server's refusals (503 busy, 401 unauthorized) and event-loop stalls. They ride in the
+call's first record as `extra["call_counters"]`, and `rl_launch.rollouts.rollout_metrics` sums
+them over the step."""
+
 GENERATE_GROUP = "generate"
 """The Ray concurrency group a streaming run calls `RolloutWorker.generate` in, one call per group
 (`rl_launch.rollouts`): its threads run many calls at once and the engine batches them (vLLM's
@@ -710,7 +716,15 @@ class RolloutWorker:
                 **vision,
                 **spec.executor_options,
             )
-            return executor.run(prompts)
+            records = executor.run(prompts)
+            counters = {
+                key: float(value)
+                for key, value in getattr(executor, "last_metrics", {}).items()
+                if key in CALL_COUNTERS
+            }
+            if records and counters:
+                records[0].extra["call_counters"] = counters
+            return records
 
         import contextlib
 

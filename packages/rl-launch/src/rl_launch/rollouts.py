@@ -56,7 +56,7 @@ import msgspec
 from rl_data import PromptSample, Trajectory, decode, encode
 from rl_rollout import SamplingParams, filter_groups, tool_metrics
 
-from .actors import ACTIVITY_GROUP, GENERATE_GROUP, ActorGroup
+from .actors import ACTIVITY_GROUP, CALL_COUNTERS, GENERATE_GROUP, ActorGroup
 from .components import estimator_needs
 from .config import PPOConfig
 from .evaluation import eval_metrics
@@ -93,8 +93,11 @@ def rollout_metrics(records: list[Trajectory]) -> dict[str, float]:
     rollout/reward_fallbacks (#records with extra["reward_fallback"]), and rollout/agent/<key> =
     the mean of each numeric entry of the agent's extra_logs (its last step's). Records of
     tool-calling episodes (extra["tools"]) add `rl_rollout.tool_metrics`: rollout/tools/calls_mean,
-    call_rate, limit_reached and errors/<kind>. Always `fallback_metrics`: reward/fallbacks,
-    reward/fallback_fraction, reward/timeouts, reward/fallbacks/<source>.
+    call_rate, limit_reached and errors/<kind>. The executors' counts of each generate call that
+    no record carries (`rl_launch.actors.CALL_COUNTERS`: the agent server's refusals
+    rollout/server_busy and rollout/server_unauthorized, rollout/loop_blocked), summed over the
+    step's calls. Always `fallback_metrics`: reward/fallbacks, reward/fallback_fraction,
+    reward/timeouts, reward/fallbacks/<source>.
     """
     if not records:
         return {}
@@ -122,6 +125,10 @@ def rollout_metrics(records: list[Trajectory]) -> dict[str, float]:
             if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
                 agent.setdefault(f"rollout/agent/{key}", []).append(float(value))
     metrics |= {name: sum(values) / len(values) for name, values in agent.items()}
+    for record in records:
+        for key, value in (record.extra.get("call_counters") or {}).items():
+            if key in CALL_COUNTERS:
+                metrics[key] = metrics.get(key, 0.0) + float(value)
     return metrics | tool_metrics(records) | fallback_metrics(records)
 
 
