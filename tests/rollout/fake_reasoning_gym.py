@@ -3,6 +3,7 @@ dataset's `score_answer`), so the adapter is tested without it installed: `insta
 
 from __future__ import annotations
 
+import importlib.machinery
 import sys
 import types
 
@@ -44,6 +45,7 @@ def install(monkeypatch) -> list:
     module = types.ModuleType("reasoning_gym")
     factory = types.ModuleType("reasoning_gym.factory")
     factory.DATASETS = {"add": AddDataset}
+    module.__spec__ = importlib.machinery.ModuleSpec("reasoning_gym", None)  # find_spec sees it
     module.create_dataset, module.factory = create_dataset, factory
     monkeypatch.setitem(sys.modules, "reasoning_gym", module)
     monkeypatch.setitem(sys.modules, "reasoning_gym.factory", factory)

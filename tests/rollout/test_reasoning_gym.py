@@ -39,7 +39,12 @@ def test_rows_carry_the_question_and_a_label_that_rebuilds_the_item(monkeypatch)
         "index": 2,
     }
     reward = ReasoningGymReward()
-    responses = ["think... <answer>11</answer>", "<answer>0</answer> <answer>14</answer>", " 17 ", "<answer>9"]
+    responses = [
+        "think... <answer>11</answer>",
+        "<answer>0</answer> <answer>14</answer>",
+        " 17 ",
+        "<answer>9",
+    ]
     labels = [rows[0]["y"], rows[1]["y"], rows[2]["y"], rows[0]["y"]]
     out = reward(responses, ["p"] * 4, labels)
     # the last <answer> tag; without a complete one the stripped response ("<answer>9" is no answer)
