@@ -21,8 +21,6 @@ def test_ppo_trains_two_steps_on_a_reasoning_gym_task_scored_by_its_verifier(
         "--preset", "none",
         "--model.pretrain", str(tiny_checkpoint),
         "--data.prompt_data", "reasoning_gym:basic_arithmetic?size=8&seed=1&max_terms=2",
-        "--data.eval_dataset", "reasoning_gym:basic_arithmetic?size=2&seed=7",
-        "--eval.eval_steps", "2",
         "--reward.function", "reasoning_gym",
         "--rollout.n_samples_per_prompt", "2",
         "--rollout.rollout_batch_size", "4",
@@ -40,6 +38,5 @@ def test_ppo_trains_two_steps_on_a_reasoning_gym_task_scored_by_its_verifier(
     assert "data: 8 training prompts" in result.stdout + result.stderr
     metrics = read_metrics(run_dir)
     assert [line["step"] for line in metrics] == [1, 2]
-    for line in metrics:
+    for line in metrics:  # the task's score_answer on the tiny model's 8-token answers
         assert 0.0 <= line["reward/function_mean"] <= 1.0
-    assert any(key.startswith("eval/") for key in metrics[-1])
