@@ -109,7 +109,7 @@ def test_the_options_and_the_agent_file_reach_the_executor_verbatim(agent_file):
 
 def test_an_unknown_executor_is_refused_with_the_registered_names():
     refused(
-        r"^rollout\.executor: 'multi_turns' is not one of agent_server, multi_turn, single_turn",
+        r"^rollout\.executor: 'multi_turns' is not one of agent_server, gym_text, multi_turn, single_turn",
         rollout__executor="multi_turns",
     )
 
