@@ -37,6 +37,7 @@ __all__ = [
     "parse_reasoning_gym_source",
     "reasoning_gym_label",
     "reasoning_gym_rows",
+    "reasoning_gym_tasks",
 ]
 
 REASONING_GYM_PREFIX = "reasoning_gym:"
@@ -94,6 +95,11 @@ def _import() -> Any:
     except ImportError:
         raise ImportError(f"the reasoning-gym package is not installed: {REASONING_GYM_INSTALL}") from None
     return reasoning_gym
+
+
+def reasoning_gym_tasks() -> list[str]:
+    """The task names of the installed reasoning-gym (ImportError with the pip line without it)."""
+    return sorted(_import().factory.DATASETS)
 
 
 _CACHE: dict[str, Any] = {}
