@@ -30,9 +30,10 @@ ALLOWED: dict[str, tuple[set[str], set[str]]] = {
     ),
     "rl_rollout": (
         # fastapi / starlette / uvicorn / openai: the `agents` extra (the agent server); peft: the
-        # `peft` extra (HFEngine serving a LoRA adapter, rl_rollout.adapters)
+        # `peft` extra (HFEngine serving a LoRA adapter, rl_rollout.adapters); reasoning_gym: the
+        # `reasoning-gym` extra (rl_rollout.reasoning_gym)
         {"torch", "msgspec", "numpy", "rl_data", "rl_algos", "transformers", "vllm", "peft"}
-        | {"fastapi", "starlette", "uvicorn", "openai"},
+        | {"fastapi", "starlette", "uvicorn", "openai", "reasoning_gym"},
         {
             "torch",
             "msgspec",
@@ -44,6 +45,7 @@ ALLOWED: dict[str, tuple[set[str], set[str]]] = {
             "uvicorn",
             "openai",
             "peft",
+            "reasoning-gym",
         },
     ),
     "rl_learner": (

@@ -6,6 +6,7 @@ own code then runs the agent on a real engine."""
 
 from __future__ import annotations
 
+import pathlib
 from typing import Any
 
 import pytest
@@ -108,7 +109,7 @@ def test_the_options_and_the_agent_file_reach_the_executor_verbatim(agent_file):
 
 def test_an_unknown_executor_is_refused_with_the_registered_names():
     refused(
-        r"^rollout\.executor: 'multi_turns' is not one of agent_server, multi_turn, single_turn",
+        r"^rollout\.executor: 'multi_turns' is not one of agent_server, gym_text, multi_turn, single_turn",
         rollout__executor="multi_turns",
     )
 
@@ -303,7 +304,7 @@ def _worker_episodes(
         seed=0,
         executor=executor,
         executor_options=options,
-        agent_func_path=str(agent),
+        agent_func_path=None if agent is None else str(agent),
     )
     worker = RolloutWorker(spec)
     try:
@@ -585,3 +586,63 @@ def test_the_readme_tool_calling_command_resolves(capsys):
     out = capsys.readouterr().out
     assert "executor: tool_call" in out
     assert "parser: hermes" in out
+
+
+# ------------------------------------------------------------- gym_text: Gymnasium-style envs
+
+GUESS_NUMBER = (
+    str(pathlib.Path(__file__).parents[1] / "rollout" / "fixtures" / "guess_number.py") + ":GuessNumber"
+)
+
+
+def test_gym_text_takes_an_env_spec_its_kwargs_and_multi_turns_options_and_refuses_bad_ones():
+    resolved = config(
+        rollout__executor="gym_text",
+        rollout__executor_options__env=GUESS_NUMBER,
+        rollout__executor_options__env_kwargs__max_guesses="2",
+        rollout__executor_options__max_turns="2",
+    )
+    assert resolved.rollout.executor_options == {
+        "env": GUESS_NUMBER,
+        "env_kwargs": {"max_guesses": 2},
+        "max_turns": 2,
+    }
+    assert set(executor_options("multi_turn")) < set(executor_options("gym_text"))
+    prefix = r"^rollout\.executor_options: rollout executor 'gym_text' refused its options: "
+    refused(prefix + "env is required", rollout__executor="gym_text")
+    refused(
+        prefix + r"env: 'no_such_pkg_q:Env': cannot import module",
+        rollout__executor="gym_text",
+        rollout__executor_options__env="no_such_pkg_q:Env",
+    )
+    refused(
+        prefix + r"render: 'html' is not allowed",
+        rollout__executor="gym_text",
+        rollout__executor_options__env=GUESS_NUMBER,
+        rollout__executor_options__render="html",
+    )
+    refused(
+        r"^reward\.function: with rollout\.executor gym_text the environment's own rewards are the reward",
+        rollout__executor="gym_text",
+        rollout__executor_options__env=GUESS_NUMBER,
+        reward__function="numeric",
+    )
+
+
+def test_the_rollout_worker_runs_a_gym_text_env_from_its_spec(tiny_checkpoint):
+    """The actor's own code builds gym_text from the options as given: the environment's first
+    observation is each record's prompt, its hints are feedback (mask 0), its rewards the reward."""
+    options = {"env": GUESS_NUMBER, "env_kwargs": {"max_guesses": 2}, "render": "text"}
+    tokenizer, records = _worker_episodes(tiny_checkpoint, "gym_text", options, None, greedy_baseline=False)
+    first = tokenizer("Guess my number between 0 and 100.", add_special_tokens=False)["input_ids"]
+    assert [r.group_id for r in records] == [10, 10, 11, 11]
+    for record in records:
+        assert record.prompt_ids.tolist() == first
+        assert 1 <= record.extra["turns"] <= 2
+        assert record.reward in (0.0, 1.0)
+        text = tokenizer.decode(record.response_ids.tolist())
+        if record.reward == 0.0:  # never right: both guesses answered with a hint, the last one ends it
+            assert record.extra["turns"] == 2
+            hints = [h for h in ("Higher.", "Lower.", "No number.") if h in text]
+            assert hints
+        assert not all(record.action_mask.tolist()) or record.extra["turns"] == 1

@@ -122,3 +122,17 @@ def test_ppo_without_vllm_stops_before_ray_with_the_reason(without, tiny_checkpo
     assert "rl-launch ppo: error: rollout.engine: vllm, but the vllm package is not installed" in err
     assert not ray.is_initialized()
     assert not (tmp_path / "run").exists()  # nothing started, not even the run folder
+
+
+def test_reasoning_gym_sources_and_reward_without_the_package_are_refused_with_the_pip_line(without):
+    without("reasoning_gym")
+    pip = r"pip install 'rl-rollout\[reasoning-gym\]'"
+    with pytest.raises(
+        PreflightError, match=rf"^reward\.function: reasoning_gym needs the reasoning-gym package: {pip}"
+    ):
+        check_packages(_ppo(reward={"function": "reasoning_gym"}))
+    with pytest.raises(
+        PreflightError, match=rf"^data\.eval_dataset: a reasoning_gym:<task> source needs .*{pip}"
+    ):
+        check_packages(_ppo(data={"eval_dataset": "e.jsonl,reasoning_gym:leg_counting?size=8"}))
+    check_packages(_ppo(reward={"function": "numeric"}))  # nothing of reasoning-gym: nothing needed

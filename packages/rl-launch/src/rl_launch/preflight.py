@@ -152,8 +152,25 @@ def _check_headers_env(headers_env: dict[str, str]) -> None:
 _DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".arrow")
 
 
+def _check_reasoning_gym(option: str, value: str) -> str:
+    """`reasoning_gym:<task>?...`: its options parse and the task is one of reasoning-gym's."""
+    from rl_rollout.reasoning_gym import parse_reasoning_gym_source, reasoning_gym_tasks
+
+    try:
+        task, _ = parse_reasoning_gym_source(value)
+        tasks = reasoning_gym_tasks()
+    except (ImportError, ValueError) as error:  # the message names the pip line without the package
+        raise PreflightError(f"{option}: {error}") from None
+    if task not in tasks:
+        raise PreflightError(f"{option}: {task!r} is not a reasoning-gym task; tasks: {', '.join(tasks)}")
+    return value
+
+
 def _check_data_file(option: str, value: str) -> str:
-    """A local file or folder (resolved), or a name shaped like a hub dataset `org/name`."""
+    """A local file or folder (resolved), a reasoning-gym task (`reasoning_gym:<task>?...`), or a
+    name shaped like a hub dataset `org/name`."""
+    if value.startswith("reasoning_gym:"):
+        return _check_reasoning_gym(option, value)
     path = Path(value).expanduser()
     if path.exists():
         return str(path)
@@ -476,7 +493,8 @@ def check_packages(config: Any) -> None:
     """PreflightError naming the option and the install line for the first package the run's
     choices need that is not installed: the vllm engine (ppo's rollout.engine), TensorBoard and
     wandb (log.use_tensorboard, log.use_wandb), peft (model.lora_rank > 0), the agent server's
-    fastapi / uvicorn / openai (rollout.executor agent_server). `config`: a ppo, sft, rm, dpo or
+    fastapi / uvicorn / openai (rollout.executor agent_server),
+    reasoning-gym (a `reasoning_gym:<task>` dataset or reward.function reasoning_gym). `config`: a ppo, sft, rm, dpo or
     kto config (the sections it lacks are skipped)."""
     rollout = getattr(config, "rollout", None)
     if rollout is not None and rollout.engine == "vllm" and _missing("vllm"):
@@ -490,11 +508,30 @@ def check_packages(config: Any) -> None:
     for field, module, install in _LOGGERS:
         if getattr(config.log, field) and _missing(module):
             raise PreflightError(f"log.{field} is on but the {module} package is not installed: {install}")
+    _check_reasoning_gym_package(config)
     if config.model.lora_rank > 0 and _missing("peft"):
         raise PreflightError(
             f"model.lora_rank: {config.model.lora_rank} trains LoRA adapters, but the peft package is not "
             "installed: pip install 'rl-launch[peft]' (or model.lora_rank 0 to train all weights)"
         )
+
+
+def _check_reasoning_gym_package(config: Any) -> None:
+    """reasoning-gym, when a ppo run names a task as data or its verifier as the reward."""
+    data, reward = getattr(config, "data", None), getattr(config, "reward", None)
+    if data is None or reward is None or not hasattr(data, "eval_dataset") or not _missing("reasoning_gym"):
+        return
+    from rl_rollout.reasoning_gym import REASONING_GYM_INSTALL, is_reasoning_gym_source
+
+    if reward.function == "reasoning_gym":
+        raise PreflightError(
+            f"reward.function: reasoning_gym needs the reasoning-gym package: {REASONING_GYM_INSTALL}"
+        )
+    for option in ("prompt_data", "eval_dataset"):
+        if any(is_reasoning_gym_source(source) for source in data_sources(getattr(data, option))):
+            raise PreflightError(
+                f"data.{option}: a reasoning_gym:<task> source needs the reasoning-gym package: {REASONING_GYM_INSTALL}"
+            )
 
 
 def settle_attention(config: Any, section: str | None = "model") -> tuple[Any, str | None]:

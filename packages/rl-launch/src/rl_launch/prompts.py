@@ -3,7 +3,8 @@
 Every dataset that `data.prompt_data` or `data.eval_dataset` names is read on its own
 (`load_source`): a local file or `save_to_disk` folder through rl_data, the chosen split of a
 `save_to_disk` DatasetDict, and a folder of data files or a Hugging Face dataset name through
-`datasets.load_dataset(name, subset, split=split)`. Each becomes one rl_data `PromptDataset`
+`datasets.load_dataset(name, subset, split=split)`; a reasoning-gym task
+`reasoning_gym:<task>?size=N&seed=S` is generated offline (`rl_rollout.reasoning_gym`). Each becomes one rl_data `PromptDataset`
 (input template or chat template with the system prompt, `data.prompt_max_len`, bad rows), so
 each dataset counts its own dropped prompts.
 
@@ -93,6 +94,23 @@ def load_source(
     return with_location(loaded, source)
 
 
+def _reasoning_gym_rows(source: str, option: str, data: Any) -> Any:
+    """The items of a reasoning-gym task as a `datasets.Dataset` located as `source`
+    (`rl_rollout.reasoning_gym`: the question under data.input_key, the label under data.label_key)."""
+    import datasets
+
+    from rl_data.datasets.common import with_location
+    from rl_rollout.reasoning_gym import reasoning_gym_rows
+
+    if data.label_key is None:
+        raise PreflightError(f"{option}: {source!r} needs data.label_key (its verifier reads the label)")
+    try:
+        rows = reasoning_gym_rows(source, input_key=data.input_key, label_key=data.label_key)
+    except (ImportError, ValueError) as error:
+        raise PreflightError(f"{option}: {error}") from None
+    return with_location(datasets.Dataset.from_list(rows), source)
+
+
 def source_labels(sources: list[str]) -> dict[str, str]:
     """A short, unique metric name for each dataset: a file's stem (`math` for /d/math.jsonl), a
     folder's or hub dataset's last part (`gsm8k` for openai/gsm8k); characters other than letters,
@@ -101,6 +119,8 @@ def source_labels(sources: list[str]) -> dict[str, str]:
     for source in sources:
         path = Path(source.rstrip("/"))
         name = path.stem if path.suffix.lower() in _FILE_SUFFIXES else path.name
+        if source.startswith("reasoning_gym:"):  # the task: reasoning_gym:leg_counting?size=8 -> leg_counting
+            name = source.partition(":")[2].partition("?")[0]
         label = base = re.sub(r"[^\w.-]", "_", name) or "data"
         count = 1
         while label in labels.values():
@@ -204,13 +224,17 @@ def load_prompts(config: PPOConfig, inputs: Resolved, tokenizer: Any) -> tuple[P
         processor = VisionProcessor.from_pretrained(inputs.model_path, tokenizer)
 
     def dataset(source: str, option: str, split: tuple[str, str], subset: tuple[str | None, str]) -> Any:
-        rows = load_source(
-            source,
-            split=split[0],
-            subset=subset[0],
-            option=option,
-            split_option=split[1],
-            subset_option=subset[1],
+        rows = (
+            _reasoning_gym_rows(source, option, data)
+            if source.startswith("reasoning_gym:")
+            else load_source(
+                source,
+                split=split[0],
+                subset=subset[0],
+                option=option,
+                split_option=split[1],
+                subset_option=subset[1],
+            )
         )
         try:
             return PromptDataset(

@@ -19,6 +19,8 @@
   make an agent's episode a list of segments, one record each (`rl_rollout.episodes`).
 - A sandbox for model-written code (`run_python`: deadline, memory, output cap, no network, a
   throwaway folder), the unit-test `CodeReward` and a `python_tool()` on it.
+- reasoning-gym tasks as prompts and their verifiers as `ReasoningGymReward`
+  (`rl_rollout.reasoning_gym`, extra `rl-rollout[reasoning-gym]`).
 - Rewards: OpenRLHF `reward_func` files, rule rewards for verifiable tasks, a remote reward client.
 - DAPO dynamic filtering that never drops accepted groups, overlong and stop-properly shaping.
 
@@ -35,6 +37,7 @@ from .code_tasks import CodeReward, python_tool, run_tests
 from .executors import EpisodeError, MultiTurnExecutor, SingleTurnExecutor, load_agent, load_agent_class
 from .filtering import DynamicSampler, FilterResult, dynamic_sample, filter_groups, shape_rewards
 from .protocol import Engine, EngineError, Generation, SamplingParams
+from .reasoning_gym import ReasoningGymReward
 from .receiver_base import RECEIVERS, TransportReceiver
 from .remote import RemoteRewardClient, RemoteRewardError
 from .rewards import (
@@ -90,6 +93,7 @@ __all__ = [
     "NumericAnswerReward",
     "ParsedToolCalls",
     "PerSampleReward",
+    "ReasoningGymReward",
     "RemoteRewardClient",
     "RemoteRewardError",
     "RewardError",

@@ -60,6 +60,8 @@ class ExecutorEntry:
     environments may return images (`environment_images`)."""
     carries_routes: bool = False
     """It puts the engine's MoE routes on its records (`algo.policy.router_replay` needs them)."""
+    scores_episodes: bool = False
+    """Its environments score the episodes: the run's reward sources would never be called."""
 
     def option_defaults(self) -> dict[str, Any]:
         if self.options is not None:
@@ -145,16 +147,17 @@ def _check(config: PPOConfig) -> None:
             "which runs no agent; leave rollout.executor unset or set it to one that does "
             f"({', '.join(sorted(n for n, e in EXECUTORS.items() if e.runs_agent))})"
         )
-    if entry.runs_agent:
-        if agent is None:
-            raise ConfigError(
-                f"rollout.executor: {name!r} runs the episodes of an agent file; set "
-                f"rollout.agent_func_path to {entry.agent_kind}"
-            )
+    if entry.runs_agent and agent is None:
+        raise ConfigError(
+            f"rollout.executor: {name!r} runs the episodes of an agent file; set "
+            f"rollout.agent_func_path to {entry.agent_kind}"
+        )
+    if entry.runs_agent or entry.scores_episodes:
         sources = [f"reward.{field}" for field in ("function", "remote_url") if getattr(config.reward, field)]
         if sources:
+            whose = "agent" if entry.runs_agent else "environment"
             raise ConfigError(
-                f"{sources[0]}: with rollout.executor {name} the agent's own rewards are the "
+                f"{sources[0]}: with rollout.executor {name} the {whose}'s own rewards are the "
                 "reward and this source would never be called; leave it unset (a reward model, "
                 "model.reward_pretrain, still adds its score)"
             )
@@ -324,4 +327,45 @@ def agent_server_executor(
         raise ValueError("agent_server needs an agent file (rollout.agent_func_path) defining run_agent")
     return AgentServerExecutor(
         engine, tokenizer, sampling, agent=agent_func_path, first_group_id=first_group_id, **options
+    )
+
+
+def _gym_text_options() -> dict[str, Any]:
+    return {"env": None, "env_kwargs": {}, "render": "chat", **_multi_turn_options()}
+
+
+@EXECUTORS.register("gym_text", options=_gym_text_options, scores_episodes=True)
+def gym_text_executor(
+    *,
+    engine: Any,
+    reward_fn: Any,
+    tokenizer: Any,
+    sampling: Any,
+    first_group_id: int,
+    agent_func_path: str | None,
+    env: str | None = None,
+    env_kwargs: dict[str, Any] | None = None,
+    render: str = "chat",
+    **options: Any,
+) -> Any:
+    """`rl_rollout.MultiTurnExecutor` over a Gymnasium-style text environment
+    (`rl_rollout.gym_env`, duck-typed: reset(seed=, options=) -> (observation, info), step(action)
+    -> (observation, reward, terminated, truncated, info)); executor_options.env names its class or
+    function, "package.module:NAME" or "path/to/file.py:NAME", called with env_kwargs. Its first
+    observation is the prompt (render chat: a user turn of the chat template; text: as it is), each
+    later one the feedback; the reward is the sum of the step rewards, and the episode's seed is the
+    prompt's label when it is an integer. Other options: multi_turn's (max_turns, episode_timeout_s,
+    on_error, feedback, ...)."""
+    from rl_rollout import MultiTurnExecutor
+    from rl_rollout.gym_env import gym_env_factory
+
+    del reward_fn, agent_func_path  # the environment scores the episode; it runs no agent file
+    if env is None:
+        raise ValueError("env is required: 'package.module:NAME' or 'path/to/file.py:NAME'")
+    try:
+        factory = gym_env_factory(env, env_kwargs=env_kwargs, render=render, tokenizer=tokenizer)
+    except (ImportError, FileNotFoundError, AttributeError) as error:
+        raise ValueError(str(error)) from None
+    return MultiTurnExecutor(
+        engine, tokenizer, sampling, env=factory, first_group_id=first_group_id, **options
     )

@@ -93,3 +93,13 @@ def code_reward() -> Any:
     from rl_rollout import CodeReward
 
     return CodeReward()
+
+
+@REWARDS.register("reasoning_gym")
+def reasoning_gym_reward() -> Any:
+    """`rl_rollout.ReasoningGymReward`: the reasoning-gym task's own score_answer on the response's
+    last <answer>...</answer> (else the whole response), for prompts of --data.prompt_data
+    reasoning_gym:<task> (pip install 'rl-launch[reasoning-gym]')."""
+    from rl_rollout import ReasoningGymReward
+
+    return ReasoningGymReward()
