@@ -1,6 +1,6 @@
 """`rl-launch ppo` on a reasoning-gym task by name, scored by its own verifier: two steps on CPU
-(hf engine, the tiny model). Needs the reasoning-gym package (`pip install 'rl-launch[reasoning-gym]'`);
-skipped without it. The resolution and the reward on a stand-in: tests/launch/test_reasoning_gym_data.py."""
+(hf engine, the tiny model). The test environment holds `rl-launch[reasoning-gym]` (pyproject.toml):
+without it this fails. The resolution and the reward on a stand-in: tests/launch/test_reasoning_gym_data.py."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ pytestmark = pytest.mark.slow
 def test_ppo_trains_two_steps_on_a_reasoning_gym_task_scored_by_its_verifier(
     tiny_checkpoint, ray_temp, tmp_path
 ):
-    pytest.importorskip("reasoning_gym")
     ray_dir, env = ray_temp
     run_dir = tmp_path / "run"
     args = [
