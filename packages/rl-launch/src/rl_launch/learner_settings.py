@@ -34,6 +34,7 @@ __all__ = [
     "learner_dtype",
     "learner_settings",
     "model_load_options",
+    "offload_words",
     "optimizer_offload",
     "role_optimizer",
 ]
@@ -118,6 +119,22 @@ def optimizer_offload(asked: bool, *, use_gpus: bool, backend: str = "deepspeed"
             "a no-op on CPU: the optimizer states already live in host memory (no CPU Adam op to build)",
         )
     return True, "optimizer states offloaded to CPU memory (ZeRO-Offload, DeepSpeedCPUAdam)"
+
+
+def offload_words(config: Any, started: set[str], *, use_gpus: bool) -> str | None:
+    """The start-up words of train.adam_offload and ray.ref / ray.teacher / ray.reward_model.offload
+    (of the roles in `started`): applied, or why it is a no-op here; None when none is set."""
+    words = []
+    if config.train.adam_offload:
+        _, why = optimizer_offload(True, use_gpus=use_gpus, backend=config.train.backend)
+        words.append(f"train.adam_offload: {why}")
+    for role in ("ref", "teacher", "reward_model"):
+        if getattr(config.ray, role).offload and role in started:
+            _, why = frozen_offload(
+                True, zero_stage=config.train.zero_stage, use_gpus=use_gpus, backend=config.train.backend
+            )
+            words.append(f"ray.{role}.offload: {why}")
+    return "; ".join(words) or None
 
 
 def learner_settings(

@@ -40,7 +40,7 @@ from .cluster import ClusterError, cluster_has_gpus, place_roles, plan_roles
 from .config import PPOConfig
 from .diagnosis import describe_build_locks, extension_build_locks
 from .handoff import HandOff, hand_off_for
-from .learner_settings import frozen_offload, learner_dtype, optimizer_offload
+from .learner_settings import learner_dtype, offload_words
 from .placement import Placement
 from .rendezvous import local_ranks
 from .reward_model import collect_scores
@@ -340,24 +340,8 @@ class Roles:
             self.groups["policy"].call("export_ema", path, tokenizer_path)
 
     def describe_offload(self) -> str | None:
-        """The start-up line of train.adam_offload and ray.ref.offload / ray.teacher.offload /
-        ray.reward_model.offload (None when none is set): applied, or why it is a no-op here."""
-        cfg = self.config
-        lines = []
-        if cfg.train.adam_offload:
-            _, why = optimizer_offload(True, use_gpus=self.device == "cuda", backend=cfg.train.backend)
-            lines.append(f"train.adam_offload: {why}")
-        frozen = (("ref", cfg.ray.ref), ("teacher", cfg.ray.teacher), ("reward_model", cfg.ray.reward_model))
-        for role, section in frozen:
-            if section.offload and role in self.groups:
-                _, why = frozen_offload(
-                    True,
-                    zero_stage=cfg.train.zero_stage,
-                    use_gpus=self.device == "cuda",
-                    backend=cfg.train.backend,
-                )
-                lines.append(f"ray.{role}.offload: {why}")
-        return "; ".join(lines) or None
+        """The start-up words of the offload options (`learner_settings.offload_words`)."""
+        return offload_words(self.config, set(self.groups), use_gpus=self.device == "cuda")
 
     def describe_tensor_parallel(self) -> str | None:
         """The start-up words of train.tensor_parallel_size (None when it is 1)."""
