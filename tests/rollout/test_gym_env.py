@@ -113,7 +113,7 @@ def test_env_specs_name_a_module_or_a_file_and_errors_name_the_spec():
     for spec, error, says in [
         ("GuessNumber", ValueError, "expected 'package.module:NAME'"),
         ("no_such_module_x:Env", ImportError, "cannot import module 'no_such_module_x'"),
-        (f"{FILE.parent}/missing.py:Env", FileNotFoundError, "no such file"),
+        (f"{FILE.parent}/missing.py:Env", FileNotFoundError, "env file .*missing.py. does not exist"),
         (f"{FILE}:Nope", AttributeError, "has no attribute 'Nope'"),
         (f"{FILE}:re", TypeError, "is a module, not a class or function"),
     ]:

@@ -31,8 +31,6 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import numbers
-import re
-import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -57,22 +55,9 @@ def load_env_factory(spec: str) -> Callable[..., Any]:
         )
     where, _, name = spec.rpartition(":")
     if where.endswith(".py") or "/" in where:
-        path = Path(where).expanduser().resolve()
-        if not path.is_file():
-            raise FileNotFoundError(f"env: {spec!r}: no such file {path}")
-        module_name = "rl_rollout_gym_env_" + re.sub(r"\W", "_", str(path))
-        module = sys.modules.get(module_name)
-        if module is None:
-            loader_spec = importlib.util.spec_from_file_location(module_name, path)
-            if loader_spec is None or loader_spec.loader is None:
-                raise ImportError(f"env: {spec!r}: cannot import {path}")
-            module = importlib.util.module_from_spec(loader_spec)
-            sys.modules[module_name] = module
-            try:
-                loader_spec.loader.exec_module(module)
-            except BaseException:
-                del sys.modules[module_name]
-                raise
+        from .rewards import load_python_file
+
+        module = load_python_file(Path(where).expanduser().resolve(), "env")
     else:
         try:
             module = importlib.import_module(where)
