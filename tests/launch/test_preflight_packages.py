@@ -136,3 +136,29 @@ def test_reasoning_gym_sources_and_reward_without_the_package_are_refused_with_t
     ):
         check_packages(_ppo(data={"eval_dataset": "e.jsonl,reasoning_gym:leg_counting?size=8"}))
     check_packages(_ppo(reward={"function": "numeric"}))  # nothing of reasoning-gym: nothing needed
+
+
+def test_a_local_run_without_cuda_tells_deepspeed_its_accelerator_instead_of_letting_it_guess(monkeypatch):
+    """DeepSpeed prints a WARNING on the console when it guesses the CPU (from the first process
+    that imports it: accelerate imports it while a preset builds)."""
+    import torch
+
+    from rl_launch.config import PPOConfig
+    from rl_launch.options import load_config
+    from rl_launch.preflight import settle_accelerator
+
+    local = load_config(PPOConfig, overrides={"preset": "arithmetic"})
+    joined = load_config(PPOConfig, overrides={"preset": "arithmetic", "ray.address": "10.0.0.1:6379"})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    environ: dict[str, str] = {}
+    assert settle_accelerator(local, environ) == "cpu"
+    assert environ == {"DS_ACCELERATOR": "cpu"}
+    kept = {"DS_ACCELERATOR": "cuda"}
+    assert settle_accelerator(local, kept) is None
+    assert kept == {"DS_ACCELERATOR": "cuda"}
+    untouched: dict[str, str] = {}
+    assert settle_accelerator(joined, untouched) is None
+    assert untouched == {}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert settle_accelerator(local, untouched) is None
+    assert untouched == {}

@@ -491,12 +491,19 @@ class PPORecipe(Recipe):
         """Inputs and run folder, then Ray (the data loads meanwhile), the actors and the trainer."""
         from .cluster import start_ray
         from .plugins import import_plugins, resolve_plugins
-        from .preflight import check_context, check_packages, resolve_inputs, settle_attention
+        from .preflight import (
+            check_context,
+            check_packages,
+            resolve_inputs,
+            settle_accelerator,
+            settle_attention,
+        )
         from .runs import open_run_folder
 
         config, say = self.config, self.console.say
         self.plugins = resolve_plugins(config.plugins)
         import_plugins(self.plugins)  # already imported by `validation.prepare`: a no-op then
+        settle_accelerator(config)
         config, attention_note = settle_attention(config)
         self.config = config
         if attention_note is not None:

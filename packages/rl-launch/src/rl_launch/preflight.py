@@ -489,6 +489,24 @@ def _missing(*modules: str) -> list[str]:
     return [module for module in modules if importlib.util.find_spec(module) is None]
 
 
+def settle_accelerator(config: Any, environ: Any = None) -> str | None:
+    """DS_ACCELERATOR=cpu in `environ` (os.environ) for a local run on a machine without CUDA, where
+    every actor runs here and DeepSpeed's accelerator is the CPU: said, not guessed (DeepSpeed
+    prints a WARNING when it guesses, from the first process that imports it, e.g. through
+    accelerate while a preset builds). Ray's actors inherit it. A set value is kept, and a run on
+    a joined cluster (ray.address) is left alone: its GPU nodes may differ from this one. Returns
+    the value set, or None."""
+    import os
+
+    import torch
+
+    environ = os.environ if environ is None else environ
+    if config.ray.address is not None or "DS_ACCELERATOR" in environ or torch.cuda.is_available():
+        return None
+    environ["DS_ACCELERATOR"] = "cpu"
+    return "cpu"
+
+
 def check_packages(config: Any) -> None:
     """PreflightError naming the option and the install line for the first package the run's
     choices need that is not installed: the vllm engine (ppo's rollout.engine), TensorBoard and
