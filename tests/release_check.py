@@ -295,7 +295,7 @@ def install_alone(built: Built, folder: pathlib.Path) -> str:
         )
     import_name = PACKAGES[built.distribution]
     setup, verify = _EXAMPLE_INPUTS[built.distribution]
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
+    env = _clean_env()
     venv = folder / "venv"
     _run([sys.executable, "-m", "venv", str(venv)], env, folder)
     python = str(venv / "bin" / "python")
@@ -321,7 +321,7 @@ def install_trl_and_run_recipe(folder: pathlib.Path, checkpoint: pathlib.Path) -
     seconds the install took and the driver's `ok ...` lines."""
     from importlib.metadata import version
 
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
+    env = _clean_env()
     env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", HF_HOME=str(folder / "hf"))
     python = str(folder / "venv" / "bin" / "python")
     pins = [TORCH_PIN, TRL_PIN, f"transformers=={version('transformers')}"]
@@ -333,6 +333,26 @@ def install_trl_and_run_recipe(folder: pathlib.Path, checkpoint: pathlib.Path) -
     command = [python, str(driver), str(readme), str(checkpoint), str(folder / "trl-out")]
     output = _run(command, env, folder)
     return installed, [line for line in output.splitlines() if line.startswith("ok ")]
+
+
+# What this process's environment must not pass to a fresh venv's processes: its interpreter's
+# paths, and torch.distributed's rendezvous variables (a learner test in the same pytest worker
+# leaves LOCAL_RANK=0 set, and accelerate, under TRL's GRPOConfig, then starts a process group).
+_NOT_PASSED = (
+    "PYTHONPATH",
+    "VIRTUAL_ENV",
+    "PYTHONHOME",
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+)
+_NOT_PASSED += ("GROUP_RANK", "ROLE_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+
+
+def _clean_env() -> dict[str, str]:
+    """os.environ without `_NOT_PASSED` and accelerate's own ACCELERATE_* settings."""
+    return {k: v for k, v in os.environ.items() if k not in _NOT_PASSED and not k.startswith("ACCELERATE_")}
 
 
 def _run(command: list[str], env: dict[str, str], cwd: pathlib.Path, timeout: float = 900) -> str:
