@@ -30,17 +30,15 @@ thread; the times compare the two backends' overheads at this shape, not a GPU's
 from __future__ import annotations
 
 import argparse
-import ctypes
-import gc
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
 import time
 
 import torch
+from peak_memory import qwen2_model, reset_peak, status_kib
 
 PROMPT_TOKENS = 16
 ROWS = {  # name: (ranks, DeepSpeedConfig keywords)
@@ -49,37 +47,6 @@ ROWS = {  # name: (ranks, DeepSpeedConfig keywords)
     "tp1": (1, {"backend": "fsdp2"}),
     "tp2": (2, {"backend": "fsdp2", "tensor_parallel_size": 2}),
 }
-
-
-def status_kib(field: str) -> int:
-    with open("/proc/self/status") as status:
-        return int(re.search(rf"^{field}:\s+(\d+) kB", status.read(), re.MULTILINE).group(1))
-
-
-def reset_peak() -> int:
-    """Return freed memory to the OS, reset VmHWM to the current RSS; the RSS in bytes."""
-    gc.collect()
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-    with open("/proc/self/clear_refs", "w") as clear:
-        clear.write("5")
-    return status_kib("VmRSS") * 1024
-
-
-def build_model(args: argparse.Namespace) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM, Qwen2Config
-
-    config = Qwen2Config(
-        vocab_size=args.vocab,
-        hidden_size=args.hidden,
-        intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers,
-        num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads,
-        tie_word_embeddings=False,
-        attn_implementation="sdpa",
-    )
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
 
 def micro_batch(args: argparse.Namespace, seed: int):
@@ -127,7 +94,7 @@ def worker(args: argparse.Namespace) -> None:
 
     before = reset_peak()
     learner = PolicyLearner(
-        build_model(args), deepspeed=ds, optimizer=OptimizerConfig(lr=1e-5, warmup_ratio=0.0), total_steps=100
+        qwen2_model(args), deepspeed=ds, optimizer=OptimizerConfig(lr=1e-5, warmup_ratio=0.0), total_steps=100
     )
     loss = PolicyLossConfig()
     learner.train_step([batch], loss)  # warm-up: gradient buffers, optimizer state

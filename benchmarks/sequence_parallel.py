@@ -50,51 +50,20 @@ every large tensor a fresh, page-faulted mapping, a cost every SP size pays alik
 from __future__ import annotations
 
 import argparse
-import ctypes
-import gc
 import json
 import os
-import re
 import subprocess
 import sys
 import time
 
 import torch
+from peak_memory import qwen2_model, reset_peak, status_kib
 
 PROMPT_TOKENS = 16
 
 
-def status_kib(field: str) -> int:
-    """A /proc/self/status field in KiB (VmRSS, VmHWM)."""
-    with open("/proc/self/status") as status:
-        return int(re.search(rf"^{field}:\s+(\d+) kB", status.read(), re.MULTILINE).group(1))
-
-
-def reset_peak() -> int:
-    """Return freed memory to the OS, reset VmHWM to the current RSS; the RSS in bytes."""
-    gc.collect()
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-    with open("/proc/self/clear_refs", "w") as clear:
-        clear.write("5")
-    return status_kib("VmRSS") * 1024
-
-
 def build_model(args: argparse.Namespace) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM, Qwen2Config
-
-    config = Qwen2Config(
-        vocab_size=args.vocab,
-        hidden_size=args.hidden,
-        intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers,
-        num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads,
-        max_position_embeddings=1 << 20,
-        tie_word_embeddings=False,
-        attn_implementation="sdpa",
-    )
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = qwen2_model(args, max_position_embeddings=1 << 20)
     if args.checkpointing == "on":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model.train()
