@@ -82,23 +82,45 @@ def own_loop(folder: pathlib.Path, tokenizer, rank: int) -> None:
     sender.close()
 
 
-def fsdp2_policy(tokenizer) -> PolicyLearner:
-    """The tiny policy on the FSDP2 backend, fp32, as the test's one-rank learner is built."""
-    return PolicyLearner(
-        tiny_policy(tokenizer),
-        deepspeed=DeepSpeedConfig(backend="fsdp2", dtype="fp32"),
-        optimizer=OPTIMIZER,
-        total_steps=4,
-    )
+def fsdp2_policy(tokenizer, **deepspeed) -> PolicyLearner:
+    """The tiny policy on the FSDP2 backend, fp32, as the test's one-rank learner is built
+    (`deepspeed`: more DeepSpeedConfig keywords, e.g. tensor_parallel_size)."""
+    config = DeepSpeedConfig(backend="fsdp2", dtype="fp32", **deepspeed)
+    return PolicyLearner(tiny_policy(tokenizer), deepspeed=config, optimizer=OPTIMIZER, total_steps=4)
 
 
-def learner_step(folder: pathlib.Path, tokenizer, rank: int) -> None:
+def fsdp2_critic(tokenizer, **deepspeed) -> ValueLearner:
+    """The tiny critic on the FSDP2 backend, fp32 (`deepspeed` as for `fsdp2_policy`)."""
+    config = DeepSpeedConfig(backend="fsdp2", dtype="fp32", **deepspeed)
+    return ValueLearner(tiny_critic(tokenizer), deepspeed=config, optimizer=OPTIMIZER, total_steps=4)
+
+
+def policy_batch(tokenizer):
+    """Eight sequences with the policy step's slots filled from the tiny policy (as the test's)."""
     batch = experience(8)
     with torch.no_grad():
         fill_policy_slots(batch, packed_logprobs(tiny_policy(tokenizer), batch).float())
+    return batch
+
+
+def value_batch(tokenizer):
+    """Eight sequences with the critic step's slots filled from the tiny critic (as the test's)."""
+    batch = experience(8)
+    with torch.no_grad():
+        fill_value_slots(batch, packed_values(tiny_critic(tokenizer), batch).float())
+    return batch
+
+
+def full_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter gathered whole (DTensor `full_tensor`), by name."""
+    return {name: p.full_tensor().detach() for name, p in module.named_parameters()}
+
+
+def learner_step(folder: pathlib.Path, tokenizer, rank: int) -> None:
+    batch = policy_batch(tokenizer)
     learner = fsdp2_policy(tokenizer)
     metrics = learner.train_step([batch.select(range(4 * rank, 4 * rank + 4))], LOSS)
-    state = {name: p.full_tensor().detach() for name, p in learner.module.named_parameters()}
+    state = full_state(learner.module)
     if rank == 0:
         (folder / "learner-metrics.json").write_text(json.dumps(metrics))
         (folder / "learner-state.msgpack").write_bytes(encode(state))
@@ -108,7 +130,7 @@ def learner_step(folder: pathlib.Path, tokenizer, rank: int) -> None:
     resumed = fsdp2_policy(tokenizer)
     load_checkpoint(folder / "one-ckpt", {"policy": resumed.engine}, restore_rng=False)
     metrics = resumed.train_step([batch.select(range(4 * rank, 4 * rank + 4))], LOSS)
-    state = {name: p.full_tensor().detach() for name, p in resumed.module.named_parameters()}
+    state = full_state(resumed.module)
     if rank == 0:
         (folder / "resumed-metrics.json").write_text(json.dumps({**metrics, "step": resumed.step}))
         (folder / "resumed-state.msgpack").write_bytes(encode(state))
@@ -116,18 +138,11 @@ def learner_step(folder: pathlib.Path, tokenizer, rank: int) -> None:
 
 def critic_step(folder: pathlib.Path, tokenizer, rank: int) -> None:
     """The FSDP2 critic (its [1, hidden] score head: one row on rank 0, an empty shard on rank 1)."""
-    batch = experience(8)
-    with torch.no_grad():
-        fill_value_slots(batch, packed_values(tiny_critic(tokenizer), batch).float())
-    learner = ValueLearner(
-        tiny_critic(tokenizer),
-        deepspeed=DeepSpeedConfig(backend="fsdp2", dtype="fp32"),
-        optimizer=OPTIMIZER,
-        total_steps=4,
-    )
+    batch = value_batch(tokenizer)
+    learner = fsdp2_critic(tokenizer)
     head = tuple(learner.module.score.weight.to_local().shape)
     metrics = learner.train_step([batch.select(range(4 * rank, 4 * rank + 4))], VALUE_LOSS)
-    state = {name: p.full_tensor().detach() for name, p in learner.module.named_parameters()}
+    state = full_state(learner.module)
     (folder / f"critic-head-{rank}.json").write_text(json.dumps(head))
     if rank == 0:
         (folder / "critic-metrics.json").write_text(json.dumps(metrics))
@@ -138,18 +153,11 @@ def tensor_parallel_step(folder: pathlib.Path, tokenizer, rank: int) -> None:
     """FSDP × TP = 1 × 2: both ranks take the same two micro-batches (one TP group), each holding
     half of every decoder layer's heads and MLP columns; rank 0 writes the metrics, the full
     weights and the report of a "file" sync of them (gathered bucket by bucket)."""
-    batch = experience(8)
-    with torch.no_grad():
-        fill_policy_slots(batch, packed_logprobs(tiny_policy(tokenizer), batch).float())
-    learner = PolicyLearner(
-        tiny_policy(tokenizer),
-        deepspeed=DeepSpeedConfig(backend="fsdp2", dtype="fp32", tensor_parallel_size=2),
-        optimizer=OPTIMIZER,
-        total_steps=4,
-    )
+    batch = policy_batch(tokenizer)
+    learner = fsdp2_policy(tokenizer, tensor_parallel_size=2)
     q_proj = learner.module.model.layers[0].self_attn.q_proj.weight
     metrics = learner.train_step([batch.select(range(4)), batch.select(range(4, 8))], LOSS)
-    state = {name: p.full_tensor().detach() for name, p in learner.module.named_parameters()}
+    state = full_state(learner.module)
     spec = WeightSyncSpec(
         transport="file",
         layout=sync_layout(learner.module, bucket_bytes=SMALL_BUCKETS),
@@ -165,15 +173,8 @@ def tensor_parallel_step(folder: pathlib.Path, tokenizer, rank: int) -> None:
         (folder / "tp-state.msgpack").write_bytes(encode(state))
         (folder / "tp-report.msgpack").write_bytes(encode(report))
 
-    values = experience(8)  # the critic: its score head whole on both ranks
-    with torch.no_grad():
-        fill_value_slots(values, packed_values(tiny_critic(tokenizer), values).float())
-    critic = ValueLearner(
-        tiny_critic(tokenizer),
-        deepspeed=DeepSpeedConfig(backend="fsdp2", dtype="fp32", tensor_parallel_size=2),
-        optimizer=OPTIMIZER,
-        total_steps=4,
-    )
+    values = value_batch(tokenizer)  # the critic: its score head whole on both ranks
+    critic = fsdp2_critic(tokenizer, tensor_parallel_size=2)
     metrics = critic.train_step([values.select(range(4)), values.select(range(4, 8))], VALUE_LOSS)
     if rank == 0:
         (folder / "tp-critic-metrics.json").write_text(json.dumps(metrics))
