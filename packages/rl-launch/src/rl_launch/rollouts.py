@@ -54,7 +54,7 @@ from typing import Any
 import msgspec
 
 from rl_data import PromptSample, Trajectory, decode, encode
-from rl_rollout import SamplingParams, filter_groups, tool_metrics
+from rl_rollout import SamplingParams, filter_groups, groups_in_order, tool_metrics
 
 from .actors import ACTIVITY_GROUP, CALL_COUNTERS, GENERATE_GROUP, ActorGroup
 from .components import estimator_needs
@@ -226,9 +226,7 @@ def drop_stale(
     requires max_staleness >= depth.
     """
     staleness = [version - record.policy_version for record in records]
-    kept = records
-    if max_staleness is not None:
-        kept = [record for record, lag in zip(records, staleness) if lag <= max_staleness]
+    kept = [record for record in records if not _too_stale(record, version, max_staleness)]
     token_lags = [version - record.versions()[record.action_mask] for record in records]
     actions = sum(int(lags.numel()) for lags in token_lags)
     metrics = {
@@ -250,6 +248,11 @@ def drop_stale(
     return kept, metrics
 
 
+def _too_stale(record: Trajectory, version: int, max_staleness: int | None) -> bool:
+    """Whether `record` is more than `max_staleness` policy versions behind `version` (never, None)."""
+    return max_staleness is not None and version - record.policy_version > max_staleness
+
+
 def _every_record_stale(records: Sequence[Trajectory], version: int, max_staleness: int | None) -> str:
     staleness = [version - record.policy_version for record in records]
     return (
@@ -259,25 +262,13 @@ def _every_record_stale(records: Sequence[Trajectory], version: int, max_stalene
     )
 
 
-def _groups(records: Sequence[Trajectory]) -> dict[int, list[Trajectory]]:
-    """`records` by group id, in first-seen order (an episode may be several records)."""
-    groups: dict[int, list[Trajectory]] = {}
-    for record in records:
-        groups.setdefault(record.group_id, []).append(record)
-    return groups
-
-
 def group_verdict(records: Sequence[Trajectory], version: int, rollout: Any) -> str | None:
     """The one rule a finished group passes to be trained on, in every rollout mode: "stale"
     when the run is async (`rollout.async_train`) and a record of it is more than
     `rollout.max_staleness` policy versions behind the learner's `version`, "filtered" under
     dynamic filtering when its mean reward is outside `rollout.dynamic_filtering_reward_range`
     (`rl_rollout.filter_groups`), None when it is accepted."""
-    if (
-        rollout.async_train
-        and rollout.max_staleness is not None
-        and any(version - record.policy_version > rollout.max_staleness for record in records)
-    ):
+    if rollout.async_train and any(_too_stale(record, version, rollout.max_staleness) for record in records):
         return "stale"
     if rollout.dynamic_filtering:
         low, high = rollout.dynamic_filtering_reward_range
@@ -559,16 +550,19 @@ class SyncRollouts(Rollouts):
         entry = self.pending.pop(step, None) or self.submit_step(step, next(self.batches))
         records = self.collect(entry.futures)
         self._submit_ahead(step)
+        groups = groups_in_order(records)
         verdicts = {
             group_id: group_verdict(members, version, self.config.rollout)
-            for group_id, members in _groups(records).items()
+            for group_id, members in groups.items()
         }
         stale = [record for record in records if verdicts[record.group_id] == "stale"]
         metrics = self._staleness(records, stale, version)
         if not self.config.rollout.dynamic_filtering:
             records = [record for record in records if verdicts[record.group_id] is None]
             return records, metrics | rollout_metrics(records)
-        records, filtered = self._filled(step, version, records, verdicts)
+        accepted = [members for group_id, members in groups.items() if verdicts[group_id] is None]
+        fresh = sum(verdict != "stale" for verdict in verdicts.values())  # an episode may be several records
+        records, filtered = self._filled(step, version, accepted, fresh)
         return records, metrics | filtered | rollout_metrics(records)
 
     def _submit_ahead(self, step: int) -> None:
@@ -581,19 +575,19 @@ class SyncRollouts(Rollouts):
         return {}
 
     def _filled(
-        self, step: int, version: int, records: list[Trajectory], verdicts: dict[int, str | None]
+        self, step: int, version: int, accepted: list[list[Trajectory]], seen: int
     ) -> tuple[list[Trajectory], dict[str, float]]:
-        """Dynamic filtering: the step's accepted groups, topped up by rounds drawn after it until
-        rollout_batch_size groups pass (at most max_sampling_rounds in all), the first
-        rollout_batch_size of them in stream order; filter/* metrics."""
+        """Dynamic filtering: the step's `accepted` groups (of `seen` that were not stale), topped
+        up by rounds drawn after it until rollout_batch_size groups pass (at most
+        max_sampling_rounds in all), the first rollout_batch_size of them in stream order;
+        filter/* metrics."""
         r = self.config.rollout
-        kept = [members for group_id, members in _groups(records).items() if verdicts[group_id] is None]
-        seen = sum(verdict != "stale" for verdict in verdicts.values())  # an episode may be several records
+        kept = list(accepted)
         for attempt in range(1, r.max_sampling_rounds):
             if len(kept) >= r.rollout_batch_size:
                 break
             sampling = msgspec.structs.replace(self.sampling(step), seed=r.seed + step + 7919 * attempt)
-            more = _groups(self.collect(self.submit(next(self.batches), sampling)))
+            more = groups_in_order(self.collect(self.submit(next(self.batches), sampling)))
             kept += [members for members in more.values() if group_verdict(members, version, r) is None]
             seen += len(more)
         if not kept:

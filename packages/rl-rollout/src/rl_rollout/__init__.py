@@ -35,7 +35,14 @@ from .__about__ import __version__
 from .agent_server import HISTORY_MODES, AgentServer, ServerError, SessionRecord
 from .code_tasks import CodeReward, python_tool, run_tests
 from .executors import EpisodeError, MultiTurnExecutor, SingleTurnExecutor, load_agent, load_agent_class
-from .filtering import DynamicSampler, FilterResult, dynamic_sample, filter_groups, shape_rewards
+from .filtering import (
+    DynamicSampler,
+    FilterResult,
+    dynamic_sample,
+    filter_groups,
+    groups_in_order,
+    shape_rewards,
+)
 from .protocol import Engine, EngineError, Generation, SamplingParams
 from .reasoning_gym import ReasoningGymReward
 from .receiver_base import RECEIVERS, TransportReceiver
@@ -119,6 +126,7 @@ __all__ = [
     "call_tool",
     "dynamic_sample",
     "filter_groups",
+    "groups_in_order",
     "load_agent",
     "load_agent_class",
     "load_reward_function",

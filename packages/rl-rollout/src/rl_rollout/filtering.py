@@ -32,7 +32,14 @@ from rl_data import PromptSample, Trajectory
 
 from .episodes import episode_ends
 
-__all__ = ["DynamicSampler", "FilterResult", "dynamic_sample", "filter_groups", "shape_rewards"]
+__all__ = [
+    "DynamicSampler",
+    "FilterResult",
+    "dynamic_sample",
+    "filter_groups",
+    "groups_in_order",
+    "shape_rewards",
+]
 
 
 class FilterResult(msgspec.Struct, kw_only=True):
@@ -51,7 +58,8 @@ class FilterResult(msgspec.Struct, kw_only=True):
     metrics: dict[str, float]
 
 
-def _groups_in_order(records: Sequence[Trajectory]) -> dict[int, list[Trajectory]]:
+def groups_in_order(records: Sequence[Trajectory]) -> dict[int, list[Trajectory]]:
+    """`records` by group id, in first-seen order (an episode's segments stay in one group)."""
     groups: dict[int, list[Trajectory]] = {}
     for record in records:
         if not isinstance(record, Trajectory):
@@ -68,7 +76,7 @@ def filter_groups(
     A group is kept when low < mean(score) < high (`rl_algos.dynamic_filter_mask`), the mean
     over its episodes (an episode split into segments counts once, `rl_rollout.episodes`).
     """
-    groups = _groups_in_order(records)
+    groups = groups_in_order(records)
     if not groups:
         return [], []
     # one score per episode: the segments of a rewritten episode (rl_rollout.episodes) count once
