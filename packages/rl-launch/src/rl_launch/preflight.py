@@ -169,7 +169,9 @@ def _check_reasoning_gym(option: str, value: str) -> str:
 def _check_data_file(option: str, value: str) -> str:
     """A local file or folder (resolved), a reasoning-gym task (`reasoning_gym:<task>?...`), or a
     name shaped like a hub dataset `org/name`."""
-    if value.startswith("reasoning_gym:"):
+    from rl_rollout.reasoning_gym import is_reasoning_gym_source
+
+    if is_reasoning_gym_source(value):
         return _check_reasoning_gym(option, value)
     path = Path(value).expanduser()
     if path.exists():

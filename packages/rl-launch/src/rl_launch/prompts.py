@@ -115,12 +115,14 @@ def source_labels(sources: list[str]) -> dict[str, str]:
     """A short, unique metric name for each dataset: a file's stem (`math` for /d/math.jsonl), a
     folder's or hub dataset's last part (`gsm8k` for openai/gsm8k); characters other than letters,
     digits, `_`, `.`, `-` become `_`; a repeated name gets `-2`, `-3`, ... in order."""
+    from rl_rollout.reasoning_gym import is_reasoning_gym_source, parse_reasoning_gym_source
+
     labels: dict[str, str] = {}
     for source in sources:
         path = Path(source.rstrip("/"))
         name = path.stem if path.suffix.lower() in _FILE_SUFFIXES else path.name
-        if source.startswith("reasoning_gym:"):  # the task: reasoning_gym:leg_counting?size=8 -> leg_counting
-            name = source.partition(":")[2].partition("?")[0]
+        if is_reasoning_gym_source(source):  # the task: reasoning_gym:leg_counting?size=8 -> leg_counting
+            name = parse_reasoning_gym_source(source)[0]
         label = base = re.sub(r"[^\w.-]", "_", name) or "data"
         count = 1
         while label in labels.values():
@@ -224,9 +226,11 @@ def load_prompts(config: PPOConfig, inputs: Resolved, tokenizer: Any) -> tuple[P
         processor = VisionProcessor.from_pretrained(inputs.model_path, tokenizer)
 
     def dataset(source: str, option: str, split: tuple[str, str], subset: tuple[str | None, str]) -> Any:
+        from rl_rollout.reasoning_gym import is_reasoning_gym_source
+
         rows = (
             _reasoning_gym_rows(source, option, data)
-            if source.startswith("reasoning_gym:")
+            if is_reasoning_gym_source(source)
             else load_source(
                 source,
                 split=split[0],
