@@ -492,8 +492,8 @@ def _missing(*modules: str) -> list[str]:
 
 
 def settle_accelerator(config: Any, environ: Any = None) -> str | None:
-    """DS_ACCELERATOR=cpu in `environ` (os.environ) for a local run on a machine without CUDA, where
-    every actor runs here and DeepSpeed's accelerator is the CPU: said, not guessed (DeepSpeed
+    """DS_ACCELERATOR=cpu in `environ` (os.environ) for a local run (ppo, or sft / rm / dpo / kto) on
+    a machine without CUDA, where every learner and actor runs here and DeepSpeed's accelerator is the CPU: said, not guessed (DeepSpeed
     prints a WARNING when it guesses, from the first process that imports it, e.g. through
     accelerate while a preset builds). Ray's actors inherit it. A set value is kept, and a run on
     a joined cluster (ray.address) is left alone: its GPU nodes may differ from this one. Returns

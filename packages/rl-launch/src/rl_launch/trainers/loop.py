@@ -19,7 +19,6 @@ train (loop, finish) / cleanup, with the exit codes of every command (`rl_launch
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -160,11 +159,11 @@ class SupervisedRecipe(Recipe):
         """The model and data (the preset's, opt-in), the run folder, the learners, the resumed state."""
         import torch
 
-        if not torch.cuda.is_available():
-            os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        from ..preflight import check_model_path, check_packages, settle_accelerator, settle_attention
+
+        settle_accelerator(self.config)  # before anything imports DeepSpeed
         from rl_learner import TrainingState
 
-        from ..preflight import check_model_path, check_packages, settle_attention
         from ..runs import open_run_folder
 
         quiet_third_party_output()
