@@ -343,15 +343,18 @@ class Roles:
         """The start-up words of the offload options (`learner_settings.offload_words`)."""
         return offload_words(self.config, set(self.groups), use_gpus=self.device == "cuda")
 
+    def _data_parallel_groups(self, shared: int) -> str:
+        """ "policy 2, critic 1": each role's data-parallel groups of `shared` ranks sharing micro-batches."""
+        return ", ".join(f"{role} {len(group) // shared}" for role, group in self.groups.items())
+
     def describe_tensor_parallel(self) -> str | None:
         """The start-up words of train.tensor_parallel_size (None when it is 1)."""
         tp = self.config.train.tensor_parallel_size
         if tp == 1:
             return None
-        groups = ", ".join(f"{role} {len(group) // tp}" for role, group in self.groups.items())
         return (
             f"tensor parallel: {tp} ranks split each decoder layer and share each micro-batch "
-            f"(FSDP2 dp x tp mesh; data-parallel groups: {groups})"
+            f"(FSDP2 dp x tp mesh; data-parallel groups: {self._data_parallel_groups(tp)})"
         )
 
     def describe_sequence_parallel(self) -> str | None:
@@ -360,9 +363,9 @@ class Roles:
         sp = cfg.model.sequence_parallel_size
         if sp == 1:
             return None
-        groups = ", ".join(f"{role} {len(group) // sp}" for role, group in self.groups.items())
         return (
-            f"sequence parallel: {sp} ranks share each micro-batch (Ulysses; data-parallel groups: {groups}); "
+            f"sequence parallel: {sp} ranks share each micro-batch (Ulysses; data-parallel groups: "
+            f"{self._data_parallel_groups(sp)}); "
             f"a micro-batch holds up to {sp} x {cfg.train.micro_batch_tokens} tokens"
         )
 
