@@ -53,6 +53,7 @@ LORA_LOGPROB_ATOL = FLOAT32_LOGPROB_ATOL * 20
 
 
 CHILDREN_BEFORE_THE_ENGINE: set[int] = set()  # this process's children (Ray's, say) before the engine
+FRAMES_BEFORE_THE_ENGINE: list[int] = []  # frames torch.compile had traced in this process before it
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +63,7 @@ def vllm_engine(tiny_checkpoint):
     from rl_rollout.engines.vllm import VLLMEngine
 
     CHILDREN_BEFORE_THE_ENGINE.update(child.pid for child in psutil.Process().children(recursive=True))
+    FRAMES_BEFORE_THE_ENGINE.append(_compiled_frames())
     # LoRA enabled, for the adapter-sync test; requests without an adapter run the base weights
     engine = VLLMEngine(
         tiny_checkpoint,
@@ -384,6 +386,20 @@ def test_the_engine_runs_in_this_process_and_leaves_torch_threads_to_the_caller(
         assert torch.get_num_threads() == (1 if threads > 1 else 2)
     finally:
         torch.set_num_threads(threads)
+
+
+def _compiled_frames() -> int:
+    from torch._dynamo.utils import counters
+
+    return counters["frames"]["total"]
+
+
+def test_an_enforce_eager_engine_on_cpu_compiles_nothing_for_log_probs(vllm_engine, test_prompts):
+    # vLLM's sampler torch.compiles the sampled token's rank on the first request with log-probs
+    # (inductor: C++ on CPU, seconds of each start); the engine keeps it eager on CPU
+    [[sample]] = vllm_engine.generate([test_prompts[0]], SamplingParams(max_new_tokens=3, logprobs=True))
+    assert len(sample.logprobs) == len(sample.token_ids) == 3
+    assert _compiled_frames() == FRAMES_BEFORE_THE_ENGINE[0]
 
 
 def test_cancelling_agenerate_aborts_its_request_in_vllm(vllm_engine, test_prompts):

@@ -81,6 +81,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import gc
 import itertools
 import os
@@ -258,15 +259,15 @@ COMPILE_PROBE_THREAD = "VLLMEngine-compile-probe"
 
 
 def _start_cpu_compile_probe() -> threading.Thread:
-    """Run torch inductor's CPU probe on a thread of its own while the engine starts.
+    """Run torch inductor's CPU probe on a thread of its own while the engine starts (on CPU
+    without `enforce_eager`: vLLM compiles the model and its sampler's kernels then).
 
-    On CPU, vLLM's sampler torch.compiles a small kernel (the sampled token's rank) on the first
-    request that asks for log-probs. Before its first C++ kernel of a process, inductor checks
-    which vector instruction sets the compiler can build and load, one child Python per set
-    (2.5 of the 3.7 s the first request took on 2 cores), and it hashes torch's and triton's
-    files for its cache keys (0.8 s more). The thread mostly waits on those children and on file
-    reads, so the engine's start-up (vLLM's imports, the model, the KV cache) runs beside it at
-    no measurable cost. Best effort: a torch without these steps skips them.
+    Before its first C++ kernel of a process, inductor checks which vector instruction sets the
+    compiler can build and load, one child Python per set (2.5 of the 3.7 s the first request
+    took on 2 cores), and it hashes torch's and triton's files for its cache keys (0.8 s more).
+    The thread mostly waits on those children and on file reads, so the engine's start-up
+    (vLLM's imports, the model, the KV cache) runs beside it at no measurable cost. Best effort:
+    a torch without these steps skips them.
     """
 
     def probe() -> None:
@@ -284,6 +285,25 @@ def _start_cpu_compile_probe() -> threading.Thread:
     thread = threading.Thread(target=probe, name=COMPILE_PROBE_THREAD, daemon=True)
     thread.start()
     return thread
+
+
+def _compiler_stance(eager: bool) -> contextlib.AbstractContextManager:
+    """What vLLM's calls on the engine's thread run under: with `eager`, torch.compile is off
+    (`torch.compiler.set_stance("force_eager")`, for the call only; the stance is torch's, shared
+    by the process's threads); else torch's own stance.
+
+    An `enforce_eager` engine on CPU runs no compiled model, but vLLM's sampler still
+    torch.compiles two small kernels with inductor (the sampled token's rank, on the first
+    request that asks for log-probs, and a random sample): on a 2-core machine 2-3 CPU-seconds of
+    every engine's start (inductor's instruction-set probe in child processes, its cache look-up),
+    and on a machine whose compile cache is empty a C++ build of ~10 s (a 150 MB precompiled
+    header, then the kernel). Eager, the same ops give the same numbers."""
+    if not eager:
+        return contextlib.nullcontext()
+    import torch
+
+    set_stance = getattr(getattr(torch, "compiler", None), "set_stance", None)
+    return set_stance("force_eager") if set_stance is not None else contextlib.nullcontext()
 
 
 class _Request(msgspec.Struct):
@@ -485,7 +505,8 @@ class VLLMEngine(Engine):
       tensor_parallel_size: GPUs per engine.
       enable_prefix_caching: reuse the KV cache of shared prompt prefixes.
       enable_sleep_mode: allow `sleep` / `wake_up`; None: on where vLLM supports it (GPUs).
-      enforce_eager: no CUDA graphs / torch.compile (faster start-up).
+      enforce_eager: no CUDA graphs / torch.compile (faster start-up); on CPU also none of the
+        sampler's small compiled kernels (`_compiler_stance`).
       in_process: run vLLM's engine core in this process (True, the default: one vLLM import,
         no inter-process queues); False: in a child process, vLLM's own default.
       engine_kwargs: any other `vllm.EngineArgs` field (gpu_memory_utilization, max_num_seqs,
@@ -531,8 +552,11 @@ class VLLMEngine(Engine):
 
         on_cpu = current_platform.is_cpu()
         self._routes = _check_routes_option(engine_kwargs, on_cpu)
+        # on CPU, enforce_eager also keeps vLLM's sampler kernels out of torch.compile
+        self._eager = on_cpu and bool(enforce_eager)
         if on_cpu:
-            _start_cpu_compile_probe()
+            if not self._eager:
+                _start_cpu_compile_probe()
             # vLLM's CPU generators have no offset: a seeded request whose prefill is split into
             # chunks (more prompt tokens in flight than max_num_batched_tokens) kills the engine
             # ("CPU Generator does not use offset"). Whole prefills avoid that.
@@ -680,7 +704,8 @@ class VLLMEngine(Engine):
         flight (and later ones) with an EngineError; commands still run, so `close` works.
         """
         try:
-            engine = self._build(args, in_process)
+            with _compiler_stance(self._eager):
+                engine = self._build(args, in_process)
         except BaseException as error:
             started.set_exception(error)
             return
@@ -715,7 +740,8 @@ class VLLMEngine(Engine):
             if self._stopping or self._failure is not None or not engine.has_unfinished_requests():
                 continue
             try:
-                outputs = engine.step()
+                with _compiler_stance(self._eager):
+                    outputs = engine.step()
             except BaseException as error:
                 self._failure = error
                 for request_id, request in list(self._requests.items()):
