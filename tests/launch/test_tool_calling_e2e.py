@@ -1,5 +1,6 @@
-"""End to end through the real CLI, Ray, a transformers engine and DeepSpeed: the calculator task
-(`rl_launch.presets.calculator`) with `--rollout.executor tool_call`.
+"""End to end through the real CLI, Ray, vLLM (the default engine) and DeepSpeed: the calculator
+task (`rl_launch.presets.calculator`) with `--rollout.executor tool_call`, then through the agent
+server.
 
 A tiny model warm-started by a lazy teacher (who calls the calculator on some answers and
 guesses on the others) is trained by GRPO on "1 for the right sum". From outside the run:
@@ -20,7 +21,7 @@ STEPS, PROMPTS, SAMPLES = 8, 16, 8
 
 def _train(calculator_task, ray_temp, run_dir, learning_rate: str, *own: str) -> list[dict]:
     """`rl-launch ppo` on the calculator task: GRPO, STEPS steps of PROMPTS prompts x SAMPLES, no KL,
-    the hf engine, the run's own options `own`; its metrics lines (one per step, checked)."""
+    the default engine (vLLM), the run's own options `own`; its metrics lines (one per step, checked)."""
     ray_dir, env = ray_temp
     args = [
         "--preset", "none",
@@ -39,7 +40,6 @@ def _train(calculator_task, ray_temp, run_dir, learning_rate: str, *own: str) ->
         "--log.output_dir", str(run_dir),
         "--log.progress_bar", "false",
         "--ray.temp_dir", ray_dir,
-        "--rollout.engine", "hf",
         *own,
     ]  # fmt: skip
     result = launch(args, env)
@@ -129,18 +129,20 @@ async def run_agent(client, prompt, label):
     return 1.0 if found and found.group(0) == str(label) else 0.0
 """
 
-# Full-stack runs of the args below on 2 CPU cores (load 2-4; ~60 s each; the calculator task's
-# defaults: 500 warm-start steps, intermediate size 256), (reward, call rate) per step, first two
-# and last two of 8 steps:
-#   default seeds:                (0.531 0.531) (0.453 0.461) ... (0.672 0.664) (0.672 0.672)
-#   train.seed 1, rollout.seed 1007: (0.484 0.492) (0.516 0.516) ... (0.578 0.578) (0.586 0.586)
-# The mean of the last two steps minus the first two's: reward +0.18 / +0.082, call rate +0.17 /
-# +0.078 (the previous defaults, 1000 steps at intermediate size 512: +0.12 / +0.01 and +0.12 /
-# +0.01). On recipe 1, lr 5e-4 (the tool_call run's) broke the operands copied into the calls after
-# the first update (reward 0.30 at the end while the call rate rose to 0.61), and lr 2e-4 climbed
-# too slowly on the second seed. With the default seeds a run repeats itself (transformers
-# sampling is seeded per row; request k of episode j samples with seed + j·2¹⁶ + k): the call-rate
-# rise is pinned for the default seeds only; the reward rose on both.
+# Full-stack runs of the args below on 2 CPU cores (the calculator task's defaults: 500 warm-start
+# steps, intermediate size 256), (reward, call rate) per step, first two and last two of 8 steps:
+#   hf engine, default seeds:        (0.531 0.531) (0.453 0.461) ... (0.672 0.664) (0.672 0.672)
+#   hf, train.seed 1, rollout.seed 1007: (0.484 0.492) (0.516 0.516) ... (0.578 0.578) (0.586 0.586)
+#   vllm engine (now), default seeds: (0.492 0.492) (0.484 0.484) ... (0.727 0.727) (0.562 0.570)
+# The mean of the last two steps minus the first two's: reward +0.18 / +0.082 / +0.16, call rate
+# +0.17 / +0.078 / +0.16 (the previous defaults, 1000 steps at intermediate size 512: +0.12 / +0.01
+# and +0.12 / +0.01). On recipe 1, lr 5e-4 (the tool_call run's) broke the operands copied into
+# the calls after the first update (reward 0.30 at the end while the call rate rose to 0.61), and
+# lr 2e-4 climbed too slowly on the second seed. With the default seeds a run repeats itself (every
+# request is seeded: request k of episode j samples with seed + j·2¹⁶ + k): the call-rate rise is
+# pinned for the default seeds only (the reward rose on both seeds tried with hf). vLLM's generation here is
+# 1.3-1.7 s a step for the tool_call run (hf: 4-5 s); through the agent server ~6 s either way (its
+# HTTP round trips).
 SERVER_RISE = 0.08
 
 
