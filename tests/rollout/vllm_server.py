@@ -4,7 +4,10 @@ stopped with it.
 
 `--enforce-eager`, as the launcher starts its own engines on CPU (rl_launch.roles): without it the
 server compiles the model at start-up; on 2 busy cores that took it from 27 s to 60 s to ready
-(34 vs 57 CPU-s), for a model the tests send a few dozen short requests."""
+(34 vs 57 CPU-s), for a model the tests send a few dozen short requests. And no torch.compile at
+all (`TORCH_COMPILE_DISABLE`), as `VLLMEngine` keeps an eager engine on CPU: vLLM's sampler
+otherwise compiles two small kernels with inductor, a C++ build of ~10 s where the machine's
+compile cache is empty (a fresh CI machine), 2-3 CPU-s of probes where it is not."""
 
 from __future__ import annotations
 
@@ -43,7 +46,13 @@ def vllm_server(checkpoint: Path, log_dir: Path, *, max_model_len: int = 256) ->
     the test fails with the log's tail when the server does not come up."""
     port = free_port()
     log_path = Path(log_dir) / "server.log"
-    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false")
+    env = dict(
+        os.environ,
+        HF_HUB_OFFLINE="1",
+        VLLM_CPU_KVCACHE_SPACE="1",
+        TOKENIZERS_PARALLELISM="false",
+        TORCH_COMPILE_DISABLE="1",
+    )
     command = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(checkpoint),
         "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", str(max_model_len),
