@@ -505,8 +505,8 @@ class VLLMEngine(Engine):
       tensor_parallel_size: GPUs per engine.
       enable_prefix_caching: reuse the KV cache of shared prompt prefixes.
       enable_sleep_mode: allow `sleep` / `wake_up`; None: on where vLLM supports it (GPUs).
-      enforce_eager: no CUDA graphs / torch.compile (faster start-up); on CPU also none of the
-        sampler's small compiled kernels (`_compiler_stance`).
+      enforce_eager: no CUDA graphs / torch.compile (faster start-up); on CPU, with the engine
+        in this process, also none of the sampler's small compiled kernels (`_compiler_stance`).
       in_process: run vLLM's engine core in this process (True, the default: one vLLM import,
         no inter-process queues); False: in a child process, vLLM's own default.
       engine_kwargs: any other `vllm.EngineArgs` field (gpu_memory_utilization, max_num_seqs,
