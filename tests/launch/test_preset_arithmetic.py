@@ -286,6 +286,35 @@ def test_sft_warm_start_lowers_the_loss_on_its_data(sft_tokenizer):
     assert not model.training
 
 
+def test_sft_warm_start_first_loss_is_the_full_forwards_response_nll(sft_tokenizer):
+    # The loop sends only the positions that predict a response token through the LM head; its
+    # first loss must be the token-mean NLL of the responses under the whole forward. Prompts of
+    # different lengths (right-padded) and a response with an untrained middle segment.
+    tokenizer = sft_tokenizer
+    examples = [
+        ("What is 7 + 1? ", f"8{tokenizer.eos_token}"),
+        ("Q: ", [("12", True), (" tool says 3 ", False), ("4", True)]),
+        ("A much longer prompt than the others: ", f"5{tokenizer.eos_token}"),
+    ]
+    model = _tiny_model(tokenizer)
+    reference = _tiny_model(tokenizer)  # the same seed: the same weights before the step
+    metrics = sft_warm_start(model, tokenizer, examples, steps=1, batch_size=3, lr=1e-3, seed=0)
+    total, count = 0.0, 0
+    for prompt, response in examples:
+        segments = [(response, True)] if isinstance(response, str) else response
+        ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        trained = [False] * len(ids)
+        for text, keep in segments:
+            piece = tokenizer(text, add_special_tokens=False)["input_ids"]
+            ids, trained = ids + piece, trained + [keep] * len(piece)
+        with torch.no_grad():
+            logprobs = reference(input_ids=torch.tensor([ids])).logits[0].log_softmax(-1)
+        for t in range(1, len(ids)):
+            if trained[t]:
+                total, count = total - float(logprobs[t - 1, ids[t]]), count + 1
+    assert metrics["first_loss"] == pytest.approx(total / count, rel=1e-5)
+
+
 def test_sft_warm_start_is_deterministic_and_leaves_global_rng_alone(sft_tokenizer):
     examples = [("What is 1 + 1? ", "2<|im_end|>"), ("What is 2 + 2? ", "4<|im_end|>")]
     torch.manual_seed(123)

@@ -111,6 +111,21 @@ def _collate(
     return input_ids, attention, response
 
 
+def _predicting_window(response: torch.Tensor) -> torch.Tensor:
+    """The positions whose logits the loss reads: position t predicts token t + 1, so the window
+    runs from the first to the last position before a trained token of any row of the batch.
+
+    Only these go through the LM head (`logits_to_keep`): a preset's prompts are most of each
+    row (arithmetic: ~25 prompt tokens, ~4 response tokens), and the head's matmul and the
+    log-softmax over the vocabulary on every position were ~30 % of a step. Each kept position's
+    logits are the same as in the full forward; a batch with no trained token keeps them all.
+    """
+    trained = response[:, 1:].any(dim=0).nonzero().flatten()
+    if trained.numel() == 0:
+        return torch.arange(response.shape[1] - 1)
+    return torch.arange(int(trained[0]), int(trained[-1]) + 1)
+
+
 def _lr_factor(step: int, steps: int) -> float:
     """Warm-up then cosine decay to MIN_LR_RATIO; `step` counts from 0."""
     warmup = max(1, math.ceil(WARMUP_FRACTION * steps))
@@ -206,10 +221,12 @@ def sft_warm_start(
             batch, order = order[:batch_size], order[batch_size:]
             input_ids, attention, response = _collate([rows[i] for i in batch], pad_id)
             extra = _image_inputs(images, batch, input_ids, image_token_id) if images is not None else {}
-            logits = model(input_ids=input_ids, attention_mask=attention, **extra).logits
-            # Position t predicts token t + 1: shift labels and the response mask by one.
-            logprobs = logprobs_from_logits(logits[:, :-1], input_ids[:, 1:])
-            loss, _ = sft_loss(logprobs, response[:, 1:])
+            window = _predicting_window(response)
+            logits = model(
+                input_ids=input_ids, attention_mask=attention, logits_to_keep=window, **extra
+            ).logits
+            logprobs = logprobs_from_logits(logits, input_ids[:, window + 1])
+            loss, _ = sft_loss(logprobs, response[:, window + 1])
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, MAX_GRAD_NORM)

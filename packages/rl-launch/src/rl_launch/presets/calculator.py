@@ -86,7 +86,7 @@ __all__ = [
 ]
 
 RECIPE_NAME = "calculator"
-RECIPE_VERSION = 2
+RECIPE_VERSION = 3
 """Bump when the build changes in a way the arguments do not capture (task text, SFT loop)."""
 
 SPLITS: tuple[str, ...] = ("train", "eval")

@@ -58,7 +58,7 @@ __all__ = [
 ]
 
 RECIPE_NAME = "colours"
-RECIPE_VERSION = 1
+RECIPE_VERSION = 2
 MARKER = "preset_build.json"
 
 COLOURS: dict[str, tuple[int, int, int]] = {
