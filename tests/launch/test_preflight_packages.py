@@ -126,7 +126,7 @@ def test_ppo_without_vllm_stops_before_ray_with_the_reason(without, tiny_checkpo
 
 def test_reasoning_gym_sources_and_reward_without_the_package_are_refused_with_the_pip_line(without):
     without("reasoning_gym")
-    pip = r"pip install 'rl-rollout\[reasoning-gym\]'"
+    pip = r"pip install 'rl-launch\[reasoning-gym\]'"  # the extra of the package the user runs
     with pytest.raises(
         PreflightError, match=rf"^reward\.function: reasoning_gym needs the reasoning-gym package: {pip}"
     ):

@@ -541,16 +541,15 @@ def _check_reasoning_gym_package(config: Any) -> None:
     data, reward = getattr(config, "data", None), getattr(config, "reward", None)
     if data is None or reward is None or not hasattr(data, "eval_dataset") or not _missing("reasoning_gym"):
         return
-    from rl_rollout.reasoning_gym import REASONING_GYM_INSTALL, is_reasoning_gym_source
+    from rl_rollout.reasoning_gym import is_reasoning_gym_source
 
+    install = "pip install 'rl-launch[reasoning-gym]'"  # rl-rollout's own message names rl-rollout's extra
     if reward.function == "reasoning_gym":
-        raise PreflightError(
-            f"reward.function: reasoning_gym needs the reasoning-gym package: {REASONING_GYM_INSTALL}"
-        )
+        raise PreflightError(f"reward.function: reasoning_gym needs the reasoning-gym package: {install}")
     for option in ("prompt_data", "eval_dataset"):
         if any(is_reasoning_gym_source(source) for source in data_sources(getattr(data, option))):
             raise PreflightError(
-                f"data.{option}: a reasoning_gym:<task> source needs the reasoning-gym package: {REASONING_GYM_INSTALL}"
+                f"data.{option}: a reasoning_gym:<task> source needs the reasoning-gym package: {install}"
             )
 
 
