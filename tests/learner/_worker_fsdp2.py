@@ -218,7 +218,9 @@ def lora_step(folder: pathlib.Path, tokenizer, rank: int) -> None:
     metrics = learner.train_step([batch.select(range(4 * rank, 4 * rank + 4))], LOSS)
     state = full_state(learner.module)
     merged, adapter = lora_syncs(learner.engine, folder, "lora")
-    save_checkpoint(folder / "lora-ckpt", 1, {"policy": learner.engine}, TrainingState(step=1), save_rng=False)
+    save_checkpoint(
+        folder / "lora-ckpt", 1, {"policy": learner.engine}, TrainingState(step=1), save_rng=False
+    )
     if rank == 0:
         (folder / "lora-metrics.json").write_text(json.dumps(metrics))
         (folder / "lora-state.msgpack").write_bytes(encode(state))
