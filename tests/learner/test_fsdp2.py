@@ -10,7 +10,8 @@ FSDP × TP = 1 × 2 (`tensor_parallel_size=2`): one rank's policy and critic ste
 model's checksums, and a TP checkpoint resumed on one rank; and a LoRA (peft) policy on two ranks:
 one rank's step, the unsharded peft model's merged and adapter-only sync checksums, its
 checkpoint resumed on one rank. A LoRA policy on one rank also takes DeepSpeed's step, syncs,
-exports the merged model and resumes (fast).
+exports the merged model and resumes, and a LoRA critic (score head trained whole) takes
+DeepSpeed's step and exports its merged model (fast).
 """
 
 from __future__ import annotations
@@ -34,12 +35,14 @@ from rl_learner import (
     DeepSpeedConfig,
     DPOLearner,
     DPOLossConfig,
+    LoraOptions,
     OptimizerConfig,
     PolicyLearner,
     RewardModelLearner,
     SFTLearner,
     TrainingState,
     ValueLearner,
+    apply_lora,
     load_checkpoint,
     pack_pairs,
     pack_sequences,
@@ -390,6 +393,34 @@ def test_fsdp2_lora_policy_steps_syncs_exports_and_resumes_like_the_unsharded_pe
     ds = DeepSpeedConfig(backend="fsdp2", dtype="fp32", tensor_parallel_size=2)
     with pytest.raises(ValueError, match=r"peft wraps every adapted linear layer .* tensor_parallel_size 1"):
         Fsdp2Engine(lora_policy(tokenizer), ds, None, total_steps=1, device=torch.device("cpu"))
+
+
+def test_fsdp2_lora_critic_trains_its_adapters_and_score_head_and_exports_like_deepspeed(
+    world, tokenizer, value_batch, tmp_path
+):
+    from transformers import AutoModelForSequenceClassification
+
+    from rl_learner import export_hf
+
+    def lora_critic(ds: DeepSpeedConfig) -> ValueLearner:
+        torch.manual_seed(0)
+        model = apply_lora(tiny_critic(tokenizer), LoraOptions(rank=4, alpha=8.0))
+        return ValueLearner(model, deepspeed=ds, optimizer=OPTIMIZER, total_steps=4)
+
+    fsdp2, deepspeed = lora_critic(FSDP2), lora_critic(DeepSpeedConfig(zero_stage=0, dtype="fp32"))
+    trained = {n for n, p in fsdp2.module.named_parameters() if p.requires_grad}
+    assert any(".modules_to_save." in name for name in trained)  # the score head trains whole
+    halves = [value_batch.select(range(4)), value_batch.select(range(4, 8))]
+    got, want = fsdp2.train_step(halves, VALUE_LOSS), deepspeed.train_step(halves, VALUE_LOSS)
+    for key in ("loss", "grad_norm", "value_mean", "tokens"):
+        assert got[key] == pytest.approx(want[key], rel=1e-5), key
+    exported = AutoModelForSequenceClassification.from_pretrained(export_hf(fsdp2.engine, tmp_path / "f"))
+    reference = AutoModelForSequenceClassification.from_pretrained(
+        export_hf(deepspeed.engine, tmp_path / "d")
+    )
+    weights = reference.state_dict()
+    for name, value in exported.state_dict().items():
+        torch.testing.assert_close(value, weights[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
 def _engine_serves_the_sync(tokenizer, folder: pathlib.Path, layout, sent, trained) -> None:
