@@ -52,7 +52,6 @@ def test_fsdp2_reaches_every_learner_with_fp32_master_weights_for_the_trained_on
             "train.critic_optimizer: 'muon'",
         ),
         ({"train.deepspeed_config.zero_optimization.overlap_comm": True}, "train.deepspeed_config: {"),
-        ({"model.lora_rank": 4}, "model.lora_rank: 4 LoRA"),
         ({"model.dtype": "fp16"}, "model.dtype: 'fp16'"),
         ({"train.actor_optimizer": "muon"}, "train.actor_optimizer: 'muon'"),
         ({"train.ema_beta": 0.99}, "train.ema_beta: 0.99"),
@@ -68,6 +67,15 @@ def test_what_fsdp2_does_not_do_yet_is_refused_naming_the_option(overrides, opti
 def test_fsdp2_with_the_hybrid_engine_is_taken_without_learner_offload_and_deepspeed_refuses_nothing():
     assert config(**{"ray.colocate": "all", "ray.learner_offload": False}).train.backend == "fsdp2"
     assert config(**{"train.backend": "deepspeed", "model.lora_rank": 4}).model.lora_rank == 4
+
+
+def test_fsdp2_takes_lora_and_hands_it_to_the_learners():
+    from rl_launch.specs import learner_specs
+
+    lora = config(**{"model.lora_rank": 4, "model.lora_sync": "adapter"})
+    inputs = types.SimpleNamespace(model_path="m", critic_path="m", reward_model_path="rm", teacher_path="t")
+    policy = learner_specs(lora, inputs, dtype="fp32", use_gpus=False, total_steps=4)["policy"]
+    assert (policy.deepspeed.backend, policy.lora.rank) == ("fsdp2", 4)
 
 
 @pytest.mark.parametrize("use_gpus", [False, True])
@@ -93,11 +101,12 @@ def test_fsdp2_offload_reaches_the_trained_models_and_on_gpus_the_frozen_ones_at
 
 
 @pytest.mark.parametrize("command", ["sft", "rm", "dpo", "kto"])
-def test_the_supervised_commands_take_fsdp2_and_refuse_what_it_does_not_do_yet(command):
+def test_the_supervised_commands_take_fsdp2_and_lora_and_refuse_what_it_does_not_do_yet(command):
     taken = resolve_config(command, None, {"train.backend": "fsdp2", "train.adam_offload": "true"})
     assert (taken.train.backend, taken.train.adam_offload) == ("fsdp2", True)
+    lora = resolve_config(command, None, {"train.backend": "fsdp2", "model.lora_rank": "8"})
+    assert (lora.train.backend, lora.model.lora_rank) == ("fsdp2", 8)
     for overrides, option in [
-        ({"model.lora_rank": "8"}, "model.lora_rank: 8 LoRA"),
         (
             {"model.sequence_parallel_size": "2", "ray.learner.num_actors": "2"},
             "model.sequence_parallel_size: 2",
@@ -146,6 +155,11 @@ def test_tensor_parallelism_reaches_every_learner_and_its_groups_share_micro_bat
             r"ray.ref.num_actors: 1 must be a multiple of train.tensor_parallel_size 2",
         ),
         ({"train.adam_offload": True}, r"train.adam_offload: True with train.tensor_parallel_size 2"),
+        (
+            {"model.lora_rank": 4},
+            r"model.lora_rank: 4 with train.tensor_parallel_size 2: torch's DTensor .* nn.Linear .* "
+            r"peft .* \(train.tensor_parallel_size 1\) or tensor parallelism without LoRA",
+        ),
         ({"train.tensor_parallel_size": 4, "ray.policy.num_actors": 4, "ray.ref.num_actors": 4}, None),
     ],
 )

@@ -7,6 +7,8 @@ log-probs with the ones the engine sampled with (`health/logprob_mismatch_*`). W
 rate large enough to move the policy visibly after one step, an engine still holding the base
 weights would disagree at the next step; it agrees to float error instead. The exported model
 differs from the base model, so the agreement is not the trivial one of an untrained adapter.
+The policy trains on the FSDP2 backend (`--train.backend fsdp2`): the adapter factors are
+gathered from its DTensor shards for each sync, the merged model from them for the export.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ def test_a_lora_run_syncs_its_adapter_into_vllm(tiny_checkpoint, ray_temp, tmp_p
         "--model.lora_rank", "8",
         "--model.lora_alpha", "16",
         "--model.lora_sync", "adapter",
+        "--train.backend", "fsdp2",  # the LoRA policy in torch's fully_shard, adapters synced from its shards
         "--data.prompt_data", str(prompts),
         "--reward.function", str(reward),
         "--algo.advantage.estimator", "grpo",
@@ -81,3 +84,4 @@ def test_a_lora_run_syncs_its_adapter_into_vllm(tiny_checkpoint, ray_temp, tmp_p
         if "proj" in name
     )
     assert moved > 1e-3  # the adapters trained and were merged into the exported weights
+    assert "policy rank 0: Fsdp2Engine built" in (run_dir / "logs" / "policy-0.log").read_text()

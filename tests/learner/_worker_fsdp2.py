@@ -10,6 +10,8 @@
 3. The same for a `ValueLearner` critic (its score head's local shard shape: critic-head-<r>.json).
 4. FSDP × TP = 1 × 2 (`tensor_parallel_size=2`): the policy's step over both micro-batches on each
    rank, its weights, a "file" sync of them and its checkpoint (tp-*); the critic's step.
+5. LoRA on FSDP2 (`lora_policy`, peft adapters on the tiny policy): the step as in 2, its full
+   weights, a merged "file" sync and an adapter-only one, and its checkpoint (lora-*).
 
 Each rank writes `rank-<r>.json` (whether it sent, whether its report is None, the number of
 buckets, whether its parameters were sharded).
@@ -20,6 +22,7 @@ from __future__ import annotations
 import json
 import pathlib
 import sys
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -33,13 +36,17 @@ from rl_data.sync import WeightSyncSpec
 from rl_data.tiny import build_tiny_model, build_tiny_tokenizer
 from rl_learner import (
     DeepSpeedConfig,
+    LoraOptions,
     OptimizerConfig,
     PolicyLearner,
     PolicyLossConfig,
     TrainingState,
     ValueLearner,
     ValueLossConfig,
+    adapter_layout,
+    apply_lora,
     load_checkpoint,
+    lora_adapter,
     save_checkpoint,
 )
 from rl_learner.models import packed_logprobs, packed_values
@@ -50,6 +57,7 @@ SMALL_BUCKETS = 64 * 1024  # several buckets even for the tiny model
 OPTIMIZER = OptimizerConfig(lr=1e-3, warmup_ratio=0.0)
 LOSS = PolicyLossConfig(kl_coef=0.05, entropy_coef=0.01)
 VALUE_LOSS = ValueLossConfig(clip_range=0.2)
+LORA = LoraOptions(rank=4, alpha=8.0)
 
 
 def own_loop(folder: pathlib.Path, tokenizer, rank: int) -> None:
@@ -87,6 +95,27 @@ def fsdp2_policy(tokenizer, **deepspeed) -> PolicyLearner:
     (`deepspeed`: more DeepSpeedConfig keywords, e.g. tensor_parallel_size)."""
     config = DeepSpeedConfig(backend="fsdp2", dtype="fp32", **deepspeed)
     return PolicyLearner(tiny_policy(tokenizer), deepspeed=config, optimizer=OPTIMIZER, total_steps=4)
+
+
+def lora_policy(tokenizer):
+    """The tiny policy with LoRA adapters (rank 4), the same adapters on every rank and in the test."""
+    torch.manual_seed(0)  # peft draws lora_A's initial values from the global RNG
+    return apply_lora(tiny_policy(tokenizer), LORA)
+
+
+def lora_syncs(model, folder: pathlib.Path, name: str) -> tuple[Any, Any]:
+    """A merged "file" sync (`name`-merged) and an adapter-only one (`name`-adapter) of `model`,
+    on every rank together: the reports (None where this rank does not send)."""
+    reports = []
+    for kind, layout, adapter in (
+        ("merged", sync_layout(model, bucket_bytes=SMALL_BUCKETS), None),
+        ("adapter", adapter_layout(model, bucket_bytes=SMALL_BUCKETS), lora_adapter(model)),
+    ):
+        folder_of = str(folder / f"{name}-{kind}")
+        spec = WeightSyncSpec(transport="file", layout=layout, directory=folder_of, adapter=adapter)
+        with make_sender(spec, model) as sender:
+            reports.append(sender.send(version=2))
+    return reports[0], reports[1]
 
 
 def fsdp2_critic(tokenizer, **deepspeed) -> ValueLearner:
@@ -180,6 +209,24 @@ def tensor_parallel_step(folder: pathlib.Path, tokenizer, rank: int) -> None:
         (folder / "tp-critic-metrics.json").write_text(json.dumps(metrics))
 
 
+def lora_step(folder: pathlib.Path, tokenizer, rank: int) -> None:
+    """The LoRA policy on FSDP2: rank r on micro-batch r; rank 0 writes the metrics, the full
+    weights (base and adapters, peft's names) and both syncs' reports; the ranks save the state."""
+    batch = policy_batch(tokenizer)
+    config = DeepSpeedConfig(backend="fsdp2", dtype="fp32")
+    learner = PolicyLearner(lora_policy(tokenizer), deepspeed=config, optimizer=OPTIMIZER, total_steps=4)
+    metrics = learner.train_step([batch.select(range(4 * rank, 4 * rank + 4))], LOSS)
+    state = full_state(learner.module)
+    merged, adapter = lora_syncs(learner.engine, folder, "lora")
+    save_checkpoint(
+        folder / "lora-ckpt", 1, {"policy": learner.engine}, TrainingState(step=1), save_rng=False
+    )
+    if rank == 0:
+        (folder / "lora-metrics.json").write_text(json.dumps(metrics))
+        (folder / "lora-state.msgpack").write_bytes(encode(state))
+        (folder / "lora-reports.msgpack").write_bytes(encode([merged, adapter]))
+
+
 def main(folder: pathlib.Path) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -188,6 +235,7 @@ def main(folder: pathlib.Path) -> None:
     learner_step(folder, tokenizer, rank)
     critic_step(folder, tokenizer, rank)
     tensor_parallel_step(folder, tokenizer, rank)
+    lora_step(folder, tokenizer, rank)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -6,8 +6,12 @@ unit) and the supervised learners (sft, dpo with its frozen reference, rm) take 
 step too. One slow test starts two gloo ranks (`_worker_fsdp2.py`): a team's own `fully_shard`
 loop syncing through `make_sender`, the FSDP2 policy's and critic's steps on two ranks against
 this process's one-rank steps, a policy checkpoint resumed across world sizes (2 -> 1, 1 -> 2),
-and FSDP × TP = 1 × 2 (`tensor_parallel_size=2`): one rank's policy and critic steps, the unsharded
-model's checksums, and a TP checkpoint resumed on one rank.
+FSDP × TP = 1 × 2 (`tensor_parallel_size=2`): one rank's policy and critic steps, the unsharded
+model's checksums, and a TP checkpoint resumed on one rank; and a LoRA (peft) policy on two ranks:
+one rank's step, the unsharded peft model's merged and adapter-only sync checksums, its
+checkpoint resumed on one rank. A LoRA policy on one rank also takes DeepSpeed's step, syncs,
+exports the merged model and resumes, and a LoRA critic (score head trained whole) takes
+DeepSpeed's step and exports its merged model (fast).
 """
 
 from __future__ import annotations
@@ -31,12 +35,14 @@ from rl_learner import (
     DeepSpeedConfig,
     DPOLearner,
     DPOLossConfig,
+    LoraOptions,
     OptimizerConfig,
     PolicyLearner,
     RewardModelLearner,
     SFTLearner,
     TrainingState,
     ValueLearner,
+    apply_lora,
     load_checkpoint,
     pack_pairs,
     pack_sequences,
@@ -50,7 +56,7 @@ from rl_learner.sync import make_sender, sync_layout
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 from _helpers_core import experience, fill_policy_slots, fill_value_slots, tiny_critic, tiny_policy
-from _worker_fsdp2 import LOSS, OPTIMIZER, SMALL_BUCKETS, VALUE_LOSS
+from _worker_fsdp2 import LOSS, OPTIMIZER, SMALL_BUCKETS, VALUE_LOSS, lora_policy, lora_syncs
 from _worker_supervised import pairs, sft_samples
 
 from tests.learner.single_rank import start_ranks, wait_ranks
@@ -320,6 +326,103 @@ def test_fsdp2_refuses_what_it_does_not_do_yet(world, tokenizer):
         DeepSpeedConfig(backend="fsdp")
 
 
+def _lora_learner(tokenizer, ds: DeepSpeedConfig = FSDP2) -> PolicyLearner:
+    return PolicyLearner(lora_policy(tokenizer), deepspeed=ds, optimizer=OPTIMIZER, total_steps=4)
+
+
+def _unsharded_lora_syncs_match(tokenizer, state, reports, folder: pathlib.Path) -> None:
+    """The unsharded peft model holding `state` (peft's names) sends the merged and adapter-only
+    syncs with the checksums of `reports` (the sharded model's)."""
+    plain = lora_policy(tokenizer)
+    plain.load_state_dict(state)
+    for sent, want in zip(lora_syncs(plain, folder, "plain"), reports, strict=True):
+        assert compare_checksums(sent, want) == []
+
+
+def test_fsdp2_lora_policy_steps_syncs_exports_and_resumes_like_the_unsharded_peft_model(
+    world, tokenizer, batch, tmp_path
+):
+    from transformers import AutoModelForCausalLM
+
+    from rl_learner import export_hf
+    from rl_learner.fsdp2 import Fsdp2Engine
+
+    fsdp2 = _lora_learner(tokenizer)
+    deepspeed = _lora_learner(tokenizer, DeepSpeedConfig(zero_stage=0, dtype="fp32"))
+    trained = {n for n, p in fsdp2.module.named_parameters() if p.requires_grad}
+    assert trained
+    assert all(".lora_" in name for name in trained)  # AdamW holds the adapters only
+    assert sum(len(group["params"]) for group in fsdp2.engine.optimizer.param_groups) == len(trained)
+    halves = [batch.select(range(4)), batch.select(range(4, 8))]
+    got, want = fsdp2.train_step(halves, LOSS), deepspeed.train_step(halves, LOSS)
+    for key in ("loss", "grad_norm", "entropy", "kl", "tokens"):
+        assert got[key] == pytest.approx(want[key], rel=1e-5), key
+    state = _state(fsdp2)
+    expected = {name: p.detach() for name, p in deepspeed.module.named_parameters()}
+    for name, value in state.items():
+        torch.testing.assert_close(value, expected[name], rtol=1e-5, atol=1e-6, msg=name)
+    assert any(".lora_B." in n and value.abs().max() > 0 for n, value in state.items())  # a real merge
+
+    # Weight sync, merged and adapter-only: the unsharded peft model's checksums.
+    reports = lora_syncs(fsdp2.engine, tmp_path, "fsdp2")
+    _unsharded_lora_syncs_match(tokenizer, state, reports, tmp_path)
+    assert all(hasattr(p, "full_tensor") for p in fsdp2.module.parameters())  # the shards are back
+
+    # HF export: the merged model, as under DeepSpeed (peft's merge_and_unload, bit for bit).
+    exported = AutoModelForCausalLM.from_pretrained(export_hf(fsdp2.engine, tmp_path / "hf")).state_dict()
+    merged = lora_policy(tokenizer)
+    merged.load_state_dict(state)
+    for name, value in merged.merge_and_unload().state_dict().items():
+        assert torch.equal(exported[name], value), name
+
+    # Checkpoint round trip: the adapters and their AdamW state come back.
+    save_checkpoint(tmp_path / "ckpt", 1, {"policy": fsdp2.engine}, TrainingState(step=1), save_rng=False)
+    following = fsdp2.train_step(halves, LOSS)
+    resumed = _lora_learner(tokenizer)
+    assert load_checkpoint(tmp_path / "ckpt", {"policy": resumed.engine}, restore_rng=False).step == 1
+    again = resumed.train_step(halves, LOSS)
+    assert (again["loss"], again["grad_norm"]) == (following["loss"], following["grad_norm"])
+    after, want = _state(resumed), _state(fsdp2)
+    assert all(torch.equal(after[name], want[name]) for name in want)
+
+    # bf16: fp32 master weights of base and adapters, a step taken.
+    bf16 = _lora_learner(tokenizer, DeepSpeedConfig(backend="fsdp2", dtype="bf16"))
+    assert {p.dtype for p in bf16.module.parameters()} == {torch.float32}
+    assert bf16.train_step(halves, LOSS)["skipped"] == 0.0
+    # LoRA with tensor parallelism: refused with the reason (world 1 cannot hold tp 2 anyway).
+    ds = DeepSpeedConfig(backend="fsdp2", dtype="fp32", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match=r"peft wraps every adapted linear layer .* tensor_parallel_size 1"):
+        Fsdp2Engine(lora_policy(tokenizer), ds, None, total_steps=1, device=torch.device("cpu"))
+
+
+def test_fsdp2_lora_critic_trains_its_adapters_and_score_head_and_exports_like_deepspeed(
+    world, tokenizer, value_batch, tmp_path
+):
+    from transformers import AutoModelForSequenceClassification
+
+    from rl_learner import export_hf
+
+    def lora_critic(ds: DeepSpeedConfig) -> ValueLearner:
+        torch.manual_seed(0)
+        model = apply_lora(tiny_critic(tokenizer), LoraOptions(rank=4, alpha=8.0))
+        return ValueLearner(model, deepspeed=ds, optimizer=OPTIMIZER, total_steps=4)
+
+    fsdp2, deepspeed = lora_critic(FSDP2), lora_critic(DeepSpeedConfig(zero_stage=0, dtype="fp32"))
+    trained = {n for n, p in fsdp2.module.named_parameters() if p.requires_grad}
+    assert any(".modules_to_save." in name for name in trained)  # the score head trains whole
+    halves = [value_batch.select(range(4)), value_batch.select(range(4, 8))]
+    got, want = fsdp2.train_step(halves, VALUE_LOSS), deepspeed.train_step(halves, VALUE_LOSS)
+    for key in ("loss", "grad_norm", "value_mean", "tokens"):
+        assert got[key] == pytest.approx(want[key], rel=1e-5), key
+    exported = AutoModelForSequenceClassification.from_pretrained(export_hf(fsdp2.engine, tmp_path / "f"))
+    reference = AutoModelForSequenceClassification.from_pretrained(
+        export_hf(deepspeed.engine, tmp_path / "d")
+    )
+    weights = reference.state_dict()
+    for name, value in exported.state_dict().items():
+        torch.testing.assert_close(value, weights[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
 def _engine_serves_the_sync(tokenizer, folder: pathlib.Path, layout, sent, trained) -> None:
     """The own loop's sync (version 3 in `folder`/sync) into a running rl-rollout engine that
     started from the loop's initial weights: it takes the same checksums, then holds `trained`'s
@@ -362,8 +465,8 @@ def test_two_fsdp2_ranks_sync_step_and_reshard_checkpoints_like_one_rank(
     after_one_step = _state(one)
     save_checkpoint(tmp_path / "one-ckpt", 1, {"policy": one.engine}, TrainingState(step=1), save_rng=False)
     worker = pathlib.Path(__file__).with_name("_worker_fsdp2.py")
-    # the ranks see only what `pip install rl-learner` installs: a team's own FSDP2 loop needs no more
-    only_rl_learner = declared_only_env(tmp_path, "rl-learner")
+    # the ranks see only what `pip install rl-learner[peft]` installs (peft: the LoRA phase)
+    only_rl_learner = declared_only_env(tmp_path, "rl-learner", ("peft",))
     wait_ranks(start_ranks(worker, tmp_path, 2, env=only_rl_learner), timeout=600)
 
     # A team's own fully_shard loop: rank 0 sent, rank 1 joined the gathers and returned None.
@@ -453,6 +556,25 @@ def test_two_fsdp2_ranks_sync_step_and_reshard_checkpoints_like_one_rank(
         assert tp_critic[key] == pytest.approx(expected[key], rel=1e-5), key
     for name, value in _state(one).items():
         torch.testing.assert_close(two[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+    # LoRA on two FSDP2 ranks: one rank's step, the unsharded peft model's merged and adapter
+    # checksums, and the two ranks' checkpoint resumes on one rank with one rank's next step.
+    one = _lora_learner(tokenizer)
+    expected = one.train_step(halves, LOSS)
+    metrics = json.loads((tmp_path / "lora-metrics.json").read_text())
+    for key in ("loss", "grad_norm", "entropy", "kl", "tokens", "sequences"):
+        assert metrics[key] == pytest.approx(expected[key], rel=1e-5), key
+    two = decode((tmp_path / "lora-state.msgpack").read_bytes(), dict[str, torch.Tensor])
+    for name, value in _state(one).items():
+        torch.testing.assert_close(two[name], value, rtol=1e-5, atol=1e-6, msg=name)
+    reports = decode((tmp_path / "lora-reports.msgpack").read_bytes(), list[WeightSyncReport])
+    _unsharded_lora_syncs_match(tokenizer, two, reports, tmp_path)
+    following = one.train_step(halves, LOSS)
+    back = _lora_learner(tokenizer)
+    assert load_checkpoint(tmp_path / "lora-ckpt", {"policy": back.engine}, restore_rng=False).step == 1
+    onto_one = back.train_step(halves, LOSS)
+    for key in ("loss", "grad_norm", "entropy", "kl", "lr"):
+        assert onto_one[key] == pytest.approx(following[key], rel=1e-5), key
 
 
 def test_tensor_parallelism_needs_whole_groups_and_sync_gathers_over_one_meshs_parts(world):

@@ -9,13 +9,18 @@ starts, naming the option that asks for it:
 
 | option                                              | why                                          |
 | ---                                                 | ---                                          |
-| model.lora_rank > 0                                 | LoRA under fully_shard is not wired in       |
 | model.sequence_parallel_size > 1                    | Ulysses runs on DeepSpeed only               |
 | model.dtype fp16                                    | fp16 needs a loss scaler (bf16, fp32 work)   |
 | train.actor_optimizer / critic_optimizer muon       | DeepSpeed's Muon                             |
 | train.deepspeed_config (non-empty)                  | DeepSpeed's keys; FSDP2 would ignore them    |
 | train.ema_beta                                      | the EMA reads a DeepSpeed engine's parameters |
 | ray.colocate all with ray.learner_offload true      | no hybrid-engine state offload yet           |
+
+model.lora_rank > 0 is taken: the LoRA (peft) models the DeepSpeed learners train (`rl_learner.apply_lora`)
+are sharded by `fully_shard` (base weights and adapters in the same decoder-layer units, AdamW over
+the adapters), sync to the engines merged or adapter-only (model.lora_sync) from the shards, and
+export the merged model (`rl_learner.fsdp2`); with train.tensor_parallel_size > 1 it is refused
+(below).
 
 train.zero_stage is not used by FSDP2 (it shards as ZeRO-3 does), said on the start-up line
 (`zero_stage_note`).
@@ -31,6 +36,9 @@ train.tensor_parallel_size tp > 1 (`tensor_parallel_refusals`, both backends) is
   trains a step on gloo here, with ZeRO-1, but is not wired into the learners: their weight sync,
   checkpoints and HF export would need its split layers gathered);
 - with train.adam_offload (CPU offload of 2-D mesh parameters is not verified);
+- with model.lora_rank > 0 (torch's DTensor TP plans split nn.Linear modules only, and peft wraps
+  each adapted linear layer in its own module: choose LoRA with FSDP2 data parallelism, or
+  tensor parallelism without LoRA);
 - where a learner role's ray.<role>.num_actors is not a multiple of tp (ppo: the policy, critic,
   reference, teacher and reward model the run starts; sft / rm / dpo / kto: ray.learner);
 - where a model's config.json (model.pretrain and the critic / reward / teacher models, read when
@@ -38,8 +46,8 @@ train.tensor_parallel_size tp > 1 (`tensor_parallel_refusals`, both backends) is
   not divide by tp (the message names the field); a model that is built later (a preset's, a hub
   id) is checked the same way when its learner builds it.
 
-rl-launch sft / rm / dpo / kto refuse the same model.* and train.* options (LoRA, sequence
-parallelism, fp16, Muon, train.deepspeed_config); they have no reference /
+rl-launch sft / rm / dpo / kto refuse the same model.* and train.* options (sequence
+parallelism, fp16, Muon, train.deepspeed_config) and take LoRA the same way; they have no reference /
 teacher offload, EMA or hybrid engine to refuse.
 """
 
@@ -112,7 +120,6 @@ def _shared(config: Any) -> list[tuple[str, Any, bool, str]]:
     """(option, value, refused, why) of the model and train options every command shares."""
     model, train = config.model, config.train
     return [
-        ("model.lora_rank", model.lora_rank, model.lora_rank > 0, "LoRA is not wired into fully_shard yet"),
         (
             "model.sequence_parallel_size",
             model.sequence_parallel_size,
@@ -155,6 +162,18 @@ def tensor_parallel_refusals(config: Any, roles: dict[str, bool] | None = None) 
                 True,
                 f"with {option} {tp}: CPU offload of tensor-parallel "
                 "parameters is not verified yet (set train.adam_offload false)",
+            )
+        )
+    lora = getattr(config.model, "lora_rank", 0)
+    if lora > 0:
+        found.append(
+            (
+                "model.lora_rank",
+                lora,
+                f"with {option} {tp}: torch's DTensor tensor-parallel plans split nn.Linear modules "
+                "only, and peft wraps every adapted linear layer in its own lora.Linear; use LoRA "
+                f"with FSDP2 data parallelism ({option} 1) or tensor parallelism without LoRA "
+                "(model.lora_rank 0)",
             )
         )
     for role in [role for role, started in (roles or {"learner": True}).items() if started]:

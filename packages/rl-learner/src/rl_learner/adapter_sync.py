@@ -13,7 +13,8 @@ Qwen2.5-7B, ~1 % at rank 16 for Qwen2.5-0.5B.
   `adapter_config.json` content), which goes to the engines once in `WeightSyncSpec.adapter`;
 - a sender built from a spec whose `adapter` is set (`rl_learner.make_sender`, any transport)
   sends `adapter_tensors(model)` instead of the merged weights: bucketed, cast to the layout's
-  dtype while packing, checksummed, gathered one bucket at a time under ZeRO-3, as any sync.
+  dtype while packing, checksummed, gathered one bucket at a time under ZeRO-3 and FSDP2 (each
+  factor a DTensor gathered with `full_tensor()`, `rl_learner.dtensor`), as any sync.
 
     layout, adapter = adapter_layout(engine, dtype=torch.float32), lora_adapter(engine)
     spec = WeightSyncSpec(transport="shm", layout=layout, directory=folder, adapter=adapter)
@@ -45,10 +46,12 @@ DEFAULT_BUCKET_BYTES = 256 * 2**20
 
 
 def _peft_model(model: Any, where: str) -> Any:
-    """The peft model under a DeepSpeed engine or DDP; ValueError when `model` is not a LoRA model."""
-    deepspeed = _loaded("deepspeed")
+    """The peft model under a DeepSpeed engine, an FSDP2 engine (`rl_learner.fsdp2.Fsdp2Engine`)
+    or DDP; ValueError when `model` is not a LoRA model."""
+    deepspeed, fsdp2 = _loaded("deepspeed"), _loaded("rl_learner.fsdp2")
     for _ in range(8):
         is_engine = deepspeed is not None and isinstance(model, deepspeed.DeepSpeedEngine)
+        is_engine = is_engine or (fsdp2 is not None and isinstance(model, fsdp2.Fsdp2Engine))
         if is_engine or isinstance(model, torch.nn.parallel.DistributedDataParallel):
             model = model.module
         else:
@@ -148,7 +151,8 @@ def adapter_layout(
     """The bucket layout of the adapter tensors the engines receive from `model` (`adapter_tensors`).
 
     Args:
-      model: a peft LoRA model, or a DeepSpeed engine / DDP around one (ZeRO-3 or not).
+      model: a peft LoRA model, or a DeepSpeed engine / DDP around one (ZeRO-3 or not), or an
+        FSDP2 engine (`rl_learner.fsdp2.Fsdp2Engine`) or `fully_shard` module of one.
       dtype: the engine's dtype, the factors' wire dtype; None keeps theirs.
       bucket_bytes, alignment: as `rl_learner.sync_layout`'s.
     """

@@ -11,11 +11,21 @@ Weight sync (`rl_learner.sender_base`) gathers one bucket at a time: rank 0 of t
 announces the next bucket (as it does for ZeRO-3), every rank computes that bucket's full
 tensors (`full_value`, in the layout's order), rank 0 packs them and the others drop them. So
 the peak extra memory of a rank is one bucket's full tensors, never the whole model.
+
+A LoRA layer of a sharded peft model (FSDP2 over `rl_learner.apply_lora`'s model) merges on
+full tensors: `full_value` gathers that one layer's parameters (its base weight and bias, its
+adapters' factors), in `named_parameters()` order on every rank, computes W + scaling·B·A on
+them with peft's own `get_delta_weight` (DoRA through its `merge_safe`), the computation the
+unsharded model runs on the same numbers (so the same bits), and puts the shards back. The peak
+extra memory is one layer's full tensors; adapter-only sync (`rl_learner.adapter_sync`) gathers
+each factor alone.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+import dataclasses
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -85,8 +95,31 @@ def _root_mesh(mesh: Any) -> Any:
 
 def full_value(source: Any) -> torch.Tensor:
     """The full tensor the engines receive for one `rl_learner.lora.MergedTensor`: its value,
-    gathered with `full_tensor()` where it is a DTensor (a collective over its mesh)."""
+    gathered with `full_tensor()` where it is a DTensor (a collective over its mesh); a sharded
+    LoRA layer's merged weight is computed on its gathered parameters (module docstring)."""
+    if source.lora is not None and is_dtensor(source.param) and source.adapters():
+        with _whole_layer(source.lora) as base:
+            return dataclasses.replace(source, param=getattr(base, source.role)).value()
     value = source.value()
     if is_dtensor(value):
         value = value.full_tensor()
     return value
+
+
+@contextlib.contextmanager
+def _whole_layer(layer: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """Every DTensor parameter of a peft LoRA layer (its base layer's and its adapters') replaced
+    by its full tensor, gathered in `named_modules()` order (the same collectives on every rank of
+    the mesh), for the duration of the block; yields the base layer. The shards go back after,
+    so the sharded model is left as it was (no forward or backward runs in between)."""
+    swapped: list[tuple[torch.nn.Module, str, torch.Tensor]] = []
+    try:
+        for module in layer.modules():
+            for key, param in list(module._parameters.items()):
+                if param is not None and is_dtensor(param):
+                    module._parameters[key] = param.detach().full_tensor()
+                    swapped.append((module, key, param))
+        yield layer.get_base_layer()
+    finally:
+        for module, key, param in reversed(swapped):
+            module._parameters[key] = param

@@ -45,9 +45,22 @@ unit, which offloads the sharded parameters, their gradients and the optimizer s
 parameters are all-gathered onto the device for its forward and backward, gradients come back
 to host memory and AdamW steps on the CPU. `cpu_offload` says whether it is on.
 
+LoRA: a peft model (`rl_learner.apply_lora`, as the DeepSpeed learners get it) is sharded the
+same way: its decoder layers, found through the peft wrapper, are the units, then the root (the
+`PeftModel`); each layer's frozen base weights and trainable adapter factors (lora_A [r, in],
+lora_B [out, r]) are sharded together in one unit (FSDP2 takes mixed requires_grad), and AdamW
+holds the trainable parameters only (the adapters, and a value model's `score` head). Precision
+and offload as above. Weight sync and HF export gather from the shards one tensor at a time
+(`rl_learner.dtensor`): merged sync and `export_hf` compute W + scaling·B·A on one LoRA layer's
+gathered parameters, adapter-only sync (`rl_learner.adapter_sync`) gathers each factor; both give
+the unsharded peft model's checksums. Checkpoints hold the peft model's state dict (base weights
+and adapters under peft's names) and AdamW's state of the adapters. LoRA with tensor parallelism
+is refused (`lora_tensor_parallel_refusal`): torch's DTensor plans split nn.Linear modules only,
+and peft wraps each adapted linear.
+
 Not in this backend yet, refused by `fsdp2_refusals` (and by `Fsdp2Engine` when built anyway):
-LoRA, Muon, fp16, sequence parallelism, the hybrid engine's state offload
-(`Learner.offload_plan` says "none"), CPU offload with tensor parallelism.
+Muon, fp16, sequence parallelism, the hybrid engine's state offload (`Learner.offload_plan` says
+"none"), CPU offload with tensor parallelism, LoRA with tensor parallelism.
 
 Tensor parallelism (`DeepSpeedConfig.tensor_parallel_size` = tp > 1, `rl_learner.tensor_parallel`):
 the ranks form a dp × tp mesh; each decoder layer is split over its TP group with DTensor
@@ -70,7 +83,7 @@ import torch.distributed as dist
 from .config import DeepSpeedConfig, OptimizerConfig, build_scheduler
 from .tensor_parallel import TensorParallelGroup, apply_tensor_parallel
 
-__all__ = ["Fsdp2Engine", "fsdp2_refusals"]
+__all__ = ["Fsdp2Engine", "fsdp2_refusals", "lora_tensor_parallel_refusal"]
 
 
 def fsdp2_refusals(ds: DeepSpeedConfig, optimizer: OptimizerConfig | None = None) -> list[tuple[str, str]]:
@@ -121,11 +134,21 @@ def _is_lora(model: torch.nn.Module) -> bool:
     return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
 
 
+def lora_tensor_parallel_refusal(tp: int) -> str:
+    """Why a LoRA (peft) model does not take tensor parallelism (tp > 1) on this backend."""
+    return (
+        f"DeepSpeedConfig.tensor_parallel_size {tp} with a LoRA (peft) model: torch's DTensor tensor-"
+        "parallel plans (ColwiseParallel / RowwiseParallel) split nn.Linear modules only, and peft wraps "
+        "every adapted linear layer in its own lora.Linear; use tensor_parallel_size 1 (LoRA with FSDP2 "
+        "data parallelism) or no LoRA (lora rank 0)"
+    )
+
+
 class Fsdp2Engine:
     """A model sharded with `fully_shard`, its AdamW and LR schedule (module docstring).
 
     Args:
-      model: an HF model (not a peft model).
+      model: an HF model, or a peft LoRA model around one (`rl_learner.apply_lora`; module docstring).
       ds: dtype and checks (`ds.backend` must be "fsdp2").
       optimizer: AdamW options; None for an inference-only model (parameters frozen).
       total_steps: optimizer steps of the run (LR schedule).
@@ -148,8 +171,8 @@ class Fsdp2Engine:
         if refused:
             field, why = refused[0]
             raise ValueError(f"DeepSpeedConfig.{field} with backend 'fsdp2': {why}")
-        if _is_lora(model):
-            raise ValueError("backend 'fsdp2': LoRA models are not supported yet; use backend 'deepspeed'")
+        if _is_lora(model) and ds.tensor_parallel_size > 1:
+            raise ValueError(lora_tensor_parallel_refusal(ds.tensor_parallel_size))
         self.ds, self.optim, self.device = ds, optimizer, device
         world, tp = dist.get_world_size(), ds.tensor_parallel_size
         if world % tp:
@@ -179,7 +202,9 @@ class Fsdp2Engine:
             policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         self.cpu_offload = ds.offload_optimizer or ds.offload_params
         offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if self.cpu_offload else OffloadPolicy()
-        units = set(getattr(model, "_no_split_modules", None) or ())
+        # a peft model's decoder layers: its base model names them (LoRA layers shard with them)
+        base = model.get_base_model() if _is_lora(model) else model
+        units = set(getattr(base, "_no_split_modules", None) or ())
         for module in list(model.modules())[1:]:
             if type(module).__name__ in units:
                 fully_shard(module, mesh=self.mesh, mp_policy=policy, offload_policy=offload)
