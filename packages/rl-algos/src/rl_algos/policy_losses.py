@@ -513,7 +513,10 @@ def value_loss(
         return 0.5 * unclipped * mask, metrics
     check_positive("clip_range", clip_range)
     old = old_values.detach().to(dtype)
-    v_clipped = old + (v - old).clamp(-clip_range, clip_range)
+    # V itself where |V − V_old| ≤ ε: old + (V − old) is V only up to round-off (~3 % of such
+    # tokens in float32), which counted ~0.3 % of the unclipped tokens as clipped
+    outside = (v - old).abs() > clip_range
+    v_clipped = torch.where(outside, old + (v - old).clamp(-clip_range, clip_range), v)
     clipped = (v_clipped - targets).square()
     metrics["value_clip_fraction"] = _mean((clipped > unclipped).float(), mask)
     return 0.5 * torch.maximum(unclipped, clipped) * mask, metrics
