@@ -101,16 +101,18 @@ def test_fsdp2_offload_reaches_the_trained_models_and_on_gpus_the_frozen_ones_at
 
 
 @pytest.mark.parametrize("command", ["sft", "rm", "dpo", "kto"])
-def test_the_supervised_commands_take_fsdp2_and_lora_and_refuse_what_it_does_not_do_yet(command):
+def test_the_supervised_commands_take_fsdp2_lora_and_sp_and_refuse_what_it_does_not_do_yet(command):
     taken = resolve_config(command, None, {"train.backend": "fsdp2", "train.adam_offload": "true"})
     assert (taken.train.backend, taken.train.adam_offload) == ("fsdp2", True)
     lora = resolve_config(command, None, {"train.backend": "fsdp2", "model.lora_rank": "8"})
     assert (lora.train.backend, lora.model.lora_rank) == ("fsdp2", 8)
+    sp = {"train.backend": "fsdp2", "model.sequence_parallel_size": "2", "ray.learner.num_actors": "2"}
+    assert resolve_config(command, None, sp).model.sequence_parallel_size == 2
+    with pytest.raises(
+        ConfigError, match=r"^model.sequence_parallel_size: 2 .*with train.tensor_parallel_size 2"
+    ):
+        resolve_config(command, None, {**sp, "train.tensor_parallel_size": "2"})
     for overrides, option in [
-        (
-            {"model.sequence_parallel_size": "2", "ray.learner.num_actors": "2"},
-            "model.sequence_parallel_size: 2",
-        ),
         ({"model.dtype": "fp16"}, "model.dtype: 'fp16'"),
     ]:
         with pytest.raises(

@@ -1,4 +1,4 @@
-"""`rl-launch sft` / `kto` on a Ray actor group of two DeepSpeed ranks (`rl_launch.trainers.learners`).
+"""`rl-launch sft` / `kto` on a Ray actor group of two ranks (`rl_launch.trainers.learners`).
 
 Each test runs the real CLI on the arithmetic demo once on one rank in the driver (the default;
 through the CLI's main in this process, as tests/launch/test_trainers.py does) and on
@@ -6,7 +6,7 @@ through the CLI's main in this process, as tests/launch/test_trainers.py does) a
 DeepSpeed's process-group state and Ray's must not stay in the pytest worker), checked for
 leftovers after the test. The two must take the same steps: the same loss at every step and the
 same exported weights, although the two ranks split each step's items between them (kto, ZeRO-3)
-or each hold half of every sequence (sft, sequence parallel), in smaller micro-batches
+or each hold half of every sequence (sft, sequence parallel, on the FSDP2 backend), in smaller micro-batches
 (`train.micro_batch_tokens`). In the sft test a rank is killed mid-run: the run stops with a
 diagnosis that names it and the checkpoint a resume uses, and the resume continues from it to
 the one rank's weights.
@@ -122,8 +122,8 @@ def test_two_zero3_ray_ranks_take_the_steps_of_one_rank(tmp_path, ray_temp, caps
 def test_two_sequence_parallel_ray_ranks_one_killed_and_resumed_take_the_steps_of_one_rank(
     tmp_path, ray_temp, capsys, in_process
 ):
-    """One group of two sequence-parallel ranks (each holds half of every micro-batch), rank 1
-    killed after step 2: the run stops with a diagnosis that names it and the checkpoint a resume
+    """One group of two sequence-parallel ranks on FSDP2 (each holds half of every micro-batch, the
+    parameters sharded over both), rank 1 killed after step 2: the run stops with a diagnosis that names it and the checkpoint a resume
     uses; resumed on two fresh ranks from that checkpoint, it ends where one rank does.
 
     The learning rate is constant (`train.min_lr_ratio 1`, the preset's warmup is 0), so a step's
@@ -151,7 +151,9 @@ def test_two_sequence_parallel_ray_ranks_one_killed_and_resumed_take_the_steps_o
         "--train.micro_batch_tokens",
         "64",
     )
-    ranks = (*options, "--model.sequence_parallel_size", "2")
+    # the two ranks on the FSDP2 backend (its checkpoint is torch.distributed.checkpoint's), the
+    # one-rank run on DeepSpeed: the same steps either way
+    ranks = (*options, "--model.sequence_parallel_size", "2", "--train.backend", "fsdp2")
     # later flags win: a run that would not end before the kill
     done = _run("sft", two, tmp_path, ray_temp, *ranks, "--train.max_steps", "400", "--ckpt.save_steps", "1")
     watcher.join(timeout=10)
@@ -159,6 +161,8 @@ def test_two_sequence_parallel_ray_ranks_one_killed_and_resumed_take_the_steps_o
     assert killed, "the run ended before rank 1 could be killed"
     assert done.returncode == 1, err[-3000:]
     assert "2 Ray actors (world size 2" in done.stdout + err
+    assert "not used by train.backend fsdp2" in done.stdout + err  # the start-up line of an FSDP2 run
+    assert list(two.glob("checkpoints/**/dcp/.metadata")), "no torch.distributed.checkpoint folder"
     assert "policy-1 died" in err
     assert str(two / "logs" / "policy-1.log") in err
     assert "--ckpt.load_checkpoint true continues from it" in err

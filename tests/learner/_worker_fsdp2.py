@@ -10,7 +10,10 @@
 3. The same for a `ValueLearner` critic (its score head's local shard shape: critic-head-<r>.json).
 4. FSDP × TP = 1 × 2 (`tensor_parallel_size=2`): the policy's step over both micro-batches on each
    rank, its weights, a "file" sync of them and its checkpoint (tp-*); the critic's step.
-5. LoRA on FSDP2 (`lora_policy`, peft adapters on the tiny policy): the step as in 2, its full
+5. FSDP2 with sequence parallelism 2 (`sequence_parallel_size=2`): the policy's step over both
+   micro-batches on each rank, each rank running half of every row's tokens, and its weights
+   (sp-*); the critic's step.
+6. LoRA on FSDP2 (`lora_policy`, peft adapters on the tiny policy): the step as in 2, its full
    weights, a merged "file" sync and an adapter-only one, and its checkpoint (lora-*).
 
 Each rank writes `rank-<r>.json` (whether it sent, whether its report is None, the number of
@@ -209,6 +212,27 @@ def tensor_parallel_step(folder: pathlib.Path, tokenizer, rank: int) -> None:
         (folder / "tp-critic-metrics.json").write_text(json.dumps(metrics))
 
 
+def sequence_parallel_step(folder: pathlib.Path, tokenizer, rank: int) -> None:
+    """FSDP2 with sequence parallelism 2 (one SP group of both ranks, the parameters sharded over
+    both): the ranks take the same two micro-batches, each running half of every packed row's
+    tokens (Ulysses all-to-alls around attention); rank 0 writes the metrics and full weights."""
+    batch = policy_batch(tokenizer)
+    learner = fsdp2_policy(tokenizer, sequence_parallel_size=2)
+    metrics = learner.train_step([batch.select(range(4)), batch.select(range(4, 8))], LOSS)
+    state = full_state(learner.module)
+    if rank == 0:
+        group = learner.sequence_parallel  # both ranks in it: each ran half of every row
+        info = {**metrics, "sp_group": [group.size, group.rank], "gradient_ranks": learner.gradient_ranks}
+        (folder / "sp-metrics.json").write_text(json.dumps(info))
+
+    values = value_batch(tokenizer)  # the critic: its sharded score head on each rank's tokens
+    critic = fsdp2_critic(tokenizer, sequence_parallel_size=2)
+    metrics = critic.train_step([values.select(range(4)), values.select(range(4, 8))], VALUE_LOSS)
+    if rank == 0:
+        (folder / "sp-critic-metrics.json").write_text(json.dumps(metrics))
+        (folder / "sp-state.msgpack").write_bytes(encode(state))
+
+
 def lora_step(folder: pathlib.Path, tokenizer, rank: int) -> None:
     """The LoRA policy on FSDP2: rank r on micro-batch r; rank 0 writes the metrics, the full
     weights (base and adapters, peft's names) and both syncs' reports; the ranks save the state."""
@@ -235,6 +259,7 @@ def main(folder: pathlib.Path) -> None:
     learner_step(folder, tokenizer, rank)
     critic_step(folder, tokenizer, rank)
     tensor_parallel_step(folder, tokenizer, rank)
+    sequence_parallel_step(folder, tokenizer, rank)
     lora_step(folder, tokenizer, rank)
     dist.barrier()
     dist.destroy_process_group()

@@ -542,6 +542,17 @@ def test_two_fsdp2_ranks_sync_step_and_reshard_checkpoints_like_one_rank(
     for key in ("loss", "grad_norm", "entropy", "kl", "lr"):
         assert tp_onto_one[key] == pytest.approx(following[key], rel=1e-5), key
 
+    # FSDP2 with sequence parallelism 2: both ranks on both micro-batches, half of each row's
+    # tokens each, one rank's step (the attention's all-to-alls move heads, not sums: the same
+    # kernels on the same numbers; the rest is the gradient's sum over the two ranks).
+    sp = json.loads((tmp_path / "sp-metrics.json").read_text())
+    assert (sp["sp_group"], sp["gradient_ranks"]) == ([2, 0], 2)
+    for key in ("loss", "grad_norm", "entropy", "kl", "tokens", "sequences"):
+        assert sp[key] == pytest.approx(expected[key], rel=1e-5), key
+    sp_state = decode((tmp_path / "sp-state.msgpack").read_bytes(), dict[str, torch.Tensor])
+    for name, value in after_one_step.items():  # AdamW's first step: as for TP above
+        torch.testing.assert_close(sp_state[name], value, rtol=1e-5, atol=1e-5, msg=name)
+
     # The critic: its score head's one row on rank 0, the same step as one rank's.
     heads = [json.loads((tmp_path / f"critic-head-{rank}.json").read_text()) for rank in (0, 1)]
     assert heads == [[1, 128], [0, 128]]
@@ -551,9 +562,10 @@ def test_two_fsdp2_ranks_sync_step_and_reshard_checkpoints_like_one_rank(
     expected = one.train_step([value_batch.select(range(4)), value_batch.select(range(4, 8))], VALUE_LOSS)
     for key in ("loss", "grad_norm", "value_mean", "value_clip_fraction", "tokens"):
         assert metrics[key] == pytest.approx(expected[key], rel=1e-5), key
-    tp_critic = json.loads((tmp_path / "tp-critic-metrics.json").read_text())  # FSDP x TP = 1 x 2
-    for key in ("loss", "grad_norm", "value_mean", "value_clip_fraction", "tokens"):
-        assert tp_critic[key] == pytest.approx(expected[key], rel=1e-5), key
+    for name in ("tp-critic", "sp-critic"):  # FSDP x TP = 1 x 2, and FSDP2 with SP 2
+        parallel = json.loads((tmp_path / f"{name}-metrics.json").read_text())
+        for key in ("loss", "grad_norm", "value_mean", "value_clip_fraction", "tokens"):
+            assert parallel[key] == pytest.approx(expected[key], rel=1e-5), (name, key)
     for name, value in _state(one).items():
         torch.testing.assert_close(two[name], value, rtol=1e-5, atol=1e-6, msg=name)
 

@@ -9,12 +9,16 @@ starts, naming the option that asks for it:
 
 | option                                              | why                                          |
 | ---                                                 | ---                                          |
-| model.sequence_parallel_size > 1                    | Ulysses runs on DeepSpeed only               |
 | model.dtype fp16                                    | fp16 needs a loss scaler (bf16, fp32 work)   |
 | train.actor_optimizer / critic_optimizer muon       | DeepSpeed's Muon                             |
 | train.deepspeed_config (non-empty)                  | DeepSpeed's keys; FSDP2 would ignore them    |
 | train.ema_beta                                      | the EMA reads a DeepSpeed engine's parameters |
 | ray.colocate all with ray.learner_offload true      | no hybrid-engine state offload yet           |
+
+model.sequence_parallel_size > 1 is taken: the learners' Ulysses sequence parallelism
+(`rl_learner.sequence_parallel`) is in the packed forwards, not in the engine, and FSDP2 shards
+over every rank of the learner (its SP groups and their data-parallel copies) and averages the
+gradients over them, as DeepSpeed does; with train.tensor_parallel_size > 1 it is refused (below).
 
 model.lora_rank > 0 is taken: the LoRA (peft) models the DeepSpeed learners train (`rl_learner.apply_lora`)
 are sharded by `fully_shard` (base weights and adapters in the same decoder-layer units, AdamW over
@@ -36,6 +40,8 @@ train.tensor_parallel_size tp > 1 (`tensor_parallel_refusals`, both backends) is
   trains a step on gloo here, with ZeRO-1, but is not wired into the learners: their weight sync,
   checkpoints and HF export would need its split layers gathered);
 - with train.adam_offload (CPU offload of 2-D mesh parameters is not verified);
+- with model.sequence_parallel_size > 1 (a 3-D mesh of data, sequence and tensor parallelism is
+  not built);
 - with model.lora_rank > 0 (torch's DTensor TP plans split nn.Linear modules only, and peft wraps
   each adapted linear layer in its own module: choose LoRA with FSDP2 data parallelism, or
   tensor parallelism without LoRA);
@@ -46,8 +52,8 @@ train.tensor_parallel_size tp > 1 (`tensor_parallel_refusals`, both backends) is
   not divide by tp (the message names the field); a model that is built later (a preset's, a hub
   id) is checked the same way when its learner builds it.
 
-rl-launch sft / rm / dpo / kto refuse the same model.* and train.* options (sequence
-parallelism, fp16, Muon, train.deepspeed_config) and take LoRA the same way; they have no reference /
+rl-launch sft / rm / dpo / kto refuse the same model.* and train.* options (fp16, Muon,
+train.deepspeed_config) and take LoRA and sequence parallelism the same way; they have no reference /
 teacher offload, EMA or hybrid engine to refuse.
 """
 
@@ -120,12 +126,6 @@ def _shared(config: Any) -> list[tuple[str, Any, bool, str]]:
     """(option, value, refused, why) of the model and train options every command shares."""
     model, train = config.model, config.train
     return [
-        (
-            "model.sequence_parallel_size",
-            model.sequence_parallel_size,
-            model.sequence_parallel_size > 1,
-            "Ulysses sequence parallelism runs on DeepSpeed only",
-        ),
         ("model.dtype", model.dtype, model.dtype == "fp16", "fp16 needs a loss scaler; use bf16 or fp32"),
         ("train.actor_optimizer", train.actor_optimizer, train.actor_optimizer != "adamw", "is DeepSpeed's"),
         (
@@ -162,6 +162,16 @@ def tensor_parallel_refusals(config: Any, roles: dict[str, bool] | None = None) 
                 True,
                 f"with {option} {tp}: CPU offload of tensor-parallel "
                 "parameters is not verified yet (set train.adam_offload false)",
+            )
+        )
+    sp = getattr(config.model, "sequence_parallel_size", 1)
+    if sp > 1:
+        found.append(
+            (
+                "model.sequence_parallel_size",
+                sp,
+                f"with {option} {tp}: sequence and tensor parallelism together (a 3-D mesh) are not "
+                "built; choose one of them",
             )
         )
     lora = getattr(config.model, "lora_rank", 0)

@@ -58,9 +58,16 @@ and adapters under peft's names) and AdamW's state of the adapters. LoRA with te
 is refused (`lora_tensor_parallel_refusal`): torch's DTensor plans split nn.Linear modules only,
 and peft wraps each adapted linear.
 
+Sequence parallelism (`DeepSpeedConfig.sequence_parallel_size` = sp > 1) needs nothing of the
+engine: the learner's Ulysses groups (`rl_learner.sequence_parallel`) split each packed row's
+tokens in the forwards, and the 1-D mesh over every rank (the SP groups and their data-parallel
+copies) averages the gradients over all of them, which the learner's backward factor (the world
+size) turns back into the sum, as under DeepSpeed; SP = 2 on two ranks takes one rank's step
+(tests/learner/test_fsdp2.py).
+
 Not in this backend yet, refused by `fsdp2_refusals` (and by `Fsdp2Engine` when built anyway):
-Muon, fp16, sequence parallelism, the hybrid engine's state offload (`Learner.offload_plan` says
-"none"), CPU offload with tensor parallelism, LoRA with tensor parallelism.
+Muon, fp16, the hybrid engine's state offload (`Learner.offload_plan` says "none"), CPU offload
+with tensor parallelism, LoRA with tensor parallelism, sequence with tensor parallelism.
 
 Tensor parallelism (`DeepSpeedConfig.tensor_parallel_size` = tp > 1, `rl_learner.tensor_parallel`):
 the ranks form a dp × tp mesh; each decoder layer is split over its TP group with DTensor
@@ -94,8 +101,13 @@ def fsdp2_refusals(ds: DeepSpeedConfig, optimizer: OptimizerConfig | None = None
     found = []
     if ds.dtype == "fp16":
         found.append(("dtype", "fp16 needs a loss scaler; use bf16 or fp32"))
-    if ds.sequence_parallel_size != 1:
-        found.append(("sequence_parallel_size", "Ulysses sequence parallelism runs on DeepSpeed only"))
+    if ds.sequence_parallel_size != 1 and ds.tensor_parallel_size != 1:
+        found.append(
+            (
+                "sequence_parallel_size",
+                "sequence and tensor parallelism together (a 3-D mesh) are not built; choose one of them",
+            )
+        )
     if optimizer is not None and optimizer.name != "adamw":
         found.append(("optimizer.name", f"{optimizer.name!r} is DeepSpeed's; FSDP2 trains with AdamW"))
     if ds.tensor_parallel_size > 1 and (ds.offload_optimizer or ds.offload_params):
