@@ -162,6 +162,11 @@ def test_tensor_parallelism_reaches_every_learner_and_its_groups_share_micro_bat
             r"model.lora_rank: 4 with train.tensor_parallel_size 2: torch's DTensor .* nn.Linear .* "
             r"peft .* \(train.tensor_parallel_size 1\) or tensor parallelism without LoRA",
         ),
+        (
+            {"model.sequence_parallel_size": 2},
+            r"model.sequence_parallel_size: 2 with train.tensor_parallel_size 2: sequence and tensor "
+            r"parallelism together \(a 3-D mesh\) are not built",
+        ),
         ({"train.tensor_parallel_size": 4, "ray.policy.num_actors": 4, "ray.ref.num_actors": 4}, None),
     ],
 )
