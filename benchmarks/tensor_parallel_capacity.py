@@ -16,7 +16,9 @@ gradients, AdamW's moments, the step's activations and communication buffers, al
 
 Two searches per TP size, each doubling from a start until a probe does not fit (halving while the
 start does not), then bisecting between the largest fitting and the smallest failing value until
-they are one resolution step apart; TP = 2 starts from TP = 1's answer:
+they are one resolution step apart; TP = 2 starts from TP = 1's answer. The answer is low by up to
+one step; "interp." estimates where the peak meets the budget, linear between the two bracketing
+probes:
 
     sequence   one sequence of L tokens (a 16-token prompt, the rest actions) through a Qwen2 of
                `--hidden --layers --intermediate --heads --kv-heads --vocab`; L a multiple of
@@ -26,12 +28,14 @@ they are one resolution step apart; TP = 2 starts from TP = 1's answer:
                above; H a multiple of `--width-resolution`
 
 Printed: each probe as it finishes, then the table (largest fitting value, the smallest failing
-one, the peak and sharded state per rank at the largest, probes) and the ratios TP2 / TP1. Times
-are not reported: on 2 shared cores they measure the load, memory does not.
+one, the interpolated crossing, the peak and sharded state per rank at the largest, the probes)
+and the ratios TP2 / TP1. Times are not reported: on 2 shared cores they measure the load, memory
+does not.
 
     python benchmarks/tensor_parallel_capacity.py [--budget-mb 256] [--searches sequence width]
         [--hidden 256 --layers 4 --intermediate 1024 --heads 8 --kv-heads 4 --vocab 1024]
         [--width-tokens 512 --mlp-ratio 4] [--start-tokens 512 --start-hidden 256]
+        [--seq-resolution 64 --width-resolution 16]
 """
 
 from __future__ import annotations
@@ -103,7 +107,11 @@ def run_search(args: argparse.Namespace, search: str, row: str, start: int) -> d
         return result["peak_mib"] <= args.budget_mb
 
     low, high = largest_fitting(fits, start, unit, args.max_probes)
-    return {"low": low, "high": high, "best": probes.get(low), "probes": len(probes)}
+    crossing = None  # where the peak meets the budget, linear between the two bracketing probes
+    if low is not None and high is not None:
+        below, above = probes[low]["peak_mib"], probes[high]["peak_mib"]
+        crossing = low + (high - low) * (args.budget_mb - below) / max(above - below, 1e-9)
+    return {"low": low, "high": high, "crossing": crossing, "best": probes.get(low), "probes": len(probes)}
 
 
 def describe(args: argparse.Namespace) -> dict[str, str]:
@@ -116,7 +124,7 @@ def describe(args: argparse.Namespace) -> dict[str, str]:
 
 def print_table(args: argparse.Namespace, results: dict[str, dict[str, dict]]) -> None:
     header = (
-        f"{'search':<8} {'fixed':<26} {'row':<4} {'largest':>8} {'fails at':>8} "
+        f"{'search':<8} {'fixed':<26} {'row':<4} {'largest':>8} {'fails at':>8} {'interp.':>8} "
         f"{'peak MiB/rank':>13} {'state MiB/rank':>14} {'probes':>6}"
     )
     print(header)
@@ -127,15 +135,20 @@ def print_table(args: argparse.Namespace, results: dict[str, dict[str, dict]]) -
             best = found["best"] or {"peak_mib": float("nan"), "state_mib": float("nan")}
             low = f"{found['low']:,}" if found["low"] is not None else "none"
             high = f"{found['high']:,}" if found["high"] is not None else "-"
+            crossing = f"{found['crossing']:,.0f}" if found["crossing"] is not None else "-"
             print(
-                f"{search:<8} {fixed[search]:<26} {row:<4} {low:>8} {high:>8} "
+                f"{search:<8} {fixed[search]:<26} {row:<4} {low:>8} {high:>8} {crossing:>8} "
                 f"{best['peak_mib']:>13.1f} {best['state_mib']:>14.1f} {found['probes']:>6}"
             )
     for search, rows in results.items():
         one, two = rows["tp1"]["low"], rows["tp2"]["low"]
         if one and two:
             unit = "tokens" if search == "sequence" else "hidden size"
-            print(f"tp2 / tp1, longest {search} ({unit}): {two:,} / {one:,} = {two / one:.2f}x")
+            line = f"tp2 / tp1, longest {search} ({unit}): {two:,} / {one:,} = {two / one:.2f}x"
+            one, two = rows["tp1"]["crossing"], rows["tp2"]["crossing"]
+            if one and two:
+                line += f" (interpolated {two:,.0f} / {one:,.0f} = {two / one:.2f}x)"
+            print(line)
 
 
 def main() -> None:
@@ -153,8 +166,8 @@ def main() -> None:
         ("mlp-ratio", 4),
         ("start-tokens", 512),
         ("start-hidden", 256),
-        ("seq-resolution", 128),
-        ("width-resolution", 32),
+        ("seq-resolution", 64),
+        ("width-resolution", 16),
         ("max-probes", 10),
     ):
         parser.add_argument(f"--{name}", type=int, default=default)
