@@ -22,6 +22,8 @@ parameters, gradients and AdamW's two moments.
 
 Ratios printed: fsdp2 / zero3 (time, peak) and tp2 / tp1 (peak). On CPU each rank runs one OpenMP
 thread; the times compare the two backends' overheads at this shape, not a GPU's.
+benchmarks/tensor_parallel_capacity.py runs the tp1 and tp2 rows (`run_row`) as the probes of its
+longest-sequence and largest-width searches at a fixed memory per rank.
 
     python benchmarks/fsdp2_vs_zero3.py [--hidden 512 --layers 4 --intermediate 2048 --heads 8
         --kv-heads 4 --vocab 1024] [--sequences 2 --tokens 256] [--steps 3] [--rows fsdp2 zero3 tp1 tp2]
