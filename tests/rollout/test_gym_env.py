@@ -119,3 +119,28 @@ def test_env_specs_name_a_module_or_a_file_and_errors_name_the_spec():
     ]:
         with pytest.raises(error, match=says):
             load_env_factory(spec)
+
+
+def test_close_ends_every_episode_also_at_max_turns_and_after_an_error(tokenizer, log):
+    # label 99: the scripted guesses (4, 12, 7) are never right, so the env never says done
+    samples = make_samples(tokenizer, ["q"], [99])
+
+    class BadSecondStep(GuessNumber):
+        def step(self, action):
+            if self.guesses:
+                raise RuntimeError("the env broke")
+            return super().step(action)
+
+    def run(env, **options):
+        factory = gym_env_factory(env, env_kwargs={"max_guesses": 5}, tokenizer=tokenizer)
+        sampling = SamplingParams(n=1, max_new_tokens=16)
+        return MultiTurnExecutor(ScriptedEngine(tokenizer), tokenizer, sampling, env=factory, **options).run(
+            samples
+        )
+
+    [record] = run(GuessNumber, max_turns=2)
+    assert (record.extra["turns"], record.finish_reason) == (2, "length")  # max_turns ended it
+    assert log.count(("close",)) == 1
+    [record] = run(BadSecondStep, on_error="fallback", fallback=-1.0)
+    assert (record.reward, record.finish_reason) == (-1.0, "abort")
+    assert log.count(("close",)) == 2

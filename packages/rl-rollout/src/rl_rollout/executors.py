@@ -487,6 +487,7 @@ class _Episode(msgspec.Struct, kw_only=True):
     extra_logs: dict[str, Any] = msgspec.field(default_factory=dict)
     images: ImageInputs | None = None  # the prompt's, then every image an environment returned
     timed_out: bool = False  # ended by episode_timeout_s (abandoned)
+    env: Any = None  # the episode's environment, once made (its optional close() ends it)
 
 
 class MultiTurnExecutor:
@@ -499,7 +500,8 @@ class MultiTurnExecutor:
         environment); `max_new_tokens` caps one turn. With a seed, episode j, turn k uses
         seed + j·max_turns + k.
       env: an agent file path (OpenRLHF format) or a zero-argument factory (a class works)
-        returning an object with `reset(states)` and `step(states)`, sync or async.
+        returning an object with `reset(states)` and `step(states)`, sync or async, and
+        optionally `close()`, called once when its episode ends (not after a timeout).
       max_turns: actions per episode; an environment that never says done ends here ("length").
       max_length: prompt + response tokens; default `engine.max_model_len`. A turn's budget is
         what is left; feedback past the limit is cut and the episode ends ("length").
@@ -624,7 +626,7 @@ class MultiTurnExecutor:
     async def _episode(
         self, sample: PromptSample, sample_number: int, episode: _Episode, user: UserLoop
     ) -> None:
-        env = await user.call(_make_env, self.env_factory)  # the environment's code runs on `user`
+        env = episode.env = await user.call(_make_env, self.env_factory)  # its code runs on `user`
         prompt_text = _prompt_text(sample, self.tokenizer)
         reset = await user.call(
             env.reset, {"observation": prompt_text, "prompt": prompt_text, "label": sample.label}
@@ -740,6 +742,31 @@ class MultiTurnExecutor:
                 return
         episode.finish_reason = "length"
 
+    async def _episode_then_close(
+        self, sample: PromptSample, sample_number: int, episode: _Episode, user: UserLoop
+    ) -> None:
+        """`_episode`, then the environment's optional `close()` on its thread, however the episode
+        ended (done, max_turns, length, an error); not when cancelled (the deadline: its thread is
+        abandoned, and a close() would wait behind the stuck call)."""
+        try:
+            await self._episode(sample, sample_number, episode, user)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            await self._close_env(episode, user)
+            raise
+        await self._close_env(episode, user)
+
+    @staticmethod
+    async def _close_env(episode: _Episode, user: UserLoop) -> None:
+        close = getattr(episode.env, "close", None)
+        if not callable(close):
+            return
+        try:  # still under episode_timeout_s: a close() that blocks ends in the episode's timeout
+            await user.call(close)
+        except Exception as error:
+            logger.warning("MultiTurnExecutor: the environment's close() failed: %r", error)
+
     async def _execute_episode(
         self, sample: PromptSample, sample_number: int, episode: _Episode, user: UserLoop | None
     ) -> None:
@@ -839,7 +866,7 @@ class MultiTurnExecutor:
             # and the deadline below fires on time (the thread is abandoned, never joined)
             user = None if self._execute is not None else UserLoop(f"rl-episode-{sample_number}")
             try:
-                run = self._execute_episode if self._execute is not None else self._episode
+                run = self._execute_episode if self._execute is not None else self._episode_then_close
                 await asyncio.wait_for(run(sample, sample_number, episode, user), self.episode_timeout_s)
                 return episode, None
             except Exception as error:

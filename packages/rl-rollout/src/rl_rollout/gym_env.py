@@ -18,7 +18,8 @@ A text environment in the Gymnasium API (OpenEnv's and textarena's are close) is
 
 The episode's reward is the sum of the step rewards (as for every `MultiTurnExecutor`
 environment); numbers in a step's `info` go to the metrics as extra logs. `close()` is called once
-the environment says done. The environment's code runs where `MultiTurnExecutor` runs an
+per episode: when the environment says done, else when `MultiTurnExecutor` ends the episode
+(max_turns, length, an error; not a timeout, whose thread is abandoned). The environment's code runs where `MultiTurnExecutor` runs an
 environment's code: on the episode's own thread, under `episode_timeout_s`, its errors following
 `on_error` (see `rl_rollout.executors`).
 
