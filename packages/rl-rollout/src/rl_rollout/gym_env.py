@@ -19,9 +19,9 @@ A text environment in the Gymnasium API (OpenEnv's and textarena's are close) is
 The episode's reward is the sum of the step rewards (as for every `MultiTurnExecutor`
 environment); numbers in a step's `info` go to the metrics as extra logs. `close()` is called once
 per episode: when the environment says done, else when `MultiTurnExecutor` ends the episode
-(max_turns, length, an error; not a timeout, whose thread is abandoned). The environment's code runs where `MultiTurnExecutor` runs an
-environment's code: on the episode's own thread, under `episode_timeout_s`, its errors following
-`on_error` (see `rl_rollout.executors`).
+(max_turns, length, an error; not a timeout, whose thread is abandoned). The environment's code
+runs where `MultiTurnExecutor` runs an environment's code: on the episode's own thread, under
+`episode_timeout_s`, its errors following `on_error` (see `rl_rollout.executors`).
 
 `load_env_factory("my_pkg.envs:GuessNumber")` (or `"path/to/envs.py:GuessNumber"`) finds the class
 or function that makes one; `gym_env_factory` makes the executor's zero-argument factory of it.
