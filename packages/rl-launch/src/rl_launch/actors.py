@@ -394,7 +394,7 @@ def build_reward(spec: EngineSpec) -> RewardSources:
             functions.append(BatchedReward(REWARDS[name](), name=f"reward.function {name}", **policy))
         else:
             functions.append(load_reward_function(name, **policy))
-    elif not reward.urls:
+    elif not reward.urls and reward.judge_pretrain is None:
         functions.append(BatchedReward(lambda queries, prompts, labels: [0.0] * len(queries), name="zero"))
     for url in reward.urls:
         functions.append(
@@ -408,12 +408,48 @@ def build_reward(spec: EngineSpec) -> RewardSources:
                 headers=headers,
             )
         )
+    if reward.judge_pretrain is not None:
+        functions.append(build_judge(spec))
     remote = [f"remote_{index}" for index in range(len(reward.urls))]
-    sources = (["function"] if name is not None or not remote else []) + remote  # as RewardConfig.sources
+    judge = ["judge"] if reward.judge_pretrain is not None else []
+    # as RewardConfig.sources, with the preset's function resolved
+    sources = (["function"] if name is not None or not (remote or judge) else []) + remote + judge
     weights = reward.weights or [1.0] * len(sources)
     kept = {source: _KeepExtraLogs(function) for source, function in zip(sources, functions, strict=True)}
     combined = WeightedSumReward({source: (kept[source], weight) for source, weight in zip(sources, weights)})
     return RewardSources(combined, kept)
+
+
+def build_judge(spec: EngineSpec) -> Any:
+    """The judge reward source (`reward.judge_*`): the judge model on an engine of its own in this
+    actor (`reward.judge_engine` from `rl_launch.components.ENGINES`, options
+    `reward.judge_engine_options` verbatim over the run's), its tokenizer, and
+    `rl_rollout.JudgeReward` with the deadline `reward.judge_timeout_s` and `reward.on_error`. The
+    engine is frozen: nothing syncs weights to it or puts it to sleep."""
+    from transformers import AutoTokenizer
+
+    from rl_rollout import JudgeReward
+
+    from .components import ENGINES
+
+    reward = spec.reward
+    judge_spec = msgspec.structs.replace(
+        spec, kind=reward.judge_engine, model_path=reward.judge_pretrain, lora_rank=0, partial_rollout=False
+    )
+    engine = ENGINES[reward.judge_engine].build(judge_spec, **reward.judge_engine_options)
+    return JudgeReward(
+        engine,
+        AutoTokenizer.from_pretrained(reward.judge_pretrain),
+        reward.judge_template,
+        parser=reward.judge_parser,
+        max_new_tokens=reward.judge_max_new_tokens,
+        chat_template=reward.judge_chat_template,
+        scale=reward.judge_scale,
+        timeout_s=reward.judge_timeout_s,
+        on_error=reward.on_error,
+        fallback=reward.fallback,
+        name=f"reward.judge_pretrain {reward.judge_pretrain}",
+    )
 
 
 class _KeepExtraLogs:

@@ -477,8 +477,9 @@ class RewardConfig(_Section):
     """Where rewards come from and how they are shaped before advantages.
 
     Sources, in this order: `function` (when set, or the preset's when no source is given), then
-    each URL of `remote_url`. The reward is r = Σ_k w_k·r_k with `weights` w (all 1.0 by default);
-    each source's own mean is logged as `reward/<source>_mean` (`function`, `remote_0`, ...). The
+    each URL of `remote_url`, then the judge model `judge_pretrain`. The reward is r = Σ_k w_k·r_k
+    with `weights` w (all 1.0 by default); each source's own mean is logged as
+    `reward/<source>_mean` (`function`, `remote_0`, ..., `judge`). The
     shaping options then change r in the driver, before the KL and the advantages."""
 
     function: str | None = None
@@ -489,8 +490,8 @@ class RewardConfig(_Section):
     {query, prompts, labels}, answering {rewards, scores?, extra_logs?}. No credentials in a URL:
     use headers_env."""
     weights: list[float] | None = None
-    """Weight of each source, in order: reward.function (when set), then each reward.remote_url;
-    None: all 1.0."""
+    """Weight of each source, in order: reward.function (when set), then each reward.remote_url, then
+    reward.judge_pretrain; None: all 1.0."""
     batch_size: PositiveInt = 64
     """Samples per request to a reward server (a step's samples go in concurrent requests)."""
     retries: NonNegativeInt = 3
@@ -512,6 +513,31 @@ class RewardConfig(_Section):
     (counted in reward/fallbacks; health.max_fallback_fraction stops a run that trains on them)."""
     fallback: float = 0.0
     """Reward of the samples of a failed source under on_error fallback."""
+    judge_pretrain: str | None = None
+    """A judge model (local folder or hub name), frozen, served by the run in each rollout actor
+    (`reward.judge_engine`): it answers `reward.judge_template` filled with each sample and
+    `reward.judge_parser` reads its score (`rl_rollout.JudgeReward`); the reward source "judge",
+    after reward.function and reward.remote_url. None: no judge."""
+    judge_engine: Literal["hf", "vllm"] = "hf"
+    """The judge's engine (never weight-synced, never put to sleep)."""
+    judge_engine_options: dict[str, Any] = msgspec.field(default_factory=dict)
+    """Keyword options of the judge's engine, verbatim, over the run's (max_model_len: the rollout's;
+    vllm: gpu_memory_utilization for a judge that shares the policy engine's GPU)."""
+    judge_template: str | None = None
+    """The judge's prompt: a format string with {prompt}, {response} (required) and {label}, or the
+    path of a file holding one; None: a built-in 0-10 grading prompt for the score_tag parser."""
+    judge_chat_template: bool = False
+    """Render the filled template as one user message through the judge tokenizer's chat template."""
+    judge_parser: Literal["score_tag", "last_number", "yes_no"] = "score_tag"
+    """How a score is read from the judge's answer: the number in <score>...</score>, the last
+    number, or yes (1.0) / no (0.0); an answer without one follows reward.on_error."""
+    judge_max_new_tokens: PositiveInt = 64
+    """Tokens of the judge's greedy answer, at most."""
+    judge_scale: float = 1.0
+    """The judge's reward is judge_scale times its parsed score."""
+    judge_timeout_s: Positive = 300.0
+    """Seconds the judge may take on one call (the samples of one generation call): past it the
+    call is abandoned and follows reward.on_error, counted in reward/timeouts."""
     headers_env: dict[str, str] = msgspec.field(default_factory=dict)
     """HTTP headers of the requests to reward servers: header name -> the NAME of an environment
     variable holding its value, read in the rollout actors (`--reward.headers_env.Authorization
@@ -535,6 +561,23 @@ class RewardConfig(_Section):
     s ← (s − mean) / std; needs model.reward_pretrain, and a config without a usable mean and std
     leaves s raw (said at start). none: off."""
 
+    def _check_judge(self) -> None:
+        """The judge's template and scale, checked before anything starts (its model: preflight)."""
+        if not math.isfinite(self.judge_scale):
+            _fail("reward.judge_scale", self.judge_scale, "must be a finite number")
+        if self.judge_pretrain is None:
+            for field in msgspec.structs.fields(self):
+                default = field.default_factory() if field.default is msgspec.NODEFAULT else field.default
+                if field.name.startswith("judge_") and getattr(self, field.name) != default:
+                    _fail(f"reward.{field.name}", getattr(self, field.name), "needs reward.judge_pretrain")
+            return
+        from rl_rollout.judge import load_judge_template
+
+        try:
+            load_judge_template(self.judge_template, "reward.judge_template")
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+
     @property
     def urls(self) -> list[str]:
         """The URLs of reward.remote_url: a list as is, a string split at commas, None as none."""
@@ -548,7 +591,8 @@ class RewardConfig(_Section):
         """The sources' names in the order of `weights`: "function" (reward.function, the preset's
         or none), then "remote_0", "remote_1", ... for the URLs of reward.remote_url."""
         remote = [f"remote_{index}" for index in range(len(self.urls))]
-        return (["function"] if self.function is not None or not remote else []) + remote
+        judge = ["judge"] if self.judge_pretrain is not None else []
+        return (["function"] if self.function is not None or not (remote or judge) else []) + remote + judge
 
     def __post_init__(self) -> None:
         for url in self.urls:
@@ -572,6 +616,7 @@ class RewardConfig(_Section):
                 _fail("reward.weights", self.weights, "must be finite numbers")
         if not math.isfinite(self.fallback):
             _fail("reward.fallback", self.fallback, "must be a finite number")
+        self._check_judge()
         for header, variable in self.headers_env.items():
             if not _HEADER_NAME.fullmatch(header):
                 _fail("reward.headers_env", header, "is not an HTTP header name")

@@ -83,6 +83,8 @@ class HealthMonitor:
             return f"reward.function ({reward.function or 'the preset'!s})"
         if source.startswith("remote_") and source[7:].isdigit() and int(source[7:]) < len(reward.urls):
             return f"reward.remote_url {reward.urls[int(source[7:])]}"
+        if source == "judge":
+            return f"the judge (reward.judge_pretrain {reward.judge_pretrain}; reward.judge_timeout_s = {reward.judge_timeout_s})"
         if source == "model":
             return f"the reward model ({self.config.model.reward_pretrain}; reward.model_timeout_s = {reward.model_timeout_s})"
         if source == "episode":

@@ -196,7 +196,8 @@ def resolve_inputs(config: PPOConfig, preset: Any | None) -> Resolved:
     prompt_data = config.data.prompt_data or (preset.train_path if preset else None)
     eval_data = config.data.eval_dataset or (preset.eval_path if preset else None)
     reward_function = config.reward.function
-    if reward_function is None and config.reward.remote_url is None and preset is not None:
+    no_source = config.reward.remote_url is None and config.reward.judge_pretrain is None
+    if reward_function is None and no_source and preset is not None:
         reward_function = preset.reward_function
     if model is None or prompt_data is None:  # PPOConfig already refuses this without a preset
         raise PreflightError("model.pretrain and data.prompt_data are required")
@@ -214,6 +215,8 @@ def resolve_inputs(config: PPOConfig, preset: Any | None) -> Resolved:
         eval_data = _check_data_files("data.eval_dataset", eval_data)
     _check_vision(config, model)
     _check_reward_function(reward_function)
+    if config.reward.judge_pretrain is not None:
+        check_model_path("reward.judge_pretrain", config.reward.judge_pretrain)
     for url in config.reward.urls:
         check_reward_server(url)
     _check_headers_env(config.reward.headers_env)
