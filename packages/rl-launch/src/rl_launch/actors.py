@@ -359,13 +359,14 @@ class LearnerWorker:
             self.sender = None
 
 
-def build_reward(spec: EngineSpec) -> RewardSources:
+def build_reward(spec: EngineSpec, judge: Any = None) -> RewardSources:
     """The reward of a rollout worker: Σ_k w_k·r_k over its sources (`RewardConfig.sources`).
 
     The sources are `spec.reward_function` (a registered reward, `rl_launch.components.REWARDS`,
     or an OpenRLHF `reward_func` file; the zero reward when there is no source at all), then one
     `rl_rollout.RemoteRewardClient` per URL of `reward.remote_url`, with the request options of
-    the reward section. The values of `reward.headers_env` name environment variables of this
+    the reward section, then the judge (`rl_launch.judge.build_judge` over the engine `judge`: a
+    `RemoteJudgeEngine` in a rollout actor) when reward.judge_pretrain is set. The values of `reward.headers_env` name environment variables of this
     actor; their values become the headers (a missing variable is an error naming the option).
     `spec.reward_function` runs with the deadline `reward.function_timeout_s` per call and the
     policy `reward.on_error` / `reward.fallback` (`rl_rollout.BatchedReward`), as the servers do.
@@ -409,47 +410,19 @@ def build_reward(spec: EngineSpec) -> RewardSources:
             )
         )
     if reward.judge_pretrain is not None:
-        functions.append(build_judge(spec))
+        if judge is None:
+            raise RuntimeError("reward.judge_pretrain is set, but this rollout actor was given no judge")
+        from .judge import build_judge
+
+        functions.append(build_judge(spec, judge))
     remote = [f"remote_{index}" for index in range(len(reward.urls))]
-    judge = ["judge"] if reward.judge_pretrain is not None else []
+    judged = ["judge"] if reward.judge_pretrain is not None else []
     # as RewardConfig.sources, with the preset's function resolved
-    sources = (["function"] if name is not None or not (remote or judge) else []) + remote + judge
+    sources = (["function"] if name is not None or not (remote or judged) else []) + remote + judged
     weights = reward.weights or [1.0] * len(sources)
     kept = {source: _KeepExtraLogs(function) for source, function in zip(sources, functions, strict=True)}
     combined = WeightedSumReward({source: (kept[source], weight) for source, weight in zip(sources, weights)})
     return RewardSources(combined, kept)
-
-
-def build_judge(spec: EngineSpec) -> Any:
-    """The judge reward source (`reward.judge_*`): the judge model on an engine of its own in this
-    actor (`reward.judge_engine` from `rl_launch.components.ENGINES`, options
-    `reward.judge_engine_options` verbatim over the run's), its tokenizer, and
-    `rl_rollout.JudgeReward` with the deadline `reward.judge_timeout_s` and `reward.on_error`. The
-    engine is frozen: nothing syncs weights to it or puts it to sleep."""
-    from transformers import AutoTokenizer
-
-    from rl_rollout import JudgeReward
-
-    from .components import ENGINES
-
-    reward = spec.reward
-    judge_spec = msgspec.structs.replace(
-        spec, kind=reward.judge_engine, model_path=reward.judge_pretrain, lora_rank=0, partial_rollout=False
-    )
-    engine = ENGINES[reward.judge_engine].build(judge_spec, **reward.judge_engine_options)
-    return JudgeReward(
-        engine,
-        AutoTokenizer.from_pretrained(reward.judge_pretrain),
-        reward.judge_template,
-        parser=reward.judge_parser,
-        max_new_tokens=reward.judge_max_new_tokens,
-        chat_template=reward.judge_chat_template,
-        scale=reward.judge_scale,
-        timeout_s=reward.judge_timeout_s,
-        on_error=reward.on_error,
-        fallback=reward.fallback,
-        name=f"reward.judge_pretrain {reward.judge_pretrain}",
-    )
 
 
 class _KeepExtraLogs:
@@ -667,7 +640,7 @@ class RolloutWorker:
     running and holds back new ones: `_SyncGate`).
     """
 
-    def __init__(self, spec: EngineSpec, index: int = 0) -> None:
+    def __init__(self, spec: EngineSpec, index: int = 0, judge: Any = None) -> None:
         os.environ["VLLM_LOGGING_LEVEL"] = spec.vllm_logging_level  # read when vLLM is imported
         send_output_to(spec.log_dir, f"engine-{index}")
         import_plugins(spec.plugins)
@@ -685,7 +658,11 @@ class RolloutWorker:
             if EXECUTORS[spec.executor].takes_vision and is_vision_model(spec.model_path)
             else None
         )
-        self.reward_fn = build_reward(spec)
+        if judge is not None:  # a JudgeWorker handle (reward.judge_pretrain, `rl_launch.judge`)
+            from .judge import RemoteJudgeEngine
+
+            judge = RemoteJudgeEngine(judge, spec.reward.judge_timeout_s)
+        self.reward_fn = build_reward(spec, judge)
 
         self.receives_weights = ENGINES[spec.kind].receives_weights
         self.engine = ENGINES[spec.kind].build(spec, **spec.options)

@@ -890,6 +890,9 @@ class RayConfig(_Section):
     the reference (offload applies)."""
     reward_model: ResourceConfig = msgspec.field(default_factory=ResourceConfig)
     """Reward model actors (model.reward_pretrain)."""
+    judge: ResourceConfig = msgspec.field(default_factory=ResourceConfig)
+    """Judge actors (reward.judge_pretrain): each holds the frozen judge on its engine; rollout engine i
+    asks judge i mod num_actors. Never colocated: on GPUs a judge takes GPUs of its own."""
     engine_num_cpus: NonNegative = 1.0
     """CPUs per rollout engine actor (Ray's logical CPUs)."""
     startup_timeout_s: Positive = 600.0
