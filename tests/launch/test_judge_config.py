@@ -1,6 +1,6 @@
 """The judge reward source of `rl-launch ppo` (reward.judge_*): checked before anything starts (its
 options, template, parser, engine options, model folder), placed as a role of its own, and scored
-in a rollout actor's reward as the source "judge". The run end to end: tests/launch/test_judge_run.py."""
+in a rollout actor's reward as the source "judge". The run end to end: tests/launch/test_rewards_e2e.py."""
 
 from __future__ import annotations
 
@@ -151,4 +151,4 @@ def test_a_rollout_actors_reward_scores_the_judge_source_from_the_judge_engine(t
     # numeric: 1, 0; judge: 0.9, 0.1 weighted 2
     assert output.rewards == pytest.approx([1.0 + 2 * 0.9, 0.0 + 2 * 0.1])
     assert list(reward_fn.sources) == ["function", "judge"]
-    assert reward_fn.sources["judge"].extra_logs["judge/parse_failures"] == 0.0
+    assert reward_fn.sources["judge"].extra_logs["judge/parse_failed"] == [0.0, 0.0]

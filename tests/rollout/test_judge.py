@@ -124,7 +124,7 @@ def test_judge_reward_scores_each_sample_from_the_judges_greedy_answer():
     ((asked, params),) = engine.calls
     assert asked == ["Q: 2+2? A:| 4|4", "Q: 7*6? A:| 41|42"]  # the response is the query minus the prompt
     assert params == SamplingParams(temperature=0.0, max_new_tokens=7, n=1, logprobs=False)
-    assert output.extra_logs["judge/parse_failures"] == 0.0
+    assert output.extra_logs["judge/parse_failed"] == [0.0, 0.0]
     assert output.extra_logs["judge/seconds"] >= 0.0
 
 
@@ -164,7 +164,7 @@ def test_judge_reward_unparsable_answer_raises_or_falls_back_for_that_sample():
     assert output.rewards == [8.0, -1.0]
     assert output.fallback_indices == [1]
     assert output.timeout_indices == []
-    assert output.extra_logs["judge/parse_failures"] == 1.0
+    assert output.extra_logs["judge/parse_failed"] == [0.0, 1.0]
     assert lenient.metrics()["reward/fallbacks"] == 1.0
 
 

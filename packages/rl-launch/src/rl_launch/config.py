@@ -1016,8 +1016,8 @@ class LogConfig(_Section):
     bar and the summary; `console` forwards it to the console, as Ray does."""
     completions: NonNegativeInt = 0
     """Records of each training step written to `<output_dir>/completions.jsonl` (step, prompt,
-    response, reward, the prompt's dataset/row/index, group id, policy version); 0: none. The
-    first N of the step's batch, in the order the engines returned them."""
+    response, reward, each reward source's reward, the prompt's dataset/row/index, group id, policy
+    version); 0: none. The first N of the step's batch, in the order the engines returned them."""
     use_tensorboard: bool = False
     """Write TensorBoard events (needs rl-launch[tensorboard]) to `log.tensorboard_dir`."""
     tensorboard_dir: str | None = None

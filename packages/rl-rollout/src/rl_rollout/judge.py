@@ -14,8 +14,8 @@ reward = scale · score. The whole batch is one call with the deadline `timeout_
 policy is `BatchedReward`'s: past the deadline (a hung judge) the call is abandoned, an engine
 that raises fails the batch, an answer no parser can read fails its sample; each is an error
 (`on_error="raise"`) or the `fallback` reward, counted in `metrics()` like any reward source.
-`extra_logs` carry `judge/parse_failures` (samples of the call whose answer gave no score) and
-`judge/seconds` (the call's wall time), and each sample's answer text is not kept (it may be long).
+`extra_logs` carry `judge/parse_failed` ([B]: 1.0 where the answer gave no score; its mean over a
+step is the fraction of unparsable answers) and `judge/seconds` (the call's wall time).
 
     judge = JudgeReward(engine, tokenizer, "Q: {prompt}\\nA: {response}\\nCorrect? yes or no:", parser="yes_no")
     judge(queries, prompts, labels).rewards
@@ -225,7 +225,7 @@ class JudgeReward:
                 logger.warning("%s", message)
             rewards.append(None if score is None else self.scale * score)
         logs = {
-            "judge/parse_failures": float(sum(value is None for value in rewards)),
+            "judge/parse_failed": [float(value is None) for value in rewards],
             "judge/seconds": time.monotonic() - start,
         }
         return {"rewards": rewards, "extra_logs": logs}
