@@ -152,3 +152,31 @@ def test_a_rollout_actors_reward_scores_the_judge_source_from_the_judge_engine(t
     assert output.rewards == pytest.approx([1.0 + 2 * 0.9, 0.0 + 2 * 0.1])
     assert list(reward_fn.sources) == ["function", "judge"]
     assert reward_fn.sources["judge"].extra_logs["judge/parse_failed"] == [0.0, 0.0]
+
+
+def test_a_hung_judge_actors_call_is_cancelled_after_the_deadline_and_raises(monkeypatch):
+    import ray
+
+    from rl_launch.judge import RemoteJudgeEngine
+
+    asked, cancelled, waited = [], [], []
+
+    class Method:
+        def remote(self, prompts, params):
+            asked.append(prompts)
+            return "future"
+
+    class Handle:
+        generate = Method()
+
+    def get(future, timeout):
+        waited.append(timeout)
+        raise ray.exceptions.GetTimeoutError("no answer")
+
+    monkeypatch.setattr(ray, "get", get)
+    monkeypatch.setattr(ray, "cancel", cancelled.append)
+    with pytest.raises(TimeoutError, match=r"the judge did not answer within 35 s"):
+        RemoteJudgeEngine(Handle(), 30.0).generate([(1, 2)], params=None)
+    assert asked == [[[1, 2]]]
+    assert waited == [35.0]  # past JudgeReward's own deadline: that one fires first and is counted
+    assert cancelled == ["future"]
