@@ -180,3 +180,26 @@ def test_a_hung_judge_actors_call_is_cancelled_after_the_deadline_and_raises(mon
     assert asked == [[[1, 2]]]
     assert waited == [35.0]  # past JudgeReward's own deadline: that one fires first and is counted
     assert cancelled == ["future"]
+
+
+def test_the_judge_engine_gets_the_judge_models_own_context_and_one_device(tiny_checkpoint):
+    from rl_launch.judge import judge_engine_spec
+
+    cfg = config(
+        reward__judge_pretrain=str(tiny_checkpoint),
+        reward__judge_engine="vllm",
+        reward__judge_engine_options__gpu_memory_utilization="0.3",
+    )
+    spec = EngineSpec(
+        kind="hf", model_path="/m/policy", dtype="bf16", max_model_len=64, seed=3, tensor_parallel_size=2,
+        lora_rank=8, partial_rollout=True, reward=cfg.reward,
+    )  # fmt: skip
+    judge = judge_engine_spec(spec)
+    assert (judge.kind, judge.model_path, judge.options) == (
+        "vllm",
+        str(tiny_checkpoint),
+        {"gpu_memory_utilization": 0.3},
+    )
+    assert judge.max_model_len == 2048  # the tiny model's max_position_embeddings, not the rollout's 64
+    assert (judge.tensor_parallel_size, judge.lora_rank, judge.partial_rollout) == (1, 0, False)
+    assert (judge.dtype, judge.seed) == ("bf16", 3)

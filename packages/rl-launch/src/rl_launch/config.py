@@ -521,8 +521,8 @@ class RewardConfig(_Section):
     judge_engine: Literal["hf", "vllm"] = "hf"
     """The judge's engine (never weight-synced, never put to sleep)."""
     judge_engine_options: dict[str, Any] = msgspec.field(default_factory=dict)
-    """Keyword options of the judge's engine, verbatim, over the run's (max_model_len: the rollout's;
-    vllm: gpu_memory_utilization for a judge that shares the policy engine's GPU)."""
+    """Keyword options of the judge's engine, verbatim, over the run's (max_model_len: the judge model's
+    own context by default; vllm: gpu_memory_utilization, rollout.gpu_memory_utilization by default)."""
     judge_template: str | None = None
     """The judge's prompt: a format string with {prompt}, {response} (required) and {label}, or the
     path of a file holding one; None: a built-in 0-10 grading prompt for the score_tag parser."""

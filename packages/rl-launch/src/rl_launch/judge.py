@@ -32,14 +32,20 @@ _GRACE_S = 5.0
 
 
 def judge_engine_spec(spec: EngineSpec) -> EngineSpec:
-    """The rollout engines' spec with the judge's model and engine: one device, no LoRA adapter,
-    no partial rollout (the judge's own options may still change what its engine takes)."""
+    """The rollout engines' spec with the judge's model and engine: the judge model's own context
+    (its template, the prompt and the response must fit; the rollout's when its config.json names
+    none), one device, no LoRA adapter, no partial rollout. `reward.judge_engine_options` still go
+    over these (`max_model_len` for a judge whose full context does not fit its KV cache)."""
+    from .preflight import model_context
+
     reward = spec.reward
+    context = model_context(reward.judge_pretrain)
     return msgspec.structs.replace(
         spec,
         kind=reward.judge_engine,
         options=dict(reward.judge_engine_options),
         model_path=reward.judge_pretrain,
+        max_model_len=context[0] if context is not None else spec.max_model_len,
         tensor_parallel_size=1,
         lora_rank=0,
         partial_rollout=False,
