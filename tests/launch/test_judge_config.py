@@ -203,3 +203,13 @@ def test_the_judge_engine_gets_the_judge_models_own_context_and_one_device(tiny_
     assert judge.max_model_len == 2048  # the tiny model's max_position_embeddings, not the rollout's 64
     assert (judge.tensor_parallel_size, judge.lora_rank, judge.partial_rollout) == (1, 0, False)
     assert (judge.dtype, judge.seed) == ("bf16", 3)
+
+
+def test_a_run_stopped_by_judge_fallbacks_names_the_judge():
+    from rl_launch.health import HealthError, HealthMonitor
+
+    health = HealthMonitor(config(reward__judge_pretrain="/m/j", health__max_fallback_steps="1"))
+    with pytest.raises(
+        HealthError, match=r"the judge \(reward.judge_pretrain /m/j; reward.judge_timeout_s = 300"
+    ):
+        health.check(1, {"reward/fallback_fraction": 1.0, "reward/fallbacks/judge": 4.0})

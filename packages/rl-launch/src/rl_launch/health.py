@@ -72,7 +72,8 @@ class HealthMonitor:
             f"{health.max_fallback_steps} steps in a row), from {named or 'unnamed sources'} "
             f"(reward/timeouts = {metrics.get('reward/timeouts', 0.0):g}). The rewards are constants, not "
             "the task's: check the sources named (a reward server that is down, a reward function or model that "
-            "raises or runs past reward.function_timeout_s / model_timeout_s, episodes that fail: see the "
+            "raises or runs past reward.function_timeout_s / model_timeout_s, a judge that answers without a "
+            "score or past reward.judge_timeout_s, episodes that fail: see the "
             "rollout workers' logs)"
         )
 
