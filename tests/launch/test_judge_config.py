@@ -53,7 +53,14 @@ def test_the_judge_is_a_reward_source_after_the_function_and_the_servers_with_it
             r"reward.judge_template: '/no/such/judge.txt' has no \{response\} placeholder and is not a file",
         ),
         ({"reward__judge_pretrain": "/m/j", "reward__judge_parser": "score"}, r"reward.judge_parser"),
-        ({"reward__judge_pretrain": "/m/j", "reward__judge_engine": "http"}, r"reward.judge_engine"),
+        (
+            {"reward__judge_pretrain": "/m/j", "reward__judge_engine": "sglang"},
+            r"reward.judge_engine: 'sglang' is not one of .*hf.*vllm",
+        ),
+        (
+            {"reward__judge_pretrain": "/m/j", "reward__judge_engine": "http"},
+            r"reward.judge_engine_options.base_url: judge engine 'http' needs it",
+        ),
         (
             {"reward__judge_pretrain": "/m/j", "reward__judge_engine_options__no_such_option": "1"},
             r"reward.judge_engine_options.*no_such_option",

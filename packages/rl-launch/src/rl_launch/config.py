@@ -518,8 +518,9 @@ class RewardConfig(_Section):
     (`reward.judge_engine`): it answers `reward.judge_template` filled with each sample and
     `reward.judge_parser` reads its score (`rl_rollout.JudgeReward`); the reward source "judge",
     after reward.function and reward.remote_url. None: no judge."""
-    judge_engine: Literal["hf", "vllm"] = "hf"
-    """The judge's engine (never weight-synced, never put to sleep)."""
+    judge_engine: str = "hf"
+    """The judge's engine, a name in the rollout engines' registry (hf, vllm, http for an
+    OpenAI-compatible server you run, or a plugin's); never weight-synced, never put to sleep."""
     judge_engine_options: dict[str, Any] = msgspec.field(default_factory=dict)
     """Keyword options of the judge's engine, verbatim, over the run's (max_model_len: the judge model's
     own context by default; vllm: gpu_memory_utilization, rollout.gpu_memory_utilization by default)."""

@@ -89,6 +89,12 @@ def _select(config: PPOConfig) -> list[Selection]:
 def _check(config: PPOConfig) -> None:
     rollout = config.rollout
     entry = ENGINES[rollout.engine]
+    if config.reward.judge_pretrain is not None:
+        for name in ENGINES[config.reward.judge_engine].required_options:
+            if name not in config.reward.judge_engine_options:
+                raise ConfigError(
+                    f"reward.judge_engine_options.{name}: judge engine {config.reward.judge_engine!r} needs it"
+                )
     for name in entry.required_options:
         if name not in rollout.engine_options:
             raise ConfigError(f"rollout.engine_options.{name}: rollout engine {rollout.engine!r} needs it")
