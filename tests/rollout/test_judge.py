@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 
 import pytest
@@ -148,7 +149,7 @@ def test_judge_reward_refuses_a_chat_template_the_tokenizer_lacks_and_an_unknown
         JudgeReward(FakeJudge(_grade), CharTokenizer(), TEMPLATE, parser="score")
 
 
-def test_judge_reward_unparsable_answer_raises_or_falls_back_for_that_sample():
+def test_judge_reward_unparsable_answer_raises_or_falls_back_for_that_sample(caplog):
     def answer(text):
         return "<score>8</score>" if "2+2" in text else "I cannot say"
 
@@ -160,7 +161,10 @@ def test_judge_reward_unparsable_answer_raises_or_falls_back_for_that_sample():
     lenient = JudgeReward(
         FakeJudge(answer), CharTokenizer(), TEMPLATE, timeout_s=None, on_error="fallback", fallback=-1.0
     )
-    output = lenient(QUERIES, PROMPTS, LABELS)
+    with caplog.at_level(logging.WARNING):
+        output = lenient(QUERIES, PROMPTS, LABELS)
+    (warning,) = [record.getMessage() for record in caplog.records]  # one line, with the answer
+    assert "sample 1: parser 'score_tag' found no score in the judge's answer 'I cannot say'" in warning
     assert output.rewards == [8.0, -1.0]
     assert output.fallback_indices == [1]
     assert output.timeout_indices == []
@@ -188,3 +192,13 @@ def test_judge_reward_hung_judge_is_abandoned_at_the_deadline_under_both_policie
         assert lenient.metrics()["reward/timeouts"] == 2.0
     finally:
         release.set()
+
+
+def test_judge_reward_an_infinite_score_is_no_score():
+    judge = JudgeReward(
+        FakeJudge(lambda text: "1e999"), CharTokenizer(), TEMPLATE, parser="last_number", timeout_s=None,
+        on_error="fallback", fallback=0.0,
+    )  # fmt: skip
+    output = judge(QUERIES, PROMPTS, LABELS)
+    assert output.rewards == [0.0, 0.0]
+    assert output.fallback_indices == [0, 1]

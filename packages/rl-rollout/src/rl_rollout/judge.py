@@ -23,7 +23,7 @@ step is the fraction of unparsable answers) and `judge/seconds` (the call's wall
 
 from __future__ import annotations
 
-import logging
+import math
 import re
 import string
 import time
@@ -49,8 +49,6 @@ __all__ = [
     "load_judge_template",
     "render_judge_prompt",
 ]
-
-logger = logging.getLogger(__name__)
 
 JUDGE_FIELDS = ("prompt", "response", "label")
 """The placeholders a judge template may use."""
@@ -209,26 +207,32 @@ class JudgeReward:
         generations = self.engine.generate(ids, params)
         return [self.tokenizer.decode(group[0].token_ids, skip_special_tokens=True) for group in generations]
 
-    def _score(self, queries: list[str], prompts: list[str], labels: list[Any]) -> dict[str, Any]:
+    def _score(self, queries: list[str], prompts: list[str], labels: list[Any]) -> RewardOutput:
+        """The batch's rewards; an answer without a (finite) score raises or gets the fallback."""
         start = time.monotonic()
         answers = self.answers(queries, prompts, labels)
-        rewards: list[float | None] = []
+        if len(answers) != len(queries):
+            raise RewardError(
+                f"{self.name}: the judge engine answered {len(answers)} of {len(queries)} prompts"
+            )
+        policy = self._batched.policy
+        rewards, failed = [], []
         for index, answer in enumerate(answers):
             score = self.parse(answer)
-            if score is None:
-                message = (
+            if score is None or not math.isfinite(score):
+                policy.fail(  # raises under on_error="raise"
                     f"{self.name}: sample {index}: parser {self.parser!r} found no score in the judge's "
                     f"answer {answer[:200]!r}"
                 )
-                if self._batched.policy.on_error == "raise":
-                    raise RewardError(message)
-                logger.warning("%s", message)
-            rewards.append(None if score is None else self.scale * score)
+                failed.append(index)
+                rewards.append(policy.fallback)
+            else:
+                rewards.append(self.scale * score)
         logs = {
-            "judge/parse_failed": [float(value is None) for value in rewards],
+            "judge/parse_failed": [float(index in failed) for index in range(len(answers))],
             "judge/seconds": time.monotonic() - start,
         }
-        return {"rewards": rewards, "extra_logs": logs}
+        return RewardOutput(rewards=rewards, scores=list(rewards), extra_logs=logs, fallback_indices=failed)
 
     def __call__(self, queries: Sequence[str], prompts: Sequence[str], labels: Sequence[Any]) -> RewardOutput:
         check_reward_inputs(queries, prompts, labels, self.name)
