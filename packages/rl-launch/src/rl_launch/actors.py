@@ -365,9 +365,10 @@ def build_reward(spec: EngineSpec, judge: Any = None) -> RewardSources:
     The sources are `spec.reward_function` (a registered reward, `rl_launch.components.REWARDS`,
     or an OpenRLHF `reward_func` file; the zero reward when there is no source at all), then one
     `rl_rollout.RemoteRewardClient` per URL of `reward.remote_url`, with the request options of
-    the reward section, then the judge (`rl_launch.judge.build_judge` over the engine `judge`: a
-    `RemoteJudgeEngine` in a rollout actor) when reward.judge_pretrain is set. The values of `reward.headers_env` name environment variables of this
-    actor; their values become the headers (a missing variable is an error naming the option).
+    the reward section, then the judge when reward.judge_pretrain is set (`rl_launch.judge.build_judge`
+    over the engine `judge`: a `RemoteJudgeEngine` in a rollout actor). The values of
+    `reward.headers_env` name environment variables of this actor; their values become the headers
+    (a missing variable is an error naming the option).
     `spec.reward_function` runs with the deadline `reward.function_timeout_s` per call and the
     policy `reward.on_error` / `reward.fallback` (`rl_rollout.BatchedReward`), as the servers do.
     """

@@ -514,10 +514,11 @@ class RewardConfig(_Section):
     fallback: float = 0.0
     """Reward of the samples of a failed source under on_error fallback."""
     judge_pretrain: str | None = None
-    """A judge model (local folder or hub name), frozen, served by the run in each rollout actor
-    (`reward.judge_engine`): it answers `reward.judge_template` filled with each sample and
-    `reward.judge_parser` reads its score (`rl_rollout.JudgeReward`); the reward source "judge",
-    after reward.function and reward.remote_url. None: no judge."""
+    """A judge model (local folder or hub name), frozen, served by the run in actors of its own
+    (`rl_launch.judge`, resources ray.judge, engine reward.judge_engine): it answers
+    reward.judge_template filled with each sample and reward.judge_parser reads its score
+    (`rl_rollout.JudgeReward`, in the rollout actors); the reward source "judge", after
+    reward.function and reward.remote_url. None: no judge."""
     judge_engine: str = "hf"
     """The judge's engine, a name in the rollout engines' registry (hf, vllm, http for an
     OpenAI-compatible server you run, or a plugin's); never weight-synced, never put to sleep."""
@@ -590,7 +591,8 @@ class RewardConfig(_Section):
     @property
     def sources(self) -> list[str]:
         """The sources' names in the order of `weights`: "function" (reward.function, the preset's
-        or none), then "remote_0", "remote_1", ... for the URLs of reward.remote_url."""
+        or none), then "remote_0", "remote_1", ... for the URLs of reward.remote_url, then "judge"
+        (reward.judge_pretrain)."""
         remote = [f"remote_{index}" for index in range(len(self.urls))]
         judge = ["judge"] if self.judge_pretrain is not None else []
         return (["function"] if self.function is not None or not (remote or judge) else []) + remote + judge

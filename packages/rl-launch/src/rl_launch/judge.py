@@ -16,6 +16,7 @@ judge costs the step its judge rewards (or stops the run), never hangs it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any
 
@@ -100,7 +101,8 @@ class RemoteJudgeEngine:
         try:
             return ray.get(future, timeout=self.timeout_s + _GRACE_S)
         except ray.exceptions.GetTimeoutError:
-            ray.cancel(future)
+            with contextlib.suppress(Exception):  # best effort: a running call may not stop
+                ray.cancel(future)
             raise TimeoutError(f"the judge did not answer within {self.timeout_s + _GRACE_S:g} s") from None
 
 
