@@ -4,6 +4,8 @@ in a rollout actor's reward as the source "judge". The run end to end: tests/lau
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 
 from rl_launch.actors import EngineSpec, build_reward
@@ -81,7 +83,7 @@ def test_the_judge_template_may_be_a_file(tmp_path):
     assert cfg.reward.judge_template == str(template)  # verbatim: read where the judge is built
 
 
-def test_preflight_refuses_a_missing_local_judge_folder_and_keeps_the_preset_function_off(
+def test_preflight_checks_the_judge_folder_and_chat_template_and_keeps_the_preset_function_off(
     tiny_checkpoint, tmp_path
 ):
     prompts = tmp_path / "prompts.jsonl"
@@ -95,6 +97,16 @@ def test_preflight_refuses_a_missing_local_judge_folder_and_keeps_the_preset_fun
         resolve_inputs(config(**own, reward__judge_pretrain=str(tiny_checkpoint)), None).reward_function
         is None
     )
+    with_chat = config(**own, reward__judge_pretrain=str(tiny_checkpoint), reward__judge_chat_template="true")
+    resolve_inputs(with_chat, None)  # the tiny tokenizer has a ChatML template
+    plain = tmp_path / "plain"  # the same model without its chat template
+    shutil.copytree(tiny_checkpoint, plain)
+    (plain / "chat_template.jinja").unlink()
+    without = config(**own, reward__judge_pretrain=str(plain), reward__judge_chat_template="true")
+    with pytest.raises(
+        PreflightError, match=r"reward.judge_chat_template: true, but the tokenizer of .* has no chat"
+    ):
+        resolve_inputs(without, None)
 
 
 def test_the_judge_is_a_role_of_its_own_with_ray_judge_resources_never_colocated():

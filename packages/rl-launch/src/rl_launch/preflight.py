@@ -111,6 +111,20 @@ def check_teacher_tokenizer(model_path: str, teacher_path: str) -> None:
     )
 
 
+def _check_judge(model: str, chat_template: bool) -> None:
+    """The judge's model folder, and its tokenizer's chat template when reward.judge_chat_template asks for it."""
+    model = check_model_path("reward.judge_pretrain", model)
+    if not chat_template:
+        return
+    from transformers import AutoTokenizer
+
+    if not getattr(AutoTokenizer.from_pretrained(model), "chat_template", None):
+        raise PreflightError(
+            f"reward.judge_chat_template: true, but the tokenizer of reward.judge_pretrain {model} has no chat "
+            "template; set it false (the filled reward.judge_template is then the judge's whole prompt)"
+        )
+
+
 def check_reward_server(url: str, *, timeout_s: float = 5.0) -> None:
     """Open a TCP connection to the reward server's host and port; PreflightError if nobody answers."""
     parsed = urllib.parse.urlparse(url)
@@ -216,7 +230,7 @@ def resolve_inputs(config: PPOConfig, preset: Any | None) -> Resolved:
     _check_vision(config, model)
     _check_reward_function(reward_function)
     if config.reward.judge_pretrain is not None:
-        check_model_path("reward.judge_pretrain", config.reward.judge_pretrain)
+        _check_judge(config.reward.judge_pretrain, config.reward.judge_chat_template)
     for url in config.reward.urls:
         check_reward_server(url)
     _check_headers_env(config.reward.headers_env)
