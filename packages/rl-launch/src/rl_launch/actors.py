@@ -359,14 +359,16 @@ class LearnerWorker:
             self.sender = None
 
 
-def build_reward(spec: EngineSpec) -> RewardSources:
+def build_reward(spec: EngineSpec, judge: Any = None) -> RewardSources:
     """The reward of a rollout worker: Σ_k w_k·r_k over its sources (`RewardConfig.sources`).
 
     The sources are `spec.reward_function` (a registered reward, `rl_launch.components.REWARDS`,
     or an OpenRLHF `reward_func` file; the zero reward when there is no source at all), then one
     `rl_rollout.RemoteRewardClient` per URL of `reward.remote_url`, with the request options of
-    the reward section. The values of `reward.headers_env` name environment variables of this
-    actor; their values become the headers (a missing variable is an error naming the option).
+    the reward section, then the judge when reward.judge_pretrain is set (`rl_launch.judge.build_judge`
+    over the engine `judge`: a `RemoteJudgeEngine` in a rollout actor). The values of
+    `reward.headers_env` name environment variables of this actor; their values become the headers
+    (a missing variable is an error naming the option).
     `spec.reward_function` runs with the deadline `reward.function_timeout_s` per call and the
     policy `reward.on_error` / `reward.fallback` (`rl_rollout.BatchedReward`), as the servers do.
     """
@@ -394,7 +396,7 @@ def build_reward(spec: EngineSpec) -> RewardSources:
             functions.append(BatchedReward(REWARDS[name](), name=f"reward.function {name}", **policy))
         else:
             functions.append(load_reward_function(name, **policy))
-    elif not reward.urls:
+    elif not reward.urls and reward.judge_pretrain is None:
         functions.append(BatchedReward(lambda queries, prompts, labels: [0.0] * len(queries), name="zero"))
     for url in reward.urls:
         functions.append(
@@ -408,8 +410,16 @@ def build_reward(spec: EngineSpec) -> RewardSources:
                 headers=headers,
             )
         )
+    if reward.judge_pretrain is not None:
+        if judge is None:
+            raise RuntimeError("reward.judge_pretrain is set, but this rollout actor was given no judge")
+        from .judge import build_judge
+
+        functions.append(build_judge(spec, judge))
     remote = [f"remote_{index}" for index in range(len(reward.urls))]
-    sources = (["function"] if name is not None or not remote else []) + remote  # as RewardConfig.sources
+    judged = ["judge"] if reward.judge_pretrain is not None else []
+    # as RewardConfig.sources, with the preset's function resolved
+    sources = (["function"] if name is not None or not (remote or judged) else []) + remote + judged
     weights = reward.weights or [1.0] * len(sources)
     kept = {source: _KeepExtraLogs(function) for source, function in zip(sources, functions, strict=True)}
     combined = WeightedSumReward({source: (kept[source], weight) for source, weight in zip(sources, weights)})
@@ -631,7 +641,7 @@ class RolloutWorker:
     running and holds back new ones: `_SyncGate`).
     """
 
-    def __init__(self, spec: EngineSpec, index: int = 0) -> None:
+    def __init__(self, spec: EngineSpec, index: int = 0, judge: Any = None) -> None:
         os.environ["VLLM_LOGGING_LEVEL"] = spec.vllm_logging_level  # read when vLLM is imported
         send_output_to(spec.log_dir, f"engine-{index}")
         import_plugins(spec.plugins)
@@ -649,7 +659,11 @@ class RolloutWorker:
             if EXECUTORS[spec.executor].takes_vision and is_vision_model(spec.model_path)
             else None
         )
-        self.reward_fn = build_reward(spec)
+        if judge is not None:  # a JudgeWorker handle (reward.judge_pretrain, `rl_launch.judge`)
+            from .judge import RemoteJudgeEngine
+
+            judge = RemoteJudgeEngine(judge, spec.reward.judge_timeout_s)
+        self.reward_fn = build_reward(spec, judge)
 
         self.receives_weights = ENGINES[spec.kind].receives_weights
         self.engine = ENGINES[spec.kind].build(spec, **spec.options)

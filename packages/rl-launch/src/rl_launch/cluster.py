@@ -1,7 +1,7 @@
 """Ray for the launcher: start or join a cluster, check resources, place actor groups.
 
-Every role (policy, critic, reference, distillation teacher, reward model, rollout engines) is a
-group of Ray actors.
+Every role (policy, critic, reference, distillation teacher, reward model, rollout engines, the
+judge) is a group of Ray actors.
 Roles are placed with placement groups, one bundle per actor: a role alone gets its own group;
 colocated roles (`ray.colocate`) share one group and split each bundle's GPU between them, as
 OpenRLHF's colocation flags do. In CPU mode bundles hold CPUs only.
@@ -67,6 +67,8 @@ def _roles(config: PPOConfig) -> dict[str, tuple[int, float, float]]:
         roles["critic"] = ray_cfg.critic
     if config.model.reward_pretrain is not None:
         roles["reward_model"] = ray_cfg.reward_model
+    if config.reward.judge_pretrain is not None:
+        roles["judge"] = ray_cfg.judge
     out = {name: (r.num_actors, r.num_gpus_per_actor, r.num_cpus_per_actor) for name, r in roles.items()}
     out["engine"] = (
         config.rollout.num_engines,

@@ -477,8 +477,9 @@ class RewardConfig(_Section):
     """Where rewards come from and how they are shaped before advantages.
 
     Sources, in this order: `function` (when set, or the preset's when no source is given), then
-    each URL of `remote_url`. The reward is r = Σ_k w_k·r_k with `weights` w (all 1.0 by default);
-    each source's own mean is logged as `reward/<source>_mean` (`function`, `remote_0`, ...). The
+    each URL of `remote_url`, then the judge model `judge_pretrain`. The reward is r = Σ_k w_k·r_k
+    with `weights` w (all 1.0 by default); each source's own mean is logged as
+    `reward/<source>_mean` (`function`, `remote_0`, ..., `judge`). The
     shaping options then change r in the driver, before the KL and the advantages."""
 
     function: str | None = None
@@ -489,8 +490,8 @@ class RewardConfig(_Section):
     {query, prompts, labels}, answering {rewards, scores?, extra_logs?}. No credentials in a URL:
     use headers_env."""
     weights: list[float] | None = None
-    """Weight of each source, in order: reward.function (when set), then each reward.remote_url;
-    None: all 1.0."""
+    """Weight of each source, in order: reward.function (when set), then each reward.remote_url, then
+    reward.judge_pretrain; None: all 1.0."""
     batch_size: PositiveInt = 64
     """Samples per request to a reward server (a step's samples go in concurrent requests)."""
     retries: NonNegativeInt = 3
@@ -512,6 +513,33 @@ class RewardConfig(_Section):
     (counted in reward/fallbacks; health.max_fallback_fraction stops a run that trains on them)."""
     fallback: float = 0.0
     """Reward of the samples of a failed source under on_error fallback."""
+    judge_pretrain: str | None = None
+    """A judge model (local folder or hub name), frozen, served by the run in actors of its own
+    (`rl_launch.judge`, resources ray.judge, engine reward.judge_engine): it answers
+    reward.judge_template filled with each sample and reward.judge_parser reads its score
+    (`rl_rollout.JudgeReward`, in the rollout actors); the reward source "judge", after
+    reward.function and reward.remote_url. None: no judge."""
+    judge_engine: str = "hf"
+    """The judge's engine, a name in the rollout engines' registry (hf, vllm, http for an
+    OpenAI-compatible server you run, or a plugin's); never weight-synced, never put to sleep."""
+    judge_engine_options: dict[str, Any] = msgspec.field(default_factory=dict)
+    """Keyword options of the judge's engine, verbatim, over the run's (max_model_len: the judge model's
+    own context by default; vllm: gpu_memory_utilization, rollout.gpu_memory_utilization by default)."""
+    judge_template: str | None = None
+    """The judge's prompt: a format string with {prompt}, {response} (required) and {label}, or the
+    path of a file holding one; None: a built-in 0-10 grading prompt for the score_tag parser."""
+    judge_chat_template: bool = False
+    """Render the filled template as one user message through the judge tokenizer's chat template."""
+    judge_parser: Literal["score_tag", "last_number", "yes_no"] = "score_tag"
+    """How a score is read from the judge's answer: the number in <score>...</score>, the last
+    number, or yes (1.0) / no (0.0); an answer without one follows reward.on_error."""
+    judge_max_new_tokens: PositiveInt = 64
+    """Tokens of the judge's greedy answer, at most."""
+    judge_scale: float = 1.0
+    """The judge's reward is judge_scale times its parsed score."""
+    judge_timeout_s: Positive = 300.0
+    """Seconds the judge may take on one call (the samples of one generation call): past it the
+    call is abandoned and follows reward.on_error, counted in reward/timeouts."""
     headers_env: dict[str, str] = msgspec.field(default_factory=dict)
     """HTTP headers of the requests to reward servers: header name -> the NAME of an environment
     variable holding its value, read in the rollout actors (`--reward.headers_env.Authorization
@@ -535,6 +563,23 @@ class RewardConfig(_Section):
     s ← (s − mean) / std; needs model.reward_pretrain, and a config without a usable mean and std
     leaves s raw (said at start). none: off."""
 
+    def _check_judge(self) -> None:
+        """The judge's template and scale, checked before anything starts (its model: preflight)."""
+        if not math.isfinite(self.judge_scale):
+            _fail("reward.judge_scale", self.judge_scale, "must be a finite number")
+        if self.judge_pretrain is None:
+            for field in msgspec.structs.fields(self):
+                default = field.default_factory() if field.default is msgspec.NODEFAULT else field.default
+                if field.name.startswith("judge_") and getattr(self, field.name) != default:
+                    _fail(f"reward.{field.name}", getattr(self, field.name), "needs reward.judge_pretrain")
+            return
+        from rl_rollout.judge import load_judge_template
+
+        try:
+            load_judge_template(self.judge_template, "reward.judge_template")
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+
     @property
     def urls(self) -> list[str]:
         """The URLs of reward.remote_url: a list as is, a string split at commas, None as none."""
@@ -546,9 +591,11 @@ class RewardConfig(_Section):
     @property
     def sources(self) -> list[str]:
         """The sources' names in the order of `weights`: "function" (reward.function, the preset's
-        or none), then "remote_0", "remote_1", ... for the URLs of reward.remote_url."""
+        or none), then "remote_0", "remote_1", ... for the URLs of reward.remote_url, then "judge"
+        (reward.judge_pretrain)."""
         remote = [f"remote_{index}" for index in range(len(self.urls))]
-        return (["function"] if self.function is not None or not remote else []) + remote
+        judge = ["judge"] if self.judge_pretrain is not None else []
+        return (["function"] if self.function is not None or not (remote or judge) else []) + remote + judge
 
     def __post_init__(self) -> None:
         for url in self.urls:
@@ -572,6 +619,7 @@ class RewardConfig(_Section):
                 _fail("reward.weights", self.weights, "must be finite numbers")
         if not math.isfinite(self.fallback):
             _fail("reward.fallback", self.fallback, "must be a finite number")
+        self._check_judge()
         for header, variable in self.headers_env.items():
             if not _HEADER_NAME.fullmatch(header):
                 _fail("reward.headers_env", header, "is not an HTTP header name")
@@ -845,6 +893,9 @@ class RayConfig(_Section):
     the reference (offload applies)."""
     reward_model: ResourceConfig = msgspec.field(default_factory=ResourceConfig)
     """Reward model actors (model.reward_pretrain)."""
+    judge: ResourceConfig = msgspec.field(default_factory=ResourceConfig)
+    """Judge actors (reward.judge_pretrain): each holds the frozen judge on its engine; rollout engine i
+    asks judge i mod num_actors. Never colocated: on GPUs a judge takes GPUs of its own."""
     engine_num_cpus: NonNegative = 1.0
     """CPUs per rollout engine actor (Ray's logical CPUs)."""
     startup_timeout_s: Positive = 600.0
@@ -968,8 +1019,8 @@ class LogConfig(_Section):
     bar and the summary; `console` forwards it to the console, as Ray does."""
     completions: NonNegativeInt = 0
     """Records of each training step written to `<output_dir>/completions.jsonl` (step, prompt,
-    response, reward, the prompt's dataset/row/index, group id, policy version); 0: none. The
-    first N of the step's batch, in the order the engines returned them."""
+    response, reward, each reward source's reward, the prompt's dataset/row/index, group id, policy
+    version); 0: none. The first N of the step's batch, in the order the engines returned them."""
     use_tensorboard: bool = False
     """Write TensorBoard events (needs rl-launch[tensorboard]) to `log.tensorboard_dir`."""
     tensorboard_dir: str | None = None

@@ -72,7 +72,8 @@ class HealthMonitor:
             f"{health.max_fallback_steps} steps in a row), from {named or 'unnamed sources'} "
             f"(reward/timeouts = {metrics.get('reward/timeouts', 0.0):g}). The rewards are constants, not "
             "the task's: check the sources named (a reward server that is down, a reward function or model that "
-            "raises or runs past reward.function_timeout_s / model_timeout_s, episodes that fail: see the "
+            "raises or runs past reward.function_timeout_s / model_timeout_s, a judge that answers without a "
+            "score or past reward.judge_timeout_s, episodes that fail: see the "
             "rollout workers' logs)"
         )
 
@@ -83,6 +84,8 @@ class HealthMonitor:
             return f"reward.function ({reward.function or 'the preset'!s})"
         if source.startswith("remote_") and source[7:].isdigit() and int(source[7:]) < len(reward.urls):
             return f"reward.remote_url {reward.urls[int(source[7:])]}"
+        if source == "judge":
+            return f"the judge (reward.judge_pretrain {reward.judge_pretrain}; reward.judge_timeout_s = {reward.judge_timeout_s})"
         if source == "model":
             return f"the reward model ({self.config.model.reward_pretrain}; reward.model_timeout_s = {reward.model_timeout_s})"
         if source == "episode":

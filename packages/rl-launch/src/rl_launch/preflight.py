@@ -111,6 +111,20 @@ def check_teacher_tokenizer(model_path: str, teacher_path: str) -> None:
     )
 
 
+def _check_judge(model: str, chat_template: bool) -> None:
+    """The judge's model folder, and its tokenizer's chat template when reward.judge_chat_template asks for it."""
+    model = check_model_path("reward.judge_pretrain", model)
+    if not chat_template:
+        return
+    from transformers import AutoTokenizer
+
+    if not getattr(AutoTokenizer.from_pretrained(model), "chat_template", None):
+        raise PreflightError(
+            f"reward.judge_chat_template: true, but the tokenizer of reward.judge_pretrain {model} has no chat "
+            "template; set it false (the filled reward.judge_template is then the judge's whole prompt)"
+        )
+
+
 def check_reward_server(url: str, *, timeout_s: float = 5.0) -> None:
     """Open a TCP connection to the reward server's host and port; PreflightError if nobody answers."""
     parsed = urllib.parse.urlparse(url)
@@ -196,7 +210,8 @@ def resolve_inputs(config: PPOConfig, preset: Any | None) -> Resolved:
     prompt_data = config.data.prompt_data or (preset.train_path if preset else None)
     eval_data = config.data.eval_dataset or (preset.eval_path if preset else None)
     reward_function = config.reward.function
-    if reward_function is None and config.reward.remote_url is None and preset is not None:
+    no_source = config.reward.remote_url is None and config.reward.judge_pretrain is None
+    if reward_function is None and no_source and preset is not None:
         reward_function = preset.reward_function
     if model is None or prompt_data is None:  # PPOConfig already refuses this without a preset
         raise PreflightError("model.pretrain and data.prompt_data are required")
@@ -214,6 +229,8 @@ def resolve_inputs(config: PPOConfig, preset: Any | None) -> Resolved:
         eval_data = _check_data_files("data.eval_dataset", eval_data)
     _check_vision(config, model)
     _check_reward_function(reward_function)
+    if config.reward.judge_pretrain is not None:
+        _check_judge(config.reward.judge_pretrain, config.reward.judge_chat_template)
     for url in config.reward.urls:
         check_reward_server(url)
     _check_headers_env(config.reward.headers_env)

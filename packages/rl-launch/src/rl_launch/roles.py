@@ -135,6 +135,8 @@ class Roles:
         self.weights: WeightSync | None = None  # the policy's weights to the engines (`init_weight_sync`)
         self.supervisor: EngineSupervisor | None = None  # restarts a dead engine (`start`)
         self.engine_helpers: list[Any] = []  # rl_launch.leftovers.HelperProcesses per engine
+        self.judges: ActorGroup | None = None  # the judge actors (reward.judge_pretrain), not engines
+        self.judge_helpers: list[Any] = []  # rl_launch.leftovers.HelperProcesses per judge
         self._engines_closing: list | None = None  # the engines' `close` calls (`close_engines`)
         self.started = False  # every actor finished its start (`start` returned)
 
@@ -158,10 +160,14 @@ class Roles:
         # hand them a worker process it started ahead of time.
         engine = layouts["engine"]
         engines_spec = engine_spec(cfg, inputs, **spec_args, log_dir=log_dir, plugins=self.plugins)
+        judges = self._start_judges(layouts, engines_spec)
         self.engines = ActorGroup(
             "engine",
             RolloutWorker,
-            [(engines_spec, index) for index in range(engine.num_actors)],
+            [
+                (engines_spec, index, judges[index % len(judges)] if judges else None)
+                for index in range(engine.num_actors)
+            ],
             placement_group=self.placement_groups[engine.group],
             num_gpus=engine.num_gpus,
             num_cpus=engine.num_cpus,
@@ -195,13 +201,34 @@ class Roles:
             futures += self.groups[role].submit(
                 "setup", per_rank=[(master_addr, master_port, local, timeout_s) for local in ranks]
             )
-        _wait_started(futures + engine_ready, timeout_s)
+        judge_ready = self.judges.submit("ready") if self.judges is not None else []
+        _wait_started(futures + engine_ready + judge_ready, timeout_s)
+        if self.judges is not None:
+            self.judge_helpers = ray.get(self.judges.submit("helpers"))  # swept at shutdown
         engines = ray.get(engine_ready)
         self.engine_helpers = ray.get(self.engines.submit("helpers"))  # swept at shutdown
         self.started = True
         self.placement = Placement.of(self.device, engines, self.groups["policy"].call("location"))
         self.supervisor = EngineSupervisor(cfg, self)
         self.hand_off = hand_off_for(cfg, self.groups, self.supervisor, self.device)
+
+    def _start_judges(self, layouts: dict[str, Any], engines_spec: Any) -> list:
+        """The judge actors (reward.judge_pretrain, `rl_launch.judge`) on their own placement group,
+        started before the engines that are handed them; [] without a judge."""
+        from .judge import JudgeWorker
+
+        layout = layouts.get("judge")
+        if layout is None:
+            return []
+        self.judges = ActorGroup(
+            "judge",
+            JudgeWorker,
+            [(engines_spec, index) for index in range(layout.num_actors)],
+            placement_group=self.placement_groups[layout.group],
+            num_gpus=layout.num_gpus,
+            num_cpus=layout.num_cpus,
+        )
+        return list(self.judges.actors)
 
     def init_weight_sync(self) -> str:
         """Policy DP rank 0 sends, every engine worker receives (`rl_launch.weights.WeightSync`); a
@@ -386,7 +413,8 @@ class Roles:
     def actor_names(self) -> dict[str, str]:
         """Actor id (hex) -> the name its log file has ("policy-0", "engine-1"), for diagnoses."""
         names = {}
-        for role, group in [*self.groups.items(), *([("engine", self.engines)] if self.engines else [])]:
+        extra = [(role, group) for role, group in (("engine", self.engines), ("judge", self.judges)) if group]
+        for role, group in [*self.groups.items(), *extra]:
             for rank, actor in enumerate(group.actors):
                 with contextlib.suppress(AttributeError):  # the in-process fakes have no actor ids
                     names[actor._actor_id.hex()] = f"{role}-{rank}"
@@ -422,9 +450,14 @@ class Roles:
                 closing += self.groups["policy"].submit("close")
             self.close_engines()  # vLLM's own shutdown: its engine core, workers and ring buffers
             closing += self._engines_closing or []
+            if self.judges is not None:
+                closing += self.judges.submit("close")
             with contextlib.suppress(Exception):  # an actor that died or hangs: swept below
                 ray.wait(closing, num_returns=len(closing), timeout=30)
-        groups = [*self.groups.values(), *([self.engines] if self.engines is not None else [])]
+        groups = [
+            *self.groups.values(),
+            *(group for group in (self.engines, self.judges) if group is not None),
+        ]
         if self.started:
             with contextlib.suppress(Exception):  # one that died or does not exit: killed below
                 ending = [future for group in groups for future in group.terminate()]
@@ -433,7 +466,7 @@ class Roles:
             with contextlib.suppress(Exception):  # an actor that already died
                 group.kill()
         with contextlib.suppress(Exception):  # what a killed engine left: only its own processes and segments
-            sweep(self.engine_helpers)
+            sweep(self.engine_helpers + self.judge_helpers)
         if self.weights is not None:
             with contextlib.suppress(Exception):  # what a killed policy rank left (shm: its folder)
                 self.weights.sweep()

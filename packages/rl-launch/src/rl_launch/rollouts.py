@@ -189,9 +189,11 @@ class StreamGroup:
 def completion_rows(records: list[Trajectory], tokenizer: Any) -> list[dict[str, Any]]:
     """`log.completions` rows: what a record was asked and answered, how it scored, where its
     prompt came from (dataset source, row, index) and which policy versions wrote it (its first
-    token's and its last token's: they differ when a weight sync landed mid-response)."""
+    token's and its last token's: they differ when a weight sync landed mid-response), and each
+    reward source's own reward of it (`reward_sources`: {"function": ..., "judge": ...})."""
     rows = []
     for record in records:
+        sources = record.extra.get("reward_sources", {})
         rows.append(
             {
                 "prompt": tokenizer.decode(record.prompt_ids.tolist()),
@@ -206,6 +208,7 @@ def completion_rows(records: list[Trajectory], tokenizer: Any) -> list[dict[str,
                 "last_policy_version": int(record.versions()[-1])
                 if record.response_ids.numel()
                 else int(record.policy_version),
+                **({"reward_sources": dict(sources)} if sources else {}),
             }
         )
     return rows

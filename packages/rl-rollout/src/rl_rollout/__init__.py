@@ -21,7 +21,8 @@
   throwaway folder), the unit-test `CodeReward` and a `python_tool()` on it.
 - reasoning-gym tasks as prompts and their verifiers as `ReasoningGymReward`
   (`rl_rollout.reasoning_gym`, extra `rl-rollout[reasoning-gym]`).
-- Rewards: OpenRLHF `reward_func` files, rule rewards for verifiable tasks, a remote reward client.
+- Rewards: OpenRLHF `reward_func` files, rule rewards for verifiable tasks, a remote reward client,
+  a judge model scoring completions from a prompt template and a parser (`JudgeReward`).
 - DAPO dynamic filtering that never drops accepted groups, overlong and stop-properly shaping.
 
     from rl_rollout import SamplingParams, SingleTurnExecutor, NumericAnswerReward
@@ -43,6 +44,7 @@ from .filtering import (
     groups_in_order,
     shape_rewards,
 )
+from .judge import JUDGE_PARSERS, JudgeReward, load_judge_template, render_judge_prompt
 from .protocol import Engine, EngineError, Generation, SamplingParams
 from .reasoning_gym import ReasoningGymReward
 from .receiver_base import RECEIVERS, TransportReceiver
@@ -81,6 +83,7 @@ from .weights import WeightReceiver
 
 __all__ = [
     "HISTORY_MODES",
+    "JUDGE_PARSERS",
     "RECEIVERS",
     "TOOL_ERRORS",
     "TOOL_PARSERS",
@@ -96,6 +99,7 @@ __all__ = [
     "FilterResult",
     "FormatReward",
     "Generation",
+    "JudgeReward",
     "MultiTurnExecutor",
     "NumericAnswerReward",
     "ParsedToolCalls",
@@ -129,12 +133,14 @@ __all__ = [
     "groups_in_order",
     "load_agent",
     "load_agent_class",
+    "load_judge_template",
     "load_reward_function",
     "load_run_agent",
     "load_tools",
     "openai_tool_schemas",
     "python_tool",
     "register_tool_parser",
+    "render_judge_prompt",
     "run_python",
     "run_tests",
     "shape_rewards",

@@ -67,14 +67,34 @@ def _select(config: PPOConfig) -> list[Selection]:
     entry = ENGINES.get(rollout.engine)
     # vLLM's engine arguments are imported only when options were given to check
     takes = entry.options() if entry is not None and rollout.engine_options else None
-    return [
+    selections = [
         Selection("rollout.engine", rollout.engine, "rollout.engine_options", rollout.engine_options, takes)
     ]
+    reward = config.reward
+    if reward.judge_pretrain is not None:  # the judge's engine (rl_launch.judge): options checked alike
+        judge = ENGINES.get(reward.judge_engine)
+        judge_takes = judge.options() if judge is not None and reward.judge_engine_options else None
+        selections.append(
+            Selection(
+                "reward.judge_engine",
+                reward.judge_engine,
+                "reward.judge_engine_options",
+                reward.judge_engine_options,
+                judge_takes,
+            )
+        )
+    return selections
 
 
 def _check(config: PPOConfig) -> None:
     rollout = config.rollout
     entry = ENGINES[rollout.engine]
+    if config.reward.judge_pretrain is not None:
+        for name in ENGINES[config.reward.judge_engine].required_options:
+            if name not in config.reward.judge_engine_options:
+                raise ConfigError(
+                    f"reward.judge_engine_options.{name}: judge engine {config.reward.judge_engine!r} needs it"
+                )
     for name in entry.required_options:
         if name not in rollout.engine_options:
             raise ConfigError(f"rollout.engine_options.{name}: rollout engine {rollout.engine!r} needs it")
