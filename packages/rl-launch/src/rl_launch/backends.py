@@ -154,38 +154,30 @@ def tensor_parallel_refusals(config: Any, roles: dict[str, bool] | None = None) 
             "export would need its split layers gathered); add --train.backend fsdp2"
         )
         return [(option, tp, why)]
-    found = []
-    if train.adam_offload:
-        found.append(
-            (
-                "train.adam_offload",
-                True,
-                f"with {option} {tp}: CPU offload of tensor-parallel "
-                "parameters is not verified yet (set train.adam_offload false)",
-            )
-        )
-    sp = getattr(config.model, "sequence_parallel_size", 1)
-    if sp > 1:
-        found.append(
-            (
-                "model.sequence_parallel_size",
-                sp,
-                f"with {option} {tp}: sequence and tensor parallelism together (a 3-D mesh) are not "
-                "built; choose one of them",
-            )
-        )
-    lora = getattr(config.model, "lora_rank", 0)
-    if lora > 0:
-        found.append(
-            (
-                "model.lora_rank",
-                lora,
-                f"with {option} {tp}: torch's DTensor tensor-parallel plans split nn.Linear modules "
-                "only, and peft wraps every adapted linear layer in its own lora.Linear; use LoRA "
-                f"with FSDP2 data parallelism ({option} 1) or tensor parallelism without LoRA "
-                "(model.lora_rank 0)",
-            )
-        )
+    sp, lora = getattr(config.model, "sequence_parallel_size", 1), getattr(config.model, "lora_rank", 0)
+    along = [  # (option, value, refused, why) of what does not combine with tensor parallelism
+        (
+            "train.adam_offload",
+            True,
+            train.adam_offload,
+            "CPU offload of tensor-parallel parameters is not verified yet (set train.adam_offload false)",
+        ),
+        (
+            "model.sequence_parallel_size",
+            sp,
+            sp > 1,
+            "sequence and tensor parallelism together (a 3-D mesh) are not built; choose one of them",
+        ),
+        (
+            "model.lora_rank",
+            lora,
+            lora > 0,
+            "torch's DTensor tensor-parallel plans split nn.Linear modules only, and peft wraps every "
+            f"adapted linear layer in its own lora.Linear; use LoRA with FSDP2 data parallelism ({option} 1) "
+            "or tensor parallelism without LoRA (model.lora_rank 0)",
+        ),
+    ]
+    found = [(name, value, f"with {option} {tp}: {why}") for name, value, refused, why in along if refused]
     for role in [role for role, started in (roles or {"learner": True}).items() if started]:
         actors = getattr(config.ray, role).num_actors
         if actors % tp:
