@@ -631,7 +631,26 @@ class EngineActivity:
             return idle, wall
 
 
-class RolloutWorker:
+class EngineHolder:
+    """The shutdown calls of an actor that holds an engine in `self.engine` (`RolloutWorker`,
+    `rl_launch.judge.JudgeWorker`)."""
+
+    engine: Any
+
+    def helpers(self) -> Any:
+        """This actor's process, its engine's helper processes (vLLM's engine core and workers)
+        and the shared memory they map: what the driver sweeps should the actor die unclosed."""
+        from .leftovers import HelperProcesses
+
+        return HelperProcesses.of_this_process()
+
+    def close(self) -> None:
+        close = getattr(self.engine, "close", None)
+        if close is not None:
+            close()
+
+
+class RolloutWorker(EngineHolder):
     """One rollout engine with its tokenizer and reward function (Ray actor class).
 
     Started with the concurrency group `ACTIVITY_GROUP` (`activity` answers while it generates);
@@ -796,18 +815,6 @@ class RolloutWorker:
 
     def policy_version(self) -> int:
         return self.engine.policy_version
-
-    def helpers(self) -> Any:
-        """This actor's process, its engine's helper processes (vLLM's engine core and workers)
-        and the shared memory they map: what the driver sweeps should the actor die unclosed."""
-        from .leftovers import HelperProcesses
-
-        return HelperProcesses.of_this_process()
-
-    def close(self) -> None:
-        close = getattr(self.engine, "close", None)
-        if close is not None:
-            close()
 
 
 class ActorGroup:

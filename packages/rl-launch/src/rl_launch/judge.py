@@ -22,7 +22,7 @@ from typing import Any
 
 import msgspec
 
-from .actors import EngineSpec, send_output_to
+from .actors import EngineHolder, EngineSpec, send_output_to
 from .plugins import import_plugins
 
 __all__ = ["JudgeWorker", "RemoteJudgeEngine", "build_judge", "judge_engine_spec"]
@@ -54,7 +54,7 @@ def judge_engine_spec(spec: EngineSpec) -> EngineSpec:
     )
 
 
-class JudgeWorker:
+class JudgeWorker(EngineHolder):
     """The judge's engine in an actor of its own (Ray actor class; `rl_launch.roles.Roles.start`)."""
 
     def __init__(self, spec: EngineSpec, index: int = 0) -> None:
@@ -72,17 +72,6 @@ class JudgeWorker:
     def generate(self, prompts: list[list[int]], params: Any) -> list[list[Any]]:
         """The engine's `generate` (token ids in, `Generation`s out)."""
         return self.engine.generate(prompts, params)
-
-    def helpers(self) -> Any:
-        """This actor's process and its engine's helper processes, swept should it die unclosed."""
-        from .leftovers import HelperProcesses
-
-        return HelperProcesses.of_this_process()
-
-    def close(self) -> None:
-        close = getattr(self.engine, "close", None)
-        if close is not None:
-            close()
 
 
 class RemoteJudgeEngine:
