@@ -202,7 +202,7 @@ def test_a_hung_judge_actors_call_is_cancelled_after_the_deadline_and_raises(mon
 
 
 def test_the_judge_engine_gets_the_judge_models_own_context_and_one_device(tiny_checkpoint):
-    from rl_launch.judge import judge_engine_spec
+    from rl_launch.judge_worker import judge_engine_spec
 
     cfg = config(
         reward__judge_pretrain=str(tiny_checkpoint),

@@ -633,7 +633,7 @@ class EngineActivity:
 
 class EngineHolder:
     """The shutdown calls of an actor that holds an engine in `self.engine` (`RolloutWorker`,
-    `rl_launch.judge.JudgeWorker`)."""
+    `rl_launch.judge_worker.JudgeWorker`)."""
 
     engine: Any
 

@@ -215,7 +215,7 @@ class Roles:
     def _start_judges(self, layouts: dict[str, Any], engines_spec: Any) -> list:
         """The judge actors (reward.judge_pretrain, `rl_launch.judge`) on their own placement group,
         started before the engines that are handed them; [] without a judge."""
-        from .judge import JudgeWorker
+        from .judge_worker import JudgeWorker
 
         layout = layouts.get("judge")
         if layout is None:
