@@ -416,10 +416,9 @@ def build_reward(spec: EngineSpec, judge: Any = None) -> RewardSources:
         from .judge import build_judge
 
         functions.append(build_judge(spec, judge))
-    remote = [f"remote_{index}" for index in range(len(reward.urls))]
-    judged = ["judge"] if reward.judge_pretrain is not None else []
-    # as RewardConfig.sources, with the preset's function resolved
-    sources = (["function"] if name is not None or not (remote or judged) else []) + remote + judged
+    # the preset's function stands in only where no source is given (`preflight.resolve_inputs`),
+    # so the functions line up with RewardConfig.sources
+    sources = reward.sources
     weights = reward.weights or [1.0] * len(sources)
     kept = {source: _KeepExtraLogs(function) for source, function in zip(sources, functions, strict=True)}
     combined = WeightedSumReward({source: (kept[source], weight) for source, weight in zip(sources, weights)})

@@ -62,42 +62,38 @@ ENGINES = ComponentRegistry("rollout engine", EngineEntry)
 """Rollout engines by name -> `EngineEntry` (register a builder with its capabilities)."""
 
 
+def _engine_selection(where: str, name: str, options: dict[str, Any]) -> Selection:
+    """The engine `name` chosen by option `where` with its `where`_options; vLLM's engine arguments
+    are imported only when options were given to check."""
+    entry = ENGINES.get(name)
+    takes = entry.options() if entry is not None and options else None
+    return Selection(where, name, f"{where}_options", options, takes)
+
+
+def _check_required_options(where: str, name: str, options: dict[str, Any], role: str) -> None:
+    for option in ENGINES[name].required_options:
+        if option not in options:
+            raise ConfigError(f"{where}_options.{option}: {role} engine {name!r} needs it")
+
+
 def _select(config: PPOConfig) -> list[Selection]:
-    rollout = config.rollout
-    entry = ENGINES.get(rollout.engine)
-    # vLLM's engine arguments are imported only when options were given to check
-    takes = entry.options() if entry is not None and rollout.engine_options else None
-    selections = [
-        Selection("rollout.engine", rollout.engine, "rollout.engine_options", rollout.engine_options, takes)
-    ]
-    reward = config.reward
+    rollout, reward = config.rollout, config.reward
+    selections = [_engine_selection("rollout.engine", rollout.engine, rollout.engine_options)]
     if reward.judge_pretrain is not None:  # the judge's engine (rl_launch.judge): options checked alike
-        judge = ENGINES.get(reward.judge_engine)
-        judge_takes = judge.options() if judge is not None and reward.judge_engine_options else None
         selections.append(
-            Selection(
-                "reward.judge_engine",
-                reward.judge_engine,
-                "reward.judge_engine_options",
-                reward.judge_engine_options,
-                judge_takes,
-            )
+            _engine_selection("reward.judge_engine", reward.judge_engine, reward.judge_engine_options)
         )
     return selections
 
 
 def _check(config: PPOConfig) -> None:
-    rollout = config.rollout
+    rollout, reward = config.rollout, config.reward
     entry = ENGINES[rollout.engine]
-    if config.reward.judge_pretrain is not None:
-        for name in ENGINES[config.reward.judge_engine].required_options:
-            if name not in config.reward.judge_engine_options:
-                raise ConfigError(
-                    f"reward.judge_engine_options.{name}: judge engine {config.reward.judge_engine!r} needs it"
-                )
-    for name in entry.required_options:
-        if name not in rollout.engine_options:
-            raise ConfigError(f"rollout.engine_options.{name}: rollout engine {rollout.engine!r} needs it")
+    if reward.judge_pretrain is not None:
+        _check_required_options(
+            "reward.judge_engine", reward.judge_engine, reward.judge_engine_options, "judge"
+        )
+    _check_required_options("rollout.engine", rollout.engine, rollout.engine_options, "rollout")
     if not entry.receives_weights and rollout.weight_sync not in ("auto", "none"):
         raise ConfigError(
             f"rollout.weight_sync: {rollout.weight_sync!r}, but rollout engine {rollout.engine!r} cannot "
