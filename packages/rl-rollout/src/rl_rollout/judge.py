@@ -37,6 +37,7 @@ from .rewards import (
     RewardOutput,
     _parse_number,
     check_reward_inputs,
+    extract_numeric_answer,
     response_text,
 )
 
@@ -64,7 +65,6 @@ DEFAULT_JUDGE_TEMPLATE = (
 """The template when none is given: for the `score_tag` parser (scale 0.1 gives a reward in [0, 1])."""
 
 _SCORE_TAG = re.compile(r"<score>\s*(.*?)\s*</score>", re.DOTALL | re.IGNORECASE)
-_LAST_NUMBER = re.compile(r"(?<![\w.])[-+]?(?:\d+(?:\.\d+)?|\.\d+)(?:[eE][-+]?\d+)?")
 _FIRST_WORD = re.compile(r"[A-Za-z]+")
 
 
@@ -76,9 +76,9 @@ def parse_score_tag(answer: str) -> float | None:
 
 
 def parse_last_number(answer: str) -> float | None:
-    """The last number in `answer`; None when it has none."""
-    found = _LAST_NUMBER.findall(answer)
-    return float(found[-1]) if found else None
+    """The last number in `answer` (`extract_numeric_answer`'s "last": `1,234` is 1234); None when
+    it has none."""
+    return extract_numeric_answer(answer, order=("last",))
 
 
 def parse_yes_no(answer: str) -> float | None:
