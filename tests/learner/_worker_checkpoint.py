@@ -98,13 +98,15 @@ def main() -> None:
     parser.add_argument("--no-restore-rng", action="store_true")
     args = parser.parse_args()
 
-    import deepspeed
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     from rl_data.datasets import PromptLoader
     from rl_learner.checkpoint import TrainingState, load_checkpoint, save_checkpoint
+    from rl_learner.distributed import ensure_distributed
 
-    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+    # through rl_learner: DeepSpeed's own start would first compile its shared-memory allreduce op,
+    # which gloo training never calls (rl_learner.distributed)
+    ensure_distributed()
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
 
     torch.manual_seed(0)

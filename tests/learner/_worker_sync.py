@@ -122,10 +122,13 @@ def learner(rank: int, world: int, master_port: int, spec_path: str, out_dir: st
     )
     import deepspeed
 
+    from rl_learner.distributed import ensure_distributed
     from rl_learner.sync import make_sender, sync_layout
 
     out = pathlib.Path(out_dir)
-    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+    # through rl_learner: DeepSpeed's own start would first compile its shared-memory allreduce op,
+    # which gloo training never calls (rl_learner.distributed)
+    ensure_distributed()
     tokenizer = build_tiny_tokenizer()
     spec = decode(pathlib.Path(spec_path).read_bytes(), WeightSyncSpec)
     model = build_tiny_model(tokenizer, architecture="llama", tie_word_embeddings=True, seed=0)

@@ -38,6 +38,7 @@ from rl_learner.checkpoint import (
     save_checkpoint,
     verify_checkpoint,
 )
+from rl_learner.distributed import ensure_distributed
 
 WORKER = Path(__file__).with_name("_worker_checkpoint.py")
 WORKER_TIMEOUT_S = 600
@@ -60,6 +61,7 @@ def process_group():
         )
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("LOCAL_RANK", os.environ.get("LOCAL_RANK", "0"))
+        ensure_distributed()  # DeepSpeed's view of the group, without its shared-memory op (see there)
         yield
 
 
