@@ -129,6 +129,8 @@ def run(stage: int, model: torch.nn.Module, data: list, grads: dict[str, torch.T
         "lr": lr,
         "skipped": metrics["skipped"],
         "newton_schulz_dtype": newton_schulz_dtype(),
+        # graphs torch.compile captured in this process so far (rl_learner runs Muon eager on CPU)
+        "compiled_graphs": int(torch._dynamo.utils.counters["stats"]["unique_graphs"]),
         "params": {},
     }
     for name, start in before.items():

@@ -678,6 +678,25 @@ class Learner:
             return 0.0
         return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
 
+    def _optimizer_step(self) -> None:
+        with self._compiler_stance():
+            self.engine.step()
+
+    def _compiler_stance(self) -> contextlib.AbstractContextManager:
+        """What the backward pass and the optimizer step run under: DeepSpeed's Muon on a CPU
+        learner runs eager (`torch.compiler.set_stance("force_eager")`), else torch's own stance.
+
+        DeepSpeed torch.compiles Muon's Newton–Schulz iteration (`muon_update`: in the backward
+        pass's gradient reduction at ZeRO 1-2, in the step otherwise). On CPU that is inductor's
+        C++ path: its instruction-set probe in child Pythons and, where the compile cache is empty
+        (a fresh machine, a user's first run), C++ builds with a 150 MB precompiled header, ~25
+        CPU-seconds on 2 cores before the first step, then a trace in every new process. Eager runs
+        the same operations without a compiler; on CUDA DeepSpeed compiles as it chooses.
+        """
+        if self.device.type == "cpu" and self.optim is not None and self.optim.name == "muon":
+            return torch.compiler.set_stance("force_eager")
+        return contextlib.nullcontext()
+
     def _uses_basic_optimizer(self) -> bool:
         """ZeRO-0 in fp32: DeepSpeed steps the client optimizer without any overflow check."""
         return self.ds.backend == "deepspeed" and self.ds.zero_stage == 0 and self.ds.dtype == "fp32"
@@ -796,22 +815,23 @@ class Learner:
                     # Make every gradient NaN so that DeepSpeed's overflow path drops the update
                     # and clears its gradient buffers on every rank.
                     loss = loss * float("nan")
-            self.engine.backward(loss * self.gradient_ranks, scale_wrt_gas=False)
+            with self._compiler_stance():
+                self.engine.backward(loss * self.gradient_ranks, scale_wrt_gas=False)
 
         if problems:
             if self._uses_basic_optimizer():
                 self.engine.zero_grad()
             else:
-                self.engine.step()
+                self._optimizer_step()
             return self._non_finite(problems, base)
         if self._uses_basic_optimizer():
             grad_norm = self._grad_norm_zero0()
             if not math.isfinite(grad_norm):
                 self.engine.zero_grad()
                 return self._non_finite([(self.rank, last, "gradient norm")], base)
-            self.engine.step()
+            self._optimizer_step()
         else:
-            self.engine.step()
+            self._optimizer_step()
             if not self.engine.was_step_applied():
                 return self._non_finite([(self.rank, last, "gradient norm")], base)
             norm = self.engine.get_global_grad_norm()
