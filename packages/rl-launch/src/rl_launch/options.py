@@ -33,6 +33,7 @@ import inspect
 import itertools
 import json
 import operator
+import pathlib
 import re
 import textwrap
 import types
@@ -74,26 +75,55 @@ REQUIRED = msgspec.NODEFAULT
 
 
 @functools.cache
-def _class_field_docs(cls: type) -> Mapping[str, str]:
+def _module_classes(filename: str) -> Mapping[str, ast.ClassDef]:
+    """Qualified name -> class statement of every class in a source file, parsed once per file
+    (`inspect.getsource` parses the whole module again for each class it is asked about)."""
     try:
-        source = textwrap.dedent(inspect.getsource(cls))
-        tree = ast.parse(source)
-    except (OSError, TypeError, SyntaxError):
+        tree = ast.parse(pathlib.Path(filename).read_text(encoding="utf-8"))
+    except (OSError, SyntaxError, UnicodeDecodeError):
         return {}
-    classes = [node for node in tree.body if isinstance(node, ast.ClassDef)]
-    if not classes:
+    found: dict[str, ast.ClassDef] = {}
+
+    def walk(body: list[ast.stmt], prefix: str) -> None:
+        for node in body:
+            if isinstance(node, ast.ClassDef):
+                found.setdefault(prefix + node.name, node)
+                walk(node.body, f"{prefix}{node.name}.")
+
+    walk(tree.body, "")
+    return types.MappingProxyType(found)
+
+
+def _class_statement(cls: type) -> ast.ClassDef | None:
+    try:
+        filename = inspect.getsourcefile(cls)
+    except TypeError:  # a built-in class
+        return None
+    statement = _module_classes(filename).get(cls.__qualname__) if filename else None
+    if statement is not None:
+        return statement
+    try:  # not at module level under its qualified name (made in a function): inspect's search
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    except (OSError, TypeError, SyntaxError):
+        return None
+    return next((node for node in tree.body if isinstance(node, ast.ClassDef)), None)
+
+
+@functools.cache
+def _class_field_docs(cls: type) -> Mapping[str, str]:
+    statement = _class_statement(cls)
+    if statement is None:
         return {}
     docs: dict[str, str] = {}
-    body = classes[0].body
-    for statement, following in itertools.pairwise(body):
+    for field, following in itertools.pairwise(statement.body):
         if (
-            isinstance(statement, ast.AnnAssign)
-            and isinstance(statement.target, ast.Name)
+            isinstance(field, ast.AnnAssign)
+            and isinstance(field.target, ast.Name)
             and isinstance(following, ast.Expr)
             and isinstance(following.value, ast.Constant)
             and isinstance(following.value.value, str)
         ):
-            docs[statement.target.id] = inspect.cleandoc(following.value.value)
+            docs[field.target.id] = inspect.cleandoc(following.value.value)
     return types.MappingProxyType(docs)
 
 
