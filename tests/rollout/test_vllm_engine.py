@@ -450,14 +450,18 @@ def test_the_engine_reports_its_context_and_how_many_tokens_its_kv_cache_holds(v
 
 
 def test_a_kv_cache_smaller_than_one_sequence_is_refused_before_vllm_starts(tiny_checkpoint, monkeypatch):
+    from rl_rollout.engines import vllm
     from rl_rollout.engines.vllm import VLLMEngine
 
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    probes = []  # a refused engine starts nothing, not even inductor's CPU probe (child Pythons)
+    monkeypatch.setattr(vllm, "_start_cpu_compile_probe", lambda: probes.append(1))
     # 1 KiB per token (fp32): 1 MiB holds 1024 tokens, half a 2048-token sequence
     with pytest.raises(
         EngineError, match=r"kv_cache_memory_bytes = 1048576 bytes \(1.0 MiB\) holds 1024 tokens"
     ):
         VLLMEngine(tiny_checkpoint, dtype="float32", max_model_len=2048, kv_cache_memory_bytes=2**20)
+    assert probes == []
 
 
 # --- the whole loop: rollout -> DeepSpeed learner -> weight sync back ---------------------------

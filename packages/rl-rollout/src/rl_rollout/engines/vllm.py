@@ -555,8 +555,6 @@ class VLLMEngine(Engine):
         # on CPU, enforce_eager also keeps vLLM's sampler kernels out of torch.compile
         self._eager = on_cpu and bool(enforce_eager)
         if on_cpu:
-            if not self._eager:
-                _start_cpu_compile_probe()
             # vLLM's CPU generators have no offset: a seeded request whose prefill is split into
             # chunks (more prompt tokens in flight than max_num_batched_tokens) kills the engine
             # ("CPU Generator does not use offset"). Whole prefills avoid that.
@@ -617,6 +615,8 @@ class VLLMEngine(Engine):
         self._failure: BaseException | None = None  # set when a step raised: the engine is broken
         self._stopping = False
         started: concurrent.futures.Future = concurrent.futures.Future()
+        if on_cpu and not self._eager:  # once nothing above refused the engine
+            _start_cpu_compile_probe()
         self._thread = threading.Thread(
             target=self._serve, args=(args, in_process, started), name="VLLMEngine", daemon=True
         )
