@@ -691,10 +691,12 @@ class Learner:
         C++ path: its instruction-set probe in child Pythons and, where the compile cache is empty
         (a fresh machine, a user's first run), C++ builds with a 150 MB precompiled header, ~25
         CPU-seconds on 2 cores before the first step, then a trace in every new process. Eager runs
-        the same operations without a compiler; on CUDA DeepSpeed compiles as it chooses.
+        the same operations without a compiler; on CUDA DeepSpeed compiles as it chooses. A torch
+        without `set_stance` (before 2.6) compiles as before.
         """
-        if self.device.type == "cpu" and self.optim is not None and self.optim.name == "muon":
-            return torch.compiler.set_stance("force_eager")
+        set_stance = getattr(torch.compiler, "set_stance", None)
+        if self.device.type == "cpu" and self.optim is not None and self.optim.name == "muon" and set_stance:
+            return set_stance("force_eager")
         return contextlib.nullcontext()
 
     def _uses_basic_optimizer(self) -> bool:
