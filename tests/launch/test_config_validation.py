@@ -96,6 +96,21 @@ def test_registry_dependent_combinations_are_checked_in_the_pass():
     prepare(decoded(**sp, **{"algo.advantage.estimator": "grpo"}))  # no critic, nothing to split
 
 
+def test_the_trained_learners_own_checks_run_in_the_pass():
+    # `Positive` admits inf: rl-learner's OptimizerConfig refuses it, here and not after Ray starts
+    muon = {"train.actor_optimizer": "muon", "train.actor_muon_learning_rate": "1e400"}
+    with pytest.raises(
+        ConfigError, match=r"^train \(actor learner\): OptimizerConfig\.muon_lr: inf is not a finite"
+    ):
+        prepare(decoded(**muon))
+    critic = {"algo.advantage.estimator": "gae", "train.critic_learning_rate": "1e400"}
+    with pytest.raises(
+        ConfigError, match=r"^train \(critic learner\): OptimizerConfig\.lr: inf is not a finite"
+    ):
+        prepare(decoded(**critic))
+    prepare(decoded(**{**critic, "algo.advantage.estimator": "grpo"}))  # no critic is trained
+
+
 # ---------------------------------------------------------------------------- one check pass
 
 

@@ -7,8 +7,9 @@
              printed note for each translation), then every component kind's names and options
              checked once (`rl_launch.components.check_components`: the name, the given value
              and the registered names in each error), then what the learner backend does
-             not do yet (`rl_launch.backends.fsdp2_refusals`) and what stands in the way of
-             train.tensor_parallel_size (`rl_launch.backends.tensor_parallel_refusals`)
+             not do yet (`rl_launch.backends.fsdp2_refusals`), what stands in the way of
+             train.tensor_parallel_size (`rl_launch.backends.tensor_parallel_refusals`) and
+             the trained learners' own settings (`_check_learner_settings`)
 
 `prepare` runs once per command line, for `--print-config` and the run alike (the YAML printed
 is the config that runs); `rl_launch.ppo.run` trusts its result and checks nothing again.
@@ -110,7 +111,41 @@ def prepare(config: PPOConfig, say: Callable[[str], None] = _note_on_stderr) -> 
         *tensor_parallel_refusals(config, learner_roles(config)),
     ]:
         _fail(option, value, why)
+    _check_learner_settings(config)
     return config
+
+
+def _check_learner_settings(config: PPOConfig) -> None:
+    """Build the settings of each trained learner (`learner_settings`) once here, so that
+    rl-learner's own checks refuse what the launcher's types admit (an infinite learning rate:
+    `Positive` is only `> 0`) before anything starts, not in `roles.start` after Ray did.
+
+    Resolved for this machine (`model.dtype` "auto" and train.adam_offload by whether it has a
+    GPU), as a local run resolves them.
+
+    Raises:
+        ConfigError: "train (<role> learner): " and rl-learner's message, which names its field
+            and the value.
+    """
+    import torch
+
+    from .learner_settings import learner_dtype, learner_settings, role_optimizer
+
+    use_gpus = torch.cuda.is_available()
+    dtype = learner_dtype(config.model.dtype, use_gpus=use_gpus)
+    for role, trained in (("actor", True), ("critic", learner_roles(config)["critic"])):
+        if not trained:
+            continue
+        try:
+            learner_settings(
+                config.model,
+                config.train,
+                dtype=dtype,
+                use_gpus=use_gpus,
+                **role_optimizer(config.train, role),
+            )
+        except (ValueError, msgspec.ValidationError) as error:
+            raise ConfigError(f"train ({role} learner): {error}") from None
 
 
 def learner_roles(config: PPOConfig) -> dict[str, bool]:
