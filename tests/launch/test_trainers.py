@@ -69,6 +69,8 @@ def test_dotted_options_reach_the_loss_and_data_sections():
         ("sft", {"model.critic_pretrain": "x"}, "does not apply to rl-launch sft"),
         ("rm", {"train.max_epochs": "2"}, "train.max_epochs"),
         ("sft", {"train.critic_optimizer": "muon"}, "train.critic_optimizer: 'muon' does not apply"),
+        # the config's `> 0` admits inf; rl-learner's own check refuses it before anything starts
+        ("kto", {"train.actor_learning_rate": "1e400"}, "OptimizerConfig.lr: inf is not a finite number"),
     ],
 )
 def test_bad_options_name_the_dotted_field(command, overrides, message):

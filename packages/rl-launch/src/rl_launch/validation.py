@@ -144,7 +144,7 @@ def _check_learner_settings(config: PPOConfig) -> None:
                 use_gpus=use_gpus,
                 **role_optimizer(config.train, role),
             )
-        except (ValueError, msgspec.ValidationError) as error:
+        except ValueError as error:
             raise ConfigError(f"train ({role} learner): {error}") from None
 
 

@@ -32,17 +32,26 @@ def resolve_config(command: str, path: str | None, overrides: Mapping[str, Any])
     """The config of `rl-launch <command>`: preset settings < file < dotted overrides.
 
     Raises:
-        ConfigError: a missing or invalid file, an unknown preset or any invalid option.
+        ConfigError: a missing or invalid file, an unknown preset or any invalid option, rl-learner's
+            own checks of the trained learner's settings included (an infinite learning rate,
+            which the config's `> 0` types admit), before anything starts.
     """
     from ..command import resolve_with_preset
+    from ..errors import ConfigError
+    from .loop import learner_options
 
-    return resolve_with_preset(
+    config = resolve_with_preset(
         COMMANDS[command],
         path,
         overrides,
         own_keys=("model.pretrain", "data.dataset"),
         settings_of=lambda preset: preset_settings(command),
     )
+    try:
+        learner_options(config)
+    except ValueError as error:
+        raise ConfigError(f"train (the {command} learner): {error}") from None
+    return config
 
 
 def run(command: str, config: Any) -> int:
