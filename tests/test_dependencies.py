@@ -31,9 +31,10 @@ ALLOWED: dict[str, tuple[set[str], set[str]]] = {
     "rl_rollout": (
         # fastapi / starlette / uvicorn / openai: the `agents` extra (the agent server); peft: the
         # `peft` extra (HFEngine serving a LoRA adapter, rl_rollout.adapters); reasoning_gym: the
-        # `reasoning-gym` extra (rl_rollout.reasoning_gym)
+        # `reasoning-gym` extra (rl_rollout.reasoning_gym); verifiers: the `verifiers` extra
+        # (rl_rollout.verifiers_env, rl_rollout.verifiers_episode)
         {"torch", "msgspec", "numpy", "rl_data", "rl_algos", "transformers", "vllm", "peft"}
-        | {"fastapi", "starlette", "uvicorn", "openai", "reasoning_gym"},
+        | {"fastapi", "starlette", "uvicorn", "openai", "reasoning_gym", "verifiers"},
         {
             "torch",
             "msgspec",
@@ -46,6 +47,7 @@ ALLOWED: dict[str, tuple[set[str], set[str]]] = {
             "openai",
             "peft",
             "reasoning-gym",
+            "verifiers",
         },
     ),
     "rl_learner": (

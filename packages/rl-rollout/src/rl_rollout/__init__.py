@@ -21,6 +21,9 @@
   throwaway folder), the unit-test `CodeReward` and a `python_tool()` on it.
 - reasoning-gym tasks as prompts and their verifiers as `ReasoningGymReward`
   (`rl_rollout.reasoning_gym`, extra `rl-rollout[reasoning-gym]`).
+- verifiers 0.4 environments: their tasks as prompts, their rubric as `VerifiersReward`
+  (`rl_rollout.verifiers_env`) and their own `Env.run` driving multi-turn episodes in which our
+  engine plays the seat (`rl_rollout.verifiers_episode`); extra `rl-rollout[verifiers]`.
 - Rewards: OpenRLHF `reward_func` files, rule rewards for verifiable tasks, a remote reward client,
   a judge model scoring completions from a prompt template and a parser (`JudgeReward`).
 - DAPO dynamic filtering that never drops accepted groups, overlong and stop-properly shaping.
@@ -79,6 +82,7 @@ from .tools import (
     register_tool_parser,
     tool_from_function,
 )
+from .verifiers_env import VerifiersReward
 from .weights import WeightReceiver
 
 __all__ = [
@@ -124,6 +128,7 @@ __all__ = [
     "ToolCallParser",
     "ToolResult",
     "TransportReceiver",
+    "VerifiersReward",
     "WeightReceiver",
     "WeightedSumReward",
     "__version__",

@@ -103,3 +103,13 @@ def reasoning_gym_reward() -> Any:
     from rl_rollout import ReasoningGymReward
 
     return ReasoningGymReward()
+
+
+@REWARDS.register("verifiers")
+def verifiers_reward() -> Any:
+    """`rl_rollout.VerifiersReward`: the verifiers task's own rubric (`Task.score`: its weighted
+    `@vf.reward`s) on a trace of the prompt and the response, for prompts of --data.prompt_data
+    verifiers:<taskset> (a single-turn taskset; pip install 'rl-launch[verifiers]')."""
+    from rl_rollout import VerifiersReward
+
+    return VerifiersReward()
