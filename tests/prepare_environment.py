@@ -20,10 +20,10 @@ Where Python is told not to write bytecode (PYTHONDONTWRITEBYTECODE, as some san
 images set), every process the suite starts (drivers, actors, subprocesses: hundreds) would
 compile each module it imports from source again (~0.3 CPU-s each for the workspace's own, ~15
 for torch, transformers, vLLM and the rest). The environments install without bytecode
-(pyproject.toml: PIP_NO_COMPILE, pip's compiling was one core for 66 s of a 143 s install), so
+(pyproject.toml: PIP_NO_COMPILE; pip's compiling was one core for 43 s of an 86 s install), so
 here, where the flag is set: the workspace's sources and tests are compiled every time
 (`compileall` skips what is up to date), and the installed packages once per set of installed
-distributions, on every core (~25 s on 2 cores; a marker file in the environment remembers the
+distributions, on every core (32 s on 2 cores; a marker file in the environment remembers the
 set). Into the `__pycache__` folders Python would have written itself (the workspace's are
 ignored by git); the flag only stops writing, and the processes read them. Where Python writes
 bytecode, it compiles what a process imports the first time, ~13 CPU-s for what the suite uses.
