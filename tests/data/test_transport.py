@@ -15,6 +15,7 @@ from rl_data import WeightSyncReport, compare_checksums, decode, encode, pack_bu
 from rl_data.sync import WeightSyncError, WeightSyncSpec, layout_fingerprint
 from rl_data.sync.broadcast import free_port, local_address, reserve_port
 from rl_data.sync.file import read_buckets, write_buckets
+from tests.processes import wait_world
 
 WORKER = pathlib.Path(__file__).with_name("_worker_transport.py")
 _spec = importlib.util.spec_from_file_location("_worker_transport", WORKER)
@@ -52,12 +53,7 @@ def run_group(tmp_path: pathlib.Path, receivers: list[int], sender_bucket_bytes:
     ]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     processes = [subprocess.Popen(command, env=env) for command in commands]
-    try:
-        codes = [process.wait(timeout=120) for process in processes]
-    finally:
-        for process in processes:
-            process.kill()
-    assert codes == [0] * world
+    assert wait_world(processes, 120) == [0] * world
 
 
 def test_broadcast_delivers_identical_tensors_and_matching_checksums_to_every_receiver(tmp_path):

@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from rl_data.sync.broadcast import free_port
+from tests.processes import wait_world
 
 
 def rank_env(rank: int, world: int, port: int) -> dict[str, str]:
@@ -51,14 +52,10 @@ def start_ranks(
 
 
 def wait_ranks(started: list, timeout: float = 900) -> None:
-    """Wait for `start_ranks`' processes; fail with every folder's logs when one did not exit 0."""
-    codes = []
-    for process, log, _ in started:
-        try:
-            codes.append(process.wait(timeout=timeout))
-        except subprocess.TimeoutExpired:
-            process.kill()
-            codes.append("timeout")
+    """Wait for `start_ranks`' processes; fail with every folder's logs when one did not exit 0 (the
+    others are then stopped at once: `tests.processes.wait_world`)."""
+    codes = wait_world([process for process, _, _ in started], timeout)
+    for _, log, _ in started:
         log.close()
     if any(code != 0 for code in codes):
         folders = sorted({folder for _, _, folder in started})

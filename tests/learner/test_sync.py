@@ -29,6 +29,7 @@ from rl_data.sync.shm import shm_directory
 from rl_data.tiny import build_tiny_model
 from rl_learner.senders import BroadcastSender, FileSender, IpcSender, ShmSender
 from rl_learner.sync import make_sender, sync_layout
+from tests.processes import wait_world
 
 WORKER = pathlib.Path(__file__).with_name("_worker_sync.py")
 TIMEOUT_S = 180
@@ -366,13 +367,9 @@ def test_zero3_engine_on_two_learner_ranks_syncs_identical_weights(receivers, to
         )
         for rank in (0, 1)
     ]
-    try:
-        codes = [process.wait(timeout=TIMEOUT_S * 2) for process in learners]
-    finally:
-        for process in learners:
-            process.kill()
-    results = receivers.wait("zero3")
+    codes = wait_world(learners, TIMEOUT_S * 2)
     assert codes == [0, 0]
+    results = receivers.wait("zero3")
     infos = [json.loads((tmp_path / f"learner-{rank}.json").read_text()) for rank in (0, 1)]
     errors = [info.pop("second_error") for info in infos]
     assert "a receiver rejected the layout of version 6" in errors[0]
