@@ -15,6 +15,7 @@ import os
 import re
 import socket
 import urllib.parse
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -573,8 +574,16 @@ def check_packages(config: Any) -> None:
     for field, module, install in _LOGGERS:
         if getattr(config.log, field) and _missing(module):
             raise PreflightError(f"log.{field} is on but the {module} package is not installed: {install}")
-    _check_reasoning_gym_package(config)
-    _check_verifiers_package(config)
+    if _missing("reasoning_gym"):
+        from rl_rollout.reasoning_gym import is_reasoning_gym_source
+
+        _refuse_sources_of(
+            config, "reasoning_gym", "reasoning-gym", "reasoning_gym:<task>", is_reasoning_gym_source
+        )
+    if _missing("verifiers"):  # (the verifiers executor: `_EXECUTOR_PACKAGES`)
+        from rl_rollout.verifiers_env import is_verifiers_source
+
+        _refuse_sources_of(config, "verifiers", "verifiers", "verifiers:<taskset>", is_verifiers_source)
     if config.model.lora_rank > 0 and _missing("peft"):
         raise PreflightError(
             f"model.lora_rank: {config.model.lora_rank} trains LoRA adapters, but the peft package is not "
@@ -582,38 +591,22 @@ def check_packages(config: Any) -> None:
         )
 
 
-def _check_reasoning_gym_package(config: Any) -> None:
-    """reasoning-gym, when a ppo run names a task as data or its verifier as the reward."""
+def _refuse_sources_of(
+    config: Any, module: str, extra: str, source_form: str, is_source: Callable[[Any], bool]
+) -> None:
+    """For a `module` that is not installed (rl-launch's extra `extra`): a ppo run that names one
+    of its sources (`is_source`, written `source_form`) as data or `module` as reward.function is
+    refused with the pip line."""
     data, reward = getattr(config, "data", None), getattr(config, "reward", None)
-    if data is None or reward is None or not hasattr(data, "eval_dataset") or not _missing("reasoning_gym"):
+    if data is None or reward is None or not hasattr(data, "eval_dataset"):
         return
-    from rl_rollout.reasoning_gym import is_reasoning_gym_source
-
-    install = "pip install 'rl-launch[reasoning-gym]'"  # rl-rollout's own message names rl-rollout's extra
-    if reward.function == "reasoning_gym":
-        raise PreflightError(f"reward.function: reasoning_gym needs the reasoning-gym package: {install}")
+    install = f"pip install 'rl-launch[{extra}]'"  # rl-rollout's own message names rl-rollout's extra
+    if reward.function == module:
+        raise PreflightError(f"reward.function: {module} needs the {extra} package: {install}")
     for option in ("prompt_data", "eval_dataset"):
-        if any(is_reasoning_gym_source(source) for source in data_sources(getattr(data, option))):
+        if any(is_source(source) for source in data_sources(getattr(data, option))):
             raise PreflightError(
-                f"data.{option}: a reasoning_gym:<task> source needs the reasoning-gym package: {install}"
-            )
-
-
-def _check_verifiers_package(config: Any) -> None:
-    """verifiers, when a ppo run names a taskset as data or its rubric as the reward (the
-    executor: `_EXECUTOR_PACKAGES`)."""
-    data, reward = getattr(config, "data", None), getattr(config, "reward", None)
-    if data is None or reward is None or not hasattr(data, "eval_dataset") or not _missing("verifiers"):
-        return
-    from rl_rollout.verifiers_env import is_verifiers_source
-
-    install = "pip install 'rl-launch[verifiers]'"
-    if reward.function == "verifiers":
-        raise PreflightError(f"reward.function: verifiers needs the verifiers package: {install}")
-    for option in ("prompt_data", "eval_dataset"):
-        if any(is_verifiers_source(source) for source in data_sources(getattr(data, option))):
-            raise PreflightError(
-                f"data.{option}: a verifiers:<taskset> source needs the verifiers package: {install}"
+                f"data.{option}: a {source_form} source needs the {extra} package: {install}"
             )
 
 
