@@ -19,6 +19,7 @@
   at OpenMP barriers. Measured under a load of ~3.5 on 2 cores: the arithmetic preset's SFT
   build took 142 s with two threads and 25 s with one, its GRPO training step 1.5-2.3 s and
   0.15 s. A value set before pytest starts is kept (setdefault).
+- No RAY_ADDRESS: each test chooses the cluster its runs join.
 """
 
 from __future__ import annotations
@@ -46,6 +47,12 @@ TEST_ENVIRONMENT = {
 }
 for name, value in TEST_ENVIRONMENT.items():
     os.environ.setdefault(name, value)
+
+# Each test chooses the Ray cluster its runs use: a RAY_ADDRESS (or a submitted job's config) of the
+# shell that started pytest would make every run join that cluster (rl-launch reads RAY_ADDRESS as
+# Ray does).
+for name in ("RAY_ADDRESS", "RAY_JOB_CONFIG_JSON_ENV_VAR"):
+    os.environ.pop(name, None)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:

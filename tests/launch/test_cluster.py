@@ -52,3 +52,73 @@ def test_colocated_roles_with_different_actor_counts_are_refused():
     )
     with pytest.raises(ConfigError, match=r"ray.colocate: 'policy_ref' puts policy, ref on the same bundles"):
         plan_roles(config, use_gpus=True)
+
+
+# --------------------------------------------------------------------------------------------
+# Which cluster a run uses: ray.address, "local", or RAY_ADDRESS (what `ray job submit` sets)
+
+
+def _resolved_address(capsys, monkeypatch, environ: str | None, *args: str) -> tuple[object, str]:
+    """(ray.address of `rl-launch <args> --print-config`, its stderr) with RAY_ADDRESS = `environ`."""
+    import yaml
+
+    from rl_launch.cli import main
+
+    if environ is None:
+        monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    else:
+        monkeypatch.setenv("RAY_ADDRESS", environ)
+    assert main([*args, "--print-config"]) == 0
+    captured = capsys.readouterr()
+    return yaml.safe_load(captured.out)["ray"]["address"], captured.err
+
+
+@pytest.mark.parametrize("command", ["ppo", "sft"])
+def test_a_run_joins_the_cluster_ray_address_names_and_says_so(command, capsys, monkeypatch):
+    address, err = _resolved_address(capsys, monkeypatch, "10.0.0.1:6379", command)
+    assert address == "10.0.0.1:6379"
+    assert "ray.address 10.0.0.1:6379: from RAY_ADDRESS (ray job submit sets it" in err
+    assert "--ray.address local starts a local Ray instead" in err
+
+
+def test_ray_address_local_or_given_wins_over_ray_address_in_the_environment(capsys, monkeypatch, tmp_path):
+    assert _resolved_address(capsys, monkeypatch, "10.0.0.1:6379", "ppo", "--ray.address", "local") == (
+        None,
+        "",
+    )
+    given = _resolved_address(capsys, monkeypatch, "10.0.0.1:6379", "ppo", "--ray.address", "10.0.0.2:6379")
+    assert given == ("10.0.0.2:6379", "")
+    config = tmp_path / "run.yaml"
+    config.write_text("ray:\n  address: local\n")
+    assert _resolved_address(capsys, monkeypatch, "10.0.0.1:6379", "ppo", "--config", str(config)) == (
+        None,
+        "",
+    )
+    assert _resolved_address(capsys, monkeypatch, None, "ppo") == (None, "")
+
+
+@pytest.mark.parametrize("command", ["ppo", "sft"])
+def test_a_session_folder_for_a_joined_cluster_is_refused_naming_both(command, capsys, monkeypatch):
+    from rl_launch.cli import main
+
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
+    assert main([command, "--ray.temp_dir", "/tmp/rlt-x", "--print-config"]) == 2
+    err = capsys.readouterr().err
+    assert "ray.temp_dir: '/tmp/rlt-x' is the session folder of a local Ray" in err
+    assert "joins the cluster at ray.address '10.0.0.1:6379'" in err
+    assert "--ray.address local" in err
+
+
+def test_the_variables_a_submitted_job_sets_are_left_to_the_job():
+    from rl_launch.cluster import ClusterError, forwarded_env
+
+    environ = {"HF_HUB_OFFLINE": "1", "DS_ACCELERATOR": "cpu", "HOME": "/root", "PYTHONPATH": "/src"}
+    assert forwarded_env(environ) == {"HF_HUB_OFFLINE": "1", "DS_ACCELERATOR": "cpu", "PYTHONPATH": "/src"}
+    job = '{"runtime_env": {"working_dir": "/w", "env_vars": {"HF_HUB_OFFLINE": "1", "OTHER": "x"}}}'
+    submitted = {**environ, "RAY_JOB_CONFIG_JSON_ENV_VAR": job}
+    assert forwarded_env(submitted) == {"DS_ACCELERATOR": "cpu", "PYTHONPATH": "/src"}
+    assert forwarded_env(
+        {**environ, "RAY_JOB_CONFIG_JSON_ENV_VAR": '{"runtime_env": null}'}
+    ) == forwarded_env(environ)
+    with pytest.raises(ClusterError, match="RAY_JOB_CONFIG_JSON_ENV_VAR is not the JSON job config"):
+        forwarded_env({**environ, "RAY_JOB_CONFIG_JSON_ENV_VAR": "{not json"})

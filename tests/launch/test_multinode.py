@@ -4,9 +4,10 @@ Every node is a Linux network namespace on this machine (its own loopback, its o
 joined to the others by a bridge, so an address that only works on one node (127.0.0.1, a port
 probed somewhere else) fails here as it would between machines. The head node (driver, one
 CPU), node 2 and node 3 (one CPU each) run `ray start`; the two policy ranks (one CPU each) and
-the engine (one CPU) can only land on three different nodes. The run trains two steps and every
-weight sync must arrive intact: the learners met at policy rank 0's node, the engine joined the
-sync group there.
+the engine (one CPU) can only land on three different nodes. The run starts as `ray job submit`
+starts its entrypoint (RAY_ADDRESS and the job's config in the environment, no --ray.address),
+trains two steps, and every weight sync must arrive intact: the learners met at policy rank 0's
+node, the engine joined the sync group there.
 
 Needs root (network namespaces, a bridge); skipped elsewhere.
 """
@@ -192,21 +193,32 @@ def test_policy_ranks_on_two_nodes_and_engine_on_a_third_train_and_sync(
         "--ray.policy.num_actors", "2",
         "--ray.policy.num_cpus_per_actor", "1",
         "--ray.engine_num_cpus", "1",
-        "--ray.address", f"{netns_cluster.address(1)}:{GCS_PORT}",
         "--ray.startup_timeout_s", os.environ.get("RL_TEST_STARTUP_TIMEOUT_S", "300"),
         "--ckpt.save_hf_model", "false",
         "--log.output_dir", str(run_dir),
         "--log.progress_bar", "false",
     ]  # fmt: skip
+    # Started as `ray job submit -- rl-launch ppo ...` starts its entrypoint on the head node: the
+    # cluster's address in RAY_ADDRESS (no --ray.address) and the job's config, whose runtime
+    # environment sets a variable the launcher forwards too (ray.init refuses a second one)
+    job = {"runtime_env": {"env_vars": {"HF_HUB_OFFLINE": "1"}}, "metadata": {}}
+    env = {
+        **netns_cluster.env,
+        "RAY_ADDRESS": f"{netns_cluster.address(1)}:{GCS_PORT}",
+        "RAY_JOB_CONFIG_JSON_ENV_VAR": json.dumps(job),
+        "HF_HUB_OFFLINE": "1",
+    }
     result = subprocess.run(
         netns_cluster.in_node(1, [sys.executable, "-m", "rl_launch.cli", "ppo", *args]),
-        env=netns_cluster.env,
+        env=env,
         capture_output=True,
         text=True,
         timeout=900,
         check=False,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    assert f"ray.address {env['RAY_ADDRESS']}: from RAY_ADDRESS" in result.stderr
+    assert f"ray: joined {env['RAY_ADDRESS']}" in result.stdout + result.stderr
     # Each node has one CPU and each actor takes one: the ranks and the engine are on three nodes.
     joined = {rank: _rendezvous_line(run_dir / "logs" / f"policy-{rank}.log") for rank in (0, 1)}
     node_0, master = joined[0]

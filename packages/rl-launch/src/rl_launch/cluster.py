@@ -12,10 +12,11 @@ fails at once with the numbers, instead of waiting forever for a placement that 
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import secrets
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import msgspec
@@ -23,7 +24,15 @@ import msgspec
 from .config import ConfigError, PPOConfig
 from .errors import ClusterError
 
-__all__ = ["ClusterError", "RoleLayout", "colocation_groups", "place_roles", "plan_roles", "start_ray"]
+__all__ = [
+    "ClusterError",
+    "RoleLayout",
+    "colocation_groups",
+    "forwarded_env",
+    "place_roles",
+    "plan_roles",
+    "start_ray",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -142,7 +151,7 @@ def start_ray(
 
     if ray.is_initialized():
         return False
-    runtime_env = {"env_vars": {k: v for k, v in os.environ.items() if k in _FORWARDED_ENV}}
+    runtime_env = {"env_vars": forwarded_env(os.environ)}
     if config.ray.address is not None:
         ray.init(address=config.ray.address, runtime_env=runtime_env, log_to_driver=True)
         return True
@@ -208,6 +217,27 @@ _FORWARDED_ENV = (
     "PYTHONPATH",
     "CUDA_DEVICE_MAX_CONNECTIONS",
 )
+
+
+def forwarded_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """The variables of `_FORWARDED_ENV` that `environ` sets, for the job's runtime environment,
+    less those the submitted job's own runtime environment sets already.
+
+    Under `ray job submit` the entrypoint's environment holds the job's `env_vars` and its job
+    config (RAY_JOB_CONFIG_JSON_ENV_VAR); `ray.init` refuses a runtime environment that names one
+    of the job's variables again (even with the same value). Those reach every actor through the
+    job, with the values this process sees.
+    """
+    job_vars: set[str] = set()
+    job_config = environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR")
+    if job_config:
+        try:
+            job_vars = set((json.loads(job_config).get("runtime_env") or {}).get("env_vars") or {})
+        except (ValueError, AttributeError) as error:
+            raise ClusterError(
+                f"RAY_JOB_CONFIG_JSON_ENV_VAR is not the JSON job config Ray writes: {error}"
+            ) from None
+    return {name: value for name, value in environ.items() if name in _FORWARDED_ENV and name not in job_vars}
 
 
 def cluster_has_gpus() -> bool:

@@ -1,6 +1,7 @@
 """The shape every `rl-launch` command shares, written once (torchtune's recipe shape).
 
     resolve_with_preset   the config of a command line: preset settings < file < dotted options
+    ray_address_override  ray.address as `ray.init()` reads it: "local", else RAY_ADDRESS when not given
     run_command           a bad config -> `<prog>: error: <message>`, exit 2; --print-config; the run
     Recipe / run_recipe   a run as setup -> train -> cleanup, its failures mapped to exit codes
 
@@ -15,13 +16,22 @@ its configuration before Ray, torch's learners or transformers are imported.
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from .errors import ConfigError
 
-__all__ = ["Recipe", "given", "ray_line", "resolve_with_preset", "run_command", "run_recipe"]
+__all__ = [
+    "Recipe",
+    "given",
+    "ray_address_override",
+    "ray_line",
+    "resolve_with_preset",
+    "run_command",
+    "run_recipe",
+]
 
 
 def given(path: str | None, overrides: Mapping[str, Any], dotted: str) -> Any:
@@ -68,7 +78,33 @@ def resolve_with_preset(
         own = any(given(path, overrides, key) is not None for key in own_keys)
         preset = "none" if own else "arithmetic"
     settings = settings_of(preset) if preset != "none" else {}
-    return load_config(cls, path, {**overrides, "preset": preset}, base=settings, rewrite=rewrite)
+    overrides = {**overrides, **ray_address_override(cls, path, overrides), "preset": preset}
+    return load_config(cls, path, overrides, base=settings, rewrite=rewrite)
+
+
+def ray_address_override(cls: type, path: str | None, overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """`ray.address` as Ray's own `ray.init()` reads it: "local" starts a local Ray (None in the
+    config), and where neither the command line nor the file gives an address, RAY_ADDRESS names
+    the cluster to join when it is set (`ray job submit` sets it for its entrypoint: a run that
+    started a local Ray beside the cluster would use the head node alone), said on stderr.
+    Empty for a config without `ray.address`."""
+    import msgspec
+
+    ray = next((field for field in msgspec.structs.fields(cls) if field.name == "ray"), None)
+    if ray is None or not any(field.name == "address" for field in msgspec.structs.fields(ray.type)):
+        return {}
+    address = given(path, overrides, "ray.address")
+    if address == "local":
+        return {"ray.address": None}
+    environ = os.environ.get("RAY_ADDRESS", "")
+    if address is not None or not environ:
+        return {}
+    print(
+        f"ray.address {environ}: from RAY_ADDRESS (ray job submit sets it for its entrypoint); "
+        "--ray.address local starts a local Ray instead",
+        file=sys.stderr,
+    )
+    return {"ray.address": environ}
 
 
 def run_command(prog: str, resolve: Callable[[], Any], print_config: bool, run: Callable[[Any], int]) -> int:
@@ -94,8 +130,15 @@ def run_command(prog: str, resolve: Callable[[], Any], print_config: bool, run: 
 
 
 def ray_line(started_ray: bool, address: str | None) -> str:
-    """The start-up line of the cluster a run uses."""
-    return f"ray: {'local cluster on 127.0.0.1' if started_ray else 'joined ' + str(address)}"
+    """The start-up line of the cluster a run uses: the one at `address` it joined, the local Ray
+    it started, or the Ray this process had initialized before the run."""
+    if address is not None:
+        return f"ray: joined {address}"
+    return (
+        "ray: local cluster on 127.0.0.1"
+        if started_ray
+        else "ray: the Ray this process had already initialized"
+    )
 
 
 class Recipe:

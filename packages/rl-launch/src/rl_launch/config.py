@@ -71,6 +71,18 @@ def _fail(field: str, value: Any, expected: str) -> None:
     raise ConfigError(f"{field}: {value!r} {expected}")
 
 
+def check_joined_temp_dir(address: str | None, temp_dir: str | None) -> None:
+    """ray.temp_dir names the session folder of a Ray this run starts: refused when it joins one."""
+    if address is not None and temp_dir is not None:
+        _fail(
+            "ray.temp_dir",
+            temp_dir,
+            f"is the session folder of a local Ray, but the run joins the cluster at ray.address "
+            f"{address!r} (whose folder its own `ray start` chose): drop ray.temp_dir, or pass "
+            "--ray.address local to start a local Ray",
+        )
+
+
 def _one_of(field: str, value: Any, allowed: Any) -> None:
     if value not in allowed:
         _fail(field, value, f"is not one of {', '.join(sorted(map(str, allowed)))}")
@@ -858,13 +870,15 @@ class ResourceConfig(_Section):
 
 class RayConfig(_Section):
     address: str | None = None
-    """Ray cluster to join ("auto" or host:port); None starts a local Ray bound to 127.0.0.1."""
+    """Ray cluster to join ("auto" or host:port); "local" starts a local Ray bound to 127.0.0.1.
+    Not given: RAY_ADDRESS when it is set (as `ray.init()` reads it; `ray job submit` sets it for
+    its entrypoint), said on stderr; else a local Ray."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """auto = cuda when the cluster has GPUs, else cpu."""
     num_cpus: PositiveInt | None = None
     """Logical CPUs of a local Ray (None: enough for every actor)."""
     temp_dir: str | None = None
-    """Session folder of a local Ray (None: `<log.output_dir>/ray`)."""
+    """Session folder of a local Ray (None: `<log.output_dir>/ray`); refused with ray.address."""
     colocate: Literal["none", "all", "policy_ref", "critic_reward", "policy_ref+critic_reward"] = "none"
     """Roles sharing the same GPUs (colocate_all_models, colocate_actor_ref, colocate_critic_reward).
     A distillation teacher (ray.teacher) goes where the reference goes: policy_ref puts policy,
@@ -904,6 +918,7 @@ class RayConfig(_Section):
     """Seconds actors may take to start (model loading, engine start-up) before the run fails."""
 
     def __post_init__(self) -> None:
+        check_joined_temp_dir(self.address, self.temp_dir)
         for role, hint in (("policy", "train.adam_offload"), ("critic", "train.adam_offload")):
             if getattr(self, role).offload:
                 _fail(

@@ -34,6 +34,7 @@ from ..config import (
     _check_sources,
     _fail,
     _Section,
+    check_joined_temp_dir,
     check_probabilities,
 )
 
@@ -218,17 +219,20 @@ class SupervisedRayConfig(_Section):
     one Ray actor each, with these GPUs and CPUs. One rank without ray.address trains in the
     driver process (no Ray); anything else runs a Ray actor group."""
     address: str | None = None
-    """Ray cluster to join ("auto" or host:port); None starts a local Ray bound to 127.0.0.1."""
+    """Ray cluster to join ("auto" or host:port); "local" starts a local Ray bound to 127.0.0.1
+    (more ranks). Not given: RAY_ADDRESS when it is set (`ray job submit` sets it), said on
+    stderr; else none."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """auto = cuda when the cluster (or, in the driver, this machine) has GPUs, else cpu."""
     num_cpus: PositiveInt | None = None
     """Logical CPUs of a local Ray (None: enough for every rank)."""
     temp_dir: str | None = None
-    """Session folder of a local Ray (None: Ray's default)."""
+    """Session folder of a local Ray (None: Ray's default); refused with ray.address."""
     startup_timeout_s: Positive = 600.0
     """Seconds the ranks may take to start (model loading, rendezvous) before the run fails."""
 
     def __post_init__(self) -> None:
+        check_joined_temp_dir(self.address, self.temp_dir)
         if self.learner.offload:
             _fail(
                 "ray.learner.offload",
