@@ -122,3 +122,41 @@ def test_the_variables_a_submitted_job_sets_are_left_to_the_job():
     ) == forwarded_env(environ)
     with pytest.raises(ClusterError, match="RAY_JOB_CONFIG_JSON_ENV_VAR is not the JSON job config"):
         forwarded_env({**environ, "RAY_JOB_CONFIG_JSON_ENV_VAR": "{not json"})
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]  # closed once the block ends: nothing listens there
+
+
+def test_a_cluster_address_nothing_answers_at_is_refused_at_once():
+    import socket
+
+    from rl_launch.preflight import PreflightError, check_ray_address
+
+    port = _closed_port()
+    with pytest.raises(PreflightError, match=rf"ray.address 127.0.0.1:{port}: nothing accepts a connection there"):
+        check_ray_address(f"127.0.0.1:{port}")
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        check_ray_address(f"127.0.0.1:{server.getsockname()[1]}")
+    for left_to_ray in (None, "auto", "ray://127.0.0.1:1"):
+        check_ray_address(left_to_ray)
+
+
+@pytest.mark.parametrize("command", ["ppo", "sft"])
+def test_a_run_refuses_a_dead_cluster_address_before_its_run_folder(command, tmp_path, capsys, in_process):
+    from rl_launch.cli import main
+
+    port = _closed_port()
+    args = [command, "--ray.address", f"127.0.0.1:{port}", "--log.output_dir", str(tmp_path / "run")]
+    if command == "sft":
+        args += ["--ray.learner.num_actors", "2"]
+    assert main(args) == 1
+    err = capsys.readouterr().err
+    assert f"ray.address 127.0.0.1:{port}: nothing accepts a connection there" in err
+    assert not (tmp_path / "run").exists()

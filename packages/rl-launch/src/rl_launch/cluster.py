@@ -153,7 +153,16 @@ def start_ray(
         return False
     runtime_env = {"env_vars": forwarded_env(os.environ)}
     if config.ray.address is not None:
-        ray.init(address=config.ray.address, runtime_env=runtime_env, log_to_driver=True)
+        try:
+            ray.init(address=config.ray.address, runtime_env=runtime_env, log_to_driver=True)
+        except ConnectionError as error:  # an address nothing answers at, or a refused token
+            cause = str(error.__cause__ or "").strip().splitlines()[:1]
+            raise ClusterError(
+                f"ray.address {config.ray.address}: could not join a Ray cluster there ({error}"
+                f"{': ' + cause[0] if cause else ''}); check the address (`ray status` on the head "
+                "node prints it) and, with token authentication, RAY_AUTH_MODE=token and the "
+                "cluster's token (RAY_AUTH_TOKEN)"
+            ) from None
         return True
     _keep_auth_token_in_memory()
     _no_idle_workers()

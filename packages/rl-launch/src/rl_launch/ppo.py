@@ -494,6 +494,7 @@ class PPORecipe(Recipe):
         from .preflight import (
             check_context,
             check_packages,
+            check_ray_address,
             resolve_inputs,
             settle_accelerator,
             settle_attention,
@@ -509,6 +510,7 @@ class PPORecipe(Recipe):
         if attention_note is not None:
             say(attention_note)
         check_packages(config)  # before Ray is imported: a missing package is named, not Ray's error
+        check_ray_address(config.ray.address)
         import ray
 
         self.ray_errors = (ray.exceptions.RayError,)

@@ -30,6 +30,7 @@ __all__ = [
     "check_context",
     "check_model_path",
     "check_packages",
+    "check_ray_address",
     "check_reward_server",
     "check_teacher_tokenizer",
     "model_context",
@@ -139,6 +140,26 @@ def check_reward_server(url: str, *, timeout_s: float = 5.0) -> None:
         raise PreflightError(
             f"reward.remote_url: cannot reach the reward server at {url} ({error.strerror or error}); "
             "is it running?"
+        ) from None
+
+
+def check_ray_address(address: str | None, *, timeout_s: float = 10.0) -> None:
+    """PreflightError when nothing accepts a connection at a host:port `ray.address` (Ray's own
+    join retries a closed or unreachable address for minutes). None, "auto" and ray:// are left to
+    Ray."""
+    if address is None:
+        return
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or "://" in address:
+        return
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+            pass
+    except OSError as error:
+        raise PreflightError(
+            f"ray.address {address}: nothing accepts a connection there ({error.strerror or error}); "
+            "is it the Ray head node's address (`ray status` on that node prints it) and its port open "
+            "to this machine?"
         ) from None
 
 

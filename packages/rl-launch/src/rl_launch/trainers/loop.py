@@ -159,7 +159,13 @@ class SupervisedRecipe(Recipe):
         """The model and data (the preset's, opt-in), the run folder, the learners, the resumed state."""
         import torch
 
-        from ..preflight import check_model_path, check_packages, settle_accelerator, settle_attention
+        from ..preflight import (
+            check_model_path,
+            check_packages,
+            check_ray_address,
+            settle_accelerator,
+            settle_attention,
+        )
 
         settle_accelerator(self.config)  # before anything imports DeepSpeed
         from rl_learner import TrainingState
@@ -173,6 +179,7 @@ class SupervisedRecipe(Recipe):
         if attention_note is not None:
             say(attention_note)
         check_packages(config)
+        check_ray_address(config.ray.address)
         model_path, data_path = config.model.pretrain, config.data.dataset
         if config.preset != "none":
             from .demo import build_demo
