@@ -1,11 +1,12 @@
-"""Shared set-up of the launcher tests: a short Ray temp folder per run, checked for leftovers; the
-logging state a CLI run in the test's own process changes, put back."""
+"""Shared set-up of the launcher tests: a short Ray temp folder per run, checked for leftovers, or
+the session's shared Ray for runs that do not test a local Ray's own start and stop; the logging
+state a CLI run in the test's own process changes, put back."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.launch.launching import ray_temp_dir
+from tests.launch.launching import SharedRay, ray_temp_dir
 
 
 @pytest.fixture
@@ -15,11 +16,23 @@ def ray_temp():
         yield value
 
 
-@pytest.fixture(scope="module")
-def module_ray_temp():
-    """`ray_temp` for a run that several tests of a module read (a module-scoped fixture's run)."""
-    with ray_temp_dir() as value:
-        yield value
+@pytest.fixture(scope="session")
+def shared_ray():
+    """The session's `SharedRay` (one per xdist worker), started by the first test that asks."""
+    cluster = SharedRay()
+    try:
+        yield cluster
+    finally:
+        cluster.close()
+
+
+@pytest.fixture
+def joined_ray(shared_ray):
+    """(the options that join the session's shared Ray, env) for a run that does not test a local
+    Ray's own start and stop; fails if an actor of the test's runs outlives it."""
+    yield shared_ray.args, shared_ray.env
+    left = shared_ray.wait_for_no_actors()
+    assert not left, f"actors outlived the test's runs: {left}"
 
 
 @pytest.fixture

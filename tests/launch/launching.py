@@ -222,3 +222,83 @@ def interrupt_after_step(
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
+
+
+# A Ray cluster that the runs of one test session join --------------------------------------------
+
+_HOLD_CLUSTER = """
+import sys, logging, ray
+ray.init(address="local", num_cpus=int(sys.argv[2]), _node_ip_address="127.0.0.1", include_dashboard=False,
+         _temp_dir=sys.argv[1], logging_level=logging.WARNING)
+print(ray.get_runtime_context().gcs_address, flush=True)
+sys.stdin.read()  # until the session closes it
+"""
+
+
+_RAYLET_OWN = ("ray::IDLE", "ray::DashboardAgent", "ray::RuntimeEnvAgent")  # no run's actors
+
+
+class SharedRay:
+    """A local Ray bound to 127.0.0.1 that the runs of one test session (one xdist worker) join with
+    `--ray.address` (`args`, `env`), as runs join a cluster a user started: each run's driver and
+    actors start as usual, the cluster's daemons once (~3 CPU-s and ~2 s of every run).
+
+    A process of its own holds it (the driver that started it, until `close`), with token
+    authentication (the token in `env`) and no idle workers. Runs that test a local Ray's own
+    start, stop and leftovers keep `ray_temp`.
+    """
+
+    def __init__(self, num_cpus: int = 32) -> None:
+        self.temp_dir = tempfile.mkdtemp(prefix="rls-", dir="/tmp")  # unix socket paths must stay short
+        self.env = launcher_env(RAY_AUTH_MODE="token", RAY_prestart_worker_first_driver="0")
+        self.holder = subprocess.Popen(
+            [sys.executable, "-c", _HOLD_CLUSTER, self.temp_dir, str(num_cpus)],
+            env=self.env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        address = self.holder.stdout.readline().strip()
+        if not address:
+            self.close()
+            raise RuntimeError(f"the shared Ray did not start: {self.holder.stderr.read()[-3000:]}")
+        self.address = address
+        self.args = ["--ray.address", address]
+
+    def actor_processes(self) -> dict[int, str]:
+        """pid -> title of the cluster's worker processes that hold an actor or run a task (`ray::`
+        titles but idle workers' and the raylet's own agents')."""
+        import psutil
+
+        found = {}
+        for raylet in psutil.process_iter(["cmdline"]):
+            command = " ".join(raylet.info["cmdline"] or ())
+            if "raylet" not in command.split(" ")[0] or self.temp_dir not in command:
+                continue
+            for child in raylet.children():
+                with contextlib.suppress(psutil.Error):
+                    title = " ".join(child.cmdline())
+                    if title.startswith("ray::") and title.split()[0] not in _RAYLET_OWN:
+                        found[child.pid] = title.strip()
+        return found
+
+    def wait_for_no_actors(self, timeout_s: float = 30.0) -> dict[int, str]:
+        """The cluster's actor processes still alive after `timeout_s` (those of a run end just
+        after its driver: Ray kills a job's actors when its driver exits)."""
+        deadline = time.monotonic() + timeout_s
+        while (left := self.actor_processes()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        return left
+
+    def close(self) -> None:
+        """Stop the holder (it takes its cluster down) and whatever of the cluster is left."""
+        with contextlib.suppress(OSError):
+            self.holder.stdin.close()
+        try:
+            self.holder.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.holder.kill()
+            self.holder.wait()
+        kill_processes(list(ray_processes(self.temp_dir)))
+        shutil.rmtree(self.temp_dir, ignore_errors=True)

@@ -21,9 +21,9 @@ pytestmark = pytest.mark.slow
 
 
 def test_a_two_turn_agent_trains_with_environment_tokens_masked_out_of_the_loss(
-    tiny_checkpoint, ray_temp, tmp_path
+    tiny_checkpoint, joined_ray, tmp_path
 ):
-    ray_dir, env = ray_temp
+    ray_args, env = joined_ray
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(
         "".join(json.dumps({"prompt": f"Think about {a}.", "label": str(a)}) + "\n" for a in range(8))
@@ -48,7 +48,7 @@ def test_a_two_turn_agent_trains_with_environment_tokens_masked_out_of_the_loss(
         "--ckpt.save_hf_model", "false",
         "--log.output_dir", str(run_dir),
         "--log.progress_bar", "false",
-        "--ray.temp_dir", ray_dir,
+        *ray_args,
         "--rollout.engine", "hf",  # transformers generation: starts in a second, vLLM in ~25 s
     ]  # fmt: skip
     result = launch(args, env)
@@ -109,8 +109,8 @@ class AgentInstance(AgentInstanceBase):
 '''
 
 
-def test_a_blocking_environment_step_times_out_and_the_run_goes_on(tiny_checkpoint, ray_temp, tmp_path):
-    ray_dir, env = ray_temp
+def test_a_blocking_environment_step_times_out_and_the_run_goes_on(tiny_checkpoint, joined_ray, tmp_path):
+    ray_args, env = joined_ray
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"Say {a}.", "label": str(a)}) + "\n" for a in range(8)))
     agent = tmp_path / "stuck_agent.py"
@@ -132,7 +132,7 @@ def test_a_blocking_environment_step_times_out_and_the_run_goes_on(tiny_checkpoi
         "--ckpt.save_hf_model", "false",
         "--log.output_dir", str(run_dir),
         "--log.progress_bar", "false",
-        "--ray.temp_dir", ray_dir,
+        *ray_args,
         "--rollout.engine", "hf",
     ]  # fmt: skip
     result = launch(args, env)

@@ -138,7 +138,9 @@ def test_a_cluster_address_nothing_answers_at_is_refused_at_once():
     from rl_launch.preflight import PreflightError, check_ray_address
 
     port = _closed_port()
-    with pytest.raises(PreflightError, match=rf"ray.address 127.0.0.1:{port}: nothing accepts a connection there"):
+    with pytest.raises(
+        PreflightError, match=rf"ray.address 127.0.0.1:{port}: nothing accepts a connection there"
+    ):
         check_ray_address(f"127.0.0.1:{port}")
     with socket.socket() as server:
         server.bind(("127.0.0.1", 0))

@@ -44,9 +44,9 @@ BETA = 0.5
 
 
 @pytest.fixture(scope="module")
-def run(tiny_checkpoint, module_ray_temp, tmp_path_factory):
-    """The run's folder and its completed process."""
-    ray_dir, env = module_ray_temp
+def run(tiny_checkpoint, shared_ray, tmp_path_factory):
+    """The run's folder and its completed process (no actor of it left)."""
+    ray_args, env = shared_ray.args, shared_ray.env
     tmp_path = tmp_path_factory.mktemp("data_eval_ema")
     arithmetic = _write(
         tmp_path / "arithmetic.jsonl", [*_sums("add", 8), {"prompt": "many words " * 100, "label": "0"}]
@@ -83,10 +83,11 @@ def run(tiny_checkpoint, module_ray_temp, tmp_path_factory):
         "--ckpt.save_steps", "1",
         "--log.output_dir", str(run_dir),
         "--log.progress_bar", "false",
-        "--ray.temp_dir", ray_dir,
+        *ray_args,
     ]  # fmt: skip
     result = launch(args, env)
     assert result.returncode == 0, result.stderr[-4000:]
+    assert not shared_ray.wait_for_no_actors(), "actors outlived the run"
     return run_dir, result
 
 

@@ -34,9 +34,9 @@ EVAL_RISE = 0.4
 vLLM, 0.70 with the transformers engine)."""
 
 
-def test_distillation_alone_moves_the_student_to_its_teacher(arithmetic_teacher, ray_temp, tmp_path):
+def test_distillation_alone_moves_the_student_to_its_teacher(arithmetic_teacher, joined_ray, tmp_path):
     preset_root, teacher = arithmetic_teacher
-    ray_dir, env = ray_temp
+    ray_args, env = joined_ray
     run_dir = tmp_path / "run"
     args = [
         "--preset_root", preset_root,
@@ -49,7 +49,7 @@ def test_distillation_alone_moves_the_student_to_its_teacher(arithmetic_teacher,
         "--log.output_dir", str(run_dir),
         "--log.progress_bar", "false",
         "--ckpt.save_hf_model", "false",
-        "--ray.temp_dir", ray_dir,
+        *ray_args,
     ]  # fmt: skip
     result = launch(args, env, timeout=900)
     assert result.returncode == 0, result.stderr[-4000:]

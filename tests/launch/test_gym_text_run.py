@@ -54,9 +54,9 @@ class TwoTurnParity:
 
 
 def test_a_gymnasium_style_text_env_from_a_file_trains_on_its_rewards_with_its_tokens_masked(
-    tiny_checkpoint, ray_temp, tmp_path
+    tiny_checkpoint, joined_ray, tmp_path
 ):
-    ray_dir, env = ray_temp
+    ray_args, env = joined_ray
     prompts = tmp_path / "seeds.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": "-", "label": seed}) + "\n" for seed in range(8)))
     env_file = tmp_path / "parity_env.py"
@@ -82,7 +82,7 @@ def test_a_gymnasium_style_text_env_from_a_file_trains_on_its_rewards_with_its_t
         "--ckpt.save_hf_model", "false",
         "--log.output_dir", str(run_dir),
         "--log.progress_bar", "false",
-        "--ray.temp_dir", ray_dir,
+        *ray_args,
         "--rollout.engine", "hf",  # transformers generation: starts in a second, vLLM in ~25 s
     ]  # fmt: skip
     result = launch(args, env)

@@ -61,8 +61,8 @@ def nan_loss(logprobs, old_logprobs, advantages, action_mask):
 
 
 @pytest.mark.slow
-def test_a_run_whose_updates_are_all_non_finite_stops_after_the_bound(tiny_checkpoint, ray_temp, tmp_path):
-    ray_dir, env = ray_temp
+def test_a_run_whose_updates_are_all_non_finite_stops_after_the_bound(tiny_checkpoint, joined_ray, tmp_path):
+    ray_args, env = joined_ray
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(
         "".join(json.dumps({"prompt": f"What is {i} + 1?", "label": str(i + 1)}) + "\n" for i in range(8))
@@ -84,7 +84,7 @@ def test_a_run_whose_updates_are_all_non_finite_stops_after_the_bound(tiny_check
         "--health.max_skipped_steps", "2",
         "--log.output_dir", str(run_dir),
         "--log.progress_bar", "false",
-        "--ray.temp_dir", ray_dir,
+        *ray_args,
         "--rollout.engine", "hf",  # transformers generation: starts in a second, vLLM in ~25 s
     ]  # fmt: skip
     result = launch(args, env)

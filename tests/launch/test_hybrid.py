@@ -52,9 +52,9 @@ def prompts(tmp_path_factory):
 
 @pytest.mark.slow
 def test_hybrid_engine_on_cpu_sleeps_after_generation_wakes_before_a_file_sync(
-    tiny_checkpoint, prompts, ray_temp, tmp_path
+    tiny_checkpoint, prompts, joined_ray, tmp_path
 ):
-    ray_dir, env = ray_temp
+    ray_args, env = joined_ray
     run_dir = tmp_path / "run"
     args = [
         "--preset", "none",
@@ -73,7 +73,7 @@ def test_hybrid_engine_on_cpu_sleeps_after_generation_wakes_before_a_file_sync(
         "--ckpt.save_hf_model", "false",
         "--log.output_dir", str(run_dir),
         "--log.progress_bar", "false",
-        "--ray.temp_dir", ray_dir,
+        *ray_args,
     ]  # fmt: skip
     result = launch(args, env)
     output = result.stdout + result.stderr
@@ -103,9 +103,9 @@ def test_hybrid_engine_on_cpu_sleeps_after_generation_wakes_before_a_file_sync(
 @pytest.mark.slow
 @pytest.mark.gpu
 def test_hybrid_engine_on_one_gpu_syncs_by_cuda_ipc_and_offloads_the_learners(
-    tiny_checkpoint, prompts, ray_temp, tmp_path
+    tiny_checkpoint, prompts, joined_ray, tmp_path
 ):
-    ray_dir, env = ray_temp
+    ray_args, env = joined_ray
     run_dir = tmp_path / "run"
     args = [
         "--preset", "none",
@@ -124,7 +124,7 @@ def test_hybrid_engine_on_one_gpu_syncs_by_cuda_ipc_and_offloads_the_learners(
         "--ckpt.save_hf_model", "false",
         "--log.output_dir", str(run_dir),
         "--log.progress_bar", "false",
-        "--ray.temp_dir", ray_dir,
+        *ray_args,
     ]  # fmt: skip
     result = launch(args, env)
     output = result.stdout + result.stderr

@@ -29,8 +29,8 @@ ADAPTER_BYTES = 2 * 8 * 2048 * 4
 MERGED_BYTES = 1680896
 
 
-def test_a_lora_run_syncs_its_adapter_into_vllm(tiny_checkpoint, ray_temp, tmp_path):
-    ray_dir, env = ray_temp
+def test_a_lora_run_syncs_its_adapter_into_vllm(tiny_checkpoint, joined_ray, tmp_path):
+    ray_args, env = joined_ray
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(
         "".join(json.dumps({"prompt": f"Count to {i}:", "label": str(i)}) + "\n" for i in range(8))
@@ -59,7 +59,7 @@ def test_a_lora_run_syncs_its_adapter_into_vllm(tiny_checkpoint, ray_temp, tmp_p
         "--train.lr_warmup_ratio", "0",
         "--log.output_dir", str(run_dir),
         "--log.progress_bar", "false",
-        "--ray.temp_dir", ray_dir,
+        *ray_args,
     ]  # fmt: skip
     result = launch(args, env)
     assert result.returncode == 0, result.stderr[-4000:]

@@ -33,9 +33,9 @@ def reward_func(queries, prompts, labels):
 
 
 def test_grpo_async_with_dynamic_filtering_evaluation_and_fsdp2_tensor_parallel_completes(
-    tiny_checkpoint, prompts, ray_temp, tmp_path
+    tiny_checkpoint, prompts, joined_ray, tmp_path
 ):
-    ray_dir, env = ray_temp
+    ray_args, env = joined_ray
     reward_file = tmp_path / "reward.py"
     reward_file.write_text(REWARD_FILE)
     run_dir = tmp_path / "run"
@@ -65,7 +65,7 @@ def test_grpo_async_with_dynamic_filtering_evaluation_and_fsdp2_tensor_parallel_
         "--ckpt.save_hf_model", "false",
         "--log.output_dir", str(run_dir),
         "--log.progress_bar", "false",
-        "--ray.temp_dir", ray_dir,
+        *ray_args,
     ]  # fmt: skip
     result = launch(args, env)
     assert result.returncode == 0, result.stderr[-4000:]

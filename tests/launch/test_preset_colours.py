@@ -57,11 +57,11 @@ def test_image_key_on_a_text_model_is_refused(tiny_checkpoint, tmp_path, capsys)
 
 
 @pytest.mark.slow
-def test_the_colours_preset_learns_to_look(ray_temp, tmp_path, preset_root):
+def test_the_colours_preset_learns_to_look(joined_ray, tmp_path, preset_root):
     """The whole stack on images: the greedy eval accuracy starts near 1/3 (the warm start says
     "red" to every image) and the sampled reward rises as GRPO makes the policy read the pixels."""
     build_preset(preset_root)  # built once per test run
-    ray_dir, env = ray_temp
+    ray_args, env = joined_ray
     run_dir = tmp_path / "run"
     args = [
         "--preset", "colours",
@@ -69,7 +69,7 @@ def test_the_colours_preset_learns_to_look(ray_temp, tmp_path, preset_root):
         "--train.max_steps", "4",  # the preset's 12 steps: eval 1.0 from step 2 on
         "--log.output_dir", str(run_dir),
         "--log.progress_bar", "false",
-        "--ray.temp_dir", ray_dir,
+        *ray_args,
     ]  # fmt: skip
     result = launch(args, env, timeout=900)
     assert result.returncode == 0, result.stderr[-4000:]
@@ -84,14 +84,14 @@ def test_the_colours_preset_learns_to_look(ray_temp, tmp_path, preset_root):
 
 
 @pytest.mark.slow
-def test_multi_turn_with_an_image_from_the_environment_learns(ray_temp, tmp_path, preset_root):
+def test_multi_turn_with_an_image_from_the_environment_learns(joined_ray, tmp_path, preset_root):
     """Two turns (rl_launch.presets.colours_agent): the environment answers the first colour with
     a second image. Half the reward is the second image's colour, which only its pixels tell: a
     mean reward above 0.75 needs both images read (ignoring the second caps it near 0.67)."""
     from rl_launch.presets import colours_agent
 
     build_preset(preset_root)
-    ray_dir, env = ray_temp
+    ray_args, env = joined_ray
     run_dir = tmp_path / "run"
     args = [
         "--preset", "colours",
@@ -100,7 +100,7 @@ def test_multi_turn_with_an_image_from_the_environment_learns(ray_temp, tmp_path
         "--train.max_steps", "6",
         "--log.output_dir", str(run_dir),
         "--log.progress_bar", "false",
-        "--ray.temp_dir", ray_dir,
+        *ray_args,
     ]  # fmt: skip
     result = launch(args, env, timeout=900)
     assert result.returncode == 0, result.stderr[-4000:]

@@ -12,9 +12,9 @@ pytestmark = pytest.mark.slow
 
 
 def test_ppo_trains_two_steps_on_a_reasoning_gym_task_scored_by_its_verifier(
-    tiny_checkpoint, ray_temp, tmp_path
+    tiny_checkpoint, joined_ray, tmp_path
 ):
-    ray_dir, env = ray_temp
+    ray_args, env = joined_ray
     run_dir = tmp_path / "run"
     args = [
         "--preset", "none",
@@ -29,7 +29,7 @@ def test_ppo_trains_two_steps_on_a_reasoning_gym_task_scored_by_its_verifier(
         "--ckpt.save_hf_model", "false",
         "--log.output_dir", str(run_dir),
         "--log.progress_bar", "false",
-        "--ray.temp_dir", ray_dir,
+        *ray_args,
         "--rollout.engine", "hf",
     ]  # fmt: skip
     result = launch(args, env)

@@ -13,14 +13,14 @@ from tests.launch.launching import launch, read_metrics, write_sum_prompts
 pytestmark = pytest.mark.slow
 
 
-def test_router_replay_runs_end_to_end_and_logs_moe_metrics(ray_temp, tmp_path):
+def test_router_replay_runs_end_to_end_and_logs_moe_metrics(joined_ray, tmp_path):
     from rl_data.tiny import build_tiny_checkpoint
 
     model = build_tiny_checkpoint(
         tmp_path / "moe", architecture="qwen3_moe", hidden_size=64, num_heads=2, num_kv_heads=1
     )
     prompts = write_sum_prompts(tmp_path / "train.jsonl", 8)
-    ray_dir, env = ray_temp
+    ray_args, env = joined_ray
     run_dir = tmp_path / "run"
     args = [
         "--preset", "none",
@@ -38,7 +38,7 @@ def test_router_replay_runs_end_to_end_and_logs_moe_metrics(ray_temp, tmp_path):
         "--ckpt.save_hf_model", "false",
         "--log.output_dir", str(run_dir),
         "--log.progress_bar", "false",
-        "--ray.temp_dir", ray_dir,
+        *ray_args,
     ]  # fmt: skip
     result = launch(args, env, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]

@@ -47,7 +47,7 @@ def long_context_checkpoint(tmp_path_factory):
     )
 
 
-def _args(checkpoint, prompts, reward, run_dir, ray_dir, *extra: str) -> list[str]:
+def _args(checkpoint, prompts, reward, run_dir, ray_args, *extra: str) -> list[str]:
     return [
         "--preset", "none",
         "--model.pretrain", str(checkpoint),
@@ -67,15 +67,15 @@ def _args(checkpoint, prompts, reward, run_dir, ray_dir, *extra: str) -> list[st
         "--ckpt.save_hf_model", "false",
         "--log.output_dir", str(run_dir),
         "--log.progress_bar", "false",
-        "--ray.temp_dir", ray_dir,
+        *ray_args,
         *extra,
     ]  # fmt: skip
 
 
 def test_sequence_parallel_two_ranks_train_long_rollouts_like_one_rank(
-    long_context_checkpoint, ray_temp, tmp_path
+    long_context_checkpoint, joined_ray, tmp_path
 ):
-    ray_dir, env = ray_temp
+    ray_args, env = joined_ray
     prompts = write_sum_prompts(tmp_path / "train.jsonl", 16)
     reward = tmp_path / "reward.py"
     reward.write_text(REWARD_FILE)
@@ -85,7 +85,7 @@ def test_sequence_parallel_two_ranks_train_long_rollouts_like_one_rank(
         ("sp2", ("--model.sequence_parallel_size", "2", "--ray.policy.num_actors", "2")),
     ):
         run_dir = tmp_path / name
-        args = _args(long_context_checkpoint, prompts, reward, run_dir, f"{ray_dir}/{name}", *extra)
+        args = _args(long_context_checkpoint, prompts, reward, run_dir, ray_args, *extra)
         result = launch(args, env)
         assert result.returncode == 0, result.stderr[-4000:]
         runs[name] = (read_metrics(run_dir), result.stdout + result.stderr)

@@ -19,10 +19,10 @@ pytestmark = pytest.mark.slow
 STEPS, PROMPTS, SAMPLES = 8, 16, 8
 
 
-def _train(calculator_task, ray_temp, run_dir, learning_rate: str, *own: str) -> list[dict]:
+def _train(calculator_task, joined_ray, run_dir, learning_rate: str, *own: str) -> list[dict]:
     """`rl-launch ppo` on the calculator task: GRPO, STEPS steps of PROMPTS prompts x SAMPLES, no KL,
     the default engine (vLLM), the run's own options `own`; its metrics lines (one per step, checked)."""
-    ray_dir, env = ray_temp
+    ray_args, env = joined_ray
     args = [
         "--preset", "none",
         "--model.pretrain", calculator_task.model_path,
@@ -39,7 +39,7 @@ def _train(calculator_task, ray_temp, run_dir, learning_rate: str, *own: str) ->
         "--ckpt.save_hf_model", "false",
         "--log.output_dir", str(run_dir),
         "--log.progress_bar", "false",
-        "--ray.temp_dir", ray_dir,
+        *ray_args,
         *own,
     ]  # fmt: skip
     result = launch(args, env)
@@ -49,10 +49,10 @@ def _train(calculator_task, ray_temp, run_dir, learning_rate: str, *own: str) ->
     return metrics
 
 
-def test_grpo_teaches_a_tiny_model_to_call_the_calculator(calculator_task, ray_temp, tmp_path):
+def test_grpo_teaches_a_tiny_model_to_call_the_calculator(calculator_task, joined_ray, tmp_path):
     metrics = _train(
         calculator_task,
-        ray_temp,
+        joined_ray,
         tmp_path / "run",
         "5e-4",
         *("--reward.function", calculator_task.reward),
@@ -147,13 +147,13 @@ SERVER_RISE = 0.08
 
 
 def test_an_openai_client_agent_learns_to_call_the_calculator_through_the_agent_server(
-    calculator_task, ray_temp, tmp_path
+    calculator_task, joined_ray, tmp_path
 ):
     agent = tmp_path / "calculator_agent.py"
     agent.write_text(OPENAI_AGENT)
     metrics = _train(
         calculator_task,
-        ray_temp,
+        joined_ray,
         tmp_path / "run",
         "3e-4",
         # run_agent gets the question; it builds the messages

@@ -89,9 +89,9 @@ __all__ = ["GuessEnv", "GuessTaskset"]
 
 
 def test_a_multi_turn_verifiers_env_from_a_file_trains_on_its_rubric_with_its_tokens_masked(
-    tiny_checkpoint, ray_temp, tmp_path
+    tiny_checkpoint, joined_ray, tmp_path
 ):
-    ray_dir, env = ray_temp
+    ray_args, env = joined_ray
     log = tmp_path / "episodes.jsonl"
     env_file = tmp_path / "guess_env.py"
     env_file.write_text(ENV_FILE.format(log=str(log), hint=inspect.getsource(hint)))
@@ -113,7 +113,7 @@ def test_a_multi_turn_verifiers_env_from_a_file_trains_on_its_rubric_with_its_to
         "--ckpt.save_hf_model", "false",
         "--log.output_dir", str(run_dir),
         "--log.progress_bar", "false",
-        "--ray.temp_dir", ray_dir,
+        *ray_args,
         "--rollout.engine", "hf",
     ]  # fmt: skip
     result = launch(args, env)
