@@ -229,7 +229,7 @@ def interrupt_after_step(
 _HOLD_CLUSTER = """
 import sys, logging, ray
 ray.init(address="local", num_cpus=int(sys.argv[2]), _node_ip_address="127.0.0.1", include_dashboard=False,
-         _temp_dir=sys.argv[1], logging_level=logging.WARNING)
+         _temp_dir=sys.argv[1], logging_level=logging.WARNING, log_to_driver=False)
 print(ray.get_runtime_context().gcs_address, flush=True)
 sys.stdin.read()  # until the session closes it
 """
@@ -251,20 +251,34 @@ class SharedRay:
     def __init__(self, num_cpus: int = 32) -> None:
         self.temp_dir = tempfile.mkdtemp(prefix="rls-", dir="/tmp")  # unix socket paths must stay short
         self.env = launcher_env(RAY_AUTH_MODE="token", RAY_prestart_worker_first_driver="0")
-        self.holder = subprocess.Popen(
-            [sys.executable, "-c", _HOLD_CLUSTER, self.temp_dir, str(num_cpus)],
-            env=self.env,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+        errors = pathlib.Path(self.temp_dir) / "holder.err"
+        with errors.open("w") as stderr:
+            self.holder = subprocess.Popen(
+                [sys.executable, "-c", _HOLD_CLUSTER, self.temp_dir, str(num_cpus)],
+                env=self.env,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=stderr,
+                text=True,
+            )
         address = self.holder.stdout.readline().strip()
         if not address:
             self.close()
-            raise RuntimeError(f"the shared Ray did not start: {self.holder.stderr.read()[-3000:]}")
+            raise RuntimeError(f"the shared Ray did not start: {errors.read_text()[-3000:]}")
         self.address = address
         self.args = ["--ray.address", address]
+        self.raylet = self._raylet()
+
+    def _raylet(self):
+        """The cluster's raylet (a psutil.Process): its children are the cluster's workers."""
+        import psutil
+
+        for process in psutil.process_iter(["cmdline"]):
+            command = process.info["cmdline"] or ()
+            if command and "raylet" in command[0] and self.temp_dir in " ".join(command):
+                return process
+        self.close()
+        raise RuntimeError(f"the shared Ray in {self.temp_dir} has no raylet")
 
     def actor_processes(self) -> dict[int, str]:
         """pid -> title of the cluster's worker processes that hold an actor or run a task (`ray::`
@@ -272,15 +286,11 @@ class SharedRay:
         import psutil
 
         found = {}
-        for raylet in psutil.process_iter(["cmdline"]):
-            command = " ".join(raylet.info["cmdline"] or ())
-            if "raylet" not in command.split(" ")[0] or self.temp_dir not in command:
-                continue
-            for child in raylet.children():
-                with contextlib.suppress(psutil.Error):
-                    title = " ".join(child.cmdline())
-                    if title.startswith("ray::") and title.split()[0] not in _RAYLET_OWN:
-                        found[child.pid] = title.strip()
+        for child in self.raylet.children():
+            with contextlib.suppress(psutil.Error):
+                title = " ".join(child.cmdline())
+                if title.startswith("ray::") and title.split()[0] not in _RAYLET_OWN:
+                    found[child.pid] = title.strip()
         return found
 
     def wait_for_no_actors(self, timeout_s: float = 30.0) -> dict[int, str]:

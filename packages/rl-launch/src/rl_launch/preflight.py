@@ -133,14 +133,20 @@ def check_reward_server(url: str, *, timeout_s: float = 5.0) -> None:
     if parsed.scheme not in ("http", "https") or not parsed.hostname:
         raise PreflightError(f"reward.remote_url: {url!r} is not an http(s) URL")
     port = parsed.port or (443 if parsed.scheme == "https" else 80)
-    try:
-        with socket.create_connection((parsed.hostname, port), timeout=timeout_s):
-            pass
-    except OSError as error:
+    refused = _connection_refused(parsed.hostname, port, timeout_s)
+    if refused is not None:
         raise PreflightError(
-            f"reward.remote_url: cannot reach the reward server at {url} ({error.strerror or error}); "
-            "is it running?"
-        ) from None
+            f"reward.remote_url: cannot reach the reward server at {url} ({refused}); is it running?"
+        )
+
+
+def _connection_refused(host: str, port: int, timeout_s: float) -> str | None:
+    """Why no TCP connection to host:port opened within `timeout_s`, or None when one did."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return None
+    except OSError as error:
+        return str(error.strerror or error)
 
 
 def check_ray_address(address: str | None, *, timeout_s: float = 10.0) -> None:
@@ -152,15 +158,12 @@ def check_ray_address(address: str | None, *, timeout_s: float = 10.0) -> None:
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit() or "://" in address:
         return
-    try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
-            pass
-    except OSError as error:
+    refused = _connection_refused(host.strip("[]"), int(port), timeout_s)
+    if refused is not None:
         raise PreflightError(
-            f"ray.address {address}: nothing accepts a connection there ({error.strerror or error}); "
-            "is it the Ray head node's address (`ray status` on that node prints it) and its port open "
-            "to this machine?"
-        ) from None
+            f"ray.address {address}: nothing accepts a connection there ({refused}); is it the Ray "
+            "head node's address (`ray status` on that node prints it) and its port open to this machine?"
+        )
 
 
 def _check_reward_function(name: str | None) -> None:
