@@ -82,3 +82,13 @@ def fake_ray_one_thread(monkeypatch):
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def driver_zygotes():
+    """The processes `start_driver` forks the runs' drivers from (tests/launch/driver_zygote.py),
+    stopped at the session's end."""
+    from tests.launch.driver_zygote import close_zygotes
+
+    yield
+    close_zygotes()

@@ -60,16 +60,46 @@ def kill_processes(pids: list[int]) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
-def launch(args: list[str], env: dict[str, str], *, timeout: float = 900) -> subprocess.CompletedProcess:
-    """Run `rl-launch ppo <args>` to completion; the completed process (stdout and stderr text)."""
-    return subprocess.run(
-        [sys.executable, "-m", "rl_launch.cli", "ppo", *args],
+def start_driver(command: str, args: list[str], env: dict[str, str], *, capture: bool = True):
+    """Start `rl-launch <command> <args>` in a session of its own, its output captured (text) or
+    dropped; a `subprocess.Popen` or, by default, a `driver_zygote.ForkedDriver` (the same CLI
+    forked from a process that has its imports done: RL_TESTS_FORKED_DRIVERS=0 starts each driver
+    as `python -m rl_launch.cli` instead)."""
+    if os.environ.get("RL_TESTS_FORKED_DRIVERS", "1") != "0":
+        from tests.launch.driver_zygote import forked_driver
+
+        return forked_driver([command, *args], env, capture=capture)
+    stream = subprocess.PIPE if capture else subprocess.DEVNULL
+    return subprocess.Popen(
+        [sys.executable, "-m", "rl_launch.cli", command, *args],
         env=env,
-        capture_output=True,
+        stdout=stream,
+        stderr=stream,
         text=True,
-        timeout=timeout,
-        check=False,
+        start_new_session=True,
     )
+
+
+def stop_driver(process) -> None:
+    """SIGKILL a driver started by `start_driver` and its process group, if it still runs."""
+    if process.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.kill()  # in case it had not yet made its group
+        process.wait()
+
+
+def launch(
+    args: list[str], env: dict[str, str], *, timeout: float = 900, command: str = "ppo"
+) -> subprocess.CompletedProcess:
+    """Run `rl-launch <command> <args>` to completion (`start_driver`); the completed process
+    (stdout and stderr text). Past `timeout` seconds the driver is killed and TimeoutExpired raised."""
+    process = start_driver(command, args, env)
+    try:
+        out, err = process.communicate(timeout=timeout)
+    finally:
+        stop_driver(process)
+    return subprocess.CompletedProcess(process.args, process.returncode, out, err)
 
 
 def read_metrics(run_dir: pathlib.Path) -> list[dict]:
@@ -91,13 +121,7 @@ def write_sum_prompts(path: pathlib.Path, count: int) -> pathlib.Path:
 def kill_once_written(args: list[str], env: dict[str, str], marker: pathlib.Path, ray_dir: str) -> None:
     """Start `rl-launch ppo <args>`, SIGKILL it (its process group and its local Ray's daemons) as
     soon as `marker` exists; fails if the run ends first or takes over 10 minutes."""
-    process = subprocess.Popen(
-        [sys.executable, "-m", "rl_launch.cli", "ppo", *args],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
+    process = start_driver("ppo", args, env, capture=False)
     deadline = time.monotonic() + 600
     while not marker.exists():
         assert process.poll() is None, "the run ended before it could be killed"
@@ -121,14 +145,7 @@ def signal_after_step(
     """Start `rl-launch <command> <args>`, send `signum` to it (the driver only, as a cluster does)
     once `run_dir/metrics.jsonl` holds step `step`, wait for it to exit; (the completed process,
     seconds from the signal to the exit). Fails if the run ends before that step."""
-    process = subprocess.Popen(
-        [sys.executable, "-m", "rl_launch.cli", command, *args],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+    process = start_driver(command, args, env)
     metrics, deadline = run_dir / "metrics.jsonl", time.monotonic() + timeout
     try:
         while not (metrics.exists() and any(line["step"] >= step for line in read_metrics(run_dir))):
@@ -144,9 +161,7 @@ def signal_after_step(
             process.args, process.returncode, out, err
         ), time.monotonic() - sent
     finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+        stop_driver(process)
 
 
 # Metrics that measure time, or depend on it, differ between any two runs.
@@ -190,14 +205,7 @@ def interrupt_after_step(
     job) or an actor's name ("engine-0", "policy-0": SIGKILL to its process, as the OOM killer
     does). Waits for the run to exit; (the completed process, seconds from the signal to the
     exit, None when the run had ended before the signal). Fails if the run ends before `step`."""
-    process = subprocess.Popen(
-        [sys.executable, "-m", "rl_launch.cli", "ppo", *args],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+    process = start_driver("ppo", args, env)
     metrics, deadline, sent = run_dir / "metrics.jsonl", time.monotonic() + timeout, None
     try:
         while not (metrics.exists() and any(line["step"] >= step for line in read_metrics(run_dir))):
@@ -219,9 +227,7 @@ def interrupt_after_step(
         seconds = time.monotonic() - sent if sent is not None else None
         return subprocess.CompletedProcess(process.args, process.returncode, out, err), seconds
     finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+        stop_driver(process)
 
 
 # A Ray cluster that the runs of one test session join --------------------------------------------

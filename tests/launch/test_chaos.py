@@ -54,6 +54,8 @@ from tests.launch.launching import (
     launch,
     ray_processes,
     read_metrics,
+    start_driver,
+    stop_driver,
     write_sum_prompts,
 )
 
@@ -194,32 +196,18 @@ def test_a_run_stopped_at_random_and_resumed_each_time_logs_what_an_uninterrupte
 
     # the uninterrupted run, beside the stopped ones: Ray's start-up and shutdown are partly waits
     reference_dir, reference_ray = tmp_path / "reference", tempfile.mkdtemp(prefix="rlt-", dir="/tmp")
-    reference_out, reference_err = tmp_path / "reference.out", tmp_path / "reference.err"
-    reference = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "rl_launch.cli",
-            "ppo",
-            *_args(tiny_checkpoint, prompts, reference_dir, reference_ray),
-        ],
-        env=env,
-        stdout=reference_out.open("w"),
-        stderr=reference_err.open("w"),
-    )
+    reference = start_driver("ppo", _args(tiny_checkpoint, prompts, reference_dir, reference_ray), env)
     try:
         history, folders, pids = _stop_and_resume(
             rng, tiny_checkpoint, prompts, tmp_path / "run", ray_dir, env, seed
         )
-        reference.wait(timeout=600)
+        reference_out, reference_err = reference.communicate(timeout=600)
     finally:
-        if reference.poll() is None:
-            reference.kill()
-            reference.wait()
+        stop_driver(reference)
         left = ray_processes(reference_ray)
         kill_processes(list(left))
         shutil.rmtree(reference_ray, ignore_errors=True)
-    assert reference.returncode == 0, reference_err.read_text()[-4000:]
+    assert reference.returncode == 0, reference_err[-4000:]
     assert not left, f"the uninterrupted run's Ray processes outlived it: {left}"
     expected = [comparable(line) for line in read_metrics(reference_dir)]
     assert [line["step"] for line in expected] == list(range(1, STEPS + 1))
@@ -233,7 +221,7 @@ def test_a_run_stopped_at_random_and_resumed_each_time_logs_what_an_uninterrupte
     assert [line["step"] for line in logged] == list(range(1, STEPS + 1)), context
     for line, reference_line in zip(logged, expected, strict=True):
         assert line == reference_line, f"step {line['step']}: {context}"
-    folders |= set(re.findall(r"shared memory \((\S+)\)", final.stdout + reference_out.read_text()))
+    folders |= set(re.findall(r"shared memory \((\S+)\)", final.stdout + reference_out))
     pids |= {pid for name in ("engine-0", "policy-0") for pid in actor_pids(tmp_path / "reference", name)}
     assert not _left_running(ray_dir, pids), context
     assert not [folder for folder in folders if os.path.exists(folder)], context

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from launching import actor_pid, kill_processes, read_metrics
+from launching import actor_pid, kill_processes, launch, read_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -36,30 +36,9 @@ def _run(
     command: str, out: pathlib.Path, tmp_path: pathlib.Path, ray_temp, *args: str
 ) -> subprocess.CompletedProcess:
     ray_dir, env = ray_temp
-    return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "rl_launch.cli",
-            command,
-            "--preset_root",
-            str(tmp_path / "presets"),
-            "--log.output_dir",
-            str(out),
-            "--log.progress_bar",
-            "false",
-            "--ray.temp_dir",
-            ray_dir,
-            "--train.max_steps",
-            str(STEPS),
-            *args,
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
+    own = ["--preset_root", str(tmp_path / "presets"), "--log.output_dir", str(out)]
+    own += ["--log.progress_bar", "false", "--ray.temp_dir", ray_dir, "--train.max_steps", str(STEPS)]
+    return launch([*own, *args], env, timeout=600, command=command)
 
 
 def _weights(folder: pathlib.Path) -> dict[str, torch.Tensor]:
