@@ -260,14 +260,19 @@ class DriverZygote:
         return ForkedDriver([sys.executable, "-m", "rl_launch.cli", *argv], pid, folder, capture)
 
     def close(self) -> None:
-        with contextlib.suppress(OSError):
-            self.process.stdin.close()
-        try:
-            self.process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        close_stdin_and_wait(self.process, 30)
         shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def close_stdin_and_wait(process: subprocess.Popen, timeout_s: float) -> None:
+    """End a process that runs until its stdin closes: close it, wait `timeout_s`, then kill it."""
+    with contextlib.suppress(OSError):
+        process.stdin.close()
+    try:
+        process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
 
 
 _ZYGOTES: dict[tuple[tuple[str, str], ...], DriverZygote] = {}

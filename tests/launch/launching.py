@@ -309,12 +309,8 @@ class SharedRay:
 
     def close(self) -> None:
         """Stop the holder (it takes its cluster down) and whatever of the cluster is left."""
-        with contextlib.suppress(OSError):
-            self.holder.stdin.close()
-        try:
-            self.holder.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.holder.kill()
-            self.holder.wait()
+        from tests.launch.driver_zygote import close_stdin_and_wait
+
+        close_stdin_and_wait(self.holder, 60)
         kill_processes(list(ray_processes(self.temp_dir)))
         shutil.rmtree(self.temp_dir, ignore_errors=True)

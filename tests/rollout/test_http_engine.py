@@ -10,6 +10,7 @@ with 5xx / 4xx, with malformed JSON or with answers of the wrong shape.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import http.server
 import json
 import threading
@@ -92,11 +93,12 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         pass
 
     def _answer(self, status: int, payload: bytes) -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(payload)))
-        self.end_headers()
-        self.wfile.write(payload)
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # a client that gave up
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(payload)))
+            self.end_headers()
+            self.wfile.write(payload)
 
     def do_GET(self) -> None:
         self._answer(200, json.dumps({"data": [{"id": "tiny", "max_model_len": 64}]}).encode())
