@@ -1,16 +1,16 @@
 """`rl-launch` drivers forked from a process that has already imported what a driver imports.
 
 A launch test's driver is `python -m rl_launch.cli <command> ...`: a fresh interpreter importing
-torch, transformers, datasets, Ray and rl-launch before it parses a flag (~5-6 CPU-seconds on
-2 cores, a quarter of a minimal run's CPU, every run of the suite again). A zygote is a process
+torch, transformers, datasets, Ray and rl-launch before it parses a flag (4.7 CPU-seconds of a
+minimal run's ~15 that joins a running Ray, every run of the suite again; 0.8 forked). A zygote is a process
 started with the run's environment that imports those modules once and then forks one driver per
 run: the child takes the run's environment (`os.environ`, the C library's too), working folder,
 command line, standard streams to files, a session of its own (`start_new_session`), and calls
 `rl_launch.cli.console_main`, the console script's own function. What the child runs is what
 `rl-launch` runs; what it skips is the import.
 
-A zygote serves the runs of one environment (`env_key`: every variable but the run's Ray token,
-which nothing reads at import). A module that reads a variable at import (huggingface_hub's
+A zygote serves the runs of one environment (`env_key`: every variable but `PER_RUN`'s, the run's
+Ray token and pytest's current test, which nothing reads at import). A module that reads a variable at import (huggingface_hub's
 HF_HOME, Ray's constants) sees the run's value because the zygote was started with it. Another
 environment gets a zygote of its own.
 
@@ -225,7 +225,6 @@ class DriverZygote:
     """A zygote process for the runs of one environment (`env_key(env)`)."""
 
     def __init__(self, env: dict[str, str]) -> None:
-        self.env = env
         self.folder = pathlib.Path(tempfile.mkdtemp(prefix="rl-zygote-"))  # the runs' streams
         errors = self.folder / "zygote.err"
         with errors.open("w") as stderr:

@@ -127,8 +127,7 @@ def kill_once_written(args: list[str], env: dict[str, str], marker: pathlib.Path
         assert process.poll() is None, "the run ended before it could be killed"
         assert time.monotonic() < deadline, f"{marker} did not appear within 10 minutes"
         time.sleep(0.05)
-    os.killpg(process.pid, signal.SIGKILL)  # the driver and the local Ray it started
-    process.wait()
+    stop_driver(process)  # the driver and the local Ray it started
     kill_processes(list(ray_processes(ray_dir)))  # Ray daemons outside the process group, if any
 
 

@@ -297,9 +297,7 @@ def test_a_killed_engine_is_restarted_and_the_run_logs_every_step_once(
         os.kill(old_pid, signal.SIGKILL)
         process.wait(timeout=600)
     finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+        stop_driver(process)
     for reader in readers:
         reader.join(timeout=10)
     console = "\n".join(line for _, line in err)
