@@ -85,10 +85,13 @@ def fake_ray_one_thread(monkeypatch):
 
 
 @pytest.fixture(scope="session", autouse=True)
-def driver_zygotes():
-    """The processes `start_driver` forks the runs' drivers from (tests/launch/driver_zygote.py),
-    stopped at the session's end."""
+def zygotes():
+    """The processes `start_driver` forks the runs' drivers from (tests/launch/driver_zygote.py) and
+    the runs' Ray workers are forked from (tests/launch/worker_zygote.py), stopped at the session's
+    end."""
     from tests.launch.driver_zygote import close_zygotes
+    from tests.launch.worker_zygote import close_worker_zygotes
 
     yield
     close_zygotes()
+    close_worker_zygotes()

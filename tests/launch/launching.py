@@ -15,12 +15,18 @@ import sys
 import tempfile
 import time
 
+from tests.launch.worker_zygote import start_worker_zygote, worker_zygote
+
 
 def launcher_env(**extra: str) -> dict[str, str]:
-    """The test environment plus a Ray auth token held in a variable (Ray then writes no token file)."""
+    """The test environment plus a Ray auth token held in a variable (Ray then writes no token
+    file), and the variables that have the runs' Ray workers forked from this test process's
+    `worker_zygote` (RL_TESTS_FORKED_WORKERS=0: started as `python default_worker.py`)."""
     env = dict(os.environ)
     env.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(16))
     env["RAY_USAGE_STATS_ENABLED"] = "0"
+    zygote = worker_zygote()
+    env.update(zygote.env_vars if zygote else {})
     env.update(extra)
     return env
 
@@ -45,8 +51,10 @@ def ray_temp_dir():
     """(temp folder, env) for one run's local Ray; the folder is removed at the end, and an
     AssertionError says so when a Ray process of that run outlived the block."""
     temp_dir = tempfile.mkdtemp(prefix="rlt-", dir="/tmp")  # unix socket paths must stay short
+    env = launcher_env()
+    start_worker_zygote(env)  # a run of this Ray follows
     try:
-        yield temp_dir, launcher_env()
+        yield temp_dir, env
     finally:
         leftovers = ray_processes(temp_dir)
         shutil.rmtree(temp_dir, ignore_errors=True)
@@ -65,6 +73,7 @@ def start_driver(command: str, args: list[str], env: dict[str, str], *, capture:
     dropped; a `subprocess.Popen` or, by default, a `driver_zygote.ForkedDriver` (the same CLI
     forked from a process that has its imports done: RL_TESTS_FORKED_DRIVERS=0 starts each driver
     as `python -m rl_launch.cli` instead)."""
+    start_worker_zygote(env)
     if os.environ.get("RL_TESTS_FORKED_DRIVERS", "1") != "0":
         from tests.launch.driver_zygote import forked_driver
 
@@ -255,7 +264,10 @@ class SharedRay:
 
     def __init__(self, num_cpus: int = 32) -> None:
         self.temp_dir = tempfile.mkdtemp(prefix="rls-", dir="/tmp")  # unix socket paths must stay short
+        self.worker_zygote = worker_zygote(pin=True)  # its runs' workers fork from it (None: not)
         self.env = launcher_env(RAY_AUTH_MODE="token", RAY_prestart_worker_first_driver="0")
+        if self.worker_zygote is not None:
+            self.worker_zygote.start()
         errors = pathlib.Path(self.temp_dir) / "holder.err"
         with errors.open("w") as stderr:
             self.holder = subprocess.Popen(
@@ -290,13 +302,15 @@ class SharedRay:
         titles but idle workers' and the raylet's own agents')."""
         import psutil
 
-        found = {}
+        titles = self.worker_zygote.workers(self.temp_dir) if self.worker_zygote else {}
         for child in self.raylet.children():
             with contextlib.suppress(psutil.Error):
-                title = " ".join(child.cmdline())
-                if title.startswith("ray::") and title.split()[0] not in _RAYLET_OWN:
-                    found[child.pid] = title.strip()
-        return found
+                titles[child.pid] = " ".join(child.cmdline())
+        return {
+            pid: title.strip()
+            for pid, title in titles.items()
+            if title.startswith("ray::") and title.split()[0] not in _RAYLET_OWN
+        }
 
     def wait_for_no_actors(self, timeout_s: float = 30.0) -> dict[int, str]:
         """The cluster's actor processes still alive after `timeout_s` (those of a run end just
