@@ -345,6 +345,35 @@ def test_a_reader_of_one_version_never_sees_the_next_one_written_into_its_bucket
         reader.close()
 
 
+def test_a_version_sent_again_stays_readable_from_the_slot_its_receivers_took(directory, monkeypatch):
+    """An engine restarted in place takes the last version again (`WeightSync.rejoin`): while the
+    sender writes it into the other slot, the version stays readable where it was, and a receiver
+    that took the old record before the new one replaced it follows the new record once its old
+    slot holds a newer version."""
+    meta = worker.layout()
+    with ShmPublisher(directory, meta, slots=2, timeout_s=30) as publisher:
+        publisher.publish(packer(1), version=1)  # slot 0
+        publisher.publish(packer(2), version=2)  # slot 1
+        holder, receiver = ShmReader(directory, meta, timeout_s=30), ShmReader(directory, meta, timeout_s=5)
+        holder.read(lambda b, views: None, version=1, hold=True)  # the re-send must wait for slot 0
+        stale = receiver._wait_for_version(2, float("inf"))
+        thread = threading.Thread(target=lambda: publisher.publish(packer(2), version=2))
+        thread.start()
+        received: dict[str, torch.Tensor] = {}
+        receiver.read(collect(received), version=2)  # meanwhile: from slot 1, without waiting
+        assert all(torch.equal(received[n], t) for n, t in worker.weights(2).items())
+        holder.release()
+        thread.join(timeout=30)
+        assert not thread.is_alive()
+        publisher.publish(packer(3), version=3)  # slot 1: the old record of version 2 is stale
+        monkeypatch.setattr(receiver, "_wait_for_version", lambda version, deadline: stale)
+        received.clear()
+        receiver.read(collect(received), version=2)
+        assert all(torch.equal(received[n], t) for n, t in worker.weights(2).items())
+        holder.close()
+        receiver.close()
+
+
 def test_a_sender_failing_mid_version_fails_its_waiting_receivers_at_once(directory):
     meta = worker.layout()
     tensors = worker.weights(1)

@@ -390,7 +390,8 @@ class ShmPublisher:
         self._claim()
         self._finalizer = weakref.finalize(self, _remove_tree, str(self.directory))
         self._slots: list[tuple[pathlib.Path, int, mmap.mmap, torch.Tensor]] = []
-        self._published: dict[int, int] = {}  # slot index -> version it holds
+        self._published: dict[int, int] = {}  # slot index -> version its record names
+        self._whole: set[int] = set()  # slot indices whose last version was written whole
         self._next = 0
         try:
             for index in range(slots):
@@ -446,10 +447,20 @@ class ShmPublisher:
         self._next = (self._next + 1) % len(self._slots)
         path, fd, _, view = self._slots[index]
         final = _version_path(self.directory, version)
-        final.unlink(missing_ok=True)  # a re-sent version number
         previous = self._published.pop(index, None)
         if previous is not None:
             _version_path(self.directory, previous).unlink(missing_ok=True)
+        whole_elsewhere = [
+            slot for slot, held in self._published.items() if held == version and slot in self._whole
+        ]
+        for slot in whole_elsewhere:  # its record is replaced below: that slot's next use must not unlink it
+            del self._published[slot]
+        if not whole_elsewhere:
+            # A re-sent version number whose earlier publication failed or is being overwritten:
+            # its receivers must not take the old record. (One still whole in another slot stays
+            # readable until the new record replaces it: a receiver that took it reads it there.)
+            final.unlink(missing_ok=True)
+        self._whole.discard(index)
         deadline = time.monotonic() + self.timeout_s
         _wait_for_lock(
             fd,
@@ -486,6 +497,7 @@ class ShmPublisher:
                 checksums.append(checksum)
                 header[2 + 2 * bucket.index] = _signed(checksum)
                 header[1 + 2 * bucket.index] = version  # ready: after its bytes and checksum
+            self._whole.add(index)
         except BaseException:
             # The version file stays (a receiver may not have opened it yet) and names this slot,
             # whose word 0 now fails every receiver of the version; the slot's next use unlinks it.
@@ -612,6 +624,43 @@ class ShmReader:
             delay = min(delay * 2, _POLL_MAX_S)
         return int(header[ready + 1]) & _UINT64_MASK
 
+    def _lock_slot(
+        self, record: ShmVersion, version: int, deadline: float
+    ) -> tuple[ShmVersion, int, os.stat_result]:
+        """Open and share-lock the slot `record` names: (the record, the fd, its stat). When the
+        version was sent again meanwhile, into another slot (an engine restarted in place takes
+        the last version again), the new record's slot is locked instead. Raises WeightSyncError
+        when the version is gone (its slot was reused for a newer one)."""
+        while True:
+            slot_path = self.directory / record.slot
+            fd = os.open(slot_path, os.O_RDONLY)
+            try:
+                _wait_for_lock(
+                    fd,
+                    fcntl.LOCK_SH,
+                    deadline,
+                    lambda path=slot_path: (
+                        f"ShmReader: version {version}: {path} stayed locked by the sender for {self.timeout_s:g} s"
+                    ),
+                )
+                stat = os.fstat(fd)
+                try:
+                    current = decode(_version_path(self.directory, version).read_bytes(), ShmVersion)
+                except FileNotFoundError:
+                    current = None
+            except BaseException:
+                os.close(fd)
+                raise
+            if current is not None and (current.slot, current.slot_inode) == (record.slot, stat.st_ino):
+                return current, fd, stat
+            os.close(fd)
+            if current is None or time.monotonic() >= deadline:
+                raise WeightSyncError(
+                    f"ShmReader: version {version} in {slot_path} was replaced by a newer one before this "
+                    "receiver read it; receive the newest version"
+                )
+            record = current  # sent again into another slot: read it there
+
     def read(self, consume: Consume, *, version: int, hold: bool = False) -> WeightSyncReport:
         """Wait for `version`, then for each bucket: wait until the sender marked it ready, verify
         its checksum and `consume(bucket, views)` it (while the sender packs the next ones).
@@ -633,23 +682,9 @@ class ShmReader:
                 f"buckets, {record.layout.total_bytes} bytes) differs from this receiver's layout "
                 f"({len(self.layout.buckets)} buckets, {self.layout.total_bytes} bytes); give both sides the same layout"
             )
+        record, fd, stat = self._lock_slot(record, version, deadline)
         slot_path = self.directory / record.slot
-        fd = os.open(slot_path, os.O_RDONLY)
         try:
-            _wait_for_lock(
-                fd,
-                fcntl.LOCK_SH,
-                deadline,
-                lambda: (
-                    f"ShmReader: version {version}: {slot_path} stayed locked by the sender for {self.timeout_s:g} s"
-                ),
-            )
-            stat = os.fstat(fd)
-            if not _version_path(self.directory, version).exists() or stat.st_ino != record.slot_inode:
-                raise WeightSyncError(
-                    f"ShmReader: version {version} in {slot_path} was replaced by a newer one before this "
-                    "receiver read it; receive the newest version"
-                )
             fresh = record.slot not in self._mappings
             view = self._map(record.slot, fd, stat.st_ino, stat.st_size)
             checksums = []
