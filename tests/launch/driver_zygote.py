@@ -82,28 +82,43 @@ def _redirect(fd: int, path: str | None, flags: int) -> None:
 def _drive(request: dict, ready: int) -> None:
     """The forked driver: take the run's session and streams (then close `ready`), environment and
     folder, run the CLI."""
-    code = 1
     try:
         os.setsid()
         _redirect(0, None, os.O_RDONLY)
         _redirect(1, request["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         _redirect(2, request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         os.close(ready)
+        from rl_launch import cli
+
+        sys.argv = [cli.__file__, *request["argv"]]
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        os._exit(1)
+    run_as_a_fresh_process(request["env"], request["cwd"], cli.console_main)
+
+
+def run_as_a_fresh_process(env: dict[str, str], cwd: str, main) -> None:
+    """In a forked child whose descriptors 0-2 are already its own: take `env` (os.environ and the
+    C library's) and `cwd`, fresh random seeds and standard streams, call `main`, and exit as an
+    interpreter running it would (SystemExit's code, or its message printed and 1; 1 after an
+    exception's traceback; the atexit handlers run first). Never returns."""
+    code = 1
+    try:
         sys.stdin = sys.__stdin__ = open(0, closefd=False)  # noqa: SIM115
         sys.stdout = sys.__stdout__ = open(1, "w", closefd=False)  # noqa: SIM115
         sys.stderr = sys.__stderr__ = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
         os.environ.clear()
-        os.environ.update(request["env"])
-        os.chdir(request["cwd"])
+        os.environ.update(env)
+        os.chdir(cwd)
         import random
 
         random.seed()  # a fresh process's own seeds, not copies of the zygote's
         if "numpy" in sys.modules:
             sys.modules["numpy"].random.seed()
-        from rl_launch import cli
-
-        sys.argv = [cli.__file__, *request["argv"]]
-        cli.console_main()
+        main()
+        code = 0
     except SystemExit as stop:  # --help, a usage error: as the interpreter ends on SystemExit
         if stop.code is None or isinstance(stop.code, int):
             code = stop.code or 0

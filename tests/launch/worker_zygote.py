@@ -39,6 +39,8 @@ import sys
 import tempfile
 import threading
 
+from tests.launch.driver_zygote import close_stdin_and_wait, run_as_a_fresh_process
+
 SHIM = pathlib.Path(__file__).with_name("worker_shim.py")
 
 # What an actor of a run imports before its first step (read from PYTHONPROFILEIMPORTTIME in a
@@ -113,42 +115,21 @@ def _receive(connection: socket.socket) -> tuple[dict, list[int]]:
 
 def _work(request: dict, fds: list[int]) -> None:
     """The forked worker: the shim's streams, environment, folder and command line; Ray's worker."""
-    code = 1
     try:
         os.setsid()
         _die_with_parent()
         for target, fd in enumerate(fds):
             os.dup2(fd, target)
             os.close(fd)
-        sys.stdin = sys.__stdin__ = open(0, closefd=False)  # noqa: SIM115
-        sys.stdout = sys.__stdout__ = open(1, "w", closefd=False)  # noqa: SIM115
-        sys.stderr = sys.__stderr__ = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
-        os.environ.clear()
-        os.environ.update({**_SET_BY_IMPORTS, **request["env"]})  # as if the worker had imported
-        os.chdir(request["cwd"])
-        import random
-
-        random.seed()  # a fresh process's own seeds, not copies of the zygote's
-        if "numpy" in sys.modules:
-            sys.modules["numpy"].random.seed()
         sys.argv = list(request["argv"])
         sys.path[0] = os.path.dirname(sys.argv[0])  # as `python default_worker.py` has it
-        runpy.run_path(sys.argv[0], run_name="__main__")
-        code = 0
-    except SystemExit as stop:
-        code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
     except BaseException:
         import traceback
 
         traceback.print_exc()
-    finally:
-        import atexit
-
-        with contextlib.suppress(BaseException):
-            atexit._run_exitfuncs()
-            sys.stdout.flush()
-            sys.stderr.flush()
-        os._exit(code)
+        os._exit(1)
+    env = {**_SET_BY_IMPORTS, **request["env"]}  # as if the worker had imported them itself
+    run_as_a_fresh_process(env, request["cwd"], lambda: runpy.run_path(sys.argv[0], run_name="__main__"))
 
 
 def _die_with_parent() -> None:
@@ -342,8 +323,6 @@ class WorkerZygote:
         return []
 
     def close(self) -> None:
-        from tests.launch.driver_zygote import close_stdin_and_wait
-
         if self.process is not None:
             close_stdin_and_wait(self.process, 30)
         if os.environ.get("RL_TESTS_WORKER_ZYGOTE_REPORT"):  # how many it served, for the curious
