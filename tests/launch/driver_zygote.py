@@ -163,9 +163,14 @@ def _handle(request: dict, report: int) -> None:
         os._exit(0)
 
 
-def _thread_names() -> list[str]:
-    """The names of this process's threads (Python's and native ones)."""
-    return [(task / "comm").read_text().strip() for task in pathlib.Path("/proc/self/task").iterdir()]
+def threads_unsafe_to_fork() -> list[str]:
+    """The threads besides this one that a fork would leave behind with their locks held in the
+    child (a fork keeps only the forking thread): native ones by name but `FORK_SAFE_THREADS`,
+    and Python's."""
+    names = [(task / "comm").read_text().strip() for task in pathlib.Path("/proc/self/task").iterdir()]
+    native = sorted(set(names) - {pathlib.Path(sys.executable).name[:15]} - FORK_SAFE_THREADS)
+    python = [thread.name for thread in threading.enumerate() if thread is not threading.current_thread()]
+    return native + python
 
 
 def serve() -> None:
@@ -174,9 +179,8 @@ def serve() -> None:
     for name in PRELOAD:
         with contextlib.suppress(ImportError):  # the driver's own import of it fails alike
             importlib.import_module(name)
-    others = sorted(set(_thread_names()) - {pathlib.Path(sys.executable).name[:15]} - FORK_SAFE_THREADS)
-    if others or threading.active_count() != 1:  # a fork keeps only the forking thread: another
-        # one's locks would stay held in the child
+    others = threads_unsafe_to_fork()
+    if others:
         print(json.dumps({"error": f"threads {others} after importing {PRELOAD}"}), file=answers, flush=True)
         return
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the keepers are reaped as they end

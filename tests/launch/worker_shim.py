@@ -1,4 +1,4 @@
-"""The Python executable of a shared Ray's workers in the tests (`worker_zygote`), run as
+"""The Python executable of the tests' Ray workers (`worker_zygote`), run as
 `python -I -S worker_shim.py <zygote socket> <default_worker.py> <its arguments>`.
 
 The raylet starts it where it would start `python default_worker.py ...`. It hands its command line,

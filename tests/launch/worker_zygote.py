@@ -2,9 +2,10 @@
 
 Each actor of a run is a Ray worker: a fresh `python default_worker.py` that imports torch,
 transformers and DeepSpeed before it runs a line of the actor (~4 of a learner's ~6 CPU-seconds in
-a minimal run, every run of the suite again). A test process starts one zygote at its first
-launcher environment (`launching.launcher_env`): a process started with the test environment that
-imports those modules once and forks one worker per request. A run reaches it through Ray's own
+a minimal run, every run of the suite again). A zygote is a process started with a test
+environment that imports those modules once and forks one worker per request: `worker_zygote`
+makes one per environment a launcher environment (`launching.launcher_env`) is made from, and
+the first run that may use it starts it. A run reaches it through Ray's own
 seams: its driver's environment names `runtime_env_hook` in RAY_RUNTIME_ENV_HOOK, which sets the
 job's `py_executable` to `worker_shim.py`; whichever raylet starts the job's workers (the shared
 Ray's, a run's own local one) starts the shim where it would start Python, and the shim hands its
@@ -37,16 +38,16 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 
-from tests.launch.driver_zygote import close_stdin_and_wait, run_as_a_fresh_process
+from tests.launch.driver_zygote import close_stdin_and_wait, run_as_a_fresh_process, threads_unsafe_to_fork
 
 SHIM = pathlib.Path(__file__).with_name("worker_shim.py")
 
 # What an actor of a run imports before its first step (read from PYTHONPROFILEIMPORTTIME in a
 # learner's and an engine's log): the actors' module, torch, transformers' auto classes, DeepSpeed
 # with its optimizers. Not Ray: its core library reads its settings from the environment once, at
-# import (the worker's job id among them), so each worker imports Ray itself (`serve` refuses to start with it imported).
+# import (the worker's job id among them), so each worker imports Ray itself (`serve` refuses to
+# start with it imported).
 PRELOAD = (
     "rl_launch.actors",
     "torch",
@@ -65,9 +66,6 @@ PRELOAD = (
 # that starts a cluster), this module's own, pytest's current test.
 PER_WORKER = frozenset({"SPT_NOENV", "RL_TESTS_WORKER_ZYGOTE", "PYTEST_CURRENT_TEST"})
 PER_WORKER_PREFIX = "RAY_"
-
-# Threads a fork may leave behind (see driver_zygote.FORK_SAFE_THREADS).
-FORK_SAFE_THREADS = frozenset({"jemalloc_bg_thd"})
 
 STARTING = "starting"  # in a zygote's folder from its start: shims wait for its socket
 FAILED = "failed"  # written by a zygote that will not serve
@@ -174,29 +172,26 @@ def _keep(connection: socket.socket, request: dict, fds: list[int]) -> None:
         os._exit(0)
 
 
-def _thread_names() -> list[str]:
-    return [(task / "comm").read_text().strip() for task in pathlib.Path("/proc/self/task").iterdir()]
-
-
 def _namespaces() -> dict[str, str]:
     """This process's Linux namespaces (network, mount, pid, ...): name -> identity."""
     return {name: os.readlink(f"/proc/self/ns/{name}") for name in os.listdir("/proc/self/ns")}
 
 
-def _fallback_reason(request: dict, key: tuple) -> str | None:
-    """Why the zygote cannot fork the worker of `request` (None: it can)."""
+def _fallback_reason(request: dict, key: tuple, namespaces: dict[str, str]) -> str | None:
+    """Why the zygote (its environment's `key`, its `namespaces`) cannot fork the worker of
+    `request` (None: it can)."""
     if request["python"] != sys.executable:
         return f"Python {request['python']}"
-    if request["namespaces"] != _namespaces():
-        return f"namespaces {sorted(set(request['namespaces'].items()) ^ set(_namespaces().items()))}"
+    if request["namespaces"] != namespaces:
+        return f"namespaces {sorted(set(request['namespaces'].items()) ^ set(namespaces.items()))}"
     if env_key(request["env"]) != key:
         return f"variables {sorted({name for name, _ in set(env_key(request['env'])) ^ set(key)})}"
     return None
 
 
-def _serve_one(connection: socket.socket, key: tuple) -> None:
+def _serve_one(connection: socket.socket, key: tuple, namespaces: dict[str, str]) -> None:
     request, fds = _receive(connection)
-    reason = _fallback_reason(request, key)
+    reason = _fallback_reason(request, key, namespaces)
     if reason is not None:
         for fd in fds:
             os.close(fd)
@@ -223,14 +218,14 @@ def serve(path: str, preload: tuple[str, ...] = PRELOAD) -> None:
     _SET_BY_IMPORTS.update(
         {name: value for name, value in os.environ.items() if started_with.get(name) != value}
     )
-    others = sorted(set(_thread_names()) - {pathlib.Path(sys.executable).name[:15]} - FORK_SAFE_THREADS)
-    if others or threading.active_count() != 1 or "ray" in sys.modules:
+    others = threads_unsafe_to_fork()
+    if others or "ray" in sys.modules:
         error = f"threads {others}, ray imported: {'ray' in sys.modules}, after importing {preload}"
         print(json.dumps({"error": error}), file=answers, flush=True)
         pathlib.Path(path).with_name(FAILED).touch()  # the shims waiting for it go on without it
         return
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the keepers are reaped as they end
-    key = env_key(started_with)
+    key, namespaces = env_key(started_with), _namespaces()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     os.chmod(path, 0o600)
@@ -245,7 +240,7 @@ def serve(path: str, preload: tuple[str, ...] = PRELOAD) -> None:
         if listener in ready:
             connection, _ = listener.accept()
             with connection, contextlib.suppress(OSError, ValueError):
-                _serve_one(connection, key)
+                _serve_one(connection, key, namespaces)
 
 
 # The test side ------------------------------------------------------------------------------------
